@@ -1,0 +1,34 @@
+# Two entry points for a new user: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+XLA_FLAGS_8 := --xla_force_host_platform_device_count=8
+
+.PHONY: demo test install build clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+# Build deps go into the venv so the extension builds without an isolated env.
+$(STAMP): $(VPY) pyproject.toml CMakeLists.txt
+	$(VPY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.10.2" ninja cmake
+	$(VPY) -m pip install -q --no-build-isolation -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Rebuild the extension from the current sources (C++/CUDA edits).
+build: $(STAMP)
+	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(VPY) -c "import jax_ep, json; print(json.dumps(jax_ep.build_info()))"
+
+test: build
+	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) -m pytest -q -x tests
+
+demo: $(STAMP)
+	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) examples/dispatch_combine.py
+
+clean:
+	rm -rf build $(VENV)

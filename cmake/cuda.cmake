@@ -1,0 +1,40 @@
+# Decides whether the CUDA backend is built and defines the `jax_ep_cuda` target.
+# Sets JAX_EP_HAVE_CUDA, JAX_EP_CUDA_ARCH_NAMES, JAX_EP_HAVE_NVSHMEM, JAX_EP_CUDA_REASON.
+set(JAX_EP_HAVE_CUDA OFF)
+set(JAX_EP_HAVE_NVSHMEM OFF)
+set(JAX_EP_CUDA_REASON "")
+
+if(JAX_EP_CUDA STREQUAL "OFF")
+  set(JAX_EP_CUDA_REASON "disabled with -DJAX_EP_CUDA=OFF")
+  return()
+endif()
+
+include(CheckLanguage)
+check_language(CUDA)
+if(NOT CMAKE_CUDA_COMPILER)
+  if(JAX_EP_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "jax_ep: -DJAX_EP_CUDA=ON but no CUDA compiler (nvcc) was found")
+  endif()
+  set(JAX_EP_CUDA_REASON "nvcc not found")
+  return()
+endif()
+
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+set(JAX_EP_HAVE_CUDA ON)
+# sm_90 for every kernel; sm_90a where Hopper-only instructions are used.
+set(CMAKE_CUDA_ARCHITECTURES OFF)
+set(JAX_EP_CUDA_ARCH_NAMES "sm_90" "sm_90a")
+set(JAX_EP_CUDA_GENCODE
+    "-gencode=arch=compute_90,code=sm_90"
+    "-gencode=arch=compute_90a,code=sm_90a")
+
+add_library(jax_ep_cuda STATIC kernels/toolchain_check.cu xla_ffi/cuda_registrations.cc)
+target_include_directories(jax_ep_cuda PUBLIC "${CMAKE_CURRENT_SOURCE_DIR}")
+target_include_directories(jax_ep_cuda SYSTEM PUBLIC "${XLA_FFI_INCLUDE_DIR}")
+target_compile_options(jax_ep_cuda PRIVATE
+  $<$<COMPILE_LANGUAGE:CUDA>:${JAX_EP_CUDA_GENCODE} -Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werror,-Wno-unused-parameter>
+  $<$<COMPILE_LANGUAGE:CXX>:${JAX_EP_WARNINGS}>)
+# Static runtime: the extension still imports on machines without a GPU driver.
+target_link_libraries(jax_ep_cuda PUBLIC CUDA::cudart_static)
+include("${CMAKE_CURRENT_LIST_DIR}/nvshmem.cmake" OPTIONAL)
