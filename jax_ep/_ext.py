@@ -1,0 +1,58 @@
+"""Loads the compiled extension and registers its FFI targets with XLA, once."""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+try:  # The extension is absent only in a broken or partial install.
+    from jax_ep import _jax_ep_ext as ext
+except ImportError as e:  # pragma: no cover - exercised only without a build
+    ext = None
+    _IMPORT_ERROR = e
+else:
+    _IMPORT_ERROR = None
+
+
+def _gpu_platform_present() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def registered_platforms() -> frozenset[str]:
+    """Registers every compiled handler; returns the platforms that now have them."""
+    if ext is None:
+        return frozenset()
+    platforms = set()
+    for platform, targets in ext.registrations().items():
+        if platform == "CUDA" and not _gpu_platform_present():
+            continue  # XLA has no CUDA platform to register with in a CPU-only jaxlib.
+        for name, capsule in targets.items():
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+        platforms.add("cpu" if platform == "cpu" else "gpu")
+    return frozenset(platforms)
+
+
+def require_ext():
+    if ext is None:
+        raise ImportError(
+            "jax_ep's compiled extension is missing; reinstall with `pip install -e .` "
+            f"(import error: {_IMPORT_ERROR})")
+    return ext
+
+
+def build_info() -> dict:
+    """What this build contains: {'cpu', 'cuda', 'nvshmem': bool, 'cuda_archs': [str],
+    'jax': version string}."""
+    info = {"cpu": False, "cuda": False, "nvshmem": False, "cuda_archs": []}
+    if ext is not None:
+        raw = dict(ext.build_info())
+        info["cpu"] = bool(raw["cpu"])
+        info["cuda"] = bool(raw["cuda"])
+        info["nvshmem"] = bool(raw["nvshmem"])
+        info["cuda_archs"] = [a for a in str(raw["cuda_archs"]).split(",") if a]
+    info["jax"] = jax.__version__
+    return info

@@ -1,0 +1,358 @@
+"""The EP ops, per shard (inside `shard_map`): one definition each, owning its
+argument checks, backend choice, FFI lowering and autodiff.
+
+Shapes (R ranks on `axis_name`, E experts, E_local = E // R, C = capacity):
+  x[T, H] float32/bfloat16/float16, topk_idx[T, K] int32 in [-1, E), topk_weights[T, K]
+  float32 -> recv_x[C, H], recv_topk_idx[C, K] int32 (local ids), recv_topk_weights[C, K]
+  float32, DispatchHandle; combine(y[C, H], handle) -> out[T, H].
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _ext, reference
+from jax_ep._types import DispatchHandle, DispatchLayout
+
+BACKENDS = ("reference", "ffi", "auto")
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# Every traced communicating call gets its own id, so two call sites (or two programs)
+# running at once never meet in the CPU rendezvous.
+_call_sites = itertools.count(1)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _static_int(name, value, minimum=None):
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a static Python int, got {value!r}") from None
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def _check_routing(topk_idx, topk_weights, num_tokens, num_experts, num_ranks):
+    if topk_idx.ndim != 2:
+        raise ValueError(f"topk_idx must be rank 2 [T, K], got shape {topk_idx.shape}")
+    if topk_idx.dtype != jnp.int32:
+        raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
+    if num_tokens is not None and topk_idx.shape[0] != num_tokens:
+        raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {num_tokens} "
+                         "tokens")
+    if topk_weights is not None:
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"topk_weights must have topk_idx's shape {topk_idx.shape}, "
+                             f"got {topk_weights.shape}")
+        if topk_weights.dtype != jnp.float32:
+            raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
+    if num_experts % num_ranks != 0:
+        raise ValueError(f"num_experts={num_experts} must be divisible by the number of "
+                         f"ranks R={num_ranks} on the EP axis (E % R != 0)")
+
+
+def _check_tokens(name, x):
+    if x.ndim != 2:
+        raise ValueError(f"{name} must be rank 2 [T, H], got shape {x.shape}")
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def _axis_names(axis_name):
+    if isinstance(axis_name, (tuple, list)):
+        return tuple(axis_name)
+    return (axis_name,)
+
+
+def _ep_size(axis_name) -> int:
+    try:
+        return int(jax.lax.axis_size(_axis_names(axis_name)))
+    except NameError as e:
+        raise NameError(f"axis_name {axis_name!r} is not a bound mesh axis: call the op "
+                        "inside shard_map over that axis, or use jax_ep.sharded") from e
+
+
+def _ep_coords(axis_name):
+    """(rank on the EP axis, EP group id) as int32 scalars. The group numbers the other
+    manual mesh axes, so each data-parallel replica meets only its own peers."""
+    names = _axis_names(axis_name)
+    rank = jax.lax.axis_index(names).astype(jnp.int32)
+    mesh = jax.sharding.get_abstract_mesh()
+    group = jnp.zeros((), jnp.int32)
+    if mesh is not None and not mesh.empty:
+        manual = getattr(mesh, "manual_axes", ())
+        for a in mesh.axis_names:
+            if a in names or a not in manual:
+                continue
+            group = group * mesh.shape[a] + jax.lax.axis_index(a).astype(jnp.int32)
+    return rank, group
+
+
+def _varying_axes(a) -> frozenset:
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(t, "vma", frozenset()) or ())
+
+
+def _unify_varying(*arrays):
+    """Marks every array varying over the union of their manual axes, so FFI results
+    typed after the first one carry the right varying-axis set."""
+    union = frozenset().union(*(_varying_axes(a) for a in arrays))
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(union - _varying_axes(a)))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return out
+
+
+def _like(a, shape, dtype):
+    return jax.typeof(a).update(shape=tuple(shape), dtype=jnp.dtype(dtype), weak_type=False)
+
+
+# ----------------------------------------------------------------------------- backends
+
+def resolve_backend(backend) -> str:
+    """'reference' or 'ffi' for `backend` in {None, 'auto', 'reference', 'ffi'}."""
+    if backend is None:
+        backend = "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    platform = jax.default_backend()
+    available = _ext.registered_platforms()
+    if backend == "auto":
+        if platform not in available:
+            return "reference"
+        if platform == "cpu" and jax.process_count() > 1:
+            return "reference"  # the CPU transport meets peers inside one process only
+        return "ffi"
+    if backend == "ffi":
+        if platform not in available:
+            raise NotImplementedError(
+                f"backend='ffi' has no kernels for platform {platform!r} in this build "
+                f"(built: {_ext.build_info()}); use backend='reference' or 'auto'")
+        if platform == "cpu" and jax.process_count() > 1:
+            raise NotImplementedError(
+                "backend='ffi' on CPU moves rows between the devices of one process; with "
+                f"{jax.process_count()} processes use backend='reference' or 'auto'")
+    return backend
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    num_experts: int
+    num_ranks: int
+    capacity: int
+    axis_name: Any
+    backend: str
+
+
+def _check_ids_reference(topk_idx, num_experts):
+    """Value check for the reference backend: raises on the host if an id is outside
+    [-1, E) (the ffi backend checks inside its kernel)."""
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    flat = jnp.argmax(bad.reshape(-1))
+    value = topk_idx.reshape(-1)[flat]
+
+    def _raise(any_bad, pos, val):
+        if bool(any_bad):
+            k = topk_idx.shape[1]
+            raise ValueError(f"jax_ep: topk_idx[{int(pos) // k}, {int(pos) % k}] = {int(val)}"
+                             f" is outside [-1, {num_experts}) (num_experts={num_experts})")
+
+    jax.debug.callback(_raise, jnp.any(bad), flat, value)
+
+
+# ----------------------------------------------------------------------------- layout
+
+def get_dispatch_layout(topk_idx, *, num_experts: int, num_ranks: int,
+                        backend=None) -> DispatchLayout:
+    """Routing statistics of one rank's topk_idx[T, K] int32, no communication.
+
+    Returns DispatchLayout(num_tokens_per_rank int32[R], num_tokens_per_expert int32[E],
+    is_token_in_rank bool[T, R]).
+    """
+    num_experts = _static_int("num_experts", num_experts, 1)
+    num_ranks = _static_int("num_ranks", num_ranks, 1)
+    topk_idx = jnp.asarray(topk_idx)
+    _check_routing(topk_idx, None, None, num_experts, num_ranks)
+    be = resolve_backend(backend)
+    if be == "reference":
+        _check_ids_reference(topk_idx, num_experts)
+        return reference.layout(topk_idx, num_experts, num_ranks)
+    T = topk_idx.shape[0]
+    per_rank, per_expert, in_rank = jax.ffi.ffi_call(
+        "jax_ep_layout",
+        (_like(topk_idx, (num_ranks,), jnp.int32), _like(topk_idx, (num_experts,), jnp.int32),
+         _like(topk_idx, (T, num_ranks), jnp.bool_)),
+        vmap_method="broadcast_all",
+    )(topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks))
+    return DispatchLayout(per_rank, per_expert, in_rank)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def _ffi_dispatch(x, topk_idx, topk_weights, cfg: _Cfg):
+    rank, group = _ep_coords(cfg.axis_name)
+    x, topk_idx, topk_weights, rank, group = _unify_varying(x, topk_idx, topk_weights, rank,
+                                                           group)
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    C, R = cfg.capacity, cfg.num_ranks
+    el = cfg.num_experts // R
+    outs = jax.ffi.ffi_call(
+        "jax_ep_dispatch",
+        (_like(x, (C, H), x.dtype), _like(x, (C, K), jnp.int32), _like(x, (C, K), jnp.float32),
+         _like(x, (), jnp.int32), _like(x, (), jnp.int32), _like(x, (el,), jnp.int32),
+         _like(x, (C,), jnp.int32), _like(x, (C,), jnp.int32), _like(x, (T, R), jnp.int32)),
+        vmap_method="sequential",
+    )(x, topk_idx, topk_weights, rank, group, num_experts=np.int64(cfg.num_experts),
+      num_ranks=np.int64(R), capacity=np.int64(C), call_site=np.int64(next(_call_sites)))
+    recv_x, recv_idx, recv_w, num_recv, num_dropped, per_expert, src_rank, src_index, \
+        send_row = outs
+    handle = DispatchHandle(num_recv, num_dropped, per_expert, src_rank, src_index, send_row,
+                            cfg.num_experts, R, C, cfg.axis_name)
+    return recv_x, recv_idx, recv_w, handle
+
+
+def _dispatch_impl(x, topk_idx, topk_weights, cfg: _Cfg):
+    if cfg.backend == "ffi":
+        return _ffi_dispatch(x, topk_idx, topk_weights, cfg)
+    _check_ids_reference(topk_idx, cfg.num_experts)
+    rank = jax.lax.axis_index(_axis_names(cfg.axis_name))
+    return reference.dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
+                              num_ranks=cfg.num_ranks, capacity=cfg.capacity,
+                              axis_name=cfg.axis_name, rank=rank)
+
+
+def _dispatch_fwd(x, topk_idx, topk_weights, cfg):
+    out = _dispatch_impl(x, topk_idx, topk_weights, cfg)
+    return out, (out[1], out[3])
+
+
+def _dispatch_bwd(cfg, res, cts):
+    recv_idx, handle = res
+    d_recv_x, _, d_recv_w, _ = cts
+    dx = _combine_impl(d_recv_x, handle, cfg.backend)
+    # Each slot's weight lives on exactly one rank: masking the others and summing
+    # over ranks returns the owner's cotangent exactly (zero where dropped).
+    dw = _combine_impl(jnp.where(recv_idx >= 0, d_recv_w, 0.0), handle, cfg.backend)
+    return dx, None, dw
+
+
+_dispatch = jax.custom_vjp(_dispatch_impl, nondiff_argnums=(3,))
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity=None,
+             backend=None):
+    """Sends each token to the ranks that hold its top-k experts (inside shard_map).
+
+    Args:
+      x: [T, H] float32, bfloat16 or float16.
+      topk_idx: [T, K] int32 expert ids in [-1, E); -1 is an unused slot.
+      topk_weights: [T, K] float32.
+      num_experts: E, a multiple of the EP axis size R.
+      axis_name: the EP mesh axis (or tuple of axes).
+      capacity: C, rows received per rank (default R * T, which never overflows).
+      backend: 'reference', 'ffi' or None/'auto'.
+
+    Returns:
+      recv_x [C, H] (x's dtype), recv_topk_idx [C, K] int32 (local expert ids, -1 where
+      the expert is elsewhere or the row is empty), recv_topk_weights [C, K] float32, and a
+      DispatchHandle. Rows are ordered by source rank, then source token; rows past
+      capacity are dropped (counted in handle.num_dropped).
+    """
+    x = jnp.asarray(x)
+    topk_idx = jnp.asarray(topk_idx)
+    topk_weights = jnp.asarray(topk_weights)
+    _check_tokens("x", x)
+    num_experts = _static_int("num_experts", num_experts, 1)
+    R = _ep_size(axis_name)
+    _check_routing(topk_idx, topk_weights, x.shape[0], num_experts, R)
+    C = R * x.shape[0] if capacity is None else _static_int("capacity", capacity, 1)
+    cfg = _Cfg(num_experts, R, C, axis_name, resolve_backend(backend))
+    return _dispatch(x, topk_idx, topk_weights, cfg)
+
+
+# ----------------------------------------------------------------------------- combine
+
+def _ffi_combine(y, handle: DispatchHandle):
+    rank, group = _ep_coords(handle.axis_name)
+    y, send_row, rank, group = _unify_varying(y, handle.send_row, rank, group)
+    T = send_row.shape[0]
+    return jax.ffi.ffi_call("jax_ep_combine", _like(y, (T, y.shape[1]), y.dtype),
+                            vmap_method="sequential")(
+        y, send_row, rank, group, num_ranks=np.int64(handle.num_ranks),
+        call_site=np.int64(next(_call_sites)))
+
+
+def _ffi_gather(g, handle: DispatchHandle):
+    rank, group = _ep_coords(handle.axis_name)
+    g, src_rank, src_index, rank, group = _unify_varying(g, handle.src_rank,
+                                                         handle.src_index, rank, group)
+    return jax.ffi.ffi_call("jax_ep_gather", _like(g, (handle.capacity, g.shape[1]), g.dtype),
+                            vmap_method="sequential")(
+        g, src_rank, src_index, rank, group, num_ranks=np.int64(handle.num_ranks),
+        call_site=np.int64(next(_call_sites)))
+
+
+def _combine_impl(y, handle, backend):
+    if backend == "ffi":
+        return _ffi_combine(y, handle)
+    return reference.combine(y, handle)
+
+
+def _gather_impl(g, handle, backend):
+    if backend == "ffi":
+        return _ffi_gather(g, handle)
+    return reference.gather(g, handle)
+
+
+def _combine_fwd(y, handle, backend):
+    return _combine_impl(y, handle, backend), handle
+
+
+def _combine_bwd(backend, handle, d_out):
+    dy = _gather_impl(d_out, handle, backend)
+    zeros = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), handle)
+    return dy, zeros
+
+
+_combine = jax.custom_vjp(_combine_impl, nondiff_argnums=(2,))
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def combine(y, handle: DispatchHandle, *, backend=None):
+    """Sums expert outputs back onto the ranks their tokens came from (inside shard_map).
+
+    Args:
+      y: [C, H] float32, bfloat16 or float16; row i belongs to the handle's row i. Rows
+        past handle.num_recv are ignored.
+      handle: the DispatchHandle from `dispatch`.
+    Returns:
+      out [T, H] in y's dtype: for each token, the float32 sum in ascending rank order of
+      the rows that ranks kept for it; zero for tokens sent nowhere.
+    """
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle must be the DispatchHandle returned by dispatch, got "
+                        f"{type(handle).__name__}")
+    y = jnp.asarray(y)
+    _check_tokens("y", y)
+    if y.shape[0] != handle.capacity:
+        raise ValueError(f"y must have the handle's capacity {handle.capacity} rows, got "
+                         f"shape {y.shape}")
+    R = _ep_size(handle.axis_name)
+    if R != handle.num_ranks:
+        raise ValueError(f"handle was made for {handle.num_ranks} ranks but axis "
+                         f"{handle.axis_name!r} has {R}")
+    return _combine(y, handle, resolve_backend(backend))
