@@ -1,0 +1,342 @@
+"""Flax NNX mixture-of-experts layer on jax-ep's dispatch and combine.
+
+    import jax, jax.numpy as jnp
+    from flax import nnx
+    from jax_ep.flax import MoE
+
+    mesh = jax.make_mesh((2, 4), ("data", "expert"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        moe = MoE(64, 128, num_experts=8, top_k=2, rngs=nnx.Rngs(0))
+        y, aux = nnx.jit(lambda m, x: m(x))(moe, x)      # x[B, S, 64]
+
+The layer works on global arrays: it needs no `shard_map` from the caller. Inside, the
+router runs on the global token array; the expert path (dispatch, grouped SwiGLU,
+combine) runs per shard in a `jax.shard_map` over the mesh in context, with tokens split
+over every mesh axis (`data_axes` first, then `mesh_axis`) and the stacked expert weights
+`[E, ...]` split over `mesh_axis`. So each index of the data axes forms its own EP group
+of `R = mesh.shape[mesh_axis]` ranks, each holding `E // R` experts.
+
+Grouping received rows by expert. A received row carries up to `top_k` local expert ids
+(a token whose several experts live on this rank arrives once). The layer expands rows
+*per top-k slot*: the `C * top_k` (row, slot) pairs are stably sorted by local expert id
+(unused slots, id -1, go last), the rows are gathered in that order, and three
+`jax.lax.ragged_dot` calls (gate, up, down) run the SwiGLU of each expert on its
+contiguous group. Each pair's output is scaled by its top-k weight and summed back onto
+its row (in float32), so a row routed to several local experts gets each of their
+outputs, already weighted; `jax_ep.combine` then sums the rows of all ranks back onto the
+source tokens. The sort is a pure function of the received ids, so the `reference` and
+`ffi` backends (which receive the same rows bit for bit) compute the same numbers.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jax_ep import ops
+
+__all__ = ["MoE", "RoutingBias", "SwiGLU", "route", "load_balance_loss"]
+
+
+class RoutingBias(nnx.Variable):
+    """Per-expert bias added to the router scores for top-k *selection* only
+    (aux-loss-free balancing). Not an `nnx.Param`: optimizers built with
+    `wrt=nnx.Param` leave it alone; update it with `MoE.update_routing_bias`."""
+
+
+def _fan_in(in_axis, out_axis, batch_axis=()):
+    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                             in_axis=in_axis, out_axis=out_axis,
+                                             batch_axis=batch_axis)
+
+
+def _context_mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return None
+    return mesh
+
+
+def _maybe_partitioned(init, spec, mesh_axis):
+    """Annotates `init` with `spec` when a mesh holding `mesh_axis` is in context (flax
+    shards annotated variables eagerly and needs a mesh to do so)."""
+    mesh = _context_mesh()
+    if mesh is not None and mesh_axis in mesh.axis_names:
+        return nnx.with_partitioning(init, spec)
+    return init
+
+
+def route(logits, top_k: int, *, score: str = "softmax", bias=None, n_groups=None,
+          topk_groups=None, norm_topk_prob: bool = True):
+    """Top-k routing of router logits [N, E] (float32).
+
+    Returns (topk_idx int32[N, K], topk_weights float32[N, K], probs float32[N, E]):
+    `probs` are the per-token scores normalized to sum to 1 (softmax, or sigmoid scores
+    divided by their sum), used by the load-balance loss. `bias` [E] shifts the scores
+    used to *select* experts only; the weights are the unbiased scores of the selected
+    experts, renormalized to sum to 1 when `norm_topk_prob`. With `n_groups`, the experts
+    are split into `n_groups` contiguous groups, each group scored by the sum of its two
+    best (biased) scores (its best one when a group has a single expert), and only the
+    `topk_groups` best groups are eligible.
+    """
+    N, E = logits.shape
+    logits = logits.astype(jnp.float32)
+    if score == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        probs = scores
+    elif score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+        raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+    sel = scores if bias is None else scores + bias.astype(jnp.float32)
+    if n_groups is not None and n_groups > 1:
+        per = E // n_groups
+        g = sel.reshape(N, n_groups, per)
+        best = jax.lax.top_k(g, min(2, per))[0]
+        group_score = jnp.sum(best, axis=-1)  # [N, G]
+        _, top_groups = jax.lax.top_k(group_score, topk_groups)
+        allowed = jnp.any(top_groups[:, :, None] == jnp.arange(n_groups)[None, None, :],
+                          axis=1)  # [N, G]
+        allowed = jnp.repeat(allowed, per, axis=1)
+        sel = jnp.where(allowed, sel, -jnp.inf)
+    _, idx = jax.lax.top_k(jax.lax.stop_gradient(sel), top_k)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return idx.astype(jnp.int32), weights.astype(jnp.float32), probs
+
+
+def load_balance_loss(probs, topk_idx, num_experts: int):
+    """E * sum_e f_e * p_e, with f_e the fraction of top-k slots sent to expert e and p_e
+    the mean routing probability of e; 1.0 when routing is uniform."""
+    counts = jnp.zeros((num_experts,), jnp.float32).at[topk_idx.reshape(-1)].add(1.0)
+    f = counts / topk_idx.size
+    p = jnp.mean(probs, axis=0)
+    return num_experts * jnp.sum(f * p)
+
+
+class SwiGLU(nnx.Module):
+    """Dense SwiGLU FFN (used for the shared experts): down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, *, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        init = _fan_in(-2, -1)
+        self.dtype = dtype
+        self.w_gate = nnx.Param(init(rngs.params(), (hidden, ffn_hidden), param_dtype))
+        self.w_up = nnx.Param(init(rngs.params(), (hidden, ffn_hidden), param_dtype))
+        self.w_down = nnx.Param(init(rngs.params(), (ffn_hidden, hidden), param_dtype))
+
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        h = jax.nn.silu(x @ self.w_gate[...].astype(self.dtype)) * (
+            x @ self.w_up[...].astype(self.dtype))
+        return h @ self.w_down[...].astype(self.dtype)
+
+
+class MoE(nnx.Module):
+    """Mixture-of-experts SwiGLU layer with expert parallelism through jax-ep.
+
+    Args:
+      hidden: model width H.
+      ffn_hidden: width F of each expert's SwiGLU.
+      num_experts: E, a multiple of the mesh size on `mesh_axis`.
+      top_k: experts per token K.
+      mesh_axis: the mesh axis the experts are split over (the EP axis).
+      data_axes: the other mesh axes the tokens are split over; default every other axis
+        of the mesh in context, in mesh order.
+      backend: 'reference', 'ffi' or None/'auto' (see `jax_ep.dispatch`).
+      capacity: rows each rank can receive per call. None: `R * T` (T tokens per shard;
+        never drops). An int: that many rows. A float f: `ceil(f * T * min(K, R))`, capped
+        at `R * T` (f = 1.0 fits perfectly balanced routing).
+      score: 'softmax' or 'sigmoid' router scores.
+      n_groups, topk_groups: group-limited routing (both or neither).
+      routing_bias: add a `RoutingBias` [E] used for expert selection only (aux-loss-free
+        balancing; update it with `update_routing_bias`).
+      shared_experts: number of always-on experts, run as one dense SwiGLU of width
+        `shared_experts * ffn_hidden` on every token and added to the output.
+      norm_topk_prob: renormalize the selected experts' weights to sum to 1.
+      dtype: compute dtype of the tokens and expert matmuls (router math is float32).
+      param_dtype: parameter dtype.
+      rngs: `nnx.Rngs`; parameters depend only on its `params` stream, never on the
+        backend.
+
+    Call: `y, aux = moe(x)` with x[B, S, H] (or [N, H]); y has x's shape and dtype. `aux`
+    holds `load_balance_loss` (scalar), `router_z_loss` (scalar), `tokens_per_expert`
+    (int32[E], top-k slots routed to each expert over the whole batch) and `dropped`
+    (int32 scalar, rows dropped for capacity over all EP groups).
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, *,
+                 mesh_axis: str = "expert", data_axes: Sequence[str] | None = None,
+                 backend: str | None = None, capacity: int | float | None = None,
+                 score: str = "softmax", n_groups: int | None = None,
+                 topk_groups: int | None = None, routing_bias: bool = False,
+                 shared_experts: int = 0, norm_topk_prob: bool = True,
+                 dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+                 rngs: nnx.Rngs):
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if (n_groups is None) != (topk_groups is None):
+            raise ValueError("n_groups and topk_groups must be given together")
+        if n_groups is not None:
+            if num_experts % n_groups != 0:
+                raise ValueError(f"num_experts={num_experts} must be divisible by "
+                                 f"n_groups={n_groups}")
+            if not 1 <= topk_groups <= n_groups:
+                raise ValueError(f"topk_groups must be in [1, n_groups={n_groups}], got "
+                                 f"{topk_groups}")
+            if topk_groups * (num_experts // n_groups) < top_k:
+                raise ValueError(f"topk_groups={topk_groups} groups of "
+                                 f"{num_experts // n_groups} experts cannot hold "
+                                 f"top_k={top_k} experts")
+        ops.resolve_backend(backend)  # validates the name early
+        if capacity is not None and not isinstance(capacity, (int, float)):
+            raise TypeError(f"capacity must be None, an int or a float, got {capacity!r}")
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.hidden, self.ffn_hidden = hidden, ffn_hidden
+        self.num_experts, self.top_k = num_experts, top_k
+        self.mesh_axis = mesh_axis
+        self.data_axes = None if data_axes is None else tuple(data_axes)
+        self.backend, self.capacity = backend, capacity
+        self.score, self.n_groups, self.topk_groups = score, n_groups, topk_groups
+        self.norm_topk_prob = norm_topk_prob
+        self.dtype, self.param_dtype = dtype, param_dtype
+
+        E, H, F = num_experts, hidden, ffn_hidden
+        self.router = nnx.Param(_fan_in(-2, -1)(rngs.params(), (H, E), param_dtype))
+        w_init = _maybe_partitioned(_fan_in(-2, -1, (0,)), (mesh_axis, None, None),
+                                    mesh_axis)
+        self.w_gate = nnx.Param(w_init(rngs.params(), (E, H, F), param_dtype))
+        self.w_up = nnx.Param(w_init(rngs.params(), (E, H, F), param_dtype))
+        self.w_down = nnx.Param(w_init(rngs.params(), (E, F, H), param_dtype))
+        self.routing_bias = (RoutingBias(jnp.zeros((E,), jnp.float32)) if routing_bias
+                             else None)
+        self.shared = (SwiGLU(H, shared_experts * F, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs) if shared_experts else None)
+
+    # ------------------------------------------------------------------ routing bias
+
+    def update_routing_bias(self, tokens_per_expert, rate: float = 1e-3):
+        """Aux-loss-free balancing step: raise the bias of under-loaded experts and lower
+        it for over-loaded ones by `rate` (sign of mean load minus load)."""
+        if self.routing_bias is None:
+            raise ValueError("this MoE was built with routing_bias=False")
+        load = tokens_per_expert.astype(jnp.float32)
+        self.routing_bias[...] = self.routing_bias[...] + rate * jnp.sign(
+            jnp.mean(load) - load)
+
+    # ------------------------------------------------------------------ forward
+
+    def _mesh_and_specs(self):
+        mesh = _context_mesh()
+        if mesh is None:
+            # No mesh in context: one rank holding every expert.
+            mesh = jax.make_mesh((1,), (self.mesh_axis,), devices=jax.devices()[:1],
+                                 axis_types=(jax.sharding.AxisType.Explicit,))
+        if self.mesh_axis not in mesh.axis_names:
+            raise ValueError(f"mesh_axis {self.mesh_axis!r} is not an axis of the mesh in "
+                             f"context (axes {mesh.axis_names})")
+        if self.data_axes is None:
+            data_axes = tuple(a for a in mesh.axis_names if a != self.mesh_axis)
+        else:
+            data_axes = self.data_axes
+            for a in data_axes:
+                if a not in mesh.axis_names or a == self.mesh_axis:
+                    raise ValueError(f"data_axes entry {a!r} must be a mesh axis other "
+                                     f"than mesh_axis (axes {mesh.axis_names})")
+        return mesh, data_axes
+
+    def _capacity(self, tokens_per_shard, R):
+        c = self.capacity
+        if c is None:
+            return None
+        if isinstance(c, float):
+            c = math.ceil(c * tokens_per_shard * min(self.top_k, R))
+        return max(1, min(int(c), R * tokens_per_shard))
+
+    def __call__(self, x):
+        shape = x.shape
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"x must end in hidden={self.hidden}, got shape {x.shape}")
+        x2 = x.reshape(-1, self.hidden)
+        N = x2.shape[0]
+        E, K = self.num_experts, self.top_k
+
+        # Router, on the global token array.
+        logits = x2.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        bias = None if self.routing_bias is None else jax.lax.stop_gradient(
+            self.routing_bias[...])
+        topk_idx, topk_w, probs = route(logits, K, score=self.score, bias=bias,
+                                        n_groups=self.n_groups,
+                                        topk_groups=self.topk_groups,
+                                        norm_topk_prob=self.norm_topk_prob)
+        tokens_per_expert = jnp.zeros((E,), jnp.int32).at[topk_idx.reshape(-1)].add(1)
+        lb = load_balance_loss(probs, topk_idx, E)
+        z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+
+        # Expert path, per shard.
+        mesh, data_axes = self._mesh_and_specs()
+        R = mesh.shape[self.mesh_axis]
+        if E % R != 0:
+            raise ValueError(f"num_experts={E} must be divisible by the mesh size "
+                             f"{R} of axis {self.mesh_axis!r}")
+        tok_axes = (*data_axes, self.mesh_axis)
+        shards = math.prod(mesh.shape[a] for a in tok_axes)
+        if N % shards != 0:
+            raise ValueError(f"the {N} tokens (batch * seq) must split evenly over the "
+                             f"{shards} shards of mesh axes {tok_axes}")
+        T = N // shards
+        C = self._capacity(T, R)
+        tok = P(tok_axes)
+        wspec = P(self.mesh_axis)
+        dtype = self.dtype
+
+        def shard_fn(xs, idx, w, wg, wu, wd):
+            y, dropped = _experts_per_shard(
+                xs, idx, w, wg.astype(dtype), wu.astype(dtype), wd.astype(dtype),
+                num_experts=E, axis_name=self.mesh_axis, capacity=C,
+                backend=self.backend)
+            return y, jax.lax.psum(dropped, tok_axes)
+
+        y, dropped = jax.shard_map(
+            shard_fn, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec),
+            out_specs=(tok, P()))(x2.astype(dtype), topk_idx, topk_w, self.w_gate[...],
+                                  self.w_up[...], self.w_down[...])
+        if self.shared is not None:
+            y = y + self.shared(x2).astype(y.dtype)
+        aux = {"load_balance_loss": lb, "router_z_loss": z,
+               "tokens_per_expert": tokens_per_expert, "dropped": dropped}
+        return y.reshape(shape).astype(x.dtype), aux
+
+
+def _experts_per_shard(x, topk_idx, topk_w, w_gate, w_up, w_down, *, num_experts,
+                       axis_name, capacity, backend):
+    """Dispatch, grouped SwiGLU over the local experts, combine (inside shard_map)."""
+    recv_x, recv_idx, recv_w, handle = ops.dispatch(
+        x, topk_idx, topk_w, num_experts=num_experts, axis_name=axis_name,
+        capacity=capacity, backend=backend)
+    C, K = recv_idx.shape
+    el = w_gate.shape[0]
+    # One entry per (row, slot); unused slots (-1) sort last and form no group.
+    key = jnp.where(recv_idx >= 0, recv_idx, el).reshape(-1)
+    order = jnp.argsort(key, stable=True)
+    rows = order // K
+    group_sizes = jnp.zeros((el + 1,), jnp.int32).at[key].add(1)[:el]
+    xs = recv_x[rows]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(
+        xs, w_up, group_sizes)
+    out = jax.lax.ragged_dot(h, w_down, group_sizes)  # zero past sum(group_sizes)
+    wts = recv_w.reshape(-1)[order]
+    y = jnp.zeros((C, out.shape[1]), jnp.float32).at[rows].add(
+        out.astype(jnp.float32) * wts[:, None])
+    y = ops.combine(y.astype(x.dtype), handle, backend=backend)
+    return y, handle.num_dropped
