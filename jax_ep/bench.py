@@ -1,0 +1,517 @@
+"""Benchmark of jax-ep's dispatch and combine: `python -m jax_ep.bench`.
+
+Times, for each backend in one process, four programs (each one jitted `shard_map` over
+an EP mesh of `--ranks` devices of the default JAX backend):
+
+  dispatch   x, topk_idx, topk_weights -> recv_x, recv_topk_idx, recv_topk_weights, handle
+  combine    recv_x, handle -> out
+  roundtrip  dispatch then combine of recv_x (identity experts), forward only
+  roundtrip_fwd_bwd  the round trip and its vjp with respect to x
+
+Every timed call is preceded by warm-up calls of the same compiled program, cycles
+through several pre-generated input sets (different tokens and routings), and waits for
+its outputs; each op reports the median, min and max of `--repeats` calls.
+
+Byte accounting (the "bytes" of each result, the same for every backend): like DeepEP,
+rows actually sent times row bytes, where a row is one token's hidden vector
+(H * itemsize bytes). A token goes to a rank at most once, whatever number of its top-k
+experts live there; rows a rank sends to itself count; rows dropped by the capacity do
+not. Routing metadata (topk ids and weights, K * 8 bytes per row) is not counted.
+  dispatch          = rows * row_bytes
+  combine           = rows * row_bytes  (each kept row goes back once)
+  roundtrip         = 2 * rows * row_bytes
+  roundtrip_fwd_bwd = 4 * rows * row_bytes  (backward: combine's transpose gathers the
+                      cotangent rows, dispatch's transpose combines them)
+rows is averaged over the input sets (it differs slightly from routing to routing).
+
+The memcpy bandwidth is measured in the same run with `numpy.copyto` between large
+uint8 buffers (bytes copied per second, counting each copied byte once), once with one
+thread and once with one thread per CPU core, each thread copying its own share; the
+faster of the two is `memcpy_GBps`. An op's floor is its bytes over that bandwidth: the
+time a plain memcpy of the rows it must move takes on this machine.
+
+Peak memory is read from XLA's compiled `memory_analysis()` of each program, per device:
+argument + output + temp - alias bytes, next to argument + output bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+
+OPS = ("dispatch", "combine", "roundtrip", "roundtrip_fwd_bwd")
+# Multiples of rows * row_bytes that each op must move.
+OP_ROW_FACTOR = {"dispatch": 1, "combine": 1, "roundtrip": 2, "roundtrip_fwd_bwd": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+AXIS = "ep"
+
+QUICK = dict(tokens=128, hidden=256, repeats=3, warmup=1, input_sets=2,
+             memcpy_mib=32)
+FULL = dict(tokens=4096, hidden=2048, repeats=5, warmup=2, input_sets=3, memcpy_mib=256)
+
+
+# ----------------------------------------------------------------------------- devices
+
+def set_host_device_count(n: int) -> None:
+    """Asks XLA:CPU for `n` virtual devices. Effective only before JAX's backends start
+    (importing jax does not start them; the first device query does)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    flag = f"--xla_force_host_platform_device_count={n}"
+    if "xla_force_host_platform_device_count" in flags:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", flag, flags)
+    else:
+        flags = (flags + " " + flag).strip()
+    os.environ["XLA_FLAGS"] = flags
+
+
+# ----------------------------------------------------------------------------- bytes
+
+def routing_rows(topk_idx, *, num_ranks: int, num_experts: int, capacity: int) -> dict:
+    """Rows that dispatch moves for a global routing `topk_idx[R * T, K]` (rank s owns
+    rows s*T .. s*T+T-1). Pure numpy, no JAX.
+
+    Returns {"counts": [R_src][R_dst] tokens sent, "received": [R] before the capacity
+    cut, "kept": [R] rows kept, "rows": total rows kept (the rows actually sent)}.
+    """
+    import numpy as np
+
+    idx = np.asarray(topk_idx)
+    R, E = num_ranks, num_experts
+    if idx.ndim != 2 or idx.shape[0] % R:
+        raise ValueError(f"topk_idx must be [R * T, K] with R={R}, got {idx.shape}")
+    T = idx.shape[0] // R
+    el = E // R
+    owner = np.where(idx >= 0, idx // el, -1)                      # [R*T, K]
+    in_rank = (owner[:, :, None] == np.arange(R)).any(axis=1)      # [R*T, R]
+    counts = in_rank.reshape(R, T, R).sum(axis=1)                  # [src, dst]
+    received = counts.sum(axis=0)
+    kept = np.minimum(received, capacity)
+    return {"counts": counts.tolist(), "received": received.tolist(),
+            "kept": kept.tolist(), "rows": int(kept.sum())}
+
+
+def op_bytes(rows: int, hidden: int, itemsize: int) -> dict:
+    """Bytes each op must move for `rows` kept rows of `hidden` elements."""
+    row_bytes = hidden * itemsize
+    return {op: OP_ROW_FACTOR[op] * rows * row_bytes for op in OPS}
+
+
+# ----------------------------------------------------------------------------- memcpy
+
+def measure_memcpy(total_bytes: int, repeats: int = 5, threads=None) -> dict:
+    """Copy bandwidth of this machine in GB/s (1e9 bytes copied per second) with
+    numpy.copyto, for 1 thread and for `threads` threads (default: CPU count)."""
+    import numpy as np
+
+    ncpu = threads or os.cpu_count() or 1
+    out = {}
+    for nt in sorted({1, ncpu}):
+        share = max(total_bytes // nt, 1 << 20)
+        src = [np.ones(share, np.uint8) for _ in range(nt)]
+        dst = [np.zeros(share, np.uint8) for _ in range(nt)]
+        times = []
+        for _ in range(repeats + 1):  # the first pass faults the pages in
+            barrier = threading.Barrier(nt + 1)
+
+            def work(i):
+                barrier.wait()
+                np.copyto(dst[i], src[i])
+                barrier.wait()
+
+            ts = [threading.Thread(target=work, args=(i,)) for i in range(nt)]
+            for t in ts:
+                t.start()
+            barrier.wait()
+            t0 = time.perf_counter()
+            barrier.wait()
+            times.append(time.perf_counter() - t0)
+            for t in ts:
+                t.join()
+        out[nt] = share * nt / statistics.median(times[1:]) / 1e9
+        del src, dst
+    best = max(out.values())
+    return {"GBps": best, "by_threads": {str(k): v for k, v in out.items()},
+            "method": "numpy.copyto of uint8 buffers, 1 thread and one per CPU core; "
+                      "bytes copied (counted once) per second; the faster is used",
+            "bytes": int(total_bytes)}
+
+
+# ----------------------------------------------------------------------------- programs
+
+def _programs(mesh, backend, *, num_experts, capacity):
+    """Jitted per-op programs over `mesh` (axis AXIS) for one backend."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ep
+    from jax_ep._types import DispatchHandle
+
+    R = mesh.shape[AXIS]
+    spec = P(AXIS)
+
+    def disp(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, num_experts=num_experts, axis_name=AXIS,
+                               capacity=capacity, backend=backend)
+
+    def pack(h):
+        return (h.num_recv[None], h.num_dropped[None], h.num_recv_tokens_per_expert,
+                h.src_rank, h.src_index, h.send_row)
+
+    def unpack(p, C):
+        return DispatchHandle(p[0][0], p[1][0], p[2], p[3], p[4], p[5], num_experts, R, C,
+                              AXIS)
+
+    def f_dispatch(x, idx, w):
+        rx, ri, rw, h = disp(x, idx, w)
+        return rx, ri, rw, pack(h)
+
+    def f_combine(y, packed):
+        return jax_ep.combine(y, unpack(packed, y.shape[0]), backend=backend)
+
+    def f_roundtrip(x, idx, w):
+        rx, _, _, h = disp(x, idx, w)
+        return jax_ep.combine(rx, h, backend=backend)
+
+    def f_fwd_bwd(x, idx, w, ct):
+        out, vjp = jax.vjp(lambda v: f_roundtrip(v, idx, w), x)
+        (dx,) = vjp(ct)
+        return out, dx
+
+    def sm(f, n_in):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * n_in, out_specs=spec))
+
+    return {"dispatch": sm(f_dispatch, 3), "combine": sm(f_combine, 2),
+            "roundtrip": sm(f_roundtrip, 3), "roundtrip_fwd_bwd": sm(f_fwd_bwd, 4)}
+
+
+def _make_inputs(mesh, *, n_sets, tokens, hidden, topk, experts, dtype, seed):
+    """`n_sets` global input sets (x, topk_idx, topk_weights, cotangent), sharded over
+    the EP axis, plus the host copies of their routings. Routing: each token picks
+    `topk` distinct experts uniformly at random (the top-k of random scores)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    R = mesh.shape[AXIS]
+    N = R * tokens
+    sh = NamedSharding(mesh, P(AXIS))
+    gen = jax.jit(lambda k: jax.random.normal(k, (N, hidden), jnp.float32).astype(dtype),
+                  out_shardings=sh)
+    rng = np.random.default_rng(seed)
+    key = jax.random.key(seed)
+    xs, idxs, ws, host_idx = [], [], [], []
+    for _ in range(n_sets):
+        key, k1 = jax.random.split(key)
+        xs.append(gen(k1))
+        idx = np.argsort(rng.random((N, experts)), axis=1)[:, :topk].astype(np.int32)
+        w = rng.random((N, topk), dtype=np.float32)
+        host_idx.append(idx)
+        idxs.append(jax.device_put(idx, sh))
+        ws.append(jax.device_put(w, sh))
+    sets = [(xs[i], idxs[i], ws[i], xs[(i + 1) % n_sets]) for i in range(n_sets)]
+    return sets, host_idx
+
+
+def _memory(compiled) -> dict:
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return {}
+    arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
+    temp, alias = int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes)
+    peak = arg + out + temp - alias
+    return {"argument_bytes": arg, "output_bytes": out, "temp_bytes": temp,
+            "alias_bytes": alias, "peak_bytes": peak, "in_out_bytes": arg + out,
+            "peak_over_in_out": peak / max(arg + out, 1)}
+
+
+# ----------------------------------------------------------------------------- bench
+
+def run_bench(*, backends, ranks, tokens, hidden, topk, experts, dtype, capacity,
+              repeats, warmup, input_sets, memcpy_GBps, seed=0, progress=None,
+              with_memory=True):
+    """One benchmark at one token count. Returns (config, results, memory, rows)."""
+    import jax
+    import numpy as np
+
+    import jax_ep
+
+    devices = jax.devices()
+    if len(devices) < ranks:
+        raise SystemExit(
+            f"jax_ep.bench: --ranks {ranks} needs {ranks} devices but the default backend "
+            f"({jax.default_backend()}) has {len(devices)}. On CPU, run as "
+            "`python -m jax_ep.bench` (it sets XLA_FLAGS itself) or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={ranks} before JAX starts.")
+    mesh = jax.sharding.Mesh(np.array(devices[:ranks]), (AXIS,),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    C = ranks * tokens if capacity is None else int(capacity)
+    sets, host_idx = _make_inputs(mesh, n_sets=input_sets, tokens=tokens, hidden=hidden,
+                                  topk=topk, experts=experts, dtype=dtype, seed=seed)
+    rows_per_set = [routing_rows(i, num_ranks=ranks, num_experts=experts,
+                                 capacity=C)["rows"] for i in host_idx]
+    rows = int(round(statistics.mean(rows_per_set)))
+    nbytes = op_bytes(rows, hidden, DTYPE_BYTES[dtype])
+    results, memory = [], {}
+    for backend in backends:
+        progs = _programs(mesh, backend, num_experts=experts, capacity=C)
+        # combine's inputs: this backend's dispatch of every set.
+        comp_d = progs["dispatch"].lower(*sets[0][:3]).compile()
+        comb_sets = []
+        for s in sets:
+            rx, _, _, packed = comp_d(*s[:3])
+            comb_sets.append((rx, packed))
+        jax.block_until_ready(comb_sets)
+        memory[backend] = {}
+        for op in OPS:
+            args = {"dispatch": [s[:3] for s in sets], "combine": comb_sets,
+                    "roundtrip": [s[:3] for s in sets],
+                    "roundtrip_fwd_bwd": list(sets)}[op]
+            if progress is not None:
+                progress.set_postfix_str(f"T={tokens} {backend} {op} (compile)")
+            compiled = comp_d if op == "dispatch" else progs[op].lower(*args[0]).compile()
+            if with_memory:
+                memory[backend][op] = _memory(compiled)
+            if progress is not None:
+                progress.set_postfix_str(f"T={tokens} {backend} {op}")
+            for i in range(warmup):
+                jax.block_until_ready(compiled(*args[i % len(args)]))
+                if progress is not None:
+                    progress.update(1)
+            times = []
+            for i in range(repeats):
+                a = args[(warmup + i) % len(args)]
+                t0 = time.perf_counter()
+                out = compiled(*a)
+                jax.block_until_ready(out)
+                times.append(time.perf_counter() - t0)
+                del out
+                if progress is not None:
+                    progress.update(1)
+            med = statistics.median(times)
+            results.append({
+                "backend": backend, "op": op, "median_s": med, "min_s": min(times),
+                "max_s": max(times), "bytes": int(nbytes[op]),
+                "GBps": nbytes[op] / med / 1e9,
+                "floor_s": nbytes[op] / (memcpy_GBps * 1e9),
+                "tokens": tokens, "times_s": times})
+        del comb_sets, progs
+    config = {"ranks": ranks, "tokens": tokens, "hidden": hidden, "topk": topk,
+              "experts": experts, "dtype": dtype, "capacity": C, "repeats": repeats,
+              "warmup": warmup, "input_sets": input_sets, "backends": list(backends),
+              "platform": jax.default_backend(), "device_kind": devices[0].device_kind,
+              "num_devices": len(devices), "cpu_count": os.cpu_count(),
+              "jax": jax.__version__, "build": jax_ep.build_info(),
+              "rows_per_set": rows_per_set, "rows": rows,
+              "row_bytes": hidden * DTYPE_BYTES[dtype]}
+    return config, results, memory, rows
+
+
+def _targets(results, memory):
+    """The issue's three targets, from one run (None where a backend is missing)."""
+    by = {(r["backend"], r["op"]): r for r in results}
+    out = {}
+    f, ref = by.get(("ffi", "roundtrip")), by.get(("reference", "roundtrip"))
+    if f and ref:
+        out["roundtrip_speedup_ffi_vs_reference"] = ref["median_s"] / f["median_s"]
+    if f:
+        out["ffi_roundtrip_over_floor"] = f["median_s"] / f["floor_s"]
+    mem = memory.get("ffi", {})
+    if mem:
+        out["ffi_peak_over_in_out"] = {op: m.get("peak_over_in_out") for op, m in mem.items()}
+    return out
+
+
+def format_table(results, memcpy_GBps, memory=None) -> str:
+    head = (f"{'backend':<10} {'op':<18} {'median ms':>10} {'min ms':>9} {'max ms':>9} "
+            f"{'MB moved':>9} {'GB/s':>7} {'floor ms':>9} {'x floor':>8}")
+    lines = [f"memcpy bandwidth: {memcpy_GBps:.2f} GB/s", head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{r['backend']:<10} {r['op']:<18} {r['median_s'] * 1e3:>10.2f} "
+            f"{r['min_s'] * 1e3:>9.2f} {r['max_s'] * 1e3:>9.2f} {r['bytes'] / 1e6:>9.1f} "
+            f"{r['GBps']:>7.2f} {r['floor_s'] * 1e3:>9.2f} "
+            f"{r['median_s'] / r['floor_s']:>8.2f}")
+    by = {(r["backend"], r["op"]): r for r in results}
+    ratios = [f"{op} {by[('reference', op)]['median_s'] / by[('ffi', op)]['median_s']:.1f}x"
+              for op in OPS if ("ffi", op) in by and ("reference", op) in by]
+    if ratios:
+        lines.append("ffi speedup over reference: " + ", ".join(ratios))
+    for backend, ops in (memory or {}).items():
+        for op, m in ops.items():
+            if m:
+                lines.append(
+                    f"memory {backend:<9} {op:<18} peak {m['peak_bytes'] / 2**20:9.1f} MiB "
+                    f"(in+out {m['in_out_bytes'] / 2**20:9.1f} MiB, temp "
+                    f"{m['temp_bytes'] / 2**20:8.1f} MiB) = {m['peak_over_in_out']:.2f}x "
+                    "per device")
+    return "\n".join(lines)
+
+
+def plot(sweep, memcpy_GBps, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(OPS), figsize=(4.2 * len(OPS), 3.6), sharey=True)
+    for ax, op in zip(axes, OPS):
+        backends = sorted({r["backend"] for s in sweep for r in s["results"]})
+        for b in backends:
+            pts = sorted((s["tokens"], r["GBps"]) for s in sweep for r in s["results"]
+                         if r["backend"] == b and r["op"] == op)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b)
+        ax.axhline(memcpy_GBps, color="gray", ls="--", lw=1, label="memcpy")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(op)
+        ax.set_xlabel("tokens per rank")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("GB/s (rows moved / median time)")
+    axes[-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m jax_ep.bench",
+        description="Times jax-ep dispatch/combine per backend against the memcpy floor.")
+    p.add_argument("--backends", default="ffi,reference",
+                   help="comma-separated: ffi, reference, auto (default: ffi,reference)")
+    p.add_argument("--ranks", type=int, default=8, help="EP ranks = devices (default 8)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4096)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default 2048)")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--capacity", type=int, default=None,
+                   help="rows received per rank (default ranks * tokens: never drops)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per op (default 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2)")
+    p.add_argument("--input-sets", type=int, default=None,
+                   help="pre-generated input sets cycled through (default 3)")
+    p.add_argument("--memcpy-mib", type=int, default=None,
+                   help="buffer size of the memcpy measurement (default 256)")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes and few repeats (smoke test, tens of seconds)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH",
+                   help="also sweep token counts and plot GB/s per backend and op")
+    p.add_argument("--sweep-tokens", default=None,
+                   help="token counts of the --plot sweep (default tokens/8,/4,/2,1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    base = QUICK if args.quick else FULL
+    for k in ("tokens", "hidden", "repeats", "warmup", "input_sets", "memcpy_mib"):
+        if getattr(args, k) is None:
+            setattr(args, k, base[k])
+    if args.ranks < 1 or args.tokens < 1 or args.hidden < 1 or args.repeats < 1:
+        p.error("--ranks, --tokens, --hidden and --repeats must be >= 1")
+    if args.experts % args.ranks:
+        p.error(f"--experts {args.experts} must be a multiple of --ranks {args.ranks}")
+    if not 1 <= args.topk <= args.experts:
+        p.error("--topk must be in [1, experts]")
+    args.input_sets = max(1, args.input_sets)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    # One virtual CPU device per rank. This takes effect only if JAX's backends have not
+    # started yet (importing jax does not start them; the first device query does), as
+    # under `python -m jax_ep.bench`; a count already given in XLA_FLAGS that covers
+    # --ranks is kept.
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)",
+                  os.environ.get("XLA_FLAGS", ""))
+    if m is None or int(m.group(1)) < args.ranks:
+        set_host_device_count(args.ranks)
+    import jax  # noqa: F401
+
+    import jax_ep
+
+    backends = []
+    skipped = {}
+    for b in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        try:
+            resolved = jax_ep.resolve_backend(b)
+        except (NotImplementedError, ValueError) as e:
+            skipped[b] = str(e)
+            print(f"jax_ep.bench: skipping backend {b!r}: {e}", file=sys.stderr)
+            continue
+        if resolved not in backends:
+            backends.append(resolved)
+    if not backends:
+        raise SystemExit("jax_ep.bench: no backend left to run")
+
+    token_list = [args.tokens]
+    if args.plot:
+        if args.sweep_tokens:
+            token_list = sorted({int(t) for t in args.sweep_tokens.split(",")} | {args.tokens})
+        else:
+            token_list = sorted({max(1, args.tokens // d) for d in (8, 4, 2, 1)})
+
+    steps = len(token_list) * len(backends) * len(OPS) * (args.warmup + args.repeats)
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=steps + 1, desc="jax_ep.bench", unit="call", file=sys.stderr,
+                   disable=args.no_progress, dynamic_ncols=True)
+    except ImportError:  # progress is optional
+        bar = None
+    if bar is not None:
+        bar.set_postfix_str("memcpy")
+    memcpy = measure_memcpy(args.memcpy_mib << 20)
+    if bar is not None:
+        bar.update(1)
+
+    sweep, main_run = [], None
+    for t in token_list:
+        config, results, memory, rows = run_bench(
+            backends=backends, ranks=args.ranks, tokens=t, hidden=args.hidden,
+            topk=args.topk, experts=args.experts, dtype=args.dtype,
+            capacity=args.capacity, repeats=args.repeats, warmup=args.warmup,
+            input_sets=args.input_sets, memcpy_GBps=memcpy["GBps"], seed=args.seed,
+            progress=bar, with_memory=(t == args.tokens))
+        sweep.append({"tokens": t, "rows": rows, "results": results})
+        if t == args.tokens:
+            main_run = (config, results, memory)
+    if bar is not None:
+        bar.close()
+
+    config, results, memory = main_run
+    config["quick"] = bool(args.quick)
+    report = {"config": config, "memcpy_GBps": memcpy["GBps"], "results": results,
+              "memcpy": memcpy, "memory": memory,
+              "memory_method": "XLA compiled memory_analysis() per device: peak = "
+                               "argument + output + temp - alias bytes",
+              "targets": _targets(results, memory)}
+    if skipped:
+        report["skipped_backends"] = skipped
+    if len(sweep) > 1:
+        report["sweep"] = sweep
+    print(format_table(results, memcpy["GBps"], memory))
+    tg = report["targets"]
+    if tg:
+        print("targets: " + json.dumps(tg))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(sweep, memcpy["GBps"], args.plot)
+        print(f"wrote {args.plot}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
