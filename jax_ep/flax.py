@@ -112,11 +112,17 @@ def route(logits, top_k: int, *, score: str = "softmax", bias=None, n_groups=Non
     return idx.astype(jnp.int32), weights.astype(jnp.float32), probs
 
 
+def _counts(topk_idx, num_experts):
+    """int32[E]: top-k slots per expert (a one-hot sum, which partitions under any
+    sharding of the tokens, explicit included)."""
+    hit = topk_idx[..., None] == jnp.arange(num_experts, dtype=topk_idx.dtype)
+    return jnp.sum(hit, axis=tuple(range(topk_idx.ndim)), dtype=jnp.int32)
+
+
 def load_balance_loss(probs, topk_idx, num_experts: int):
     """E * sum_e f_e * p_e, with f_e the fraction of top-k slots sent to expert e and p_e
     the mean routing probability of e; 1.0 when routing is uniform."""
-    counts = jnp.zeros((num_experts,), jnp.float32).at[topk_idx.reshape(-1)].add(1.0)
-    f = counts / topk_idx.size
+    f = _counts(topk_idx, num_experts).astype(jnp.float32) / topk_idx.size
     p = jnp.mean(probs, axis=0)
     return num_experts * jnp.sum(f * p)
 
@@ -241,7 +247,7 @@ class MoE(nnx.Module):
         if mesh is None:
             # No mesh in context: one rank holding every expert.
             mesh = jax.make_mesh((1,), (self.mesh_axis,), devices=jax.devices()[:1],
-                                 axis_types=(jax.sharding.AxisType.Explicit,))
+                                 axis_types=(jax.sharding.AxisType.Auto,))
         if self.mesh_axis not in mesh.axis_names:
             raise ValueError(f"mesh_axis {self.mesh_axis!r} is not an axis of the mesh in "
                              f"context (axes {mesh.axis_names})")
@@ -279,7 +285,7 @@ class MoE(nnx.Module):
                                         n_groups=self.n_groups,
                                         topk_groups=self.topk_groups,
                                         norm_topk_prob=self.norm_topk_prob)
-        tokens_per_expert = jnp.zeros((E,), jnp.int32).at[topk_idx.reshape(-1)].add(1)
+        tokens_per_expert = _counts(topk_idx, E)
         lb = load_balance_loss(probs, topk_idx, E)
         z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
@@ -307,10 +313,14 @@ class MoE(nnx.Module):
                 backend=self.backend)
             return y, jax.lax.psum(dropped, tok_axes)
 
-        y, dropped = jax.shard_map(
-            shard_fn, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec),
-            out_specs=(tok, P()))(x2.astype(dtype), topk_idx, topk_w, self.w_gate[...],
-                                  self.w_up[...], self.w_down[...])
+        args = (x2.astype(dtype), topk_idx, topk_w, self.w_gate[...], self.w_up[...],
+                self.w_down[...])
+        specs = (tok, tok, tok, wspec, wspec, wspec)
+        if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+            # Explicit axes: shard_map wants its inputs laid out as in_specs already.
+            args = tuple(jax.sharding.reshard(a, s) for a, s in zip(args, specs))
+        y, dropped = jax.shard_map(shard_fn, mesh=mesh, in_specs=specs,
+                                   out_specs=(tok, P()))(*args)
         if self.shared is not None:
             y = y + self.shared(x2).astype(y.dtype)
         aux = {"load_balance_loss": lb, "router_z_loss": z,

@@ -80,19 +80,27 @@ def _ep_size(axis_name) -> int:
                         "inside shard_map over that axis, or use jax_ep.sharded") from e
 
 
-def _ep_coords(axis_name):
+def _group_axes(axis_name) -> tuple:
+    """((name, size), ...) of the manual mesh axes other than the EP axis."""
+    names = _axis_names(axis_name)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return ()
+    manual = getattr(mesh, "manual_axes", ())
+    return tuple((a, int(mesh.shape[a])) for a in mesh.axis_names
+                 if a not in names and a in manual)
+
+
+def _ep_coords(axis_name, group_axes=None):
     """(rank on the EP axis, EP group id) as int32 scalars. The group numbers the other
-    manual mesh axes, so each data-parallel replica meets only its own peers."""
+    mesh axes, so each data-parallel replica meets only its own peers."""
     names = _axis_names(axis_name)
     rank = jax.lax.axis_index(names).astype(jnp.int32)
-    mesh = jax.sharding.get_abstract_mesh()
+    if group_axes is None:
+        group_axes = _group_axes(axis_name)
     group = jnp.zeros((), jnp.int32)
-    if mesh is not None and not mesh.empty:
-        manual = getattr(mesh, "manual_axes", ())
-        for a in mesh.axis_names:
-            if a in names or a not in manual:
-                continue
-            group = group * mesh.shape[a] + jax.lax.axis_index(a).astype(jnp.int32)
+    for a, size in group_axes:
+        group = group * size + jax.lax.axis_index(a).astype(jnp.int32)
     return rank, group
 
 
@@ -154,6 +162,7 @@ class _Cfg:
     capacity: int
     axis_name: Any
     backend: str
+    group_axes: Any = None  # ((name, size), ...); None: the manual axes in context
 
 
 def _check_ids_reference(topk_idx, num_experts):
@@ -202,7 +211,7 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, num_ranks: int,
 # ----------------------------------------------------------------------------- dispatch
 
 def _ffi_dispatch(x, topk_idx, topk_weights, cfg: _Cfg):
-    rank, group = _ep_coords(cfg.axis_name)
+    rank, group = _ep_coords(cfg.axis_name, cfg.group_axes)
     x, topk_idx, topk_weights, rank, group = _unify_varying(x, topk_idx, topk_weights, rank,
                                                            group)
     T, H = x.shape
@@ -242,10 +251,11 @@ def _dispatch_fwd(x, topk_idx, topk_weights, cfg):
 def _dispatch_bwd(cfg, res, cts):
     recv_idx, handle = res
     d_recv_x, _, d_recv_w, _ = cts
-    dx = _combine_impl(d_recv_x, handle, cfg.backend)
+    dx = _combine_impl(d_recv_x, handle, cfg.backend, cfg.group_axes)
     # Each slot's weight lives on exactly one rank: masking the others and summing
     # over ranks returns the owner's cotangent exactly (zero where dropped).
-    dw = _combine_impl(jnp.where(recv_idx >= 0, d_recv_w, 0.0), handle, cfg.backend)
+    dw = _combine_impl(jnp.where(recv_idx >= 0, d_recv_w, 0.0), handle, cfg.backend,
+                       cfg.group_axes)
     return dx, None, dw
 
 
@@ -286,8 +296,8 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
 
 # ----------------------------------------------------------------------------- combine
 
-def _ffi_combine(y, handle: DispatchHandle):
-    rank, group = _ep_coords(handle.axis_name)
+def _ffi_combine(y, handle: DispatchHandle, group_axes=None):
+    rank, group = _ep_coords(handle.axis_name, group_axes)
     y, send_row, rank, group = _unify_varying(y, handle.send_row, rank, group)
     T = send_row.shape[0]
     return jax.ffi.ffi_call("jax_ep_combine", _like(y, (T, y.shape[1]), y.dtype),
@@ -296,8 +306,8 @@ def _ffi_combine(y, handle: DispatchHandle):
         call_site=np.int64(next(_call_sites)))
 
 
-def _ffi_gather(g, handle: DispatchHandle):
-    rank, group = _ep_coords(handle.axis_name)
+def _ffi_gather(g, handle: DispatchHandle, group_axes=None):
+    rank, group = _ep_coords(handle.axis_name, group_axes)
     g, src_rank, src_index, rank, group = _unify_varying(g, handle.src_rank,
                                                          handle.src_index, rank, group)
     return jax.ffi.ffi_call("jax_ep_gather", _like(g, (handle.capacity, g.shape[1]), g.dtype),
@@ -306,15 +316,15 @@ def _ffi_gather(g, handle: DispatchHandle):
         call_site=np.int64(next(_call_sites)))
 
 
-def _combine_impl(y, handle, backend):
+def _combine_impl(y, handle, backend, group_axes=None):
     if backend == "ffi":
-        return _ffi_combine(y, handle)
+        return _ffi_combine(y, handle, group_axes)
     return reference.combine(y, handle)
 
 
-def _gather_impl(g, handle, backend):
+def _gather_impl(g, handle, backend, group_axes=None):
     if backend == "ffi":
-        return _ffi_gather(g, handle)
+        return _ffi_gather(g, handle, group_axes)
     return reference.gather(g, handle)
 
 

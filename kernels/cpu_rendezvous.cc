@@ -66,6 +66,16 @@ std::string Rendezvous::Arrive(const RendezvousKey& key, int rank, int num_ranks
     Release(key, round);
     return s.str();
   }
+  if (!round->closed && round->present[rank]) {
+    // Two live participants claim one rank: they are not one EP group. Meeting would
+    // exchange rows between unrelated groups, so refuse.
+    std::ostringstream s;
+    s << "jax_ep: two participants claim rank " << rank << " at " << KeyText(key)
+      << "; EP groups are mislabelled (each group must have distinct ranks 0.." << num_ranks - 1
+      << ")";
+    Release(key, round);
+    return s.str();
+  }
   // A previous call of this site may still be exchanging: wait for it to finish.
   while (round->closed || round->present[rank]) {
     if (g_cv.wait_until(lock, deadline) == std::cv_status::timeout &&

@@ -1,0 +1,376 @@
+"""Global-view EP ops: the same contract as `jax_ep.dispatch`/`combine` on global arrays
+under `jax.jit` with a mesh in context (`jax.set_mesh(mesh)` or `with mesh:`), no user
+`shard_map`.
+
+Token arrays are global with dim 0 sharded over `token_axes = batch_axes + (mesh_axis,)`
+(S shards; one EP group of R = mesh.shape[mesh_axis] shards per index of the batch axes).
+Outputs are global and sharded the same way: `[S * C, ...]` for received rows, `[S]` for
+per-shard scalars. Partitioning comes from `custom_partitioning` with a Shardy
+`sharding_rule`: each shard runs the per-shard op, and inputs sharded otherwise are
+resharded once to `P(token_axes)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_ep import ops
+from jax_ep._types import DispatchHandle, DispatchLayout
+
+_HANDLE_FIELDS = ("num_recv", "num_dropped", "num_recv_tokens_per_expert", "src_rank",
+                  "src_index", "send_row")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedDispatchHandle:
+    """Global-view handle: the per-shard DispatchHandle fields, concatenated over the S
+    shards of the token axes (num_recv, num_dropped: int32[S];
+    num_recv_tokens_per_expert: int32[S * E_local]; src_rank, src_index: int32[S * C];
+    send_row: int32[N, R])."""
+
+    num_recv: jax.Array
+    num_dropped: jax.Array
+    num_recv_tokens_per_expert: jax.Array
+    src_rank: jax.Array
+    src_index: jax.Array
+    send_row: jax.Array
+    num_experts: int
+    num_ranks: int
+    capacity: int
+    mesh_axis: str
+    token_axes: tuple
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.num_ranks
+
+
+jax.tree_util.register_dataclass(
+    ShardedDispatchHandle, data_fields=list(_HANDLE_FIELDS),
+    meta_fields=["num_experts", "num_ranks", "capacity", "mesh_axis", "token_axes"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Static description of one sharded call."""
+    num_experts: int
+    num_ranks: int
+    capacity: int
+    mesh_axis: str
+    token_axes: tuple
+    num_shards: int       # S
+    tokens_per_shard: int  # T
+    backend: str
+    group_axes: tuple      # ((name, size), ...) of the mesh axes other than mesh_axis
+
+    @property
+    def cfg(self):
+        return ops._Cfg(self.num_experts, self.num_ranks, self.capacity, self.mesh_axis,
+                        self.backend, self.group_axes)
+
+    @property
+    def experts_per_rank(self):
+        return self.num_experts // self.num_ranks
+
+
+def _context_mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        raise ValueError("jax_ep.sharded needs a mesh in context: wrap the call in "
+                         "`with jax.set_mesh(mesh):` (or `with mesh:`)")
+    return mesh
+
+
+def _concrete_mesh():
+    from jax._src import mesh as mesh_lib  # no public accessor works inside jit
+    mesh = mesh_lib.get_concrete_mesh()
+    if mesh is None or mesh.empty:  # `with mesh:` (pre-set_mesh style)
+        mesh = mesh_lib.thread_resources.env.physical_mesh
+    if mesh is None or mesh.empty:
+        raise ValueError("jax_ep.sharded needs a concrete mesh in context: use "
+                         "`with jax.set_mesh(mesh):` or `with mesh:` around the call")
+    return mesh
+
+
+def _token_axes(mesh, mesh_axis, batch_axes) -> tuple:
+    names = tuple(mesh.axis_names)
+    if mesh_axis not in names:
+        raise ValueError(f"mesh_axis {mesh_axis!r} is not an axis of the mesh {names}")
+    if batch_axes is None:
+        batch_axes = names[:names.index(mesh_axis)]
+    elif isinstance(batch_axes, str):
+        batch_axes = (batch_axes,)
+    batch_axes = tuple(batch_axes)
+    for a in batch_axes:
+        if a not in names or a == mesh_axis:
+            raise ValueError(f"batch_axes entry {a!r} must be a mesh axis other than "
+                             f"mesh_axis; mesh axes are {names}")
+    types = dict(zip(names, getattr(mesh, "axis_types", ())))
+    explicit = [a for a in names if "Explicit" in str(types.get(a, ""))]
+    if explicit:
+        raise NotImplementedError(
+            f"jax_ep.sharded works on meshes with Auto axes; axes {explicit} are Explicit. "
+            "Create the mesh with axis_types=(jax.sharding.AxisType.Auto, ...), or call "
+            "jax_ep.dispatch/combine inside jax.shard_map")
+    return batch_axes + (mesh_axis,)
+
+
+def _spec(x_rows, num_experts, mesh_axis, capacity, backend, batch_axes) -> _Spec:
+    mesh = _context_mesh()
+    token_axes = _token_axes(mesh, mesh_axis, batch_axes)
+    R = int(mesh.shape[mesh_axis])
+    S = 1
+    for a in token_axes:
+        S *= int(mesh.shape[a])
+    if x_rows % S != 0:
+        raise ValueError(f"the token dimension ({x_rows}) must be divisible by the "
+                         f"{S} shards of token axes {token_axes}")
+    T = x_rows // S
+    if num_experts % R != 0:
+        raise ValueError(f"num_experts={num_experts} must be divisible by the size "
+                         f"R={R} of mesh_axis {mesh_axis!r} (E % R != 0)")
+    C = R * T if capacity is None else ops._static_int("capacity", capacity, 1)
+    return _Spec(num_experts, R, C, mesh_axis, token_axes, S, T,
+                 ops.resolve_backend(backend), _group_axes(mesh, mesh_axis))
+
+
+def _group_axes(mesh, mesh_axis):
+    # Inside a partitioned body the mesh is not in context, so name the group axes here.
+    return tuple((a, int(mesh.shape[a])) for a in mesh.axis_names if a != mesh_axis)
+
+
+def _shardings(mesh, spec: _Spec, n):
+    return tuple(NamedSharding(mesh, P(spec.token_axes)) for _ in range(n))
+
+
+def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
+    """A custom_partitioning op whose every operand and result is sharded on dim 0 over
+    the token axes; `body` is the per-shard function, `abstract` gives global shapes."""
+    op = custom_partitioning(abstract)
+
+    def out_shardings(mesh):
+        outs = _shardings(mesh, spec, n_out)
+        return outs[0] if n_out == 1 else outs
+
+    def partition(mesh, arg_shapes, result_shape):
+        return mesh, body, out_shardings(mesh), _shardings(mesh, spec, n_in)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return out_shardings(mesh)
+
+    # Shardy wants replicated factors listed in the order they first appear in the rule.
+    names = [c for c in rule if c.isalpha()]
+    repl = tuple(sorted(factors.pop("need_replication_factors", ()), key=names.index))
+    # Shardy propagates through `sharding_rule`; GSPMD needs the inference callback.
+    gspmd = not jax.config.jax_use_shardy_partitioner
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer if gspmd else None,
+                     sharding_rule=rule, need_replication_factors=repl, **factors)
+
+    def call(*args):
+        # Pin operands to the token sharding (one reshard if they arrive otherwise); this
+        # also hands the partitioner the concrete mesh.
+        sharding = NamedSharding(_concrete_mesh(), P(spec.token_axes))
+        pinned = [jax.lax.with_sharding_constraint(a, sharding) for a in args]
+        return op(*pinned)
+
+    return call
+
+
+# ----------------------------------------------------------------------------- layout
+
+@functools.cache
+def _layout_op(spec: _Spec):
+    S, T, R, E = spec.num_shards, spec.tokens_per_shard, spec.num_ranks, spec.num_experts
+
+    def abstract(idx):
+        return (jnp.zeros((S * R,), jnp.int32), jnp.zeros((S * E,), jnp.int32),
+                jnp.zeros((S * T, R), jnp.bool_))
+
+    def body(idx):
+        lay = ops.get_dispatch_layout(idx, num_experts=E, num_ranks=R, backend=spec.backend)
+        return lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank
+
+    return _partitioned(spec, body, abstract, "(s t) k -> (s r), (s e), (s t) r", 1, 3,
+                        need_replication_factors=("k", "r", "e"), t=T, r=R, e=E)
+
+
+def get_dispatch_layout(topk_idx, *, num_experts: int, mesh_axis: str, batch_axes=None,
+                        backend=None) -> DispatchLayout:
+    """Global layout of topk_idx[N, K] int32: num_tokens_per_rank int32[S * R],
+    num_tokens_per_expert int32[S * E], is_token_in_rank bool[N, R], one block per shard."""
+    topk_idx = jnp.asarray(topk_idx)
+    num_experts = ops._static_int("num_experts", num_experts, 1)
+    ops._check_routing(topk_idx, None, None, num_experts, 1)
+    spec = _spec(topk_idx.shape[0], num_experts, mesh_axis, None, backend, batch_axes)
+    return DispatchLayout(*_layout_op(spec)(topk_idx))
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def _local_handle(spec: _Spec, arrays) -> DispatchHandle:
+    num_recv, num_dropped, per_expert, src_rank, src_index, send_row = arrays
+    return DispatchHandle(num_recv.reshape(()), num_dropped.reshape(()), per_expert, src_rank,
+                          src_index, send_row, spec.num_experts, spec.num_ranks,
+                          spec.capacity, spec.mesh_axis)
+
+
+def _handle_rule():
+    return "s, s, (s e), (s c), (s c), (s t) r"
+
+
+@functools.cache
+def _dispatch_op(spec: _Spec, H: int, K: int, dtype):
+    S, T, C, R, el = (spec.num_shards, spec.tokens_per_shard, spec.capacity, spec.num_ranks,
+                      spec.experts_per_rank)
+
+    def abstract(x, idx, w):
+        return (jnp.zeros((S * C, H), x.dtype), jnp.zeros((S * C, K), jnp.int32),
+                jnp.zeros((S * C, K), jnp.float32), jnp.zeros((S,), jnp.int32),
+                jnp.zeros((S,), jnp.int32), jnp.zeros((S * el,), jnp.int32),
+                jnp.zeros((S * C,), jnp.int32), jnp.zeros((S * C,), jnp.int32),
+                jnp.zeros((S * T, R), jnp.int32))
+
+    def body(x, idx, w):
+        rx, ri, rw, h = ops._dispatch_impl(x, idx, w, spec.cfg)
+        return (rx, ri, rw, h.num_recv[None], h.num_dropped[None],
+                h.num_recv_tokens_per_expert, h.src_rank, h.src_index, h.send_row)
+
+    rule = "(s t) h, (s t) k, (s t) k -> (s c) h, (s c) k, (s c) k, " + _handle_rule()
+    return _partitioned(spec, body, abstract, rule, 3, 9,
+                        need_replication_factors=("h", "k", "r", "e"), t=T, c=C, e=el)
+
+
+@functools.cache
+def _combine_op(spec: _Spec, H: int, dtype):
+    S, T = spec.num_shards, spec.tokens_per_shard
+
+    def abstract(y, *handle):
+        return jnp.zeros((S * T, H), y.dtype)
+
+    def body(y, *handle):
+        return ops._combine_impl(y, _local_handle(spec, handle), spec.backend,
+                                 spec.group_axes)
+
+    rule = "(s c) h, " + _handle_rule() + " -> (s t) h"
+    return _partitioned(spec, body, abstract, rule, 7, 1,
+                        need_replication_factors=("h", "r", "e"), t=T, c=spec.capacity,
+                        e=spec.experts_per_rank)
+
+
+@functools.cache
+def _gather_op(spec: _Spec, H: int, dtype):
+    S, C = spec.num_shards, spec.capacity
+
+    def abstract(g, *handle):
+        return jnp.zeros((S * C, H), g.dtype)
+
+    def body(g, *handle):
+        return ops._gather_impl(g, _local_handle(spec, handle), spec.backend,
+                                spec.group_axes)
+
+    rule = "(s t) h, " + _handle_rule() + " -> (s c) h"
+    return _partitioned(spec, body, abstract, rule, 7, 1,
+                        need_replication_factors=("h", "r", "e"), t=spec.tokens_per_shard,
+                        c=C, e=spec.experts_per_rank)
+
+
+def _handle_arrays(h):
+    return tuple(getattr(h, f) for f in _HANDLE_FIELDS)
+
+
+def _sharded_combine(y, h: ShardedDispatchHandle, spec: _Spec):
+    return _combine_op(spec, y.shape[1], jnp.dtype(y.dtype))(y, *_handle_arrays(h))
+
+
+def _sharded_gather(g, h: ShardedDispatchHandle, spec: _Spec):
+    return _gather_op(spec, g.shape[1], jnp.dtype(g.dtype))(g, *_handle_arrays(h))
+
+
+def _dispatch_fwd_impl(x, idx, w, spec: _Spec):
+    outs = _dispatch_op(spec, x.shape[1], idx.shape[1], jnp.dtype(x.dtype))(x, idx, w)
+    handle = ShardedDispatchHandle(*outs[3:], spec.num_experts, spec.num_ranks,
+                                   spec.capacity, spec.mesh_axis, spec.token_axes)
+    return outs[0], outs[1], outs[2], handle
+
+
+def _dispatch_fwd(x, idx, w, spec):
+    out = _dispatch_fwd_impl(x, idx, w, spec)
+    return out, (out[1], out[3])
+
+
+def _dispatch_bwd(spec, res, cts):
+    recv_idx, handle = res
+    d_recv_x, _, d_recv_w, _ = cts
+    dx = _sharded_combine(d_recv_x, handle, spec)
+    dw = _sharded_combine(jnp.where(recv_idx >= 0, d_recv_w, 0.0), handle, spec)
+    return dx, None, dw
+
+
+_dispatch = jax.custom_vjp(_dispatch_fwd_impl, nondiff_argnums=(3,))
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def dispatch(x, topk_idx, topk_weights, *, num_experts: int, mesh_axis: str, capacity=None,
+             backend=None, batch_axes=None):
+    """Global-view dispatch.
+
+    Args:
+      x: [N, H] float32/bfloat16/float16, N = S * T tokens sharded over the token axes.
+      topk_idx: [N, K] int32 in [-1, E). topk_weights: [N, K] float32.
+      mesh_axis: the EP axis of the mesh in context (R = its size).
+      capacity: C rows received per shard (default R * T).
+      batch_axes: mesh axes that, with mesh_axis, shard the tokens (default: the axes
+        before mesh_axis in the mesh); one EP group per index of them.
+    Returns:
+      recv_x [S * C, H], recv_topk_idx [S * C, K] int32, recv_topk_weights [S * C, K]
+      float32 and a ShardedDispatchHandle; block s of each is shard s's per-shard result.
+    """
+    x, topk_idx, topk_weights = map(jnp.asarray, (x, topk_idx, topk_weights))
+    ops._check_tokens("x", x)
+    num_experts = ops._static_int("num_experts", num_experts, 1)
+    ops._check_routing(topk_idx, topk_weights, x.shape[0], num_experts, 1)
+    spec = _spec(x.shape[0], num_experts, mesh_axis, capacity, backend, batch_axes)
+    return _dispatch(x, topk_idx, topk_weights, spec)
+
+
+def _combine_fwd_impl(y, handle, spec):
+    return _sharded_combine(y, handle, spec)
+
+
+def _combine_fwd(y, handle, spec):
+    return _sharded_combine(y, handle, spec), handle
+
+
+def _combine_bwd(spec, handle, d_out):
+    dy = _sharded_gather(d_out, handle, spec)
+    return dy, jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), handle)
+
+
+_combine = jax.custom_vjp(_combine_fwd_impl, nondiff_argnums=(2,))
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def combine(y, handle: ShardedDispatchHandle, *, backend=None):
+    """Global-view combine: y [S * C, H] -> out [N, H] (y's dtype), sharded like x."""
+    if not isinstance(handle, ShardedDispatchHandle):
+        raise TypeError("handle must be the ShardedDispatchHandle returned by "
+                        f"jax_ep.sharded.dispatch, got {type(handle).__name__}")
+    y = jnp.asarray(y)
+    ops._check_tokens("y", y)
+    S = handle.num_recv.shape[0]
+    if y.shape[0] != S * handle.capacity:
+        raise ValueError(f"y must have S * capacity = {S * handle.capacity} rows, got "
+                         f"shape {y.shape}")
+    mesh = _context_mesh()
+    spec = _Spec(handle.num_experts, handle.num_ranks, handle.capacity, handle.mesh_axis,
+                 handle.token_axes, S, handle.send_row.shape[0] // S,
+                 ops.resolve_backend(backend), _group_axes(mesh, handle.mesh_axis))
+    if int(mesh.shape[handle.mesh_axis]) != handle.num_ranks:
+        raise ValueError("the mesh in context does not match the handle's mesh")
+    return _combine(y, handle, spec)
