@@ -163,6 +163,7 @@ class _Cfg:
     axis_name: Any
     backend: str
     group_axes: Any = None  # ((name, size), ...); None: the manual axes in context
+    check_ids: bool = True  # reference backend: host-side id check inside the op
 
 
 def _check_ids_reference(topk_idx, num_experts):
@@ -194,9 +195,13 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, num_ranks: int,
     num_ranks = _static_int("num_ranks", num_ranks, 1)
     topk_idx = jnp.asarray(topk_idx)
     _check_routing(topk_idx, None, None, num_experts, num_ranks)
-    be = resolve_backend(backend)
-    if be == "reference":
-        _check_ids_reference(topk_idx, num_experts)
+    return _layout_impl(topk_idx, num_experts, num_ranks, resolve_backend(backend))
+
+
+def _layout_impl(topk_idx, num_experts, num_ranks, backend, check_ids=True):
+    if backend == "reference":
+        if check_ids:
+            _check_ids_reference(topk_idx, num_experts)
         return reference.layout(topk_idx, num_experts, num_ranks)
     T = topk_idx.shape[0]
     per_rank, per_expert, in_rank = jax.ffi.ffi_call(
@@ -236,7 +241,8 @@ def _ffi_dispatch(x, topk_idx, topk_weights, cfg: _Cfg):
 def _dispatch_impl(x, topk_idx, topk_weights, cfg: _Cfg):
     if cfg.backend == "ffi":
         return _ffi_dispatch(x, topk_idx, topk_weights, cfg)
-    _check_ids_reference(topk_idx, cfg.num_experts)
+    if cfg.check_ids:
+        _check_ids_reference(topk_idx, cfg.num_experts)
     rank = jax.lax.axis_index(_axis_names(cfg.axis_name))
     return reference.dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
                               num_ranks=cfg.num_ranks, capacity=cfg.capacity,

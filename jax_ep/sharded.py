@@ -71,8 +71,10 @@ class _Spec:
 
     @property
     def cfg(self):
+        # Host callbacks cannot run inside a partitioned body: ids are checked on the
+        # global array before the call instead (see dispatch).
         return ops._Cfg(self.num_experts, self.num_ranks, self.capacity, self.mesh_axis,
-                        self.backend, self.group_axes)
+                        self.backend, self.group_axes, check_ids=False)
 
     @property
     def experts_per_rank(self):
@@ -173,9 +175,14 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
                      sharding_rule=rule, need_replication_factors=repl, **factors)
 
     def call(*args):
+        mesh = _concrete_mesh()
+        if mesh.size == 1:
+            # XLA does not partition single-device programs (it would run `abstract`).
+            return jax.shard_map(body, mesh=mesh, in_specs=P(spec.token_axes),
+                                 out_specs=P(spec.token_axes), check_vma=False)(*args)
         # Pin operands to the token sharding (one reshard if they arrive otherwise); this
         # also hands the partitioner the concrete mesh.
-        sharding = NamedSharding(_concrete_mesh(), P(spec.token_axes))
+        sharding = NamedSharding(mesh, P(spec.token_axes))
         pinned = [jax.lax.with_sharding_constraint(a, sharding) for a in args]
         return op(*pinned)
 
@@ -193,7 +200,7 @@ def _layout_op(spec: _Spec):
                 jnp.zeros((S * T, R), jnp.bool_))
 
     def body(idx):
-        lay = ops.get_dispatch_layout(idx, num_experts=E, num_ranks=R, backend=spec.backend)
+        lay = ops._layout_impl(idx, E, R, spec.backend, check_ids=False)
         return lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank
 
     return _partitioned(spec, body, abstract, "(s t) k -> (s r), (s e), (s t) r", 1, 3,
@@ -208,6 +215,8 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, mesh_axis: str, batch_axe
     num_experts = ops._static_int("num_experts", num_experts, 1)
     ops._check_routing(topk_idx, None, None, num_experts, 1)
     spec = _spec(topk_idx.shape[0], num_experts, mesh_axis, None, backend, batch_axes)
+    if spec.backend == "reference":
+        ops._check_ids_reference(topk_idx, num_experts)
     return DispatchLayout(*_layout_op(spec)(topk_idx))
 
 
@@ -336,6 +345,8 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, mesh_axis: str, cap
     num_experts = ops._static_int("num_experts", num_experts, 1)
     ops._check_routing(topk_idx, topk_weights, x.shape[0], num_experts, 1)
     spec = _spec(x.shape[0], num_experts, mesh_axis, capacity, backend, batch_axes)
+    if spec.backend == "reference":
+        ops._check_ids_reference(topk_idx, num_experts)
     return _dispatch(x, topk_idx, topk_weights, spec)
 
 
