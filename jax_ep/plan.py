@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -58,7 +59,8 @@ def dispatch_row_bytes(hidden: int, elem_bytes: float, topk: int) -> int:
     return (raw + 15) // 16 * 16
 
 
-def expected_max_count(num_qps: int, num_ports: int, *, samples: int = 20000,
+@functools.lru_cache(maxsize=4096)
+def expected_max_count(num_qps: int, num_ports: int, *, samples: int = 4000,
                        seed: int = 0) -> float:
     """E[max over ports of the number of QPs] when `num_qps` QPs are hashed onto
     `num_ports` ports independently and uniformly. Exact for 1 or 2 ports; a seeded
@@ -70,9 +72,10 @@ def expected_max_count(num_qps: int, num_ports: int, *, samples: int = 20000,
         return float(m)
     if p == 2:
         x = np.arange(m + 1)
-        logpmf = np.array([math.lgamma(m + 1) - math.lgamma(i + 1) - math.lgamma(m - i + 1)
-                           for i in x]) - m * math.log(2.0)
-        return float(np.sum(np.exp(logpmf) * np.maximum(x, m - x)))
+        # log C(m, i) by cumulative log ratios, then the binomial(m, 1/2) pmf
+        logc = np.concatenate([[0.0], np.cumsum(np.log((m - x[1:] + 1) / x[1:]))])
+        pmf = np.exp(logc - m * math.log(2.0))
+        return float(np.sum(pmf * np.maximum(x, m - x)))
     rng = np.random.default_rng(seed)
     counts = rng.multinomial(m, [1.0 / p] * p, size=samples)
     return float(counts.max(axis=1).mean())
@@ -86,6 +89,7 @@ def hash_efficiency(num_qps: int, num_ports: int) -> float:
     return (num_qps / num_ports) / expected_max_count(num_qps, num_ports)
 
 
+@functools.lru_cache(maxsize=256)
 def qps_for_efficiency(num_ports: int, target: float = 0.95, peers: int = 1,
                        limit: int = 4096) -> int | None:
     """Fewest QPs per peer for which `peers` peers' QPs, hashed at random, reach `target`
@@ -144,7 +148,7 @@ def model(inp: PlanInputs) -> dict:
     if not 0.0 <= p_hit <= 1.0:
         raise ValueError("hit_prob must be in [0, 1]")
     row = dispatch_row_bytes(inp.hidden, inp.elem_bytes, inp.topk)
-    per_peer = inp.tokens * p_hit * row  # expected bytes to one peer
+    per_peer = int(round(inp.tokens * p_hit * row))  # expected bytes to one peer
     remote_peers = (inp.nodes - 1) * inp.gpus_per_node
     local_peers = inp.gpus_per_node - 1
     rdma_total = per_peer * remote_peers
@@ -158,7 +162,7 @@ def model(inp: PlanInputs) -> dict:
     peer_ids = [n * inp.gpus_per_node + g for n in range(1, inp.nodes)
                 for g in range(inp.gpus_per_node)]
     sizes = np.zeros(max(peer_ids) + 1 if peer_ids else 0, np.int64)
-    sizes[peer_ids] = int(round(per_peer))
+    sizes[peer_ids] = per_peer
     striped_ports = cfg.stripe(sizes).port_bytes.sum(axis=0) if peer_ids else np.zeros(P)
 
     scenarios = []
@@ -166,7 +170,7 @@ def model(inp: PlanInputs) -> dict:
         scenarios.append(_scenario(
             f"striped, {cfg.num_qps} QPs/peer pinned round-robin", striped_ports, rate,
             rdma_total, "ports differ by at most one chunk per peer"))
-        one_qp = np.zeros(P)
+        one_qp = np.zeros(P, dtype=np.int64)
         for peer in peer_ids:  # one QP per peer, on the peer's start port
             one_qp[cfg.start_port(peer)] += per_peer
         scenarios.append(_scenario("1 QP/peer, multi-port (rotated)", one_qp, rate, rdma_total,
