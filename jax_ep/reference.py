@@ -33,6 +33,13 @@ def layout(topk_idx, num_experts, num_ranks) -> DispatchLayout:
     )
 
 
+def _as_bits(x):
+    """x viewed as unsigned ints of its width: moving bits, not floats, keeps every
+    payload exact (XLA on CPU computes bfloat16 selects in float32, which would
+    canonicalize NaNs)."""
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
 def _a2a(v, axis_name):
     # [R(dest), ...] -> [R(source), ...]
     return jax.lax.all_to_all(v, axis_name, 0, 0, tiled=False)
@@ -46,7 +53,8 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts, num_ranks, capacity, axi
     el = num_experts // R
     in_rank = is_token_in_rank(topk_idx, num_experts, R)  # [T, R]
     mask = in_rank.T  # [R(dest), T]
-    send_x = jnp.where(mask[:, :, None], x[None], jnp.zeros((), x.dtype))
+    xb = _as_bits(x)
+    send_x = jnp.where(mask[:, :, None], xb[None], jnp.zeros((), xb.dtype))
     send_idx = jnp.where(mask[:, :, None], topk_idx[None], -1)
     send_w = jnp.where(mask[:, :, None], topk_weights[None], 0.0)
     recv_x = _a2a(send_x, axis_name).reshape(R * T, H)
@@ -63,7 +71,8 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts, num_ranks, capacity, axi
     local = jnp.where(_owner(recv_idx, el) == rank, recv_idx - rank * el, -1)
     local_w = jnp.where(local >= 0, recv_w, 0.0)
     src = jnp.arange(R * T, dtype=jnp.int32)
-    out_x = jnp.zeros((C, H), x.dtype).at[dest].set(recv_x, mode="drop")
+    out_x = jax.lax.bitcast_convert_type(
+        jnp.zeros((C, H), xb.dtype).at[dest].set(recv_x, mode="drop"), x.dtype)
     out_idx = jnp.full((C, K), -1, jnp.int32).at[dest].set(local, mode="drop")
     out_w = jnp.zeros((C, K), jnp.float32).at[dest].set(local_w, mode="drop")
     src_rank = jnp.full((C,), -1, jnp.int32).at[dest].set(src // T, mode="drop")
@@ -91,8 +100,10 @@ def combine(y, handle: DispatchHandle):
     # Rows past num_recv are ignored: route them out of bounds.
     r_idx = jnp.where(kept, handle.src_rank, R)
     t_idx = jnp.where(kept, handle.src_index, 0)
-    buf = jnp.zeros((R, T, H), y.dtype).at[r_idx, t_idx].set(y, mode="drop")
-    back = _a2a(buf, handle.axis_name)  # [R(receiver), T, H]
+    yb = _as_bits(y)
+    buf = jnp.zeros((R, T, H), yb.dtype).at[r_idx, t_idx].set(yb, mode="drop")
+    # [R(receiver), T, H]
+    back = jax.lax.bitcast_convert_type(_a2a(buf, handle.axis_name), y.dtype)
     # Explicit ascending order; adding the zeros of absent rows leaves the sum unchanged.
     acc = jnp.zeros((T, H), jnp.float32)
     for r in range(R):
@@ -105,8 +116,10 @@ def gather(g, handle: DispatchHandle):
     """Transpose of combine: out[C, H] with out[i] = g_{src_rank[i]}[src_index[i]]."""
     R = handle.num_ranks
     mask = (handle.send_row >= 0).T  # [R(dest), T]
-    send = jnp.where(mask[:, :, None], g[None], jnp.zeros((), g.dtype))
+    gb = _as_bits(g)
+    send = jnp.where(mask[:, :, None], gb[None], jnp.zeros((), gb.dtype))
     recv = _a2a(send, handle.axis_name)  # [R(source), T, H]
     kept = handle.src_rank >= 0
     rows = recv[jnp.where(kept, handle.src_rank, 0), jnp.where(kept, handle.src_index, 0)]
-    return jnp.where(kept[:, None], rows, jnp.zeros((), g.dtype))
+    return jax.lax.bitcast_convert_type(
+        jnp.where(kept[:, None], rows, jnp.zeros((), gb.dtype)), g.dtype)
