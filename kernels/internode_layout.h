@@ -1,0 +1,81 @@
+// Layout of the NVSHMEM symmetric heap used by the internode kernels. Pure functions:
+// the CUDA code carves the heap with them and `jax_ep.nvshmem_bootstrap.heap_bytes_for`
+// mirrors them (tests compare the two).
+//
+// R ranks, T = most tokens per rank, C = capacity (received rows per rank), K = top-k.
+// A rank sends each token to at most min(K, R) ranks, so its packed send rows number at
+// most T * min(K, R). Regions that peers write into are doubled (indexed by the parity
+// of the call counter) so a fast peer's next call never overwrites data still in use.
+//
+//   counts [2][R][R] int32      counts[s][d]: rows s sends d (all-gathered per call)
+//   sigs   [2][3][R] uint64     per-source signals: counts, dispatch data, combine data
+//   recv   [2][C] dispatch rows  rows received by dispatch, in contract order
+//   back   [2][T*min(K,R)] combine rows  rows returned by combine, in send order
+//   stage  [T*min(K,R)] dispatch rows    packed rows to send (local only)
+//   cstage [C] combine rows              y rows to return (local only)
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JEP_LAYOUT_HD __host__ __device__ __forceinline__
+#else
+#define JEP_LAYOUT_HD inline
+#endif
+
+namespace jax_ep {
+
+constexpr int64_t kHeapAlign = 256;
+// Room NVSHMEM and the kernels' bookkeeping may use beyond the regions above.
+constexpr int64_t kHeapSlackBytes = 32ll << 20;
+
+JEP_LAYOUT_HD int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// One dispatched row: the token's bytes, K global expert ids (int32), K weights (f32)
+// and the source token index (int32), padded to 16 bytes.
+JEP_LAYOUT_HD int64_t dispatch_row_stride(int64_t hidden_bytes, int64_t topk) {
+  return round_up(hidden_bytes + 8 * topk + 4, 16);
+}
+JEP_LAYOUT_HD int64_t combine_row_stride(int64_t hidden_bytes) { return round_up(hidden_bytes, 16); }
+
+JEP_LAYOUT_HD int64_t send_rows(int64_t max_tokens, int64_t topk, int64_t num_ranks) {
+  return max_tokens * (topk < num_ranks ? topk : num_ranks);
+}
+
+struct HeapLayout {
+  int64_t counts, sigs, recv, back, stage, cstage, total;  // byte offsets, total size
+  int64_t counts_slot, sigs_slot, recv_slot, back_slot;    // bytes per parity slot
+};
+
+// x_bytes / y_bytes: bytes per hidden element of dispatch's x and combine's y.
+JEP_LAYOUT_HD HeapLayout heap_layout(int64_t num_ranks, int64_t max_tokens, int64_t capacity,
+                                     int64_t hidden, int64_t topk, int64_t x_bytes,
+                                     int64_t y_bytes) {
+  HeapLayout L{};
+  const int64_t ds = dispatch_row_stride(hidden * x_bytes, topk);
+  const int64_t cs = combine_row_stride(hidden * y_bytes);
+  const int64_t sr = send_rows(max_tokens, topk, num_ranks);
+  L.counts_slot = round_up(num_ranks * num_ranks * 4, kHeapAlign);
+  L.sigs_slot = round_up(3 * num_ranks * 8, kHeapAlign);
+  L.recv_slot = round_up(capacity * ds, kHeapAlign);
+  L.back_slot = round_up(sr * cs, kHeapAlign);
+  int64_t off = 0;
+  L.counts = off; off += 2 * L.counts_slot;
+  L.sigs = off;   off += 2 * L.sigs_slot;
+  L.recv = off;   off += 2 * L.recv_slot;
+  L.back = off;   off += 2 * L.back_slot;
+  L.stage = off;  off += round_up(sr * ds, kHeapAlign);
+  L.cstage = off; off += round_up(capacity * cs, kHeapAlign);
+  L.total = off;
+  return L;
+}
+
+// NVSHMEM symmetric heap size (NVSHMEM_SYMMETRIC_SIZE) for these limits.
+JEP_LAYOUT_HD int64_t heap_bytes(int64_t num_ranks, int64_t max_tokens, int64_t capacity,
+                                 int64_t hidden, int64_t topk, int64_t x_bytes, int64_t y_bytes) {
+  const HeapLayout L =
+      heap_layout(num_ranks, max_tokens, capacity, hidden, topk, x_bytes, y_bytes);
+  return round_up(L.total + kHeapSlackBytes, 2ll << 20);
+}
+
+}  // namespace jax_ep
