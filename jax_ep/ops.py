@@ -344,7 +344,13 @@ def _combine_bwd(backend, handle, d_out):
     return dy, zeros
 
 
-_combine = jax.custom_vjp(_combine_impl, nondiff_argnums=(2,))
+def _combine_primal(y, handle, backend):
+    # Exactly the fwd's arguments: custom_vjp fills in defaulted parameters of the primal
+    # (like _combine_impl's group_axes) and would pass them on to _combine_fwd.
+    return _combine_impl(y, handle, backend)
+
+
+_combine = jax.custom_vjp(_combine_primal, nondiff_argnums=(2,))
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
