@@ -217,8 +217,8 @@ def _layout_impl(topk_idx, num_experts, num_ranks, backend, check_ids=True):
 
 def _ffi_dispatch(x, topk_idx, topk_weights, cfg: _Cfg):
     rank, group = _ep_coords(cfg.axis_name, cfg.group_axes)
-    x, topk_idx, topk_weights, rank, group = _unify_varying(x, topk_idx, topk_weights, rank,
-                                                           group)
+    # The group id only separates rendezvous; results vary like the data and the rank.
+    x, topk_idx, topk_weights, rank = _unify_varying(x, topk_idx, topk_weights, rank)
     T, H = x.shape
     K = topk_idx.shape[1]
     C, R = cfg.capacity, cfg.num_ranks
@@ -304,7 +304,7 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
 
 def _ffi_combine(y, handle: DispatchHandle, group_axes=None):
     rank, group = _ep_coords(handle.axis_name, group_axes)
-    y, send_row, rank, group = _unify_varying(y, handle.send_row, rank, group)
+    y, send_row, rank = _unify_varying(y, handle.send_row, rank)
     T = send_row.shape[0]
     return jax.ffi.ffi_call("jax_ep_combine", _like(y, (T, y.shape[1]), y.dtype),
                             vmap_method="sequential")(
@@ -314,8 +314,8 @@ def _ffi_combine(y, handle: DispatchHandle, group_axes=None):
 
 def _ffi_gather(g, handle: DispatchHandle, group_axes=None):
     rank, group = _ep_coords(handle.axis_name, group_axes)
-    g, src_rank, src_index, rank, group = _unify_varying(g, handle.src_rank,
-                                                         handle.src_index, rank, group)
+    g, src_rank, src_index, rank = _unify_varying(g, handle.src_rank,
+                                                  handle.src_index, rank)
     return jax.ffi.ffi_call("jax_ep_gather", _like(g, (handle.capacity, g.shape[1]), g.dtype),
                             vmap_method="sequential")(
         g, src_rank, src_index, rank, group, num_ranks=np.int64(handle.num_ranks),

@@ -16,6 +16,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.custom_batching
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -186,7 +187,20 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
         pinned = [jax.lax.with_sharding_constraint(a, sharding) for a in args]
         return op(*pinned)
 
-    return call
+    # vmap over a leading batch axis: one exchange per batch element, in order.
+    batched_call = jax.custom_batching.custom_vmap(call)
+
+    @batched_call.def_vmap
+    def _vmap_rule(axis_size, in_batched, *args):
+        args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                for a, b in zip(args, in_batched)]
+        per_item = [call(*[a[i] for a in args]) for i in range(axis_size)]
+        if n_out == 1:
+            return jnp.stack(per_item), True
+        outs = tuple(jnp.stack([p[j] for p in per_item]) for j in range(n_out))
+        return outs, (True,) * n_out
+
+    return batched_call
 
 
 # ----------------------------------------------------------------------------- layout
