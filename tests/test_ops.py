@@ -132,16 +132,15 @@ def make_inputs(rng, R, T, K, H, C, dtype):
     return x, w, y
 
 
-# (R, T, K, E, H): R in {1, 2, 4, 8}; includes K=1 and T=1.
-CONFIGS = [(1, 4, 2, 4, 3), (2, 5, 3, 4, 2), (4, 3, 1, 8, 2), (8, 1, 2, 16, 2),
-           (8, 6, 4, 16, 3), (8, 4, 1, 8, 1)]
+# (R, T, K, E, H, C, dtype): R in {1, 2, 4, 8}, K=1, T=1, C=1, default and overflowing
+# capacities, every dtype. Hypothesis varies the routing; the programs compile once.
+PROGRAMS = [(1, 4, 2, 4, 3, 4, F32), (2, 5, 3, 4, 2, 3, BF16), (4, 3, 1, 8, 2, 12, F16),
+            (8, 1, 2, 16, 2, 8, F32), (8, 6, 4, 16, 3, 10, F32), (8, 4, 1, 8, 1, 1, BF16)]
 
 
 @st.composite
 def routing_cases(draw):
-    R, T, K, E, H = draw(st.sampled_from(CONFIGS))
-    C = draw(st.sampled_from([R * T, 1, max(1, (R * T) // 3)]))
-    dtype = draw(st.sampled_from([F32, F32, BF16, F16]))
+    R, T, K, E, H, C, dtype = draw(st.sampled_from(PROGRAMS))
     kw = dict(
         mask_frac=draw(st.sampled_from([0.0, 0.3, 0.8])),
         skew_to=draw(st.one_of(st.none(), st.integers(0, R - 1))),
@@ -153,7 +152,7 @@ def routing_cases(draw):
     return R, T, K, E, H, C, dtype, kw, seed
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(routing_cases())
 def test_random_routing_ffi_equals_reference_equals_model(case):
     R, T, K, E, H, C, dtype, kw, seed = case
@@ -170,7 +169,7 @@ def test_random_routing_ffi_equals_reference_equals_model(case):
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dtypes(dtype, backend):
-    R, T, K, E, H, C = 8, 6, 3, 16, 5, 9
+    R, T, K, E, H, C = 2, 5, 3, 4, 2, 3
     rng = np.random.default_rng(11)
     idx = make_routing(rng, R, T, K, E, mask_frac=0.2)
     x, w, y = make_inputs(rng, R, T, K, H, C, dtype)
@@ -212,10 +211,10 @@ def test_capacity_overflow_drops_last_rows(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_capacity_one(backend):
-    R, T, K, E, H = 8, 4, 2, 16, 2
+    R, T, K, E, H = 8, 4, 1, 8, 1
     rng = np.random.default_rng(5)
     idx = make_routing(rng, R, T, K, E)
-    x, w, y = make_inputs(rng, R, T, K, H, 1, F32)
+    x, w, y = make_inputs(rng, R, T, K, H, 1, BF16)
     assert_bitwise_equal(run_ep(x, idx, w, y, E=E, C=1, backend=backend),
                          np_model(x, idx, w, y, E, 1), KEYS)
 
@@ -277,10 +276,10 @@ def test_combine_single_receiver_rows_signed_zeros_and_denormals():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_run_to_run_determinism(backend):
-    R, T, K, E, H, C = 8, 6, 4, 16, 3, 20
+    R, T, K, E, H, C = 8, 6, 4, 16, 3, 10
     rng = np.random.default_rng(99)
     idx = make_routing(rng, R, T, K, E, mask_frac=0.1)
-    x, w, y = make_inputs(rng, R, T, K, H, C, BF16)
+    x, w, y = make_inputs(rng, R, T, K, H, C, F32)
     first = run_ep(x, idx, w, y, E=E, C=C, backend=backend)
     for _ in range(3):
         assert_bitwise_equal(run_ep(x, idx, w, y, E=E, C=C, backend=backend), first, KEYS)
