@@ -104,10 +104,10 @@ def heap_bytes_for(*, num_ranks: int, max_tokens: int, capacity: int | None = No
     ds = _round_up(H * xb + 8 * K + 4, 16)
     cs = _round_up(H * yb, 16)
     sr = T * min(K, R)
-    total = (2 * _round_up(R * R * 4, _ALIGN) + 2 * _round_up(3 * R * 8, _ALIGN)
-             + 2 * _round_up(C * ds, _ALIGN) + 2 * _round_up(sr * cs, _ALIGN)
-             + _round_up(sr * ds, _ALIGN) + _round_up(C * cs, _ALIGN))
-    return _round_up(total + _SLACK, 2 << 20)
+    half = (_round_up(3 * R * 8, _ALIGN) + _round_up(R * R * 4, _ALIGN)
+            + _round_up(C * ds, _ALIGN) + _round_up(sr * cs, _ALIGN)
+            + _round_up(sr * ds, _ALIGN) + _round_up(C * cs, _ALIGN))
+    return _round_up(2 * half + _SLACK, 2 << 20)
 
 
 def _itemsize(dt) -> int:

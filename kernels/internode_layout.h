@@ -4,15 +4,17 @@
 //
 // R ranks, T = most tokens per rank, C = capacity (received rows per rank), K = top-k.
 // A rank sends each token to at most min(K, R) ranks, so its packed send rows number at
-// most T * min(K, R). Regions that peers write into are doubled (indexed by the parity
-// of the call counter) so a fast peer's next call never overwrites data still in use.
+// most T * min(K, R). The heap is two equal halves; call n (dispatch or combine) uses
+// half n % 2, so a fast peer already in the next call never writes into memory this PE
+// still reads. Within a half, signals and counts come first at offsets that depend on R
+// only (they must stay put from call to call, and are zero between calls):
 //
-//   counts [2][R][R] int32      counts[s][d]: rows s sends d (all-gathered per call)
-//   sigs   [2][3][R] uint64     per-source signals: counts, dispatch data, combine data
-//   recv   [2][C] dispatch rows  rows received by dispatch, in contract order
-//   back   [2][T*min(K,R)] combine rows  rows returned by combine, in send order
-//   stage  [T*min(K,R)] dispatch rows    packed rows to send (local only)
-//   cstage [C] combine rows              y rows to return (local only)
+//   sigs   [3][R] uint64          per-source signals: counts, dispatch data, combine data
+//   counts [R][R] int32           counts[s][d]: rows s sends d (all-gathered per call)
+//   recv   [C] dispatch rows      rows received by dispatch, in contract order
+//   back   [T*min(K,R)] combine rows   rows returned by combine, in send order
+//   stage  [T*min(K,R)] dispatch rows  packed rows to send
+//   cstage [C] combine rows            y rows to return
 #pragma once
 
 #include <cstdint>
@@ -43,8 +45,8 @@ JEP_LAYOUT_HD int64_t send_rows(int64_t max_tokens, int64_t topk, int64_t num_ra
 }
 
 struct HeapLayout {
-  int64_t counts, sigs, recv, back, stage, cstage, total;  // byte offsets, total size
-  int64_t counts_slot, sigs_slot, recv_slot, back_slot;    // bytes per parity slot
+  int64_t sigs, counts, recv, back, stage, cstage;  // byte offsets within a half
+  int64_t total;                                     // bytes of one half
 };
 
 // x_bytes / y_bytes: bytes per hidden element of dispatch's x and combine's y.
@@ -55,27 +57,24 @@ JEP_LAYOUT_HD HeapLayout heap_layout(int64_t num_ranks, int64_t max_tokens, int6
   const int64_t ds = dispatch_row_stride(hidden * x_bytes, topk);
   const int64_t cs = combine_row_stride(hidden * y_bytes);
   const int64_t sr = send_rows(max_tokens, topk, num_ranks);
-  L.counts_slot = round_up(num_ranks * num_ranks * 4, kHeapAlign);
-  L.sigs_slot = round_up(3 * num_ranks * 8, kHeapAlign);
-  L.recv_slot = round_up(capacity * ds, kHeapAlign);
-  L.back_slot = round_up(sr * cs, kHeapAlign);
   int64_t off = 0;
-  L.counts = off; off += 2 * L.counts_slot;
-  L.sigs = off;   off += 2 * L.sigs_slot;
-  L.recv = off;   off += 2 * L.recv_slot;
-  L.back = off;   off += 2 * L.back_slot;
+  L.sigs = off;   off += round_up(3 * num_ranks * 8, kHeapAlign);
+  L.counts = off; off += round_up(num_ranks * num_ranks * 4, kHeapAlign);
+  L.recv = off;   off += round_up(capacity * ds, kHeapAlign);
+  L.back = off;   off += round_up(sr * cs, kHeapAlign);
   L.stage = off;  off += round_up(sr * ds, kHeapAlign);
   L.cstage = off; off += round_up(capacity * cs, kHeapAlign);
   L.total = off;
   return L;
 }
 
-// NVSHMEM symmetric heap size (NVSHMEM_SYMMETRIC_SIZE) for these limits.
+// NVSHMEM symmetric heap size (NVSHMEM_SYMMETRIC_SIZE) for these limits: two halves
+// plus slack, in 2 MiB units.
 JEP_LAYOUT_HD int64_t heap_bytes(int64_t num_ranks, int64_t max_tokens, int64_t capacity,
                                  int64_t hidden, int64_t topk, int64_t x_bytes, int64_t y_bytes) {
   const HeapLayout L =
       heap_layout(num_ranks, max_tokens, capacity, hidden, topk, x_bytes, y_bytes);
-  return round_up(L.total + kHeapSlackBytes, 2ll << 20);
+  return round_up(2 * L.total + kHeapSlackBytes, 2ll << 20);
 }
 
 }  // namespace jax_ep

@@ -1,0 +1,216 @@
+// XLA FFI handlers of the internode (NVSHMEM) backend, platform CUDA:
+//
+//   jax_ep_internode_dispatch(x[T,H], topk_idx[T,K] s32, topk_weights[T,K] f32)
+//     -> recv_x[C,H], recv_topk_idx[C,K] s32, recv_topk_weights[C,K] f32,
+//        num_recv[] s32, num_dropped[] s32, num_recv_tokens_per_expert[E/R] s32,
+//        src_rank[C] s32, src_index[C] s32, counts[R,R] s32, send_slot[T,R] s32
+//     attrs: num_experts, num_ranks, rank, capacity, num_ports, qps_per_port, chunk_bytes
+//   jax_ep_internode_combine(y[C,H], counts[R,R] s32, send_slot[T,R] s32) -> out[T,H]
+//     attrs: num_ranks, rank, capacity, topk, num_ports, qps_per_port, chunk_bytes
+//
+// The EP group is every NVSHMEM PE (one process per GPU, see jax_ep.nvshmem_bootstrap).
+// Dispatch synchronises its stream once to surface out-of-range expert ids as an error,
+// so these handlers are not registered as command-buffer (CUDA graph) compatible.
+#include <sstream>
+#include <string>
+
+#include "kernels/internode_kernels.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cuda_registrations.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_ep {
+namespace {
+
+ffi::Error Invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_ep internode: " + msg);
+}
+
+ffi::Error FromString(const std::string& err) {
+  if (err.empty()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInternal, err);
+}
+
+bool ElemOf(ffi::DataType t, internode::Elem* e) {
+  switch (t) {
+    case ffi::DataType::F32: *e = internode::Elem::kF32; return true;
+    case ffi::DataType::BF16: *e = internode::Elem::kBF16; return true;
+    case ffi::DataType::F16: *e = internode::Elem::kF16; return true;
+    default: return false;
+  }
+}
+
+std::string Shape(ffi::Span<const int64_t> d) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
+  s << "]";
+  return s.str();
+}
+
+bool Is(ffi::Span<const int64_t> got, std::initializer_list<int64_t> want) {
+  if (got.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want)
+    if (got[i++] != w) return false;
+  return true;
+}
+
+#define JEP_EXPECT(what, buf, ...)                                                    \
+  do {                                                                                \
+    if (!Is((buf).dimensions(), {__VA_ARGS__}))                                       \
+      return Invalid(std::string(what) + " has shape " + Shape((buf).dimensions()) + \
+                     ", which does not match the other arguments");                  \
+  } while (0)
+
+ffi::Error TransportAttrs(internode::Dims* d, int64_t num_ports, int64_t qps_per_port,
+                          int64_t chunk_bytes) {
+  if (num_ports < 1) return Invalid("num_ports must be >= 1");
+  if (qps_per_port < 1) return Invalid("qps_per_port must be >= 1");
+  if (chunk_bytes < 1) return Invalid("chunk_bytes must be >= 1");
+  d->num_ports = static_cast<int>(num_ports);
+  d->qps_per_port = static_cast<int>(qps_per_port);
+  d->chunk_bytes = chunk_bytes;
+  return ffi::Error::Success();
+}
+
+ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> recv_x,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_idx,
+                        ffi::Result<ffi::Buffer<ffi::F32>> recv_w,
+                        ffi::Result<ffi::Buffer<ffi::S32>> num_recv,
+                        ffi::Result<ffi::Buffer<ffi::S32>> num_dropped,
+                        ffi::Result<ffi::Buffer<ffi::S32>> per_expert,
+                        ffi::Result<ffi::Buffer<ffi::S32>> src_rank,
+                        ffi::Result<ffi::Buffer<ffi::S32>> src_index,
+                        ffi::Result<ffi::Buffer<ffi::S32>> counts,
+                        ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t num_experts,
+                        int64_t num_ranks, int64_t rank, int64_t capacity, int64_t num_ports,
+                        int64_t qps_per_port, int64_t chunk_bytes) {
+  internode::Elem elem;
+  if (!ElemOf(x.element_type(), &elem)) return Invalid("x must be float32, bfloat16 or float16");
+  if (x.dimensions().size() != 2) return Invalid("x must be [tokens, hidden], got " + Shape(x.dimensions()));
+  const int64_t T = x.dimensions()[0], H = x.dimensions()[1];
+  if (topk_idx.dimensions().size() != 2 || topk_idx.dimensions()[0] != T)
+    return Invalid("topk_idx must be [tokens, k] with tokens = x.shape[0], got " +
+                   Shape(topk_idx.dimensions()));
+  const int64_t K = topk_idx.dimensions()[1];
+  const int64_t R = num_ranks, C = capacity;
+  if (R < 1) return Invalid("num_ranks must be >= 1");
+  if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
+  if (num_experts < 1 || num_experts % R != 0)
+    return Invalid("num_experts must be a positive multiple of num_ranks");
+  if (C < 1) return Invalid("capacity must be >= 1");
+  const int64_t el = num_experts / R;
+  JEP_EXPECT("topk_weights", topk_weights, T, K);
+  JEP_EXPECT("recv_x", *recv_x, C, H);
+  if (recv_x->element_type() != x.element_type()) return Invalid("recv_x must have x's dtype");
+  JEP_EXPECT("recv_topk_idx", *recv_idx, C, K);
+  JEP_EXPECT("recv_topk_weights", *recv_w, C, K);
+  JEP_EXPECT("num_recv", *num_recv);
+  JEP_EXPECT("num_dropped", *num_dropped);
+  JEP_EXPECT("num_recv_tokens_per_expert", *per_expert, el);
+  JEP_EXPECT("src_rank", *src_rank, C);
+  JEP_EXPECT("src_index", *src_index, C);
+  JEP_EXPECT("counts", *counts, R, R);
+  JEP_EXPECT("send_slot", *send_slot, T, R);
+  internode::Dims d;
+  d.num_ranks = static_cast<int>(R);
+  d.rank = static_cast<int>(rank);
+  d.tokens = static_cast<int>(T);
+  d.hidden = static_cast<int>(H);
+  d.topk = static_cast<int>(K);
+  d.capacity = static_cast<int>(C);
+  d.experts_per_rank = static_cast<int>(el);
+  d.num_experts = static_cast<int>(num_experts);
+  ffi::Error e = TransportAttrs(&d, num_ports, qps_per_port, chunk_bytes);
+  if (e.failure()) return e;
+  internode::DispatchOut out{recv_x->untyped_data(), recv_idx->typed_data(),
+                             recv_w->typed_data(),   num_recv->typed_data(),
+                             num_dropped->typed_data(), per_expert->typed_data(),
+                             src_rank->typed_data(), src_index->typed_data(),
+                             counts->typed_data(),   send_slot->typed_data()};
+  return FromString(internode::Dispatch(stream, d, elem, x.untyped_data(), topk_idx.typed_data(),
+                                        topk_weights.typed_data(), out));
+}
+
+ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> counts,
+                       ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
+                       int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes) {
+  internode::Elem elem;
+  if (!ElemOf(y.element_type(), &elem)) return Invalid("y must be float32, bfloat16 or float16");
+  if (y.dimensions().size() != 2) return Invalid("y must be [capacity, hidden], got " + Shape(y.dimensions()));
+  const int64_t C = y.dimensions()[0], H = y.dimensions()[1], R = num_ranks;
+  if (R < 1) return Invalid("num_ranks must be >= 1");
+  if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
+  if (C != capacity) return Invalid("y must have capacity rows");
+  JEP_EXPECT("handle.counts", counts, R, R);
+  if (send_slot.dimensions().size() != 2 || send_slot.dimensions()[1] != R)
+    return Invalid("handle.send_slot must be [tokens, num_ranks], got " +
+                   Shape(send_slot.dimensions()));
+  const int64_t T = send_slot.dimensions()[0];
+  JEP_EXPECT("out", *out, T, H);
+  if (out->element_type() != y.element_type()) return Invalid("out must have y's dtype");
+  internode::Dims d;
+  d.num_ranks = static_cast<int>(R);
+  d.rank = static_cast<int>(rank);
+  d.tokens = static_cast<int>(T);
+  d.hidden = static_cast<int>(H);
+  if (topk < 1) return Invalid("topk must be >= 1");
+  d.topk = static_cast<int>(topk);  // sizes the rows this rank sent (T * min(K, R))
+  d.capacity = static_cast<int>(C);
+  ffi::Error e = TransportAttrs(&d, num_ports, qps_per_port, chunk_bytes);
+  if (e.failure()) return e;
+  return FromString(internode::Combine(stream, d, elem, y.untyped_data(), counts.typed_data(),
+                                       send_slot.typed_data(), out->untyped_data()));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, DispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("num_ports")
+                                  .Attr<int64_t>("qps_per_port")
+                                  .Attr<int64_t>("chunk_bytes"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, CombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("topk")
+                                  .Attr<int64_t>("num_ports")
+                                  .Attr<int64_t>("qps_per_port")
+                                  .Attr<int64_t>("chunk_bytes"));
+
+void AddInternodeRegistrations(const RegisterFn& add) {
+  add("jax_ep_internode_dispatch", reinterpret_cast<void*>(InternodeDispatchHandler));
+  add("jax_ep_internode_combine", reinterpret_cast<void*>(InternodeCombineHandler));
+}
+
+}  // namespace jax_ep
