@@ -132,9 +132,9 @@ def make_inputs(rng, R, T, K, H, C, dtype):
     return x, w, y
 
 
-# (R, T, K, E, H, C, dtype): R in {1, 2, 4, 8}, K=1, T=1, C=1, default and overflowing
+# (R, T, K, E, H, C, dtype): R in {1, 2, 4, 8}, K=1, T=1, C=1, C > R*T, overflowing
 # capacities, every dtype. Hypothesis varies the routing; the programs compile once.
-PROGRAMS = [(1, 4, 2, 4, 3, 4, F32), (2, 5, 3, 4, 2, 3, BF16), (4, 3, 1, 8, 2, 12, F16),
+PROGRAMS = [(1, 4, 2, 4, 3, 7, F32), (2, 5, 3, 4, 2, 3, BF16), (4, 3, 1, 8, 2, 12, F16),
             (8, 1, 2, 16, 2, 8, F32), (8, 6, 4, 16, 3, 10, F32), (8, 4, 1, 8, 1, 1, BF16)]
 
 
