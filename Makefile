@@ -11,10 +11,14 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 
+# With nvcc present, the `cuda` extra brings NVSHMEM so the internode kernels build too.
+comma := ,
+EXTRAS := test$(if $(shell command -v nvcc 2>/dev/null),$(comma)cuda)
+
 # Build deps go into the venv so the extension builds without an isolated env.
 $(STAMP): $(VPY) pyproject.toml CMakeLists.txt
 	$(VPY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.10.2" ninja cmake
-	$(VPY) -m pip install -q --no-build-isolation -e '.[test]'
+	$(VPY) -m pip install -q --no-build-isolation -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 install: $(STAMP)

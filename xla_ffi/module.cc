@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 
 #include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/transport_bindings.h"
 #ifdef JAX_EP_WITH_CUDA
 #include "xla_ffi/cuda_registrations.h"
 #endif
@@ -19,6 +20,7 @@ nb::capsule Capsule(T* fn) {
 }  // namespace
 
 NB_MODULE(_jax_ep_ext, m) {
+  jax_ep::AddTransportBindings(m);
   m.def("registrations", []() {
     nb::dict cpu;
     cpu["jax_ep_layout"] = Capsule(jax_ep::LayoutCpuHandler);
