@@ -20,11 +20,18 @@ __device__ __forceinline__ void report(const CommonArgs& c, int32_t code, int32_
   record_error(&g_intranode_error, c.host_err, code, c.me, a, b, x, d);
 }
 
-// Waits for `flags[r] >= value` for every rank r; a timeout is recorded, not fatal.
+// Waits for `flags[r] >= value` for every rank r, all within one timeout; a timeout is
+// recorded, not fatal (the caller carries on, so a missing peer never hangs the GPU).
 __device__ void wait_all(const CommonArgs& c, const uint64_t* flags, uint64_t value, int kind) {
-  for (int r = 0; r < c.num_ranks; ++r)
-    if (!peer::wait_geq(&flags[r], value, c.timeout_ns))
+  const uint64_t start = peer::global_timer_ns();
+  for (int r = 0; r < c.num_ranks; ++r) {
+    const int64_t used = static_cast<int64_t>(peer::global_timer_ns() - start);
+    const int64_t left = c.timeout_ns > used ? c.timeout_ns - used : 1;
+    if (!peer::wait_geq(&flags[r], value, left)) {
       report(c, kErrTimeout, r, kind, static_cast<int32_t>(value), 0);
+      return;
+    }
+  }
 }
 
 // Checks the rank and group scalars XLA passed against the group set up on this device.

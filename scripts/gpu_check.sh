@@ -12,7 +12,7 @@ PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 # The harness and the communication buffers are allocated outside XLA's pool.
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}"
-export JAX_EP_TIMEOUT_S="${JAX_EP_TIMEOUT_S:-60}"
+export JAX_EP_TIMEOUT_S="${JAX_EP_TIMEOUT_S:-20}"
 start=$(date +%s)
 
 echo "== GPU"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
