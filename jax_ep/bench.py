@@ -10,7 +10,8 @@ an EP mesh of `--ranks` devices of the default JAX backend):
 
 Every timed call is preceded by warm-up calls of the same compiled program, cycles
 through several pre-generated input sets (different tokens and routings), and waits for
-its outputs; each op reports the median, min and max of `--repeats` calls.
+its outputs; each op reports the median, min and max of `--repeats` calls. Python's
+garbage collector is paused during the timed calls (as `timeit` does).
 
 Byte accounting (the "bytes" of each result, the same for every backend): like DeepEP,
 rows actually sent times row bytes, where a row is one token's hidden vector
@@ -36,6 +37,7 @@ argument + output + temp - alias bytes, next to argument + output bytes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -232,7 +234,7 @@ def _memory(compiled) -> dict:
 
 # ----------------------------------------------------------------------------- bench
 
-def run_bench(*, backends, ranks, tokens, hidden, topk, experts, dtype, capacity,
+def run_bench(*, backends, ops=OPS, ranks, tokens, hidden, topk, experts, dtype, capacity,
               repeats, warmup, input_sets, memcpy_GBps, seed=0, progress=None,
               with_memory=True):
     """One benchmark at one token count. Returns (config, results, memory, rows)."""
@@ -257,7 +259,7 @@ def run_bench(*, backends, ranks, tokens, hidden, topk, experts, dtype, capacity
                                  capacity=C)["rows"] for i in host_idx]
     rows = int(round(statistics.mean(rows_per_set)))
     nbytes = op_bytes(rows, hidden, DTYPE_BYTES[dtype])
-    results, memory = [], {}
+    results, memory, errors = [], {}, []
     for backend in backends:
         progs = _programs(mesh, backend, num_experts=experts, capacity=C)
         # combine's inputs: this backend's dispatch of every set.
@@ -268,13 +270,23 @@ def run_bench(*, backends, ranks, tokens, hidden, topk, experts, dtype, capacity
             comb_sets.append((rx, packed))
         jax.block_until_ready(comb_sets)
         memory[backend] = {}
-        for op in OPS:
+        for op in ops:
             args = {"dispatch": [s[:3] for s in sets], "combine": comb_sets,
                     "roundtrip": [s[:3] for s in sets],
                     "roundtrip_fwd_bwd": list(sets)}[op]
             if progress is not None:
                 progress.set_postfix_str(f"T={tokens} {backend} {op} (compile)")
-            compiled = comp_d if op == "dispatch" else progs[op].lower(*args[0]).compile()
+            try:
+                compiled = (comp_d if op == "dispatch"
+                            else progs[op].lower(*args[0]).compile())
+            except Exception as e:  # noqa: BLE001  (one broken op must not hide the rest)
+                errors.append({"backend": backend, "op": op,
+                               "error": f"{type(e).__name__}: {e}"[:2000]})
+                print(f"jax_ep.bench: {backend} {op} failed to compile: "
+                      f"{type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                if progress is not None:
+                    progress.update(warmup + repeats)
+                continue
             if with_memory:
                 memory[backend][op] = _memory(compiled)
             if progress is not None:
@@ -284,15 +296,23 @@ def run_bench(*, backends, ranks, tokens, hidden, topk, experts, dtype, capacity
                 if progress is not None:
                     progress.update(1)
             times = []
-            for i in range(repeats):
-                a = args[(warmup + i) % len(args)]
-                t0 = time.perf_counter()
-                out = compiled(*a)
-                jax.block_until_ready(out)
-                times.append(time.perf_counter() - t0)
-                del out
-                if progress is not None:
-                    progress.update(1)
+            # Like timeit: no Python garbage collection inside the timed calls.
+            gc.collect()
+            gc_was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                for i in range(repeats):
+                    a = args[(warmup + i) % len(args)]
+                    t0 = time.perf_counter()
+                    out = compiled(*a)
+                    jax.block_until_ready(out)
+                    times.append(time.perf_counter() - t0)
+                    del out
+                    if progress is not None:
+                        progress.update(1)
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
             med = statistics.median(times)
             results.append({
                 "backend": backend, "op": op, "median_s": med, "min_s": min(times),
@@ -309,6 +329,8 @@ def run_bench(*, backends, ranks, tokens, hidden, topk, experts, dtype, capacity
               "jax": jax.__version__, "build": jax_ep.build_info(),
               "rows_per_set": rows_per_set, "rows": rows,
               "row_bytes": hidden * DTYPE_BYTES[dtype]}
+    if errors:
+        config["errors"] = errors
     return config, results, memory, rows
 
 
@@ -409,6 +431,8 @@ def parse_args(argv=None):
                    help="also sweep token counts and plot GB/s per backend and op")
     p.add_argument("--sweep-tokens", default=None,
                    help="token counts of the --plot sweep (default tokens/8,/4,/2,1)")
+    p.add_argument("--ops", default=",".join(OPS),
+                   help=f"comma-separated subset of {','.join(OPS)} (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -423,6 +447,10 @@ def parse_args(argv=None):
     if not 1 <= args.topk <= args.experts:
         p.error("--topk must be in [1, experts]")
     args.input_sets = max(1, args.input_sets)
+    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in args.ops if o not in OPS]
+    if bad or not args.ops:
+        p.error(f"--ops must name some of {', '.join(OPS)}, got {bad or 'nothing'}")
     return args
 
 
@@ -461,7 +489,7 @@ def main(argv=None) -> dict:
         else:
             token_list = sorted({max(1, args.tokens // d) for d in (8, 4, 2, 1)})
 
-    steps = len(token_list) * len(backends) * len(OPS) * (args.warmup + args.repeats)
+    steps = len(token_list) * len(backends) * len(args.ops) * (args.warmup + args.repeats)
     try:
         from tqdm import tqdm
         bar = tqdm(total=steps + 1, desc="jax_ep.bench", unit="call", file=sys.stderr,
@@ -477,7 +505,7 @@ def main(argv=None) -> dict:
     sweep, main_run = [], None
     for t in token_list:
         config, results, memory, rows = run_bench(
-            backends=backends, ranks=args.ranks, tokens=t, hidden=args.hidden,
+            backends=backends, ops=args.ops, ranks=args.ranks, tokens=t, hidden=args.hidden,
             topk=args.topk, experts=args.experts, dtype=args.dtype,
             capacity=args.capacity, repeats=args.repeats, warmup=args.warmup,
             input_sets=args.input_sets, memcpy_GBps=memcpy["GBps"], seed=args.seed,

@@ -48,6 +48,9 @@ void DispatchSendRowsCpu(int rank, const RoutingShape& s, const int32_t* topk_id
 void CombineCpu(FloatKind kind, int num_ranks, int T, int H, const int32_t* send_row,
                 const void* const* peer_y, void* out);
 
+// Hints the kernel to back [p, p + n) with transparent huge pages (Linux; no-op elsewhere).
+void AdviseHugePages(void* p, size_t n);
+
 // Handle-driven gather (the transpose of combine): out[i] = peer_g[src_rank[i]][src_index[i]]
 // for rows with src_rank[i] >= 0, zero elsewhere.
 void GatherByHandleCpu(int C, size_t row_bytes, const int32_t* src_rank,
