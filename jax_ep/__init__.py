@@ -1,4 +1,5 @@
 """jax-ep: expert-parallel dispatch and combine for JAX, as XLA FFI custom calls."""
+from jax_ep import cuda, sharded
 from jax_ep._ext import build_info
 from jax_ep._types import DispatchHandle, DispatchLayout
 from jax_ep.ops import combine, dispatch, get_dispatch_layout, resolve_backend

@@ -14,6 +14,9 @@ else:
     _IMPORT_ERROR = None
 
 
+_GRAPH_SAFE = ("jax_ep_layout", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_gather")
+
+
 def _gpu_platform_present() -> bool:
     try:
         return bool(jax.devices("gpu"))
@@ -31,7 +34,12 @@ def registered_platforms() -> frozenset[str]:
         if platform == "CUDA" and not _gpu_platform_present():
             continue  # XLA has no CUDA platform to register with in a CPU-only jaxlib.
         for name, capsule in targets.items():
-            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+            kwargs = {}
+            if platform == "CUDA" and name in _GRAPH_SAFE:
+                # No host sync inside these calls: XLA may capture them in CUDA graphs.
+                from jaxlib import xla_client
+                kwargs["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+            jax.ffi.register_ffi_target(name, capsule, platform=platform, **kwargs)
         platforms.add("cpu" if platform == "cpu" else "gpu")
     return frozenset(platforms)
 

@@ -21,6 +21,9 @@ nb::capsule Capsule(T* fn) {
 
 NB_MODULE(_jax_ep_ext, m) {
   jax_ep::AddTransportBindings(m);
+#ifdef JAX_EP_WITH_CUDA
+  jax_ep::DefineCudaBindings(m.ptr());
+#endif
   m.def("registrations", []() {
     nb::dict cpu;
     cpu["jax_ep_layout"] = Capsule(jax_ep::LayoutCpuHandler);
