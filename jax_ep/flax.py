@@ -20,7 +20,8 @@ of `R = mesh.shape[mesh_axis]` ranks, each holding `E // R` experts.
 Grouping received rows by expert. A received row carries up to `top_k` local expert ids
 (a token whose several experts live on this rank arrives once). The layer expands rows
 *per top-k slot*: the `C * top_k` (row, slot) pairs are stably sorted by local expert id
-(unused slots, id -1, go last), the rows are gathered in that order, and three
+(unused slots, id -1, go last; only the first `C * min(top_k, E // R)` places can be
+used, so the rest is cut), the rows are gathered in that order, and three
 `jax.lax.ragged_dot` calls (gate, up, down) run the SwiGLU of each expert on its
 contiguous group. Each pair's output is scaled by its top-k weight and summed back onto
 its row (in float32), so a row routed to several local experts gets each of their
@@ -316,11 +317,14 @@ class MoE(nnx.Module):
         args = (x2.astype(dtype), topk_idx, topk_w, self.w_gate[...], self.w_up[...],
                 self.w_down[...])
         specs = (tok, tok, tok, wspec, wspec, wspec)
-        if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+        if explicit:
             # Explicit axes: shard_map wants its inputs laid out as in_specs already.
             args = tuple(jax.sharding.reshard(a, s) for a, s in zip(args, specs))
         y, dropped = jax.shard_map(shard_fn, mesh=mesh, in_specs=specs,
                                    out_specs=(tok, P()))(*args)
+        if explicit:
+            y = jax.sharding.reshard(y, jax.typeof(x2).sharding.spec)
         if self.shared is not None:
             y = y + self.shared(x2).astype(y.dtype)
         aux = {"load_balance_loss": lb, "router_z_loss": z,
@@ -338,9 +342,11 @@ def _experts_per_shard(x, topk_idx, topk_w, w_gate, w_up, w_down, *, num_experts
     el = w_gate.shape[0]
     # One entry per (row, slot); unused slots (-1) sort last and form no group.
     key = jnp.where(recv_idx >= 0, recv_idx, el).reshape(-1)
-    order = jnp.argsort(key, stable=True)
-    rows = order // K
     group_sizes = jnp.zeros((el + 1,), jnp.int32).at[key].add(1)[:el]
+    # A row holds at most min(K, el) distinct local experts, so the used entries fit in
+    # the first C * min(K, el) places of the sorted order.
+    order = jnp.argsort(key, stable=True)[:C * min(K, el)]
+    rows = order // K
     xs = recv_x[rows]
     h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(
         xs, w_up, group_sizes)
