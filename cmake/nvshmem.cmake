@@ -71,7 +71,7 @@ target_include_directories(jax_ep_internode SYSTEM PUBLIC "${XLA_FFI_INCLUDE_DIR
 target_include_directories(jax_ep_internode SYSTEM PRIVATE "${_nvshmem_inc}")
 # sm_90 only: the NVSHMEM device library is built for it; no Hopper-only instructions here.
 target_compile_options(jax_ep_internode PRIVATE
-  $<$<COMPILE_LANGUAGE:CUDA>:-gencode=arch=compute_90,code=sm_90 -Xcompiler=-Wall,-Wextra,-Wno-unused-parameter>
+  $<$<COMPILE_LANGUAGE:CUDA>:-gencode=arch=compute_90,code=sm_90 -Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werror,-Wno-unused-parameter>
   $<$<COMPILE_LANGUAGE:CXX>:${JAX_EP_WARNINGS}>)
 target_link_options(jax_ep_internode PRIVATE
   $<DEVICE_LINK:-arch=sm_90>)

@@ -18,6 +18,8 @@
 //            finish  -- reset this call's signals, advance the call counter
 // Combine:   the same wire pattern backwards (recv rows -> the sources' back rows), then
 //            each source sums the rows of a token in ascending rank order in float32.
+// Gather:    combine's transpose: dispatch's wire pattern for rows of g, driven by the
+//            handle (counts, send_slot) with no count exchange; out[i] = g_src[index].
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -245,24 +247,35 @@ __device__ __forceinline__ int64_t Kept(int64_t base, int64_t n, int capacity) {
   return room <= 0 ? 0 : (n < room ? n : room);
 }
 
+// The three wire patterns: dispatch (packed rows to the receivers' recv rows), combine
+// (recv rows back to the sources' back rows) and gather (the sources' rows, by the
+// dispatch handle, to the receivers' cstage rows: dispatch's pattern with y-sized rows).
+enum class Wire : int { kDispatch = 0, kCombine = 1, kGather = 2 };
+
 // What this rank sends `peer` in a call: source and destination byte offsets within a
-// half and the byte count. combine=false: dispatch rows; true: combine rows.
+// half and the byte count.
 struct Span {
   int64_t src, dst, bytes;
 };
 
 __device__ __forceinline__ Span StreamTo(const Geometry& g, const int32_t* counts,
-                                         const int64_t* scratch, int peer, bool combine,
+                                         const int64_t* scratch, int peer, Wire wire,
                                          const HeapLayout& L) {
   const int R = g.R;
   Span s;
-  if (!combine) {
+  if (wire != Wire::kCombine) {
     const int64_t n = counts[g.rank * R + peer];
     const int64_t base = scratch[peer];  // rows of sources < rank at peer
     const int64_t kept = Kept(base, n, g.C);
-    s.bytes = kept * g.ds;
-    s.src = L.stage + scratch[R + peer] * g.ds;
-    s.dst = L.recv + base * g.ds;
+    if (wire == Wire::kDispatch) {
+      s.bytes = kept * g.ds;
+      s.src = L.stage + scratch[R + peer] * g.ds;
+      s.dst = L.recv + base * g.ds;
+    } else {
+      s.bytes = kept * g.cs;
+      s.src = L.back + scratch[R + peer] * g.cs;
+      s.dst = L.cstage + base * g.cs;
+    }
   } else {
     // rows `peer` sent this rank: recv rows [recv_base[peer], +kept), back to peer's
     // back rows at its send offset for this rank.
@@ -280,13 +293,13 @@ __device__ __forceinline__ Span StreamTo(const Geometry& g, const int32_t* count
 
 // Chunks a source sends this rank in a call (+1 closing signal is added by callers).
 __device__ __forceinline__ int64_t ChunksFrom(const Geometry& g, const int32_t* counts,
-                                              int source, bool combine) {
+                                              int source, Wire wire) {
   const int R = g.R;
   int64_t base = 0, n, stride;
-  if (!combine) {
+  if (wire != Wire::kCombine) {
     for (int s = 0; s < source; ++s) base += counts[s * R + g.rank];
     n = counts[source * R + g.rank];
-    stride = g.ds;
+    stride = wire == Wire::kDispatch ? g.ds : g.cs;
   } else {
     for (int s = 0; s < g.rank; ++s) base += counts[s * R + source];
     n = counts[g.rank * R + source];
@@ -298,16 +311,16 @@ __device__ __forceinline__ int64_t ChunksFrom(const Geometry& g, const int32_t* 
 // CTA q sends, to every peer, the chunks the striping plan puts on logical QP q.
 template <class T>
 __global__ void SendKernel(Geometry g, const int32_t* counts_ext, const int64_t* scratch,
-                           char* heap, int64_t half_bytes, HeapLayout L, bool combine) {
+                           char* heap, int64_t half_bytes, HeapLayout L, Wire wire) {
   char* half = heap + Parity() * half_bytes;
   const Half h = HalfAt(half, L, g.R);
   const int32_t* counts = counts_ext != nullptr ? counts_ext : h.counts;
-  uint64_t* sig = combine ? h.sig_comb : h.sig_disp;
+  uint64_t* sig = wire == Wire::kCombine ? h.sig_comb : h.sig_disp;
   const int q = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = 1; i < g.R; ++i) {
     const int peer = (g.rank + i) % g.R;
-    const Span s = StreamTo(g, counts, scratch, peer, combine, L);
+    const Span s = StreamTo(g, counts, scratch, peer, wire, L);
     // The channel whose chunks go on QP q for this peer (a bijection when
     // channels == QPs, see striping_plan.h).
     int channel = -1;
@@ -344,7 +357,7 @@ __global__ void UnpackKernel(Geometry g, const int64_t* scratch, char* heap,
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
   for (int s = threadIdx.x; s < g.R; s += blockDim.x) {
     if (s == g.rank) continue;
-    T::wait_ge(h.sig_disp + s, static_cast<uint64_t>(ChunksFrom(g, h.counts, s, false) + 1));
+    T::wait_ge(h.sig_disp + s, static_cast<uint64_t>(ChunksFrom(g, h.counts, s, Wire::kDispatch) + 1));
   }
   __syncthreads();
   const int64_t total = scratch[3 * g.R];
@@ -433,7 +446,7 @@ __global__ void ReduceKernel(Geometry g, const E* y, const int32_t* counts,
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
   for (int d = threadIdx.x; d < g.R; d += blockDim.x) {
     if (d == g.rank) continue;
-    T::wait_ge(h.sig_comb + d, static_cast<uint64_t>(ChunksFrom(g, counts, d, true) + 1));
+    T::wait_ge(h.sig_comb + d, static_cast<uint64_t>(ChunksFrom(g, counts, d, Wire::kCombine) + 1));
   }
   __syncthreads();
   const int t = blockIdx.x;
@@ -450,6 +463,54 @@ __global__ void ReduceKernel(Geometry g, const E* y, const int32_t* counts,
       acc += ToF(row[x]);
     }
     out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc);
+  }
+}
+
+// ---- gather (combine's transpose) ----------------------------------------------------
+// out[i] = g_{src_rank[i]}[src_index[i]]: every source sends, by the dispatch handle
+// (counts, send_slot), its g rows to the rows they occupy on each receiver.
+
+// One block per token: pack g[t] once per destination into the back rows, in send order.
+__global__ void GatherPackKernel(Geometry g, const char* src, const int32_t* send_slot,
+                                 const int64_t* scratch, char* heap, int64_t half_bytes,
+                                 HeapLayout L) {
+  const Half h = CurrentHalf(heap, half_bytes, L, g.R);
+  const int t = blockIdx.x;
+  const char* row = src + static_cast<int64_t>(t) * g.yrow;
+  for (int d = 0; d < g.R; ++d) {
+    const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
+    if (j < 0 || scratch[d] + j >= g.C) continue;  // not sent there, or dropped there
+    CopyBytes(h.back + (scratch[g.R + d] + j) * g.cs, row, g.yrow, threadIdx.x, blockDim.x);
+  }
+}
+
+// Waits (every block) for every source's chunks, then writes out[C, H] (zero rows past
+// the rows kept).
+template <class T>
+__global__ void GatherUnpackKernel(Geometry g, const int32_t* counts, const int64_t* scratch,
+                                   char* heap, int64_t half_bytes, HeapLayout L, char* out) {
+  const Half h = CurrentHalf(heap, half_bytes, L, g.R);
+  for (int s = threadIdx.x; s < g.R; s += blockDim.x) {
+    if (s == g.rank) continue;
+    T::wait_ge(h.sig_disp + s,
+               static_cast<uint64_t>(ChunksFrom(g, counts, s, Wire::kGather) + 1));
+  }
+  __syncthreads();
+  const int64_t total = scratch[3 * g.R];
+  const int64_t num_recv = total < g.C ? total : g.C;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int64_t i = blockIdx.x * kWarps + warp; i < g.C; i += gridDim.x * kWarps) {
+    char* o = out + i * g.yrow;
+    if (i >= num_recv) {
+      ZeroBytes(o, g.yrow, lane, 32);
+      continue;
+    }
+    int s = 0;  // source: the last s with recv_base[s] <= i
+    while (s + 1 < g.R && scratch[2 * g.R + s + 1] <= i) ++s;
+    const char* row =
+        s == g.rank ? h.back + (scratch[g.R + g.rank] + (i - scratch[2 * g.R + s])) * g.cs
+                    : h.cstage + i * g.cs;
+    CopyBytes(o, row, g.yrow, lane, 32);
   }
 }
 
@@ -626,7 +687,7 @@ std::string Dispatch(cudaStream_t stream, const Dims& d, Elem elem, const void* 
   CountsKernel<Transport><<<1, kThreads, 0, stream>>>(g, heap, hb, L);
   PrefixKernel<<<1, kThreads, 0, stream>>>(g, nullptr, heap, hb, L, g_rt.scratch);
   SendKernel<Transport><<<g.num_qps, kThreads, 0, stream>>>(g, nullptr, g_rt.scratch, heap,
-                                                             hb, L, false);
+                                                             hb, L, Wire::kDispatch);
   const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
   UnpackKernel<Transport><<<blocks < 1024 ? blocks : 1024, kThreads, 0, stream>>>(
       g, g_rt.scratch, heap, hb, L, out);
@@ -649,7 +710,7 @@ std::string Combine(cudaStream_t stream, const Dims& d, Elem elem, const void* y
   CombineStageKernel<<<g.C < 1024 ? g.C : 1024, kThreads, 0, stream>>>(
       g, static_cast<const char*>(y), g_rt.scratch, heap, hb, L);
   SendKernel<Transport><<<g.num_qps, kThreads, 0, stream>>>(g, counts, g_rt.scratch, heap,
-                                                             hb, L, true);
+                                                             hb, L, Wire::kCombine);
   if (g.T > 0) {
     switch (elem) {
       case Elem::kF32:
@@ -671,6 +732,28 @@ std::string Combine(cudaStream_t stream, const Dims& d, Elem elem, const void* y
   }
   FinishKernel<<<1, kThreads, 0, stream>>>(g.R, heap, hb, L, true);
   return CudaErr(cudaGetLastError(), "combine launch");
+}
+
+std::string Gather(cudaStream_t stream, const Dims& d, Elem elem, const void* src,
+                   const int32_t* counts, const int32_t* send_slot, void* out) {
+  Geometry g;
+  HeapLayout L;
+  // Rows of g's dtype travel through the back (send) and cstage (receive) regions.
+  std::string e = MakeGeometry(d, 0, ElemBytes(elem), &g, &L);
+  if (!e.empty()) return e;
+  char* heap = g_rt.heap;
+  const int64_t hb = static_cast<int64_t>(g_rt.half_bytes);
+  PrefixKernel<<<1, kThreads, 0, stream>>>(g, counts, heap, hb, L, g_rt.scratch);
+  if (g.T > 0)
+    GatherPackKernel<<<g.T, 128, 0, stream>>>(g, static_cast<const char*>(src), send_slot,
+                                              g_rt.scratch, heap, hb, L);
+  SendKernel<Transport><<<g.num_qps, kThreads, 0, stream>>>(g, counts, g_rt.scratch, heap,
+                                                             hb, L, Wire::kGather);
+  const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
+  GatherUnpackKernel<Transport><<<blocks < 1024 ? blocks : 1024, kThreads, 0, stream>>>(
+      g, counts, g_rt.scratch, heap, hb, L, static_cast<char*>(out));
+  FinishKernel<<<1, kThreads, 0, stream>>>(g.R, heap, hb, L, false);
+  return CudaErr(cudaGetLastError(), "gather launch");
 }
 
 namespace {

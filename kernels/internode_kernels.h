@@ -70,6 +70,12 @@ std::string Dispatch(cudaStream_t stream, const Dims& d, Elem elem, const void* 
 std::string Combine(cudaStream_t stream, const Dims& d, Elem elem, const void* y,
                     const int32_t* counts, const int32_t* send_slot, void* out);
 
+// Gather on `stream` (combine's transpose): out[C, H] row i is row src_index[i] of
+// src[T, H] on rank src_rank[i], by the dispatch handle (counts, send_slot); rows past
+// the rows kept are zero.
+std::string Gather(cudaStream_t stream, const Dims& d, Elem elem, const void* src,
+                   const int32_t* counts, const int32_t* send_slot, void* out);
+
 // Device check for one GPU: a put to itself through the transport interface arrives.
 std::string SelfPutCheck(bool* ok);
 

@@ -7,6 +7,8 @@
 //     attrs: num_experts, num_ranks, rank, capacity, num_ports, qps_per_port, chunk_bytes
 //   jax_ep_internode_combine(y[C,H], counts[R,R] s32, send_slot[T,R] s32) -> out[T,H]
 //     attrs: num_ranks, rank, capacity, topk, num_ports, qps_per_port, chunk_bytes
+//   jax_ep_internode_gather(g[T,H], counts[R,R] s32, send_slot[T,R] s32) -> out[C,H]
+//     attrs: as combine (combine's transpose: out[i] = g_{src_rank[i]}[src_index[i]])
 //
 // The EP group is every NVSHMEM PE (one process per GPU, see jax_ep.nvshmem_bootstrap).
 // Dispatch synchronises its stream once to surface out-of-range expert ids as an error,
@@ -167,6 +169,35 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S
                                        send_slot.typed_data(), out->untyped_data()));
 }
 
+ffi::Error GatherImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts,
+                      ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out,
+                      int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
+                      int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes) {
+  internode::Elem elem;
+  if (!ElemOf(g.element_type(), &elem)) return Invalid("g must be float32, bfloat16 or float16");
+  if (g.dimensions().size() != 2) return Invalid("g must be [tokens, hidden], got " + Shape(g.dimensions()));
+  const int64_t T = g.dimensions()[0], H = g.dimensions()[1], R = num_ranks, C = capacity;
+  if (R < 1) return Invalid("num_ranks must be >= 1");
+  if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
+  if (C < 1) return Invalid("capacity must be >= 1");
+  if (topk < 1) return Invalid("topk must be >= 1");
+  JEP_EXPECT("handle.counts", counts, R, R);
+  JEP_EXPECT("handle.send_slot", send_slot, T, R);
+  JEP_EXPECT("out", *out, C, H);
+  if (out->element_type() != g.element_type()) return Invalid("out must have g's dtype");
+  internode::Dims d;
+  d.num_ranks = static_cast<int>(R);
+  d.rank = static_cast<int>(rank);
+  d.tokens = static_cast<int>(T);
+  d.hidden = static_cast<int>(H);
+  d.topk = static_cast<int>(topk);  // sizes the rows this rank sends (T * min(K, R))
+  d.capacity = static_cast<int>(C);
+  ffi::Error e = TransportAttrs(&d, num_ports, qps_per_port, chunk_bytes);
+  if (e.failure()) return e;
+  return FromString(internode::Gather(stream, d, elem, g.untyped_data(), counts.typed_data(),
+                                      send_slot.typed_data(), out->untyped_data()));
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, DispatchImpl,
@@ -208,9 +239,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, CombineImpl,
                                   .Attr<int64_t>("qps_per_port")
                                   .Attr<int64_t>("chunk_bytes"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeGatherHandler, GatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("topk")
+                                  .Attr<int64_t>("num_ports")
+                                  .Attr<int64_t>("qps_per_port")
+                                  .Attr<int64_t>("chunk_bytes"));
+
 void AddInternodeRegistrations(const RegisterFn& add) {
   add("jax_ep_internode_dispatch", reinterpret_cast<void*>(InternodeDispatchHandler));
   add("jax_ep_internode_combine", reinterpret_cast<void*>(InternodeCombineHandler));
+  add("jax_ep_internode_gather", reinterpret_cast<void*>(InternodeGatherHandler));
 }
 
 }  // namespace jax_ep
