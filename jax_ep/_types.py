@@ -38,6 +38,9 @@ class DispatchHandle:
     src_rank, src_index: int32[C], source rank and token of each kept row, -1 past num_recv.
     send_row: int32[T, R], the row each of this rank's tokens occupies on each receiver,
       -1 where it was not sent there or was dropped.
+    extra: backend-specific parts combine needs beyond the fields above (a pytree; None
+      for the reference and intranode backends, an `InternodeHandleParts` for the
+      internode one).
     Static: num_experts, num_ranks, capacity, axis_name.
     """
 
@@ -51,6 +54,7 @@ class DispatchHandle:
     num_ranks: int
     capacity: int
     axis_name: Any
+    extra: Any = None
 
     @property
     def experts_per_rank(self) -> int:
@@ -60,6 +64,26 @@ class DispatchHandle:
 jax.tree_util.register_dataclass(
     DispatchHandle,
     data_fields=["num_recv", "num_dropped", "num_recv_tokens_per_expert", "src_rank",
-                 "src_index", "send_row"],
+                 "src_index", "send_row", "extra"],
     meta_fields=["num_experts", "num_ranks", "capacity", "axis_name"],
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class InternodeHandleParts:
+    """What the internode (NVSHMEM) combine and gather need, in `DispatchHandle.extra`.
+
+    counts: int32[R, R], counts[s, d] = rows rank s sent rank d (before dropping).
+    send_slot: int32[T, R], each token's position among the rows this rank sent rank d,
+      -1 where not sent there (dropped rows keep their slot; send_row says -1).
+    Static: rank (this process's rank = its NVSHMEM PE), topk (K, sizes the heap rows).
+    """
+
+    counts: jax.Array
+    send_slot: jax.Array
+    rank: int
+    topk: int
+
+
+jax.tree_util.register_dataclass(
+    InternodeHandleParts, data_fields=["counts", "send_slot"], meta_fields=["rank", "topk"])

@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _ext, reference
+from jax_ep import _ext, nvshmem_bootstrap, reference
 from jax_ep._types import DispatchHandle, DispatchLayout
 
-BACKENDS = ("reference", "ffi", "auto")
+# "internode" (NVSHMEM, one process per GPU; see docs/internode.md) is also what "ffi" and
+# "auto" resolve to on GPUs when NVSHMEM runs in this process and there are >1 processes.
+BACKENDS = ("reference", "ffi", "auto", "internode")
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # Every traced communicating call gets its own id, so two call sites (or two programs)
@@ -129,20 +131,37 @@ def _like(a, shape, dtype):
 
 # ----------------------------------------------------------------------------- backends
 
+def _internode_ready(platform) -> bool:
+    """The internode transport is the GPU path: NVSHMEM started here, several processes."""
+    return (platform == "gpu" and jax.process_count() > 1
+            and nvshmem_bootstrap.is_initialized())
+
+
 def resolve_backend(backend) -> str:
-    """'reference' or 'ffi' for `backend` in {None, 'auto', 'reference', 'ffi'}."""
+    """'reference', 'ffi' (intranode kernels) or 'internode' (NVSHMEM kernels) for
+    `backend` in {None, 'auto', 'reference', 'ffi', 'internode'}."""
     if backend is None:
         backend = "auto"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     platform = jax.default_backend()
     available = _ext.registered_platforms()
+    if backend == "internode":
+        if platform != "gpu" or "gpu" not in available or not _ext.build_info()["nvshmem"]:
+            raise NotImplementedError(
+                f"backend='internode' needs GPUs and a build with NVSHMEM (platform "
+                f"{platform!r}, build: {_ext.build_info()}); use backend='reference'")
+        if not nvshmem_bootstrap.is_initialized():
+            raise NotImplementedError(
+                "backend='internode' needs NVSHMEM running in this process: call "
+                "jax_ep.nvshmem_bootstrap.initialize(...) before jit")
+        return "internode"
     if backend == "auto":
         if platform not in available:
             return "reference"
         if platform == "cpu" and jax.process_count() > 1:
             return "reference"  # the CPU transport meets peers inside one process only
-        return "ffi"
+        return "internode" if _internode_ready(platform) else "ffi"
     if backend == "ffi":
         if platform not in available:
             raise NotImplementedError(
@@ -152,6 +171,8 @@ def resolve_backend(backend) -> str:
             raise NotImplementedError(
                 "backend='ffi' on CPU moves rows between the devices of one process; with "
                 f"{jax.process_count()} processes use backend='reference' or 'auto'")
+        if _internode_ready(platform):
+            return "internode"
     return backend
 
 
@@ -239,6 +260,9 @@ def _ffi_dispatch(x, topk_idx, topk_weights, cfg: _Cfg):
 
 
 def _dispatch_impl(x, topk_idx, topk_weights, cfg: _Cfg):
+    if cfg.backend == "internode":
+        from jax_ep import internode
+        return internode.dispatch(x, topk_idx, topk_weights, cfg)
     if cfg.backend == "ffi":
         return _ffi_dispatch(x, topk_idx, topk_weights, cfg)
     if cfg.check_ids:
@@ -280,7 +304,9 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
       num_experts: E, a multiple of the EP axis size R.
       axis_name: the EP mesh axis (or tuple of axes).
       capacity: C, rows received per rank (default R * T, which never overflows).
-      backend: 'reference', 'ffi' or None/'auto'.
+      backend: 'reference', 'ffi', 'internode' or None/'auto'. On GPUs with NVSHMEM
+        started in this process (jax_ep.nvshmem_bootstrap) and several processes, 'auto'
+        and 'ffi' resolve to 'internode'.
 
     Returns:
       recv_x [C, H] (x's dtype), recv_topk_idx [C, K] int32 (local expert ids, -1 where
@@ -323,12 +349,18 @@ def _ffi_gather(g, handle: DispatchHandle, group_axes=None):
 
 
 def _combine_impl(y, handle, backend, group_axes=None):
+    if backend == "internode":
+        from jax_ep import internode
+        return internode.combine(y, handle)
     if backend == "ffi":
         return _ffi_combine(y, handle, group_axes)
     return reference.combine(y, handle)
 
 
 def _gather_impl(g, handle, backend, group_axes=None):
+    if backend == "internode":
+        from jax_ep import internode
+        return internode.gather(g, handle)
     if backend == "ffi":
         return _ffi_gather(g, handle, group_axes)
     return reference.gather(g, handle)

@@ -140,7 +140,21 @@ def _spec(x_rows, num_experts, mesh_axis, capacity, backend, batch_axes) -> _Spe
                          f"R={R} of mesh_axis {mesh_axis!r} (E % R != 0)")
     C = R * T if capacity is None else ops._static_int("capacity", capacity, 1)
     return _Spec(num_experts, R, C, mesh_axis, token_axes, S, T,
-                 ops.resolve_backend(backend), _group_axes(mesh, mesh_axis))
+                 _resolve_backend(backend), _group_axes(mesh, mesh_axis))
+
+
+def _resolve_backend(backend) -> str:
+    """ops.resolve_backend, except that the global view does not carry the internode
+    handle (handle.extra) through custom_partitioning yet: 'auto' falls back to the
+    reference there, and an explicit 'ffi'/'internode' that would need it is an error."""
+    resolved = ops.resolve_backend(backend)
+    if resolved != "internode":
+        return resolved
+    if backend in (None, "auto"):
+        return "reference"
+    raise NotImplementedError(
+        "jax_ep.sharded does not support the internode (NVSHMEM) backend yet: call "
+        "jax_ep.dispatch/combine inside jax.shard_map for it, or pass backend='reference'")
 
 
 def _group_axes(mesh, mesh_axis):
@@ -395,7 +409,7 @@ def combine(y, handle: ShardedDispatchHandle, *, backend=None):
     mesh = _context_mesh()
     spec = _Spec(handle.num_experts, handle.num_ranks, handle.capacity, handle.mesh_axis,
                  handle.token_axes, S, handle.send_row.shape[0] // S,
-                 ops.resolve_backend(backend), _group_axes(mesh, handle.mesh_axis))
+                 _resolve_backend(backend), _group_axes(mesh, handle.mesh_axis))
     if int(mesh.shape[handle.mesh_axis]) != handle.num_ranks:
         raise ValueError("the mesh in context does not match the handle's mesh")
     return _combine(y, handle, spec)
