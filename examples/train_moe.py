@@ -291,6 +291,13 @@ def plot(out, records):
         ratio = load[:, layer].max(-1) / load[:, layer].mean(-1)
         a1.plot(steps, ratio, lw=1, label=f"layer {layer}")
     a1.axhline(1.0, color="gray", ls=":", lw=1)
+    dropped = np.array([r.get("dropped", 0) for r in records])
+    if dropped.any():
+        a1b = a1.twinx()
+        a1b.fill_between(steps, dropped, color="gray", alpha=0.2, lw=0)
+        a1b.set_ylabel("rows dropped (all layers, shaded)", color="gray")
+        a1b.tick_params(axis="y", colors="gray")
+        a1b.set_ylim(bottom=0)
     a1.set_ylabel("max / mean expert load")
     a1.set_title("Expert load (top-k slots per expert, per step)")
     a1.grid(alpha=0.3)
@@ -403,7 +410,8 @@ def main(a):
     k = min(10, len(losses))
     first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    print(f"steps {records[0]['step']}..{records[-1]['step']} in {wall:.0f}s; "
+    print(f"trained steps {start + 1}..{end} in {wall:.0f}s; over steps "
+          f"{records[0]['step']}..{records[-1]['step']}: "
           f"mean loss first {k}: {first:.3f}, last {k}: {last:.3f} "
           f"({100 * last / first:.0f}% of first)"
           + (f"; held-out loss {evals[-1]:.3f}" if evals else ""))
