@@ -87,32 +87,34 @@ def check_report(rep: dict, backends, ops=bench.OPS):
 
 
 def test_quick_run_in_process(tmp_path):
-    """--quick with both backends, --json and a two-point --plot sweep."""
-    js, png = tmp_path / "b.json", tmp_path / "b.png"
-    rep = bench.main(["--quick", "--no-progress", "--json", str(js), "--plot", str(png),
-                      "--sweep-tokens", "32"])
+    """--quick with both backends and all ops, --json."""
+    js = tmp_path / "b.json"
+    rep = bench.main(["--quick", "--no-progress", "--json", str(js)])
     on_disk = json.loads(js.read_text())
     check_report(on_disk, ["ffi", "reference"])
     assert on_disk["results"] == json.loads(json.dumps(rep["results"]))
     assert on_disk["config"]["quick"] is True
-    assert [s["tokens"] for s in on_disk["sweep"]] == [32, on_disk["config"]["tokens"]]
-    assert png.stat().st_size > 1000
-    # Peak memory of the ffi programs, from XLA's memory analysis.
+    # Peak memory of the programs, from XLA's memory analysis.
     m = on_disk["memory"]["ffi"]["dispatch"]
     assert m["peak_bytes"] >= m["in_out_bytes"] > 0
+    assert "roundtrip_speedup_ffi_vs_reference" in on_disk["targets"]
 
 
-def test_quick_run_as_script(tmp_path):
-    """`python -m jax_ep.bench` sets the CPU device count itself from --ranks."""
-    js = tmp_path / "s.json"
+def test_quick_run_as_script_with_plot(tmp_path):
+    """`python -m jax_ep.bench` sets the CPU device count itself from --ranks; --plot
+    sweeps token counts."""
+    js, png = tmp_path / "s.json", tmp_path / "s.png"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     out = subprocess.run(
         [sys.executable, "-m", "jax_ep.bench", "--quick", "--ranks", "4", "--backends",
-         "ffi", "--ops", "roundtrip", "--repeats", "2", "--no-progress", "--json",
-         str(js)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+         "ffi", "--ops", "roundtrip,combine", "--repeats", "2", "--no-progress", "--json",
+         str(js), "--plot", str(png), "--sweep-tokens", "32"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     rep = json.loads(js.read_text())
     assert rep["config"]["ranks"] == 4 and rep["config"]["num_devices"] == 4
-    check_report(rep, ["ffi"], ops=["roundtrip"])
+    check_report(rep, ["ffi"], ops=["roundtrip", "combine"])
+    assert [s["tokens"] for s in rep["sweep"]] == [32, rep["config"]["tokens"]]
+    assert png.stat().st_size > 1000
     assert "roundtrip" in out.stdout
