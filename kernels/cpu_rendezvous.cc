@@ -6,31 +6,43 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 namespace jax_ep {
+namespace {
 
-// A reusable barrier for one key: ranks arrive, the round closes when all have,
-// then ranks depart; the last to depart reopens it for the next call (a loop body
-// runs the same call site many times in one execution).
-class Round {
- public:
-  explicit Round(int n) : num_ranks(n), peers(n), present(n, false) {}
-  int num_ranks;
-  std::vector<PeerBuffers> peers;
-  std::vector<bool> present;
-  int arrived = 0;
-  int departed = 0;
-  bool closed = false;       // all arrived; exchanging
-  uint64_t generation = 0;   // bumped when a round completes
-  int users = 0;             // threads holding a pointer to this round
+using Clock = std::chrono::steady_clock;
+
+struct Participant {
+  RendezvousWork work;
+  RendezvousDone done;
+  Clock::time_point deadline;
 };
 
-const std::vector<PeerBuffers>& RendezvousTicket::peers() const { return round_->peers; }
+struct Round {
+  explicit Round(int n) : num_ranks(n), peers(n), members(n), present(n, false) {}
+  int num_ranks;
+  std::vector<PeerBuffers> peers;
+  std::vector<Participant> members;
+  std::vector<bool> present;
+  int arrived = 0;
+};
 
-namespace {
-std::mutex g_mu;
-std::condition_variable g_cv;
-std::map<RendezvousKey, std::unique_ptr<Round>> g_rounds;
+// Shared by the threads of one completed round: counts finished works.
+struct Latch {
+  explicit Latch(int n) : remaining(n) {}
+  std::mutex mu;
+  std::condition_variable cv;
+  int remaining;
+  void ArriveAndWait() {
+    std::unique_lock<std::mutex> lock(mu);
+    if (--remaining == 0) {
+      cv.notify_all();
+      return;
+    }
+    cv.wait(lock, [&] { return remaining == 0; });
+  }
+};
 
 std::string KeyText(const RendezvousKey& k) {
   std::ostringstream s;
@@ -38,9 +50,82 @@ std::string KeyText(const RendezvousKey& k) {
   return s.str();
 }
 
-void Release(const RendezvousKey& key, Round* round) {
-  if (--round->users == 0 && round->arrived == 0) g_rounds.erase(key);
+// Runs `fn` on a new thread; if the system refuses one, runs it here.
+template <typename Fn>
+void Spawn(Fn fn) {
+  try {
+    std::thread(std::move(fn)).detach();
+  } catch (const std::system_error&) {
+    fn();
+  }
 }
+
+// Global state, never destroyed: detached threads may still use it at process exit.
+struct State {
+  std::mutex mu;
+  std::condition_variable cv;  // wakes the watchdog when a round appears
+  std::map<RendezvousKey, std::unique_ptr<Round>> rounds;
+  bool watchdog_started = false;
+};
+
+State& S() {
+  static State* s = new State();
+  return *s;
+}
+
+// Completes a round: one thread per participant runs its work, all wait for each other,
+// then each reports. Completion runs on these threads, never on XLA's.
+void Launch(std::unique_ptr<Round> round) {
+  auto shared = std::shared_ptr<Round>(std::move(round));
+  auto latch = std::make_shared<Latch>(shared->num_ranks);
+  for (int r = 0; r < shared->num_ranks; ++r) {
+    Spawn([shared, latch, r] {
+      std::string err = shared->members[r].work(shared->peers);
+      latch->ArriveAndWait();
+      shared->members[r].done(err);
+    });
+  }
+}
+
+void Watchdog() {
+  State& s = S();
+  std::unique_lock<std::mutex> lock(s.mu);
+  for (;;) {
+    // Fail every participant of a round whose earliest deadline has passed.
+    const auto now = Clock::now();
+    Clock::time_point next = now + std::chrono::seconds(1);
+    std::vector<std::pair<RendezvousDone, std::string>> expired;
+    for (auto it = s.rounds.begin(); it != s.rounds.end();) {
+      Round& round = *it->second;
+      Clock::time_point earliest = Clock::time_point::max();
+      for (int r = 0; r < round.num_ranks; ++r)
+        if (round.present[r] && round.members[r].deadline < earliest)
+          earliest = round.members[r].deadline;
+      if (earliest <= now) {
+        std::ostringstream m;
+        m << "jax_ep: timed out at " << KeyText(it->first) << ": only " << round.arrived
+          << " of " << round.num_ranks << " ranks arrived (missing:";
+        for (int r = 0; r < round.num_ranks; ++r)
+          if (!round.present[r]) m << " " << r;
+        m << "). A peer never reached this call; raise JAX_EP_TIMEOUT_S if it is just slow.";
+        for (int r = 0; r < round.num_ranks; ++r)
+          if (round.present[r]) expired.emplace_back(round.members[r].done, m.str());
+        it = s.rounds.erase(it);
+        continue;
+      }
+      if (earliest < next) next = earliest;
+      ++it;
+    }
+    if (!expired.empty()) {
+      lock.unlock();
+      for (auto& e : expired) Spawn([e] { e.first(e.second); });
+      lock.lock();
+      continue;
+    }
+    s.cv.wait_until(lock, next);
+  }
+}
+
 }  // namespace
 
 Rendezvous& Rendezvous::Global() {
@@ -48,110 +133,52 @@ Rendezvous& Rendezvous::Global() {
   return r;
 }
 
-std::string Rendezvous::Arrive(const RendezvousKey& key, int rank, int num_ranks,
-                               PeerBuffers mine, double timeout_s,
-                               RendezvousTicket* ticket) {
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(timeout_s));
-  std::unique_lock<std::mutex> lock(g_mu);
-  auto& slot = g_rounds[key];
-  if (!slot) slot = std::make_unique<Round>(num_ranks);
-  Round* round = slot.get();
-  round->users++;
-  if (round->num_ranks != num_ranks) {
-    std::ostringstream s;
-    s << "jax_ep: participants disagree on the number of ranks (" << round->num_ranks
-      << " vs " << num_ranks << ") at " << KeyText(key);
-    Release(key, round);
-    return s.str();
-  }
-  if (!round->closed && round->present[rank]) {
-    // Two live participants claim one rank: they are not one EP group. Meeting would
-    // exchange rows between unrelated groups, so refuse.
-    std::ostringstream s;
-    s << "jax_ep: two participants claim rank " << rank << " at " << KeyText(key)
-      << "; EP groups are mislabelled (each group must have distinct ranks 0.." << num_ranks - 1
-      << ")";
-    Release(key, round);
-    return s.str();
-  }
-  // A previous call of this site may still be exchanging: wait for it to finish.
-  while (round->closed || round->present[rank]) {
-    if (g_cv.wait_until(lock, deadline) == std::cv_status::timeout &&
-        (round->closed || round->present[rank])) {
-      Release(key, round);
-      return "jax_ep: timed out waiting for the previous exchange at " + KeyText(key) +
-             " to finish (JAX_EP_TIMEOUT_S)";
+void Rendezvous::Join(const RendezvousKey& key, int rank, int num_ranks, PeerBuffers mine,
+                      double timeout_s, RendezvousWork work, RendezvousDone done) {
+  State& s = S();
+  std::unique_ptr<Round> complete;
+  std::string refused;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.watchdog_started) {
+      s.watchdog_started = true;
+      Spawn([] { Watchdog(); });
+    }
+    auto& slot = s.rounds[key];
+    if (!slot) slot = std::make_unique<Round>(num_ranks);
+    Round& round = *slot;
+    if (round.num_ranks != num_ranks) {
+      std::ostringstream m;
+      m << "jax_ep: participants disagree on the number of ranks (" << round.num_ranks
+        << " vs " << num_ranks << ") at " << KeyText(key);
+      refused = m.str();
+    } else if (round.present[rank]) {
+      // Two live participants claim one rank: they are not one EP group. Meeting would
+      // exchange rows between unrelated groups, so refuse.
+      std::ostringstream m;
+      m << "jax_ep: two participants claim rank " << rank << " at " << KeyText(key)
+        << "; EP groups are mislabelled (each group needs distinct ranks 0.."
+        << num_ranks - 1 << ")";
+      refused = m.str();
+    } else {
+      const auto wait = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(timeout_s));
+      round.peers[rank] = std::move(mine);
+      round.members[rank] = Participant{std::move(work), std::move(done), Clock::now() + wait};
+      round.present[rank] = true;
+      if (++round.arrived == num_ranks) {
+        complete = std::move(slot);
+        s.rounds.erase(key);
+      } else {
+        s.cv.notify_all();
+      }
     }
   }
-  round->peers[rank] = std::move(mine);
-  round->present[rank] = true;
-  round->arrived++;
-  const uint64_t gen = round->generation;
-  if (round->arrived == num_ranks) {
-    round->closed = true;
-    g_cv.notify_all();
+  if (!refused.empty()) {
+    done(refused);
+    return;
   }
-  while (!(round->closed && round->generation == gen)) {
-    if (g_cv.wait_until(lock, deadline) == std::cv_status::timeout &&
-        !(round->closed && round->generation == gen)) {
-      std::ostringstream s;
-      s << "jax_ep: rank " << rank << " waited " << timeout_s << " s at " << KeyText(key)
-        << " but only " << round->arrived << " of " << num_ranks
-        << " ranks arrived (missing:";
-      for (int i = 0; i < num_ranks; ++i)
-        if (!round->present[i]) s << " " << i;
-      s << "). A peer never reached this call; raise JAX_EP_TIMEOUT_S if it is just slow.";
-      // Withdraw so a late peer cannot read this rank's (soon released) buffers.
-      round->present[rank] = false;
-      round->peers[rank] = PeerBuffers();
-      round->arrived--;
-      Release(key, round);
-      return s.str();
-    }
-  }
-  ticket->round_ = round;
-  ticket->generation_ = gen;
-  ticket->key_ = key;
-  return {};
-}
-
-std::string Rendezvous::Depart(RendezvousTicket* ticket, int rank, double timeout_s) {
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(timeout_s));
-  std::unique_lock<std::mutex> lock(g_mu);
-  Round* round = ticket->round_;
-  const uint64_t gen = ticket->generation_;
-  const RendezvousKey key = ticket->key_;
-  ticket->round_ = nullptr;
-  round->departed++;
-  if (round->departed == round->num_ranks) {
-    // Everyone has finished reading: reopen for the next call of this site.
-    round->arrived = 0;
-    round->departed = 0;
-    round->closed = false;
-    for (int i = 0; i < round->num_ranks; ++i) {
-      round->present[i] = false;
-      round->peers[i] = PeerBuffers();
-    }
-    round->generation++;
-    g_cv.notify_all();
-  }
-  std::string err;
-  while (round->generation == gen) {
-    if (g_cv.wait_until(lock, deadline) == std::cv_status::timeout &&
-        round->generation == gen) {
-      std::ostringstream s;
-      s << "jax_ep: rank " << rank << " timed out after " << timeout_s
-        << " s waiting for peers to finish reading at " << KeyText(key);
-      err = s.str();
-      break;
-    }
-  }
-  Release(key, round);
-  return err;
+  if (complete) Launch(std::move(complete));
 }
 
 }  // namespace jax_ep
