@@ -32,7 +32,7 @@ test: build
 	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) -m pytest -q -x tests
 
 demo: $(STAMP)
-	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) examples/dispatch_combine.py
+	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) examples/train_moe.py --out runs/moe_demo
 
 clean:
 	rm -rf build $(VENV)
