@@ -340,6 +340,12 @@ def main(a):
         raise SystemExit(f"--experts ({a.experts}) must be a multiple of --expert "
                          f"({a.expert})")
     os.makedirs(a.out, exist_ok=True)
+    if not a.resume and os.path.isdir(os.path.join(a.out, "ckpt")):
+        # A fresh run in an old OUT starts over rather than colliding with old steps.
+        import shutil
+        print(f"starting fresh: removing the checkpoints of an earlier run in {a.out} "
+              "(pass --resume to continue it)", flush=True)
+        shutil.rmtree(os.path.join(a.out, "ckpt"))
     mesh = jax.make_mesh((a.data, a.expert), ("data", "expert"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2,
                          devices=jax.devices()[:n])
