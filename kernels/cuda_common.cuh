@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kernels/dtype_convert.h"
 #include "kernels/intranode_buffer.h"
 #include "kernels/peer_transport.cuh"
 
@@ -35,58 +36,15 @@ __device__ __forceinline__ void record_error(ErrorRecord* dev, ErrorRecord* host
   }
 }
 
-// ---- element conversions (same results as kernels/dtype_convert.h) ----
-__device__ __forceinline__ float bf16_bits_to_f32(uint32_t h) { return __uint_as_float(h << 16); }
-
-__device__ __forceinline__ uint32_t f32_to_bf16_bits(float f) {
-  uint32_t b = __float_as_uint(f);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return ((b >> 16) | 0x40u) & 0xffffu;
-  const uint32_t lsb = (b >> 16) & 1u;
-  b += 0x7fffu + lsb;
-  return b >> 16;
+// ---- element conversions: the host/device definitions of kernels/dtype_convert.h ----
+__device__ __forceinline__ float bf16_bits_to_f32(uint32_t h) {
+  return bf16_to_f32(static_cast<uint16_t>(h));
 }
-
+__device__ __forceinline__ uint32_t f32_to_bf16_bits(float f) { return f32_to_bf16(f); }
 __device__ __forceinline__ float f16_bits_to_f32(uint32_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  if (exp == 0) {
-    if (mant == 0) return __uint_as_float(sign);
-    int e = -1;
-    do {
-      ++e;
-      mant <<= 1;
-    } while ((mant & 0x400u) == 0);
-    mant &= 0x3ffu;
-    return __uint_as_float(sign | static_cast<uint32_t>(127 - 15 - e) << 23 | mant << 13);
-  }
-  if (exp == 31) return __uint_as_float(sign | 0x7f800000u | mant << 13 | (mant ? 0x400000u : 0u));
-  return __uint_as_float(sign | (exp + 127 - 15) << 23 | mant << 13);
+  return f16_to_f32(static_cast<uint16_t>(h));
 }
-
-__device__ __forceinline__ uint32_t f32_to_f16_bits(float f) {
-  const uint32_t b = __float_as_uint(f);
-  const uint32_t sign = (b >> 16) & 0x8000u;
-  const uint32_t absb = b & 0x7fffffffu;
-  if (absb > 0x7f800000u) return sign | 0x7e00u | ((absb >> 13) & 0x3ffu);
-  if (absb >= 0x477ff000u) return sign | 0x7c00u;
-  if (absb < 0x38800000u) {
-    if (absb < 0x33000000u) return sign;
-    const uint32_t e = absb >> 23;
-    const uint32_t m = (absb & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126u - e;
-    const uint32_t q = m >> shift;
-    const uint32_t rem = m & ((1u << shift) - 1u);
-    const uint32_t half = 1u << (shift - 1u);
-    uint32_t r = q;
-    if (rem > half || (rem == half && (q & 1u))) ++r;
-    return sign | r;
-  }
-  uint32_t v = absb - (112u << 23);
-  const uint32_t lsb = (v >> 13) & 1u;
-  v += 0xfffu + lsb;
-  return sign | (v >> 13);
-}
+__device__ __forceinline__ uint32_t f32_to_f16_bits(float f) { return f32_to_f16(f); }
 
 // ---- warp-wide copies ----
 __device__ __forceinline__ bool aligned16(const void* a, const void* b, size_t n) {

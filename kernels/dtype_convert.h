@@ -1,27 +1,38 @@
 // Scalar conversions between float32 and the 16-bit float formats, round to nearest
-// even, NaN kept quiet: the same results XLA's convert gives, so the CPU combine
-// is bit-identical to the pure-JAX reference.
+// even, NaN kept quiet: the same results XLA's convert gives, so the CPU and CUDA
+// combines are bit-identical to the pure-JAX reference. One definition for host and
+// device code.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/layout_math.h"  // JEP_HD
+
 namespace jax_ep {
 
-inline float bits_to_f32(uint32_t b) {
+JEP_HD float bits_to_f32(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
   float f;
   std::memcpy(&f, &b, 4);
   return f;
+#endif
 }
-inline uint32_t f32_to_bits(float f) {
+JEP_HD uint32_t f32_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t b;
   std::memcpy(&b, &f, 4);
   return b;
+#endif
 }
 
-inline float bf16_to_f32(uint16_t h) { return bits_to_f32(static_cast<uint32_t>(h) << 16); }
+JEP_HD float bf16_to_f32(uint16_t h) { return bits_to_f32(static_cast<uint32_t>(h) << 16); }
 
-inline uint16_t f32_to_bf16(float f) {
+JEP_HD uint16_t f32_to_bf16(float f) {
   uint32_t b = f32_to_bits(f);
   if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);
   const uint32_t lsb = (b >> 16) & 1u;
@@ -29,7 +40,7 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(b >> 16);
 }
 
-inline float f16_to_f32(uint16_t h) {
+JEP_HD float f16_to_f32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
@@ -48,7 +59,7 @@ inline float f16_to_f32(uint16_t h) {
   return bits_to_f32(sign | (exp + 127 - 15) << 23 | mant << 13);
 }
 
-inline uint16_t f32_to_f16(float f) {
+JEP_HD uint16_t f32_to_f16(float f) {
   const uint32_t b = f32_to_bits(f);
   const uint16_t sign = static_cast<uint16_t>((b >> 16) & 0x8000u);
   const uint32_t absb = b & 0x7fffffffu;

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/dtype_convert.h"
 #include "kernels/internode_kernels.h"
 #include "kernels/internode_layout.h"
 #include "kernels/layout_math.h"
@@ -430,13 +431,17 @@ __device__ __forceinline__ float ToF(E v) { return static_cast<float>(v); }
 template <typename E>
 __device__ __forceinline__ E FromF(float v) { return static_cast<E>(v); }
 template <>
-__device__ __forceinline__ float ToF(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToF(__nv_bfloat16 v) {
+  return bf16_to_f32(__bfloat16_as_ushort(v));
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 FromF(float v) { return __float2bfloat16(v); }
+__device__ __forceinline__ __nv_bfloat16 FromF(float v) {
+  return __ushort_as_bfloat16(f32_to_bf16(v));
+}
 template <>
-__device__ __forceinline__ float ToF(__half v) { return __half2float(v); }
+__device__ __forceinline__ float ToF(__half v) { return f16_to_f32(__half_as_ushort(v)); }
 template <>
-__device__ __forceinline__ __half FromF(float v) { return __float2half(v); }
+__device__ __forceinline__ __half FromF(float v) { return __ushort_as_half(f32_to_f16(v)); }
 
 // One block per token: wait for every rank's rows, then sum in ascending rank order.
 template <class T, typename E>

@@ -10,6 +10,7 @@
 #include "kernels/cpu_kernels.h"
 #include "kernels/cpu_rendezvous.h"
 #include "kernels/layout_math.h"
+#include "xla_ffi/ffi_helpers.h"
 
 namespace ffi = xla::ffi;
 
@@ -24,10 +25,6 @@ double TimeoutSeconds() {
   return (end != v && s > 0) ? s : 300.0;
 }
 
-ffi::Error Invalid(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_ep: " + msg);
-}
-
 bool FloatKindOf(ffi::DataType t, FloatKind* k) {
   switch (t) {
     case ffi::DataType::F32: *k = FloatKind::kF32; return true;
@@ -35,32 +32,6 @@ bool FloatKindOf(ffi::DataType t, FloatKind* k) {
     case ffi::DataType::F16: *k = FloatKind::kF16; return true;
     default: return false;
   }
-}
-
-std::string Dims(ffi::Span<const int64_t> d) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
-  s << "]";
-  return s.str();
-}
-
-// Checks a buffer's shape; returns "" or a message naming `what`.
-std::string ExpectShape(const char* what, ffi::Span<const int64_t> got,
-                        std::initializer_list<int64_t> want) {
-  bool ok = got.size() == want.size();
-  size_t i = 0;
-  for (int64_t w : want) {
-    if (!ok) break;
-    ok = got[i++] == w;
-  }
-  if (ok) return {};
-  std::ostringstream s;
-  s << what << " has shape " << Dims(got) << ", expected [";
-  i = 0;
-  for (int64_t w : want) s << (i++ ? ", " : "") << w;
-  s << "]";
-  return s.str();
 }
 
 int32_t Scalar(ffi::Buffer<ffi::S32> b) { return b.typed_data()[0]; }

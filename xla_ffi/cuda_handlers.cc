@@ -20,44 +20,16 @@
 #include "kernels/cuda_kernels.h"
 #include "kernels/intranode_buffer.h"
 #include "xla_ffi/cuda_state.h"
+#include "xla_ffi/ffi_helpers.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_ep {
 namespace {
 
-ffi::Error Invalid(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_ep: " + msg);
-}
-
 ffi::Error CudaFailed(const char* what, cudaError_t e) {
   return ffi::Error(ffi::ErrorCode::kInternal,
                     std::string("jax_ep: ") + what + ": " + cudaGetErrorString(e));
-}
-
-std::string Dims(ffi::Span<const int64_t> d) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
-  s << "]";
-  return s.str();
-}
-
-std::string ExpectShape(const char* what, ffi::Span<const int64_t> got,
-                        std::initializer_list<int64_t> want) {
-  bool ok = got.size() == want.size();
-  size_t i = 0;
-  for (int64_t w : want) {
-    if (!ok) break;
-    ok = got[i++] == w;
-  }
-  if (ok) return {};
-  std::ostringstream s;
-  s << what << " has shape " << Dims(got) << ", expected [";
-  i = 0;
-  for (int64_t w : want) s << (i++ ? ", " : "") << w;
-  s << "]";
-  return s.str();
 }
 
 bool ElemKindOf(ffi::DataType t, ElemKind* k) {

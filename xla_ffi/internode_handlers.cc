@@ -19,15 +19,12 @@
 #include "kernels/internode_kernels.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cuda_registrations.h"
+#include "xla_ffi/ffi_helpers.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_ep {
 namespace {
-
-ffi::Error Invalid(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_ep internode: " + msg);
-}
 
 ffi::Error FromString(const std::string& err) {
   if (err.empty()) return ffi::Error::Success();
@@ -43,26 +40,10 @@ bool ElemOf(ffi::DataType t, internode::Elem* e) {
   }
 }
 
-std::string Shape(ffi::Span<const int64_t> d) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
-  s << "]";
-  return s.str();
-}
-
-bool Is(ffi::Span<const int64_t> got, std::initializer_list<int64_t> want) {
-  if (got.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want)
-    if (got[i++] != w) return false;
-  return true;
-}
-
 #define JEP_EXPECT(what, buf, ...)                                                    \
   do {                                                                                \
-    if (!Is((buf).dimensions(), {__VA_ARGS__}))                                       \
-      return Invalid(std::string(what) + " has shape " + Shape((buf).dimensions()) + \
+    if (!HasShape((buf).dimensions(), {__VA_ARGS__}))                                       \
+      return Invalid(std::string(what) + " has shape " + Dims((buf).dimensions()) + \
                      ", which does not match the other arguments");                  \
   } while (0)
 
@@ -92,11 +73,11 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                         int64_t qps_per_port, int64_t chunk_bytes) {
   internode::Elem elem;
   if (!ElemOf(x.element_type(), &elem)) return Invalid("x must be float32, bfloat16 or float16");
-  if (x.dimensions().size() != 2) return Invalid("x must be [tokens, hidden], got " + Shape(x.dimensions()));
+  if (x.dimensions().size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(x.dimensions()));
   const int64_t T = x.dimensions()[0], H = x.dimensions()[1];
   if (topk_idx.dimensions().size() != 2 || topk_idx.dimensions()[0] != T)
     return Invalid("topk_idx must be [tokens, k] with tokens = x.shape[0], got " +
-                   Shape(topk_idx.dimensions()));
+                   Dims(topk_idx.dimensions()));
   const int64_t K = topk_idx.dimensions()[1];
   const int64_t R = num_ranks, C = capacity;
   if (R < 1) return Invalid("num_ranks must be >= 1");
@@ -143,7 +124,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S
                        int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes) {
   internode::Elem elem;
   if (!ElemOf(y.element_type(), &elem)) return Invalid("y must be float32, bfloat16 or float16");
-  if (y.dimensions().size() != 2) return Invalid("y must be [capacity, hidden], got " + Shape(y.dimensions()));
+  if (y.dimensions().size() != 2) return Invalid("y must be [capacity, hidden], got " + Dims(y.dimensions()));
   const int64_t C = y.dimensions()[0], H = y.dimensions()[1], R = num_ranks;
   if (R < 1) return Invalid("num_ranks must be >= 1");
   if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
@@ -151,7 +132,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S
   JEP_EXPECT("handle.counts", counts, R, R);
   if (send_slot.dimensions().size() != 2 || send_slot.dimensions()[1] != R)
     return Invalid("handle.send_slot must be [tokens, num_ranks], got " +
-                   Shape(send_slot.dimensions()));
+                   Dims(send_slot.dimensions()));
   const int64_t T = send_slot.dimensions()[0];
   JEP_EXPECT("out", *out, T, H);
   if (out->element_type() != y.element_type()) return Invalid("out must have y's dtype");
@@ -175,7 +156,7 @@ ffi::Error GatherImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S3
                       int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes) {
   internode::Elem elem;
   if (!ElemOf(g.element_type(), &elem)) return Invalid("g must be float32, bfloat16 or float16");
-  if (g.dimensions().size() != 2) return Invalid("g must be [tokens, hidden], got " + Shape(g.dimensions()));
+  if (g.dimensions().size() != 2) return Invalid("g must be [tokens, hidden], got " + Dims(g.dimensions()));
   const int64_t T = g.dimensions()[0], H = g.dimensions()[1], R = num_ranks, C = capacity;
   if (R < 1) return Invalid("num_ranks must be >= 1");
   if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
