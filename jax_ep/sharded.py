@@ -284,37 +284,25 @@ def _dispatch_op(spec: _Spec, H: int, K: int, dtype):
 
 
 @functools.cache
-def _combine_op(spec: _Spec, H: int, dtype):
-    S, T = spec.num_shards, spec.tokens_per_shard
+def _handle_driven_op(spec: _Spec, H: int, dtype, transpose: bool):
+    """combine ([S*C, H] rows -> [S*T, H] tokens) or, with `transpose`, its transpose
+    gather ([S*T, H] -> [S*C, H]), both driven by the handle's arrays."""
+    S = spec.num_shards
+    rows_out = spec.capacity if transpose else spec.tokens_per_shard
+    impl = ops._gather_impl if transpose else ops._combine_impl
 
-    def abstract(y, *handle):
-        return jnp.zeros((S * T, H), y.dtype)
+    def abstract(v, *handle):
+        return jnp.zeros((S * rows_out, H), v.dtype)
 
-    def body(y, *handle):
-        return ops._combine_impl(y, _local_handle(spec, handle), spec.backend,
-                                 spec.group_axes)
+    def body(v, *handle):
+        return impl(v, _local_handle(spec, handle), spec.backend, spec.group_axes)
 
-    rule = "(s c) h, " + _handle_rule() + " -> (s t) h"
-    return _partitioned(spec, body, abstract, rule, 7, 1,
-                        need_replication_factors=("h", "r", "e"), t=T, c=spec.capacity,
-                        e=spec.experts_per_rank)
-
-
-@functools.cache
-def _gather_op(spec: _Spec, H: int, dtype):
-    S, C = spec.num_shards, spec.capacity
-
-    def abstract(g, *handle):
-        return jnp.zeros((S * C, H), g.dtype)
-
-    def body(g, *handle):
-        return ops._gather_impl(g, _local_handle(spec, handle), spec.backend,
-                                spec.group_axes)
-
-    rule = "(s t) h, " + _handle_rule() + " -> (s c) h"
+    rows, tokens = "(s c) h", "(s t) h"
+    src, dst = (tokens, rows) if transpose else (rows, tokens)
+    rule = f"{src}, {_handle_rule()} -> {dst}"
     return _partitioned(spec, body, abstract, rule, 7, 1,
                         need_replication_factors=("h", "r", "e"), t=spec.tokens_per_shard,
-                        c=C, e=spec.experts_per_rank)
+                        c=spec.capacity, e=spec.experts_per_rank)
 
 
 def _handle_arrays(h):
@@ -322,11 +310,13 @@ def _handle_arrays(h):
 
 
 def _sharded_combine(y, h: ShardedDispatchHandle, spec: _Spec):
-    return _combine_op(spec, y.shape[1], jnp.dtype(y.dtype))(y, *_handle_arrays(h))
+    return _handle_driven_op(spec, y.shape[1], jnp.dtype(y.dtype), False)(
+        y, *_handle_arrays(h))
 
 
 def _sharded_gather(g, h: ShardedDispatchHandle, spec: _Spec):
-    return _gather_op(spec, g.shape[1], jnp.dtype(g.dtype))(g, *_handle_arrays(h))
+    return _handle_driven_op(spec, g.shape[1], jnp.dtype(g.dtype), True)(
+        g, *_handle_arrays(h))
 
 
 def _dispatch_fwd_impl(x, idx, w, spec: _Spec):
