@@ -34,6 +34,14 @@ platforms (GPU) it is the device's own copy bandwidth instead (a jitted reversal
 large array on device 0). An op's floor is its bytes over that bandwidth: the
 time a plain memcpy of the rows it must move takes on this machine.
 
+On a GPU machine with fewer GPUs than `--ranks` (or with `--virtual-ranks`), the ranks
+run as virtual ranks on GPU 0 through the CUDA harness (jax_ep.cuda.harness_dispatch,
+harness_combine, harness_gather: the "ffi" backend's intranode kernels with every rank's
+buffers on one GPU), on the same inputs stacked per rank [R, T, ...], with the same byte
+accounting, floor and results; the reference backend is a shard_map over R devices and
+is skipped there, with the reason in the table and in the JSON's "skipped_backends".
+On CPU, `--ranks` already gives R virtual devices and `--virtual-ranks` is an error.
+
 Peak memory is read from XLA's compiled `memory_analysis()` of each program, per device:
 argument + output + temp - alias bytes, next to argument + output bytes.
 """
@@ -58,6 +66,12 @@ AXIS = "ep"
 QUICK = dict(tokens=128, hidden=256, repeats=3, warmup=1, input_sets=2,
              memcpy_mib=32)
 FULL = dict(tokens=4096, hidden=2048, repeats=5, warmup=2, input_sets=3, memcpy_mib=256)
+VIRTUAL_NOTE = ("{R} virtual ranks on device 0 through the CUDA harness (jax_ep.cuda."
+                "harness_*), standing for backend 'ffi': the same intranode kernels, each "
+                "phase launched for every rank in turn on one GPU; memory is of that GPU, "
+                "all ranks together")
+VIRTUAL_SKIP = ("cannot run R ranks on one device: it is a shard_map program over a mesh "
+                "of R devices; only the CUDA harness (ffi) has virtual ranks")
 
 
 # ----------------------------------------------------------------------------- devices
@@ -217,20 +231,56 @@ def _programs(mesh, backend, *, num_experts, capacity):
             "roundtrip": sm(f_roundtrip, 3), "roundtrip_fwd_bwd": sm(f_fwd_bwd, 4)}
 
 
-def _make_inputs(mesh, *, n_sets, tokens, hidden, topk, experts, dtype, seed):
-    """`n_sets` global input sets (x, topk_idx, topk_weights, cotangent), sharded over
-    the EP axis, plus the host copies of their routings. Routing: each token picks
-    `topk` distinct experts uniformly at random (the top-k of random scores)."""
+def _harness_programs(*, num_experts, capacity):
+    """The same four programs for R virtual ranks on one GPU, through the CUDA harness
+    (jax_ep.cuda.harness_*: the intranode kernels of the "ffi" backend, every rank's
+    buffers on device 0). Inputs and outputs are _programs's with a leading rank axis
+    [R, ...] instead of the sharded one; dispatch's handle is packed in the same order."""
+    import jax
+
+    from jax_ep import cuda
+
+    def f_dispatch(x, idx, w):
+        d = cuda.harness_dispatch(x, idx, w, num_experts=num_experts, capacity=capacity)
+        return d.recv_x, d.recv_topk_idx, d.recv_topk_weights, (
+            d.num_recv, d.num_dropped, d.num_recv_tokens_per_expert, d.src_rank,
+            d.src_index, d.send_row)
+
+    def f_combine(y, packed):
+        return cuda.harness_combine(y, packed[5])
+
+    def f_roundtrip(x, idx, w):
+        rx, _, _, packed = f_dispatch(x, idx, w)
+        return f_combine(rx, packed)
+
+    def f_fwd_bwd(x, idx, w, ct):
+        # The vjp with respect to x as ops.py defines it: combine's transpose gathers the
+        # cotangent rows back to the receivers, dispatch's transpose combines them.
+        rx, _, _, packed = f_dispatch(x, idx, w)
+        d_rx = cuda.harness_gather(ct, packed[3], packed[4])
+        return f_combine(rx, packed), f_combine(d_rx, packed)
+
+    return {"dispatch": jax.jit(f_dispatch), "combine": jax.jit(f_combine),
+            "roundtrip": jax.jit(f_roundtrip), "roundtrip_fwd_bwd": jax.jit(f_fwd_bwd)}
+
+
+def _make_inputs(sharding, lead, *, n_sets, hidden, topk, experts, dtype, seed):
+    """`n_sets` input sets (x, topk_idx, topk_weights, cotangent) of shapes lead + (H,) or
+    lead + (K,) placed by `sharding`, plus the host copies of their routings, each
+    [R * T, K] (rank s owns rows s*T .. s*T+T-1). `lead` is (R * T,) for a global array
+    sharded over the EP axis, (R, T) for the harness's stacked per-rank inputs; the same
+    seed gives the same values either way. Routing: each token picks `topk` distinct
+    experts uniformly at random (the top-k of random scores)."""
+    import math
+
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    R = mesh.shape[AXIS]
-    N = R * tokens
-    sh = NamedSharding(mesh, P(AXIS))
-    gen = jax.jit(lambda k: jax.random.normal(k, (N, hidden), jnp.float32).astype(dtype),
-                  out_shardings=sh)
+    lead = tuple(lead)
+    N = math.prod(lead)
+    gen = jax.jit(lambda k: jax.random.normal(k, (N, hidden), jnp.float32)
+                  .astype(dtype).reshape(lead + (hidden,)), out_shardings=sharding)
     rng = np.random.default_rng(seed)
     key = jax.random.key(seed)
     xs, idxs, ws, host_idx = [], [], [], []
@@ -240,8 +290,8 @@ def _make_inputs(mesh, *, n_sets, tokens, hidden, topk, experts, dtype, seed):
         idx = np.argsort(rng.random((N, experts)), axis=1)[:, :topk].astype(np.int32)
         w = rng.random((N, topk), dtype=np.float32)
         host_idx.append(idx)
-        idxs.append(jax.device_put(idx, sh))
-        ws.append(jax.device_put(w, sh))
+        idxs.append(jax.device_put(idx.reshape(lead + (topk,)), sharding))
+        ws.append(jax.device_put(w.reshape(lead + (topk,)), sharding))
     sets = [(xs[i], idxs[i], ws[i], xs[(i + 1) % n_sets]) for i in range(n_sets)]
     return sets, host_idx
 
@@ -262,32 +312,46 @@ def _memory(compiled) -> dict:
 
 def run_bench(*, backends, ops=OPS, ranks, tokens, hidden, topk, experts, dtype, capacity,
               repeats, warmup, input_sets, memcpy_GBps, seed=0, progress=None,
-              with_memory=True):
-    """One benchmark at one token count. Returns (config, results, memory, rows)."""
+              with_memory=True, virtual=False):
+    """One benchmark at one token count. Returns (config, results, memory, rows).
+
+    virtual=True runs the `ranks` EP ranks as virtual ranks on device 0 through the CUDA
+    harness (`_harness_programs`), which stands for the "ffi" backend; inputs, routing,
+    byte accounting, timing and results are the same as over a mesh of `ranks` devices."""
     import jax
     import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
     import jax_ep
 
     devices = jax.devices()
-    if len(devices) < ranks:
-        raise SystemExit(
-            f"jax_ep.bench: --ranks {ranks} needs {ranks} devices but the default backend "
-            f"({jax.default_backend()}) has {len(devices)}. On CPU, run as "
-            "`python -m jax_ep.bench` (it sets XLA_FLAGS itself) or set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={ranks} before JAX starts.")
-    mesh = jax.sharding.Mesh(np.array(devices[:ranks]), (AXIS,),
-                             axis_types=(jax.sharding.AxisType.Auto,))
     C = ranks * tokens if capacity is None else int(capacity)
-    sets, host_idx = _make_inputs(mesh, n_sets=input_sets, tokens=tokens, hidden=hidden,
+    if virtual:
+        if list(backends) != ["ffi"]:
+            raise ValueError(f"virtual ranks run the CUDA harness, i.e. backend 'ffi' only; "
+                             f"got {list(backends)}")
+        mesh, sharding, lead = None, SingleDeviceSharding(devices[0]), (ranks, tokens)
+    else:
+        if len(devices) < ranks:
+            raise SystemExit(
+                f"jax_ep.bench: --ranks {ranks} needs {ranks} devices but the default "
+                f"backend ({jax.default_backend()}) has {len(devices)}. On CPU, run as "
+                "`python -m jax_ep.bench` (it sets XLA_FLAGS itself) or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={ranks} before JAX "
+                "starts; on GPU, add --virtual-ranks.")
+        mesh = jax.sharding.Mesh(np.array(devices[:ranks]), (AXIS,),
+                                 axis_types=(jax.sharding.AxisType.Auto,))
+        sharding, lead = NamedSharding(mesh, P(AXIS)), (ranks * tokens,)
+    sets, host_idx = _make_inputs(sharding, lead, n_sets=input_sets, hidden=hidden,
                                   topk=topk, experts=experts, dtype=dtype, seed=seed)
     rows_per_set = [routing_rows(i, num_ranks=ranks, num_experts=experts,
                                  capacity=C)["rows"] for i in host_idx]
     rows = int(round(statistics.mean(rows_per_set)))
     nbytes = op_bytes(rows, hidden, DTYPE_BYTES[dtype])
-    results, memory, errors = [], {}, []
+    results, memory, errors, kept_rows = [], {}, [], {}
     for backend in backends:
-        progs = _programs(mesh, backend, num_experts=experts, capacity=C)
+        progs = (_harness_programs(num_experts=experts, capacity=C) if virtual
+                 else _programs(mesh, backend, num_experts=experts, capacity=C))
         # combine's inputs: this backend's dispatch of every set.
         comp_d = progs["dispatch"].lower(*sets[0][:3]).compile()
         comb_sets = []
@@ -295,6 +359,8 @@ def run_bench(*, backends, ops=OPS, ranks, tokens, hidden, topk, experts, dtype,
             rx, _, _, packed = comp_d(*s[:3])
             comb_sets.append((rx, packed))
         jax.block_until_ready(comb_sets)
+        # The rows the op kept (sum of num_recv), next to rows_per_set from the routing.
+        kept_rows[backend] = [int(np.asarray(p[0]).sum()) for _, p in comb_sets]
         memory[backend] = {}
         for op in ops:
             args = {"dispatch": [s[:3] for s in sets], "combine": comb_sets,
@@ -353,8 +419,10 @@ def run_bench(*, backends, ops=OPS, ranks, tokens, hidden, topk, experts, dtype,
               "platform": jax.default_backend(), "device_kind": devices[0].device_kind,
               "num_devices": len(devices), "cpu_count": os.cpu_count(),
               "jax": jax.__version__, "build": jax_ep.build_info(),
-              "rows_per_set": rows_per_set, "rows": rows,
-              "row_bytes": hidden * DTYPE_BYTES[dtype]}
+              "rows_per_set": rows_per_set, "rows": rows, "kept_rows_per_set": kept_rows,
+              "row_bytes": hidden * DTYPE_BYTES[dtype], "virtual_ranks": bool(virtual)}
+    if virtual:
+        config["virtual_ranks_note"] = VIRTUAL_NOTE.format(R=ranks)
     if errors:
         config["errors"] = errors
     return config, results, memory, rows
@@ -375,10 +443,12 @@ def _targets(results, memory):
     return out
 
 
-def format_table(results, memcpy_GBps, memory=None) -> str:
+def format_table(results, memcpy_GBps, memory=None, skipped=None, note=None) -> str:
     head = (f"{'backend':<10} {'op':<18} {'median ms':>10} {'min ms':>9} {'max ms':>9} "
             f"{'MB moved':>9} {'GB/s':>7} {'floor ms':>9} {'x floor':>8}")
     lines = [f"memcpy bandwidth: {memcpy_GBps:.2f} GB/s", head, "-" * len(head)]
+    if note:
+        lines.insert(0, note)
     for r in results:
         lines.append(
             f"{r['backend']:<10} {r['op']:<18} {r['median_s'] * 1e3:>10.2f} "
@@ -398,6 +468,8 @@ def format_table(results, memcpy_GBps, memory=None) -> str:
                     f"(in+out {m['in_out_bytes'] / 2**20:9.1f} MiB, temp "
                     f"{m['temp_bytes'] / 2**20:8.1f} MiB) = {m['peak_over_in_out']:.2f}x "
                     "per device")
+    for backend, why in (skipped or {}).items():
+        lines.append(f"{backend:<10} skipped: {why}")
     return "\n".join(lines)
 
 
@@ -459,6 +531,10 @@ def parse_args(argv=None):
                    help="token counts of the --plot sweep (default tokens/8,/4,/2,1)")
     p.add_argument("--ops", default=",".join(OPS),
                    help=f"comma-separated subset of {','.join(OPS)} (default: all)")
+    p.add_argument("--virtual-ranks", action="store_true",
+                   help="GPU only: run the --ranks ranks as virtual ranks on GPU 0 through "
+                        "the CUDA harness (the default when there are fewer GPUs than "
+                        "--ranks); the reference backend is then skipped")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -490,9 +566,25 @@ def main(argv=None) -> dict:
                   os.environ.get("XLA_FLAGS", ""))
     if m is None or int(m.group(1)) < args.ranks:
         set_host_device_count(args.ranks)
-    import jax  # noqa: F401
+    import jax
 
     import jax_ep
+
+    platform = jax.default_backend()
+    virtual = args.virtual_ranks
+    if virtual and platform != "gpu":
+        raise SystemExit(
+            f"jax_ep.bench: --virtual-ranks runs the ranks on one GPU through the CUDA "
+            f"harness, but JAX's default backend is {platform!r}, not a GPU. On CPU, "
+            f"--ranks {args.ranks} already gives {args.ranks} virtual devices: drop "
+            "--virtual-ranks.")
+    if not virtual and platform == "gpu" and len(jax.devices()) < args.ranks:
+        virtual = True
+        print(f"jax_ep.bench: {len(jax.devices())} GPU(s) for --ranks {args.ranks}: running "
+              "virtual ranks on GPU 0 (--virtual-ranks)", file=sys.stderr)
+    if virtual and not jax_ep.cuda.available():
+        raise SystemExit("jax_ep.bench: --virtual-ranks needs a build with the CUDA backend "
+                         f"(built: {jax_ep.build_info()})")
 
     backends = []
     skipped = {}
@@ -502,6 +594,12 @@ def main(argv=None) -> dict:
         except (NotImplementedError, ValueError) as e:
             skipped[b] = str(e)
             print(f"jax_ep.bench: skipping backend {b!r}: {e}", file=sys.stderr)
+            continue
+        if virtual and resolved != "ffi":
+            skipped[resolved] = (VIRTUAL_SKIP if resolved == "reference" else
+                                 "the CUDA harness runs the intranode (ffi) kernels only")
+            print(f"jax_ep.bench: skipping backend {resolved!r} with virtual ranks: "
+                  f"{skipped[resolved]}", file=sys.stderr)
             continue
         if resolved not in backends:
             backends.append(resolved)
@@ -525,7 +623,7 @@ def main(argv=None) -> dict:
     if bar is not None:
         bar.set_postfix_str("memcpy")
     # Host memcpy on CPU; on accelerators the device's own copy bandwidth.
-    measure = (measure_memcpy if jax.default_backend() == "cpu" else measure_device_copy)
+    measure = (measure_memcpy if platform == "cpu" else measure_device_copy)
     memcpy = measure(args.memcpy_mib << 20)
     if bar is not None:
         bar.update(1)
@@ -537,7 +635,7 @@ def main(argv=None) -> dict:
             topk=args.topk, experts=args.experts, dtype=args.dtype,
             capacity=args.capacity, repeats=args.repeats, warmup=args.warmup,
             input_sets=args.input_sets, memcpy_GBps=memcpy["GBps"], seed=args.seed,
-            progress=bar, with_memory=(t == args.tokens))
+            progress=bar, with_memory=(t == args.tokens), virtual=virtual)
         sweep.append({"tokens": t, "rows": rows, "results": results})
         if t == args.tokens:
             main_run = (config, results, memory)
@@ -565,7 +663,8 @@ def main(argv=None) -> dict:
         report["skipped_backends"] = skipped
     if len(sweep) > 1:
         report["sweep"] = sweep
-    print(format_table(results, memcpy["GBps"], memory))
+    print(format_table(results, memcpy["GBps"], memory, skipped,
+                       note=config.get("virtual_ranks_note")))
     tg = report["targets"]
     if tg:
         print("targets: " + json.dumps(tg))

@@ -8,12 +8,15 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from jax_ep import bench
+from jax_ep import bench, cuda
 
-from conftest import run_ep  # noqa: E402
+from conftest import ep_mesh, np_model, run_ep  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,3 +121,146 @@ def test_quick_run_as_script_with_plot(tmp_path):
     assert [s["tokens"] for s in rep["sweep"]] == [32, rep["config"]["tokens"]]
     assert png.stat().st_size > 1000
     assert "roundtrip" in out.stdout
+
+
+def test_virtual_ranks_rejected_on_cpu():
+    """On CPU, --ranks already means R virtual devices: --virtual-ranks is an error that
+    says so (before anything is measured)."""
+    with pytest.raises(SystemExit, match=r"--virtual-ranks.*'cpu'.*drop --virtual-ranks"):
+        bench.main(["--virtual-ranks", "--quick", "--no-progress"])
+
+
+# NumPy models of the virtual-rank harness (jax_ep.cuda.harness_*), run through
+# jax.pure_callback so that the bench's jitted harness programs can run on CPU.
+
+def _np_combine(y, send_row):
+    R, T, _ = send_row.shape
+    out = np.zeros((R, T, y.shape[2]), np.float32)
+    for r in range(R):
+        rows = send_row[:, :, r]
+        out[rows >= 0] += y[r, rows[rows >= 0]].astype(np.float32)
+    return out.astype(y.dtype)
+
+
+def _np_gather(g, src_rank, src_index):
+    out = np.zeros(src_rank.shape + g.shape[2:], g.dtype)
+    used = src_rank >= 0
+    out[used] = g[src_rank[used], src_index[used]]
+    return out
+
+
+@pytest.fixture
+def np_harness(monkeypatch):
+    sds = jax.ShapeDtypeStruct
+    calls = []
+
+    def dispatch(x, idx, w, *, num_experts, capacity=None):
+        R, T, H = x.shape
+        K = idx.shape[2]
+        C = R * T if capacity is None else capacity
+        calls.append(("dispatch", x.shape, idx.shape, w.shape, num_experts, C))
+
+        def host(x, idx, w):
+            m = np_model(np.asarray(x), np.asarray(idx), np.asarray(w),
+                         np.zeros((R, C, H), x.dtype), num_experts, C)
+            return tuple(m[k] for k in ("recv_x", "recv_idx", "recv_w", "num_recv",
+                                        "num_dropped", "per_expert", "src_rank",
+                                        "src_index", "send_row"))
+
+        i32 = jnp.int32
+        shapes = (sds((R, C, H), x.dtype), sds((R, C, K), i32), sds((R, C, K), jnp.float32),
+                  sds((R,), i32), sds((R,), i32), sds((R, num_experts // R), i32),
+                  sds((R, C), i32), sds((R, C), i32), sds((R, T, R), i32))
+        return cuda.HarnessDispatch(*jax.pure_callback(host, shapes, x, idx, w))
+
+    def combine(y, send_row):
+        calls.append(("combine", y.shape, send_row.shape))
+        R, T, _ = send_row.shape
+        return jax.pure_callback(_np_combine, sds((R, T, y.shape[2]), y.dtype), y, send_row)
+
+    def gather(g, src_rank, src_index):
+        calls.append(("gather", g.shape, src_rank.shape))
+        return jax.pure_callback(_np_gather, sds(src_rank.shape + g.shape[2:], g.dtype),
+                                 g, src_rank, src_index)
+
+    monkeypatch.setattr(cuda, "harness_dispatch", dispatch)
+    monkeypatch.setattr(cuda, "harness_combine", combine)
+    monkeypatch.setattr(cuda, "harness_gather", gather)
+    return calls
+
+
+def test_virtual_inputs_are_the_mesh_inputs_stacked_per_rank(mesh8):
+    """The harness gets the same values as the mesh path, as [R, T, ...] on device 0."""
+    R, T, H, K, E = 8, 6, 4, 3, 16
+    kw = dict(n_sets=2, hidden=H, topk=K, experts=E, dtype="float32", seed=5)
+    flat, idx_flat = bench._make_inputs(NamedSharding(mesh8, P("ep")), (R * T,), **kw)
+    dev0 = jax.devices()[0]
+    stacked, idx_stacked = bench._make_inputs(SingleDeviceSharding(dev0), (R, T), **kw)
+    for a, b in zip(idx_flat, idx_stacked):
+        np.testing.assert_array_equal(a, b)
+    for fs, ss in zip(flat, stacked):
+        for f, s in zip(fs, ss):
+            assert s.shape == (R, T) + f.shape[1:] and s.devices() == {dev0}
+            np.testing.assert_array_equal(np.asarray(s).reshape(f.shape), np.asarray(f))
+
+
+def test_harness_programs_match_the_mesh_programs(np_harness):
+    """The four harness programs (harness mocked by the NumPy model) compute what the
+    shard_map programs of the CPU ffi backend compute, the vjp included."""
+    R, T, H, K, E, C = 4, 5, 3, 2, 8, 7  # C < what arrives: some rows drop
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    ct = rng.standard_normal((R, T, H)).astype(np.float32)
+    idx = np.argsort(rng.random((R, T, E)), axis=-1)[..., :K].astype(np.int32)
+    w = rng.random((R, T, K), dtype=np.float32)
+    flat = lambda a: jnp.asarray(a.reshape((R * T,) + a.shape[2:]))  # noqa: E731
+    hp = bench._harness_programs(num_experts=E, capacity=C)
+    mp = bench._programs(ep_mesh(R), "ffi", num_experts=E, capacity=C)
+    h_disp, m_disp = hp["dispatch"](x, idx, w), mp["dispatch"](flat(x), flat(idx), flat(w))
+    for h, m in zip(jax.tree.leaves(h_disp), jax.tree.leaves(m_disp)):
+        np.testing.assert_array_equal(np.asarray(h).reshape(np.shape(m)), np.asarray(m))
+    np.testing.assert_array_equal(
+        np.asarray(hp["combine"](h_disp[0], h_disp[3])).reshape(R * T, H),
+        np.asarray(mp["combine"](m_disp[0], m_disp[3])))
+    np.testing.assert_array_equal(np.asarray(hp["roundtrip"](x, idx, w)).reshape(R * T, H),
+                                  np.asarray(mp["roundtrip"](flat(x), flat(idx), flat(w))))
+    for h, m in zip(hp["roundtrip_fwd_bwd"](x, idx, w, ct),
+                    mp["roundtrip_fwd_bwd"](flat(x), flat(idx), flat(w), flat(ct))):
+        np.testing.assert_allclose(np.asarray(h).reshape(R * T, H), np.asarray(m),
+                                   rtol=1e-6, atol=1e-6)
+    assert {c[0] for c in np_harness} == {"dispatch", "combine", "gather"}
+
+
+@pytest.mark.parametrize("capacity", [None, 20])
+def test_run_bench_virtual_inputs_and_bytes(np_harness, capacity):
+    """run_bench(virtual=True) feeds the harness stacked per-rank inputs and accounts
+    the same bytes as the mesh path: rows from the routing, which are the rows the
+    harness kept (the sum of num_recv)."""
+    R, T, H, K, E = 4, 16, 8, 2, 8
+    kw = dict(ops=bench.OPS, ranks=R, tokens=T, hidden=H, topk=K, experts=E,
+              dtype="float32", capacity=capacity, repeats=2, warmup=1, input_sets=2,
+              memcpy_GBps=1.0, seed=3)
+    config, results, memory, rows = bench.run_bench(backends=["ffi"], virtual=True, **kw)
+    C = R * T if capacity is None else capacity
+    assert ("dispatch", (R, T, H), (R, T, K), (R, T, K), E, C) in np_harness
+    assert config["virtual_ranks"] is True and config["capacity"] == C
+    assert "4 virtual ranks on device 0" in config["virtual_ranks_note"]
+    assert config["kept_rows_per_set"]["ffi"] == config["rows_per_set"]
+    assert rows == config["rows"]
+    check_report({"config": config, "memcpy_GBps": 1.0, "results": results}, ["ffi"])
+    # The same seed over a mesh of R CPU devices: the same routing, rows and bytes.
+    m_config, m_results, _, m_rows = bench.run_bench(backends=["ffi"], **kw)
+    assert m_config["rows_per_set"] == config["rows_per_set"] and m_rows == rows
+    assert [r["bytes"] for r in m_results] == [r["bytes"] for r in results]
+    assert set(memory) == {"ffi"}
+    with pytest.raises(ValueError, match="backend 'ffi' only"):
+        bench.run_bench(backends=["ffi", "reference"], virtual=True, **kw)
+
+
+def test_table_says_why_a_backend_was_skipped():
+    r = {"backend": "ffi", "op": "roundtrip", "median_s": 2.0, "min_s": 1.0, "max_s": 3.0,
+         "bytes": 4_000_000, "GBps": 0.002, "floor_s": 1.0}
+    t = bench.format_table([r], 1.0, skipped={"reference": bench.VIRTUAL_SKIP},
+                           note=bench.VIRTUAL_NOTE.format(R=8))
+    assert t.splitlines()[0].startswith("8 virtual ranks on device 0")
+    assert "reference  skipped: cannot run R ranks on one device" in t
