@@ -85,6 +85,10 @@ class _Spec:
 def _context_mesh():
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
+        from jax._src import mesh as mesh_lib  # `with mesh:` sets only this one
+        physical = mesh_lib.thread_resources.env.physical_mesh
+        if physical is not None and not physical.empty:
+            return physical.abstract_mesh
         raise ValueError("jax_ep.sharded needs a mesh in context: wrap the call in "
                          "`with jax.set_mesh(mesh):` (or `with mesh:`)")
     return mesh
@@ -92,7 +96,8 @@ def _context_mesh():
 
 def _concrete_mesh():
     from jax._src import mesh as mesh_lib  # no public accessor works inside jit
-    mesh = mesh_lib.get_concrete_mesh()
+    getter = getattr(mesh_lib, "get_concrete_mesh", None)
+    mesh = getter() if getter is not None else None
     if mesh is None or mesh.empty:  # `with mesh:` (pre-set_mesh style)
         mesh = mesh_lib.thread_resources.env.physical_mesh
     if mesh is None or mesh.empty:

@@ -225,3 +225,18 @@ def test_readme_training_step_runs_and_learns():
     spec.loader.exec_module(mod)
     losses = mod.main(steps=8)
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_legacy_mesh_context_manager():
+    """`with mesh:` (deprecated in JAX, still common) gives the same results."""
+    import warnings
+    mesh = _mesh("data_expert")
+    x, idx, w = _inputs(64, seed=9)
+    with jax.set_mesh(mesh):
+        want = jax.jit(_global_fn("ffi", None))(x, idx, w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with mesh:
+            got = jax.jit(_global_fn("ffi", None))(x, idx, w)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
