@@ -8,6 +8,10 @@ Outputs are global and sharded the same way: `[S * C, ...]` for received rows, `
 per-shard scalars. Partitioning comes from `custom_partitioning` with a Shardy
 `sharding_rule`: each shard runs the per-shard op, and inputs sharded otherwise are
 resharded once to `P(token_axes)`.
+
+Backends resolve as in `jax_ep.ops.resolve_backend`. The internode backend's handle
+(`DispatchHandle.extra`) travels as two more partitioned arrays in
+`ShardedDispatchHandle.extra` (see docs/internode.md).
 """
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ep import ops
-from jax_ep._types import DispatchHandle, DispatchLayout
+from jax_ep import internode, ops
+from jax_ep._types import DispatchHandle, DispatchLayout, InternodeHandleParts
 
 _HANDLE_FIELDS = ("num_recv", "num_dropped", "num_recv_tokens_per_expert", "src_rank",
                   "src_index", "send_row")
@@ -33,7 +37,12 @@ class ShardedDispatchHandle:
     """Global-view handle: the per-shard DispatchHandle fields, concatenated over the S
     shards of the token axes (num_recv, num_dropped: int32[S];
     num_recv_tokens_per_expert: int32[S * E_local]; src_rank, src_index: int32[S * C];
-    send_row: int32[N, R])."""
+    send_row: int32[N, R]).
+
+    extra: None, except for the internode backend: an `InternodeHandleParts` whose arrays
+    are the per-shard ones concatenated the same way (counts: int32[S * R, R]; send_slot:
+    int32[N, R]) and whose static rank and topk are those of every shard's handle.
+    """
 
     num_recv: jax.Array
     num_dropped: jax.Array
@@ -46,6 +55,7 @@ class ShardedDispatchHandle:
     capacity: int
     mesh_axis: str
     token_axes: tuple
+    extra: Any = None
 
     @property
     def experts_per_rank(self) -> int:
@@ -53,7 +63,7 @@ class ShardedDispatchHandle:
 
 
 jax.tree_util.register_dataclass(
-    ShardedDispatchHandle, data_fields=list(_HANDLE_FIELDS),
+    ShardedDispatchHandle, data_fields=list(_HANDLE_FIELDS) + ["extra"],
     meta_fields=["num_experts", "num_ranks", "capacity", "mesh_axis", "token_axes"])
 
 
@@ -145,21 +155,7 @@ def _spec(x_rows, num_experts, mesh_axis, capacity, backend, batch_axes) -> _Spe
                          f"R={R} of mesh_axis {mesh_axis!r} (E % R != 0)")
     C = R * T if capacity is None else ops._static_int("capacity", capacity, 1)
     return _Spec(num_experts, R, C, mesh_axis, token_axes, S, T,
-                 _resolve_backend(backend), _group_axes(mesh, mesh_axis))
-
-
-def _resolve_backend(backend) -> str:
-    """ops.resolve_backend, except that the global view does not carry the internode
-    handle (handle.extra) through custom_partitioning yet: 'auto' falls back to the
-    reference there, and an explicit 'ffi'/'internode' that would need it is an error."""
-    resolved = ops.resolve_backend(backend)
-    if resolved != "internode":
-        return resolved
-    if backend in (None, "auto"):
-        return "reference"
-    raise NotImplementedError(
-        "jax_ep.sharded does not support the internode (NVSHMEM) backend yet: call "
-        "jax_ep.dispatch/combine inside jax.shard_map for it, or pass backend='reference'")
+                 ops.resolve_backend(backend), _group_axes(mesh, mesh_axis))
 
 
 def _group_axes(mesh, mesh_axis):
@@ -255,15 +251,34 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, mesh_axis: str, batch_axe
 
 # ----------------------------------------------------------------------------- dispatch
 
-def _local_handle(spec: _Spec, arrays) -> DispatchHandle:
-    num_recv, num_dropped, per_expert, src_rank, src_index, send_row = arrays
+# The internode backend's handle has two more arrays (handle.extra): counts[R, R] per
+# shard (global [S * R, R], factor p for its rows) and send_slot[T, R] (global [N, R]).
+
+def _local_handle(spec: _Spec, arrays, internode_meta=None) -> DispatchHandle:
+    num_recv, num_dropped, per_expert, src_rank, src_index, send_row = arrays[:6]
+    extra = None
+    if internode_meta is not None:
+        rank, topk = internode_meta
+        extra = InternodeHandleParts(arrays[6], arrays[7], rank, topk)
     return DispatchHandle(num_recv.reshape(()), num_dropped.reshape(()), per_expert, src_rank,
                           src_index, send_row, spec.num_experts, spec.num_ranks,
-                          spec.capacity, spec.mesh_axis)
+                          spec.capacity, spec.mesh_axis, extra)
 
 
-def _handle_rule():
-    return "s, s, (s e), (s c), (s c), (s t) r"
+def _handle_rule(spec: _Spec):
+    rule = "s, s, (s e), (s c), (s c), (s t) r"
+    return rule + ", (s p) r, (s t) r" if spec.backend == "internode" else rule
+
+
+def _handle_factors(spec: _Spec, *replicated):
+    """need_replication_factors and factor sizes of the handle's arrays, plus those of
+    the other operands (`replicated`)."""
+    factors = dict(t=spec.tokens_per_shard, c=spec.capacity, e=spec.experts_per_rank)
+    repl = replicated + ("r", "e")
+    if spec.backend == "internode":
+        factors["p"] = spec.num_ranks
+        repl += ("p",)
+    return dict(factors, need_replication_factors=repl)
 
 
 @functools.cache
@@ -271,27 +286,36 @@ def _dispatch_op(spec: _Spec, H: int, K: int, dtype):
     S, T, C, R, el = (spec.num_shards, spec.tokens_per_shard, spec.capacity, spec.num_ranks,
                       spec.experts_per_rank)
 
+    with_parts = spec.backend == "internode"
+
     def abstract(x, idx, w):
-        return (jnp.zeros((S * C, H), x.dtype), jnp.zeros((S * C, K), jnp.int32),
+        outs = (jnp.zeros((S * C, H), x.dtype), jnp.zeros((S * C, K), jnp.int32),
                 jnp.zeros((S * C, K), jnp.float32), jnp.zeros((S,), jnp.int32),
                 jnp.zeros((S,), jnp.int32), jnp.zeros((S * el,), jnp.int32),
                 jnp.zeros((S * C,), jnp.int32), jnp.zeros((S * C,), jnp.int32),
                 jnp.zeros((S * T, R), jnp.int32))
+        if with_parts:
+            outs += (jnp.zeros((S * R, R), jnp.int32), jnp.zeros((S * T, R), jnp.int32))
+        return outs
 
     def body(x, idx, w):
         rx, ri, rw, h = ops._dispatch_impl(x, idx, w, spec.cfg)
-        return (rx, ri, rw, h.num_recv[None], h.num_dropped[None],
+        outs = (rx, ri, rw, h.num_recv[None], h.num_dropped[None],
                 h.num_recv_tokens_per_expert, h.src_rank, h.src_index, h.send_row)
+        if with_parts:
+            outs += (h.extra.counts, h.extra.send_slot)
+        return outs
 
-    rule = "(s t) h, (s t) k, (s t) k -> (s c) h, (s c) k, (s c) k, " + _handle_rule()
-    return _partitioned(spec, body, abstract, rule, 3, 9,
-                        need_replication_factors=("h", "k", "r", "e"), t=T, c=C, e=el)
+    rule = "(s t) h, (s t) k, (s t) k -> (s c) h, (s c) k, (s c) k, " + _handle_rule(spec)
+    return _partitioned(spec, body, abstract, rule, 3, 11 if with_parts else 9,
+                        **_handle_factors(spec, "h", "k"))
 
 
 @functools.cache
-def _handle_driven_op(spec: _Spec, H: int, dtype, transpose: bool):
+def _handle_driven_op(spec: _Spec, H: int, dtype, transpose: bool, internode_meta):
     """combine ([S*C, H] rows -> [S*T, H] tokens) or, with `transpose`, its transpose
-    gather ([S*T, H] -> [S*C, H]), both driven by the handle's arrays."""
+    gather ([S*T, H] -> [S*C, H]), both driven by the handle's arrays; internode_meta is
+    the static (rank, topk) of handle.extra for the internode backend, else None."""
     S = spec.num_shards
     rows_out = spec.capacity if transpose else spec.tokens_per_shard
     impl = ops._gather_impl if transpose else ops._combine_impl
@@ -300,34 +324,54 @@ def _handle_driven_op(spec: _Spec, H: int, dtype, transpose: bool):
         return jnp.zeros((S * rows_out, H), v.dtype)
 
     def body(v, *handle):
-        return impl(v, _local_handle(spec, handle), spec.backend, spec.group_axes)
+        return impl(v, _local_handle(spec, handle, internode_meta), spec.backend,
+                    spec.group_axes)
 
     rows, tokens = "(s c) h", "(s t) h"
     src, dst = (tokens, rows) if transpose else (rows, tokens)
-    rule = f"{src}, {_handle_rule()} -> {dst}"
-    return _partitioned(spec, body, abstract, rule, 7, 1,
-                        need_replication_factors=("h", "r", "e"), t=spec.tokens_per_shard,
-                        c=spec.capacity, e=spec.experts_per_rank)
+    rule = f"{src}, {_handle_rule(spec)} -> {dst}"
+    n_in = 1 + len(_HANDLE_FIELDS) + (2 if spec.backend == "internode" else 0)
+    return _partitioned(spec, body, abstract, rule, n_in, 1, **_handle_factors(spec, "h"))
 
 
-def _handle_arrays(h):
-    return tuple(getattr(h, f) for f in _HANDLE_FIELDS)
+def _internode_parts(h: ShardedDispatchHandle, what: str) -> InternodeHandleParts:
+    if not isinstance(h.extra, InternodeHandleParts):
+        raise ValueError(
+            f"the internode {what} needs the handle of an internode dispatch (its "
+            f"handle.extra holds the transport's counts and send slots); this handle has "
+            f"extra={type(h.extra).__name__}. Use the same backend for dispatch and {what}.")
+    return h.extra
+
+
+def _handle_driven(v, h: ShardedDispatchHandle, spec: _Spec, transpose: bool):
+    arrays = tuple(getattr(h, f) for f in _HANDLE_FIELDS)
+    meta = None
+    if spec.backend == "internode":
+        parts = _internode_parts(h, "gather" if transpose else "combine")
+        arrays += (parts.counts, parts.send_slot)
+        meta = (parts.rank, parts.topk)
+    op = _handle_driven_op(spec, v.shape[1], jnp.dtype(v.dtype), transpose, meta)
+    return op(v, *arrays)
 
 
 def _sharded_combine(y, h: ShardedDispatchHandle, spec: _Spec):
-    return _handle_driven_op(spec, y.shape[1], jnp.dtype(y.dtype), False)(
-        y, *_handle_arrays(h))
+    return _handle_driven(y, h, spec, False)
 
 
 def _sharded_gather(g, h: ShardedDispatchHandle, spec: _Spec):
-    return _handle_driven_op(spec, g.shape[1], jnp.dtype(g.dtype), True)(
-        g, *_handle_arrays(h))
+    return _handle_driven(g, h, spec, True)
 
 
 def _dispatch_fwd_impl(x, idx, w, spec: _Spec):
     outs = _dispatch_op(spec, x.shape[1], idx.shape[1], jnp.dtype(x.dtype))(x, idx, w)
-    handle = ShardedDispatchHandle(*outs[3:], spec.num_experts, spec.num_ranks,
-                                   spec.capacity, spec.mesh_axis, spec.token_axes)
+    extra = None
+    if spec.backend == "internode":
+        # The same static rank each shard's body gets (the NVSHMEM PE index).
+        extra = InternodeHandleParts(outs[9], outs[10],
+                                     internode.ep_rank(spec.mesh_axis, spec.num_ranks),
+                                     idx.shape[1])
+    handle = ShardedDispatchHandle(*outs[3:9], spec.num_experts, spec.num_ranks,
+                                   spec.capacity, spec.mesh_axis, spec.token_axes, extra)
     return outs[0], outs[1], outs[2], handle
 
 
@@ -359,6 +403,8 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, mesh_axis: str, cap
       capacity: C rows received per shard (default R * T).
       batch_axes: mesh axes that, with mesh_axis, shard the tokens (default: the axes
         before mesh_axis in the mesh); one EP group per index of them.
+      backend: as for `jax_ep.dispatch` ('auto' and 'ffi' pick 'internode' where they
+        would there).
     Returns:
       recv_x [S * C, H], recv_topk_idx [S * C, K] int32, recv_topk_weights [S * C, K]
       float32 and a ShardedDispatchHandle; block s of each is shard s's per-shard result.
@@ -404,7 +450,9 @@ def combine(y, handle: ShardedDispatchHandle, *, backend=None):
     mesh = _context_mesh()
     spec = _Spec(handle.num_experts, handle.num_ranks, handle.capacity, handle.mesh_axis,
                  handle.token_axes, S, handle.send_row.shape[0] // S,
-                 _resolve_backend(backend), _group_axes(mesh, handle.mesh_axis))
+                 ops.resolve_backend(backend), _group_axes(mesh, handle.mesh_axis))
     if int(mesh.shape[handle.mesh_axis]) != handle.num_ranks:
         raise ValueError("the mesh in context does not match the handle's mesh")
+    if spec.backend == "internode":
+        _internode_parts(handle, "combine")
     return _combine(y, handle, spec)

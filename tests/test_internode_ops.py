@@ -1,7 +1,9 @@
 """The per-shard ops on the internode (NVSHMEM) backend, without a GPU: programs are
 lowered for CUDA and their HLO checked for the internode custom calls and attributes;
 the handle mapping (kernels' counts/send_slot -> the contract's send_row), the static
-rank derivation and the backend choice are checked on the host. No kernel runs here.
+rank derivation and the backend choice are checked on the host. The global view
+(jax_ep.sharded) is checked the same way, and through XLA's partitioner on the host (see
+test_global_view_partitions_into_internode_calls). No kernel runs here.
 """
 from __future__ import annotations
 
@@ -346,11 +348,147 @@ def test_cpu_backend_choice_is_unchanged(monkeypatch):
     assert ops.resolve_backend("auto") == "reference"
 
 
-def test_sharded_falls_back_or_refuses_internode(monkeypatch):
+# ----------------------------------------------------------------------------- global view
+
+def _global_step(backend, handles=None):
+    """A training step through jax_ep.sharded (forward and backward) on an 8-rank mesh."""
+    import jax_ep.sharded as sh
+
+    def step(params, x, w, idx):
+        def loss(params):
+            x_in = jnp.tanh(x @ params[1])  # a layer before the MoE
+            rx, ri, rw, h = sh.dispatch(x_in, idx, w, num_experts=E, mesh_axis="ep",
+                                        backend=backend)
+            if handles is not None:
+                handles.append(h)
+            y = jnp.einsum("ch,hd->cd", rx, params[0]) * jnp.sum(rw, 1, keepdims=True)
+            return jnp.mean(sh.combine(y, h, backend=backend).astype(jnp.float32) ** 2)
+        l, g = jax.value_and_grad(loss)(params)
+        return l, params - 0.1 * g
+    return step
+
+
+def _step_args():
+    x, idx, w = _inputs(4)
+    params = jnp.asarray(np.random.default_rng(0).standard_normal((2, H, H)) * 0.1,
+                         jnp.float32)
+    return params, x, w, idx
+
+
+def test_global_view_lowers_for_cuda_with_the_internode_handle(internode_forced):
+    from jax_ep.sharded import ShardedDispatchHandle
+    N = R * T
+    handles = []
+    with jax.set_mesh(ep_mesh(R)):
+        hlo = jax.jit(_global_step("internode", handles)).trace(*_step_args()).lower(
+            lowering_platforms=("cuda",)).as_text()
+    (h,) = handles
+    assert isinstance(h, ShardedDispatchHandle) and isinstance(h.extra, InternodeHandleParts)
+    assert (h.extra.rank, h.extra.topk) == (RANK, K)
+    assert h.extra.counts.shape == (R * R, R) and h.extra.send_slot.shape == (N, R)
+    # XLA partitions at compile time: here the program holds the custom_partitioning
+    # calls, whose results and operands carry the kernels' handle with Shardy factors.
+    parts = _calls(hlo, "CustomSPMDPartitioning")
+    assert len(parts) == 4  # dispatch, combine, dispatch's transpose (combine), gather
+    d = next(c for c in parts if len(_tensor_shapes(c["_results"])) > 1)
+    assert _tensor_shapes(d["_results"])[-2:] == [(R * R, R), (N, R)]
+    for c in parts:
+        if c is not d:
+            assert _tensor_shapes(c["_operands"])[-2:] == [(R * R, R), (N, R)]
+    assert "@jax_ep_dispatch" not in hlo and "@jax_ep_combine" not in hlo
+    assert "all_gather" not in hlo
+
+
+def test_global_view_partitions_into_internode_calls(internode_forced, tmp_path):
+    """XLA runs custom_partitioning's partition callbacks when it compiles, and there is
+    no CUDA compiler here: the host compile of the same step partitions and optimizes the
+    program (the bodies lower the same for every platform), then stops at the internode
+    targets, which have CUDA handlers only. Its dumped optimized HLO is checked."""
+    N, C = R * T, R * T
+    with jax.set_mesh(ep_mesh(R)):
+        lowered = jax.jit(_global_step("internode")).trace(*_step_args()).lower()
+        with pytest.raises(Exception, match=r"jax_ep_internode_\w+ on a platform Host"):
+            lowered.compile({"xla_dump_to": str(tmp_path)})
+    (path,) = tmp_path.glob("*jit_step*cpu_after_optimizations.txt")
+    text = path.read_text()
+    calls = {}
+    for line in text.splitlines():
+        m = re.search(r'custom_call_target="(jax_ep_\w+)"', line)
+        if m:
+            attrs = dict((k, int(v)) for k, v in re.findall(r"(\w+) = (-?\d+) : i64", line))
+            calls.setdefault(m.group(1), []).append((line, attrs))
+    assert sorted((k, len(v)) for k, v in calls.items()) == [
+        ("jax_ep_internode_combine", 2), ("jax_ep_internode_dispatch", 1),
+        ("jax_ep_internode_gather", 1)]
+    transport = dict(num_ports=2, qps_per_port=4, chunk_bytes=65536)
+    ((line, d),) = calls["jax_ep_internode_dispatch"]
+    assert d == dict(num_experts=E, num_ranks=R, rank=RANK, capacity=C, **transport)
+    # per shard: counts[R, R] and send_slot[T, R] come out of the dispatch ...
+    assert f"s32[{R},{R}]" in line.split("custom-call")[0]
+    assert f"s32[{T},{R}]" in line.split("custom-call")[0]
+    for target in ("jax_ep_internode_combine", "jax_ep_internode_gather"):
+        for line, a in calls[target]:
+            assert a == dict(num_ranks=R, rank=RANK, capacity=C, topk=K, **transport)
+            # ... and go into every combine and gather (operands: rows, counts, send_slot)
+            operands = re.search(r"operand_layout_constraints=\{(.*?)\}, api", line).group(1)
+            assert f"s32[{R},{R}]" in operands and f"s32[{T},{R}]" in operands, line
+    # No all-gather of a token tensor ([N, H]/[N, K] globally, or per-shard pieces).
+    for line in text.splitlines():
+        if re.search(r"\ball-gather(-start)?\(", line):
+            assert not re.search(rf"\[({N}|{T}|{C}),\s*({H}|{K})\]", line), line
+
+
+def test_global_view_combine_needs_the_internode_handle(monkeypatch):
+    import jax_ep.sharded as sh
+    _fake_state(monkeypatch)
+    monkeypatch.setattr(ops, "resolve_backend",
+                        lambda b: "internode" if b == "internode" else "reference")
+
+    def f(x, idx, w):
+        rx, _, _, h = sh.dispatch(x, idx, w, num_experts=E, mesh_axis="ep",
+                                  backend="reference")
+        assert h.extra is None
+        return sh.combine(rx, h, backend="internode")
+
+    with jax.set_mesh(ep_mesh(R)):
+        with pytest.raises(ValueError, match=r"internode combine needs the handle of an "
+                                             r"internode dispatch"):
+            jax.jit(f).trace(*_inputs())
+
+
+def test_global_view_rank_error_surfaces_when_tracing(internode_forced, monkeypatch):
+    import jax_ep.sharded as sh
+    _fake_state(monkeypatch, rank=0, world=4)
+
+    def f(x, idx, w):
+        return sh.dispatch(x, idx, w, num_experts=E, mesh_axis="ep")[0]
+
+    with jax.set_mesh(ep_mesh(R)):
+        with pytest.raises(internode.InternodeRankError, match=r"4 processes"):
+            jax.jit(f).trace(*_inputs())
+
+
+def test_global_view_resolves_backends_like_the_per_shard_ops(monkeypatch):
     from jax_ep import sharded
-    monkeypatch.setattr(ops, "resolve_backend", lambda backend: "internode")
-    assert sharded._resolve_backend(None) == "reference"
-    assert sharded._resolve_backend("auto") == "reference"
-    for b in ("ffi", "internode"):
-        with pytest.raises(NotImplementedError, match=r"jax_ep\.sharded does not support"):
-            sharded._resolve_backend(b)
+    mesh = ep_mesh(R)
+
+    def resolved(b):
+        with jax.set_mesh(mesh):
+            return sharded._spec(R * T, E, "ep", None, b, None).backend
+
+    _gpu_world(monkeypatch, 2, nvshmem=True)
+    for b in (None, "auto", "ffi", "internode"):
+        assert resolved(b) == "internode"
+    assert resolved("reference") == "reference"
+    _gpu_world(monkeypatch, 2, nvshmem=False)
+    assert resolved("auto") == "ffi" and resolved("ffi") == "ffi"
+
+
+def test_global_view_cpu_handle_is_unchanged():
+    import jax_ep.sharded as sh
+    handles = []
+    with jax.set_mesh(ep_mesh(R)):
+        jax.jit(_global_step("ffi", handles)).trace(*_step_args())
+    (h,) = handles
+    assert h.extra is None
+    assert len(jax.tree.leaves(h)) == 6
