@@ -61,7 +61,6 @@ struct RuntimeState {
   char* heap = nullptr;
   int64_t* scratch = nullptr;  // [3R + 1] device prefixes
   int* error_flag = nullptr;   // device
-  int num_qp_handles = 0;
 };
 RuntimeState g_rt;
 
@@ -224,11 +223,7 @@ __global__ void PrefixKernel(Geometry g, const int32_t* counts_ext, char* heap,
   const int R = g.R;
   const int32_t* counts =
       counts_ext != nullptr ? counts_ext : CurrentHalf(heap, half_bytes, L, R).counts;
-  for (int d = threadIdx.x; d < R; d += blockDim.x) {
-    int64_t c = 0;
-    for (int s = 0; s < g.rank; ++s) c += counts[s * R + d];
-    scratch[d] = c;
-  }
+  for (int d = threadIdx.x; d < R; d += blockDim.x) scratch[d] = recv_base(counts, R, g.rank, d);
   if (threadIdx.x == 0) {
     int64_t acc = 0;
     for (int d = 0; d < R; ++d) {
@@ -296,17 +291,37 @@ __device__ __forceinline__ Span StreamTo(const Geometry& g, const int32_t* count
 __device__ __forceinline__ int64_t ChunksFrom(const Geometry& g, const int32_t* counts,
                                               int source, Wire wire) {
   const int R = g.R;
-  int64_t base = 0, n, stride;
+  int64_t base, n, stride;
   if (wire != Wire::kCombine) {
-    for (int s = 0; s < source; ++s) base += counts[s * R + g.rank];
+    base = recv_base(counts, R, source, g.rank);
     n = counts[source * R + g.rank];
     stride = wire == Wire::kDispatch ? g.ds : g.cs;
   } else {
-    for (int s = 0; s < g.rank; ++s) base += counts[s * R + source];
+    base = recv_base(counts, R, g.rank, source);
     n = counts[g.rank * R + source];
     stride = g.cs;
   }
   return num_chunks(Kept(base, n, g.C) * stride, g.chunk);
+}
+
+// Every block: waits until each source other than this rank has signalled on `sig` all
+// its chunks of this call plus the closing signal.
+template <class T>
+__device__ __forceinline__ void WaitSources(const Geometry& g, const int32_t* counts,
+                                            uint64_t* sig, Wire wire) {
+  for (int s = threadIdx.x; s < g.R; s += blockDim.x) {
+    if (s == g.rank) continue;
+    T::wait_ge(sig + s, static_cast<uint64_t>(ChunksFrom(g, counts, s, wire) + 1));
+  }
+  __syncthreads();
+}
+
+// Source rank of received row i: the last s with recv_base[s] <= i (scratch[2R, 3R]).
+__device__ __forceinline__ int SourceOfRow(const Geometry& g, const int64_t* scratch,
+                                           int64_t i) {
+  int s = 0;
+  while (s + 1 < g.R && scratch[2 * g.R + s + 1] <= i) ++s;
+  return s;
 }
 
 // CTA q sends, to every peer, the chunks the striping plan puts on logical QP q.
@@ -356,13 +371,9 @@ template <class T>
 __global__ void UnpackKernel(Geometry g, const int64_t* scratch, char* heap,
                              int64_t half_bytes, HeapLayout L, DispatchOut out) {
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
-  for (int s = threadIdx.x; s < g.R; s += blockDim.x) {
-    if (s == g.rank) continue;
-    T::wait_ge(h.sig_disp + s, static_cast<uint64_t>(ChunksFrom(g, h.counts, s, Wire::kDispatch) + 1));
-  }
-  __syncthreads();
+  WaitSources<T>(g, h.counts, h.sig_disp, Wire::kDispatch);
   const int64_t total = scratch[3 * g.R];
-  const int64_t num_recv = total < g.C ? total : g.C;
+  const int64_t num_recv = kept_rows(total, g.C);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     *out.num_recv = static_cast<int32_t>(num_recv);
     *out.num_dropped = static_cast<int32_t>(total - num_recv);
@@ -384,8 +395,7 @@ __global__ void UnpackKernel(Geometry g, const int64_t* scratch, char* heap,
       if (lane == 0) out.src_rank[i] = out.src_index[i] = -1;
       continue;
     }
-    int s = 0;  // source: the last s with recv_base[s] <= i
-    while (s + 1 < g.R && scratch[2 * g.R + s + 1] <= i) ++s;
+    const int s = SourceOfRow(g, scratch, i);
     const char* row = s == g.rank
                           ? h.stage + (scratch[g.R + g.rank] + (i - scratch[2 * g.R + s])) * g.ds
                           : h.recv + i * g.ds;
@@ -420,8 +430,7 @@ __global__ void FinishKernel(int R, char* heap, int64_t half_bytes, HeapLayout L
 __global__ void CombineStageKernel(Geometry g, const char* y, const int64_t* scratch,
                                    char* heap, int64_t half_bytes, HeapLayout L) {
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
-  const int64_t total = scratch[3 * g.R];
-  const int64_t rows = total < g.C ? total : g.C;
+  const int64_t rows = kept_rows(scratch[3 * g.R], g.C);
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x)
     CopyBytes(h.cstage + i * g.cs, y + i * g.yrow, g.yrow, threadIdx.x, blockDim.x);
 }
@@ -449,11 +458,7 @@ __global__ void ReduceKernel(Geometry g, const E* y, const int32_t* counts,
                              const int32_t* send_slot, const int64_t* scratch, char* heap,
                              int64_t half_bytes, HeapLayout L, E* out) {
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
-  for (int d = threadIdx.x; d < g.R; d += blockDim.x) {
-    if (d == g.rank) continue;
-    T::wait_ge(h.sig_comb + d, static_cast<uint64_t>(ChunksFrom(g, counts, d, Wire::kCombine) + 1));
-  }
-  __syncthreads();
+  WaitSources<T>(g, counts, h.sig_comb, Wire::kCombine);
   const int t = blockIdx.x;
   for (int x = threadIdx.x; x < g.H; x += blockDim.x) {
     float acc = 0.f;
@@ -495,14 +500,8 @@ template <class T>
 __global__ void GatherUnpackKernel(Geometry g, const int32_t* counts, const int64_t* scratch,
                                    char* heap, int64_t half_bytes, HeapLayout L, char* out) {
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
-  for (int s = threadIdx.x; s < g.R; s += blockDim.x) {
-    if (s == g.rank) continue;
-    T::wait_ge(h.sig_disp + s,
-               static_cast<uint64_t>(ChunksFrom(g, counts, s, Wire::kGather) + 1));
-  }
-  __syncthreads();
-  const int64_t total = scratch[3 * g.R];
-  const int64_t num_recv = total < g.C ? total : g.C;
+  WaitSources<T>(g, counts, h.sig_disp, Wire::kGather);
+  const int64_t num_recv = kept_rows(scratch[3 * g.R], g.C);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int64_t i = blockIdx.x * kWarps + warp; i < g.C; i += gridDim.x * kWarps) {
     char* o = out + i * g.yrow;
@@ -510,8 +509,7 @@ __global__ void GatherUnpackKernel(Geometry g, const int32_t* counts, const int6
       ZeroBytes(o, g.yrow, lane, 32);
       continue;
     }
-    int s = 0;  // source: the last s with recv_base[s] <= i
-    while (s + 1 < g.R && scratch[2 * g.R + s + 1] <= i) ++s;
+    const int s = SourceOfRow(g, scratch, i);
     const char* row =
         s == g.rank ? h.back + (scratch[g.R + g.rank] + (i - scratch[2 * g.R + s])) * g.cs
                     : h.cstage + i * g.cs;
@@ -572,6 +570,19 @@ std::string CheckErrorFlag(cudaStream_t stream) {
     cudaMemsetAsync(g_rt.error_flag, 0, sizeof(int), stream);
     return "jax_ep internode: topk_idx has values outside [-1, num_experts)";
   }
+  return {};
+}
+
+// Start of a handle-driven call (combine, gather): geometry and layout for rows of
+// `elem` (they travel through the back and cstage regions; dispatch's regions, sized by
+// x, are unused), then the row prefixes from the handle's counts.
+std::string BeginHandleCall(cudaStream_t stream, const Dims& d, Elem elem,
+                            const int32_t* counts, Geometry* g, HeapLayout* L) {
+  std::string e = MakeGeometry(d, 0, ElemBytes(elem), g, L);
+  if (!e.empty()) return e;
+  PrefixKernel<<<1, kThreads, 0, stream>>>(*g, counts, g_rt.heap,
+                                           static_cast<int64_t>(g_rt.half_bytes), *L,
+                                           g_rt.scratch);
   return {};
 }
 
@@ -655,7 +666,6 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
   g_rt.rank = rank;
   g_rt.world = world;
   g_rt.heap_bytes = heap_bytes;
-  g_rt.num_qp_handles = handles;
   return {};
 }
 
@@ -706,12 +716,10 @@ std::string Combine(cudaStream_t stream, const Dims& d, Elem elem, const void* y
                     const int32_t* counts, const int32_t* send_slot, void* out) {
   Geometry g;
   HeapLayout L;
-  // Each call lays out its own half; dispatch's regions (sized by x) are unused here.
-  std::string e = MakeGeometry(d, 0, ElemBytes(elem), &g, &L);
+  const std::string e = BeginHandleCall(stream, d, elem, counts, &g, &L);
   if (!e.empty()) return e;
   char* heap = g_rt.heap;
   const int64_t hb = static_cast<int64_t>(g_rt.half_bytes);
-  PrefixKernel<<<1, kThreads, 0, stream>>>(g, counts, heap, hb, L, g_rt.scratch);
   CombineStageKernel<<<g.C < 1024 ? g.C : 1024, kThreads, 0, stream>>>(
       g, static_cast<const char*>(y), g_rt.scratch, heap, hb, L);
   SendKernel<Transport><<<g.num_qps, kThreads, 0, stream>>>(g, counts, g_rt.scratch, heap,
@@ -743,12 +751,10 @@ std::string Gather(cudaStream_t stream, const Dims& d, Elem elem, const void* sr
                    const int32_t* counts, const int32_t* send_slot, void* out) {
   Geometry g;
   HeapLayout L;
-  // Rows of g's dtype travel through the back (send) and cstage (receive) regions.
-  std::string e = MakeGeometry(d, 0, ElemBytes(elem), &g, &L);
+  const std::string e = BeginHandleCall(stream, d, elem, counts, &g, &L);
   if (!e.empty()) return e;
   char* heap = g_rt.heap;
   const int64_t hb = static_cast<int64_t>(g_rt.half_bytes);
-  PrefixKernel<<<1, kThreads, 0, stream>>>(g, counts, heap, hb, L, g_rt.scratch);
   if (g.T > 0)
     GatherPackKernel<<<g.T, 128, 0, stream>>>(g, static_cast<const char*>(src), send_slot,
                                               g_rt.scratch, heap, hb, L);

@@ -27,11 +27,6 @@ struct Dims {
   int num_ports = 2;
   int qps_per_port = 1;
   int64_t chunk_bytes = 65536;
-  // Limits the heap was sized for (see kernels/internode_layout.h).
-  int max_tokens = 0;
-  int max_capacity = 0;
-  int max_hidden = 0;
-  int max_topk = 0;
 };
 
 // Runtime. All return "" on success or an error message.
@@ -42,9 +37,6 @@ std::string Finalize();
 bool Initialized();
 size_t HeapBytes();
 int Version();  // major * 10000 + minor * 100 + patch of the NVSHMEM headers
-
-// Heap limits recorded at init (from the JAX_EP_* / Python sizing).
-void SetLimits(int max_tokens, int max_capacity, int max_hidden, int max_topk);
 
 // Dispatch on `stream`. Outputs follow DESIGN.md, plus the handle parts combine needs:
 // counts[R, R] (rows each source sends each rank) and send_slot[T, R] (the token's

@@ -13,7 +13,6 @@
 // The EP group is every NVSHMEM PE (one process per GPU, see jax_ep.nvshmem_bootstrap).
 // Dispatch synchronises its stream once to surface out-of-range expert ids as an error,
 // so these handlers are not registered as command-buffer (CUDA graph) compatible.
-#include <sstream>
 #include <string>
 
 #include "kernels/internode_kernels.h"
@@ -40,18 +39,28 @@ bool ElemOf(ffi::DataType t, internode::Elem* e) {
   }
 }
 
-#define JEP_EXPECT(what, buf, ...)                                                    \
-  do {                                                                                \
-    if (!HasShape((buf).dimensions(), {__VA_ARGS__}))                                       \
-      return Invalid(std::string(what) + " has shape " + Dims((buf).dimensions()) + \
-                     ", which does not match the other arguments");                  \
+#define JEP_EXPECT(what, buf, ...)                                             \
+  do {                                                                         \
+    const std::string m_ = ExpectShape(what, (buf).dimensions(), {__VA_ARGS__}); \
+    if (!m_.empty()) return Invalid(m_);                                       \
   } while (0)
 
-ffi::Error TransportAttrs(internode::Dims* d, int64_t num_ports, int64_t qps_per_port,
-                          int64_t chunk_bytes) {
+// The checks every handler shares, and the Dims they fill.
+ffi::Error BaseDims(int64_t R, int64_t rank, int64_t T, int64_t H, int64_t K, int64_t C,
+                    int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes,
+                    internode::Dims* d) {
+  if (R < 1) return Invalid("num_ranks must be >= 1");
+  if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
+  if (C < 1) return Invalid("capacity must be >= 1");
   if (num_ports < 1) return Invalid("num_ports must be >= 1");
   if (qps_per_port < 1) return Invalid("qps_per_port must be >= 1");
   if (chunk_bytes < 1) return Invalid("chunk_bytes must be >= 1");
+  d->num_ranks = static_cast<int>(R);
+  d->rank = static_cast<int>(rank);
+  d->tokens = static_cast<int>(T);
+  d->hidden = static_cast<int>(H);
+  d->topk = static_cast<int>(K);
+  d->capacity = static_cast<int>(C);
   d->num_ports = static_cast<int>(num_ports);
   d->qps_per_port = static_cast<int>(qps_per_port);
   d->chunk_bytes = chunk_bytes;
@@ -80,12 +89,14 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                    Dims(topk_idx.dimensions()));
   const int64_t K = topk_idx.dimensions()[1];
   const int64_t R = num_ranks, C = capacity;
-  if (R < 1) return Invalid("num_ranks must be >= 1");
-  if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
+  internode::Dims d;
+  ffi::Error e = BaseDims(R, rank, T, H, K, C, num_ports, qps_per_port, chunk_bytes, &d);
+  if (e.failure()) return e;
   if (num_experts < 1 || num_experts % R != 0)
     return Invalid("num_experts must be a positive multiple of num_ranks");
-  if (C < 1) return Invalid("capacity must be >= 1");
   const int64_t el = num_experts / R;
+  d.experts_per_rank = static_cast<int>(el);
+  d.num_experts = static_cast<int>(num_experts);
   JEP_EXPECT("topk_weights", topk_weights, T, K);
   JEP_EXPECT("recv_x", *recv_x, C, H);
   if (recv_x->element_type() != x.element_type()) return Invalid("recv_x must have x's dtype");
@@ -98,17 +109,6 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   JEP_EXPECT("src_index", *src_index, C);
   JEP_EXPECT("counts", *counts, R, R);
   JEP_EXPECT("send_slot", *send_slot, T, R);
-  internode::Dims d;
-  d.num_ranks = static_cast<int>(R);
-  d.rank = static_cast<int>(rank);
-  d.tokens = static_cast<int>(T);
-  d.hidden = static_cast<int>(H);
-  d.topk = static_cast<int>(K);
-  d.capacity = static_cast<int>(C);
-  d.experts_per_rank = static_cast<int>(el);
-  d.num_experts = static_cast<int>(num_experts);
-  ffi::Error e = TransportAttrs(&d, num_ports, qps_per_port, chunk_bytes);
-  if (e.failure()) return e;
   internode::DispatchOut out{recv_x->untyped_data(), recv_idx->typed_data(),
                              recv_w->typed_data(),   num_recv->typed_data(),
                              num_dropped->typed_data(), per_expert->typed_data(),
@@ -118,65 +118,54 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                                         topk_weights.typed_data(), out));
 }
 
-ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> counts,
-                       ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out,
-                       int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
-                       int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes) {
+// Combine (y[C, H] -> out[T, H]) and its transpose, gather (g[T, H] -> out[C, H]): the
+// same operands and attributes, with the input's and the output's shapes swapped.
+template <bool kGather>
+ffi::Error HandleCallImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::S32> counts,
+                          ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out,
+                          int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
+                          int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes) {
+  const std::string name = kGather ? "g" : "y";
   internode::Elem elem;
-  if (!ElemOf(y.element_type(), &elem)) return Invalid("y must be float32, bfloat16 or float16");
-  if (y.dimensions().size() != 2) return Invalid("y must be [capacity, hidden], got " + Dims(y.dimensions()));
-  const int64_t C = y.dimensions()[0], H = y.dimensions()[1], R = num_ranks;
-  if (R < 1) return Invalid("num_ranks must be >= 1");
-  if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
-  if (C != capacity) return Invalid("y must have capacity rows");
-  JEP_EXPECT("handle.counts", counts, R, R);
+  if (!ElemOf(a.element_type(), &elem))
+    return Invalid(name + " must be float32, bfloat16 or float16");
+  if (a.dimensions().size() != 2)
+    return Invalid(name + (kGather ? " must be [tokens, hidden], got "
+                                   : " must be [capacity, hidden], got ") +
+                   Dims(a.dimensions()));
+  const int64_t R = num_ranks, C = capacity, H = a.dimensions()[1];
   if (send_slot.dimensions().size() != 2 || send_slot.dimensions()[1] != R)
     return Invalid("handle.send_slot must be [tokens, num_ranks], got " +
                    Dims(send_slot.dimensions()));
   const int64_t T = send_slot.dimensions()[0];
-  JEP_EXPECT("out", *out, T, H);
-  if (out->element_type() != y.element_type()) return Invalid("out must have y's dtype");
-  internode::Dims d;
-  d.num_ranks = static_cast<int>(R);
-  d.rank = static_cast<int>(rank);
-  d.tokens = static_cast<int>(T);
-  d.hidden = static_cast<int>(H);
   if (topk < 1) return Invalid("topk must be >= 1");
-  d.topk = static_cast<int>(topk);  // sizes the rows this rank sent (T * min(K, R))
-  d.capacity = static_cast<int>(C);
-  ffi::Error e = TransportAttrs(&d, num_ports, qps_per_port, chunk_bytes);
+  internode::Dims d;  // topk sizes the rows this rank sends (T * min(K, R))
+  ffi::Error e = BaseDims(R, rank, T, H, topk, C, num_ports, qps_per_port, chunk_bytes, &d);
   if (e.failure()) return e;
-  return FromString(internode::Combine(stream, d, elem, y.untyped_data(), counts.typed_data(),
-                                       send_slot.typed_data(), out->untyped_data()));
+  JEP_EXPECT(name.c_str(), a, kGather ? T : C, H);
+  JEP_EXPECT("handle.counts", counts, R, R);
+  JEP_EXPECT("out", *out, kGather ? C : T, H);
+  if (out->element_type() != a.element_type()) return Invalid("out must have " + name + "'s dtype");
+  const auto call = kGather ? internode::Gather : internode::Combine;
+  return FromString(call(stream, d, elem, a.untyped_data(), counts.typed_data(),
+                         send_slot.typed_data(), out->untyped_data()));
 }
 
-ffi::Error GatherImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts,
-                      ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out,
-                      int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
-                      int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes) {
-  internode::Elem elem;
-  if (!ElemOf(g.element_type(), &elem)) return Invalid("g must be float32, bfloat16 or float16");
-  if (g.dimensions().size() != 2) return Invalid("g must be [tokens, hidden], got " + Dims(g.dimensions()));
-  const int64_t T = g.dimensions()[0], H = g.dimensions()[1], R = num_ranks, C = capacity;
-  if (R < 1) return Invalid("num_ranks must be >= 1");
-  if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
-  if (C < 1) return Invalid("capacity must be >= 1");
-  if (topk < 1) return Invalid("topk must be >= 1");
-  JEP_EXPECT("handle.counts", counts, R, R);
-  JEP_EXPECT("handle.send_slot", send_slot, T, R);
-  JEP_EXPECT("out", *out, C, H);
-  if (out->element_type() != g.element_type()) return Invalid("out must have g's dtype");
-  internode::Dims d;
-  d.num_ranks = static_cast<int>(R);
-  d.rank = static_cast<int>(rank);
-  d.tokens = static_cast<int>(T);
-  d.hidden = static_cast<int>(H);
-  d.topk = static_cast<int>(topk);  // sizes the rows this rank sends (T * min(K, R))
-  d.capacity = static_cast<int>(C);
-  ffi::Error e = TransportAttrs(&d, num_ports, qps_per_port, chunk_bytes);
-  if (e.failure()) return e;
-  return FromString(internode::Gather(stream, d, elem, g.untyped_data(), counts.typed_data(),
-                                      send_slot.typed_data(), out->untyped_data()));
+// Operands and attributes of combine and gather.
+auto HandleCallBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("num_ranks")
+      .Attr<int64_t>("rank")
+      .Attr<int64_t>("capacity")
+      .Attr<int64_t>("topk")
+      .Attr<int64_t>("num_ports")
+      .Attr<int64_t>("qps_per_port")
+      .Attr<int64_t>("chunk_bytes");
 }
 
 }  // namespace
@@ -205,35 +194,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, DispatchImpl,
                                   .Attr<int64_t>("qps_per_port")
                                   .Attr<int64_t>("chunk_bytes"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, CombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("topk")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("chunk_bytes"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeGatherHandler, GatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("topk")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("chunk_bytes"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, HandleCallImpl<false>,
+                              HandleCallBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeGatherHandler, HandleCallImpl<true>,
+                              HandleCallBinding());
 
 void AddInternodeRegistrations(const RegisterFn& add) {
   add("jax_ep_internode_dispatch", reinterpret_cast<void*>(InternodeDispatchHandler));
