@@ -28,6 +28,11 @@ jax.tree_util.register_dataclass(
 )
 
 
+# The arrays of a dispatch handle, shared by the per-shard and the global-view handles.
+HANDLE_ARRAYS = ("num_recv", "num_dropped", "num_recv_tokens_per_expert", "src_rank",
+                 "src_index", "send_row")
+
+
 @dataclasses.dataclass(frozen=True)
 class DispatchHandle:
     """What `combine` and the gradients need to send rows back, without a new layout.
@@ -63,8 +68,7 @@ class DispatchHandle:
 
 jax.tree_util.register_dataclass(
     DispatchHandle,
-    data_fields=["num_recv", "num_dropped", "num_recv_tokens_per_expert", "src_rank",
-                 "src_index", "send_row", "extra"],
+    data_fields=[*HANDLE_ARRAYS, "extra"],
     meta_fields=["num_experts", "num_ranks", "capacity", "axis_name"],
 )
 

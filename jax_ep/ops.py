@@ -278,15 +278,20 @@ def _dispatch_fwd(x, topk_idx, topk_weights, cfg):
     return out, (out[1], out[3])
 
 
+def dispatch_transpose(combine_fn, recv_idx, cts):
+    """Cotangents (x, topk_idx, topk_weights) of dispatch from those of its outputs, for
+    a `combine_fn(rows) -> tokens` bound to the dispatch's handle (per shard or global)."""
+    d_recv_x, _, d_recv_w, _ = cts
+    # Each slot's weight lives on exactly one rank: masking the others and summing over
+    # ranks returns the owner's cotangent exactly (zero where dropped).
+    return (combine_fn(d_recv_x), None,
+            combine_fn(jnp.where(recv_idx >= 0, d_recv_w, 0.0)))
+
+
 def _dispatch_bwd(cfg, res, cts):
     recv_idx, handle = res
-    d_recv_x, _, d_recv_w, _ = cts
-    dx = _combine_impl(d_recv_x, handle, cfg.backend, cfg.group_axes)
-    # Each slot's weight lives on exactly one rank: masking the others and summing
-    # over ranks returns the owner's cotangent exactly (zero where dropped).
-    dw = _combine_impl(jnp.where(recv_idx >= 0, d_recv_w, 0.0), handle, cfg.backend,
-                       cfg.group_axes)
-    return dx, None, dw
+    return dispatch_transpose(
+        lambda v: _combine_impl(v, handle, cfg.backend, cfg.group_axes), recv_idx, cts)
 
 
 _dispatch = jax.custom_vjp(_dispatch_impl, nondiff_argnums=(3,))

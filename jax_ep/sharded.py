@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -26,10 +27,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ep import internode, ops
-from jax_ep._types import DispatchHandle, DispatchLayout, InternodeHandleParts
-
-_HANDLE_FIELDS = ("num_recv", "num_dropped", "num_recv_tokens_per_expert", "src_rank",
-                  "src_index", "send_row")
+from jax_ep._types import HANDLE_ARRAYS, DispatchHandle, DispatchLayout, InternodeHandleParts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +61,7 @@ class ShardedDispatchHandle:
 
 
 jax.tree_util.register_dataclass(
-    ShardedDispatchHandle, data_fields=list(_HANDLE_FIELDS) + ["extra"],
+    ShardedDispatchHandle, data_fields=[*HANDLE_ARRAYS, "extra"],
     meta_fields=["num_experts", "num_ranks", "capacity", "mesh_axis", "token_axes"])
 
 
@@ -143,9 +141,7 @@ def _spec(x_rows, num_experts, mesh_axis, capacity, backend, batch_axes) -> _Spe
     mesh = _context_mesh()
     token_axes = _token_axes(mesh, mesh_axis, batch_axes)
     R = int(mesh.shape[mesh_axis])
-    S = 1
-    for a in token_axes:
-        S *= int(mesh.shape[a])
+    S = math.prod(int(mesh.shape[a]) for a in token_axes)
     if x_rows % S != 0:
         raise ValueError(f"the token dimension ({x_rows}) must be divisible by the "
                          f"{S} shards of token axes {token_axes}")
@@ -330,7 +326,7 @@ def _handle_driven_op(spec: _Spec, H: int, dtype, transpose: bool, internode_met
     rows, tokens = "(s c) h", "(s t) h"
     src, dst = (tokens, rows) if transpose else (rows, tokens)
     rule = f"{src}, {_handle_rule(spec)} -> {dst}"
-    n_in = 1 + len(_HANDLE_FIELDS) + (2 if spec.backend == "internode" else 0)
+    n_in = 1 + len(HANDLE_ARRAYS) + (2 if spec.backend == "internode" else 0)
     return _partitioned(spec, body, abstract, rule, n_in, 1, **_handle_factors(spec, "h"))
 
 
@@ -344,7 +340,7 @@ def _internode_parts(h: ShardedDispatchHandle, what: str) -> InternodeHandlePart
 
 
 def _handle_driven(v, h: ShardedDispatchHandle, spec: _Spec, transpose: bool):
-    arrays = tuple(getattr(h, f) for f in _HANDLE_FIELDS)
+    arrays = tuple(getattr(h, f) for f in HANDLE_ARRAYS)
     meta = None
     if spec.backend == "internode":
         parts = _internode_parts(h, "gather" if transpose else "combine")
@@ -382,10 +378,7 @@ def _dispatch_fwd(x, idx, w, spec):
 
 def _dispatch_bwd(spec, res, cts):
     recv_idx, handle = res
-    d_recv_x, _, d_recv_w, _ = cts
-    dx = _sharded_combine(d_recv_x, handle, spec)
-    dw = _sharded_combine(jnp.where(recv_idx >= 0, d_recv_w, 0.0), handle, spec)
-    return dx, None, dw
+    return ops.dispatch_transpose(lambda v: _sharded_combine(v, handle, spec), recv_idx, cts)
 
 
 _dispatch = jax.custom_vjp(_dispatch_fwd_impl, nondiff_argnums=(3,))
