@@ -65,6 +65,16 @@ void LayoutCpu(const int32_t* topk_idx, const RoutingShape& s, int32_t* tokens_p
   }
 }
 
+void TokensPerRankCpu(const int32_t* topk_idx, const RoutingShape& s, int32_t* per_rank) {
+  const int K = s.topk, el = s.experts_per_rank();
+  std::memset(per_rank, 0, sizeof(int32_t) * s.num_ranks);
+  for (int64_t t = 0; t < s.num_tokens; ++t) {
+    const int32_t* row = topk_idx + t * K;
+    for (int k = 0; k < K; ++k)
+      if (is_first_slot_for_rank(row, k, el)) per_rank[owner_rank(row[k], el)]++;
+  }
+}
+
 void DispatchRecvCpu(int rank, const RoutingShape& s, size_t row_bytes,
                      const void* const* peer_x, const int32_t* const* peer_idx,
                      const float* const* peer_w, const int32_t* counts, void* recv_x,
@@ -82,9 +92,12 @@ void DispatchRecvCpu(int rank, const RoutingShape& s, size_t row_bytes,
     const int32_t* idx = peer_idx[src];
     const float* w = peer_w[src];
     const char* x = static_cast<const char*>(peer_x[src]);
-    for (int t = 0; t < T && row < kept; ++t) {
+    // The source's count bounds the scan: stop once its last row for us is found.
+    int64_t left = counts[src * R + rank];
+    for (int t = 0; t < T && row < kept && left > 0; ++t) {
       const int32_t* irow = idx + static_cast<int64_t>(t) * K;
       if (!token_in_rank(irow, K, el, rank)) continue;
+      --left;
       std::memcpy(static_cast<char*>(recv_x) + row * row_bytes, x + t * row_bytes, row_bytes);
       for (int k = 0; k < K; ++k) {
         const int32_t local = local_expert_id(irow[k], el, rank);

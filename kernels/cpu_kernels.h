@@ -29,6 +29,10 @@ std::string CheckTopkIds(const int32_t* topk_idx, int T, int K, int E);
 void LayoutCpu(const int32_t* topk_idx, const RoutingShape& s, int32_t* tokens_per_rank,
                int32_t* tokens_per_expert, bool* is_token_in_rank);
 
+// Tokens this rank sends each rank, per[R] (each token at most once per rank): the
+// per-destination counts a source publishes before its peers compute row offsets.
+void TokensPerRankCpu(const int32_t* topk_idx, const RoutingShape& s, int32_t* per_rank);
+
 // Receiver side of dispatch on rank `rank`. `peer_x[s]`, `peer_idx[s]`, `peer_w[s]` are
 // source s's inputs; `counts` is the [R_src, R_dst] token-count matrix.
 void DispatchRecvCpu(int rank, const RoutingShape& s, size_t row_bytes,

@@ -9,7 +9,6 @@
 
 #include "kernels/cpu_kernels.h"
 #include "kernels/cpu_rendezvous.h"
-#include "kernels/layout_math.h"
 #include "xla_ffi/ffi_helpers.h"
 
 namespace ffi = xla::ffi;
@@ -150,14 +149,7 @@ ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::S
   mine.meta[5] = num_experts;
   mine.error = CheckTopkIds(topk_idx.typed_data(), s.num_tokens, s.topk, s.num_experts);
   mine.counts.assign(R, 0);
-  if (mine.error.empty()) {
-    const int el = s.experts_per_rank();
-    for (int64_t t = 0; t < T; ++t) {
-      const int32_t* row = topk_idx.typed_data() + t * K;
-      for (int k = 0; k < K; ++k)
-        if (is_first_slot_for_rank(row, k, el)) mine.counts[owner_rank(row[k], el)]++;
-    }
-  }
+  if (mine.error.empty()) TokensPerRankCpu(topk_idx.typed_data(), s, mine.counts.data());
   struct Outs {
     void* recv_x;
     int32_t *recv_idx, *src_rank, *src_index, *num_recv, *num_dropped, *per_expert, *send_row;
