@@ -155,7 +155,7 @@ def model(inp: PlanInputs) -> dict:
     nvlink_total = per_peer * local_peers
     rate = inp.port_gbps * 1e9 / 8  # bytes/s per port
     P, Q = inp.ports, inp.qps_per_peer
-    qpp = max(1, Q // P) if Q >= P else 1
+    qpp = max(1, Q // P)
 
     # Striping with the library's plan: per-peer chunks over ports, summed over peers.
     cfg = TransportConfig(num_ports=P, qps_per_port=qpp, chunk_bytes=inp.chunk_bytes)
