@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _ext
+from jax_ep.nvshmem_bootstrap import _kv_client
+from jax_ep.ops import _axis_names
 
 __all__ = [
     "available", "buffer_bytes", "setup", "check_errors", "presets", "HarnessDispatch",
@@ -39,7 +41,6 @@ __all__ = [
 MAX_RANKS = 32  # ranks of one intranode group (kernels/intranode_buffer.h)
 _HEADER_BYTES = 64 * 1024
 _ALIGN = 256
-_COLLECTIVES = ("jax_ep_layout", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_gather")
 
 
 def _gpus():
@@ -94,10 +95,6 @@ def buffer_bytes(num_ranks: int, num_tokens: int, hidden: int, topk: int,
 
 # ----------------------------------------------------------------------------- setup
 
-def _axis_names(axis_name):
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Member:
     device: object
@@ -131,14 +128,6 @@ def _group_members(mesh, axis_name):
         members.append(_Member(d, rank, group))
     R = math.prod(shape[a] for a in ep)
     return {g: [m[r] for r in range(R)] for g, m in groups.items()}, members, R
-
-
-def _kv_client():
-    try:
-        from jax._src import distributed
-    except ImportError:  # pragma: no cover
-        return None
-    return getattr(distributed.global_state, "client", None)
 
 
 def setup(mesh, axis_name, *, num_tokens: int, hidden: int, topk: int,

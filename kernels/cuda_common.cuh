@@ -1,5 +1,5 @@
-// Helpers shared by the CUDA kernels: the sticky error record, element conversions that
-// match kernels/dtype_convert.h bit for bit, and warp-wide row copies.
+// Helpers shared by the CUDA kernels: the sticky error record, topk id sanitizing and
+// warp-wide row copies.
 #pragma once
 
 #include <cstdint>
@@ -36,15 +36,18 @@ __device__ __forceinline__ void record_error(ErrorRecord* dev, ErrorRecord* host
   }
 }
 
-// ---- element conversions: the host/device definitions of kernels/dtype_convert.h ----
-__device__ __forceinline__ float bf16_bits_to_f32(uint32_t h) {
-  return bf16_to_f32(static_cast<uint16_t>(h));
+// A topk id outside [-1, E) counts as an unused slot (-1); callers record the error.
+__device__ __forceinline__ int32_t sanitized(int32_t e, int E) { return (e < -1 || e >= E) ? -1 : e; }
+
+// Reads (and optionally clears) a translation unit's sticky device record `symbol`.
+inline cudaError_t ReadErrorSymbol(const ErrorRecord& symbol, ErrorRecord* out, bool clear) {
+  cudaError_t err = cudaMemcpyFromSymbol(out, symbol, sizeof(ErrorRecord));
+  if (err == cudaSuccess && clear) {
+    const ErrorRecord zero{};
+    err = cudaMemcpyToSymbol(symbol, &zero, sizeof(ErrorRecord));
+  }
+  return err;
 }
-__device__ __forceinline__ uint32_t f32_to_bf16_bits(float f) { return f32_to_bf16(f); }
-__device__ __forceinline__ float f16_bits_to_f32(uint32_t h) {
-  return f16_to_f32(static_cast<uint16_t>(h));
-}
-__device__ __forceinline__ uint32_t f32_to_f16_bits(float f) { return f32_to_f16(f); }
 
 // ---- warp-wide copies ----
 __device__ __forceinline__ bool aligned16(const void* a, const void* b, size_t n) {

@@ -71,8 +71,6 @@ __device__ bool last_block_done(const CommonArgs& c, int counter) {
   return s_last && threadIdx.x == 0;
 }
 
-__device__ __forceinline__ int32_t sanitized(int32_t e, int E) { return (e < -1 || e >= E) ? -1 : e; }
-
 // Ranks a token is sent to (bit r), from its sanitized ids.
 __device__ __forceinline__ uint32_t token_mask(const DispatchArgs& a, int t, bool record) {
   const int32_t* row = a.topk_idx + static_cast<int64_t>(t) * a.K;
@@ -411,10 +409,11 @@ struct Elems16 {
   static constexpr int kPerVec = 8;
   static constexpr int kBytes = 2;
   __device__ static float cvt_in(uint32_t h) {
-    return kKind == ElemKind::kBF16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
+    const uint16_t b = static_cast<uint16_t>(h);
+    return kKind == ElemKind::kBF16 ? bf16_to_f32(b) : f16_to_f32(b);
   }
   __device__ static uint32_t cvt_out(float f) {
-    return kKind == ElemKind::kBF16 ? f32_to_bf16_bits(f) : f32_to_f16_bits(f);
+    return kKind == ElemKind::kBF16 ? f32_to_bf16(f) : f32_to_f16(f);
   }
   __device__ static float get(const uint4& v, int i) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -689,12 +688,7 @@ cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePre
 }
 
 cudaError_t ReadIntranodeError(ErrorRecord* out, bool clear) {
-  cudaError_t err = cudaMemcpyFromSymbol(out, g_intranode_error, sizeof(ErrorRecord));
-  if (err == cudaSuccess && clear) {
-    ErrorRecord zero{};
-    err = cudaMemcpyToSymbol(g_intranode_error, &zero, sizeof(ErrorRecord));
-  }
-  return err;
+  return ReadErrorSymbol(g_intranode_error, out, clear);
 }
 
 }  // namespace jax_ep

@@ -13,8 +13,6 @@ __device__ ErrorRecord g_layout_error;
 
 // One block per `tokens_per_block` tokens. Counts go to shared memory first (ranks
 // always, experts when E fits), then one global atomic per non-zero counter.
-__device__ __forceinline__ int32_t sanitized(int32_t e, int E) { return (e < -1 || e >= E) ? -1 : e; }
-
 __global__ void layout_kernel(const int32_t* __restrict__ topk_idx, int T, int K, int E, int R,
                               int tokens_per_block, bool smem_experts,
                               int32_t* __restrict__ per_rank, int32_t* __restrict__ per_expert,
@@ -79,12 +77,7 @@ cudaError_t LaunchLayout(cudaStream_t stream, const int32_t* topk_idx, int T, in
 }
 
 cudaError_t ReadLayoutError(ErrorRecord* out, bool clear) {
-  cudaError_t err = cudaMemcpyFromSymbol(out, g_layout_error, sizeof(ErrorRecord));
-  if (err == cudaSuccess && clear) {
-    ErrorRecord zero{};
-    err = cudaMemcpyToSymbol(g_layout_error, &zero, sizeof(ErrorRecord));
-  }
-  return err;
+  return ReadErrorSymbol(g_layout_error, out, clear);
 }
 
 }  // namespace jax_ep

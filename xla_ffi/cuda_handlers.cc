@@ -74,21 +74,6 @@ ffi::Error CheckArea(const CudaDomain& d, int kind, size_t need, const char* wha
   return Invalid(s.str());
 }
 
-CommonArgs MakeCommon(const CudaDomain& d, int kind, const int32_t* rank_in,
-                      const int32_t* group_in, int ordinal) {
-  CommonArgs c{};
-  c.peers = d.peers;
-  c.area_off = d.areas.offset(kind);
-  c.me = d.rank;
-  c.num_ranks = d.num_ranks;
-  c.expect_group = d.group;
-  c.rank_in = rank_in;
-  c.group_in = group_in;
-  c.host_err = ErrorMirror(ordinal);
-  c.timeout_ns = KernelTimeoutNs();
-  return c;
-}
-
 // ------------------------------- layout --------------------------------
 
 ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32> topk_idx,
@@ -110,196 +95,30 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
-// ------------------------------- dispatch -------------------------------
+// -------------------------------- ranks ---------------------------------
+// The ranks one handler call launches kernels for: this GPU's rank of the group that
+// jax_ep.cuda.setup registered (count 1), or the harness's R virtual ranks, whose
+// buffers share one allocation on this GPU and whose inputs and outputs are stacked
+// along a leading rank axis (count R, ranks 0..R-1).
 
-struct DispatchShapes {
-  int64_t T, H, K, R, C, E;
-  size_t row_bytes;
+struct Ranks {
+  CudaDomain dom;                    // dom.rank: the first rank launched
+  int count = 1;
+  const int32_t* rank_in = nullptr;  // XLA's rank/group scalars, checked on the device
+  const int32_t* group_in = nullptr;
 };
 
-std::string ValidateDispatch(ffi::AnyBuffer x, ffi::Span<const int64_t> id,
-                             ffi::Span<const int64_t> wd, ffi::Span<const int64_t> rxd,
-                             ffi::Span<const int64_t> srd, int64_t num_experts, int64_t R,
-                             int64_t C, DispatchShapes* s) {
-  auto xd = x.dimensions();
-  if (xd.size() != 2) return "x must be [T, H], got " + Dims(xd);
-  if (id.size() != 2) return "topk_idx must be [T, K], got " + Dims(id);
-  s->T = xd[0];
-  s->H = xd[1];
-  s->K = id[1];
-  s->R = R;
-  s->C = C;
-  s->E = num_experts;
-  s->row_bytes = static_cast<size_t>(s->H) * ffi::ByteWidth(x.element_type());
-  std::string err = ExpectShape("topk_idx", id, {s->T, s->K});
-  if (err.empty()) err = ExpectShape("topk_weights", wd, {s->T, s->K});
-  if (err.empty()) err = ExpectShape("recv_x", rxd, {C, s->H});
-  if (err.empty()) err = ExpectShape("send_row", srd, {s->T, R});
-  if (!err.empty()) return err;
-  if (R < 1 || num_experts % R != 0) return "num_experts must be a multiple of num_ranks";
-  if (C < 1) return "capacity must be >= 1";
-  if (R > kMaxRanks) return "num_ranks above 32 is not supported by the intranode GPU path";
-  return {};
-}
-
-DispatchArgs MakeDispatchArgs(const DispatchShapes& s) {
-  DispatchArgs a{};
-  a.T = static_cast<int>(s.T);
-  a.K = static_cast<int>(s.K);
-  a.C = static_cast<int>(s.C);
-  a.E = static_cast<int>(s.E);
-  a.experts_per_rank = static_cast<int>(s.E / s.R);
-  a.row_bytes = s.row_bytes;
-  return a;
-}
-
-ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                        ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
-                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                        ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::S32> recv_idx,
-                        ffi::ResultBuffer<ffi::F32> recv_w, ffi::ResultBuffer<ffi::S32> num_recv,
-                        ffi::ResultBuffer<ffi::S32> num_dropped,
-                        ffi::ResultBuffer<ffi::S32> recv_per_expert,
-                        ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_index,
-                        ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts,
-                        int64_t num_ranks, int64_t capacity, int64_t call_site) {
-  DispatchShapes s{};
-  std::string err = ValidateDispatch(x, topk_idx.dimensions(), topk_weights.dimensions(),
-                                     recv_x->dimensions(), send_row->dimensions(), num_experts,
-                                     num_ranks, capacity, &s);
-  if (!err.empty()) return Invalid(err);
-  if (ffi::Error e = PendingError(); e.failure()) return e;
-  CudaDomain dom;
-  if (ffi::Error e = Domain(ordinal, num_ranks, &dom); e.failure()) return e;
-  const int R = static_cast<int>(num_ranks);
-  if (ffi::Error e = CheckArea(dom, kOpDispatch,
-                               DispatchAreaBytes(R, s.T, s.C, s.row_bytes, static_cast<int>(s.K)),
-                               "dispatch");
-      e.failure())
-    return e;
-  DispatchArgs a = MakeDispatchArgs(s);
-  a.c = MakeCommon(dom, kOpDispatch, rank_buf.typed_data(), group_buf.typed_data(), ordinal);
-  a.x = x.untyped_data();
-  a.topk_idx = topk_idx.typed_data();
-  a.topk_w = topk_weights.typed_data();
-  a.recv_x = recv_x->untyped_data();
-  a.recv_idx = recv_idx->typed_data();
-  a.recv_w = recv_w->typed_data();
-  a.num_recv = num_recv->typed_data();
-  a.num_dropped = num_dropped->typed_data();
-  a.recv_per_expert = recv_per_expert->typed_data();
-  a.src_rank = src_rank->typed_data();
-  a.src_index = src_index->typed_data();
-  a.send_row = send_row->typed_data();
-  const IntranodePreset& p = SelectIntranodePreset(R);
-  for (int phase = 0; phase < kNumPhases; ++phase) {
-    const cudaError_t e = LaunchDispatchPhase(phase, a, p, stream);
-    if (e != cudaSuccess) return CudaFailed("dispatch kernel launch", e);
-  }
-  return ffi::Error::Success();
-}
-
-// ------------------------------- combine --------------------------------
-
-std::string ValidateCombine(ffi::AnyBuffer y, ffi::Span<const int64_t> sd,
-                            ffi::Span<const int64_t> od, int64_t R, ElemKind* kind) {
-  auto yd = y.dimensions();
-  if (yd.size() != 2) return "y must be [C, H], got " + Dims(yd);
-  if (sd.size() != 2 || sd[1] != R) return "handle.send_row must be [T, R], got " + Dims(sd);
-  std::string err = ExpectShape("out", od, {sd[0], yd[1]});
-  if (!err.empty()) return err;
-  if (!ElemKindOf(y.element_type(), kind)) return "y must be float32, bfloat16 or float16";
-  if (R < 1 || R > kMaxRanks) return "num_ranks must be in [1, 32] on the intranode GPU path";
-  return {};
-}
-
-ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
-                       ffi::Buffer<ffi::S32> send_row, ffi::Buffer<ffi::S32> rank_buf,
-                       ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
-                       int64_t num_ranks, int64_t call_site) {
-  ElemKind kind = ElemKind::kF32;
-  std::string err = ValidateCombine(y, send_row.dimensions(), out->dimensions(), num_ranks, &kind);
-  if (!err.empty()) return Invalid(err);
-  if (ffi::Error e = PendingError(); e.failure()) return e;
-  CudaDomain dom;
-  if (ffi::Error e = Domain(ordinal, num_ranks, &dom); e.failure()) return e;
-  const int64_t C = y.dimensions()[0], H = y.dimensions()[1], T = send_row.dimensions()[0];
-  const size_t row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(y.element_type());
-  const int R = static_cast<int>(num_ranks);
-  if (ffi::Error e = CheckArea(dom, kOpCombine, CombineAreaBytes(R, T, C, row_bytes), "combine");
-      e.failure())
-    return e;
-  CombineArgs a{};
-  a.c = MakeCommon(dom, kOpCombine, rank_buf.typed_data(), group_buf.typed_data(), ordinal);
-  a.T = static_cast<int>(T);
-  a.C = static_cast<int>(C);
-  a.H = static_cast<int>(H);
-  a.kind = kind;
-  a.row_bytes = row_bytes;
-  a.y = y.untyped_data();
-  a.send_row = send_row.typed_data();
-  a.out = out->untyped_data();
-  const IntranodePreset& p = SelectIntranodePreset(R);
-  for (int phase = 0; phase < kNumPhases; ++phase) {
-    const cudaError_t e = LaunchCombinePhase(phase, a, p, stream);
-    if (e != cudaSuccess) return CudaFailed("combine kernel launch", e);
-  }
-  return ffi::Error::Success();
-}
-
-// ------------------------------- gather ---------------------------------
-
-std::string ValidateGather(ffi::AnyBuffer g, ffi::Span<const int64_t> srd,
-                           ffi::Span<const int64_t> sid, ffi::Span<const int64_t> od, int64_t R) {
-  auto gd = g.dimensions();
-  if (gd.size() != 2) return "cotangent must be [T, H], got " + Dims(gd);
-  if (srd.size() != 1) return "handle.src_rank must be [C], got " + Dims(srd);
-  const int64_t C = srd[0];
-  std::string err = ExpectShape("handle.src_index", sid, {C});
-  if (err.empty()) err = ExpectShape("out", od, {C, gd[1]});
-  if (!err.empty()) return err;
-  if (R < 1 || R > kMaxRanks) return "num_ranks must be in [1, 32] on the intranode GPU path";
-  return {};
-}
-
-ffi::Error GatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
-                      ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
+// A real rank: no pending device error, a registered domain of R ranks, room for `need`.
+ffi::Error GroupRanks(int ordinal, int64_t num_ranks, int kind, size_t need, const char* what,
                       ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks, int64_t call_site) {
-  std::string err = ValidateGather(g, src_rank.dimensions(), src_index.dimensions(),
-                                   out->dimensions(), num_ranks);
-  if (!err.empty()) return Invalid(err);
+                      Ranks* k) {
   if (ffi::Error e = PendingError(); e.failure()) return e;
-  CudaDomain dom;
-  if (ffi::Error e = Domain(ordinal, num_ranks, &dom); e.failure()) return e;
-  const int64_t T = g.dimensions()[0], H = g.dimensions()[1], C = src_rank.dimensions()[0];
-  const size_t row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(g.element_type());
-  const int R = static_cast<int>(num_ranks);
-  if (ffi::Error e = CheckArea(dom, kOpGather, GatherLayout::Make(R, T, C, row_bytes).bytes,
-                               "combine's transpose (gather)");
-      e.failure())
-    return e;
-  GatherArgs a{};
-  a.c = MakeCommon(dom, kOpGather, rank_buf.typed_data(), group_buf.typed_data(), ordinal);
-  a.T = static_cast<int>(T);
-  a.C = static_cast<int>(C);
-  a.row_bytes = row_bytes;
-  a.g = g.untyped_data();
-  a.src_rank = src_rank.typed_data();
-  a.src_index = src_index.typed_data();
-  a.out = out->untyped_data();
-  const IntranodePreset& p = SelectIntranodePreset(R);
-  for (int phase = 0; phase < kNumPhases; ++phase) {
-    const cudaError_t e = LaunchGatherPhase(phase, a, p, stream);
-    if (e != cudaSuccess) return CudaFailed("gather kernel launch", e);
-  }
+  if (ffi::Error e = Domain(ordinal, num_ranks, &k->dom); e.failure()) return e;
+  if (ffi::Error e = CheckArea(k->dom, kind, need, what); e.failure()) return e;
+  k->rank_in = rank_buf.typed_data();
+  k->group_in = group_buf.typed_data();
   return ffi::Error::Success();
 }
-
-// ------------------------- virtual-rank harness --------------------------
-// R ranks' buffers live in one allocation on one GPU; the same kernels run for each
-// rank, launched phase by phase (all ranks' plan kernels, then all push kernels, then all
-// finish kernels), so no kernel waits for one launched after it.
 
 struct HarnessBuffers {
   char* base = nullptr;
@@ -316,10 +135,10 @@ HarnessBuffers* Harness() {
   return h;
 }
 
-// Returns the buffers for R ranks of at least `area` bytes past the header each, and
-// the area layout (the op's area starts right after the header).
-ffi::Error HarnessSetup(cudaStream_t stream, int ordinal, int R, int kind, size_t area,
-                        PeerTable* peers, AreaConfig* areas) {
+// R virtual ranks with at least `area` bytes past the header each (the op's area starts
+// right after the header), allocated on first use.
+ffi::Error HarnessRanks(cudaStream_t stream, int ordinal, int R, int kind, size_t area,
+                        Ranks* k) {
   if (ordinal < 0 || ordinal >= kMaxCudaDevices) return Invalid("device ordinal out of range");
   std::string merr;
   AllocateErrorMirror(&merr);  // best effort; check_errors() also reads the device records
@@ -343,25 +162,299 @@ ffi::Error HarnessSetup(cudaStream_t stream, int ordinal, int R, int kind, size_
     h.per_rank = per_rank;
     h.num_ranks = R;
   }
-  for (int r = 0; r < kMaxRanks; ++r) peers->base[r] = r < R ? h.base + r * h.per_rank : nullptr;
-  for (int k = 0; k < kNumOpKinds; ++k) areas->bytes[k] = k == kind ? area : 0;
+  k->dom.rank = 0;
+  k->dom.group = -1;
+  k->dom.num_ranks = R;
+  for (int r = 0; r < kMaxRanks; ++r) k->dom.peers.base[r] = r < R ? h.base + r * h.per_rank : nullptr;
+  for (int o = 0; o < kNumOpKinds; ++o) k->dom.areas.bytes[o] = o == kind ? area : 0;
+  k->count = R;
   return ffi::Error::Success();
 }
 
-CommonArgs HarnessCommon(const PeerTable& peers, const AreaConfig& areas, int kind, int R,
-                         int ordinal, int me) {
-  CommonArgs c{};
-  c.peers = peers;
-  c.area_off = areas.offset(kind);
-  c.me = me;
-  c.num_ranks = R;
-  c.expect_group = -1;
-  c.rank_in = nullptr;
-  c.group_in = nullptr;
-  c.host_err = ErrorMirror(ordinal);
-  c.timeout_ns = KernelTimeoutNs();
-  return c;
+// The per-rank dims of a harness buffer: `d` without its leading axis of R ranks.
+std::string Unstack(const char* what, int64_t R, ffi::Span<const int64_t>* d) {
+  if (d->size() < 2 || (*d)[0] != R)
+    return std::string("harness ") + what + " must be stacked over the R = " + std::to_string(R) +
+           " ranks of x/y/g on its leading axis, got " + Dims(*d);
+  *d = d->last(d->size() - 1);
+  return {};
 }
+
+// Rank r's slice of buffers stacked along a leading rank axis; r = 0 is all of a real
+// rank's buffers.
+DispatchArgs AtRank(DispatchArgs a, int r) {
+  const int64_t R = a.c.num_ranks, T = a.T, K = a.K, C = a.C;
+  a.x = static_cast<const char*>(a.x) + r * T * a.row_bytes;
+  a.topk_idx += r * T * K;
+  a.topk_w += r * T * K;
+  a.recv_x = static_cast<char*>(a.recv_x) + r * C * a.row_bytes;
+  a.recv_idx += r * C * K;
+  a.recv_w += r * C * K;
+  a.num_recv += r;
+  a.num_dropped += r;
+  a.recv_per_expert += static_cast<int64_t>(r) * a.experts_per_rank;
+  a.src_rank += r * C;
+  a.src_index += r * C;
+  a.send_row += r * T * R;
+  return a;
+}
+CombineArgs AtRank(CombineArgs a, int r) {
+  const int64_t R = a.c.num_ranks, T = a.T, C = a.C;
+  a.y = static_cast<const char*>(a.y) + r * C * a.row_bytes;
+  a.send_row += r * T * R;
+  a.out = static_cast<char*>(a.out) + r * T * a.row_bytes;
+  return a;
+}
+GatherArgs AtRank(GatherArgs a, int r) {
+  const int64_t T = a.T, C = a.C;
+  a.g = static_cast<const char*>(a.g) + r * T * a.row_bytes;
+  a.src_rank += r * C;
+  a.src_index += r * C;
+  a.out = static_cast<char*>(a.out) + r * C * a.row_bytes;
+  return a;
+}
+
+// Launches an op's three phases (kernels/cuda_kernels.h), each for every rank before the
+// next phase of any, so no kernel waits for one launched after it.
+template <typename Args>
+ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodePreset&,
+                                              cudaStream_t),
+                        const Ranks& k, int kind, int ordinal, Args a, cudaStream_t stream,
+                        const char* what) {
+  a.c.peers = k.dom.peers;
+  a.c.area_off = k.dom.areas.offset(kind);
+  a.c.num_ranks = k.dom.num_ranks;
+  a.c.expect_group = k.dom.group;
+  a.c.rank_in = k.rank_in;
+  a.c.group_in = k.group_in;
+  a.c.host_err = ErrorMirror(ordinal);
+  a.c.timeout_ns = KernelTimeoutNs();
+  const IntranodePreset& p = SelectIntranodePreset(k.dom.num_ranks);
+  for (int phase = 0; phase < kNumPhases; ++phase) {
+    for (int r = 0; r < k.count; ++r) {
+      Args ar = AtRank(a, r);
+      ar.c.me = k.dom.rank + r;
+      const cudaError_t e = launch(phase, ar, p, stream);
+      if (e != cudaSuccess) return CudaFailed(what, e);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// ------------------------------- dispatch -------------------------------
+
+std::string ValidateDispatch(ffi::Span<const int64_t> xd, ffi::DataType xt,
+                             ffi::Span<const int64_t> id, ffi::Span<const int64_t> wd,
+                             ffi::Span<const int64_t> rxd, ffi::Span<const int64_t> srd,
+                             int64_t num_experts, int64_t R, int64_t C, DispatchArgs* a) {
+  if (xd.size() != 2) return "x must be [T, H], got " + Dims(xd);
+  if (id.size() != 2) return "topk_idx must be [T, K], got " + Dims(id);
+  const int64_t T = xd[0], H = xd[1], K = id[1];
+  std::string err = ExpectShape("topk_idx", id, {T, K});
+  if (err.empty()) err = ExpectShape("topk_weights", wd, {T, K});
+  if (err.empty()) err = ExpectShape("recv_x", rxd, {C, H});
+  if (err.empty()) err = ExpectShape("send_row", srd, {T, R});
+  if (!err.empty()) return err;
+  if (R < 1 || num_experts % R != 0) return "num_experts must be a multiple of num_ranks";
+  if (C < 1) return "capacity must be >= 1";
+  if (R > kMaxRanks) return "num_ranks above 32 is not supported by the intranode GPU path";
+  a->T = static_cast<int>(T);
+  a->K = static_cast<int>(K);
+  a->C = static_cast<int>(C);
+  a->E = static_cast<int>(num_experts);
+  a->experts_per_rank = static_cast<int>(num_experts / R);
+  a->row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(xt);
+  return {};
+}
+
+// One rank (rank_buf/group_buf given) or the harness's stacked ranks (null).
+ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                    ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                    const ffi::Buffer<ffi::S32>* rank_buf, const ffi::Buffer<ffi::S32>* group_buf,
+                    ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::S32> recv_idx,
+                    ffi::ResultBuffer<ffi::F32> recv_w, ffi::ResultBuffer<ffi::S32> num_recv,
+                    ffi::ResultBuffer<ffi::S32> num_dropped,
+                    ffi::ResultBuffer<ffi::S32> recv_per_expert,
+                    ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_index,
+                    ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts, int64_t num_ranks,
+                    int64_t capacity) {
+  const bool harness = rank_buf == nullptr;
+  auto xd = x.dimensions(), id = topk_idx.dimensions(), wd = topk_weights.dimensions();
+  auto rxd = recv_x->dimensions(), srd = send_row->dimensions();
+  std::string err;
+  if (harness) {
+    num_ranks = xd.size() == 3 ? xd[0] : 0;
+    err = Unstack("x", num_ranks, &xd);
+    if (err.empty()) err = Unstack("topk_idx", num_ranks, &id);
+    if (err.empty()) err = Unstack("topk_weights", num_ranks, &wd);
+    if (err.empty()) err = Unstack("recv_x", num_ranks, &rxd);
+    if (err.empty()) err = Unstack("send_row", num_ranks, &srd);
+  }
+  DispatchArgs a{};
+  if (err.empty())
+    err = ValidateDispatch(xd, x.element_type(), id, wd, rxd, srd, num_experts, num_ranks,
+                           capacity, &a);
+  if (!err.empty()) return Invalid(err);
+  const int R = static_cast<int>(num_ranks);
+  const size_t need = DispatchAreaBytes(R, a.T, a.C, a.row_bytes, a.K);
+  Ranks k;
+  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpDispatch, need, &k)
+                             : GroupRanks(ordinal, num_ranks, kOpDispatch, need, "dispatch",
+                                          *rank_buf, *group_buf, &k);
+      e.failure())
+    return e;
+  a.x = x.untyped_data();
+  a.topk_idx = topk_idx.typed_data();
+  a.topk_w = topk_weights.typed_data();
+  a.recv_x = recv_x->untyped_data();
+  a.recv_idx = recv_idx->typed_data();
+  a.recv_w = recv_w->typed_data();
+  a.num_recv = num_recv->typed_data();
+  a.num_dropped = num_dropped->typed_data();
+  a.recv_per_expert = recv_per_expert->typed_data();
+  a.src_rank = src_rank->typed_data();
+  a.src_index = src_index->typed_data();
+  a.send_row = send_row->typed_data();
+  return LaunchPhases(LaunchDispatchPhase, k, kOpDispatch, ordinal, a, stream,
+                      harness ? "harness dispatch launch" : "dispatch kernel launch");
+}
+
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                        ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                        ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::S32> recv_idx,
+                        ffi::ResultBuffer<ffi::F32> recv_w, ffi::ResultBuffer<ffi::S32> num_recv,
+                        ffi::ResultBuffer<ffi::S32> num_dropped,
+                        ffi::ResultBuffer<ffi::S32> recv_per_expert,
+                        ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_index,
+                        ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts,
+                        int64_t num_ranks, int64_t capacity, int64_t call_site) {
+  return Dispatch(stream, ordinal, x, topk_idx, topk_weights, &rank_buf, &group_buf, recv_x,
+                  recv_idx, recv_w, num_recv, num_dropped, recv_per_expert, src_rank, src_index,
+                  send_row, num_experts, num_ranks, capacity);
+}
+
+// ------------------------------- combine --------------------------------
+
+std::string ValidateCombine(ffi::Span<const int64_t> yd, ffi::DataType yt,
+                            ffi::Span<const int64_t> sd, ffi::Span<const int64_t> od, int64_t R,
+                            CombineArgs* a) {
+  if (yd.size() != 2) return "y must be [C, H], got " + Dims(yd);
+  if (sd.size() != 2 || sd[1] != R) return "handle.send_row must be [T, R], got " + Dims(sd);
+  std::string err = ExpectShape("out", od, {sd[0], yd[1]});
+  if (!err.empty()) return err;
+  if (!ElemKindOf(yt, &a->kind)) return "y must be float32, bfloat16 or float16";
+  if (R < 1 || R > kMaxRanks) return "num_ranks must be in [1, 32] on the intranode GPU path";
+  a->T = static_cast<int>(sd[0]);
+  a->C = static_cast<int>(yd[0]);
+  a->H = static_cast<int>(yd[1]);
+  a->row_bytes = static_cast<size_t>(yd[1]) * ffi::ByteWidth(yt);
+  return {};
+}
+
+// One rank (rank_buf/group_buf given) or the harness's stacked ranks (null).
+ffi::Error Combine(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
+                   ffi::Buffer<ffi::S32> send_row, const ffi::Buffer<ffi::S32>* rank_buf,
+                   const ffi::Buffer<ffi::S32>* group_buf, ffi::Result<ffi::AnyBuffer> out,
+                   int64_t num_ranks) {
+  const bool harness = rank_buf == nullptr;
+  auto yd = y.dimensions(), sd = send_row.dimensions(), od = out->dimensions();
+  std::string err;
+  if (harness) {
+    num_ranks = yd.size() == 3 ? yd[0] : 0;
+    err = Unstack("y", num_ranks, &yd);
+    if (err.empty()) err = Unstack("send_row", num_ranks, &sd);
+    if (err.empty()) err = Unstack("out", num_ranks, &od);
+  }
+  CombineArgs a{};
+  if (err.empty()) err = ValidateCombine(yd, y.element_type(), sd, od, num_ranks, &a);
+  if (!err.empty()) return Invalid(err);
+  const int R = static_cast<int>(num_ranks);
+  const size_t need = CombineAreaBytes(R, a.T, a.C, a.row_bytes);
+  Ranks k;
+  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpCombine, need, &k)
+                             : GroupRanks(ordinal, num_ranks, kOpCombine, need, "combine",
+                                          *rank_buf, *group_buf, &k);
+      e.failure())
+    return e;
+  a.y = y.untyped_data();
+  a.send_row = send_row.typed_data();
+  a.out = out->untyped_data();
+  return LaunchPhases(LaunchCombinePhase, k, kOpCombine, ordinal, a, stream,
+                      harness ? "harness combine launch" : "combine kernel launch");
+}
+
+ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
+                       ffi::Buffer<ffi::S32> send_row, ffi::Buffer<ffi::S32> rank_buf,
+                       ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t num_ranks, int64_t call_site) {
+  return Combine(stream, ordinal, y, send_row, &rank_buf, &group_buf, out, num_ranks);
+}
+
+// ------------------------------- gather ---------------------------------
+
+std::string ValidateGather(ffi::Span<const int64_t> gd, ffi::DataType gt,
+                           ffi::Span<const int64_t> srd, ffi::Span<const int64_t> sid,
+                           ffi::Span<const int64_t> od, int64_t R, GatherArgs* a) {
+  if (gd.size() != 2) return "cotangent must be [T, H], got " + Dims(gd);
+  if (srd.size() != 1) return "handle.src_rank must be [C], got " + Dims(srd);
+  const int64_t C = srd[0];
+  std::string err = ExpectShape("handle.src_index", sid, {C});
+  if (err.empty()) err = ExpectShape("out", od, {C, gd[1]});
+  if (!err.empty()) return err;
+  if (R < 1 || R > kMaxRanks) return "num_ranks must be in [1, 32] on the intranode GPU path";
+  a->T = static_cast<int>(gd[0]);
+  a->C = static_cast<int>(C);
+  a->row_bytes = static_cast<size_t>(gd[1]) * ffi::ByteWidth(gt);
+  return {};
+}
+
+// One rank (rank_buf/group_buf given) or the harness's stacked ranks (null).
+ffi::Error Gather(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
+                  ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
+                  const ffi::Buffer<ffi::S32>* rank_buf, const ffi::Buffer<ffi::S32>* group_buf,
+                  ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks) {
+  const bool harness = rank_buf == nullptr;
+  auto gd = g.dimensions(), srd = src_rank.dimensions(), sid = src_index.dimensions();
+  auto od = out->dimensions();
+  std::string err;
+  if (harness) {
+    num_ranks = gd.size() == 3 ? gd[0] : 0;
+    err = Unstack("g", num_ranks, &gd);
+    if (err.empty()) err = Unstack("src_rank", num_ranks, &srd);
+    if (err.empty()) err = Unstack("src_index", num_ranks, &sid);
+    if (err.empty()) err = Unstack("out", num_ranks, &od);
+  }
+  GatherArgs a{};
+  if (err.empty()) err = ValidateGather(gd, g.element_type(), srd, sid, od, num_ranks, &a);
+  if (!err.empty()) return Invalid(err);
+  const int R = static_cast<int>(num_ranks);
+  const size_t need = GatherLayout::Make(R, a.T, a.C, a.row_bytes).bytes;
+  Ranks k;
+  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpGather, need, &k)
+                             : GroupRanks(ordinal, num_ranks, kOpGather, need,
+                                          "combine's transpose (gather)", *rank_buf,
+                                          *group_buf, &k);
+      e.failure())
+    return e;
+  a.g = g.untyped_data();
+  a.src_rank = src_rank.typed_data();
+  a.src_index = src_index.typed_data();
+  a.out = out->untyped_data();
+  return LaunchPhases(LaunchGatherPhase, k, kOpGather, ordinal, a, stream,
+                      harness ? "harness gather launch" : "gather kernel launch");
+}
+
+ffi::Error GatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
+                      ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
+                      ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks, int64_t call_site) {
+  return Gather(stream, ordinal, g, src_rank, src_index, &rank_buf, &group_buf, out, num_ranks);
+}
+
+// ------------------------- virtual-rank harness --------------------------
+// R ranks' buffers live in one allocation on one GPU; the same kernels run for each
+// rank (see Ranks and LaunchPhases).
 
 ffi::Error HarnessDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
@@ -375,135 +468,20 @@ ffi::Error HarnessDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
                                ffi::ResultBuffer<ffi::S32> src_index,
                                ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts,
                                int64_t capacity) {
-  auto xd = x.dimensions();
-  if (xd.size() != 3) return Invalid("harness x must be [R, T, H], got " + Dims(xd));
-  const int64_t R = xd[0], T = xd[1], H = xd[2];
-  auto id = topk_idx.dimensions();
-  if (id.size() != 3) return Invalid("harness topk_idx must be [R, T, K], got " + Dims(id));
-  const int64_t K = id[2], C = capacity;
-  std::string err = ExpectShape("topk_idx", id, {R, T, K});
-  if (err.empty()) err = ExpectShape("topk_weights", topk_weights.dimensions(), {R, T, K});
-  if (err.empty()) err = ExpectShape("recv_x", recv_x->dimensions(), {R, C, H});
-  if (err.empty()) err = ExpectShape("send_row", send_row->dimensions(), {R, T, R});
-  if (!err.empty()) return Invalid(err);
-  if (R < 1 || R > kMaxRanks || num_experts % R != 0)
-    return Invalid("harness needs 1 <= R <= 32 and num_experts a multiple of R");
-  if (C < 1) return Invalid("capacity must be >= 1");
-  DispatchShapes s{T, H, K, R, C, num_experts,
-                   static_cast<size_t>(H) * ffi::ByteWidth(x.element_type())};
-  const int Ri = static_cast<int>(R);
-  PeerTable peers;
-  AreaConfig areas;
-  if (ffi::Error e = HarnessSetup(stream, ordinal, Ri, kOpDispatch,
-                                  DispatchAreaBytes(Ri, T, C, s.row_bytes, static_cast<int>(K)),
-                                  &peers, &areas);
-      e.failure())
-    return e;
-  const int64_t el = num_experts / R;
-  const IntranodePreset& p = SelectIntranodePreset(Ri);
-  for (int phase = 0; phase < kNumPhases; ++phase) {
-    for (int r = 0; r < Ri; ++r) {
-      DispatchArgs a = MakeDispatchArgs(s);
-      a.c = HarnessCommon(peers, areas, kOpDispatch, Ri, ordinal, r);
-      a.x = static_cast<const char*>(x.untyped_data()) + r * T * s.row_bytes;
-      a.topk_idx = topk_idx.typed_data() + r * T * K;
-      a.topk_w = topk_weights.typed_data() + r * T * K;
-      a.recv_x = static_cast<char*>(recv_x->untyped_data()) + r * C * s.row_bytes;
-      a.recv_idx = recv_idx->typed_data() + r * C * K;
-      a.recv_w = recv_w->typed_data() + r * C * K;
-      a.num_recv = num_recv->typed_data() + r;
-      a.num_dropped = num_dropped->typed_data() + r;
-      a.recv_per_expert = recv_per_expert->typed_data() + r * el;
-      a.src_rank = src_rank->typed_data() + r * C;
-      a.src_index = src_index->typed_data() + r * C;
-      a.send_row = send_row->typed_data() + r * T * R;
-      const cudaError_t e = LaunchDispatchPhase(phase, a, p, stream);
-      if (e != cudaSuccess) return CudaFailed("harness dispatch launch", e);
-    }
-  }
-  return ffi::Error::Success();
+  return Dispatch(stream, ordinal, x, topk_idx, topk_weights, nullptr, nullptr, recv_x, recv_idx,
+                  recv_w, num_recv, num_dropped, recv_per_expert, src_rank, src_index, send_row,
+                  num_experts, 0, capacity);
 }
 
 ffi::Error HarnessCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
                               ffi::Buffer<ffi::S32> send_row, ffi::Result<ffi::AnyBuffer> out) {
-  auto yd = y.dimensions();
-  auto sd = send_row.dimensions();
-  if (yd.size() != 3) return Invalid("harness y must be [R, C, H], got " + Dims(yd));
-  const int64_t R = yd[0], C = yd[1], H = yd[2];
-  if (sd.size() != 3 || sd[0] != R || sd[2] != R)
-    return Invalid("harness send_row must be [R, T, R], got " + Dims(sd));
-  const int64_t T = sd[1];
-  std::string err = ExpectShape("out", out->dimensions(), {R, T, H});
-  if (!err.empty()) return Invalid(err);
-  ElemKind kind = ElemKind::kF32;
-  if (!ElemKindOf(y.element_type(), &kind)) return Invalid("y must be float32, bfloat16 or float16");
-  if (R < 1 || R > kMaxRanks) return Invalid("harness needs 1 <= R <= 32");
-  const size_t row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(y.element_type());
-  const int Ri = static_cast<int>(R);
-  PeerTable peers;
-  AreaConfig areas;
-  if (ffi::Error e = HarnessSetup(stream, ordinal, Ri, kOpCombine,
-                                  CombineAreaBytes(Ri, T, C, row_bytes), &peers, &areas);
-      e.failure())
-    return e;
-  const IntranodePreset& p = SelectIntranodePreset(Ri);
-  for (int phase = 0; phase < kNumPhases; ++phase) {
-    for (int r = 0; r < Ri; ++r) {
-      CombineArgs a{};
-      a.c = HarnessCommon(peers, areas, kOpCombine, Ri, ordinal, r);
-      a.T = static_cast<int>(T);
-      a.C = static_cast<int>(C);
-      a.H = static_cast<int>(H);
-      a.kind = kind;
-      a.row_bytes = row_bytes;
-      a.y = static_cast<const char*>(y.untyped_data()) + r * C * row_bytes;
-      a.send_row = send_row.typed_data() + r * T * R;
-      a.out = static_cast<char*>(out->untyped_data()) + r * T * row_bytes;
-      const cudaError_t e = LaunchCombinePhase(phase, a, p, stream);
-      if (e != cudaSuccess) return CudaFailed("harness combine launch", e);
-    }
-  }
-  return ffi::Error::Success();
+  return Combine(stream, ordinal, y, send_row, nullptr, nullptr, out, 0);
 }
 
 ffi::Error HarnessGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
                              ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
                              ffi::Result<ffi::AnyBuffer> out) {
-  auto gd = g.dimensions();
-  if (gd.size() != 3) return Invalid("harness g must be [R, T, H], got " + Dims(gd));
-  const int64_t R = gd[0], T = gd[1], H = gd[2];
-  auto rd = src_rank.dimensions();
-  if (rd.size() != 2 || rd[0] != R) return Invalid("harness src_rank must be [R, C], got " + Dims(rd));
-  const int64_t C = rd[1];
-  std::string err = ExpectShape("src_index", src_index.dimensions(), {R, C});
-  if (err.empty()) err = ExpectShape("out", out->dimensions(), {R, C, H});
-  if (!err.empty()) return Invalid(err);
-  if (R < 1 || R > kMaxRanks) return Invalid("harness needs 1 <= R <= 32");
-  const size_t row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(g.element_type());
-  const int Ri = static_cast<int>(R);
-  PeerTable peers;
-  AreaConfig areas;
-  if (ffi::Error e = HarnessSetup(stream, ordinal, Ri, kOpGather,
-                                  GatherLayout::Make(Ri, T, C, row_bytes).bytes, &peers, &areas);
-      e.failure())
-    return e;
-  const IntranodePreset& p = SelectIntranodePreset(Ri);
-  for (int phase = 0; phase < kNumPhases; ++phase) {
-    for (int r = 0; r < Ri; ++r) {
-      GatherArgs a{};
-      a.c = HarnessCommon(peers, areas, kOpGather, Ri, ordinal, r);
-      a.T = static_cast<int>(T);
-      a.C = static_cast<int>(C);
-      a.row_bytes = row_bytes;
-      a.g = static_cast<const char*>(g.untyped_data()) + r * T * row_bytes;
-      a.src_rank = src_rank.typed_data() + r * C;
-      a.src_index = src_index.typed_data() + r * C;
-      a.out = static_cast<char*>(out->untyped_data()) + r * C * row_bytes;
-      const cudaError_t e = LaunchGatherPhase(phase, a, p, stream);
-      if (e != cudaSuccess) return CudaFailed("harness gather launch", e);
-    }
-  }
-  return ffi::Error::Success();
+  return Gather(stream, ordinal, g, src_rank, src_index, nullptr, nullptr, out, 0);
 }
 
 }  // namespace
