@@ -16,14 +16,6 @@ namespace ffi = xla::ffi;
 namespace jax_ep {
 namespace {
 
-double TimeoutSeconds() {
-  const char* v = std::getenv("JAX_EP_TIMEOUT_S");
-  if (v == nullptr || *v == '\0') return 300.0;
-  char* end = nullptr;
-  const double s = std::strtod(v, &end);
-  return (end != v && s > 0) ? s : 300.0;
-}
-
 bool FloatKindOf(ffi::DataType t, FloatKind* k) {
   switch (t) {
     case ffi::DataType::F32: *k = FloatKind::kF32; return true;

@@ -6,6 +6,8 @@
 #include <mutex>
 #include <sstream>
 
+#include "xla_ffi/ffi_helpers.h"
+
 namespace jax_ep {
 namespace {
 
@@ -128,15 +130,6 @@ std::string DescribeError(const ErrorRecord& e, int ordinal) {
   return s.str();
 }
 
-int64_t KernelTimeoutNs() {
-  const char* v = std::getenv("JAX_EP_TIMEOUT_S");
-  double sec = 300.0;
-  if (v != nullptr && *v != '\0') {
-    char* end = nullptr;
-    const double x = std::strtod(v, &end);
-    if (end != v && x > 0) sec = x;
-  }
-  return static_cast<int64_t>(sec * 1e9);
-}
+int64_t KernelTimeoutNs() { return static_cast<int64_t>(TimeoutSeconds() * 1e9); }
 
 }  // namespace jax_ep

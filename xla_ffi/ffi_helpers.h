@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <sstream>
 #include <string>
@@ -10,6 +11,15 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
+
+// JAX_EP_TIMEOUT_S (default 300): how long any backend waits for a peer before failing.
+inline double TimeoutSeconds() {
+  const char* v = std::getenv("JAX_EP_TIMEOUT_S");
+  if (v == nullptr || *v == '\0') return 300.0;
+  char* end = nullptr;
+  const double s = std::strtod(v, &end);
+  return (end != v && s > 0) ? s : 300.0;
+}
 
 inline xla::ffi::Error Invalid(const std::string& msg) {
   return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument, "jax_ep: " + msg);
