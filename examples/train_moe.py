@@ -63,16 +63,10 @@ def parse_args(argv=None):
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None:
     # The virtual CPU devices must be requested before jax is imported.
-    _need = ARGS.data * ARGS.expert
     _flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in _flags:
-        os.environ["XLA_FLAGS"] = (
-            f"{_flags} --xla_force_host_platform_device_count={_need}").strip()
-    # XLA's CPU client runs every virtual device on one thread pool, sized by NPROC (else
-    # max(cores, devices)). The CPU ffi kernels block a pool thread while they wait for
-    # their EP peers; with one thread per device, a device whose XLA all-reduce and jax-ep
-    # exchange run at once can starve a peer and hang. Four threads per device avoids it.
-    os.environ.setdefault("NPROC", str(max(4 * _need, os.cpu_count() or 1)))
+        os.environ["XLA_FLAGS"] = (f"{_flags} --xla_force_host_platform_device_count="
+                                   f"{ARGS.data * ARGS.expert}").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -209,8 +203,8 @@ def make_steps(a, mesh):
     def eval_step(model, tokens):
         return lm_loss(model, tokens, a)[1][0]
 
-    def put(x):
-        return jax.device_put(jnp.asarray(x), tok_sharding)
+    def put(x):  # host batch -> its shards, one copy per device
+        return jax.device_put(x, tok_sharding)
 
     return train_step, eval_step, put
 

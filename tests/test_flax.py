@@ -6,20 +6,15 @@ import os
 import subprocess
 import sys
 
-# The CPU ffi kernels block an XLA pool thread while they wait for EP peers; a pool of one
-# thread per device can starve when a device's XLA all-reduce runs beside them (see
-# examples/train_moe.py). Must be set before the CPU client exists.
-os.environ.setdefault("NPROC", "32")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from jax_ep.flax import MoE, RoutingBias, route  # noqa: E402
+from jax_ep.flax import MoE, RoutingBias, route
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AUTO = jax.sharding.AxisType.Auto
@@ -290,7 +285,6 @@ SMALL = ["--batch", "8", "--seq", "32", "--layers", "1", "--hidden", "32", "--he
 def _train(out, *extra):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    env.pop("NPROC", None)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_moe.py"),
                         *SMALL, "--out", str(out), *extra], env=env, capture_output=True,
                        text=True, timeout=300)
