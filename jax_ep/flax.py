@@ -123,9 +123,14 @@ def _counts(topk_idx, num_experts):
 def load_balance_loss(probs, topk_idx, num_experts: int):
     """E * sum_e f_e * p_e, with f_e the fraction of top-k slots sent to expert e and p_e
     the mean routing probability of e; 1.0 when routing is uniform."""
-    f = _counts(topk_idx, num_experts).astype(jnp.float32) / topk_idx.size
+    return _load_balance(probs, _counts(topk_idx, num_experts), topk_idx.size)
+
+
+def _load_balance(probs, counts, num_slots):
+    """load_balance_loss from the slot counts per expert (`_counts`) and their total."""
+    f = counts.astype(jnp.float32) / num_slots
     p = jnp.mean(probs, axis=0)
-    return num_experts * jnp.sum(f * p)
+    return counts.shape[0] * jnp.sum(f * p)
 
 
 class SwiGLU(nnx.Module):
@@ -287,7 +292,7 @@ class MoE(nnx.Module):
                                         topk_groups=self.topk_groups,
                                         norm_topk_prob=self.norm_topk_prob)
         tokens_per_expert = _counts(topk_idx, E)
-        lb = load_balance_loss(probs, topk_idx, E)
+        lb = _load_balance(probs, tokens_per_expert, topk_idx.size)
         z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
         # Expert path, per shard.
@@ -340,9 +345,10 @@ def _experts_per_shard(x, topk_idx, topk_w, w_gate, w_up, w_down, *, num_experts
         capacity=capacity, backend=backend)
     C, K = recv_idx.shape
     el = w_gate.shape[0]
-    # One entry per (row, slot); unused slots (-1) sort last and form no group.
+    # One entry per (row, slot); unused slots (-1) sort last and form no group. The
+    # groups' sizes are the handle's slots per local expert (kept rows only).
     key = jnp.where(recv_idx >= 0, recv_idx, el).reshape(-1)
-    group_sizes = jnp.zeros((el + 1,), jnp.int32).at[key].add(1)[:el]
+    group_sizes = handle.num_recv_tokens_per_expert
     # A row holds at most min(K, el) distinct local experts, so the used entries fit in
     # the first C * min(K, el) places of the sorted order.
     order = jnp.argsort(key, stable=True)[:C * min(K, el)]
