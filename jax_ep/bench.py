@@ -77,15 +77,17 @@ VIRTUAL_SKIP = ("cannot run R ranks on one device: it is a shard_map program ove
 # ----------------------------------------------------------------------------- devices
 
 def set_host_device_count(n: int) -> None:
-    """Asks XLA:CPU for `n` virtual devices. Effective only before JAX's backends start
-    (importing jax does not start them; the first device query does)."""
+    """Asks XLA:CPU for at least `n` virtual devices (a count already in XLA_FLAGS that
+    covers `n` is kept). Effective only before JAX's backends start (importing jax does
+    not start them; the first device query does)."""
     flags = os.environ.get("XLA_FLAGS", "")
+    pat = r"--xla_force_host_platform_device_count=(\d+)"
+    m = re.search(pat, flags)
     flag = f"--xla_force_host_platform_device_count={n}"
-    if "xla_force_host_platform_device_count" in flags:
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", flag, flags)
-    else:
-        flags = (flags + " " + flag).strip()
-    os.environ["XLA_FLAGS"] = flags
+    if m is None:
+        os.environ["XLA_FLAGS"] = (flags + " " + flag).strip()
+    elif int(m.group(1)) < n:
+        os.environ["XLA_FLAGS"] = re.sub(pat, flag, flags)
 
 
 # ----------------------------------------------------------------------------- bytes
@@ -558,14 +560,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    # One virtual CPU device per rank. This takes effect only if JAX's backends have not
-    # started yet (importing jax does not start them; the first device query does), as
-    # under `python -m jax_ep.bench`; a count already given in XLA_FLAGS that covers
-    # --ranks is kept.
-    m = re.search(r"--xla_force_host_platform_device_count=(\d+)",
-                  os.environ.get("XLA_FLAGS", ""))
-    if m is None or int(m.group(1)) < args.ranks:
-        set_host_device_count(args.ranks)
+    # One virtual CPU device per rank, if JAX's backends have not started yet (as under
+    # `python -m jax_ep.bench`).
+    set_host_device_count(args.ranks)
     import jax
 
     import jax_ep

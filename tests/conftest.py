@@ -105,7 +105,7 @@ def np_model(x, idx, w, y, E, C):
         recv_w=np.zeros((R, C, K), np.float32), num_recv=np.zeros(R, np.int32),
         num_dropped=np.zeros(R, np.int32), per_expert=np.zeros((R, el), np.int32),
         src_rank=np.full((R, C), -1, np.int32), src_index=np.full((R, C), -1, np.int32),
-        send_row=np.full((R, T, R), -1, np.int32), out=np.zeros((R, T, H), y.dtype))
+        send_row=np.full((R, T, R), -1, np.int32))
     for r in range(R):
         rows = [(s, t) for s in range(R) for t in range(T) if in_rank[s, t, r]]
         kept = rows[:C]
@@ -121,15 +121,29 @@ def np_model(x, idx, w, y, E, C):
             res["src_rank"][r, i] = s
             res["src_index"][r, i] = t
             res["send_row"][s, t, r] = i
-    for s in range(R):
-        for t in range(T):
-            acc = np.zeros(H, np.float32)
-            for r in range(R):
-                i = res["send_row"][s, t, r]
-                if i >= 0:
-                    acc = acc + y[r, i].astype(np.float32)
-            res["out"][s, t] = acc.astype(y.dtype)
+    res["out"] = np_combine(y, res["send_row"])
     return res
+
+
+def np_combine(y, send_row):
+    """combine per the contract on per-rank rows y[R, C, ...] and the handles' send_row
+    [R, T, R]: out[s, t] = float32 sum over receivers r, ascending, of y[r, send_row[s, t,
+    r]] where it is >= 0, cast to y.dtype."""
+    R, T, _ = send_row.shape
+    out = np.zeros((R, T) + y.shape[2:], np.float32)
+    for r in range(R):
+        rows = send_row[:, :, r]
+        out[rows >= 0] += y[r, rows[rows >= 0]].astype(np.float32)
+    return out.astype(y.dtype)
+
+
+def np_gather(g, src_rank, src_index):
+    """combine's transpose per the contract on per-rank g[R, T, ...]: out[r, i] =
+    g[src_rank[r, i], src_index[r, i]] for kept rows, zero elsewhere."""
+    out = np.zeros(src_rank.shape + g.shape[2:], g.dtype)
+    used = src_rank >= 0
+    out[used] = g[src_rank[used], src_index[used]]
+    return out
 
 
 def bits(a):

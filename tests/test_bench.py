@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jax_ep import bench, cuda
 
-from conftest import ep_mesh, np_model, run_ep  # noqa: E402
+from conftest import ep_mesh, np_combine, np_gather, np_model, run_ep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,22 +133,6 @@ def test_virtual_ranks_rejected_on_cpu():
 # NumPy models of the virtual-rank harness (jax_ep.cuda.harness_*), run through
 # jax.pure_callback so that the bench's jitted harness programs can run on CPU.
 
-def _np_combine(y, send_row):
-    R, T, _ = send_row.shape
-    out = np.zeros((R, T, y.shape[2]), np.float32)
-    for r in range(R):
-        rows = send_row[:, :, r]
-        out[rows >= 0] += y[r, rows[rows >= 0]].astype(np.float32)
-    return out.astype(y.dtype)
-
-
-def _np_gather(g, src_rank, src_index):
-    out = np.zeros(src_rank.shape + g.shape[2:], g.dtype)
-    used = src_rank >= 0
-    out[used] = g[src_rank[used], src_index[used]]
-    return out
-
-
 @pytest.fixture
 def np_harness(monkeypatch):
     sds = jax.ShapeDtypeStruct
@@ -176,11 +160,11 @@ def np_harness(monkeypatch):
     def combine(y, send_row):
         calls.append(("combine", y.shape, send_row.shape))
         R, T, _ = send_row.shape
-        return jax.pure_callback(_np_combine, sds((R, T, y.shape[2]), y.dtype), y, send_row)
+        return jax.pure_callback(np_combine, sds((R, T, y.shape[2]), y.dtype), y, send_row)
 
     def gather(g, src_rank, src_index):
         calls.append(("gather", g.shape, src_rank.shape))
-        return jax.pure_callback(_np_gather, sds(src_rank.shape + g.shape[2:], g.dtype),
+        return jax.pure_callback(np_gather, sds(src_rank.shape + g.shape[2:], g.dtype),
                                  g, src_rank, src_index)
 
     monkeypatch.setattr(cuda, "harness_dispatch", dispatch)

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_ep
-from conftest import BACKENDS, assert_bitwise_equal, ep_mesh, np_model
+from conftest import (BACKENDS, assert_bitwise_equal, ep_mesh, np_combine, np_gather,
+                      np_model)
 from test_ops import make_inputs, make_routing
 
 F32 = jnp.float32
@@ -40,18 +41,6 @@ def _grad_fn(R, E, C, backend):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def _np_combine(send_row, y):
-    """out[s, t] = float32 sum over r ascending of y[r, send_row[s, t, r]] (kept rows)."""
-    R, T, _ = send_row.shape
-    out = np.zeros((R, T) + y.shape[2:], np.float32)
-    for s in range(R):
-        for t in range(T):
-            for r in range(R):
-                if send_row[s, t, r] >= 0:
-                    out[s, t] = out[s, t] + y[r, send_row[s, t, r]].astype(np.float32)
-    return out.astype(y.dtype)
-
-
 def _case(R, T, K, E, H, C, seed, dtype=F32, **routing):
     rng = np.random.default_rng(seed)
     idx = make_routing(rng, R, T, K, E, **routing)
@@ -72,12 +61,10 @@ def _run_grad(R, E, C, backend, x, idx, w, y, A, B, G):
 
 def _model_grads(x, idx, w, y, A, B, G, E, C):
     m = np_model(x, idx, w, y, E, C)
-    dx = _np_combine(m["send_row"], A.astype(x.dtype))
+    dx = np_combine(A.astype(x.dtype), m["send_row"])
     # The weight cotangent counts only where the slot's expert lives on the receiver.
-    dw = _np_combine(m["send_row"], np.where(m["recv_idx"] >= 0, B, np.float32(0)))
-    kept = m["src_rank"] >= 0
-    dy = np.where(kept[..., None], G[np.maximum(m["src_rank"], 0),
-                                     np.maximum(m["src_index"], 0)], 0).astype(y.dtype)
+    dw = np_combine(np.where(m["recv_idx"] >= 0, B, np.float32(0)), m["send_row"])
+    dy = np_gather(G, m["src_rank"], m["src_index"]).astype(y.dtype)
     return dict(dx=dx, dw=dw, dy=dy), m
 
 
