@@ -30,13 +30,13 @@ set(JAX_EP_CUDA_GENCODE
     "-gencode=arch=compute_90a,code=sm_90a")
 
 add_library(jax_ep_cuda STATIC
-  kernels/toolchain_check.cu
-  kernels/layout_kernels.cu
-  kernels/intranode_kernels.cu
-  xla_ffi/cuda_state.cc
-  xla_ffi/cuda_handlers.cc
-  xla_ffi/cuda_harness.cc
-  xla_ffi/cuda_registrations.cc)
+  kernels/cuda/toolchain_check.cu
+  kernels/cuda/layout_kernels.cu
+  kernels/cuda/intranode_kernels.cu
+  xla_ffi/cuda/cuda_state.cc
+  xla_ffi/cuda/cuda_handlers.cc
+  xla_ffi/cuda/cuda_harness.cc
+  xla_ffi/cuda/cuda_registrations.cc)
 target_include_directories(jax_ep_cuda PUBLIC "${CMAKE_CURRENT_SOURCE_DIR}")
 target_include_directories(jax_ep_cuda SYSTEM PUBLIC "${XLA_FFI_INCLUDE_DIR}")
 target_compile_options(jax_ep_cuda PRIVATE
@@ -44,7 +44,7 @@ target_compile_options(jax_ep_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CXX>:${JAX_EP_WARNINGS}>)
 # Static runtime: the extension still imports on machines without a GPU driver.
 target_link_libraries(jax_ep_cuda PUBLIC CUDA::cudart_static)
-# xla_ffi/cuda_harness.cc defines nanobind functions (added to the module by module.cc).
+# xla_ffi/cuda/cuda_harness.cc defines nanobind functions (added to the module by module.cc).
 if(TARGET nanobind-static)
   target_link_libraries(jax_ep_cuda PRIVATE nanobind-static)
 endif()

@@ -61,7 +61,8 @@ set_target_properties(jax_ep_nvshmem_device PROPERTIES
 # The internode kernels (relocatable device code) and their FFI handlers. The device
 # link (against libnvshmem_device.a) happens when this static library is built, so the
 # extension links it like any host library.
-add_library(jax_ep_internode STATIC kernels/internode_kernels.cu xla_ffi/internode_handlers.cc)
+add_library(jax_ep_internode STATIC kernels/internode/internode_kernels.cu
+            xla_ffi/internode/internode_handlers.cc)
 set_target_properties(jax_ep_internode PROPERTIES
   CUDA_SEPARABLE_COMPILATION ON
   CUDA_RESOLVE_DEVICE_SYMBOLS ON
@@ -80,7 +81,7 @@ target_link_libraries(jax_ep_internode PUBLIC
 
 set(JAX_EP_HAVE_NVSHMEM ON)
 target_link_libraries(_jax_ep_ext PRIVATE jax_ep_internode)
-target_sources(_jax_ep_ext PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/nvshmem_bindings.cc")
+target_sources(_jax_ep_ext PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/internode/nvshmem_bindings.cc")
 # libnvshmem_host.so.3 is found next to the extension's package in site-packages
 # (nvidia/nvshmem/lib) or, for in-place builds, where it was found at build time.
 set_property(TARGET _jax_ep_ext APPEND PROPERTY INSTALL_RPATH

@@ -1,9 +1,14 @@
-"""jax-ep: expert-parallel dispatch and combine for JAX, as XLA FFI custom calls."""
-from jax_ep import cuda, sharded
+"""jax-ep: expert-parallel dispatch and combine for JAX, as XLA FFI custom calls.
+
+Layout: `ops` (the per-shard contract) over `backends/` (reference, ffi, internode);
+`sharded` (the global view); `flax` (the MoE layer); `runtime/` (CUDA and NVSHMEM
+start-up); `network/` (striping plan and planning model); `bench` (benchmarks).
+"""
+from jax_ep import cuda, nvshmem_bootstrap, sharded
 from jax_ep._ext import build_info
 from jax_ep._types import DispatchHandle, DispatchLayout
+from jax_ep.network.transport import StripePlan, TransportConfig
 from jax_ep.ops import combine, dispatch, get_dispatch_layout, resolve_backend
-from jax_ep.transport import StripePlan, TransportConfig
 
 __all__ = [
     "DispatchHandle",

@@ -1,5 +1,6 @@
-"""The EP ops, per shard (inside `shard_map`): one definition each, owning its
-argument checks, backend choice, FFI lowering and autodiff.
+"""The EP ops, per shard (inside `shard_map`): the contract. Each op owns its argument
+checks, the backend choice and its autodiff; the backends (`jax_ep.backends`) do the
+work, with one set of signatures.
 
 Shapes (R ranks on `axis_name`, E experts, E_local = E // R, C = capacity):
   x[T, H] float32/bfloat16/float16, topk_idx[T, K] int32 in [-1, E), topk_weights[T, K]
@@ -8,26 +9,21 @@ Shapes (R ranks on `axis_name`, E experts, E_local = E // R, C = capacity):
 """
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import operator
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _ext, nvshmem_bootstrap, reference
+from jax_ep import _ext, backends
+from jax_ep._common import FLOAT_DTYPES, Cfg, ep_size
 from jax_ep._types import DispatchHandle, DispatchLayout
+from jax_ep.backends import reference
+from jax_ep.runtime import nvshmem
 
 # "internode" (NVSHMEM, one process per GPU; see docs/internode.md) is also what "ffi" and
 # "auto" resolve to on GPUs when NVSHMEM runs in this process and there are >1 processes.
 BACKENDS = ("reference", "ffi", "auto", "internode")
-FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-# Every traced communicating call gets its own id, so two call sites (or two programs)
-# running at once never meet in the CPU rendezvous.
-_call_sites = itertools.count(1)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -68,73 +64,12 @@ def _check_tokens(name, x):
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-def _axis_names(axis_name):
-    if isinstance(axis_name, (tuple, list)):
-        return tuple(axis_name)
-    return (axis_name,)
-
-
-def _ep_size(axis_name) -> int:
-    try:
-        return int(jax.lax.axis_size(_axis_names(axis_name)))
-    except NameError as e:
-        raise NameError(f"axis_name {axis_name!r} is not a bound mesh axis: call the op "
-                        "inside shard_map over that axis, or use jax_ep.sharded") from e
-
-
-def _group_axes(axis_name) -> tuple:
-    """((name, size), ...) of the manual mesh axes other than the EP axis."""
-    names = _axis_names(axis_name)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        return ()
-    manual = getattr(mesh, "manual_axes", ())
-    return tuple((a, int(mesh.shape[a])) for a in mesh.axis_names
-                 if a not in names and a in manual)
-
-
-def _ep_coords(axis_name, group_axes=None):
-    """(rank on the EP axis, EP group id) as int32 scalars. The group numbers the other
-    mesh axes, so each data-parallel replica meets only its own peers."""
-    names = _axis_names(axis_name)
-    rank = jax.lax.axis_index(names).astype(jnp.int32)
-    if group_axes is None:
-        group_axes = _group_axes(axis_name)
-    group = jnp.zeros((), jnp.int32)
-    for a, size in group_axes:
-        group = group * size + jax.lax.axis_index(a).astype(jnp.int32)
-    return rank, group
-
-
-def _varying_axes(a) -> frozenset:
-    t = jax.typeof(a)
-    mat = getattr(t, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(t, "vma", frozenset()) or ())
-
-
-def _unify_varying(*arrays):
-    """Marks every array varying over the union of their manual axes, so FFI results
-    typed after the first one carry the right varying-axis set."""
-    union = frozenset().union(*(_varying_axes(a) for a in arrays))
-    out = []
-    for a in arrays:
-        missing = tuple(sorted(union - _varying_axes(a)))
-        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-    return out
-
-
-def _like(a, shape, dtype):
-    return jax.typeof(a).update(shape=tuple(shape), dtype=jnp.dtype(dtype), weak_type=False)
-
-
 # ----------------------------------------------------------------------------- backends
 
 def _internode_ready(platform) -> bool:
     """The internode transport is the GPU path: NVSHMEM started here, several processes."""
     return (platform == "gpu" and jax.process_count() > 1
-            and nvshmem_bootstrap.is_initialized())
+            and nvshmem.is_initialized())
 
 
 def resolve_backend(backend) -> str:
@@ -151,7 +86,7 @@ def resolve_backend(backend) -> str:
             raise NotImplementedError(
                 f"backend='internode' needs GPUs and a build with NVSHMEM (platform "
                 f"{platform!r}, build: {_ext.build_info()}); use backend='reference'")
-        if not nvshmem_bootstrap.is_initialized():
+        if not nvshmem.is_initialized():
             raise NotImplementedError(
                 "backend='internode' needs NVSHMEM running in this process: call "
                 "jax_ep.nvshmem_bootstrap.initialize(...) before jit")
@@ -176,31 +111,10 @@ def resolve_backend(backend) -> str:
     return backend
 
 
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
-    num_experts: int
-    num_ranks: int
-    capacity: int
-    axis_name: Any
-    backend: str
-    group_axes: Any = None  # ((name, size), ...); None: the manual axes in context
-    check_ids: bool = True  # reference backend: host-side id check inside the op
-
-
 def _check_ids_reference(topk_idx, num_experts):
-    """Value check for the reference backend: raises on the host if an id is outside
-    [-1, E) (the ffi backend checks inside its kernel)."""
-    bad = (topk_idx < -1) | (topk_idx >= num_experts)
-    flat = jnp.argmax(bad.reshape(-1))
-    value = topk_idx.reshape(-1)[flat]
-
-    def _raise(any_bad, pos, val):
-        if bool(any_bad):
-            k = topk_idx.shape[1]
-            raise ValueError(f"jax_ep: topk_idx[{int(pos) // k}, {int(pos) % k}] = {int(val)}"
-                             f" is outside [-1, {num_experts}) (num_experts={num_experts})")
-
-    jax.debug.callback(_raise, jnp.any(bad), flat, value)
+    """The reference backend's host-side id check, for callers that run it before
+    partitioning (the global view)."""
+    reference.check_ids(topk_idx, num_experts)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -220,57 +134,14 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, num_ranks: int,
 
 
 def _layout_impl(topk_idx, num_experts, num_ranks, backend, check_ids=True):
-    if backend == "reference":
-        if check_ids:
-            _check_ids_reference(topk_idx, num_experts)
-        return reference.layout(topk_idx, num_experts, num_ranks)
-    T = topk_idx.shape[0]
-    per_rank, per_expert, in_rank = jax.ffi.ffi_call(
-        "jax_ep_layout",
-        (_like(topk_idx, (num_ranks,), jnp.int32), _like(topk_idx, (num_experts,), jnp.int32),
-         _like(topk_idx, (T, num_ranks), jnp.bool_)),
-        vmap_method="broadcast_all",
-    )(topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks))
-    return DispatchLayout(per_rank, per_expert, in_rank)
+    cfg = Cfg(num_experts, num_ranks, backend=backend, check_ids=check_ids)
+    return backends.get(backend).layout(topk_idx, cfg)
 
 
 # ----------------------------------------------------------------------------- dispatch
 
-def _ffi_dispatch(x, topk_idx, topk_weights, cfg: _Cfg):
-    rank, group = _ep_coords(cfg.axis_name, cfg.group_axes)
-    # The group id only separates rendezvous; results vary like the data and the rank.
-    x, topk_idx, topk_weights, rank = _unify_varying(x, topk_idx, topk_weights, rank)
-    T, H = x.shape
-    K = topk_idx.shape[1]
-    C, R = cfg.capacity, cfg.num_ranks
-    el = cfg.num_experts // R
-    outs = jax.ffi.ffi_call(
-        "jax_ep_dispatch",
-        (_like(x, (C, H), x.dtype), _like(x, (C, K), jnp.int32), _like(x, (C, K), jnp.float32),
-         _like(x, (), jnp.int32), _like(x, (), jnp.int32), _like(x, (el,), jnp.int32),
-         _like(x, (C,), jnp.int32), _like(x, (C,), jnp.int32), _like(x, (T, R), jnp.int32)),
-        vmap_method="sequential",
-    )(x, topk_idx, topk_weights, rank, group, num_experts=np.int64(cfg.num_experts),
-      num_ranks=np.int64(R), capacity=np.int64(C), call_site=np.int64(next(_call_sites)))
-    recv_x, recv_idx, recv_w, num_recv, num_dropped, per_expert, src_rank, src_index, \
-        send_row = outs
-    handle = DispatchHandle(num_recv, num_dropped, per_expert, src_rank, src_index, send_row,
-                            cfg.num_experts, R, C, cfg.axis_name)
-    return recv_x, recv_idx, recv_w, handle
-
-
-def _dispatch_impl(x, topk_idx, topk_weights, cfg: _Cfg):
-    if cfg.backend == "internode":
-        from jax_ep import internode
-        return internode.dispatch(x, topk_idx, topk_weights, cfg)
-    if cfg.backend == "ffi":
-        return _ffi_dispatch(x, topk_idx, topk_weights, cfg)
-    if cfg.check_ids:
-        _check_ids_reference(topk_idx, cfg.num_experts)
-    rank = jax.lax.axis_index(_axis_names(cfg.axis_name))
-    return reference.dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
-                              num_ranks=cfg.num_ranks, capacity=cfg.capacity,
-                              axis_name=cfg.axis_name, rank=rank)
+def _dispatch_impl(x, topk_idx, topk_weights, cfg: Cfg):
+    return backends.get(cfg.backend).dispatch(x, topk_idx, topk_weights, cfg)
 
 
 def _dispatch_fwd(x, topk_idx, topk_weights, cfg):
@@ -324,51 +195,21 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     topk_weights = jnp.asarray(topk_weights)
     _check_tokens("x", x)
     num_experts = _static_int("num_experts", num_experts, 1)
-    R = _ep_size(axis_name)
+    R = ep_size(axis_name)
     _check_routing(topk_idx, topk_weights, x.shape[0], num_experts, R)
     C = R * x.shape[0] if capacity is None else _static_int("capacity", capacity, 1)
-    cfg = _Cfg(num_experts, R, C, axis_name, resolve_backend(backend))
+    cfg = Cfg(num_experts, R, C, axis_name, resolve_backend(backend))
     return _dispatch(x, topk_idx, topk_weights, cfg)
 
 
 # ----------------------------------------------------------------------------- combine
 
-def _ffi_combine(y, handle: DispatchHandle, group_axes=None):
-    rank, group = _ep_coords(handle.axis_name, group_axes)
-    y, send_row, rank = _unify_varying(y, handle.send_row, rank)
-    T = send_row.shape[0]
-    return jax.ffi.ffi_call("jax_ep_combine", _like(y, (T, y.shape[1]), y.dtype),
-                            vmap_method="sequential")(
-        y, send_row, rank, group, num_ranks=np.int64(handle.num_ranks),
-        call_site=np.int64(next(_call_sites)))
-
-
-def _ffi_gather(g, handle: DispatchHandle, group_axes=None):
-    rank, group = _ep_coords(handle.axis_name, group_axes)
-    g, src_rank, src_index, rank = _unify_varying(g, handle.src_rank,
-                                                  handle.src_index, rank)
-    return jax.ffi.ffi_call("jax_ep_gather", _like(g, (handle.capacity, g.shape[1]), g.dtype),
-                            vmap_method="sequential")(
-        g, src_rank, src_index, rank, group, num_ranks=np.int64(handle.num_ranks),
-        call_site=np.int64(next(_call_sites)))
-
-
 def _combine_impl(y, handle, backend, group_axes=None):
-    if backend == "internode":
-        from jax_ep import internode
-        return internode.combine(y, handle)
-    if backend == "ffi":
-        return _ffi_combine(y, handle, group_axes)
-    return reference.combine(y, handle)
+    return backends.get(backend).combine(y, handle, Cfg.for_handle(handle, backend, group_axes))
 
 
 def _gather_impl(g, handle, backend, group_axes=None):
-    if backend == "internode":
-        from jax_ep import internode
-        return internode.gather(g, handle)
-    if backend == "ffi":
-        return _ffi_gather(g, handle, group_axes)
-    return reference.gather(g, handle)
+    return backends.get(backend).gather(g, handle, Cfg.for_handle(handle, backend, group_axes))
 
 
 def _combine_fwd(y, handle, backend):
@@ -410,7 +251,7 @@ def combine(y, handle: DispatchHandle, *, backend=None):
     if y.shape[0] != handle.capacity:
         raise ValueError(f"y must have the handle's capacity {handle.capacity} rows, got "
                          f"shape {y.shape}")
-    R = _ep_size(handle.axis_name)
+    R = ep_size(handle.axis_name)
     if R != handle.num_ranks:
         raise ValueError(f"handle was made for {handle.num_ranks} ranks but axis "
                          f"{handle.axis_name!r} has {R}")

@@ -26,7 +26,9 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ep import internode, ops
+from jax_ep import ops
+from jax_ep._common import Cfg
+from jax_ep.backends import internode
 from jax_ep._types import HANDLE_ARRAYS, DispatchHandle, DispatchLayout, InternodeHandleParts
 
 
@@ -82,7 +84,7 @@ class _Spec:
     def cfg(self):
         # Host callbacks cannot run inside a partitioned body: ids are checked on the
         # global array before the call instead (see dispatch).
-        return ops._Cfg(self.num_experts, self.num_ranks, self.capacity, self.mesh_axis,
+        return Cfg(self.num_experts, self.num_ranks, self.capacity, self.mesh_axis,
                         self.backend, self.group_axes, check_ids=False)
 
     @property

@@ -25,7 +25,7 @@ JAX_EP_CUDA=ON "$VENV/bin/python" -m pip install -q --no-build-isolation --no-de
 "$VENV/bin/python" -c "import jax, jax_ep; print(jax_ep.build_info(), jax.devices())"
 
 echo "== GPU tests"
-timeout 240 "$VENV/bin/python" -m pytest -q -rs -m gpu tests/test_cuda.py 2>&1 | tee "$OUT/tests.log"
+timeout 240 "$VENV/bin/python" -m pytest -q -rs -m gpu tests/runtime/test_cuda.py 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== benchmark (python -m jax_ep.bench, 8 virtual ranks on GPU 0 through the harness)"

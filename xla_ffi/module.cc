@@ -2,10 +2,10 @@
 // handler capsules, per platform, and build_info() says what was compiled in.
 #include <nanobind/nanobind.h>
 
-#include "xla_ffi/cpu_handlers.h"
-#include "xla_ffi/transport_bindings.h"
+#include "xla_ffi/cpu/cpu_handlers.h"
+#include "xla_ffi/common/transport_bindings.h"
 #ifdef JAX_EP_WITH_CUDA
-#include "xla_ffi/cuda_registrations.h"
+#include "xla_ffi/cuda/cuda_registrations.h"
 #endif
 
 namespace nb = nanobind;

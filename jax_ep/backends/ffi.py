@@ -1,0 +1,74 @@
+"""The "ffi" backend: custom calls into the compiled kernels. The CPU transport
+(xla_ffi/cpu) and the CUDA intranode transport (xla_ffi/cuda) register the same target
+names (`jax_ep_layout`, `jax_ep_dispatch`, `jax_ep_combine`, `jax_ep_gather`), so XLA
+picks the platform's handler. Functions run per shard, inside `shard_map`, with the
+signatures every backend module shares (cfg is a `jax_ep._common.Cfg`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep._common import Cfg, ep_coords, like, next_call_site, unify_varying
+from jax_ep._types import DispatchHandle, DispatchLayout
+
+
+def layout(topk_idx, cfg: Cfg) -> DispatchLayout:
+    """topk_idx[T, K] int32 -> DispatchLayout (no communication; ids checked in the
+    kernel)."""
+    T = topk_idx.shape[0]
+    R, E = cfg.num_ranks, cfg.num_experts
+    per_rank, per_expert, in_rank = jax.ffi.ffi_call(
+        "jax_ep_layout",
+        (like(topk_idx, (R,), jnp.int32), like(topk_idx, (E,), jnp.int32),
+         like(topk_idx, (T, R), jnp.bool_)),
+        vmap_method="broadcast_all",
+    )(topk_idx, num_experts=np.int64(E), num_ranks=np.int64(R))
+    return DispatchLayout(per_rank, per_expert, in_rank)
+
+
+def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
+    """x[T, H], topk_idx[T, K] int32, topk_weights[T, K] float32 -> (recv_x[C, H],
+    recv_topk_idx[C, K], recv_topk_weights[C, K], DispatchHandle)."""
+    rank, group = ep_coords(cfg.axis_name, cfg.group_axes)
+    # The group id only separates rendezvous; results vary like the data and the rank.
+    x, topk_idx, topk_weights, rank = unify_varying(x, topk_idx, topk_weights, rank)
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    C, R = cfg.capacity, cfg.num_ranks
+    el = cfg.experts_per_rank
+    outs = jax.ffi.ffi_call(
+        "jax_ep_dispatch",
+        (like(x, (C, H), x.dtype), like(x, (C, K), jnp.int32), like(x, (C, K), jnp.float32),
+         like(x, (), jnp.int32), like(x, (), jnp.int32), like(x, (el,), jnp.int32),
+         like(x, (C,), jnp.int32), like(x, (C,), jnp.int32), like(x, (T, R), jnp.int32)),
+        vmap_method="sequential",
+    )(x, topk_idx, topk_weights, rank, group, num_experts=np.int64(cfg.num_experts),
+      num_ranks=np.int64(R), capacity=np.int64(C), call_site=np.int64(next_call_site()))
+    recv_x, recv_idx, recv_w, num_recv, num_dropped, per_expert, src_rank, src_index, \
+        send_row = outs
+    handle = DispatchHandle(num_recv, num_dropped, per_expert, src_rank, src_index, send_row,
+                            cfg.num_experts, R, C, cfg.axis_name)
+    return recv_x, recv_idx, recv_w, handle
+
+
+def combine(y, handle: DispatchHandle, cfg: Cfg):
+    """y[C, H] -> out[T, H]: float32 sums in ascending rank order, cast to y.dtype."""
+    rank, group = ep_coords(handle.axis_name, cfg.group_axes)
+    y, send_row, rank = unify_varying(y, handle.send_row, rank)
+    T = send_row.shape[0]
+    return jax.ffi.ffi_call("jax_ep_combine", like(y, (T, y.shape[1]), y.dtype),
+                            vmap_method="sequential")(
+        y, send_row, rank, group, num_ranks=np.int64(handle.num_ranks),
+        call_site=np.int64(next_call_site()))
+
+
+def gather(g, handle: DispatchHandle, cfg: Cfg):
+    """Combine's transpose: g[T, H] -> out[C, H], out[i] = g_{src_rank[i]}[src_index[i]]."""
+    rank, group = ep_coords(handle.axis_name, cfg.group_axes)
+    g, src_rank, src_index, rank = unify_varying(g, handle.src_rank, handle.src_index, rank)
+    return jax.ffi.ffi_call("jax_ep_gather", like(g, (handle.capacity, g.shape[1]), g.dtype),
+                            vmap_method="sequential")(
+        g, src_rank, src_index, rank, group, num_ranks=np.int64(handle.num_ranks),
+        call_site=np.int64(next_call_site()))

@@ -1,0 +1,192 @@
+"""The "internode" backend (NVSHMEM): FFI calls to the CUDA targets
+`jax_ep_internode_dispatch`, `jax_ep_internode_combine` and `jax_ep_internode_gather`
+(xla_ffi/internode/internode_handlers.cc), producing the same outputs and `DispatchHandle`
+as the other backends, with the signatures every backend module shares. `jax_ep.ops`
+calls them when the backend resolves to "internode"; the layout has no communication and
+uses the ffi backend's kernel.
+
+The transport runs one process per GPU and its EP group is every NVSHMEM PE, so this
+process's rank on the EP axis is static: its PE index (`runtime.nvshmem.state().rank`),
+read at trace time by `ep_rank`, which also checks that the EP axis has one rank per PE
+and, where the mesh is known, that this process's device sits at that index on it.
+
+The kernels' handle is (counts[R, R], send_slot[T, R]), where send_slot is a token's
+position among the rows this rank sends each receiver. The contract's `send_row` (the row
+it occupies there, -1 where not sent or dropped) is derived from them here; both go in
+`DispatchHandle.extra` as an `InternodeHandleParts` for combine and the gradients.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep._common import Cfg, axis_names, like, unify_varying
+from jax_ep._types import DispatchHandle, InternodeHandleParts
+from jax_ep.backends.ffi import layout
+from jax_ep.runtime import nvshmem
+
+__all__ = ["ep_rank", "transport_attrs", "send_row_from", "layout", "dispatch", "combine",
+           "gather", "InternodeRankError"]
+
+
+class InternodeRankError(ValueError):
+    """The EP axis does not match the internode transport's group (all NVSHMEM PEs)."""
+
+
+def _state():
+    st = nvshmem.state()
+    if st is None:
+        raise nvshmem.NvshmemBootstrapError(
+            "the internode backend needs NVSHMEM running in this process: call "
+            "jax_ep.nvshmem_bootstrap.initialize(...) after jax.distributed.initialize() "
+            "and before jit, or choose backend='reference'")
+    return st
+
+
+def position_in_mesh(devices, axis_names, names, process_index) -> int | None:
+    """Index on the (possibly multi-axis) EP axis `names` of the one device of
+    `process_index` in the mesh device array `devices` (axes `axis_names`); None when the
+    process has no device or more than one there (then the position is not unique)."""
+    devices = np.asarray(devices, dtype=object)
+    mine = np.argwhere(np.vectorize(lambda d: d.process_index == process_index,
+                                    otypes=[bool])(devices))
+    if len(mine) != 1:
+        return None
+    coord = dict(zip(axis_names, (int(c) for c in mine[0])))
+    shape = dict(zip(axis_names, devices.shape))
+    pos = 0
+    for n in names:
+        pos = pos * shape[n] + coord[n]
+    return pos
+
+
+def _mesh_position(axis_name) -> int | None:
+    """This process's device's index on the EP axis, when a concrete mesh is in context
+    (`jax.set_mesh(mesh)` or `with mesh:`); None otherwise (shard_map(mesh=...) does not
+    put its mesh in context)."""
+    try:
+        from jax._src import mesh as mesh_lib  # no public accessor works inside jit
+        mesh = mesh_lib.get_concrete_mesh()
+        if mesh is None or mesh.empty:
+            mesh = mesh_lib.thread_resources.env.physical_mesh
+    except Exception:  # noqa: BLE001 - best effort: private API may move
+        return None
+    if mesh is None or mesh.empty:
+        return None
+    names = axis_names(axis_name)
+    if any(n not in mesh.axis_names for n in names):
+        return None
+    return position_in_mesh(mesh.devices, mesh.axis_names, names, jax.process_index())
+
+
+def ep_rank(axis_name, num_ranks: int) -> int:
+    """This process's rank on the EP axis for the internode transport (static).
+
+    It is the NVSHMEM PE index: the transport's EP group is every PE, one process per
+    GPU. Raises if NVSHMEM is not running, if the axis does not have one rank per PE, or
+    if the mesh in context puts this process's device at another index on the axis.
+    """
+    st = _state()
+    if num_ranks != st.world:
+        raise InternodeRankError(
+            f"the internode backend's EP group is every NVSHMEM PE ({st.world} processes, "
+            f"one GPU each), but EP axis {axis_name!r} has {num_ranks} ranks: make the EP "
+            f"axis span all processes (no other mesh axis larger than 1), or choose "
+            f"backend='reference'")
+    pos = _mesh_position(axis_name)
+    if pos is not None and pos != st.rank:
+        raise InternodeRankError(
+            f"this process is NVSHMEM PE {st.rank}, but its device sits at index {pos} on "
+            f"EP axis {axis_name!r}: the internode backend needs the mesh's EP axis to list "
+            f"the devices in process order (as jax.make_mesh over jax.devices() does)")
+    return int(st.rank)
+
+
+def transport_attrs() -> dict:
+    """The striping attributes of the kernels: the TransportConfig NVSHMEM was started
+    with (`JAX_EP_*` overrides already applied by the bootstrap)."""
+    cfg = _state().config
+    return dict(num_ports=np.int64(cfg.num_ports), qps_per_port=np.int64(cfg.qps_per_port),
+                chunk_bytes=np.int64(cfg.chunk_bytes))
+
+
+def send_row_from(counts, send_slot, rank: int, capacity: int):
+    """The contract's send_row[T, R] from the kernels' handle: token t's row on receiver
+    d is (rows of sources < rank at d) + send_slot[t, d], -1 where not sent or past the
+    capacity (dropped)."""
+    col_base = jnp.sum(counts[:rank], axis=0, dtype=jnp.int32)  # [R]
+    row = col_base[None, :] + send_slot
+    return jnp.where((send_slot >= 0) & (row < capacity), row, -1).astype(jnp.int32)
+
+
+def _vary_with_axis(axis_name, *arrays):
+    # Results are typed like the first operand: make the operands vary over the EP axis
+    # (no rank operand does it here; the rank is a static attribute).
+    marker = jax.lax.axis_index(axis_names(axis_name))
+    return unify_varying(*arrays, marker)[:-1]
+
+
+def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
+    """Internode dispatch: (recv_x, recv_topk_idx, recv_topk_weights,
+    DispatchHandle) as in DESIGN.md, with the kernels' handle in `handle.extra`."""
+    R, C, E = cfg.num_ranks, cfg.capacity, cfg.num_experts
+    rank = ep_rank(cfg.axis_name, R)
+    x, topk_idx, topk_weights = _vary_with_axis(cfg.axis_name, x, topk_idx, topk_weights)
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    el = E // R
+    i32 = jnp.int32
+    outs = jax.ffi.ffi_call(
+        "jax_ep_internode_dispatch",
+        (like(x, (C, H), x.dtype), like(x, (C, K), i32), like(x, (C, K), jnp.float32),
+         like(x, (), i32), like(x, (), i32), like(x, (el,), i32), like(x, (C,), i32),
+         like(x, (C,), i32), like(x, (R, R), i32), like(x, (T, R), i32)),
+        vmap_method="sequential",
+    )(x, topk_idx, topk_weights, num_experts=np.int64(E), num_ranks=np.int64(R),
+      rank=np.int64(rank), capacity=np.int64(C), **transport_attrs())
+    (recv_x, recv_idx, recv_w, num_recv, num_dropped, per_expert, src_rank, src_index,
+     counts, send_slot) = outs
+    send_row = send_row_from(counts, send_slot, rank, C)
+    handle = DispatchHandle(num_recv, num_dropped, per_expert, src_rank, src_index, send_row,
+                            E, R, C, cfg.axis_name,
+                            InternodeHandleParts(counts, send_slot, rank, K))
+    return recv_x, recv_idx, recv_w, handle
+
+
+def _parts(handle: DispatchHandle, what: str) -> tuple[InternodeHandleParts, int]:
+    parts = handle.extra
+    if not isinstance(parts, InternodeHandleParts):
+        raise ValueError(
+            f"the internode {what} needs the handle of an internode dispatch (its "
+            f"handle.extra holds the transport's counts and send slots); this handle has "
+            f"extra={type(parts).__name__}. Use the same backend for dispatch and {what}.")
+    rank = ep_rank(handle.axis_name, handle.num_ranks)
+    if rank != parts.rank:
+        raise InternodeRankError(f"the handle was made on rank {parts.rank}, this process "
+                                 f"is rank {rank}")
+    return parts, rank
+
+
+def _back_call(target, a, handle, what, rows_of):
+    parts, rank = _parts(handle, what)
+    rows = rows_of(parts)
+    a, counts, send_slot = _vary_with_axis(handle.axis_name, a, parts.counts,
+                                           parts.send_slot)
+    return jax.ffi.ffi_call(target, like(a, (rows, a.shape[1]), a.dtype),
+                            vmap_method="sequential")(
+        a, counts, send_slot, num_ranks=np.int64(handle.num_ranks), rank=np.int64(rank),
+        capacity=np.int64(handle.capacity), topk=np.int64(parts.topk), **transport_attrs())
+
+
+def combine(y, handle: DispatchHandle, cfg: Cfg):
+    """Internode combine: y[C, H] -> out[T, H] (float32 sums in ascending rank order)."""
+    return _back_call("jax_ep_internode_combine", y, handle, "combine",
+                      lambda parts: parts.send_slot.shape[0])
+
+
+def gather(g, handle: DispatchHandle, cfg: Cfg):
+    """Combine's transpose: g[T, H] -> out[C, H], out[i] = g_{src_rank[i]}[src_index[i]],
+    zero past num_recv."""
+    return _back_call("jax_ep_internode_gather", g, handle, "gather",
+                      lambda parts: handle.capacity)

@@ -1,0 +1,286 @@
+"""Planning MODEL for inter-node dispatch over multi-port NICs (not a measurement).
+
+    python -m jax_ep.plan --nodes 4 --gpus-per-node 8 --ports 2 --port-gbps 200 \
+        --lag hash --qps-per-peer 8
+
+From routing statistics (uniform top-k over the experts by default, or a measured
+probability that a token goes to a given rank), it predicts the bytes each NIC port of
+one GPU carries in one dispatch and the time the busiest port needs, with the striping
+of `kernels/common/striping_plan.h` and with one QP per peer. Under a hashing bond (`--lag
+hash`) every QP lands on a port chosen at random, so the busiest port is, on average,
+busier than its share; the model gives that expected imbalance and how many QPs per peer
+bring two ports to 95% of their combined rate. `--lag affinity` means QPs are pinned to
+ports round-robin (NVSHMEM multi-port), so the imbalance is at most one chunk per peer.
+
+Everything it prints is arithmetic on the stated assumptions: link rates are nominal,
+there is no congestion, no protocol overhead and no overlap with compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import sys
+
+import numpy as np
+
+from jax_ep.network.transport import TransportConfig
+
+MODEL_LABEL = "MODEL, not a measurement: nominal link rates, no congestion or protocol overhead"
+
+__all__ = ["hit_probability", "dispatch_row_bytes", "expected_max_count", "hash_efficiency",
+           "qps_for_efficiency", "PlanInputs", "model", "format_report", "main"]
+
+
+def hit_probability(num_experts: int, num_ranks: int, topk: int) -> float:
+    """P(a token has at least one of its top-k experts on a given rank), uniform routing.
+
+    Experts are chosen uniformly without replacement; a rank holds E/R of them.
+    """
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts ({num_experts}) must be a multiple of ranks ({num_ranks})")
+    el = num_experts // num_ranks
+    k = min(topk, num_experts)
+    if num_experts - el < k:
+        return 1.0
+    # 1 - C(E - el, k) / C(E, k)
+    miss = math.exp(math.lgamma(num_experts - el + 1) - math.lgamma(num_experts - el - k + 1)
+                    - math.lgamma(num_experts + 1) + math.lgamma(num_experts - k + 1))
+    return 1.0 - miss
+
+
+def dispatch_row_bytes(hidden: int, elem_bytes: float, topk: int) -> int:
+    """Bytes of one dispatched row on the wire: the token, its k ids and weights
+    (int32 + float32 each) and its source index, padded to 16 bytes (the kernels' row)."""
+    raw = int(math.ceil(hidden * elem_bytes)) + topk * 8 + 4
+    return (raw + 15) // 16 * 16
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_max_count(num_qps: int, num_ports: int, *, samples: int = 4000,
+                       seed: int = 0) -> float:
+    """E[max over ports of the number of QPs] when `num_qps` QPs are hashed onto
+    `num_ports` ports independently and uniformly. Exact for 1 or 2 ports; a seeded
+    Monte Carlo estimate otherwise."""
+    m, p = int(num_qps), int(num_ports)
+    if m <= 0:
+        return 0.0
+    if p == 1:
+        return float(m)
+    if p == 2:
+        x = np.arange(m + 1)
+        # log C(m, i) by cumulative log ratios, then the binomial(m, 1/2) pmf
+        logc = np.concatenate([[0.0], np.cumsum(np.log((m - x[1:] + 1) / x[1:]))])
+        pmf = np.exp(logc - m * math.log(2.0))
+        return float(np.sum(pmf * np.maximum(x, m - x)))
+    rng = np.random.default_rng(seed)
+    counts = rng.multinomial(m, [1.0 / p] * p, size=samples)
+    return float(counts.max(axis=1).mean())
+
+
+def hash_efficiency(num_qps: int, num_ports: int) -> float:
+    """Expected fraction of the ports' combined rate that equal-sized QPs reach when a
+    bond hashes them at random: (share of a port) / E[busiest port]."""
+    if num_qps <= 0:
+        return 1.0
+    return (num_qps / num_ports) / expected_max_count(num_qps, num_ports)
+
+
+@functools.lru_cache(maxsize=256)
+def qps_for_efficiency(num_ports: int, target: float = 0.95, peers: int = 1,
+                       limit: int = 4096) -> int | None:
+    """Fewest QPs per peer for which `peers` peers' QPs, hashed at random, reach `target`
+    of the ports' combined rate; None if not reached by `limit`."""
+    if num_ports == 1:
+        return 1
+    for q in range(1, limit + 1):  # efficiency is not monotone step to step: scan
+        if hash_efficiency(q * peers, num_ports) >= target:
+            return q
+    return None
+
+
+@dataclasses.dataclass
+class PlanInputs:
+    nodes: int = 2
+    gpus_per_node: int = 8
+    ports: int = 2
+    port_gbps: float = 200.0
+    lag: str = "affinity"  # "hash" or "affinity"
+    qps_per_peer: int = 8
+    tokens: int = 4096
+    hidden: int = 7168
+    topk: int = 8
+    experts: int = 256
+    elem_bytes: float = 2.0
+    chunk_bytes: int = 65536
+    nvlink_gbs: float = 450.0
+    hit_prob: float | None = None  # measured P(token -> a given rank), overrides uniform
+
+
+def _scenario(name, port_bytes, port_rate_bytes_s, total_bytes, note):
+    port_bytes = -np.sort(-np.asarray(port_bytes, dtype=float))  # busiest first
+    busiest = float(port_bytes.max()) if port_bytes.size else 0.0
+    t = busiest / port_rate_bytes_s if port_rate_bytes_s > 0 else 0.0
+    return {
+        "name": name,
+        "port_bytes": [float(v) for v in port_bytes],
+        "busiest_port_bytes": busiest,
+        "time_us": t * 1e6,
+        "gpu_gbs": (total_bytes / t / 1e9) if t > 0 else 0.0,
+        "note": note,
+    }
+
+
+def model(inp: PlanInputs) -> dict:
+    """The model's numbers for one GPU's NIC in one dispatch (see module docstring)."""
+    if inp.lag not in ("hash", "affinity"):
+        raise ValueError("lag must be 'hash' or 'affinity'")
+    for f in ("nodes", "gpus_per_node", "ports", "qps_per_peer", "tokens", "hidden", "topk",
+              "experts", "chunk_bytes"):
+        if getattr(inp, f) < 1:
+            raise ValueError(f"{f} must be >= 1")
+    ranks = inp.nodes * inp.gpus_per_node
+    p_hit = inp.hit_prob if inp.hit_prob is not None else hit_probability(
+        inp.experts, ranks, inp.topk)
+    if not 0.0 <= p_hit <= 1.0:
+        raise ValueError("hit_prob must be in [0, 1]")
+    row = dispatch_row_bytes(inp.hidden, inp.elem_bytes, inp.topk)
+    per_peer = int(round(inp.tokens * p_hit * row))  # expected bytes to one peer
+    remote_peers = (inp.nodes - 1) * inp.gpus_per_node
+    local_peers = inp.gpus_per_node - 1
+    rdma_total = per_peer * remote_peers
+    nvlink_total = per_peer * local_peers
+    rate = inp.port_gbps * 1e9 / 8  # bytes/s per port
+    P, Q = inp.ports, inp.qps_per_peer
+    qpp = max(1, Q // P)
+
+    # Striping with the library's plan: per-peer chunks over ports, summed over peers.
+    cfg = TransportConfig(num_ports=P, qps_per_port=qpp, chunk_bytes=inp.chunk_bytes)
+    peer_ids = [n * inp.gpus_per_node + g for n in range(1, inp.nodes)
+                for g in range(inp.gpus_per_node)]
+    sizes = np.zeros(max(peer_ids) + 1 if peer_ids else 0, np.int64)
+    sizes[peer_ids] = per_peer
+    striped_ports = cfg.stripe(sizes).port_bytes.sum(axis=0) if peer_ids else np.zeros(P)
+
+    scenarios = []
+    if inp.lag == "affinity":
+        scenarios.append(_scenario(
+            f"striped, {cfg.num_qps} QPs/peer pinned round-robin", striped_ports, rate,
+            rdma_total, "ports differ by at most one chunk per peer"))
+        one_qp = np.zeros(P, dtype=np.int64)
+        for peer in peer_ids:  # one QP per peer, on the peer's start port
+            one_qp[cfg.start_port(peer)] += per_peer
+        scenarios.append(_scenario("1 QP/peer, multi-port (rotated)", one_qp, rate, rdma_total,
+                                   "a single pair uses one port: 1/P of the NIC"))
+        scenarios.append(_scenario("1 QP/peer, multi-port off", [rdma_total] + [0.0] * (P - 1),
+                                   rate, rdma_total, "every QP on the first port"))
+        eff_striped = 1.0
+    else:
+        for q, label in ((Q, f"striped, {Q} QPs/peer hashed by the bond"),
+                         (1, "1 QP/peer hashed by the bond")):
+            m = q * remote_peers
+            emax = expected_max_count(m, P)
+            share = rdma_total / m if m else 0.0
+            busiest = emax * share
+            rest = (rdma_total - busiest) / (P - 1) if P > 1 else 0.0
+            scenarios.append(_scenario(
+                label, [busiest] + [rest] * (P - 1), rate, rdma_total,
+                f"expected busiest port over random hashes of {m} QPs "
+                f"(efficiency {hash_efficiency(m, P):.3f})"))
+        eff_striped = hash_efficiency(Q * remote_peers, P)
+
+    nvlink_time_us = nvlink_total / (inp.nvlink_gbs * 1e9) * 1e6 if inp.nvlink_gbs > 0 else 0.0
+    return {
+        "label": MODEL_LABEL,
+        "inputs": dataclasses.asdict(inp),
+        "ranks": ranks,
+        "hit_probability": p_hit,
+        "row_bytes": row,
+        "bytes_per_peer": per_peer,
+        "remote_peers": remote_peers,
+        "rdma_bytes_per_gpu": rdma_total,
+        "nvlink_bytes_per_gpu": nvlink_total,
+        "nvlink_time_us": nvlink_time_us,
+        "ideal_rdma_time_us": rdma_total / (rate * P) * 1e6 if P else 0.0,
+        "scenarios": scenarios,
+        "striped_efficiency": eff_striped,
+        "hash_efficiency_one_pair": {str(q): hash_efficiency(q, P) for q in (1, 2, 4, 8, 16, 32)},
+        "qps_per_peer_for_95pct_one_pair": qps_for_efficiency(P, 0.95, 1),
+        "qps_per_peer_for_95pct_all_peers": qps_for_efficiency(P, 0.95, max(remote_peers, 1)),
+    }
+
+
+def format_report(m: dict) -> str:
+    i = m["inputs"]
+    lines = [
+        f"# {m['label']}",
+        f"# {i['nodes']} nodes x {i['gpus_per_node']} GPUs = {m['ranks']} ranks; NIC per GPU: "
+        f"{i['ports']} x {i['port_gbps']:g} Gb/s, lag={i['lag']}",
+        f"# {i['tokens']} tokens/rank, hidden {i['hidden']}, top-{i['topk']} of "
+        f"{i['experts']} experts, {i['elem_bytes']:g} B/elem -> {m['row_bytes']} B/row",
+        f"P(token -> given rank)         {m['hit_probability']:.4f}",
+        f"bytes to each peer             {m['bytes_per_peer'] / 1e6:.3f} MB",
+        f"RDMA bytes per GPU             {m['rdma_bytes_per_gpu'] / 1e6:.3f} MB "
+        f"to {m['remote_peers']} remote peers",
+        f"NVLink bytes per GPU           {m['nvlink_bytes_per_gpu'] / 1e6:.3f} MB "
+        f"({m['nvlink_time_us']:.1f} us at {i['nvlink_gbs']:g} GB/s)",
+        f"ideal RDMA time (all ports)    {m['ideal_rdma_time_us']:.1f} us",
+        "",
+        f"{'scenario':48s} {'port MB (busiest first)':28s} {'time us':>9s} {'GB/s/GPU':>9s}",
+    ]
+    for s in m["scenarios"]:
+        ports = " ".join(f"{b / 1e6:.2f}" for b in s["port_bytes"])
+        lines.append(f"{s['name']:48s} {ports:28s} {s['time_us']:9.1f} {s['gpu_gbs']:9.2f}")
+        lines.append(f"    {s['note']}")
+    lines.append("")
+    lines.append("random bond hashing, one pair: expected share of the ports' combined rate")
+    lines.append("  " + "  ".join(f"{q} QPs: {e:.3f}" for q, e in
+                                  m["hash_efficiency_one_pair"].items()))
+    q1 = m["qps_per_peer_for_95pct_one_pair"]
+    qa = m["qps_per_peer_for_95pct_all_peers"]
+    lines.append(f"QPs per peer for 95% of {i['ports']} ports: one pair alone {q1}; "
+                 f"all {m['remote_peers']} peers at once {qa}")
+    lines.append(f"# {m['label']}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = PlanInputs()
+    ap = argparse.ArgumentParser(prog="python -m jax_ep.plan", description=MODEL_LABEL)
+    ap.add_argument("--nodes", type=int, default=d.nodes)
+    ap.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
+    ap.add_argument("--ports", type=int, default=d.ports)
+    ap.add_argument("--port-gbps", type=float, default=d.port_gbps)
+    ap.add_argument("--lag", choices=["hash", "affinity"], default=d.lag)
+    ap.add_argument("--qps-per-peer", type=int, default=d.qps_per_peer)
+    ap.add_argument("--tokens", type=int, default=d.tokens)
+    ap.add_argument("--hidden", type=int, default=d.hidden)
+    ap.add_argument("--topk", type=int, default=d.topk)
+    ap.add_argument("--experts", type=int, default=d.experts)
+    ap.add_argument("--elem-bytes", type=float, default=d.elem_bytes,
+                    help="bytes per hidden element on the wire (2 = bf16, ~1.03 = fp8+scales)")
+    ap.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes)
+    ap.add_argument("--nvlink-gbs", type=float, default=d.nvlink_gbs)
+    ap.add_argument("--hit-prob", type=float, default=None,
+                    help="measured P(token -> a given rank); default: uniform top-k routing")
+    ap.add_argument("--json", action="store_true", help="print the model as JSON")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = vars(_parser().parse_args(argv))
+    as_json = args.pop("json")
+    try:
+        m = model(PlanInputs(**args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(m, indent=1) if as_json else format_report(m))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

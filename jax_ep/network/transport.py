@@ -1,0 +1,229 @@
+"""Inter-node transport configuration: striping over NIC ports and the NVSHMEM settings.
+
+`TransportConfig` says how many ports each NIC has, how many RC queue pairs (QPs) go
+to every peer through each port, and how large the chunks are that the bytes for one
+peer are cut into. The mapping from (peer, channel, chunk) to (QP, port) is the one in
+`kernels/common/striping_plan.h`; when the compiled extension is present `qp_for` calls that
+header through a binding, otherwise a line-for-line mirror below (tests check that both
+agree with the header).
+
+`nvshmem_env()` returns the NVSHMEM variables the library sets itself before NVSHMEM
+starts (GPU-initiated RDMA, QPs per PE, multi-port). `JAX_EP_*` environment variables
+override the config: see `TransportConfig.resolve`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+import numpy as np
+
+__all__ = ["TransportConfig", "StripePlan", "ENV_VARS"]
+
+# JAX_EP_* variable -> TransportConfig field.
+ENV_VARS = {
+    "JAX_EP_NUM_PORTS": "num_ports",
+    "JAX_EP_QPS_PER_PORT": "qps_per_port",
+    "JAX_EP_CHUNK_BYTES": "chunk_bytes",
+    "JAX_EP_NUM_CHANNELS": "num_channels",
+}
+
+
+def _ext():
+    """The compiled striping binding, or None (CPU-only checkout without the build)."""
+    try:
+        from jax_ep import _jax_ep_ext  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _jax_ep_ext if hasattr(_jax_ep_ext, "striping_qp_for_array") else None
+
+
+# --- mirror of kernels/common/striping_plan.h (keep in step; tests compare the two) -----------
+
+def _start_port(peer, num_ports):
+    peer = np.asarray(peer, dtype=np.int64)
+    if num_ports <= 1:
+        return np.zeros_like(peer)
+    total = np.zeros_like(peer)
+    v = np.where(peer < 0, 0, peer)
+    while np.any(v > 0):
+        total += v % num_ports
+        v //= num_ports
+    return total % num_ports
+
+
+def _qp_for_mirror(peer, channel, chunk, num_ports, qps_per_port):
+    p = max(int(num_ports), 1)
+    q = max(int(qps_per_port), 1)
+    peer = np.asarray(peer, dtype=np.int64)
+    chunk = np.asarray(chunk, dtype=np.int64)
+    channel = np.maximum(np.asarray(channel, dtype=np.int64), 0)
+    if p <= 1:
+        port = np.zeros(np.broadcast(peer, chunk).shape, dtype=np.int64)
+    else:
+        port = (_start_port(peer, p) + chunk % p) % p
+    slot = (channel // p) % q
+    return slot * p + port, port
+
+
+def _qp_for_arrays(peer, channel, chunk, num_ports, qps_per_port):
+    """(qp, port) arrays for broadcast (peer, channel, chunk) arrays."""
+    ext = _ext()
+    if ext is None:
+        return _qp_for_mirror(peer, channel, chunk, num_ports, qps_per_port)
+    shape = np.broadcast(np.asarray(peer), np.asarray(channel), np.asarray(chunk)).shape
+    peer, channel, chunk = (np.ascontiguousarray(a, dtype=np.int64).ravel()
+                            for a in np.broadcast_arrays(peer, channel, chunk))
+    qp = np.empty(peer.shape, np.int64)
+    port = np.empty(peer.shape, np.int64)
+    ext.striping_qp_for_array(peer, channel, chunk, int(num_ports), int(qps_per_port), qp, port)
+    return qp.reshape(shape), port.reshape(shape)
+
+
+def _positive_int(name: str, value) -> int:
+    try:
+        v = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class StripePlan:
+    """Where the bytes of one dispatch go. Arrays are indexed by peer (row)."""
+
+    bytes_per_peer: np.ndarray  # [peers] int64
+    chunks_per_peer: np.ndarray  # [peers] int64
+    port_bytes: np.ndarray  # [peers, num_ports] int64
+    qp_bytes: np.ndarray  # [peers, num_ports * qps_per_port] int64
+    channel_bytes: np.ndarray  # [peers, num_channels] int64
+    chunk_bytes: int
+
+    @property
+    def port_imbalance_bytes(self) -> np.ndarray:
+        """max - min bytes over the ports, per peer (at most one chunk)."""
+        return self.port_bytes.max(axis=1) - self.port_bytes.min(axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportConfig:
+    """Striping of inter-node traffic over the ports of each NIC.
+
+    num_ports: ports per NIC (2 for a dual-port or 2-member bonded NIC).
+    qps_per_port: RC QPs per peer on each port; a peer gets num_ports * qps_per_port QPs.
+    chunk_bytes: the unit of striping; for every peer the ports differ by at most one.
+    num_channels: CUDA blocks that send (default num_ports * qps_per_port: one QP each).
+    """
+
+    num_ports: int = 2
+    qps_per_port: int = 4
+    chunk_bytes: int = 64 * 1024
+    num_channels: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_ports", _positive_int("num_ports", self.num_ports))
+        object.__setattr__(self, "qps_per_port", _positive_int("qps_per_port", self.qps_per_port))
+        object.__setattr__(self, "chunk_bytes", _positive_int("chunk_bytes", self.chunk_bytes))
+        if self.num_channels is None:
+            object.__setattr__(self, "num_channels", self.num_ports * self.qps_per_port)
+        else:
+            object.__setattr__(self, "num_channels",
+                               _positive_int("num_channels", self.num_channels))
+
+    @property
+    def num_qps(self) -> int:
+        """RC QPs per peer (= NVSHMEM_IBGDA_NUM_RC_PER_PE)."""
+        return self.num_ports * self.qps_per_port
+
+    def resolve(self, environ: Mapping[str, str] | None = None) -> "TransportConfig":
+        """This config with every set `JAX_EP_*` variable (see ENV_VARS) taking precedence.
+
+        The library resolves its config this way before NVSHMEM starts; a bad value is an
+        error naming the variable.
+        """
+        env = os.environ if environ is None else environ
+        updates = {}
+        for var, field in ENV_VARS.items():
+            raw = env.get(var)
+            if raw is None or raw.strip() == "":
+                continue
+            updates[field] = _positive_int(var, raw.strip())
+        if not updates:
+            return self
+        if "num_channels" not in updates and (
+                self.num_channels == self.num_ports * self.qps_per_port):
+            updates["num_channels"] = None  # keep the one-QP-per-channel default
+        return dataclasses.replace(self, **updates)
+
+    # --- the striping plan -----------------------------------------------------------
+
+    def start_port(self, peer: int) -> int:
+        """First port of the stream to `peer` (rotates across peers)."""
+        return int(_qp_for_arrays(peer, 0, 0, self.num_ports, self.qps_per_port)[1])
+
+    def qp_for(self, peer: int, channel: int, chunk: int) -> tuple[int, int]:
+        """(qp, port) of chunk `chunk` to `peer` sent by channel `channel`."""
+        qp, port = _qp_for_arrays(peer, channel, chunk, self.num_ports, self.qps_per_port)
+        return int(qp), int(port)
+
+    def channel_for(self, chunk: int) -> int:
+        """Channel that sends chunk `chunk` of a stream."""
+        return int(chunk) % self.num_channels
+
+    def stripe(self, bytes_per_peer) -> StripePlan:
+        """Split `bytes_per_peer[peer]` bytes into chunks and say which port/QP carries them.
+
+        Peer i of the array is peer index i (its rank). Each chunk is counted once, on
+        the QP and port `qp_for(peer, channel_for(chunk), chunk)` returns.
+        """
+        b = np.asarray(bytes_per_peer, dtype=np.int64).reshape(-1)
+        if np.any(b < 0):
+            raise ValueError("bytes_per_peer must be >= 0")
+        cb = self.chunk_bytes
+        n_chunks = (b + cb - 1) // cb
+        peers = len(b)
+        port_bytes = np.zeros((peers, self.num_ports), np.int64)
+        qp_bytes = np.zeros((peers, self.num_qps), np.int64)
+        ch_bytes = np.zeros((peers, self.num_channels), np.int64)
+        for peer in range(peers):
+            n = int(n_chunks[peer])
+            if n == 0:
+                continue
+            j = np.arange(n, dtype=np.int64)
+            size = np.minimum(cb, b[peer] - j * cb)
+            channel = j % self.num_channels
+            qp, port = _qp_for_arrays(np.full(n, peer, np.int64), channel, j,
+                                      self.num_ports, self.qps_per_port)
+            port_bytes[peer] = np.bincount(port, weights=size, minlength=self.num_ports)
+            qp_bytes[peer] = np.bincount(qp, weights=size, minlength=self.num_qps)
+            ch_bytes[peer] = np.bincount(channel, weights=size, minlength=self.num_channels)
+        return StripePlan(bytes_per_peer=b, chunks_per_peer=n_chunks, port_bytes=port_bytes,
+                          qp_bytes=qp_bytes, channel_bytes=ch_bytes, chunk_bytes=cb)
+
+    # --- NVSHMEM -----------------------------------------------------------------------
+
+    def nvshmem_env(self, version: str | None = None) -> dict[str, str]:
+        """NVSHMEM variables the library sets before NVSHMEM starts.
+
+        version: "3.8" (current names), "3.7" (the older IBGDA-specific names) or None
+        (both sets; each NVSHMEM version reads its own and ignores the other).
+        """
+        if version not in (None, "3.7", "3.8"):
+            raise ValueError(f"version must be None, '3.7' or '3.8', got {version!r}")
+        multi = "1" if self.num_ports > 1 else "0"
+        env = {
+            "NVSHMEM_IB_ENABLE_IBGDA": "1",  # GPU-initiated RDMA, no CPU proxy
+            "NVSHMEM_IBGDA_NUM_RC_PER_PE": str(self.num_qps),
+            # Without explicit QP handles, CTA (= channel) i uses RC QP i % num_qps.
+            "NVSHMEM_IBGDA_RC_MAP_BY": "cta",
+            "NVSHMEM_DISABLE_NVLS": "1",  # no NVLink SHARP multicast objects are needed
+        }
+        if version in (None, "3.8"):
+            env["NVSHMEM_ENABLE_MULTI_PORT"] = multi
+        if version in (None, "3.7"):
+            env["NVSHMEM_IBGDA_ENABLE_MULTI_PORT"] = multi
+        return env

@@ -1,0 +1,253 @@
+"""CUDA backend support: communication buffers, device error checks, launch presets and
+the virtual-rank harness.
+
+On GPUs the ``"ffi"`` backend moves rows through a communication buffer that every GPU
+allocates once and shares with the peers of its EP group: through peer access when one
+process drives several GPUs (JAX's usual single-host setup), through CUDA IPC handles
+exchanged over ``jax.distributed``'s key-value store when each process drives one GPU.
+Call :func:`setup` once, before jitting programs that use the EP ops::
+
+    jax_ep.cuda.setup(mesh, "expert", num_tokens=4096, hidden=7168, topk=8)
+
+Checks that need values (ids outside ``[-1, E)``, a handle from another call, a peer that
+never came) run on the GPU. The kernels then treat the bad entries as unused, finish the
+exchange so no GPU hangs, and record the error. :func:`check_errors` waits for the GPUs
+and raises it; until it is called, every later jax_ep CUDA call fails with the same
+message, so a bad batch is never silently accepted.
+
+The virtual-rank harness (:func:`harness_dispatch`, :func:`harness_combine`,
+:func:`harness_gather`) runs the same kernels for R ranks whose buffers all live on one
+GPU, on stacked per-rank inputs. It launches each phase for every rank before the next
+phase of any, so it never relies on two ranks' kernels running at the same time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _ext
+from jax_ep._common import axis_names as _axis_names
+from jax_ep.runtime.nvshmem import _kv_client
+
+__all__ = [
+    "available", "buffer_bytes", "setup", "check_errors", "presets", "HarnessDispatch",
+    "harness_dispatch", "harness_combine", "harness_gather",
+]
+
+MAX_RANKS = 32  # ranks of one intranode group (kernels/cuda/intranode_buffer.h)
+_HEADER_BYTES = 64 * 1024
+_ALIGN = 256
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def available() -> bool:
+    """True when this build has the CUDA backend and JAX sees a GPU."""
+    return bool(_ext.build_info()["cuda"]) and bool(_gpus())
+
+
+def _bindings():
+    ext = _ext.require_ext()
+    if not hasattr(ext, "cuda_alloc_buffer"):
+        raise RuntimeError(
+            "jax_ep: this build has no CUDA host functions (built: "
+            f"{_ext.build_info()}); rebuild with nvcc available (JAX_EP_CUDA=ON)")
+    return ext
+
+
+def presets() -> list[dict]:
+    """The intranode launch presets compiled in (kernels/common/configs.h): name, max_ranks,
+    push_blocks, recv_blocks, threads. JAX_EP_CUDA_PRESET=<name> forces one."""
+    return [dict(p) for p in _bindings().cuda_presets()]
+
+
+# ----------------------------------------------------------------------------- sizes
+
+def _align(v: int, a: int = _ALIGN) -> int:
+    return (v + a - 1) // a * a
+
+
+def buffer_bytes(num_ranks: int, num_tokens: int, hidden: int, topk: int,
+                 dtype=jnp.bfloat16, capacity: int | None = None) -> dict:
+    """Bytes of communication buffer each op kind needs on every GPU for these per-rank
+    shapes (the same formulas as kernels/cuda/intranode_buffer.h)."""
+    R, T, H, K = int(num_ranks), int(num_tokens), int(hidden), int(topk)
+    C = R * T if capacity is None else int(capacity)
+    if not 1 <= R <= MAX_RANKS:
+        raise ValueError(f"num_ranks must be in [1, {MAX_RANKS}] on the intranode GPU path")
+    row = H * jnp.dtype(dtype).itemsize
+    stride = _align(row, 16)
+    cap = min(T, C)
+    region = (_align(cap * stride) + 2 * _align(cap * K * 4) + _align(cap * 4))
+    gather = R * _align(cap * stride) + R * _align(cap * 4) + _align(C * 4)
+    return {"dispatch": R * region, "combine": R * _align(cap * stride), "gather": gather,
+            "header": _HEADER_BYTES}
+
+
+# ----------------------------------------------------------------------------- setup
+
+@dataclasses.dataclass(frozen=True)
+class _Member:
+    device: object
+    rank: int
+    group: int
+
+
+def _group_members(mesh, axis_name):
+    """{group id: [device of rank 0, 1, ...]} and each device's (rank, group), numbered
+    like jax_ep.ops (rank: row-major over the EP axes; group: over the other axes)."""
+    names = list(mesh.axis_names)
+    ep = _axis_names(axis_name)
+    for a in ep:
+        if a not in names:
+            raise ValueError(f"axis {a!r} is not an axis of the mesh {names}")
+    devs = np.asarray(mesh.devices)
+    shape = dict(zip(names, devs.shape))
+    others = [a for a in names if a not in ep]
+    groups: dict[int, dict[int, object]] = {}
+    members = []
+    for pos in np.ndindex(devs.shape):
+        coord = dict(zip(names, pos))
+        rank = 0
+        for a in ep:
+            rank = rank * shape[a] + coord[a]
+        group = 0
+        for a in others:
+            group = group * shape[a] + coord[a]
+        d = devs[pos]
+        groups.setdefault(group, {})[rank] = d
+        members.append(_Member(d, rank, group))
+    R = math.prod(shape[a] for a in ep)
+    return {g: [m[r] for r in range(R)] for g, m in groups.items()}, members, R
+
+
+def setup(mesh, axis_name, *, num_tokens: int, hidden: int, topk: int,
+          dtype=jnp.bfloat16, capacity: int | None = None, area_bytes: dict | None = None,
+          timeout_ms: int = 300_000) -> dict:
+    """Allocates (once per GPU) and wires the communication buffers for EP over
+    `axis_name` of `mesh`, sized for per-rank shapes x[num_tokens, hidden] of `dtype`,
+    top-`topk` routing and `capacity` (default R * num_tokens). Pass `area_bytes`
+    (``{"dispatch", "combine", "gather"}``) to size the buffers yourself. Call it before
+    jitting; call it with the largest shapes first. Returns the area sizes used.
+
+    One EP group per GPU and process: programs captured as CUDA graphs keep the buffer
+    pointers, so a GPU's group cannot change afterwards."""
+    ext = _bindings()
+    groups, members, R = _group_members(mesh, axis_name)
+    if not 1 <= R <= MAX_RANKS:
+        raise ValueError(f"EP groups of {R} ranks: the intranode GPU path supports 1 to "
+                         f"{MAX_RANKS}")
+    if any(getattr(d, "platform", "") != "gpu" for d in np.asarray(mesh.devices).ravel()):
+        raise ValueError("jax_ep.cuda.setup needs a mesh of GPU devices")
+    if area_bytes is None:
+        area_bytes = buffer_bytes(R, num_tokens, hidden, topk, dtype, capacity)
+    areas = [int(area_bytes["dispatch"]), int(area_bytes["combine"]),
+             int(area_bytes["gather"])]
+    me = jax.process_index()
+    local = [m for m in members if m.device.process_index == me]
+    ptrs, handles = {}, {}
+    for m in local:
+        ptr, handle = ext.cuda_alloc_buffer(m.device.local_hardware_id, areas)
+        ptrs[m.device.id], handles[m.device.id] = int(ptr), bytes(handle)
+    client = _kv_client() if jax.process_count() > 1 else None
+    if jax.process_count() > 1:
+        if client is None:
+            raise RuntimeError("jax_ep.cuda.setup across processes needs "
+                               "jax.distributed.initialize() first")
+        for m in local:
+            if not handles[m.device.id]:
+                raise RuntimeError(f"CUDA IPC is not available for {m.device}")
+            client.key_value_set(f"jax_ep/cuda/ipc/{m.device.id}", handles[m.device.id].hex())
+    for m in local:
+        ordinal = m.device.local_hardware_id
+        peers = []
+        for p in groups[m.group]:
+            if p.process_index == me:
+                if not ext.cuda_enable_peer_access(ordinal, p.local_hardware_id):
+                    raise RuntimeError(f"{m.device} cannot access {p} directly (no NVLink or "
+                                       "PCIe peer access); the intranode path needs it")
+                peers.append(ptrs[p.id])
+            else:
+                h = bytes.fromhex(client.blocking_key_value_get(
+                    f"jax_ep/cuda/ipc/{p.id}", timeout_ms))
+                peers.append(int(ext.cuda_open_ipc_handle(ordinal, h)))
+        ext.cuda_set_domain(ordinal, m.rank, m.group, R, peers, areas)
+    if client is not None:
+        client.wait_at_barrier("jax_ep_cuda_setup", timeout_ms)
+    _ext.registered_platforms()
+    return dict(zip(("dispatch", "combine", "gather"), areas))
+
+
+def check_errors(clear: bool = True) -> None:
+    """Waits for every GPU and raises RuntimeError with the errors the kernels recorded
+    (bad topk ids, foreign handles, missing peers). Clears them unless clear=False."""
+    msgs = list(_bindings().cuda_check_errors(clear))
+    if msgs:
+        raise RuntimeError("; ".join(msgs))
+
+
+# ----------------------------------------------------------------------------- harness
+
+@dataclasses.dataclass(frozen=True)
+class HarnessDispatch:
+    """Per-rank dispatch results of the harness, each with a leading rank axis R."""
+    recv_x: jax.Array
+    recv_topk_idx: jax.Array
+    recv_topk_weights: jax.Array
+    num_recv: jax.Array
+    num_dropped: jax.Array
+    num_recv_tokens_per_expert: jax.Array
+    src_rank: jax.Array
+    src_index: jax.Array
+    send_row: jax.Array
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def harness_dispatch(x, topk_idx, topk_weights, *, num_experts: int,
+                     capacity: int | None = None) -> HarnessDispatch:
+    """Dispatch for R virtual ranks on one GPU: x[R, T, H], topk_idx/topk_weights[R, T, K]
+    hold each rank's inputs; results have a leading rank axis."""
+    _ext.registered_platforms()
+    R, T, H = x.shape
+    K = topk_idx.shape[2]
+    C = R * T if capacity is None else int(capacity)
+    el = int(num_experts) // R
+    outs = jax.ffi.ffi_call(
+        "jax_ep_harness_dispatch",
+        (_sds((R, C, H), x.dtype), _sds((R, C, K), jnp.int32), _sds((R, C, K), jnp.float32),
+         _sds((R,), jnp.int32), _sds((R,), jnp.int32), _sds((R, el), jnp.int32),
+         _sds((R, C), jnp.int32), _sds((R, C), jnp.int32), _sds((R, T, R), jnp.int32)),
+    )(x, jnp.asarray(topk_idx, jnp.int32), jnp.asarray(topk_weights, jnp.float32),
+      num_experts=np.int64(num_experts), capacity=np.int64(C))
+    return HarnessDispatch(*outs)
+
+
+def harness_combine(y, send_row):
+    """Combine for R virtual ranks: y[R, C, H], send_row[R, T, R] -> out[R, T, H]."""
+    _ext.registered_platforms()
+    R, _, H = y.shape
+    T = send_row.shape[1]
+    return jax.ffi.ffi_call("jax_ep_harness_combine", _sds((R, T, H), y.dtype))(
+        y, jnp.asarray(send_row, jnp.int32))
+
+
+def harness_gather(g, src_rank, src_index):
+    """Combine's transpose for R virtual ranks: g[R, T, H], src_rank/src_index[R, C]
+    -> out[R, C, H] with out[r, i] = g[src_rank[r, i], src_index[r, i]]."""
+    _ext.registered_platforms()
+    R, _, H = g.shape
+    C = src_rank.shape[1]
+    return jax.ffi.ffi_call("jax_ep_harness_gather", _sds((R, C, H), g.dtype))(
+        g, jnp.asarray(src_rank, jnp.int32), jnp.asarray(src_index, jnp.int32))

@@ -1,0 +1,274 @@
+"""Start NVSHMEM once per process for the internode kernels.
+
+    jax.distributed.initialize(...)          # one process per GPU
+    jax_ep.nvshmem_bootstrap.initialize(capacity=C, max_tokens=T, hidden=H, topk=K)
+    ... build and jit the model ...
+
+`initialize` must run eagerly, before the first jit that uses the internode backend:
+allocating the symmetric heap is collective over all processes and cannot happen inside
+a compiled program. Process 0 creates an NVSHMEM unique id and publishes it through
+`jax.distributed`'s key-value store; every process reads it and joins as PE
+`jax.process_index()` of `jax.process_count()`. The heap is sized from the largest
+capacity the program will use (see `heap_bytes_for`); a later call asking for more is an
+error, a call asking for less is a no-op.
+
+The NVSHMEM calls go through a small `Runtime` seam (unique_id, init, finalize) so the
+logic can be tested without GPUs; the default runtime is the compiled extension.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import threading
+import warnings
+from typing import Protocol
+
+import numpy as np
+
+from jax_ep.network.transport import TransportConfig
+
+__all__ = ["Runtime", "BootstrapState", "heap_bytes_for", "initialize", "finalize",
+           "is_initialized", "state", "NvshmemBootstrapError"]
+
+KEY_PREFIX = "jax_ep/nvshmem"
+UNIQUE_ID_BYTES = 128
+
+
+class NvshmemBootstrapError(RuntimeError):
+    """NVSHMEM could not be started as jax-ep needs it."""
+
+
+class Runtime(Protocol):
+    """The NVSHMEM calls the bootstrap makes (mocked in tests)."""
+
+    def unique_id(self) -> bytes: ...
+
+    def init(self, rank: int, world: int, unique_id: bytes, heap_bytes: int,
+             num_qps: int) -> None: ...
+
+    def finalize(self) -> None: ...
+
+
+class ExtensionRuntime:
+    """NVSHMEM through the compiled extension (built with NVSHMEM)."""
+
+    def __init__(self):
+        try:
+            from jax_ep import _jax_ep_ext as ext  # type: ignore[attr-defined]
+        except ImportError as e:
+            raise NvshmemBootstrapError(f"the jax_ep extension is not built: {e}") from None
+        if not hasattr(ext, "nvshmem_init"):
+            raise NvshmemBootstrapError(
+                "this jax_ep build has no NVSHMEM support: install the `cuda` extra "
+                "(nvidia-nvshmem-cu13) where nvcc is available and rebuild")
+        self._ext = ext
+
+    def unique_id(self) -> bytes:
+        return bytes(self._ext.nvshmem_unique_id())
+
+    def init(self, rank, world, unique_id, heap_bytes, num_qps):
+        self._ext.nvshmem_init(int(rank), int(world), bytes(unique_id), int(heap_bytes),
+                               int(num_qps))
+
+    def finalize(self):
+        self._ext.nvshmem_finalize()
+
+
+# --- heap size (mirror of kernels/internode/internode_layout.h; tests compare) -------------------
+
+_ALIGN = 256
+_SLACK = 32 << 20
+
+
+def _round_up(v: int, a: int) -> int:
+    return (v + a - 1) // a * a
+
+
+def heap_bytes_for(*, num_ranks: int, max_tokens: int, capacity: int | None = None,
+                   hidden: int, topk: int, x_dtype="bfloat16", y_dtype="float32") -> int:
+    """Symmetric heap bytes the internode kernels need for these limits.
+
+    capacity defaults to num_ranks * max_tokens (never overflows). Pass the largest
+    values any jitted call will use.
+    """
+    if capacity is None:
+        capacity = num_ranks * max_tokens
+    for name, v in (("num_ranks", num_ranks), ("max_tokens", max_tokens),
+                    ("capacity", capacity), ("hidden", hidden), ("topk", topk)):
+        if int(v) < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    xb, yb = _itemsize(x_dtype), _itemsize(y_dtype)
+    R, T, C, H, K = map(int, (num_ranks, max_tokens, capacity, hidden, topk))
+    ds = _round_up(H * xb + 8 * K + 4, 16)
+    cs = _round_up(H * yb, 16)
+    sr = T * min(K, R)
+    half = (_round_up(3 * R * 8, _ALIGN) + _round_up(R * R * 4, _ALIGN)
+            + _round_up(C * ds, _ALIGN) + _round_up(sr * cs, _ALIGN)
+            + _round_up(sr * ds, _ALIGN) + _round_up(C * cs, _ALIGN))
+    return _round_up(2 * half + _SLACK, 2 << 20)
+
+
+def _itemsize(dt) -> int:
+    if isinstance(dt, int):
+        return dt
+    try:
+        return np.dtype(dt).itemsize
+    except TypeError:
+        import jax.numpy as jnp
+        return jnp.dtype(dt).itemsize
+
+
+# --- state -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BootstrapState:
+    rank: int
+    world: int
+    heap_bytes: int
+    config: TransportConfig
+    env: dict
+
+
+_lock = threading.Lock()
+_state: BootstrapState | None = None
+_runtime: Runtime | None = None
+_generation = 0
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+def state() -> BootstrapState | None:
+    return _state
+
+
+def _kv_client():
+    from jax._src import distributed
+    return distributed.global_state.client
+
+
+def _check_one_process_per_gpu():
+    import jax
+    devs = jax.local_devices()
+    if len(devs) != 1:
+        kinds = ", ".join(sorted({d.platform for d in devs}))
+        raise NvshmemBootstrapError(
+            f"the internode backend needs one process per GPU (one NVSHMEM PE each), but "
+            f"process {jax.process_index()} sees {len(devs)} local devices ({kinds}). "
+            f"Launch one process per GPU, e.g. with CUDA_VISIBLE_DEVICES=<i> or "
+            f"jax.distributed.initialize(..., local_device_ids=[<i>]).")
+
+
+def _apply_env(env: dict, heap_bytes: int, environ) -> dict:
+    applied = {}
+    wanted = dict(env)
+    wanted["NVSHMEM_SYMMETRIC_SIZE"] = str(heap_bytes)
+    for k, v in wanted.items():
+        cur = environ.get(k)
+        if cur is not None and cur != v:
+            if k == "NVSHMEM_SYMMETRIC_SIZE":
+                try:
+                    ok = int(cur) >= heap_bytes
+                except ValueError:
+                    ok = False
+                if ok:
+                    applied[k] = cur
+                    continue
+            else:
+                warnings.warn(f"jax_ep: keeping {k}={cur} from the environment "
+                              f"(jax_ep would set {v})", stacklevel=3)
+                applied[k] = cur
+                continue
+        environ[k] = v
+        applied[k] = v
+    return applied
+
+
+def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
+               max_tokens: int | None = None, capacity: int | None = None,
+               hidden: int | None = None, topk: int | None = None, x_dtype="bfloat16",
+               y_dtype="float32", config: TransportConfig | None = None,
+               runtime: Runtime | None = None, client=None, timeout_s: float = 300.0,
+               environ=None) -> BootstrapState:
+    """Start NVSHMEM in this process (once), before jit. See the module docstring.
+
+    Either give heap_bytes, or the limits (max_tokens, hidden, topk, and optionally
+    capacity and num_ranks, default jax.process_count()) to size it with heap_bytes_for.
+    """
+    global _state, _runtime, _generation
+    import jax
+
+    with _lock:
+        if heap_bytes is None:
+            if None in (max_tokens, hidden, topk):
+                raise ValueError("give heap_bytes, or max_tokens, hidden and topk "
+                                 "(and optionally capacity) to size the symmetric heap")
+            heap_bytes = heap_bytes_for(
+                num_ranks=num_ranks or jax.process_count(), max_tokens=max_tokens,
+                capacity=capacity, hidden=hidden, topk=topk, x_dtype=x_dtype, y_dtype=y_dtype)
+        heap_bytes = int(heap_bytes)
+        if heap_bytes < 1:
+            raise ValueError(f"heap_bytes must be >= 1, got {heap_bytes}")
+        if _state is not None:
+            if heap_bytes > _state.heap_bytes:
+                raise NvshmemBootstrapError(
+                    f"NVSHMEM is already running with a {_state.heap_bytes}-byte symmetric "
+                    f"heap; {heap_bytes} bytes were asked for. Call initialize once, before "
+                    f"jit, with the largest capacity the program uses.")
+            return _state
+
+        cfg = (config or TransportConfig()).resolve()
+        if client is None:
+            client = _kv_client()
+        if client is None:
+            raise NvshmemBootstrapError(
+                "call jax.distributed.initialize() before jax_ep.nvshmem_bootstrap.initialize: "
+                "the NVSHMEM unique id is shared through its key-value store")
+        _check_one_process_per_gpu()
+        rank, world = jax.process_index(), jax.process_count()
+        rt = runtime if runtime is not None else ExtensionRuntime()
+        env = _apply_env(cfg.nvshmem_env(), heap_bytes,
+                         os.environ if environ is None else environ)
+
+        key = f"{KEY_PREFIX}/uid/{_generation}"
+        timeout_ms = int(timeout_s * 1000)
+        if rank == 0:
+            uid = bytes(rt.unique_id())
+            if len(uid) != UNIQUE_ID_BYTES:
+                raise NvshmemBootstrapError(
+                    f"NVSHMEM unique id has {len(uid)} bytes, expected {UNIQUE_ID_BYTES}")
+            client.key_value_set_bytes(key, uid)
+        else:
+            try:
+                uid = bytes(client.blocking_key_value_get_bytes(key, timeout_ms))
+            except Exception as e:  # noqa: BLE001 - the store raises XlaRuntimeError
+                raise NvshmemBootstrapError(
+                    f"process {rank} did not receive the NVSHMEM unique id from process 0 "
+                    f"within {timeout_s:g} s: {e}") from None
+        rt.init(rank, world, uid, heap_bytes, cfg.num_qps)
+        try:
+            client.wait_at_barrier(f"{KEY_PREFIX}/ready/{_generation}", timeout_ms)
+        except Exception as e:  # noqa: BLE001
+            raise NvshmemBootstrapError(f"NVSHMEM started on process {rank} but not on all "
+                                        f"{world} processes within {timeout_s:g} s: {e}") from None
+        _generation += 1
+        _runtime = rt
+        _state = BootstrapState(rank=rank, world=world, heap_bytes=heap_bytes, config=cfg,
+                                env=env)
+        return _state
+
+
+def finalize() -> None:
+    """Stop NVSHMEM (all processes together). Called at exit if still running."""
+    global _state, _runtime
+    with _lock:
+        if _state is None:
+            return
+        rt, _runtime, _state = _runtime, None, None
+        rt.finalize()
+
+
+atexit.register(finalize)

@@ -1,0 +1,81 @@
+// Device-side transport over peer pointers (NVLink peer access or CUDA IPC mappings):
+// the few primitives the intranode kernels use to move data and signal. Keeping them
+// here means another transport only has to provide the same calls.
+//   peer_ptr(peers, r, off)   address of byte `off` of rank r's buffer
+//   signal(flag, value)       release store at system scope (after the data it covers)
+//   wait_geq(flag, v, ...)    acquire spin until *flag >= v, bounded by a timeout
+//   fence_data()              orders this thread's remote data writes before a signal
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/intranode_buffer.h"
+
+namespace jax_ep {
+namespace peer {
+
+__device__ __forceinline__ char* peer_ptr(const PeerTable& t, int r, size_t off) {
+  return t.base[r] + off;
+}
+
+__device__ __forceinline__ RankHeader* header(const PeerTable& t, int r) {
+  return reinterpret_cast<RankHeader*>(t.base[r]);
+}
+
+__device__ __forceinline__ void fence_data() { __threadfence_system(); }
+
+__device__ __forceinline__ void signal(uint64_t* flag, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* flag) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int32_t load_volatile(const int32_t* p) {
+  return *reinterpret_cast<const volatile int32_t*>(p);
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Spins until *flag >= value. Returns false on timeout (the caller records an error
+// and carries on, so a missing peer never hangs the GPU).
+__device__ __forceinline__ bool wait_geq(const uint64_t* flag, uint64_t value, int64_t timeout_ns) {
+  if (load_acquire(flag) >= value) return true;
+  const uint64_t start = global_timer_ns();
+  while (load_acquire(flag) < value) {
+    if (timeout_ns > 0 && global_timer_ns() - start > static_cast<uint64_t>(timeout_ns))
+      return false;
+    __nanosleep(64);
+  }
+  return true;
+}
+
+// 16-byte load that bypasses L1 (data written by peers during this kernel's lifetime).
+__device__ __forceinline__ uint4 load_cg16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t load_cg4(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ int32_t load_cg_s32(const int32_t* p) {
+  return static_cast<int32_t>(load_cg4(p));
+}
+__device__ __forceinline__ float load_cg_f32(const float* p) {
+  return __uint_as_float(load_cg4(p));
+}
+
+}  // namespace peer
+}  // namespace jax_ep

@@ -1,0 +1,73 @@
+// Host API of the internode (NVSHMEM) backend: runtime start/stop and the dispatch and
+// combine launches. Plain C++: no NVSHMEM types leak out of internode_kernels.cu.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "kernels/common/dtype_convert.h"
+
+namespace jax_ep {
+namespace internode {
+
+struct Dims {
+  int num_ranks = 0;      // R: PEs in the EP group (= all PEs)
+  int rank = 0;           // this PE
+  int tokens = 0;         // T: tokens on this rank
+  int hidden = 0;         // H
+  int topk = 0;           // K
+  int capacity = 0;       // C
+  int experts_per_rank = 0;
+  int num_experts = 0;
+  int num_ports = 2;
+  int qps_per_port = 1;
+  int64_t chunk_bytes = 65536;
+};
+
+// Runtime. All return "" on success or an error message.
+std::string UniqueId(std::string* out);  // 128 bytes, on PE 0 only
+std::string Init(int rank, int world, const std::string& unique_id, size_t heap_bytes,
+                 int num_qps);
+std::string Finalize();
+bool Initialized();
+size_t HeapBytes();
+int Version();  // major * 10000 + minor * 100 + patch of the NVSHMEM headers
+
+// Dispatch on `stream`. Outputs follow DESIGN.md, plus the handle parts combine needs:
+// counts[R, R] (rows each source sends each rank) and send_slot[T, R] (the token's
+// position among the rows this rank sends rank d, -1 if not sent).
+struct DispatchOut {
+  void* recv_x;                 // [C, H] elem
+  int32_t* recv_topk_idx;       // [C, K]
+  float* recv_topk_weights;     // [C, K]
+  int32_t* num_recv;            // scalar
+  int32_t* num_dropped;         // scalar
+  int32_t* recv_per_expert;     // [E_local]
+  int32_t* src_rank;            // [C]
+  int32_t* src_index;           // [C]
+  int32_t* counts;              // [R, R]
+  int32_t* send_slot;           // [T, R]
+};
+std::string Dispatch(cudaStream_t stream, const Dims& d, FloatKind elem, const void* x,
+                     const int32_t* topk_idx, const float* topk_weights,
+                     const DispatchOut& out);
+
+// Combine on `stream`: y[C, H] rows go back to their sources and are summed in float32
+// in ascending rank order into out[T, H].
+std::string Combine(cudaStream_t stream, const Dims& d, FloatKind elem, const void* y,
+                    const int32_t* counts, const int32_t* send_slot, void* out);
+
+// Gather on `stream` (combine's transpose): out[C, H] row i is row src_index[i] of
+// src[T, H] on rank src_rank[i], by the dispatch handle (counts, send_slot); rows past
+// the rows kept are zero.
+std::string Gather(cudaStream_t stream, const Dims& d, FloatKind elem, const void* src,
+                   const int32_t* counts, const int32_t* send_slot, void* out);
+
+// Device check for one GPU: a put to itself through the transport interface arrives.
+std::string SelfPutCheck(bool* ok);
+
+}  // namespace internode
+}  // namespace jax_ep

@@ -1,0 +1,89 @@
+// NVSHMEM backend of kernels/transport.cuh: GPU-initiated RDMA (IBGDA) for peers on
+// other nodes, NVLink loads/stores where nvshmem_ptr gives a pointer.
+//
+// Logical QP q of the striping plan is carried as follows:
+//   * NVSHMEM with the QP API (3.8+) and handles created at init: the put goes through
+//     handle `qp_handles[q]` (nvshmemx_qp_* calls), one RC QP per handle.
+//   * otherwise: NVSHMEM's default QP selection with NVSHMEM_IBGDA_RC_MAP_BY=cta, where
+//     CTA b uses RC QP b % NVSHMEM_IBGDA_NUM_RC_PER_PE. The kernels launch CTA q as the
+//     sender for logical QP q, so both paths put chunk -> QP as the plan says.
+#pragma once
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "kernels/internode/transport.cuh"
+
+#if (NVSHMEM_VENDOR_MAJOR_VERSION * 100 + NVSHMEM_VENDOR_MINOR_VERSION) >= 308
+#define JAX_EP_NVSHMEM_QP_API 1
+#else
+#define JAX_EP_NVSHMEM_QP_API 0
+#endif
+
+namespace jax_ep {
+namespace transport {
+
+// Set by the host at init (internode_kernels.cu): 0 = default QP selection.
+extern __device__ int g_nvshmem_num_qp_handles;
+extern __device__ int g_nvshmem_qp_handles[kMaxQps];
+
+struct Nvshmem {
+  static __device__ __forceinline__ int my_pe() { return nvshmem_my_pe(); }
+  static __device__ __forceinline__ int n_pes() { return nvshmem_n_pes(); }
+
+  static __device__ __forceinline__ int sig_op(SignalOp op) {
+    return op == SignalOp::kAdd ? NVSHMEM_SIGNAL_ADD : NVSHMEM_SIGNAL_SET;
+  }
+
+  static __device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes,
+                                                  int pe, int qp) {
+#if JAX_EP_NVSHMEM_QP_API
+    if (qp < g_nvshmem_num_qp_handles) {
+      nvshmemx_qp_uint8_put_nbi_warp(static_cast<uint8_t*>(dst),
+                                     static_cast<const uint8_t*>(src), bytes, pe,
+                                     g_nvshmem_qp_handles[qp]);
+      return;
+    }
+#endif
+    nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
+  }
+
+  static __device__ __forceinline__ void put_signal_warp(void* dst, const void* src,
+                                                         size_t bytes, uint64_t* sig,
+                                                         uint64_t value, SignalOp op, int pe,
+                                                         int qp) {
+#if JAX_EP_NVSHMEM_QP_API
+    if (qp < g_nvshmem_num_qp_handles) {
+      nvshmemx_qp_uint8_put_signal_nbi_warp(static_cast<uint8_t*>(dst),
+                                            static_cast<const uint8_t*>(src), bytes, sig,
+                                            value, sig_op(op), pe, g_nvshmem_qp_handles[qp]);
+      return;
+    }
+#endif
+    nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, sig, value, sig_op(op), pe);
+  }
+
+  static __device__ __forceinline__ void signal(uint64_t* sig, uint64_t value, SignalOp op,
+                                                int pe, int qp) {
+#if JAX_EP_NVSHMEM_QP_API
+    if (qp < g_nvshmem_num_qp_handles) {
+      nvshmemx_qp_signal_op(sig, value, sig_op(op), pe, g_nvshmem_qp_handles[qp]);
+      return;
+    }
+#endif
+    nvshmemx_signal_op(sig, value, sig_op(op), pe);
+  }
+
+  static __device__ __forceinline__ void wait_ge(uint64_t* sig, uint64_t value) {
+    nvshmem_signal_wait_until(sig, NVSHMEM_CMP_GE, value);
+  }
+
+  static __device__ __forceinline__ void* peer_ptr(void* sym, int pe) {
+    return nvshmem_ptr(sym, pe);
+  }
+
+  static __device__ __forceinline__ void quiet() { nvshmem_quiet(); }
+};
+
+}  // namespace transport
+}  // namespace jax_ep

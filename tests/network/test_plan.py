@@ -1,0 +1,125 @@
+"""The planning model's arithmetic (jax_ep.network.plan) on hand-checked cases."""
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jax_ep.network import plan
+
+
+def test_hit_probability_hand_checked():
+    assert plan.hit_probability(16, 16, 1) == pytest.approx(1 / 16)
+    # 8 experts on 2 ranks, top-2: miss = C(4,2)/C(8,2) = 6/28
+    assert plan.hit_probability(8, 2, 2) == pytest.approx(22 / 28)
+    assert plan.hit_probability(4, 2, 3) == 1.0  # 3 of 4 experts cannot avoid a rank
+    with pytest.raises(ValueError, match="multiple"):
+        plan.hit_probability(10, 4, 2)
+
+
+def test_row_bytes_hand_checked():
+    # 7168 bf16 = 14336, 8 ids + 8 weights = 64, source index 4 -> 14404 -> 14416
+    assert plan.dispatch_row_bytes(7168, 2, 8) == 14416
+    assert plan.dispatch_row_bytes(8, 2, 1) == 32
+
+
+def test_expected_max_and_efficiency_hand_checked():
+    assert plan.expected_max_count(1, 2) == pytest.approx(1.0)
+    assert plan.expected_max_count(2, 2) == pytest.approx(1.5)
+    # X ~ Bin(8, 1/2): E[max(X, 8-X)] = (4*70 + 5*112 + 6*56 + 7*16 + 8*2) / 256
+    assert plan.expected_max_count(8, 2) == pytest.approx(1304 / 256)
+    assert plan.hash_efficiency(1, 2) == pytest.approx(0.5)
+    assert plan.hash_efficiency(2, 2) == pytest.approx(2 / 3)
+    assert plan.hash_efficiency(8, 2) == pytest.approx(4 / (1304 / 256))
+    assert plan.expected_max_count(5, 1) == 5.0
+    # 3 ports, Monte Carlo: 1 QP always lands alone; 3 QPs: E[max] = 1*6/27 + 2*18/27 + 3*3/27
+    assert plan.expected_max_count(1, 3) == pytest.approx(1.0)
+    assert plan.expected_max_count(3, 3) == pytest.approx(51 / 27, rel=0.03)
+
+
+def test_qps_for_95_percent():
+    assert plan.qps_for_efficiency(1) == 1
+    q = plan.qps_for_efficiency(2, 0.95, 1)
+    assert plan.hash_efficiency(q, 2) >= 0.95
+    assert all(plan.hash_efficiency(k, 2) < 0.95 for k in range(1, q))
+    # many peers share the ports, so fewer QPs per peer are needed
+    assert plan.qps_for_efficiency(2, 0.95, 24) < q
+    assert plan.qps_for_efficiency(2, 0.999, 1, limit=8) is None
+
+
+def _tiny(**kw):
+    base = dict(nodes=2, gpus_per_node=1, ports=2, port_gbps=200.0, lag="affinity",
+                qps_per_peer=2, tokens=10, hidden=8, topk=1, experts=2, elem_bytes=2,
+                chunk_bytes=64, nvlink_gbs=450.0)
+    base.update(kw)
+    return plan.PlanInputs(**base)
+
+
+def test_model_hand_checked_affinity():
+    m = plan.model(_tiny())
+    assert "not a measurement" in m["label"]
+    assert m["hit_probability"] == pytest.approx(0.5)
+    assert m["row_bytes"] == 32
+    assert m["bytes_per_peer"] == pytest.approx(160.0)  # 10 tokens * 0.5 * 32 B
+    assert m["remote_peers"] == 1 and m["nvlink_bytes_per_gpu"] == 0
+    striped, rotated, single = m["scenarios"]
+    # peer 1 starts on port 1: chunks 64 (p1), 64 (p0), 32 (p1) -> 96 / 64
+    assert striped["port_bytes"] == [96.0, 64.0]
+    assert striped["time_us"] == pytest.approx(96 / 25e9 * 1e6)  # 200 Gb/s = 25 GB/s
+    assert rotated["port_bytes"] == [160.0, 0.0]
+    assert single["port_bytes"] == [160.0, 0.0]
+    assert single["gpu_gbs"] == pytest.approx(25.0)
+    assert m["ideal_rdma_time_us"] == pytest.approx(160 / 50e9 * 1e6)
+
+
+def test_model_hand_checked_hash():
+    m = plan.model(_tiny(lag="hash", qps_per_peer=2, hit_prob=1.0))
+    assert m["bytes_per_peer"] == pytest.approx(320.0)
+    striped, single = m["scenarios"]
+    # 2 QPs of 160 B each, hashed: E[busiest] = 1.5 QPs = 240 B
+    assert striped["busiest_port_bytes"] == pytest.approx(240.0)
+    assert sum(striped["port_bytes"]) == pytest.approx(320.0)
+    assert single["busiest_port_bytes"] == pytest.approx(320.0)
+    assert m["striped_efficiency"] == pytest.approx(2 / 3)
+
+
+def test_model_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="lag"):
+        plan.model(_tiny(lag="roundrobin"))
+    with pytest.raises(ValueError, match="nodes"):
+        plan.model(_tiny(nodes=0))
+    with pytest.raises(ValueError, match="hit_prob"):
+        plan.model(_tiny(hit_prob=1.5))
+
+
+@settings(max_examples=40, deadline=None)
+@given(nodes=st.integers(2, 6), gpus=st.sampled_from([1, 2, 4, 8]), ports=st.integers(1, 3),
+       qpp=st.integers(1, 4), tokens=st.integers(1, 4096))
+def test_model_properties(nodes, gpus, ports, qpp, tokens):
+    m = plan.model(_tiny(nodes=nodes, gpus_per_node=gpus, ports=ports, qps_per_peer=ports * qpp,
+                         tokens=tokens, experts=nodes * gpus * 2, topk=2, hidden=256))
+    striped, _, single = m["scenarios"]
+    total = m["rdma_bytes_per_gpu"]
+    # striping never loses to one port, and is within one chunk per peer of ideal
+    assert striped["time_us"] <= single["time_us"] + 1e-9
+    assert striped["busiest_port_bytes"] <= total / ports + 64 * m["remote_peers"] + 1
+    assert sum(striped["port_bytes"]) == pytest.approx(m["bytes_per_peer"] *
+                                                       m["remote_peers"])
+
+
+def test_cli_text_and_json(capsys):
+    assert plan.main(["--nodes", "2", "--gpus-per-node", "8", "--ports", "2", "--port-gbps",
+                      "200", "--lag", "hash", "--qps-per-peer", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# MODEL, not a measurement")
+    assert "QPs per peer for 95% of 2 ports" in out
+    assert plan.main(["--nodes", "2", "--json", "--lag", "affinity"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert "not a measurement" in m["label"] and len(m["scenarios"]) == 3
+    assert plan.main(["--nodes", "3", "--experts", "100"]) == 2
+    assert "multiple" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan.main(["--lag", "random"])
+    assert math.isfinite(m["ideal_rdma_time_us"])

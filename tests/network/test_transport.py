@@ -1,0 +1,236 @@
+"""Striping plan (kernels/common/striping_plan.h via jax_ep.network.transport) and the NVSHMEM environment."""
+
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jax_ep.network import transport
+from jax_ep.network.transport import TransportConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+configs = st.builds(
+    TransportConfig,
+    num_ports=st.integers(1, 4),
+    qps_per_port=st.integers(1, 6),
+    chunk_bytes=st.sampled_from([1, 7, 64, 4096, 65536]),
+)
+
+
+# --- the header itself, compiled into a tiny program --------------------------------
+
+_PROGRAM = r"""
+#include <cstdio>
+#include "kernels/common/striping_plan.h"
+int main() {
+  long long peer, channel, chunk; int ports, qps;
+  while (std::scanf("%lld %lld %lld %d %d", &peer, &channel, &chunk, &ports, &qps) == 5) {
+    jax_ep::QpPort r = jax_ep::qp_for((int)peer, (int)channel, chunk, ports, qps);
+    std::printf("%d %d %d\n", r.qp, r.port, jax_ep::start_port((int)peer, ports));
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def header_program(tmp_path_factory):
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the striping header check")
+    d = tmp_path_factory.mktemp("striping")
+    src = d / "check.cc"
+    src.write_text(_PROGRAM)
+    exe = d / "check"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{ROOT}", str(src),
+                    "-o", str(exe)], check=True)
+    return exe
+
+
+def _run_header(exe, rows):
+    text = "".join(f"{a} {b} {c} {d} {e}\n" for a, b, c, d, e in rows)
+    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True)
+    return np.array([[int(v) for v in line.split()] for line in out.stdout.splitlines()])
+
+
+def test_python_mirror_matches_header(header_program):
+    rng = np.random.default_rng(0)
+    rows = [(peer, ch, chunk, p, q)
+            for p in (1, 2, 3, 4) for q in (1, 2, 3, 8)
+            for peer in range(0, 70, 3) for ch in (0, 1, 2, 5, 17) for chunk in (0, 1, 2, 9)]
+    rows += [tuple(int(v) for v in r) for r in zip(
+        rng.integers(0, 4096, 500), rng.integers(0, 256, 500), rng.integers(0, 2**40, 500),
+        rng.integers(1, 5, 500), rng.integers(1, 9, 500))]
+    want = _run_header(header_program, rows)
+    a = np.array(rows, dtype=np.int64)
+    got = np.array([transport._qp_for_mirror(r[0], r[1], r[2], r[3], r[4]) for r in rows])
+    np.testing.assert_array_equal(got[:, 0], want[:, 0])
+    np.testing.assert_array_equal(got[:, 1], want[:, 1])
+    starts = np.array([int(transport._start_port(r[0], r[3])) for r in rows])
+    np.testing.assert_array_equal(starts, want[:, 2])
+
+
+def test_binding_matches_header_when_built(header_program):
+    ext = transport._ext()
+    if ext is None:
+        pytest.skip("extension built without the striping binding")
+    rows = [(peer, ch, chunk, p, q) for p in (1, 2, 4) for q in (1, 3)
+            for peer in range(40) for ch in range(6) for chunk in range(5)]
+    want = _run_header(header_program, rows)
+    a = np.array(rows, dtype=np.int64)
+    for p, q in {(r[3], r[4]) for r in rows}:
+        m = (a[:, 3] == p) & (a[:, 4] == q)
+        qp, port = transport._qp_for_arrays(a[m, 0], a[m, 1], a[m, 2], p, q)
+        np.testing.assert_array_equal(qp, want[m, 0])
+        np.testing.assert_array_equal(port, want[m, 1])
+
+
+# --- properties of the plan -------------------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(cfg=configs, sizes=st.lists(st.integers(0, 300_000), min_size=1, max_size=12))
+def test_ports_balanced_within_one_chunk_and_exactly_once(cfg, sizes):
+    plan = cfg.stripe(sizes)
+    b = np.array(sizes)
+    # every byte is sent exactly once: per peer, ports, QPs and channels each add up
+    np.testing.assert_array_equal(plan.port_bytes.sum(1), b)
+    np.testing.assert_array_equal(plan.qp_bytes.sum(1), b)
+    np.testing.assert_array_equal(plan.channel_bytes.sum(1), b)
+    assert np.all(plan.port_imbalance_bytes <= cfg.chunk_bytes)
+    np.testing.assert_array_equal(plan.chunks_per_peer, -(-b // cfg.chunk_bytes))
+
+
+@settings(max_examples=100, deadline=None)
+@given(cfg=configs, peer=st.integers(0, 5000), n=st.integers(1, 200))
+def test_each_chunk_once_and_qp_agrees_with_stripe(cfg, peer, n):
+    # chunk-by-chunk: every chunk goes to exactly one (qp, port), the qp sits on that
+    # port, and accumulating qp_for over the chunks reproduces stripe()
+    size = n * cfg.chunk_bytes - (cfg.chunk_bytes // 3)
+    size = max(size, 1)
+    chunks = -(-size // cfg.chunk_bytes)
+    port_bytes = np.zeros(cfg.num_ports, np.int64)
+    qp_bytes = np.zeros(cfg.num_qps, np.int64)
+    for j in range(chunks):
+        qp, port = cfg.qp_for(peer, cfg.channel_for(j), j)
+        assert 0 <= qp < cfg.num_qps and 0 <= port < cfg.num_ports
+        assert qp % cfg.num_ports == port
+        nbytes = min(cfg.chunk_bytes, size - j * cfg.chunk_bytes)
+        port_bytes[port] += nbytes
+        qp_bytes[qp] += nbytes
+    sizes = np.zeros(peer + 1, np.int64)
+    sizes[peer] = size
+    plan = cfg.stripe(sizes)
+    np.testing.assert_array_equal(plan.port_bytes[peer], port_bytes)
+    np.testing.assert_array_equal(plan.qp_bytes[peer], qp_bytes)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ports=st.integers(2, 4), block=st.integers(0, 1000))
+def test_start_port_rotates_across_peers(ports, block):
+    cfg = TransportConfig(num_ports=ports, qps_per_port=1)
+    # P consecutive peers from a multiple of P start on P distinct ports ...
+    starts = {cfg.start_port(block * ports + i) for i in range(ports)}
+    assert starts == set(range(ports))
+    # ... and so do peers spaced by a power of P (one GPU index on successive nodes)
+    stride = ports ** (1 + block % 3)
+    starts = {cfg.start_port(block % ports + (block // ports * ports + i) * stride)
+              for i in range(ports)}
+    assert starts == set(range(ports))
+    # the first chunk of a peer goes out on its start port
+    for peer in range(4 * ports):
+        assert cfg.qp_for(peer, 0, 0)[1] == cfg.start_port(peer)
+
+
+def test_rotation_balances_first_chunks_over_all_peers():
+    cfg = TransportConfig(num_ports=2, qps_per_port=2)
+    for npeers in (2, 8, 16, 64):
+        firsts = np.bincount([cfg.start_port(p) for p in range(npeers)], minlength=2)
+        assert firsts.max() - firsts.min() == 0
+    # same local GPU index on 16 nodes of 8 GPUs
+    firsts = np.bincount([cfg.start_port(3 + 8 * n) for n in range(16)], minlength=2)
+    assert firsts.max() - firsts.min() == 0
+
+
+def test_one_qp_per_channel_when_channels_match_qps():
+    cfg = TransportConfig(num_ports=2, qps_per_port=3)
+    assert cfg.num_channels == 6
+    for peer in range(12):
+        used = {}
+        for j in range(60):
+            ch = cfg.channel_for(j)
+            used.setdefault(ch, set()).add(cfg.qp_for(peer, ch, j)[0])
+        assert all(len(v) == 1 for v in used.values())  # each channel: one QP
+        assert sorted(q for v in used.values() for q in v) == list(range(6))  # all QPs
+
+
+def test_hand_checked_plan():
+    cfg = TransportConfig(num_ports=2, qps_per_port=1, chunk_bytes=100)
+    plan = cfg.stripe([250, 250, 0])
+    # peer 0 starts on port 0: chunks 100 (p0), 100 (p1), 50 (p0)
+    np.testing.assert_array_equal(plan.port_bytes[0], [150, 100])
+    # peer 1 starts on port 1
+    np.testing.assert_array_equal(plan.port_bytes[1], [100, 150])
+    np.testing.assert_array_equal(plan.port_bytes[2], [0, 0])
+    np.testing.assert_array_equal(plan.qp_bytes, plan.port_bytes)
+    assert cfg.qp_for(0, 0, 0) == (0, 0)
+    assert cfg.qp_for(0, 1, 1) == (1, 1)
+    assert cfg.qp_for(1, 0, 0) == (1, 1)
+
+
+def test_bad_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="num_ports"):
+        TransportConfig(num_ports=0)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        TransportConfig(chunk_bytes="big")
+    with pytest.raises(ValueError, match="bytes_per_peer"):
+        TransportConfig().stripe([-1])
+
+
+# --- NVSHMEM environment and JAX_EP_* overrides -----------------------------------
+
+def test_nvshmem_env_both_versions():
+    env = TransportConfig(num_ports=2, qps_per_port=4).nvshmem_env()
+    assert env["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
+    assert env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "8"
+    assert env["NVSHMEM_ENABLE_MULTI_PORT"] == "1"  # 3.8
+    assert env["NVSHMEM_IBGDA_ENABLE_MULTI_PORT"] == "1"  # 3.7
+    assert env["NVSHMEM_IBGDA_RC_MAP_BY"] == "cta"
+    assert "NVSHMEM_HCA_LIST" not in env and "NVSHMEM_HCA_PE_MAPPING" not in env
+    assert all(isinstance(v, str) for v in env.values())
+
+
+def test_nvshmem_env_per_version_and_single_port():
+    cfg = TransportConfig(num_ports=1, qps_per_port=2)
+    new = cfg.nvshmem_env("3.8")
+    old = cfg.nvshmem_env("3.7")
+    assert new["NVSHMEM_ENABLE_MULTI_PORT"] == "0" and "NVSHMEM_IBGDA_ENABLE_MULTI_PORT" not in new
+    assert old["NVSHMEM_IBGDA_ENABLE_MULTI_PORT"] == "0" and "NVSHMEM_ENABLE_MULTI_PORT" not in old
+    assert new["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "2"
+    with pytest.raises(ValueError, match="version"):
+        cfg.nvshmem_env("3.6")
+
+
+def test_env_overrides_config():
+    base = TransportConfig(num_ports=2, qps_per_port=4, chunk_bytes=65536)
+    env = {"JAX_EP_NUM_PORTS": "4", "JAX_EP_QPS_PER_PORT": "3", "JAX_EP_CHUNK_BYTES": "8192"}
+    cfg = base.resolve(env)
+    assert (cfg.num_ports, cfg.qps_per_port, cfg.chunk_bytes) == (4, 3, 8192)
+    assert cfg.num_channels == 12
+    assert cfg.nvshmem_env()["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "12"
+    assert base.resolve({}) is base
+    assert base.resolve({"JAX_EP_NUM_PORTS": " "}) is base
+    assert base.resolve({"JAX_EP_NUM_CHANNELS": "5"}).num_channels == 5
+
+
+def test_env_override_bad_value_names_variable(monkeypatch):
+    monkeypatch.setenv("JAX_EP_QPS_PER_PORT", "many")
+    with pytest.raises(ValueError, match="JAX_EP_QPS_PER_PORT"):
+        TransportConfig().resolve()
+    monkeypatch.setenv("JAX_EP_QPS_PER_PORT", "0")
+    with pytest.raises(ValueError, match="JAX_EP_QPS_PER_PORT"):
+        TransportConfig().resolve()

@@ -1,0 +1,287 @@
+"""CUDA backend: build facts and host-side logic (run everywhere), and the kernels through
+the virtual-rank harness and the real handlers (marked `gpu`, skipped without a GPU)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import _ext
+from jax_ep import cuda as jcuda
+
+from conftest import AUTO, assert_bitwise_equal, bits, np_layout, np_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _nvcc() -> bool:
+    return shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc")
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+NO_GPU = "no NVIDIA GPU visible to JAX here; run scripts/gpu_check.sh on a GPU machine"
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not _gpus() or not _ext.build_info()["cuda"], reason=NO_GPU)
+needs_bindings = pytest.mark.skipif(
+    _ext.ext is None or not hasattr(_ext.ext, "cuda_presets"),
+    reason="the extension module does not define the cuda_* host functions "
+           "(module.cc must call jax_ep::DefineCudaBindings)")
+
+
+# ----------------------------------------------------------------------------- host side
+
+@pytest.mark.skipif(not _nvcc(), reason="nvcc not installed: CPU-only build expected")
+def test_build_info_lists_cuda_archs():
+    info = jax_ep.build_info()
+    assert info["cuda"] is True
+    assert "sm_90" in info["cuda_archs"]
+    assert "sm_90a" in info["cuda_archs"]
+
+
+@pytest.mark.skipif(not _nvcc(), reason="nvcc not installed: CPU-only build expected")
+def test_cuda_targets_share_the_cpu_names():
+    regs = _ext.ext.registrations()
+    assert "CUDA" in regs
+    cuda, cpu = set(regs["CUDA"]), set(regs["cpu"])
+    assert cpu <= cuda, f"CUDA lacks {cpu - cuda}"
+    assert {"jax_ep_harness_dispatch", "jax_ep_harness_combine",
+            "jax_ep_harness_gather"} <= cuda
+
+
+def test_buffer_bytes_formulas():
+    b = jcuda.buffer_bytes(8, 4096, 7168, 8, jnp.bfloat16)
+    row = 7168 * 2
+    # Each receiver stages up to min(T, C) rows from every source, plus ids and weights.
+    assert b["dispatch"] >= 8 * 4096 * (row + 8 * 8 + 4)
+    assert b["combine"] >= 8 * 4096 * row
+    assert b["gather"] >= 8 * 4096 * (row + 4) + 8 * 4096 * 4
+    small = jcuda.buffer_bytes(8, 4096, 7168, 8, jnp.bfloat16, capacity=100)
+    assert small["dispatch"] < b["dispatch"] and small["combine"] < b["combine"]
+    for v in b.values():
+        assert v % 256 == 0
+    with pytest.raises(ValueError, match="num_ranks"):
+        jcuda.buffer_bytes(33, 16, 16, 2)
+
+
+@needs_bindings
+def test_buffer_bytes_match_the_kernels_header():
+    for R, T, H, K, C, dt in [(8, 4096, 7168, 8, None, jnp.bfloat16), (2, 5, 3, 1, 7, jnp.float16),
+                              (4, 33, 17, 3, 2, jnp.float32), (32, 1, 1, 9, 1, jnp.float32)]:
+        py = jcuda.buffer_bytes(R, T, H, K, dt, C)
+        c = C if C is not None else R * T
+        ext = dict(_ext.ext.cuda_area_bytes(R, T, c, H * jnp.dtype(dt).itemsize, K))
+        assert py == ext, (R, T, H, K, C)
+
+
+@needs_bindings
+def test_presets_table():
+    ps = jcuda.presets()
+    assert ps, "no presets"
+    caps = [p["max_ranks"] for p in ps]
+    assert caps == sorted(caps) and caps[-1] >= jcuda.MAX_RANKS
+    for p in ps:
+        assert p["push_blocks"] >= 1 and p["recv_blocks"] >= 1
+        assert p["threads"] % 32 == 0 and 32 <= p["threads"] <= 1024
+    assert len({p["name"] for p in ps}) == len(ps)
+
+
+def test_presets_header_is_one_table():
+    """Launch sizes live in kernels/common/configs.h only, not as literals in the kernels."""
+    with open(os.path.join(ROOT, "kernels", "cuda", "intranode_kernels.cu")) as f:
+        src = f.read()
+    assert "<<<p.push_blocks, p.threads" in src and "<<<p.recv_blocks, p.threads" in src
+    assert "kPlanThreads" in src
+
+
+def test_group_numbering_matches_ops():
+    """setup() numbers ranks and groups like jax_ep.ops: rank along the EP axis, group
+    row-major over the other axes."""
+    devs = np.array(jax.devices("cpu")[:8]).reshape(2, 4)
+    mesh = jax.sharding.Mesh(devs, ("data", "expert"))
+    groups, members, R = jcuda._group_members(mesh, "expert")
+    assert R == 4 and sorted(groups) == [0, 1]
+    assert groups[1] == list(devs[1])
+    by_dev = {m.device.id: (m.rank, m.group) for m in members}
+    assert by_dev[devs[1, 2].id] == (2, 1)
+    groups, _, R = jcuda._group_members(mesh, ("data", "expert"))
+    assert R == 8 and list(groups) == [0] and groups[0] == list(devs.ravel())
+
+
+@pytest.mark.skipif(bool(_gpus()), reason="checks the CPU-only refusal")
+def test_setup_refuses_cpu_meshes():
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("ep",))
+    with pytest.raises((ValueError, RuntimeError)):
+        jcuda.setup(mesh, "ep", num_tokens=4, hidden=8, topk=2)
+
+
+def test_available_is_false_without_a_gpu():
+    if not _gpus():
+        assert jcuda.available() is False
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def _inputs(R, T, H, K, E, dtype, seed, C):
+    rng = np.random.default_rng(seed)
+    idx = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
+                    for _ in range(R)]).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.15] = -1           # unused slots
+    if K >= 2:
+        idx[:, ::7, 1] = idx[:, ::7, 0]               # the same expert twice in a row
+    x = rng.standard_normal((R, T, H)).astype(np.float32).astype(dtype)
+    w = rng.random((R, T, K)).astype(np.float32)
+    y = rng.standard_normal((R, C, H)).astype(np.float32).astype(dtype)
+    return x, idx, w, y
+
+
+def _cpu_ffi(x, idx, w, y, E, C):
+    """The CPU ffi backend on R CPU devices, per-rank results like np_model."""
+    R = idx.shape[0]
+    mesh = jax.make_mesh((R,), ("ep",), axis_types=(AUTO,), devices=jax.devices("cpu")[:R])
+
+    def f(x, idx, w, y):
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                        capacity=C, backend="ffi")
+        out = jax_ep.combine(y, h, backend="ffi")
+        return dict(recv_x=rx[None], recv_idx=ri[None], recv_w=rw[None],
+                    num_recv=h.num_recv[None], num_dropped=h.num_dropped[None],
+                    per_expert=h.num_recv_tokens_per_expert[None], src_rank=h.src_rank[None],
+                    src_index=h.src_index[None], send_row=h.send_row[None], out=out[None])
+
+    flat = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
+    prog = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        res = prog(*(jax.device_put(flat(a), cpu) for a in (x, idx, w, y)))
+    return {k: np.asarray(v) for k, v in res.items()}
+
+
+def _harness(x, idx, w, y, E, C):
+    d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
+                               num_experts=E, capacity=C)
+    out = jcuda.harness_combine(jnp.asarray(y), d.send_row)
+    return dict(recv_x=d.recv_x, recv_idx=d.recv_topk_idx, recv_w=d.recv_topk_weights,
+                num_recv=d.num_recv, num_dropped=d.num_dropped,
+                per_expert=d.num_recv_tokens_per_expert, src_rank=d.src_rank,
+                src_index=d.src_index, send_row=d.send_row, out=out)
+
+
+CASES = [  # R, T, H, K, E, C (None: R*T), dtype
+    (2, 16, 64, 2, 4, None, jnp.float32),
+    (4, 37, 48, 3, 8, None, jnp.bfloat16),
+    (8, 64, 256, 8, 64, None, jnp.bfloat16),
+    (8, 50, 72, 4, 32, 40, jnp.float16),      # drops rows: capacity below what arrives
+    (3, 9, 5, 2, 6, 4, jnp.bfloat16),         # odd row bytes: the unaligned copy path
+    (1, 12, 32, 2, 4, None, jnp.float32),
+]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("R,T,H,K,E,C,dtype", CASES)
+def test_harness_matches_model_and_cpu_ffi(R, T, H, K, E, C, dtype):
+    Ce = R * T if C is None else C
+    x, idx, w, y = _inputs(R, T, H, K, E, dtype, seed=R * 1000 + T, C=Ce)
+    got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, Ce).items()}
+    want = np_model(x, idx, w, y, E, Ce)
+    assert_bitwise_equal(got, want, what="harness vs model: ")
+    assert_bitwise_equal(got, _cpu_ffi(x, idx, w, y, E, Ce), what="harness vs cpu ffi: ")
+
+
+@gpu
+@needs_gpu
+def test_harness_repeated_calls_are_bitwise_stable():
+    R, T, H, K, E = 8, 96, 512, 8, 64
+    x, idx, w, y = _inputs(R, T, H, K, E, jnp.bfloat16, seed=7, C=R * T)
+    first = {k: bits(np.asarray(v)) for k, v in _harness(x, idx, w, y, E, R * T).items()}
+    for _ in range(3):  # epochs advance; buffers are reused
+        again = _harness(x, idx, w, y, E, R * T)
+        for k, v in again.items():
+            assert np.array_equal(bits(np.asarray(v)), first[k]), k
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_harness_gather_is_combine_transpose(dtype):
+    R, T, H, K, E = 4, 40, 96, 4, 16
+    x, idx, w, _ = _inputs(R, T, H, K, E, dtype, seed=3, C=R * T)
+    d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
+                               num_experts=E, capacity=R * T)
+    g = np.random.default_rng(1).standard_normal((R, T, H)).astype(np.float32).astype(dtype)
+    out = np.asarray(jcuda.harness_gather(jnp.asarray(g), d.src_rank, d.src_index))
+    sr, si = np.asarray(d.src_rank), np.asarray(d.src_index)
+    want = np.zeros_like(out)
+    for r in range(R):
+        for i in range(sr.shape[1]):
+            if sr[r, i] >= 0:
+                want[r, i] = g[sr[r, i], si[r, i]]
+    assert np.array_equal(bits(out), bits(want))
+
+
+@gpu
+@needs_gpu
+def test_layout_kernel_matches_model():
+    from jax_ep import ops
+    rng = np.random.default_rng(0)
+    for T, K, E, R in [(4096, 8, 256, 8), (33, 3, 12, 4), (5, 1, 2, 1)]:
+        idx = rng.integers(-1, E, size=(T, K)).astype(np.int32)
+        lay = ops.get_dispatch_layout(jnp.asarray(idx), num_experts=E, num_ranks=R, backend="ffi")
+        want = np_layout(idx, E, R)
+        assert np.array_equal(np.asarray(lay.num_tokens_per_rank), want["num_tokens_per_rank"])
+        assert np.array_equal(np.asarray(lay.num_tokens_per_expert), want["num_tokens_per_expert"])
+        assert np.array_equal(np.asarray(lay.is_token_in_rank), want["is_token_in_rank"])
+
+
+@gpu
+@needs_gpu
+@needs_bindings
+def test_bad_ids_are_reported_not_silent():
+    jcuda.check_errors()  # start clean
+    R, T, H, K, E = 2, 8, 32, 2, 4
+    x, idx, w, y = _inputs(R, T, H, K, E, jnp.float32, seed=5, C=R * T)
+    idx[1, 3, 1] = E + 5
+    d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
+                               num_experts=E, capacity=R * T)
+    jax.block_until_ready(d.recv_x)
+    with pytest.raises(RuntimeError, match=r"topk_idx\[3, 1\] = 9 is outside \[-1, 4\)"):
+        jcuda.check_errors()
+    jcuda.check_errors()  # cleared
+
+
+@gpu
+@needs_gpu
+@needs_bindings
+def test_real_handlers_on_one_gpu_group():
+    """The collective handlers themselves (not the harness) on an EP group of one GPU:
+    everything a rank sends goes through its own buffer."""
+    dev = _gpus()[:1]
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(AUTO,), devices=dev)
+    T, H, K, E = 64, 128, 4, 8
+    jcuda.setup(mesh, "ep", num_tokens=T, hidden=H, topk=K, dtype=jnp.float32)
+    x, idx, w, y = _inputs(1, T, H, K, E, jnp.float32, seed=11, C=T)
+
+    def f(x, idx, w, y):
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep", backend="ffi")
+        return rx, h.send_row, jax_ep.combine(y, h, backend="ffi")
+
+    prog = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    for _ in range(2):
+        rx, send_row, out = prog(x[0], idx[0], w[0], y[0])
+        want = np_model(x, idx, w, y, E, T)
+        assert np.array_equal(bits(np.asarray(rx)), bits(want["recv_x"][0]))
+        assert np.array_equal(np.asarray(send_row), want["send_row"][0])
+        assert np.array_equal(bits(np.asarray(out)), bits(want["out"][0]))
+    jcuda.check_errors()

@@ -1,0 +1,227 @@
+"""NVSHMEM bootstrap logic: two CPU processes with the real jax.distributed key-value
+store; only the NVSHMEM calls themselves are mocked (the Runtime seam)."""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jax_ep import nvshmem_bootstrap as nb
+from jax_ep.network.transport import TransportConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+_WORKER = textwrap.dedent(r"""
+    import json, os, sys
+    import jax
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=rank, initialization_timeout=60)
+    from jax_ep import nvshmem_bootstrap as nb
+    from jax_ep.network.transport import TransportConfig
+
+    class FakeRuntime:
+        def __init__(self):
+            self.calls = []
+        def unique_id(self):
+            self.calls.append("unique_id")
+            return os.urandom(128)
+        def init(self, rank, world, uid, heap_bytes, num_qps):
+            self.calls.append(["init", rank, world, uid.hex(), heap_bytes, num_qps])
+        def finalize(self):
+            self.calls.append("finalize")
+
+    env = {"NVSHMEM_IBGDA_NUM_RC_PER_PE": "99"} if rank == 1 else {}
+    rt = FakeRuntime()
+    os.environ["JAX_EP_QPS_PER_PORT"] = "3"
+    s1 = nb.initialize(max_tokens=64, hidden=128, topk=4, capacity=100, runtime=rt,
+                       environ=env, config=TransportConfig(num_ports=2, qps_per_port=1))
+    again = nb.initialize(heap_bytes=s1.heap_bytes // 2, runtime=rt, environ=env)
+    err = ""
+    try:
+        nb.initialize(heap_bytes=s1.heap_bytes * 2, runtime=rt, environ=env)
+    except nb.NvshmemBootstrapError as e:
+        err = str(e)
+    nb.finalize()
+    s2 = nb.initialize(heap_bytes=1 << 20, runtime=rt, environ=dict())
+    nb.finalize()
+    print("RESULT " + json.dumps({
+        "rank": s1.rank, "world": s1.world, "heap": s1.heap_bytes, "same": again is s1,
+        "err": err, "env": env, "calls": rt.calls, "rank2": s2.rank,
+        "expected_heap": nb.heap_bytes_for(num_ranks=2, max_tokens=64, capacity=100,
+                                           hidden=128, topk=4)}))
+    sys.stdout.flush()
+    jax.distributed.shutdown()
+""")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    script = tmp_path_factory.mktemp("boot") / "worker.py"
+    script.write_text(_WORKER)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_EP_"))}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("bootstrap workers did not finish in 90 s")
+        assert p.returncode == 0, se[-3000:]
+        line = [x for x in so.splitlines() if x.startswith("RESULT ")]
+        assert line, so + se[-3000:]
+        out.append(json.loads(line[0][len("RESULT "):]))
+    return out
+
+
+def test_unique_id_shared_through_kv_store(two_processes):
+    r0, r1 = two_processes
+    assert (r0["rank"], r1["rank"], r0["world"], r1["world"]) == (0, 1, 2, 2)
+    # only process 0 creates the id; both init with the same 128 bytes
+    assert r0["calls"][0] == "unique_id" and "unique_id" not in r1["calls"][:1]
+    init0 = [c for c in r0["calls"] if isinstance(c, list)]
+    init1 = [c for c in r1["calls"] if isinstance(c, list)]
+    assert len(init0) == len(init1) == 2  # once, then again after finalize
+    assert init0[0][3] == init1[0][3] and len(bytes.fromhex(init0[0][3])) == 128
+    assert init0[1][3] == init1[1][3] != init0[0][3]  # a fresh id per generation
+    assert [c[1:3] for c in init0] == [[0, 2], [0, 2]] and [c[1:3] for c in init1] == [[1, 2]] * 2
+
+
+def test_heap_sized_once_and_qps_from_config(two_processes):
+    for r in two_processes:
+        assert r["heap"] == r["expected_heap"]
+        assert r["same"] is True  # a smaller request is a no-op
+        assert "already running" in r["err"] and "largest capacity" in r["err"]
+        init = [c for c in r["calls"] if isinstance(c, list)][0]
+        assert init[4] == r["heap"]
+        assert init[5] == 6  # 2 ports x JAX_EP_QPS_PER_PORT=3 overrides qps_per_port=1
+        assert r["calls"].count("finalize") == 2
+        assert r["env"]["NVSHMEM_SYMMETRIC_SIZE"] == str(r["heap"])
+        assert r["env"]["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
+        assert r["env"]["NVSHMEM_ENABLE_MULTI_PORT"] == "1"
+    # a value the user set is kept (with a warning), not overwritten
+    assert two_processes[1]["env"]["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "99"
+    assert two_processes[0]["env"]["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "6"
+
+
+class _Client:
+    def __init__(self):
+        self.kv = {}
+
+    def key_value_set_bytes(self, k, v):
+        self.kv[k] = v
+
+    def blocking_key_value_get_bytes(self, k, timeout_ms):
+        return self.kv[k]
+
+    def wait_at_barrier(self, name, timeout_ms):
+        pass
+
+
+class _Rt:
+    def unique_id(self):
+        return b"\0" * 128
+
+    def init(self, *a):
+        pass
+
+    def finalize(self):
+        pass
+
+
+def test_needs_jax_distributed(monkeypatch):
+    monkeypatch.setattr(nb, "_kv_client", lambda: None)
+    with pytest.raises(nb.NvshmemBootstrapError, match="jax.distributed.initialize"):
+        nb.initialize(heap_bytes=1 << 20, runtime=_Rt(), environ={})
+
+
+def test_one_process_per_gpu_is_a_clear_error(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [jax.devices()[0]] * 2)
+    with pytest.raises(nb.NvshmemBootstrapError, match="one process per GPU"):
+        nb.initialize(heap_bytes=1 << 20, runtime=_Rt(), client=_Client(), environ={})
+    assert not nb.is_initialized()
+
+
+def test_bad_unique_id_and_missing_sizes(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [jax.devices()[0]])
+
+    class Short(_Rt):
+        def unique_id(self):
+            return b"x"
+
+    with pytest.raises(nb.NvshmemBootstrapError, match="128"):
+        nb.initialize(heap_bytes=1 << 20, runtime=Short(), client=_Client(), environ={})
+    with pytest.raises(ValueError, match="heap_bytes"):
+        nb.initialize(runtime=_Rt(), client=_Client(), environ={})
+    assert not nb.is_initialized()
+
+
+def test_extension_runtime_without_nvshmem_says_how_to_get_it():
+    try:
+        from jax_ep import _jax_ep_ext as ext
+    except ImportError:
+        ext = None
+    if ext is not None and hasattr(ext, "nvshmem_init"):
+        pytest.skip("this build has NVSHMEM")
+    with pytest.raises(nb.NvshmemBootstrapError, match="NVSHMEM|not built"):
+        nb.ExtensionRuntime()
+
+
+_LAYOUT_PROGRAM = r"""
+#include <cstdio>
+#include "kernels/internode/internode_layout.h"
+int main() {
+  long long r, t, c, h, k, xb, yb;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &r, &t, &c, &h, &k, &xb, &yb) == 7)
+    std::printf("%lld\n", (long long)jax_ep::heap_bytes(r, t, c, h, k, xb, yb));
+  return 0;
+}
+"""
+
+
+def test_heap_bytes_matches_kernel_layout(tmp_path):
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "layout.cc"
+    src.write_text(_LAYOUT_PROGRAM)
+    exe = tmp_path / "layout"
+    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", f"-I{ROOT}", str(src), "-o",
+                    str(exe)], check=True)
+    cases = [(r, t, c, h, k, xb, yb) for r in (2, 16, 64) for t in (1, 128, 4096)
+             for c in (1, 1000, r * t) for h in (7, 7168) for k in (1, 8) for xb, yb in
+             ((2, 4), (4, 4), (1, 2))]
+    out = subprocess.run([str(exe)], input="".join(" ".join(map(str, x)) + "\n" for x in cases),
+                         capture_output=True, text=True, check=True).stdout.split()
+    dt = {1: "int8", 2: "bfloat16", 4: "float32"}
+    for x, want in zip(cases, out):
+        r, t, c, h, k, xb, yb = x
+        got = nb.heap_bytes_for(num_ranks=r, max_tokens=t, capacity=c, hidden=h, topk=k,
+                                x_dtype=dt[xb], y_dtype=dt[yb])
+        assert got == int(want), x
+    assert nb.heap_bytes_for(num_ranks=2, max_tokens=4, hidden=8, topk=2) == \
+        nb.heap_bytes_for(num_ranks=2, max_tokens=4, capacity=8, hidden=8, topk=2)
+    with pytest.raises(ValueError, match="topk"):
+        nb.heap_bytes_for(num_ranks=2, max_tokens=4, hidden=8, topk=0)

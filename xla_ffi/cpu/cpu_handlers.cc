@@ -1,0 +1,291 @@
+// Decode and validate buffers, meet the peers of this EP group through the in-process
+// rendezvous, and call the CPU kernels on their buffers.
+#include "xla_ffi/cpu/cpu_handlers.h"
+
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/cpu_rendezvous.h"
+#include "xla_ffi/common/ffi_helpers.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_ep {
+namespace {
+
+int32_t Scalar(ffi::Buffer<ffi::S32> b) { return b.typed_data()[0]; }
+
+ffi::Future Failed(ffi::Error e) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetError(std::move(e));
+  return future;
+}
+
+// Joins the peers of this call and returns at once; the returned future completes when
+// `work` has run on the peers' buffers (and every peer has finished reading ours).
+// Errors found on any rank before arrival (bad ids) fail every rank, so all ranks agree.
+// `work` must capture plain data pointers: it runs after the handler has returned.
+template <typename Work>
+ffi::Future Exchange(ffi::RunId run_id, int64_t call_site, int rank, int group, int R,
+                     PeerBuffers mine, Work work) {
+  if (rank < 0 || rank >= R) {
+    std::ostringstream s;
+    s << "rank index " << rank << " is outside [0, " << R << ")";
+    return Failed(Invalid(s.str()));
+  }
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  Rendezvous::Global().Join(
+      {run_id.run_id, call_site, group}, rank, R, std::move(mine), TimeoutSeconds(),
+      [R, work = std::move(work)](const std::vector<PeerBuffers>& peers) -> std::string {
+        for (int s = 0; s < R; ++s) {
+          if (!peers[s].error.empty()) {
+            std::ostringstream m;
+            m << "jax_ep: on rank " << s << ": " << peers[s].error;
+            return m.str();
+          }
+          for (int j = 0; j < 8; ++j) {
+            if (peers[s].meta[j] != peers[0].meta[j]) {
+              std::ostringstream m;
+              m << "jax_ep: ranks 0 and " << s << " of one EP group disagree on shapes or "
+                << "dtype (field " << j << ": " << peers[0].meta[j] << " vs "
+                << peers[s].meta[j] << ")";
+              return m.str();
+            }
+          }
+        }
+        return work(peers);
+      },
+      [promise](const std::string& err) mutable {
+        if (err.empty()) {
+          promise.SetAvailable();
+        } else {
+          const bool timeout = err.find("timed out") != std::string::npos;
+          promise.SetError(ffi::Error(
+              timeout ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kInvalidArgument, err));
+        }
+      });
+  return future;
+}
+
+ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, ffi::ResultBuffer<ffi::S32> per_rank,
+                      ffi::ResultBuffer<ffi::S32> per_expert,
+                      ffi::ResultBuffer<ffi::PRED> in_rank, int64_t num_experts,
+                      int64_t num_ranks) {
+  auto d = topk_idx.dimensions();
+  if (d.size() != 2) return Invalid("topk_idx must be [T, K], got " + Dims(d));
+  if (num_ranks < 1 || num_experts % num_ranks != 0)
+    return Invalid("num_experts must be a positive multiple of num_ranks");
+  RoutingShape s{static_cast<int>(num_ranks), static_cast<int>(num_experts),
+                 static_cast<int>(d[0]), static_cast<int>(d[1]), 0};
+  std::string err = CheckTopkIds(topk_idx.typed_data(), s.num_tokens, s.topk, s.num_experts);
+  if (!err.empty()) return Invalid(err);
+  LayoutCpu(topk_idx.typed_data(), s, per_rank->typed_data(), per_expert->typed_data(),
+            in_rank->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> rank_buf,
+                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> recv_x,
+                        ffi::ResultBuffer<ffi::S32> recv_idx,
+                        ffi::ResultBuffer<ffi::F32> recv_w,
+                        ffi::ResultBuffer<ffi::S32> num_recv,
+                        ffi::ResultBuffer<ffi::S32> num_dropped,
+                        ffi::ResultBuffer<ffi::S32> recv_per_expert,
+                        ffi::ResultBuffer<ffi::S32> src_rank,
+                        ffi::ResultBuffer<ffi::S32> src_index,
+                        ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts,
+                        int64_t num_ranks, int64_t capacity, int64_t call_site) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return Failed(Invalid("x must be [T, H], got " + Dims(xd)));
+  auto id = topk_idx.dimensions();
+  if (id.size() != 2) return Failed(Invalid("topk_idx must be [T, K], got " + Dims(id)));
+  const int64_t T = xd[0], H = xd[1], K = id[1], R = num_ranks, C = capacity;
+  std::string err = ExpectShape("topk_idx", id, {T, K});
+  if (err.empty()) err = ExpectShape("topk_weights", topk_weights.dimensions(), {T, K});
+  if (err.empty()) err = ExpectShape("recv_x", recv_x->dimensions(), {C, H});
+  if (err.empty()) err = ExpectShape("send_row", send_row->dimensions(), {T, R});
+  if (!err.empty()) return Failed(Invalid(err));
+  if (R < 1 || num_experts % R != 0)
+    return Failed(Invalid("num_experts must be a multiple of num_ranks"));
+  if (C < 1) return Failed(Invalid("capacity must be >= 1"));
+  const int rank = Scalar(rank_buf);
+  const int group = Scalar(group_buf);
+  RoutingShape s{static_cast<int>(R), static_cast<int>(num_experts), static_cast<int>(T),
+                 static_cast<int>(K), static_cast<int>(C)};
+  const size_t row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(x.element_type());
+
+  PeerBuffers mine;
+  mine.in[0] = x.untyped_data();
+  mine.in[1] = topk_idx.typed_data();
+  mine.in[2] = topk_weights.typed_data();
+  mine.meta[0] = T;
+  mine.meta[1] = H;
+  mine.meta[2] = K;
+  mine.meta[3] = static_cast<int64_t>(x.element_type());
+  mine.meta[4] = C;
+  mine.meta[5] = num_experts;
+  mine.error = CheckTopkIds(topk_idx.typed_data(), s.num_tokens, s.topk, s.num_experts);
+  mine.counts.assign(R, 0);
+  if (mine.error.empty()) TokensPerRankCpu(topk_idx.typed_data(), s, mine.counts.data());
+  struct Outs {
+    void* recv_x;
+    int32_t *recv_idx, *src_rank, *src_index, *num_recv, *num_dropped, *per_expert, *send_row;
+    float* recv_w;
+    const int32_t* topk_idx;
+  } o{recv_x->untyped_data(), recv_idx->typed_data(),  src_rank->typed_data(),
+      src_index->typed_data(), num_recv->typed_data(), num_dropped->typed_data(),
+      recv_per_expert->typed_data(), send_row->typed_data(), recv_w->typed_data(),
+      topk_idx.typed_data()};
+  return Exchange(run_id, call_site, rank, group, static_cast<int>(R), std::move(mine),
+                  [=](const std::vector<PeerBuffers>& peers) -> std::string {
+                    std::vector<const void*> px(R);
+                    std::vector<const int32_t*> pi(R);
+                    std::vector<const float*> pw(R);
+                    std::vector<int32_t> counts(R * R);
+                    for (int j = 0; j < R; ++j) {
+                      px[j] = peers[j].in[0];
+                      pi[j] = static_cast<const int32_t*>(peers[j].in[1]);
+                      pw[j] = static_cast<const float*>(peers[j].in[2]);
+                      for (int r = 0; r < R; ++r) counts[j * R + r] = peers[j].counts[r];
+                    }
+                    DispatchRecvCpu(rank, s, row_bytes, px.data(), pi.data(), pw.data(),
+                                    counts.data(), o.recv_x, o.recv_idx, o.recv_w, o.src_rank,
+                                    o.src_index, o.num_recv, o.num_dropped, o.per_expert);
+                    DispatchSendRowsCpu(rank, s, o.topk_idx, counts.data(), o.send_row);
+                    return {};
+                  });
+}
+
+ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> send_row,
+                       ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                       ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks, int64_t call_site) {
+  auto yd = y.dimensions();
+  auto sd = send_row.dimensions();
+  if (yd.size() != 2) return Failed(Invalid("y must be [C, H], got " + Dims(yd)));
+  if (sd.size() != 2 || sd[1] != num_ranks)
+    return Failed(Invalid("handle.send_row must be [T, R], got " + Dims(sd)));
+  const int64_t C = yd[0], H = yd[1], T = sd[0];
+  std::string err = ExpectShape("out", out->dimensions(), {T, H});
+  if (!err.empty()) return Failed(Invalid(err));
+  FloatKind kind;
+  if (!FloatKindOf(y.element_type(), &kind))
+    return Failed(Invalid("y must be float32, bfloat16 or float16"));
+  const int rank = Scalar(rank_buf);
+  PeerBuffers mine;
+  mine.in[0] = y.untyped_data();
+  mine.meta[0] = C;
+  mine.meta[1] = H;
+  mine.meta[2] = T;
+  mine.meta[3] = static_cast<int64_t>(y.element_type());
+  const int32_t* rows = send_row.typed_data();
+  void* out_data = out->untyped_data();
+  return Exchange(run_id, call_site, rank, Scalar(group_buf), static_cast<int>(num_ranks),
+                  std::move(mine), [=](const std::vector<PeerBuffers>& peers) -> std::string {
+                    std::vector<const void*> py(num_ranks);
+                    for (int j = 0; j < num_ranks; ++j) py[j] = peers[j].in[0];
+                    CombineCpu(kind, static_cast<int>(num_ranks), static_cast<int>(T),
+                               static_cast<int>(H), rows, py.data(), out_data);
+                    return {};
+                  });
+}
+
+ffi::Future GatherImpl(ffi::RunId run_id, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> src_rank,
+                      ffi::Buffer<ffi::S32> src_index, ffi::Buffer<ffi::S32> rank_buf,
+                      ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
+                      int64_t num_ranks, int64_t call_site) {
+  auto gd = g.dimensions();
+  if (gd.size() != 2) return Failed(Invalid("cotangent must be [T, H], got " + Dims(gd)));
+  const int64_t T = gd[0], H = gd[1];
+  const int64_t C = src_rank.element_count();
+  std::string err = ExpectShape("handle.src_index", src_index.dimensions(), {C});
+  if (err.empty()) err = ExpectShape("out", out->dimensions(), {C, H});
+  if (!err.empty()) return Failed(Invalid(err));
+  const size_t row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(g.element_type());
+  PeerBuffers mine;
+  mine.in[0] = g.untyped_data();
+  mine.meta[0] = T;
+  mine.meta[1] = H;
+  mine.meta[2] = C;
+  mine.meta[3] = static_cast<int64_t>(g.element_type());
+  const int32_t* sr = src_rank.typed_data();
+  const int32_t* si = src_index.typed_data();
+  void* out_data = out->untyped_data();
+  return Exchange(run_id, call_site, Scalar(rank_buf), Scalar(group_buf),
+                  static_cast<int>(num_ranks), std::move(mine),
+                  [=](const std::vector<PeerBuffers>& peers) -> std::string {
+                    std::vector<const void*> pg(num_ranks);
+                    for (int j = 0; j < num_ranks; ++j) pg[j] = peers[j].in[0];
+                    for (int64_t i = 0; i < C; ++i) {
+                      if (sr[i] >= num_ranks || (sr[i] >= 0 && (si[i] < 0 || si[i] >= T)))
+                        return "jax_ep: handle.src_rank/src_index out of range; the handle "
+                               "does not belong to this call";
+                    }
+                    GatherByHandleCpu(static_cast<int>(C), row_bytes, sr, si, pg.data(),
+                                      out_data);
+                    return {};
+                  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayoutCpuHandler, LayoutImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCpuHandler, DispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("call_site"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCpuHandler, CombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("call_site"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherCpuHandler, GatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("call_site"));
+
+}  // namespace jax_ep

@@ -1,0 +1,582 @@
+// CUDA FFI handlers: validate shapes and attributes on the host (static shapes, so no
+// device value is ever read here), then launch the kernels on XLA's stream. Nothing in
+// a call synchronizes with the host, so the collective handlers are registered as
+// command-buffer (CUDA graph) compatible.
+//
+// Errors that depend on values (ids outside [-1, E), a foreign handle, a missing peer)
+// are found on the device. Kernels then treat the bad entries as unused, finish the
+// protocol so no peer hangs, and record the error in a sticky per-GPU record that is
+// mirrored to mapped host memory. Every later jax_ep CUDA call in the process fails with
+// that message until jax_ep.cuda.check_errors() reads and clears it.
+#include "xla_ffi/cuda/cuda_handlers.h"
+
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <sstream>
+#include <string>
+
+#include "kernels/common/configs.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/intranode_buffer.h"
+#include "xla_ffi/cuda/cuda_state.h"
+#include "xla_ffi/common/ffi_helpers.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_ep {
+namespace {
+
+ffi::Error CudaFailed(const char* what, cudaError_t e) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("jax_ep: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// A sticky device error from an earlier call fails every later call (see top).
+ffi::Error PendingError() {
+  const std::string msg = PendingMirrorError();
+  if (msg.empty()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    msg + " (reported by an earlier call; jax_ep.cuda.check_errors() clears it)");
+}
+
+ffi::Error Domain(int ordinal, int64_t num_ranks, CudaDomain* d) {
+  if (!GetCudaDomain(ordinal, d)) {
+    std::ostringstream s;
+    s << "no communication buffer on GPU " << ordinal
+      << "; call jax_ep.cuda.setup(mesh, axis_name) before running EP ops on GPUs";
+    return Invalid(s.str());
+  }
+  if (d->num_ranks != num_ranks) {
+    std::ostringstream s;
+    s << "GPU " << ordinal << " was set up for an EP group of " << d->num_ranks
+      << " ranks, but the op has num_ranks=" << num_ranks;
+    return Invalid(s.str());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckArea(const CudaDomain& d, int kind, size_t need, const char* what) {
+  if (need <= d.areas.bytes[kind]) return ffi::Error::Success();
+  std::ostringstream s;
+  s << what << " needs " << need << " bytes of communication buffer but jax_ep.cuda.setup "
+    << "reserved " << d.areas.bytes[kind] << "; pass larger sizes to setup (see "
+    << "jax_ep.cuda.buffer_bytes)";
+  return Invalid(s.str());
+}
+
+// ------------------------------- layout --------------------------------
+
+ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32> topk_idx,
+                      ffi::ResultBuffer<ffi::S32> per_rank, ffi::ResultBuffer<ffi::S32> per_expert,
+                      ffi::ResultBuffer<ffi::PRED> in_rank, int64_t num_experts,
+                      int64_t num_ranks) {
+  auto d = topk_idx.dimensions();
+  if (d.size() != 2) return Invalid("topk_idx must be [T, K], got " + Dims(d));
+  if (num_ranks < 1 || num_experts % num_ranks != 0)
+    return Invalid("num_experts must be a positive multiple of num_ranks");
+  if (num_ranks > 4096) return Invalid("num_ranks above 4096 is not supported on GPU");
+  if (ffi::Error e = PendingError(); e.failure()) return e;
+  const cudaError_t err =
+      LaunchLayout(stream, topk_idx.typed_data(), static_cast<int>(d[0]), static_cast<int>(d[1]),
+                   static_cast<int>(num_experts), static_cast<int>(num_ranks),
+                   per_rank->typed_data(), per_expert->typed_data(), in_rank->typed_data(),
+                   ErrorMirror(ordinal));
+  if (err != cudaSuccess) return CudaFailed("layout kernel launch", err);
+  return ffi::Error::Success();
+}
+
+// -------------------------------- ranks ---------------------------------
+// The ranks one handler call launches kernels for: this GPU's rank of the group that
+// jax_ep.cuda.setup registered (count 1), or the harness's R virtual ranks, whose
+// buffers share one allocation on this GPU and whose inputs and outputs are stacked
+// along a leading rank axis (count R, ranks 0..R-1).
+
+struct Ranks {
+  CudaDomain dom;                    // dom.rank: the first rank launched
+  int count = 1;
+  const int32_t* rank_in = nullptr;  // XLA's rank/group scalars, checked on the device
+  const int32_t* group_in = nullptr;
+};
+
+// A real rank: no pending device error, a registered domain of R ranks, room for `need`.
+ffi::Error GroupRanks(int ordinal, int64_t num_ranks, int kind, size_t need, const char* what,
+                      ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                      Ranks* k) {
+  if (ffi::Error e = PendingError(); e.failure()) return e;
+  if (ffi::Error e = Domain(ordinal, num_ranks, &k->dom); e.failure()) return e;
+  if (ffi::Error e = CheckArea(k->dom, kind, need, what); e.failure()) return e;
+  k->rank_in = rank_buf.typed_data();
+  k->group_in = group_buf.typed_data();
+  return ffi::Error::Success();
+}
+
+struct HarnessBuffers {
+  char* base = nullptr;
+  size_t per_rank = 0;
+  int num_ranks = 0;
+};
+
+std::mutex& HarnessMu() {
+  static std::mutex mu;
+  return mu;
+}
+HarnessBuffers* Harness() {
+  static HarnessBuffers h[kMaxCudaDevices];
+  return h;
+}
+
+// R virtual ranks with at least `area` bytes past the header each (the op's area starts
+// right after the header), allocated on first use.
+ffi::Error HarnessRanks(cudaStream_t stream, int ordinal, int R, int kind, size_t area,
+                        Ranks* k) {
+  if (ordinal < 0 || ordinal >= kMaxCudaDevices) return Invalid("device ordinal out of range");
+  std::string merr;
+  AllocateErrorMirror(&merr);  // best effort; check_errors() also reads the device records
+  std::lock_guard<std::mutex> lock(HarnessMu());
+  HarnessBuffers& h = Harness()[ordinal];
+  const size_t need = AlignUp(kHeaderBytes + area, kAreaAlign);
+  if (h.base == nullptr || h.num_ranks != R || h.per_rank < need) {
+    if (h.base != nullptr) {
+      cudaError_t e = cudaStreamSynchronize(stream);
+      if (e == cudaSuccess) e = cudaFree(h.base);
+      if (e != cudaSuccess) return CudaFailed("harness buffer release", e);
+      h.base = nullptr;
+    }
+    const size_t per_rank = need > h.per_rank ? need : h.per_rank;
+    void* p = nullptr;
+    cudaError_t e = cudaMalloc(&p, per_rank * R);
+    if (e != cudaSuccess) return CudaFailed("harness buffer allocation", e);
+    e = cudaMemsetAsync(p, 0, per_rank * R, stream);
+    if (e != cudaSuccess) return CudaFailed("harness buffer clear", e);
+    h.base = static_cast<char*>(p);
+    h.per_rank = per_rank;
+    h.num_ranks = R;
+  }
+  k->dom.rank = 0;
+  k->dom.group = -1;
+  k->dom.num_ranks = R;
+  for (int r = 0; r < kMaxRanks; ++r) k->dom.peers.base[r] = r < R ? h.base + r * h.per_rank : nullptr;
+  for (int o = 0; o < kNumOpKinds; ++o) k->dom.areas.bytes[o] = o == kind ? area : 0;
+  k->count = R;
+  return ffi::Error::Success();
+}
+
+// The per-rank dims of a harness buffer: `d` without its leading axis of R ranks.
+std::string Unstack(const char* what, int64_t R, ffi::Span<const int64_t>* d) {
+  if (d->size() < 2 || (*d)[0] != R)
+    return std::string("harness ") + what + " must be stacked over the R = " + std::to_string(R) +
+           " ranks of x/y/g on its leading axis, got " + Dims(*d);
+  *d = d->last(d->size() - 1);
+  return {};
+}
+
+// Rank r's slice of buffers stacked along a leading rank axis; r = 0 is all of a real
+// rank's buffers.
+DispatchArgs AtRank(DispatchArgs a, int r) {
+  const int64_t R = a.c.num_ranks, T = a.T, K = a.K, C = a.C;
+  a.x = static_cast<const char*>(a.x) + r * T * a.row_bytes;
+  a.topk_idx += r * T * K;
+  a.topk_w += r * T * K;
+  a.recv_x = static_cast<char*>(a.recv_x) + r * C * a.row_bytes;
+  a.recv_idx += r * C * K;
+  a.recv_w += r * C * K;
+  a.num_recv += r;
+  a.num_dropped += r;
+  a.recv_per_expert += static_cast<int64_t>(r) * a.experts_per_rank;
+  a.src_rank += r * C;
+  a.src_index += r * C;
+  a.send_row += r * T * R;
+  return a;
+}
+CombineArgs AtRank(CombineArgs a, int r) {
+  const int64_t R = a.c.num_ranks, T = a.T, C = a.C;
+  a.y = static_cast<const char*>(a.y) + r * C * a.row_bytes;
+  a.send_row += r * T * R;
+  a.out = static_cast<char*>(a.out) + r * T * a.row_bytes;
+  return a;
+}
+GatherArgs AtRank(GatherArgs a, int r) {
+  const int64_t T = a.T, C = a.C;
+  a.g = static_cast<const char*>(a.g) + r * T * a.row_bytes;
+  a.src_rank += r * C;
+  a.src_index += r * C;
+  a.out = static_cast<char*>(a.out) + r * C * a.row_bytes;
+  return a;
+}
+
+// Launches an op's three phases (kernels/cuda_kernels.h), each for every rank before the
+// next phase of any, so no kernel waits for one launched after it.
+template <typename Args>
+ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodePreset&,
+                                              cudaStream_t),
+                        const Ranks& k, int kind, int ordinal, Args a, cudaStream_t stream,
+                        const char* what) {
+  a.c.peers = k.dom.peers;
+  a.c.area_off = k.dom.areas.offset(kind);
+  a.c.num_ranks = k.dom.num_ranks;
+  a.c.expect_group = k.dom.group;
+  a.c.rank_in = k.rank_in;
+  a.c.group_in = k.group_in;
+  a.c.host_err = ErrorMirror(ordinal);
+  a.c.timeout_ns = KernelTimeoutNs();
+  const IntranodePreset& p = SelectIntranodePreset(k.dom.num_ranks);
+  for (int phase = 0; phase < kNumPhases; ++phase) {
+    for (int r = 0; r < k.count; ++r) {
+      Args ar = AtRank(a, r);
+      ar.c.me = k.dom.rank + r;
+      const cudaError_t e = launch(phase, ar, p, stream);
+      if (e != cudaSuccess) return CudaFailed(what, e);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// ------------------------------- dispatch -------------------------------
+
+std::string ValidateDispatch(ffi::Span<const int64_t> xd, ffi::DataType xt,
+                             ffi::Span<const int64_t> id, ffi::Span<const int64_t> wd,
+                             ffi::Span<const int64_t> rxd, ffi::Span<const int64_t> srd,
+                             int64_t num_experts, int64_t R, int64_t C, DispatchArgs* a) {
+  if (xd.size() != 2) return "x must be [T, H], got " + Dims(xd);
+  if (id.size() != 2) return "topk_idx must be [T, K], got " + Dims(id);
+  const int64_t T = xd[0], H = xd[1], K = id[1];
+  std::string err = ExpectShape("topk_idx", id, {T, K});
+  if (err.empty()) err = ExpectShape("topk_weights", wd, {T, K});
+  if (err.empty()) err = ExpectShape("recv_x", rxd, {C, H});
+  if (err.empty()) err = ExpectShape("send_row", srd, {T, R});
+  if (!err.empty()) return err;
+  if (R < 1 || num_experts % R != 0) return "num_experts must be a multiple of num_ranks";
+  if (C < 1) return "capacity must be >= 1";
+  if (R > kMaxRanks) return "num_ranks above 32 is not supported by the intranode GPU path";
+  a->T = static_cast<int>(T);
+  a->K = static_cast<int>(K);
+  a->C = static_cast<int>(C);
+  a->E = static_cast<int>(num_experts);
+  a->experts_per_rank = static_cast<int>(num_experts / R);
+  a->row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(xt);
+  return {};
+}
+
+// One rank (rank_buf/group_buf given) or the harness's stacked ranks (null).
+ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                    ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                    const ffi::Buffer<ffi::S32>* rank_buf, const ffi::Buffer<ffi::S32>* group_buf,
+                    ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::S32> recv_idx,
+                    ffi::ResultBuffer<ffi::F32> recv_w, ffi::ResultBuffer<ffi::S32> num_recv,
+                    ffi::ResultBuffer<ffi::S32> num_dropped,
+                    ffi::ResultBuffer<ffi::S32> recv_per_expert,
+                    ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_index,
+                    ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts, int64_t num_ranks,
+                    int64_t capacity) {
+  const bool harness = rank_buf == nullptr;
+  auto xd = x.dimensions(), id = topk_idx.dimensions(), wd = topk_weights.dimensions();
+  auto rxd = recv_x->dimensions(), srd = send_row->dimensions();
+  std::string err;
+  if (harness) {
+    num_ranks = xd.size() == 3 ? xd[0] : 0;
+    err = Unstack("x", num_ranks, &xd);
+    if (err.empty()) err = Unstack("topk_idx", num_ranks, &id);
+    if (err.empty()) err = Unstack("topk_weights", num_ranks, &wd);
+    if (err.empty()) err = Unstack("recv_x", num_ranks, &rxd);
+    if (err.empty()) err = Unstack("send_row", num_ranks, &srd);
+  }
+  DispatchArgs a{};
+  if (err.empty())
+    err = ValidateDispatch(xd, x.element_type(), id, wd, rxd, srd, num_experts, num_ranks,
+                           capacity, &a);
+  if (!err.empty()) return Invalid(err);
+  const int R = static_cast<int>(num_ranks);
+  const size_t need = DispatchAreaBytes(R, a.T, a.C, a.row_bytes, a.K);
+  Ranks k;
+  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpDispatch, need, &k)
+                             : GroupRanks(ordinal, num_ranks, kOpDispatch, need, "dispatch",
+                                          *rank_buf, *group_buf, &k);
+      e.failure())
+    return e;
+  a.x = x.untyped_data();
+  a.topk_idx = topk_idx.typed_data();
+  a.topk_w = topk_weights.typed_data();
+  a.recv_x = recv_x->untyped_data();
+  a.recv_idx = recv_idx->typed_data();
+  a.recv_w = recv_w->typed_data();
+  a.num_recv = num_recv->typed_data();
+  a.num_dropped = num_dropped->typed_data();
+  a.recv_per_expert = recv_per_expert->typed_data();
+  a.src_rank = src_rank->typed_data();
+  a.src_index = src_index->typed_data();
+  a.send_row = send_row->typed_data();
+  return LaunchPhases(LaunchDispatchPhase, k, kOpDispatch, ordinal, a, stream,
+                      harness ? "harness dispatch launch" : "dispatch kernel launch");
+}
+
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                        ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                        ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::S32> recv_idx,
+                        ffi::ResultBuffer<ffi::F32> recv_w, ffi::ResultBuffer<ffi::S32> num_recv,
+                        ffi::ResultBuffer<ffi::S32> num_dropped,
+                        ffi::ResultBuffer<ffi::S32> recv_per_expert,
+                        ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_index,
+                        ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts,
+                        int64_t num_ranks, int64_t capacity, int64_t call_site) {
+  return Dispatch(stream, ordinal, x, topk_idx, topk_weights, &rank_buf, &group_buf, recv_x,
+                  recv_idx, recv_w, num_recv, num_dropped, recv_per_expert, src_rank, src_index,
+                  send_row, num_experts, num_ranks, capacity);
+}
+
+// ------------------------------- combine --------------------------------
+
+std::string ValidateCombine(ffi::Span<const int64_t> yd, ffi::DataType yt,
+                            ffi::Span<const int64_t> sd, ffi::Span<const int64_t> od, int64_t R,
+                            CombineArgs* a) {
+  if (yd.size() != 2) return "y must be [C, H], got " + Dims(yd);
+  if (sd.size() != 2 || sd[1] != R) return "handle.send_row must be [T, R], got " + Dims(sd);
+  std::string err = ExpectShape("out", od, {sd[0], yd[1]});
+  if (!err.empty()) return err;
+  if (!FloatKindOf(yt, &a->kind)) return "y must be float32, bfloat16 or float16";
+  if (R < 1 || R > kMaxRanks) return "num_ranks must be in [1, 32] on the intranode GPU path";
+  a->T = static_cast<int>(sd[0]);
+  a->C = static_cast<int>(yd[0]);
+  a->H = static_cast<int>(yd[1]);
+  a->row_bytes = static_cast<size_t>(yd[1]) * ffi::ByteWidth(yt);
+  return {};
+}
+
+// One rank (rank_buf/group_buf given) or the harness's stacked ranks (null).
+ffi::Error Combine(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
+                   ffi::Buffer<ffi::S32> send_row, const ffi::Buffer<ffi::S32>* rank_buf,
+                   const ffi::Buffer<ffi::S32>* group_buf, ffi::Result<ffi::AnyBuffer> out,
+                   int64_t num_ranks) {
+  const bool harness = rank_buf == nullptr;
+  auto yd = y.dimensions(), sd = send_row.dimensions(), od = out->dimensions();
+  std::string err;
+  if (harness) {
+    num_ranks = yd.size() == 3 ? yd[0] : 0;
+    err = Unstack("y", num_ranks, &yd);
+    if (err.empty()) err = Unstack("send_row", num_ranks, &sd);
+    if (err.empty()) err = Unstack("out", num_ranks, &od);
+  }
+  CombineArgs a{};
+  if (err.empty()) err = ValidateCombine(yd, y.element_type(), sd, od, num_ranks, &a);
+  if (!err.empty()) return Invalid(err);
+  const int R = static_cast<int>(num_ranks);
+  const size_t need = CombineAreaBytes(R, a.T, a.C, a.row_bytes);
+  Ranks k;
+  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpCombine, need, &k)
+                             : GroupRanks(ordinal, num_ranks, kOpCombine, need, "combine",
+                                          *rank_buf, *group_buf, &k);
+      e.failure())
+    return e;
+  a.y = y.untyped_data();
+  a.send_row = send_row.typed_data();
+  a.out = out->untyped_data();
+  return LaunchPhases(LaunchCombinePhase, k, kOpCombine, ordinal, a, stream,
+                      harness ? "harness combine launch" : "combine kernel launch");
+}
+
+ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
+                       ffi::Buffer<ffi::S32> send_row, ffi::Buffer<ffi::S32> rank_buf,
+                       ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t num_ranks, int64_t call_site) {
+  return Combine(stream, ordinal, y, send_row, &rank_buf, &group_buf, out, num_ranks);
+}
+
+// ------------------------------- gather ---------------------------------
+
+std::string ValidateGather(ffi::Span<const int64_t> gd, ffi::DataType gt,
+                           ffi::Span<const int64_t> srd, ffi::Span<const int64_t> sid,
+                           ffi::Span<const int64_t> od, int64_t R, GatherArgs* a) {
+  if (gd.size() != 2) return "cotangent must be [T, H], got " + Dims(gd);
+  if (srd.size() != 1) return "handle.src_rank must be [C], got " + Dims(srd);
+  const int64_t C = srd[0];
+  std::string err = ExpectShape("handle.src_index", sid, {C});
+  if (err.empty()) err = ExpectShape("out", od, {C, gd[1]});
+  if (!err.empty()) return err;
+  if (R < 1 || R > kMaxRanks) return "num_ranks must be in [1, 32] on the intranode GPU path";
+  a->T = static_cast<int>(gd[0]);
+  a->C = static_cast<int>(C);
+  a->row_bytes = static_cast<size_t>(gd[1]) * ffi::ByteWidth(gt);
+  return {};
+}
+
+// One rank (rank_buf/group_buf given) or the harness's stacked ranks (null).
+ffi::Error Gather(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
+                  ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
+                  const ffi::Buffer<ffi::S32>* rank_buf, const ffi::Buffer<ffi::S32>* group_buf,
+                  ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks) {
+  const bool harness = rank_buf == nullptr;
+  auto gd = g.dimensions(), srd = src_rank.dimensions(), sid = src_index.dimensions();
+  auto od = out->dimensions();
+  std::string err;
+  if (harness) {
+    num_ranks = gd.size() == 3 ? gd[0] : 0;
+    err = Unstack("g", num_ranks, &gd);
+    if (err.empty()) err = Unstack("src_rank", num_ranks, &srd);
+    if (err.empty()) err = Unstack("src_index", num_ranks, &sid);
+    if (err.empty()) err = Unstack("out", num_ranks, &od);
+  }
+  GatherArgs a{};
+  if (err.empty()) err = ValidateGather(gd, g.element_type(), srd, sid, od, num_ranks, &a);
+  if (!err.empty()) return Invalid(err);
+  const int R = static_cast<int>(num_ranks);
+  const size_t need = GatherLayout::Make(R, a.T, a.C, a.row_bytes).bytes;
+  Ranks k;
+  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpGather, need, &k)
+                             : GroupRanks(ordinal, num_ranks, kOpGather, need,
+                                          "combine's transpose (gather)", *rank_buf,
+                                          *group_buf, &k);
+      e.failure())
+    return e;
+  a.g = g.untyped_data();
+  a.src_rank = src_rank.typed_data();
+  a.src_index = src_index.typed_data();
+  a.out = out->untyped_data();
+  return LaunchPhases(LaunchGatherPhase, k, kOpGather, ordinal, a, stream,
+                      harness ? "harness gather launch" : "gather kernel launch");
+}
+
+ffi::Error GatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
+                      ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
+                      ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks, int64_t call_site) {
+  return Gather(stream, ordinal, g, src_rank, src_index, &rank_buf, &group_buf, out, num_ranks);
+}
+
+// ------------------------- virtual-rank harness --------------------------
+// R ranks' buffers live in one allocation on one GPU; the same kernels run for each
+// rank (see Ranks and LaunchPhases).
+
+ffi::Error HarnessDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                               ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                               ffi::Result<ffi::AnyBuffer> recv_x,
+                               ffi::ResultBuffer<ffi::S32> recv_idx,
+                               ffi::ResultBuffer<ffi::F32> recv_w,
+                               ffi::ResultBuffer<ffi::S32> num_recv,
+                               ffi::ResultBuffer<ffi::S32> num_dropped,
+                               ffi::ResultBuffer<ffi::S32> recv_per_expert,
+                               ffi::ResultBuffer<ffi::S32> src_rank,
+                               ffi::ResultBuffer<ffi::S32> src_index,
+                               ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts,
+                               int64_t capacity) {
+  return Dispatch(stream, ordinal, x, topk_idx, topk_weights, nullptr, nullptr, recv_x, recv_idx,
+                  recv_w, num_recv, num_dropped, recv_per_expert, src_rank, src_index, send_row,
+                  num_experts, 0, capacity);
+}
+
+ffi::Error HarnessCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
+                              ffi::Buffer<ffi::S32> send_row, ffi::Result<ffi::AnyBuffer> out) {
+  return Combine(stream, ordinal, y, send_row, nullptr, nullptr, out, 0);
+}
+
+ffi::Error HarnessGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
+                             ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
+                             ffi::Result<ffi::AnyBuffer> out) {
+  return Gather(stream, ordinal, g, src_rank, src_index, nullptr, nullptr, out, 0);
+}
+
+}  // namespace
+
+#define JEP_CMD_BUFFER {ffi::Traits::kCmdBufferCompatible}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayoutCudaHandler, LayoutImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks"),
+                              JEP_CMD_BUFFER);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCudaHandler, DispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("call_site"),
+                              JEP_CMD_BUFFER);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCudaHandler, CombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("call_site"),
+                              JEP_CMD_BUFFER);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherCudaHandler, GatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("call_site"),
+                              JEP_CMD_BUFFER);
+
+// The harness allocates its buffers lazily, so it is not command-buffer compatible.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessDispatchHandler, HarnessDispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("capacity"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessCombineHandler, HarnessCombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessGatherHandler, HarnessGatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+}  // namespace jax_ep

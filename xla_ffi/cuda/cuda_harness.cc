@@ -1,0 +1,237 @@
+// Host functions of the CUDA backend for jax_ep/cuda.py: allocate each GPU's
+// communication buffer once, wire peers (peer access in one process, CUDA IPC across
+// processes), register the domain the FFI handlers use, read the device error records,
+// and expose the launch presets and buffer sizes. None of these run inside a jitted
+// program.
+#include <cuda_runtime_api.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/common/configs.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/intranode_buffer.h"
+#include "xla_ffi/cuda/cuda_registrations.h"
+#include "xla_ffi/cuda/cuda_state.h"
+
+namespace nb = nanobind;
+
+namespace jax_ep {
+namespace {
+
+void Check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("jax_ep: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Restores the calling thread's current device on scope exit.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int ordinal) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    Check(cudaSetDevice(ordinal), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = -1;
+};
+
+std::mutex g_mu;
+std::map<int, std::pair<uintptr_t, size_t>> g_buffers;              // ordinal -> (ptr, bytes)
+std::map<std::pair<int, std::string>, uintptr_t> g_ipc_opened;     // (ordinal, handle) -> ptr
+
+AreaConfig Areas(const std::vector<uint64_t>& area_bytes) {
+  if (area_bytes.size() != kNumOpKinds)
+    throw std::invalid_argument("jax_ep: area_bytes must list dispatch, combine and gather bytes");
+  AreaConfig a;
+  for (int k = 0; k < kNumOpKinds; ++k) a.bytes[k] = area_bytes[k];
+  return a;
+}
+
+int DeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+// Allocates (once) and zeroes the buffer of `ordinal`; returns (pointer, IPC handle or b"").
+nb::tuple AllocBuffer(int ordinal, std::vector<uint64_t> area_bytes) {
+  const size_t total = Areas(area_bytes).total();
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::string merr;
+  if (!AllocateErrorMirror(&merr)) throw std::runtime_error("jax_ep: " + merr);
+  DeviceGuard guard(ordinal);
+  auto it = g_buffers.find(ordinal);
+  if (it != g_buffers.end() && it->second.second < total) {
+    throw std::runtime_error(
+        "jax_ep: the communication buffer of GPU " + std::to_string(ordinal) + " was allocated with " +
+        std::to_string(it->second.second) + " bytes; this setup needs " + std::to_string(total) +
+        ". Buffers are allocated once per process: call jax_ep.cuda.setup with the largest sizes first");
+  }
+  if (it == g_buffers.end()) {
+    void* p = nullptr;
+    Check(cudaMalloc(&p, total), "cudaMalloc of the communication buffer");
+    Check(cudaMemset(p, 0, total), "cudaMemset of the communication buffer");
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    it = g_buffers.emplace(ordinal, std::make_pair(reinterpret_cast<uintptr_t>(p), total)).first;
+  }
+  void* p = reinterpret_cast<void*>(it->second.first);
+  cudaIpcMemHandle_t h;
+  std::string handle;
+  if (cudaIpcGetMemHandle(&h, p) == cudaSuccess) {
+    handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  } else {
+    cudaGetLastError();
+  }
+  return nb::make_tuple(it->second.first, nb::bytes(handle.data(), handle.size()));
+}
+
+bool EnablePeerAccess(int ordinal, int peer) {
+  if (ordinal == peer) return true;
+  int can = 0;
+  Check(cudaDeviceCanAccessPeer(&can, ordinal, peer), "cudaDeviceCanAccessPeer");
+  if (!can) return false;
+  DeviceGuard guard(ordinal);
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();
+    return true;
+  }
+  Check(e, "cudaDeviceEnablePeerAccess");
+  return true;
+}
+
+uintptr_t OpenIpcHandle(int ordinal, nb::bytes handle) {
+  if (handle.size() != sizeof(cudaIpcMemHandle_t))
+    throw std::invalid_argument("jax_ep: a CUDA IPC handle has " + std::to_string(sizeof(cudaIpcMemHandle_t)) + " bytes");
+  const std::string key(handle.c_str(), handle.size());
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_ipc_opened.find({ordinal, key});
+  if (it != g_ipc_opened.end()) return it->second;
+  DeviceGuard guard(ordinal);
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, key.data(), sizeof(h));
+  void* p = nullptr;
+  Check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  g_ipc_opened[{ordinal, key}] = v;
+  return v;
+}
+
+void SetDomain(int ordinal, int rank, int group, int num_ranks, std::vector<uint64_t> peers,
+               std::vector<uint64_t> area_bytes) {
+  if (num_ranks < 1 || num_ranks > kMaxRanks)
+    throw std::invalid_argument("jax_ep: the intranode GPU path supports 1 to 32 ranks per group");
+  if (static_cast<int>(peers.size()) != num_ranks)
+    throw std::invalid_argument("jax_ep: peers must list one buffer pointer per rank");
+  if (rank < 0 || rank >= num_ranks) throw std::invalid_argument("jax_ep: rank out of range");
+  if (ordinal < 0 || ordinal >= kMaxCudaDevices) throw std::invalid_argument("jax_ep: device ordinal out of range");
+  CudaDomain d;
+  d.rank = rank;
+  d.group = group;
+  d.num_ranks = num_ranks;
+  for (int r = 0; r < kMaxRanks; ++r) d.peers.base[r] = r < num_ranks ? reinterpret_cast<char*>(peers[r]) : nullptr;
+  d.areas = Areas(area_bytes);
+  CudaDomain old;
+  if (GetCudaDomain(ordinal, &old)) {
+    bool same = old.rank == d.rank && old.group == d.group && old.num_ranks == d.num_ranks;
+    for (int r = 0; r < num_ranks && same; ++r) same = old.peers.base[r] == d.peers.base[r];
+    for (int k = 0; k < kNumOpKinds && same; ++k) same = old.areas.bytes[k] == d.areas.bytes[k];
+    if (!same)
+      throw std::runtime_error(
+          "jax_ep: GPU " + std::to_string(ordinal) +
+          " already belongs to another EP group; one group per GPU and process (compiled programs keep its buffers)");
+    return;
+  }
+  {
+    DeviceGuard guard(ordinal);
+    RankHeader id{};
+    id.rank = rank;
+    id.group = group;
+    id.num_ranks = num_ranks;
+    id.magic = kHeaderMagic;
+    Check(cudaMemcpy(d.peers.base[rank], &id, 4 * sizeof(int32_t), cudaMemcpyHostToDevice),
+          "writing the buffer header");
+  }
+  SetCudaDomain(ordinal, d);
+}
+
+std::vector<std::string> CheckErrors(bool clear) {
+  std::vector<std::string> out;
+  const int n = DeviceCount();
+  for (int i = 0; i < n && i < kMaxCudaDevices; ++i) {
+    DeviceGuard guard(i);
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    ErrorRecord rec{};
+    Check(ReadLayoutError(&rec, clear), "reading the layout error record");
+    if (rec.code != kErrNone) out.push_back(DescribeError(rec, i));
+    rec = ErrorRecord{};
+    Check(ReadIntranodeError(&rec, clear), "reading the intranode error record");
+    if (rec.code != kErrNone) out.push_back(DescribeError(rec, i));
+  }
+  if (out.empty()) {
+    const std::string m = PendingMirrorError();
+    if (!m.empty()) out.push_back(m);
+  }
+  if (clear) ClearErrorMirror();
+  return out;
+}
+
+nb::list Presets() {
+  nb::list l;
+  for (const auto& p : kIntranodePresets) {
+    nb::dict d;
+    d["name"] = p.name;
+    d["max_ranks"] = p.max_ranks;
+    d["push_blocks"] = p.push_blocks;
+    d["recv_blocks"] = p.recv_blocks;
+    d["threads"] = p.threads;
+    l.append(d);
+  }
+  return l;
+}
+
+nb::dict AreaBytes(int num_ranks, int64_t tokens, int64_t capacity, uint64_t row_bytes, int topk) {
+  if (num_ranks < 1 || num_ranks > kMaxRanks) throw std::invalid_argument("jax_ep: num_ranks must be in [1, 32]");
+  nb::dict d;
+  d["dispatch"] = DispatchAreaBytes(num_ranks, tokens, capacity, row_bytes, topk);
+  d["combine"] = CombineAreaBytes(num_ranks, tokens, capacity, row_bytes);
+  d["gather"] = GatherLayout::Make(num_ranks, tokens, capacity, row_bytes).bytes;
+  d["header"] = kHeaderBytes;
+  return d;
+}
+
+}  // namespace
+
+void DefineCudaBindings(void* module) {
+  nb::module_ m = nb::borrow<nb::module_>(nb::handle(static_cast<PyObject*>(module)));
+  m.def("cuda_device_count", &DeviceCount, "Number of visible CUDA devices (0 without a driver).");
+  m.def("cuda_alloc_buffer", &AllocBuffer, nb::arg("ordinal"), nb::arg("area_bytes"),
+        "Allocates (once) the communication buffer of a GPU; returns (pointer, IPC handle).");
+  m.def("cuda_enable_peer_access", &EnablePeerAccess, nb::arg("ordinal"), nb::arg("peer"));
+  m.def("cuda_open_ipc_handle", &OpenIpcHandle, nb::arg("ordinal"), nb::arg("handle"));
+  m.def("cuda_set_domain", &SetDomain, nb::arg("ordinal"), nb::arg("rank"), nb::arg("group"),
+        nb::arg("num_ranks"), nb::arg("peers"), nb::arg("area_bytes"));
+  m.def("cuda_check_errors", &CheckErrors, nb::arg("clear") = true,
+        "Synchronizes every GPU and returns the device error messages (cleared by default).");
+  m.def("cuda_presets", &Presets, "The intranode launch presets (kernels/configs.h).");
+  m.def("cuda_area_bytes", &AreaBytes, nb::arg("num_ranks"), nb::arg("tokens"), nb::arg("capacity"),
+        nb::arg("row_bytes"), nb::arg("topk"),
+        "Communication-buffer bytes each op kind needs for these shapes.");
+}
+
+}  // namespace jax_ep

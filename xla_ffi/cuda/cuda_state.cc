@@ -1,0 +1,135 @@
+#include "xla_ffi/cuda/cuda_state.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+#include "xla_ffi/common/ffi_helpers.h"
+
+namespace jax_ep {
+namespace {
+
+std::mutex& Mu() {
+  static std::mutex mu;
+  return mu;
+}
+CudaDomain* Domains() {
+  static CudaDomain domains[kMaxCudaDevices];
+  return domains;
+}
+ErrorRecord* g_mirror = nullptr;
+
+const char* OpName(int kind) {
+  switch (kind) {
+    case kOpDispatch: return "dispatch";
+    case kOpCombine: return "combine";
+    case kOpGather: return "gather (combine's transpose)";
+    default: return "?";
+  }
+}
+
+}  // namespace
+
+bool GetCudaDomain(int ordinal, CudaDomain* out) {
+  if (ordinal < 0 || ordinal >= kMaxCudaDevices) return false;
+  std::lock_guard<std::mutex> lock(Mu());
+  if (Domains()[ordinal].num_ranks == 0) return false;
+  *out = Domains()[ordinal];
+  return true;
+}
+
+void SetCudaDomain(int ordinal, const CudaDomain& d) {
+  if (ordinal < 0 || ordinal >= kMaxCudaDevices) return;
+  std::lock_guard<std::mutex> lock(Mu());
+  Domains()[ordinal] = d;
+}
+
+bool AllocateErrorMirror(std::string* err) {
+  std::lock_guard<std::mutex> lock(Mu());
+  if (g_mirror != nullptr) return true;
+  void* p = nullptr;
+  const cudaError_t e = cudaHostAlloc(&p, sizeof(ErrorRecord) * kMaxCudaDevices,
+                                      cudaHostAllocMapped | cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    if (err) *err = std::string("cudaHostAlloc for the error records failed: ") + cudaGetErrorString(e);
+    return false;
+  }
+  auto* recs = static_cast<ErrorRecord*>(p);
+  for (int i = 0; i < kMaxCudaDevices; ++i) recs[i] = ErrorRecord{};
+  g_mirror = recs;
+  return true;
+}
+
+ErrorRecord* ErrorMirror(int ordinal) {
+  if (ordinal < 0 || ordinal >= kMaxCudaDevices) return nullptr;
+  std::lock_guard<std::mutex> lock(Mu());
+  return g_mirror == nullptr ? nullptr : g_mirror + ordinal;
+}
+
+std::string PendingMirrorError() {
+  ErrorRecord* m = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(Mu());
+    m = g_mirror;
+  }
+  if (m == nullptr) return {};
+  for (int i = 0; i < kMaxCudaDevices; ++i) {
+    const volatile ErrorRecord* r = m + i;
+    if (r->code != kErrNone) {
+      ErrorRecord copy;
+      copy.code = r->code;
+      copy.rank = r->rank;
+      copy.a = r->a;
+      copy.b = r->b;
+      copy.c = r->c;
+      copy.d = r->d;
+      return DescribeError(copy, i);
+    }
+  }
+  return {};
+}
+
+void ClearErrorMirror() {
+  std::lock_guard<std::mutex> lock(Mu());
+  if (g_mirror == nullptr) return;
+  for (int i = 0; i < kMaxCudaDevices; ++i) {
+    volatile ErrorRecord* r = g_mirror + i;
+    r->code = kErrNone;
+  }
+}
+
+std::string DescribeError(const ErrorRecord& e, int ordinal) {
+  std::ostringstream s;
+  s << "jax_ep: ";
+  switch (e.code) {
+    case kErrBadTopkId:
+      s << "topk_idx[" << e.a << ", " << e.b << "] = " << e.c << " is outside [-1, " << e.d
+        << ") (num_experts=" << e.d << ")";
+      break;
+    case kErrTimeout:
+      s << "timed out in " << OpName(e.b) << " waiting for rank " << e.a << " (epoch " << e.c
+        << "); a peer did not take part in the call (raise JAX_EP_TIMEOUT_S if it is slow)";
+      break;
+    case kErrBadHandle:
+      s << OpName(e.d) << ": handle.src_rank/src_index or send_row out of range (entry " << e.a
+        << ", rank " << e.b << ", value " << e.c << "); the handle does not belong to this call";
+      break;
+    case kErrRankMismatch:
+      s << "the rank/group passed to the op (rank " << e.a << ", group " << e.c
+        << ") differ from those jax_ep.cuda.setup registered for this GPU (rank " << e.b
+        << ", group " << e.d << "); call setup with the mesh and axis the op runs on";
+      break;
+    default:
+      s << "unknown device error code " << e.code;
+  }
+  s << " [GPU " << ordinal;
+  if (e.rank >= 0) s << ", rank " << e.rank;
+  s << "]";
+  return s.str();
+}
+
+int64_t KernelTimeoutNs() { return static_cast<int64_t>(TimeoutSeconds() * 1e9); }
+
+}  // namespace jax_ep

@@ -1,0 +1,199 @@
+// XLA FFI handlers of the internode (NVSHMEM) backend, platform CUDA:
+//
+//   jax_ep_internode_dispatch(x[T,H], topk_idx[T,K] s32, topk_weights[T,K] f32)
+//     -> recv_x[C,H], recv_topk_idx[C,K] s32, recv_topk_weights[C,K] f32,
+//        num_recv[] s32, num_dropped[] s32, num_recv_tokens_per_expert[E/R] s32,
+//        src_rank[C] s32, src_index[C] s32, counts[R,R] s32, send_slot[T,R] s32
+//     attrs: num_experts, num_ranks, rank, capacity, num_ports, qps_per_port, chunk_bytes
+//   jax_ep_internode_combine(y[C,H], counts[R,R] s32, send_slot[T,R] s32) -> out[T,H]
+//     attrs: num_ranks, rank, capacity, topk, num_ports, qps_per_port, chunk_bytes
+//   jax_ep_internode_gather(g[T,H], counts[R,R] s32, send_slot[T,R] s32) -> out[C,H]
+//     attrs: as combine (combine's transpose: out[i] = g_{src_rank[i]}[src_index[i]])
+//
+// The EP group is every NVSHMEM PE (one process per GPU, see jax_ep.nvshmem_bootstrap).
+// Dispatch synchronises its stream once to surface out-of-range expert ids as an error,
+// so these handlers are not registered as command-buffer (CUDA graph) compatible.
+#include <string>
+
+#include "kernels/internode/internode_kernels.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cuda/cuda_registrations.h"
+#include "xla_ffi/common/ffi_helpers.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_ep {
+namespace {
+
+ffi::Error FromString(const std::string& err) {
+  if (err.empty()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInternal, err);
+}
+
+#define JEP_EXPECT(what, buf, ...)                                             \
+  do {                                                                         \
+    const std::string m_ = ExpectShape(what, (buf).dimensions(), {__VA_ARGS__}); \
+    if (!m_.empty()) return Invalid(m_);                                       \
+  } while (0)
+
+// The checks every handler shares, and the Dims they fill.
+ffi::Error BaseDims(int64_t R, int64_t rank, int64_t T, int64_t H, int64_t K, int64_t C,
+                    int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes,
+                    internode::Dims* d) {
+  if (R < 1) return Invalid("num_ranks must be >= 1");
+  if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
+  if (C < 1) return Invalid("capacity must be >= 1");
+  if (num_ports < 1) return Invalid("num_ports must be >= 1");
+  if (qps_per_port < 1) return Invalid("qps_per_port must be >= 1");
+  if (chunk_bytes < 1) return Invalid("chunk_bytes must be >= 1");
+  d->num_ranks = static_cast<int>(R);
+  d->rank = static_cast<int>(rank);
+  d->tokens = static_cast<int>(T);
+  d->hidden = static_cast<int>(H);
+  d->topk = static_cast<int>(K);
+  d->capacity = static_cast<int>(C);
+  d->num_ports = static_cast<int>(num_ports);
+  d->qps_per_port = static_cast<int>(qps_per_port);
+  d->chunk_bytes = chunk_bytes;
+  return ffi::Error::Success();
+}
+
+ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> recv_x,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_idx,
+                        ffi::Result<ffi::Buffer<ffi::F32>> recv_w,
+                        ffi::Result<ffi::Buffer<ffi::S32>> num_recv,
+                        ffi::Result<ffi::Buffer<ffi::S32>> num_dropped,
+                        ffi::Result<ffi::Buffer<ffi::S32>> per_expert,
+                        ffi::Result<ffi::Buffer<ffi::S32>> src_rank,
+                        ffi::Result<ffi::Buffer<ffi::S32>> src_index,
+                        ffi::Result<ffi::Buffer<ffi::S32>> counts,
+                        ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t num_experts,
+                        int64_t num_ranks, int64_t rank, int64_t capacity, int64_t num_ports,
+                        int64_t qps_per_port, int64_t chunk_bytes) {
+  FloatKind elem;
+  if (!FloatKindOf(x.element_type(), &elem)) return Invalid("x must be float32, bfloat16 or float16");
+  if (x.dimensions().size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(x.dimensions()));
+  const int64_t T = x.dimensions()[0], H = x.dimensions()[1];
+  if (topk_idx.dimensions().size() != 2 || topk_idx.dimensions()[0] != T)
+    return Invalid("topk_idx must be [tokens, k] with tokens = x.shape[0], got " +
+                   Dims(topk_idx.dimensions()));
+  const int64_t K = topk_idx.dimensions()[1];
+  const int64_t R = num_ranks, C = capacity;
+  internode::Dims d;
+  ffi::Error e = BaseDims(R, rank, T, H, K, C, num_ports, qps_per_port, chunk_bytes, &d);
+  if (e.failure()) return e;
+  if (num_experts < 1 || num_experts % R != 0)
+    return Invalid("num_experts must be a positive multiple of num_ranks");
+  const int64_t el = num_experts / R;
+  d.experts_per_rank = static_cast<int>(el);
+  d.num_experts = static_cast<int>(num_experts);
+  JEP_EXPECT("topk_weights", topk_weights, T, K);
+  JEP_EXPECT("recv_x", *recv_x, C, H);
+  if (recv_x->element_type() != x.element_type()) return Invalid("recv_x must have x's dtype");
+  JEP_EXPECT("recv_topk_idx", *recv_idx, C, K);
+  JEP_EXPECT("recv_topk_weights", *recv_w, C, K);
+  JEP_EXPECT("num_recv", *num_recv);
+  JEP_EXPECT("num_dropped", *num_dropped);
+  JEP_EXPECT("num_recv_tokens_per_expert", *per_expert, el);
+  JEP_EXPECT("src_rank", *src_rank, C);
+  JEP_EXPECT("src_index", *src_index, C);
+  JEP_EXPECT("counts", *counts, R, R);
+  JEP_EXPECT("send_slot", *send_slot, T, R);
+  internode::DispatchOut out{recv_x->untyped_data(), recv_idx->typed_data(),
+                             recv_w->typed_data(),   num_recv->typed_data(),
+                             num_dropped->typed_data(), per_expert->typed_data(),
+                             src_rank->typed_data(), src_index->typed_data(),
+                             counts->typed_data(),   send_slot->typed_data()};
+  return FromString(internode::Dispatch(stream, d, elem, x.untyped_data(), topk_idx.typed_data(),
+                                        topk_weights.typed_data(), out));
+}
+
+// Combine (y[C, H] -> out[T, H]) and its transpose, gather (g[T, H] -> out[C, H]): the
+// same operands and attributes, with the input's and the output's shapes swapped.
+template <bool kGather>
+ffi::Error HandleCallImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::S32> counts,
+                          ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out,
+                          int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
+                          int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes) {
+  const std::string name = kGather ? "g" : "y";
+  FloatKind elem;
+  if (!FloatKindOf(a.element_type(), &elem))
+    return Invalid(name + " must be float32, bfloat16 or float16");
+  if (a.dimensions().size() != 2)
+    return Invalid(name + (kGather ? " must be [tokens, hidden], got "
+                                   : " must be [capacity, hidden], got ") +
+                   Dims(a.dimensions()));
+  const int64_t R = num_ranks, C = capacity, H = a.dimensions()[1];
+  if (send_slot.dimensions().size() != 2 || send_slot.dimensions()[1] != R)
+    return Invalid("handle.send_slot must be [tokens, num_ranks], got " +
+                   Dims(send_slot.dimensions()));
+  const int64_t T = send_slot.dimensions()[0];
+  if (topk < 1) return Invalid("topk must be >= 1");
+  internode::Dims d;  // topk sizes the rows this rank sends (T * min(K, R))
+  ffi::Error e = BaseDims(R, rank, T, H, topk, C, num_ports, qps_per_port, chunk_bytes, &d);
+  if (e.failure()) return e;
+  JEP_EXPECT(name.c_str(), a, kGather ? T : C, H);
+  JEP_EXPECT("handle.counts", counts, R, R);
+  JEP_EXPECT("out", *out, kGather ? C : T, H);
+  if (out->element_type() != a.element_type()) return Invalid("out must have " + name + "'s dtype");
+  const auto call = kGather ? internode::Gather : internode::Combine;
+  return FromString(call(stream, d, elem, a.untyped_data(), counts.typed_data(),
+                         send_slot.typed_data(), out->untyped_data()));
+}
+
+// Operands and attributes of combine and gather.
+auto HandleCallBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("num_ranks")
+      .Attr<int64_t>("rank")
+      .Attr<int64_t>("capacity")
+      .Attr<int64_t>("topk")
+      .Attr<int64_t>("num_ports")
+      .Attr<int64_t>("qps_per_port")
+      .Attr<int64_t>("chunk_bytes");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, DispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("num_ports")
+                                  .Attr<int64_t>("qps_per_port")
+                                  .Attr<int64_t>("chunk_bytes"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, HandleCallImpl<false>,
+                              HandleCallBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeGatherHandler, HandleCallImpl<true>,
+                              HandleCallBinding());
+
+void AddInternodeRegistrations(const RegisterFn& add) {
+  add("jax_ep_internode_dispatch", reinterpret_cast<void*>(InternodeDispatchHandler));
+  add("jax_ep_internode_combine", reinterpret_cast<void*>(InternodeCombineHandler));
+  add("jax_ep_internode_gather", reinterpret_cast<void*>(InternodeGatherHandler));
+}
+
+}  // namespace jax_ep
