@@ -109,6 +109,26 @@ def unify_varying(*arrays):
     return out
 
 
+def ep_call(target: str, results, *, vmap_method: str = "sequential"):
+    """`jax.ffi.ffi_call` for every communicating EP custom call.
+
+    Ordering: every call carries a unique `call_site` attribute, so XLA cannot merge
+    (CSE) two of them; calls with a data dependency run in order, and independent calls
+    that jax-ep itself emits are chained with `after`. The calls are deliberately not
+    marked side-effecting: JAX refuses side-effecting calls under `jax.checkpoint`
+    (remat), which MoE training needs. XLA compiles one program for every rank, so an
+    unused call is dropped on all ranks alike and ranks never disagree on the order.
+    """
+    return jax.ffi.ffi_call(target, results, vmap_method=vmap_method)
+
+
+def after(first, value):
+    """`value`, made to depend on `first` (an array or pytree), so an EP call taking it
+    cannot start before `first` exists: orders two otherwise independent EP calls."""
+    _, value = jax.lax.optimization_barrier((first, value))
+    return value
+
+
 def like(a, shape, dtype):
     """The abstract value of an FFI result: `a`'s type (varying axes included) with
     another shape and dtype."""

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _ext, backends
-from jax_ep._common import FLOAT_DTYPES, Cfg, ep_size
+from jax_ep._common import FLOAT_DTYPES, Cfg, after, ep_size
 from jax_ep._types import DispatchHandle, DispatchLayout
 from jax_ep.backends import reference
 from jax_ep.runtime import nvshmem
@@ -153,10 +153,12 @@ def dispatch_transpose(combine_fn, recv_idx, cts):
     """Cotangents (x, topk_idx, topk_weights) of dispatch from those of its outputs, for
     a `combine_fn(rows) -> tokens` bound to the dispatch's handle (per shard or global)."""
     d_recv_x, _, d_recv_w, _ = cts
+    d_x = combine_fn(d_recv_x)
     # Each slot's weight lives on exactly one rank: masking the others and summing over
-    # ranks returns the owner's cotangent exactly (zero where dropped).
-    return (combine_fn(d_recv_x), None,
-            combine_fn(jnp.where(recv_idx >= 0, d_recv_w, 0.0)))
+    # ranks returns the owner's cotangent exactly (zero where dropped). The two combines
+    # are independent: chain them so they never run at once (they share transport state).
+    d_w = combine_fn(after(d_x, jnp.where(recv_idx >= 0, d_recv_w, 0.0)))
+    return d_x, None, d_w
 
 
 def _dispatch_bwd(cfg, res, cts):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep._common import Cfg, ep_coords, like, next_call_site, unify_varying
+from jax_ep._common import Cfg, ep_call, ep_coords, like, next_call_site, unify_varying
 from jax_ep._types import DispatchHandle, DispatchLayout
 
 
@@ -38,12 +38,11 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     K = topk_idx.shape[1]
     C, R = cfg.capacity, cfg.num_ranks
     el = cfg.experts_per_rank
-    outs = jax.ffi.ffi_call(
+    outs = ep_call(
         "jax_ep_dispatch",
         (like(x, (C, H), x.dtype), like(x, (C, K), jnp.int32), like(x, (C, K), jnp.float32),
          like(x, (), jnp.int32), like(x, (), jnp.int32), like(x, (el,), jnp.int32),
          like(x, (C,), jnp.int32), like(x, (C,), jnp.int32), like(x, (T, R), jnp.int32)),
-        vmap_method="sequential",
     )(x, topk_idx, topk_weights, rank, group, num_experts=np.int64(cfg.num_experts),
       num_ranks=np.int64(R), capacity=np.int64(C), call_site=np.int64(next_call_site()))
     recv_x, recv_idx, recv_w, num_recv, num_dropped, per_expert, src_rank, src_index, \
@@ -58,8 +57,7 @@ def combine(y, handle: DispatchHandle, cfg: Cfg):
     rank, group = ep_coords(handle.axis_name, cfg.group_axes)
     y, send_row, rank = unify_varying(y, handle.send_row, rank)
     T = send_row.shape[0]
-    return jax.ffi.ffi_call("jax_ep_combine", like(y, (T, y.shape[1]), y.dtype),
-                            vmap_method="sequential")(
+    return ep_call("jax_ep_combine", like(y, (T, y.shape[1]), y.dtype))(
         y, send_row, rank, group, num_ranks=np.int64(handle.num_ranks),
         call_site=np.int64(next_call_site()))
 
@@ -68,7 +66,6 @@ def gather(g, handle: DispatchHandle, cfg: Cfg):
     """Combine's transpose: g[T, H] -> out[C, H], out[i] = g_{src_rank[i]}[src_index[i]]."""
     rank, group = ep_coords(handle.axis_name, cfg.group_axes)
     g, src_rank, src_index, rank = unify_varying(g, handle.src_rank, handle.src_index, rank)
-    return jax.ffi.ffi_call("jax_ep_gather", like(g, (handle.capacity, g.shape[1]), g.dtype),
-                            vmap_method="sequential")(
+    return ep_call("jax_ep_gather", like(g, (handle.capacity, g.shape[1]), g.dtype))(
         g, src_rank, src_index, rank, group, num_ranks=np.int64(handle.num_ranks),
         call_site=np.int64(next_call_site()))

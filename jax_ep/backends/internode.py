@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep._common import Cfg, axis_names, like, unify_varying
+from jax_ep._common import Cfg, axis_names, ep_call, like, unify_varying
 from jax_ep._types import DispatchHandle, InternodeHandleParts
 from jax_ep.backends.ffi import layout
 from jax_ep.runtime import nvshmem
@@ -137,12 +137,11 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     K = topk_idx.shape[1]
     el = E // R
     i32 = jnp.int32
-    outs = jax.ffi.ffi_call(
+    outs = ep_call(
         "jax_ep_internode_dispatch",
         (like(x, (C, H), x.dtype), like(x, (C, K), i32), like(x, (C, K), jnp.float32),
          like(x, (), i32), like(x, (), i32), like(x, (el,), i32), like(x, (C,), i32),
          like(x, (C,), i32), like(x, (R, R), i32), like(x, (T, R), i32)),
-        vmap_method="sequential",
     )(x, topk_idx, topk_weights, num_experts=np.int64(E), num_ranks=np.int64(R),
       rank=np.int64(rank), capacity=np.int64(C), **transport_attrs())
     (recv_x, recv_idx, recv_w, num_recv, num_dropped, per_expert, src_rank, src_index,
@@ -173,8 +172,7 @@ def _back_call(target, a, handle, what, rows_of):
     rows = rows_of(parts)
     a, counts, send_slot = _vary_with_axis(handle.axis_name, a, parts.counts,
                                            parts.send_slot)
-    return jax.ffi.ffi_call(target, like(a, (rows, a.shape[1]), a.dtype),
-                            vmap_method="sequential")(
+    return ep_call(target, like(a, (rows, a.shape[1]), a.dtype))(
         a, counts, send_slot, num_ranks=np.int64(handle.num_ranks), rank=np.int64(rank),
         capacity=np.int64(handle.capacity), topk=np.int64(parts.topk), **transport_attrs())
 
