@@ -271,6 +271,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    # `python -m jax_ep.plan modes ...`: the direct vs hierarchical model (network/modes.py)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["modes"]:
+        from jax_ep.network import modes
+        return modes.main(argv[1:], prog="python -m jax_ep.plan modes")
     args = vars(_parser().parse_args(argv))
     as_json = args.pop("json")
     try:

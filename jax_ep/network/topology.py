@@ -1,0 +1,154 @@
+"""Node topology of the EP group and the choice of internode mode.
+
+Ranks are numbered node-major: rank r sits on node `r // gpus_per_node` at local index
+`r % gpus_per_node`. The hierarchical mode sends a token over RDMA at most once per
+destination node, to its *rail peer* there (the GPU with the sender's local index), and
+forwards it over NVLink inside that node; it needs this numbering.
+
+Where the topology comes from, first match wins:
+  1. `JAX_EP_GPUS_PER_NODE` (tests, and several NVSHMEM PEs on one GPU arranged as
+     virtual nodes: 4 PEs with `JAX_EP_GPUS_PER_NODE=2` are 2 "nodes" of 2);
+  2. the processes' local ranks (one per global rank, as `jax.distributed` or the
+     launcher reports them): a node starts where the local rank goes back to 0.
+
+Modes: "direct" (every GPU puts to every GPU), "hierarchical" (above) and "auto":
+hierarchical when there are several nodes with several GPUs each, direct otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Sequence
+
+__all__ = ["Topology", "MODES", "MODE_ENV", "GPUS_PER_NODE_ENV", "from_local_ranks",
+           "detect", "choose_mode", "mode_from_env"]
+
+MODES = ("direct", "hierarchical", "auto")
+MODE_ENV = "JAX_EP_INTERNODE_MODE"
+GPUS_PER_NODE_ENV = "JAX_EP_GPUS_PER_NODE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """`num_ranks` ranks in `num_ranks // gpus_per_node` nodes of `gpus_per_node`."""
+
+    num_ranks: int
+    gpus_per_node: int
+
+    def __post_init__(self):
+        for name in ("num_ranks", "gpus_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.num_ranks % self.gpus_per_node:
+            raise ValueError(
+                f"gpus_per_node ({self.gpus_per_node}) must divide num_ranks "
+                f"({self.num_ranks}): every node must hold the same number of ranks")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_ranks // self.gpus_per_node
+
+    def node_of(self, rank: int) -> int:
+        return self._check(rank) // self.gpus_per_node
+
+    def local_of(self, rank: int) -> int:
+        return self._check(rank) % self.gpus_per_node
+
+    def rank_of(self, node: int, local: int) -> int:
+        if not 0 <= node < self.num_nodes:
+            raise ValueError(f"node must be in [0, {self.num_nodes}), got {node}")
+        if not 0 <= local < self.gpus_per_node:
+            raise ValueError(f"local must be in [0, {self.gpus_per_node}), got {local}")
+        return node * self.gpus_per_node + local
+
+    def rail_peer(self, rank: int, node: int) -> int:
+        """The rank on `node` with `rank`'s local index (where its RDMA traffic lands)."""
+        return self.rank_of(node, self.local_of(rank))
+
+    def _check(self, rank: int) -> int:
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must be in [0, {self.num_ranks}), got {rank}")
+        return rank
+
+
+def from_local_ranks(local_ranks: Sequence[int]) -> Topology:
+    """Topology from every global rank's local rank (index on its node), in global order.
+
+    A node is a run 0, 1, ..., G-1; every node must have the same G (the kernels number
+    ranks node-major). Anything else is a ValueError naming `local_ranks`.
+    """
+    lr = [int(v) for v in local_ranks]
+    if not lr:
+        raise ValueError("local_ranks must not be empty")
+    nodes, cur = [], []
+    for r, v in enumerate(lr):
+        if v == 0 and cur:
+            nodes.append(cur)
+            cur = []
+        if v != len(cur):
+            raise ValueError(
+                f"local_ranks must be runs 0, 1, ..., G-1 in global rank order (node-major "
+                f"numbering); rank {r} has local rank {v}, expected {len(cur)}")
+        cur.append(v)
+    nodes.append(cur)
+    sizes = sorted({len(n) for n in nodes})
+    if len(sizes) != 1:
+        raise ValueError(f"local_ranks give nodes of different sizes {sizes}; every node "
+                         f"must hold the same number of ranks")
+    return Topology(len(lr), sizes[0])
+
+
+def _env_gpus_per_node(environ: Mapping[str, str]) -> int | None:
+    raw = environ.get(GPUS_PER_NODE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{GPUS_PER_NODE_ENV} must be an integer, got {raw!r}") from None
+    if v < 1:
+        raise ValueError(f"{GPUS_PER_NODE_ENV} must be >= 1, got {v}")
+    return v
+
+
+def detect(num_ranks: int, local_ranks: Sequence[int] | None = None,
+           environ: Mapping[str, str] | None = None) -> Topology:
+    """The EP group's topology: `JAX_EP_GPUS_PER_NODE` if set, else `local_ranks`, else
+    one node (every rank on one node)."""
+    env = os.environ if environ is None else environ
+    g = _env_gpus_per_node(env)
+    if g is not None:
+        if num_ranks % g:
+            raise ValueError(f"{GPUS_PER_NODE_ENV}={g} must divide the number of ranks "
+                             f"({num_ranks})")
+        return Topology(num_ranks, g)
+    if local_ranks is not None:
+        topo = from_local_ranks(local_ranks)
+        if topo.num_ranks != num_ranks:
+            raise ValueError(f"local_ranks has {topo.num_ranks} entries for {num_ranks} ranks")
+        return topo
+    return Topology(num_ranks, num_ranks)
+
+
+def choose_mode(requested: str | None, topo: Topology) -> str:
+    """"direct" or "hierarchical" for `requested` ("direct", "hierarchical", "auto" or
+    None = "auto") on `topo`. "auto" is hierarchical when there are several nodes with
+    several GPUs each (then a token crosses the network once per node, not per GPU)."""
+    mode = "auto" if requested is None else str(requested).strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {requested!r}")
+    if mode == "auto":
+        return "hierarchical" if topo.num_nodes > 1 and topo.gpus_per_node > 1 else "direct"
+    return mode
+
+
+def mode_from_env(default: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """`JAX_EP_INTERNODE_MODE` if set (validated, naming the variable), else `default`."""
+    env = os.environ if environ is None else environ
+    raw = env.get(MODE_ENV, "").strip()
+    if not raw:
+        return "auto" if default is None else default
+    if raw.lower() not in MODES:
+        raise ValueError(f"{MODE_ENV} must be one of {MODES}, got {raw!r}")
+    return raw.lower()
