@@ -1,0 +1,422 @@
+"""Grouped experts on one shard: per-expert blocks, batched SwiGLU, and back.
+
+After `jax_ep.dispatch`, a rank holds rows `x[C, H]` with up to K local expert ids each
+(`topk_idx[C, K]`, -1 where the slot's expert lives elsewhere) and their weights. The
+experts' work is one SwiGLU per (row, slot) pair. This module gives that work a static
+shape that follows the routing instead of the worst case:
+
+  group_by_expert   (row, slot) pairs -> `Groups`: for each local expert e, the rows of
+                    its pairs in received order, packed into `rows[E_local, cap]` (a
+                    sentinel past the last), their weights, and the pairs over `cap`
+                    counted as dropped
+  gather_blocks     x[C, H] -> blocks[E_local, cap, H] (zero in empty places)
+  swiglu_blocks     blocks[E_local, N, H] -> [E_local, N, H]: every expert's SwiGLU as
+                    batched matmuls (also the low-latency mode's per-expert layout)
+  scatter_blocks    blocks[E_local, cap, H] -> y[C, H] float32, each pair's output scaled
+                    by its weight and summed onto its row
+  grouped_swiglu    the four in a row
+
+All of it is pure JAX (gathers, one sort, batched `einsum`), differentiable in every
+float argument, the same on every platform. Batched matmuls over `[E_local, cap, H]`
+blocks do `E_local * cap` rows of work. (`jax.lax.ragged_dot` on the sorted pairs is the
+alternative; XLA:CPU computes it as every group over every row, about E_local times the
+work, so it is not used: see docs/performance.md.)
+
+Capacity. `cap` is static. `expert_capacity(num_slots, num_local_experts, factor)` is
+`ceil(factor * num_slots / E_local)` rounded up to a multiple of 8: `factor` times the mean
+load of a local expert. Pairs of an expert past its first `cap` (in received order: source
+rank, then source token) are dropped. `cap = C` (one place per received row) never drops,
+since a row names an expert at most once.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Groups", "expert_capacity", "group_by_expert", "gather_blocks",
+           "swiglu_blocks", "scatter_blocks", "grouped_swiglu"]
+
+
+class Groups(NamedTuple):
+    """Where each local expert's (row, slot) pairs are, as static blocks.
+
+    rows: int32[E_local, cap], the received row of each place; C (one past the last row)
+      in empty places. Within an expert, rows ascend (the received order).
+    weights: float32[E_local, cap], the pair's top-k weight; 0 in empty places.
+    counts: int32[E_local], pairs naming each expert (kept or not).
+    dropped: int32 scalar, pairs past their expert's capacity.
+    """
+    rows: jax.Array
+    weights: jax.Array
+    counts: jax.Array
+    dropped: jax.Array
+
+
+def expert_capacity(num_slots: int, num_local_experts: int, factor: float, *,
+                    limit: int | None = None, multiple: int = 8) -> int:
+    """Static places per local expert: `ceil(factor * num_slots / num_local_experts)`,
+    rounded up to a multiple of `multiple`, at least 1, at most `limit` (when given).
+
+    `num_slots` is the (row, slot) pairs a rank expects for its experts with balanced
+    routing: tokens of the EP group times top_k over R (`T * K` for T tokens per rank)."""
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise ValueError(f"capacity_factor must be a positive number, got {factor!r}")
+    if num_local_experts < 1:
+        raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
+    cap = math.ceil(factor * num_slots / num_local_experts)
+    cap = multiple * math.ceil(cap / multiple) if multiple > 1 else cap
+    if limit is not None:
+        cap = min(cap, limit)
+    return max(1, int(cap))
+
+
+def group_by_expert(topk_idx, topk_weights, num_local_experts: int, capacity: int) -> Groups:
+    """Packs the (row, slot) pairs of `topk_idx[C, K]` (int32 local ids in
+    [-1, num_local_experts); -1 = not here) by expert into `[num_local_experts, capacity]`
+    places. `topk_weights[C, K]` float32. No float math: the result only moves data."""
+    if topk_idx.ndim != 2:
+        raise ValueError(f"topk_idx must be [C, K], got shape {topk_idx.shape}")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"topk_weights must have topk_idx's shape {topk_idx.shape}, got "
+                         f"{topk_weights.shape}")
+    capacity = int(capacity)
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    C, K = topk_idx.shape
+    el = int(num_local_experts)
+    key = jnp.where(topk_idx >= 0, topk_idx, el).reshape(-1)      # [C*K]
+    counts = jnp.sum(key[:, None] == jnp.arange(el, dtype=key.dtype), axis=0,
+                     dtype=jnp.int32)                                # [el]
+    # Stable: within an expert, pairs stay in (row, slot) order, i.e. received order.
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    place = jnp.arange(capacity, dtype=jnp.int32)
+    valid = place[None, :] < counts[:, None]                         # [el, cap]
+    pos = jnp.minimum(starts[:, None] + place[None, :], C * K - 1)
+    pair = order[pos]
+    rows = jnp.where(valid, pair // K, C).astype(jnp.int32)
+    weights = jnp.where(valid, topk_weights.reshape(-1)[pair], 0.0).astype(jnp.float32)
+    dropped = jnp.sum(jnp.maximum(counts - capacity, 0), dtype=jnp.int32)
+    return Groups(rows, weights, counts, dropped)
+
+
+def gather_blocks(x, rows):
+    """x[C, H] -> [E_local, cap, H]: row `rows[e, j]` of x, zero where it is C (empty)."""
+    return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
+
+
+def _check_blocks(xb, w_gate, w_up, w_down):
+    if xb.ndim != 3 or w_gate.ndim != 3 or w_up.shape != w_gate.shape or w_down.ndim != 3:
+        raise ValueError(f"swiglu_blocks wants xb[E, N, H], w_gate/w_up[E, H, F], "
+                         f"w_down[E, F, H]; got {xb.shape}, {w_gate.shape}, {w_up.shape}, "
+                         f"{w_down.shape}")
+    e, _, h = xb.shape
+    if w_gate.shape[:2] != (e, h) or w_down.shape != (e, w_gate.shape[2], h):
+        raise ValueError(f"expert weights do not match xb[{e}, N, {h}]: w_gate "
+                         f"{w_gate.shape}, w_down {w_down.shape}")
+
+
+def swiglu_blocks(xb, w_gate, w_up, w_down, counts=None, *, tile: int = 128):
+    """Each expert's SwiGLU on its own rows: xb[E_local, N, H], w_gate/w_up[E_local, H, F],
+    w_down[E_local, F, H] -> [E_local, N, H] in xb's dtype (weights cast to it);
+    `down(silu(x @ gate) * (x @ up))` per expert.
+
+    counts: None, or int32[E_local] rows in use per expert (rows `counts[e]..N-1` of
+    expert e are then taken as empty: their output is zero and they get no gradient).
+    Without counts, every row is computed, as batched matmuls. With counts, the rows
+    are cut into tiles of `tile` and only tiles holding a row in use are computed,
+    forward and backward (a loop over tiles with a hand-written backward), so the work
+    follows the routed rows (rounded up to a tile per expert), not N.
+    """
+    _check_blocks(xb, w_gate, w_up, w_down)
+    dt = xb.dtype
+    w_gate, w_up, w_down = (w.astype(dt) for w in (w_gate, w_up, w_down))
+    if counts is None:
+        g = jnp.einsum("enh,ehf->enf", xb, w_gate)
+        u = jnp.einsum("enh,ehf->enf", xb, w_up)
+        return jnp.einsum("enf,efh->enh", jax.nn.silu(g) * u, w_down)
+    if counts.shape != (xb.shape[0],):
+        raise ValueError(f"counts must be [E_local={xb.shape[0]}], got {counts.shape}")
+    tile = int(tile)
+    if tile < 1:
+        raise ValueError(f"tile must be >= 1, got {tile}")
+    n = xb.shape[1]
+    tile = min(tile, n)
+    pad = -n % tile
+    if pad:
+        xb = jnp.pad(xb, ((0, 0), (0, pad), (0, 0)))
+    # One varying-axis set for all inputs, taken outside the custom_vjp so that autodiff
+    # sums the weights' cotangents over the axes the weights do not vary over.
+    axes = frozenset().union(*(_varying(a) for a in (xb, counts, w_gate, w_up, w_down)))
+    xb, counts, w_gate, w_up, w_down = (_vary(a, axes) for a in
+                                        (xb, counts.astype(jnp.int32), w_gate, w_up,
+                                         w_down))
+    y = _swiglu_tiles(xb, counts, w_gate, w_up, w_down, tile)
+    return y[:, :n] if pad else y
+
+
+def _varying(a) -> frozenset:
+    """The manual mesh axes `a` varies over (inside shard_map; empty outside)."""
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(t, "vma", frozenset()) or ())
+
+
+def _vary(a, axes):
+    """`a` marked varying over `axes` too (shard_map types loop carries and branches by
+    the axes they vary over, so all must agree)."""
+    missing = tuple(sorted(frozenset(axes) - _varying(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _tile_mask(i, tile, count):
+    """bool[tile, 1]: rows of tile i below `count`."""
+    return (i * tile + jnp.arange(tile))[:, None] < count
+
+
+def _swiglu_tiles_fwd_loop(xb, counts, w_gate, w_up, w_down, tile):
+    e, n, h = xb.shape
+    nt = n // tile
+
+    def per_expert(_, a):
+        x, wg, wu, wd, c = a
+
+        def per_tile(_, b):
+            xt, i = b
+
+            def on():
+                y = (jax.nn.silu(xt @ wg) * (xt @ wu)) @ wd
+                return jnp.where(_tile_mask(i, tile, c), y, 0).astype(xt.dtype)
+
+            return None, jax.lax.cond(i * tile < c, on, lambda: jnp.zeros_like(xt))
+
+        _, y = jax.lax.scan(per_tile, None, (x.reshape(nt, tile, h), jnp.arange(nt)))
+        return None, y.reshape(n, h)
+
+    return jax.lax.scan(per_expert, None, (xb, w_gate, w_up, w_down, counts))[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _swiglu_tiles(xb, counts, w_gate, w_up, w_down, tile):
+    return _swiglu_tiles_fwd_loop(xb, counts, w_gate, w_up, w_down, tile)
+
+
+def _swiglu_tiles_fwd(xb, counts, w_gate, w_up, w_down, tile):
+    # Residuals are the inputs; the backward recomputes x @ gate and x @ up per tile
+    # (two of the forward's three matmuls) instead of holding [E, N, F] activations.
+    y = _swiglu_tiles_fwd_loop(xb, counts, w_gate, w_up, w_down, tile)
+    return y, (xb, counts, w_gate, w_up, w_down)
+
+
+def _swiglu_tiles_bwd(tile, res, dy):
+    xb, counts, w_gate, w_up, w_down = res
+    e, n, h = xb.shape
+    f = w_gate.shape[2]
+    nt = n // tile
+    f32 = jnp.float32
+
+    def per_expert(_, a):
+        x, dyy, wg, wu, wd, c = a
+
+        def per_tile(acc, b):
+            xt, dyt, i = b
+
+            def on(acc):
+                dwg, dwu, dwd = acc
+                dyt_ = jnp.where(_tile_mask(i, tile, c), dyt, 0)
+                g = jnp.matmul(xt, wg, preferred_element_type=f32)
+                u = jnp.matmul(xt, wu, preferred_element_type=f32)
+                s = jax.nn.sigmoid(g)
+                act = g * s
+                hid = (act * u).astype(xt.dtype)
+                dh = jnp.matmul(dyt_, wd.T, preferred_element_type=f32)
+                du = (dh * act).astype(xt.dtype)
+                dg = (dh * u * (s * (1 + g * (1 - s)))).astype(xt.dtype)
+                dx = (jnp.matmul(dg, wg.T, preferred_element_type=f32)
+                      + jnp.matmul(du, wu.T, preferred_element_type=f32))
+                acc = (dwg + jnp.matmul(xt.T, dg, preferred_element_type=f32),
+                       dwu + jnp.matmul(xt.T, du, preferred_element_type=f32),
+                       dwd + jnp.matmul(hid.T, dyt_, preferred_element_type=f32))
+                return acc, dx.astype(xt.dtype)
+
+            return jax.lax.cond(i * tile < c, on, lambda acc: (acc, jnp.zeros_like(xt)),
+                                acc)
+
+        axes = _varying(x)
+        zero = tuple(_vary(jnp.zeros(shape, f32), axes) for shape in ((h, f), (h, f), (f, h)))
+        (dwg, dwu, dwd), dx = jax.lax.scan(
+            per_tile, zero, (x.reshape(nt, tile, h), dyy.reshape(nt, tile, h),
+                             jnp.arange(nt)))
+        return None, (dx.reshape(n, h), dwg.astype(wg.dtype), dwu.astype(wu.dtype),
+                      dwd.astype(wd.dtype))
+
+    _, (dx, dwg, dwu, dwd) = jax.lax.scan(per_expert, None,
+                                          (xb, dy, w_gate, w_up, w_down, counts))
+    return dx, None, dwg, dwu, dwd
+
+
+_swiglu_tiles.defvjp(_swiglu_tiles_fwd, _swiglu_tiles_bwd)
+
+
+def scatter_blocks(yb, groups: Groups, num_rows: int):
+    """yb[E_local, cap, H] -> float32[num_rows, H]: row i is the sum, over the places
+    holding row i, of weight * yb (in float32, experts ascending); empty places add
+    nothing."""
+    h = yb.shape[-1]
+    vals = yb.astype(jnp.float32) * groups.weights[..., None]
+    return jnp.zeros((num_rows, h), jnp.float32).at[groups.rows.reshape(-1)].add(
+        vals.reshape(-1, h), mode="drop")
+
+
+def _tile_grads(xt, g, u, dyt, scale, wg, wu, wd):
+    """Backward of one tile of `scale * down(silu(x @ gate) * (x @ up))` (per-row scale):
+    xt[tile, H] (compute dtype), g/u[tile, F] (x @ gate, x @ up), dyt[tile, H] the
+    output's cotangent, scale float32[tile]. Returns (dx float32[tile, H], dwg, dwu
+    float32[H, F], dwd float32[F, H], dscale float32[tile])."""
+    f32, dt = jnp.float32, xt.dtype
+    g, u = g.astype(f32), u.astype(f32)
+    s = jax.nn.sigmoid(g)
+    act = g * s
+    hid = act * u
+    dh0 = jnp.matmul(dyt.astype(dt), wd.T, preferred_element_type=f32)
+    dscale = jnp.sum(dh0 * hid, axis=-1)  # <dy, out> = <dy @ wd^T, hid>
+    dh = dh0 * scale[:, None]
+    dyt = dyt * scale[:, None]
+    du = (dh * act).astype(dt)
+    dg = (dh * u * (s * (1 + g * (1 - s)))).astype(dt)
+    dx = (jnp.matmul(dg, wg.T, preferred_element_type=f32)
+          + jnp.matmul(du, wu.T, preferred_element_type=f32))
+    return (dx, jnp.matmul(xt.T, dg, preferred_element_type=f32),
+            jnp.matmul(xt.T, du, preferred_element_type=f32),
+            jnp.matmul(hid.astype(dt).T, dyt.astype(dt), preferred_element_type=f32),
+            dscale)
+
+
+def _fused_fwd_loop(x, rows, weights, counts, w_gate, w_up, w_down, tile):
+    """y float32[C, H] and the activations (g, u) [E, cap, F] of every place (zero in
+    tiles not computed)."""
+    c_rows, h = x.shape
+    e, cap = rows.shape
+    f = w_gate.shape[2]
+    nt = cap // tile
+    axes = _varying(x)
+
+    def per_expert(y, a):
+        r, w, c, wg, wu, wd = a
+
+        def per_tile(y, b):
+            rt, wt, i = b
+
+            def on(y):
+                xt = jnp.take(x, rt, axis=0, mode="fill", fill_value=0)
+                g, u = xt @ wg, xt @ wu
+                out = (jax.nn.silu(g) * u) @ wd
+                y = y.at[rt].add(out.astype(jnp.float32) * wt[:, None], mode="drop")
+                return y, (g, u)
+
+            def off(y):
+                z = _vary(jnp.zeros((tile, f), x.dtype), axes)
+                return y, (z, z)
+
+            return jax.lax.cond(i * tile < c, on, off, y)
+
+        return jax.lax.scan(per_tile, y, (r.reshape(nt, tile), w.reshape(nt, tile),
+                                          jnp.arange(nt)))
+
+    y0 = _vary(jnp.zeros((c_rows, h), jnp.float32), axes)
+    y, (g, u) = jax.lax.scan(per_expert, y0, (rows, weights, counts, w_gate, w_up, w_down))
+    return y, g.reshape(e, cap, f), u.reshape(e, cap, f)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _fused(x, rows, weights, counts, w_gate, w_up, w_down, tile):
+    return _fused_fwd_loop(x, rows, weights, counts, w_gate, w_up, w_down, tile)[0]
+
+
+def _fused_fwd(x, rows, weights, counts, w_gate, w_up, w_down, tile):
+    y, g, u = _fused_fwd_loop(x, rows, weights, counts, w_gate, w_up, w_down, tile)
+    return y, (x, rows, weights, counts, w_gate, w_up, w_down, g, u)
+
+
+def _fused_bwd(tile, res, dy):
+    x, rows, weights, counts, w_gate, w_up, w_down, g_all, u_all = res
+    c_rows, h = x.shape
+    e, cap = rows.shape
+    f = w_gate.shape[2]
+    nt = cap // tile
+    f32 = jnp.float32
+    axes = _varying(x)
+
+    def per_expert(dx, a):
+        r, w, c, wg, wu, wd, ga, ua = a
+
+        def per_tile(carry, b):
+            rt, wt, gt, ut, i = b
+
+            def on(carry):
+                dx, dwg, dwu, dwd = carry
+                xt = jnp.take(x, rt, axis=0, mode="fill", fill_value=0)
+                dyt = jnp.take(dy, rt, axis=0, mode="fill", fill_value=0)
+                dxt, gwg, gwu, gwd, dwt = _tile_grads(xt, gt, ut, dyt, wt, wg, wu, wd)
+                dx = dx.at[rt].add(dxt, mode="drop")
+                return (dx, dwg + gwg, dwu + gwu, dwd + gwd), dwt
+
+            def off(carry):
+                return carry, _vary(jnp.zeros((tile,), f32), axes)
+
+            return jax.lax.cond(i * tile < c, on, off, carry)
+
+        zero = tuple(_vary(jnp.zeros(sh, f32), axes) for sh in ((h, f), (h, f), (f, h)))
+        (dx, dwg, dwu, dwd), dw = jax.lax.scan(
+            per_tile, (dx, *zero),
+            (r.reshape(nt, tile), w.reshape(nt, tile), ga.reshape(nt, tile, f),
+             ua.reshape(nt, tile, f), jnp.arange(nt)))
+        return dx, (dw.reshape(cap), dwg.astype(wg.dtype), dwu.astype(wu.dtype),
+                    dwd.astype(wd.dtype))
+
+    dx0 = _vary(jnp.zeros((c_rows, h), f32), axes)
+    dx, (dw, dwg, dwu, dwd) = jax.lax.scan(
+        per_expert, dx0, (rows, weights, counts, w_gate, w_up, w_down, g_all, u_all))
+    return dx.astype(x.dtype), None, dw, None, dwg, dwu, dwd
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity: int,
+                   tile: int = 128):
+    """The experts' part of an MoE layer on one rank.
+
+    x[C, H] (received rows), topk_idx[C, K] int32 local ids (-1: elsewhere),
+    topk_weights[C, K] float32, w_gate/w_up[E_local, H, F], w_down[E_local, F, H];
+    `capacity` static places per expert. Returns (y float32[C, H], groups): y[i] =
+    sum over the kept pairs (i, k) of topk_weights[i, k] * SwiGLU_{topk_idx[i, k]}(x[i]).
+
+    One loop over (expert, tile of `tile` places) computes only tiles holding a kept
+    pair, gathering its rows from x and adding its weighted outputs onto y in place (no
+    `[E_local, capacity, H]` copies); the backward is the same loop. The activations
+    x @ gate and x @ up of the places ([E_local, capacity, F] each) are kept for it.
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x must be [C, H], got shape {x.shape}")
+    _check_blocks(jnp.zeros((w_gate.shape[0], 0, x.shape[1]), x.dtype), w_gate, w_up,
+                  w_down)
+    groups = group_by_expert(topk_idx, topk_weights, w_gate.shape[0], capacity)
+    used = jnp.minimum(groups.counts, capacity)
+    dt = x.dtype
+    tile = max(1, min(int(tile), capacity))
+    rows, weights = groups.rows, groups.weights
+    pad = -capacity % tile
+    if pad:
+        rows = jnp.pad(rows, ((0, 0), (0, pad)), constant_values=x.shape[0])
+        weights = jnp.pad(weights, ((0, 0), (0, pad)))
+    args = (x, rows, weights, used, *(w.astype(dt) for w in (w_gate, w_up, w_down)))
+    axes = frozenset().union(*(_varying(a) for a in args))
+    y = _fused(*(_vary(a, axes) for a in args), tile)
+    return y, groups

@@ -1,0 +1,183 @@
+"""jax_ep.experts: grouping by expert, capacity drops, tiled SwiGLU, gradients."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from jax_ep import experts as ex
+
+
+def _routing(C, K, el, fill, seed):
+    """Received-style routing: the first `fill` rows name 1..min(K, el) distinct local
+    experts in [0, el) at random slots (-1 elsewhere); the rest are empty."""
+    rng = np.random.default_rng(seed)
+    idx = np.full((C, K), -1, np.int32)
+    for i in range(fill):
+        n = rng.integers(1, min(K, el) + 1)
+        slots = rng.choice(K, n, replace=False)
+        idx[i, slots] = rng.choice(el, n, replace=False)
+    w = (rng.random((C, K)).astype(np.float32) + 0.1) * (idx >= 0)
+    return idx, w
+
+
+def _weights(el, H, F, seed, scale=0.3):
+    rng = np.random.default_rng(seed)
+    return tuple(np.asarray(rng.standard_normal(s) * scale, np.float32)
+                 for s in ((el, H, F), (el, H, F), (el, F, H)))
+
+
+def _np_kept(idx, el, cap):
+    """bool[C, K]: pairs kept when each expert keeps its first `cap` pairs in (row, slot)
+    order."""
+    kept = np.zeros(idx.shape, bool)
+    seen = np.zeros(el, int)
+    for i in range(idx.shape[0]):
+        for k in range(idx.shape[1]):
+            e = idx[i, k]
+            if e >= 0:
+                kept[i, k] = seen[e] < cap
+                seen[e] += 1
+    return kept
+
+
+def _np_grouped(x, idx, w, wg, wu, wd, cap):
+    x, wg, wu, wd = (np.asarray(a, np.float64) for a in (x, wg, wu, wd))
+    kept = _np_kept(idx, wg.shape[0], cap)
+    y = np.zeros_like(x)
+    for i in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            if kept[i, k]:
+                e = idx[i, k]
+                g = x[i] @ wg[e]
+                y[i] += w[i, k] * ((g / (1 + np.exp(-g))) * (x[i] @ wu[e])) @ wd[e]
+    return y, int((idx >= 0).sum() - kept.sum())
+
+
+def test_group_by_expert_layout_and_drops():
+    idx = np.array([[0, 2], [1, -1], [0, 1], [-1, 2], [0, -1], [-1, -1]], np.int32)
+    w = np.arange(1, 13, dtype=np.float32).reshape(6, 2) * (idx >= 0)
+    g = jax.jit(lambda i, w: ex.group_by_expert(i, w, 3, 2))(idx, w)
+    C = 6
+    np.testing.assert_array_equal(g.rows, [[0, 2], [1, 2], [0, 3]])
+    np.testing.assert_array_equal(g.weights, [[1, 5], [3, 6], [2, 8]])
+    np.testing.assert_array_equal(g.counts, [3, 2, 2])
+    assert int(g.dropped) == 1  # expert 0's third pair (row 4)
+    g = ex.group_by_expert(jnp.asarray(idx), jnp.asarray(w), 3, 4)
+    np.testing.assert_array_equal(g.rows, [[0, 2, 4, C], [1, 2, C, C], [0, 3, C, C]])
+    np.testing.assert_array_equal(g.weights, [[1, 5, 9, 0], [3, 6, 0, 0], [2, 8, 0, 0]])
+    assert int(g.dropped) == 0
+
+
+@pytest.mark.parametrize("cap,tile", [(40, 128), (12, 8), (7, 4), (3, 2)])
+def test_grouped_swiglu_matches_numpy(cap, tile):
+    C, K, el, H, F = 40, 3, 4, 8, 12
+    idx, w = _routing(C, K, el, fill=31, seed=cap)
+    x = np.random.default_rng(1).standard_normal((C, H)).astype(np.float32)
+    x[31:] = 0
+    wg, wu, wd = _weights(el, H, F, seed=2)
+    f = jax.jit(lambda *a: ex.grouped_swiglu(*a, capacity=cap, tile=tile))
+    y, groups = f(x, idx, w, wg, wu, wd)
+    want, dropped = _np_grouped(x, idx, w, wg, wu, wd, cap)
+    assert y.dtype == jnp.float32 and y.shape == (C, 8)
+    np.testing.assert_allclose(y, want, rtol=2e-5, atol=2e-5)
+    assert int(groups.dropped) == dropped
+    if cap >= C:
+        assert dropped == 0
+    else:
+        assert dropped > 0
+
+
+def test_grouped_swiglu_grads_match_batched_blocks():
+    """The loop's hand-written backward against autodiff of the batched blocks."""
+    C, K, el, H, F, cap = 48, 4, 4, 16, 8, 20
+    idx, w = _routing(C, K, el, fill=40, seed=3)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((C, H)).astype(np.float32)
+    ct = rng.standard_normal((C, H)).astype(np.float32)
+    ws = _weights(el, H, F, seed=5)
+
+    def fused(x, w, wg, wu, wd):
+        return ex.grouped_swiglu(x, idx, w, wg, wu, wd, capacity=cap, tile=8)[0]
+
+    def blocks(x, w, wg, wu, wd):
+        g = ex.group_by_expert(jnp.asarray(idx), w, el, cap)
+        yb = ex.swiglu_blocks(ex.gather_blocks(x, g.rows), wg, wu, wd)
+        return ex.scatter_blocks(yb, g, C)
+
+    args = (x, w, *ws)
+    ya, va = jax.vjp(fused, *args)
+    yb, vb = jax.vjp(blocks, *args)
+    np.testing.assert_allclose(ya, yb, rtol=1e-5, atol=1e-5)
+    for a, b in zip(va(jnp.asarray(ct)), vb(jnp.asarray(ct))):
+        assert float(jnp.abs(b).max()) > 0
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_swiglu_numerical_grads():
+    C, K, el, H, F, cap = 12, 2, 2, 4, 6, 5
+    idx, w = _routing(C, K, el, fill=10, seed=6)
+    x = np.random.default_rng(7).standard_normal((C, H)).astype(np.float32)
+    ws = _weights(el, H, F, seed=8, scale=0.5)
+
+    def f(x, w, wg, wu, wd):
+        return ex.grouped_swiglu(x, idx, w, wg, wu, wd, capacity=cap, tile=2)[0]
+
+    check_grads(f, (x, w, *ws), order=1, modes=("rev",), eps=1e-2, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("tile", [4, 5, 64])
+def test_swiglu_blocks_counts(tile):
+    el, N, H, F = 3, 13, 8, 4
+    rng = np.random.default_rng(9)
+    xb = rng.standard_normal((el, N, H)).astype(np.float32)
+    ws = _weights(el, H, F, seed=10)
+    counts = np.array([13, 0, 6], np.int32)
+    mask = (np.arange(N)[None, :] < counts[:, None])[..., None]
+    dense = ex.swiglu_blocks(jnp.asarray(xb), *ws)
+    got = jax.jit(lambda xb, c, *w: ex.swiglu_blocks(xb, *w, c, tile=tile))(xb, counts, *ws)
+    np.testing.assert_allclose(got, np.where(mask, dense, 0), rtol=1e-5, atol=1e-5)
+    ct = jnp.asarray(rng.standard_normal((el, N, H)), jnp.float32)
+    _, va = jax.vjp(lambda xb, *w: ex.swiglu_blocks(xb, *w, jnp.asarray(counts), tile=tile),
+                    jnp.asarray(xb), *ws)
+    _, vb = jax.vjp(lambda xb, *w: ex.swiglu_blocks(xb * mask, *w) * mask, jnp.asarray(xb),
+                    *ws)
+    for a, b in zip(va(ct), vb(ct)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_close_to_float32():
+    C, K, el, H, F, cap = 32, 2, 2, 16, 16, 32
+    idx, w = _routing(C, K, el, fill=30, seed=11)
+    x = np.random.default_rng(12).standard_normal((C, H)).astype(np.float32)
+    ws = _weights(el, H, F, seed=13)
+    y32 = ex.grouped_swiglu(jnp.asarray(x), idx, w, *ws, capacity=cap)[0]
+    y16 = ex.grouped_swiglu(jnp.asarray(x, jnp.bfloat16), idx, w, *ws, capacity=cap)[0]
+    assert y16.dtype == jnp.float32
+    np.testing.assert_allclose(y16, y32, rtol=5e-2, atol=5e-2)
+    g = jax.grad(lambda x: jnp.sum(ex.grouped_swiglu(x, idx, w, *ws, capacity=cap)[0]))(
+        jnp.asarray(x, jnp.bfloat16))
+    assert g.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
+
+
+def test_expert_capacity_and_errors():
+    assert ex.expert_capacity(1024 * 4, 4, 1.25) == 1280
+    assert ex.expert_capacity(100, 3, 1.0) == 40          # ceil(33.3) -> 34 -> 40
+    assert ex.expert_capacity(100, 3, 1.0, multiple=1) == 34
+    assert ex.expert_capacity(4096, 4, 2.0, limit=1500) == 1500
+    for bad in (0, -1.0, "2", True):
+        with pytest.raises(ValueError, match="capacity_factor"):
+            ex.expert_capacity(16, 2, bad)
+    idx = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match="capacity"):
+        ex.group_by_expert(idx, jnp.zeros((4, 2)), 2, 0)
+    with pytest.raises(ValueError, match="topk_weights"):
+        ex.group_by_expert(idx, jnp.zeros((4, 3)), 2, 4)
+    with pytest.raises(ValueError, match="swiglu_blocks"):
+        ex.swiglu_blocks(jnp.zeros((2, 4, 8)), jnp.zeros((2, 8, 4)), jnp.zeros((2, 8, 4)),
+                         jnp.zeros((2, 4)))
+    with pytest.raises(ValueError, match="counts"):
+        ex.swiglu_blocks(jnp.zeros((2, 4, 8)), jnp.zeros((2, 8, 4)), jnp.zeros((2, 8, 4)),
+                         jnp.zeros((2, 4, 8)), jnp.zeros((3,), jnp.int32))
