@@ -54,14 +54,35 @@ __device__ __forceinline__ bool aligned16(const void* a, const void* b, size_t n
   return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) | n) & 15u) == 0;
 }
 
-// Copies one row of `n` bytes with the 32 lanes of a warp. `src` may have been written
-// by a peer during this kernel (loads bypass L1).
+// 16-byte load of a row source: kInput for XLA inputs (read-only while the kernel runs),
+// else data a peer wrote into our buffer (bypasses L1, coherent at L2).
+template <bool kInput>
+__device__ __forceinline__ uint4 load_row16(const char* p) {
+  if constexpr (kInput) return peer::load_nc16(p);
+  else return peer::load_cg16(p);
+}
+
+// Vectors each lane keeps in flight in the row copies: one 16-byte load per lane leaves
+// most of the memory latency exposed, so loads are issued in batches before any store.
+constexpr int kCopyUnroll = 4;
+
+// Copies one row of `n` bytes with the 32 lanes of a warp. kInput: `src` is an XLA input;
+// otherwise a peer may have written it during this kernel (loads bypass L1).
+template <bool kInput>
 __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, size_t n, int lane) {
   if (aligned16(dst, src, n)) {
     const size_t nv = n / 16;
     const char* s = static_cast<const char*>(src);
     uint4* d = static_cast<uint4*>(dst);
-    for (size_t i = lane; i < nv; i += 32) d[i] = peer::load_cg16(s + i * 16);
+    size_t i = lane;
+    for (; i + 32 * (kCopyUnroll - 1) < nv; i += 32 * kCopyUnroll) {
+      uint4 v[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) v[u] = load_row16<kInput>(s + (i + 32 * u) * 16);
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) d[i + 32 * u] = v[u];
+    }
+    for (; i < nv; i += 32) d[i] = load_row16<kInput>(s + i * 16);
   } else {
     const char* s = static_cast<const char*>(src);
     char* d = static_cast<char*>(dst);

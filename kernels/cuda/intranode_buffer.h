@@ -23,6 +23,14 @@
 //             arrive[gather][s] = n on q; q copies them into place.
 // A request is posted only after the previous epoch's data was consumed, so requests
 // double as credits for combine and gather.
+//
+// Call sites: every request and every data signal is preceded by the sender's call-site
+// id (site_req / site_arr), which the receiver compares with its own after its wait, so
+// two different EP calls that meet by mistake (XLA running them at once, or ranks whose
+// programs differ) are reported instead of mixing their data. A rank that has recorded
+// a protocol error (timeout, call-site mismatch, rank mismatch, failed peer) keeps
+// signalling, so no peer is left behind, but moves no data and sends kSiteFailed in
+// place of its site: its peers record kErrPeerFailed and skip their work as well.
 #pragma once
 
 #include <cstddef>
@@ -63,9 +71,16 @@ struct alignas(128) RankHeader {
   int32_t req_n[kNumOpKinds][kMaxRanks];   // rows peer p wants from me
   int32_t own_lo[kMaxRanks];               // combine scratch: my request to rank r
   int32_t own_n[kMaxRanks];
+  int64_t site_req[kNumOpKinds][kMaxRanks];  // written by peer p before request[k][p]
+  int64_t site_arr[kNumOpKinds][kMaxRanks];  // written by peer p before arrive[k][p]
 };
 static_assert(sizeof(RankHeader) <= kHeaderBytes, "header too large");
 constexpr int32_t kHeaderMagic = 0x4a455031;  // "JEP1"
+// Bytes at the start of a header that setup writes (rank, group, num_ranks, magic) and
+// jax_ep.cuda.reset() keeps; everything after them is protocol state reset re-zeroes.
+constexpr size_t kHeaderIdentityBytes = 4 * sizeof(int32_t);
+// Sent in place of a call-site id by a rank that has a protocol error recorded.
+constexpr int64_t kSiteFailed = -1;
 
 // Device-side error record, sticky (the first error wins). Codes:
 enum ErrorCode : int32_t {
@@ -74,7 +89,15 @@ enum ErrorCode : int32_t {
   kErrTimeout = 2,      // a = peer rank, b = op kind, c = epoch
   kErrBadHandle = 3,    // a = row or token, b = rank field, c = value, d = op kind
   kErrRankMismatch = 4, // a = rank given, b = rank in setup, c = group given, d = group
+  kErrCallSite = 5,     // a = peer rank, b = op kind, c = peer's call site, d = mine
+  kErrPeerFailed = 6,   // a = peer rank, b = op kind: the peer had an error and skipped
 };
+// Errors after which the protocol keeps running but no data moves (see the top);
+// bad ids and foreign handles are repaired (treated as unused) and only reported.
+JEP_HDX bool IsProtocolError(int32_t code) {
+  return code == kErrTimeout || code == kErrRankMismatch || code == kErrCallSite ||
+         code == kErrPeerFailed;
+}
 struct ErrorRecord {
   int32_t code;
   int32_t rank;  // rank that saw it (virtual rank in the harness)
@@ -157,6 +180,7 @@ struct CommonArgs {
   const int32_t* group_in;
   ErrorRecord* host_err;    // mapped host mirror (may be null)
   int64_t timeout_ns;
+  int64_t call_site;        // the call's id (same on every rank of a correct program)
 };
 
 struct DispatchArgs {

@@ -3,6 +3,11 @@
 // rank (plan, push, finish; see kernels/cuda_kernels.h). Rows land in the XLA outputs in
 // the contract's order (source rank, then token), with the routing math of
 // kernels/layout_math.h, so results match the CPU backend bit for bit.
+//
+// Failing safely (see intranode_buffer.h): every kernel keeps the protocol going (epochs,
+// requests, signals) whatever happened, so ranks never fall out of step; after a protocol
+// error it moves no data, writes empty outputs and tells its peers (kSiteFailed). Once a
+// timeout is recorded, waits return at once. jax_ep.cuda.reset() clears all of it.
 #include <climits>
 #include <cstdint>
 
@@ -14,24 +19,65 @@ namespace jax_ep {
 namespace {
 
 __device__ ErrorRecord g_intranode_error;
+// Non-zero once a timeout is recorded on this GPU: every later wait returns at once.
+__device__ int32_t g_intranode_stop;
 
 __device__ __forceinline__ void report(const CommonArgs& c, int32_t code, int32_t a, int32_t b,
                                        int32_t x, int32_t d) {
+  if (code == kErrTimeout) atomicExch(&g_intranode_stop, 1);
   record_error(&g_intranode_error, c.host_err, code, c.me, a, b, x, d);
+}
+
+// Whether this GPU has a protocol error recorded: its kernels then move no data.
+__device__ __forceinline__ bool failed() {
+  return IsProtocolError(*reinterpret_cast<const volatile int32_t*>(&g_intranode_error.code));
+}
+
+// The call-site id this rank sends with a request or a data signal.
+__device__ __forceinline__ int64_t site_to_send(const CommonArgs& c) {
+  return failed() ? kSiteFailed : c.call_site;
 }
 
 // Waits for `flags[r] >= value` for every rank r, all within one timeout; a timeout is
 // recorded, not fatal (the caller carries on, so a missing peer never hangs the GPU).
-__device__ void wait_all(const CommonArgs& c, const uint64_t* flags, uint64_t value, int kind) {
+// Returns false on a timeout, now or earlier on this GPU.
+__device__ bool wait_all(const CommonArgs& c, const uint64_t* flags, uint64_t value, int kind) {
   const uint64_t start = peer::global_timer_ns();
   for (int r = 0; r < c.num_ranks; ++r) {
     const int64_t used = static_cast<int64_t>(peer::global_timer_ns() - start);
     const int64_t left = c.timeout_ns > used ? c.timeout_ns - used : 1;
-    if (!peer::wait_geq(&flags[r], value, left)) {
+    if (!peer::wait_geq(&flags[r], value, left, &g_intranode_stop)) {
+      // The first timeout is recorded (first error wins); waits cut short by it add none.
       report(c, kErrTimeout, r, kind, static_cast<int32_t>(value), 0);
-      return;
+      return false;
     }
   }
+  return true;
+}
+
+// After a successful wait: every peer's call-site id (written before its signal) must be
+// this call's. A peer that sent kSiteFailed had an error and moved no data.
+__device__ void check_sites(const CommonArgs& c, const int64_t* sites, int kind) {
+  for (int r = 0; r < c.num_ranks; ++r) {
+    const int64_t got = *reinterpret_cast<const volatile int64_t*>(&sites[r]);
+    if (got == c.call_site) continue;
+    if (got == kSiteFailed)
+      report(c, kErrPeerFailed, r, kind, 0, 0);
+    else
+      report(c, kErrCallSite, r, kind, static_cast<int32_t>(got), static_cast<int32_t>(c.call_site));
+    return;
+  }
+}
+
+// Thread 0: waits for every peer's signal of epoch n, checks their call sites, and tells
+// whether this kernel must skip its data work.
+__device__ bool wait_and_check(const CommonArgs& c, const uint64_t* flags, const int64_t* sites,
+                               uint64_t n, int kind) {
+  if (wait_all(c, flags, n, kind)) {
+    __threadfence();
+    check_sites(c, sites, kind);
+  }
+  return failed();
 }
 
 // Checks the rank and group scalars XLA passed against the group set up on this device.
@@ -127,15 +173,20 @@ __device__ void chunk_positions(uint32_t bits, int R, int32_t (*s_warp)[kMaxRank
 __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(DispatchArgs a) {
   __shared__ int32_t s_warp[kPlanThreads / 32][kMaxRanks];
   __shared__ int32_t s_run[kMaxRanks];
+  __shared__ bool s_fail;
   const int R = a.c.num_ranks;
-  if (threadIdx.x == 0) begin_epoch(a.c, kOpDispatch);
+  if (threadIdx.x == 0) {
+    begin_epoch(a.c, kOpDispatch);
+    s_fail = failed();  // then this rank sends nothing (its counts are all zero)
+  }
   if (threadIdx.x < R) s_run[threadIdx.x] = 0;
   for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) a.recv_per_expert[e] = 0;
   __syncthreads();
+  const bool fail = s_fail;
   int32_t pos[kMaxRanks];
   for (int base = 0; base < a.T; base += blockDim.x) {
     const int t = base + threadIdx.x;
-    const uint32_t mask = t < a.T ? token_mask(a, t, true) : 0u;
+    const uint32_t mask = (t < a.T && !fail) ? token_mask(a, t, true) : 0u;
     chunk_positions(mask, R, s_warp, s_run, pos);
     if (t < a.T) {
       int32_t* out = a.send_row + static_cast<int64_t>(t) * R;
@@ -148,18 +199,20 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(DispatchArg
 
 __global__ void dispatch_push_kernel(DispatchArgs a) {
   __shared__ uint64_t s_n;
+  __shared__ bool s_fail;
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   RankHeader* hdr = peer::header(a.c.peers, me);
   if (threadIdx.x == 0) {
     s_n = hdr->seq[kOpDispatch];
     wait_all(a.c, hdr->credit, s_n - 1, kOpDispatch);  // receivers done with epoch n - 1
+    s_fail = failed();
   }
   __syncthreads();
   const int rows_cap = RowsCap(a.T, a.C);
   const DispatchRegion reg = DispatchRegion::Make(rows_cap, a.row_bytes, a.K);
   const size_t stride = RowStride(a.row_bytes);
   const size_t region_off = a.c.area_off + static_cast<size_t>(me) * reg.bytes;
-  for (int t = global_warp(); t < a.T; t += total_warps()) {
+  for (int t = s_fail ? a.T : global_warp(); t < a.T; t += total_warps()) {
     const int32_t pos_l = lane < R ? a.send_row[static_cast<int64_t>(t) * R + lane] : -1;
     const uint32_t keep = __ballot_sync(kFullMask, pos_l >= 0 && pos_l < rows_cap);
     const char* src = static_cast<const char*>(a.x) + static_cast<int64_t>(t) * a.row_bytes;
@@ -169,7 +222,7 @@ __global__ void dispatch_push_kernel(DispatchArgs a) {
       const int r = __ffs(m) - 1;
       const int32_t pos = __shfl_sync(kFullMask, pos_l, r);
       char* region = peer::peer_ptr(a.c.peers, r, region_off);
-      warp_copy_row(region + reg.x_off + pos * stride, src, a.row_bytes, lane);
+      warp_copy_row<true>(region + reg.x_off + pos * stride, src, a.row_bytes, lane);
       int32_t* didx = reinterpret_cast<int32_t*>(region + reg.idx_off) + static_cast<int64_t>(pos) * a.K;
       float* dw = reinterpret_cast<float*>(region + reg.w_off) + static_cast<int64_t>(pos) * a.K;
       for (int k = lane; k < a.K; k += 32) {
@@ -181,9 +234,12 @@ __global__ void dispatch_push_kernel(DispatchArgs a) {
     }
   }
   if (last_block_done(a.c, kDoneDispatchSend)) {
+    // Checked again here: an error recorded since the start also empties this send.
+    const int64_t site = site_to_send(a.c);
     for (int r = 0; r < R; ++r) {
       RankHeader* ph = peer::header(a.c.peers, r);
-      for (int j = 0; j < R; ++j) ph->counts[me][j] = hdr->my_counts[j];
+      for (int j = 0; j < R; ++j) ph->counts[me][j] = site == kSiteFailed ? 0 : hdr->my_counts[j];
+      ph->site_arr[kOpDispatch][me] = site;
     }
     peer::fence_data();
     for (int r = 0; r < R; ++r) peer::signal(&peer::header(a.c.peers, r)->arrive[kOpDispatch][me], s_n);
@@ -198,18 +254,20 @@ __global__ void dispatch_finish_kernel(DispatchArgs a, bool smem_hist) {
   __shared__ int32_t s_mybase[kMaxRanks];  // first row of my tokens on each receiver
   __shared__ int64_t s_total;
   __shared__ int32_t s_kept;
+  __shared__ bool s_fail;
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   const int el = a.experts_per_rank;
   RankHeader* hdr = peer::header(a.c.peers, me);
   if (threadIdx.x == 0) {
     s_n = hdr->seq[kOpDispatch];
-    wait_all(a.c, hdr->arrive[kOpDispatch], s_n, kOpDispatch);
-    __threadfence();
+    s_fail = wait_and_check(a.c, hdr->arrive[kOpDispatch], hdr->site_arr[kOpDispatch], s_n,
+                            kOpDispatch);
   }
   __syncthreads();
+  const bool fail = s_fail;  // then nothing is received: empty outputs, send_row all -1
   if (threadIdx.x < R) {
     const int r = threadIdx.x;
-    s_cnt[r] = peer::load_volatile(&hdr->counts[r][me]);
+    s_cnt[r] = fail ? 0 : peer::load_volatile(&hdr->counts[r][me]);
     int64_t b = 0;
     for (int s = 0; s < me; ++s) b += peer::load_volatile(&hdr->counts[s][r]);
     s_mybase[r] = static_cast<int32_t>(b < INT_MAX ? b : INT_MAX);
@@ -241,7 +299,7 @@ __global__ void dispatch_finish_kernel(DispatchArgs a, bool smem_hist) {
       const int s = find_segment(s_base, R, i);
       const int j = i - s_base[s];
       const char* region = area + static_cast<size_t>(s) * reg.bytes;
-      warp_copy_row(dst, region + reg.x_off + j * stride, a.row_bytes, lane);
+      warp_copy_row<false>(dst, region + reg.x_off + j * stride, a.row_bytes, lane);
       const int32_t* sidx = reinterpret_cast<const int32_t*>(region + reg.idx_off) + static_cast<int64_t>(j) * a.K;
       const float* sw = reinterpret_cast<const float*>(region + reg.w_off) + static_cast<int64_t>(j) * a.K;
       for (int k = lane; k < a.K; k += 32) {
@@ -276,7 +334,9 @@ __global__ void dispatch_finish_kernel(DispatchArgs a, bool smem_hist) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n_sr;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int32_t raw = a.send_row[e];
-    if (raw >= 0) {
+    if (fail) {
+      a.send_row[e] = -1;
+    } else if (raw >= 0) {
       const int64_t v = static_cast<int64_t>(s_mybase[e % R]) + raw;
       a.send_row[e] = v < a.C ? static_cast<int32_t>(v) : -1;
     }
@@ -299,14 +359,18 @@ __global__ void dispatch_finish_kernel(DispatchArgs a, bool smem_hist) {
 __global__ void __launch_bounds__(kPlanThreads) combine_plan_kernel(CombineArgs a) {
   __shared__ int32_t s_min[kPlanThreads / 32], s_max[kPlanThreads / 32];
   __shared__ uint64_t s_n;
+  __shared__ bool s_fail;
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   RankHeader* hdr = peer::header(a.c.peers, me);
-  if (threadIdx.x == 0) s_n = begin_epoch(a.c, kOpCombine);
+  if (threadIdx.x == 0) {
+    s_n = begin_epoch(a.c, kOpCombine);
+    s_fail = failed();  // then this rank asks for nothing
+  }
   __syncthreads();
   const int rows_cap = RowsCap(a.T, a.C);
   for (int r = 0; r < R; ++r) {
     int32_t lo = INT_MAX, hi = -1;
-    for (int t = threadIdx.x; t < a.T; t += blockDim.x) {
+    for (int t = s_fail ? a.T : threadIdx.x; t < a.T; t += blockDim.x) {
       const int32_t v = a.send_row[static_cast<int64_t>(t) * R + r];
       if (v < -1 || v >= a.C) {
         report(a.c, kErrBadHandle, t, r, v, kOpCombine);
@@ -344,6 +408,8 @@ __global__ void __launch_bounds__(kPlanThreads) combine_plan_kernel(CombineArgs 
     __syncthreads();
   }
   if (threadIdx.x == 0) {
+    const int64_t site = site_to_send(a.c);
+    for (int r = 0; r < R; ++r) peer::header(a.c.peers, r)->site_req[kOpCombine][me] = site;
     peer::fence_data();
     for (int r = 0; r < R; ++r) peer::signal(&peer::header(a.c.peers, r)->request[kOpCombine][me], s_n);
   }
@@ -356,12 +422,12 @@ __global__ void combine_push_kernel(CombineArgs a) {
   RankHeader* hdr = peer::header(a.c.peers, me);
   if (threadIdx.x == 0) {
     s_n = hdr->seq[kOpCombine];
-    wait_all(a.c, hdr->request[kOpCombine], s_n, kOpCombine);
-    __threadfence();
+    const bool fail = wait_and_check(a.c, hdr->request[kOpCombine], hdr->site_req[kOpCombine],
+                                     s_n, kOpCombine);
     int32_t off = 0;
     for (int p = 0; p < R; ++p) {
-      int32_t lo = peer::load_volatile(&hdr->req_lo[p]);
-      int32_t n = peer::load_volatile(&hdr->req_n[kOpCombine][p]);
+      int32_t lo = fail ? 0 : peer::load_volatile(&hdr->req_lo[p]);
+      int32_t n = fail ? 0 : peer::load_volatile(&hdr->req_n[kOpCombine][p]);
       if (lo < 0 || n < 0 || static_cast<int64_t>(lo) + n > a.C) {
         report(a.c, kErrBadHandle, lo, p, n, kOpCombine);
         lo = 0;
@@ -381,9 +447,12 @@ __global__ void combine_push_kernel(CombineArgs a) {
     const int p = find_segment(s_off, R, g);
     const int j = g - s_off[p];
     char* dst = peer::peer_ptr(a.c.peers, p, region_off) + j * stride;
-    warp_copy_row(dst, y + static_cast<int64_t>(s_lo[p] + j) * a.row_bytes, a.row_bytes, lane);
+    warp_copy_row<true>(dst, y + static_cast<int64_t>(s_lo[p] + j) * a.row_bytes, a.row_bytes, lane);
   }
   if (last_block_done(a.c, kDoneCombinePush)) {
+    const int64_t site = site_to_send(a.c);
+    for (int p = 0; p < R; ++p) peer::header(a.c.peers, p)->site_arr[kOpCombine][me] = site;
+    peer::fence_data();
     for (int p = 0; p < R; ++p) peer::signal(&peer::header(a.c.peers, p)->arrive[kOpCombine][me], s_n);
   }
 }
@@ -443,16 +512,18 @@ __global__ void combine_finish_kernel(CombineArgs a) {
   extern __shared__ int32_t s_j[];  // [warps per block][kMaxRanks]: staged row per rank
   __shared__ uint64_t s_n;
   __shared__ int32_t s_lo[kMaxRanks], s_cnt[kMaxRanks];
+  __shared__ bool s_fail;
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   RankHeader* hdr = peer::header(a.c.peers, me);
   if (threadIdx.x == 0) {
     s_n = hdr->seq[kOpCombine];
-    wait_all(a.c, hdr->arrive[kOpCombine], s_n, kOpCombine);
-    __threadfence();
+    s_fail = wait_and_check(a.c, hdr->arrive[kOpCombine], hdr->site_arr[kOpCombine], s_n,
+                            kOpCombine);
   }
-  if (threadIdx.x < R) {
+  __syncthreads();
+  if (threadIdx.x < R) {  // after a failure nothing counts as received: zero outputs
     s_lo[threadIdx.x] = hdr->own_lo[threadIdx.x];
-    s_cnt[threadIdx.x] = hdr->own_n[threadIdx.x];
+    s_cnt[threadIdx.x] = s_fail ? 0 : hdr->own_n[threadIdx.x];
   }
   __syncthreads();
   const size_t stride = RowStride(a.row_bytes);
@@ -477,11 +548,25 @@ __global__ void combine_finish_kernel(CombineArgs a) {
         float acc[E::kPerVec];
 #pragma unroll
         for (int i = 0; i < E::kPerVec; ++i) acc[i] = 0.0f;
-        for (uint32_t m = valid; m != 0; m &= m - 1) {
-          const int r = __ffs(m) - 1;
-          const uint4 q = peer::load_cg16(area + r * region_bytes + my_j[r] * stride + c * 16);
+        // Up to kCopyUnroll ranks' vectors are loaded before any is added (several loads in
+        // flight per lane); the sum still runs over ranks in ascending order.
+        for (uint32_t m = valid; m != 0;) {
+          int rr[kCopyUnroll];
+          uint4 q[kCopyUnroll];
 #pragma unroll
-          for (int i = 0; i < E::kPerVec; ++i) acc[i] += E::get(q, i);
+          for (int u = 0; u < kCopyUnroll; ++u) {
+            rr[u] = m != 0 ? __ffs(m) - 1 : -1;
+            m &= m - 1;
+          }
+#pragma unroll
+          for (int u = 0; u < kCopyUnroll; ++u)
+            if (rr[u] >= 0) q[u] = peer::load_cg16(area + rr[u] * region_bytes + my_j[rr[u]] * stride + c * 16);
+#pragma unroll
+          for (int u = 0; u < kCopyUnroll; ++u)
+            if (rr[u] >= 0) {
+#pragma unroll
+              for (int i = 0; i < E::kPerVec; ++i) acc[i] += E::get(q[u], i);
+            }
         }
         reinterpret_cast<uint4*>(out)[c] = E::pack(acc);
       }
@@ -505,10 +590,15 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(GatherArgs a)
   __shared__ int32_t s_warp[kPlanThreads / 32][kMaxRanks];
   __shared__ int32_t s_run[kMaxRanks];
   __shared__ uint64_t s_n;
+  __shared__ bool s_fail;
   const int R = a.c.num_ranks, me = a.c.me;
-  if (threadIdx.x == 0) s_n = begin_epoch(a.c, kOpGather);
+  if (threadIdx.x == 0) {
+    s_n = begin_epoch(a.c, kOpGather);
+    s_fail = failed();  // then this rank asks for nothing
+  }
   if (threadIdx.x < R) s_run[threadIdx.x] = 0;
   __syncthreads();
+  const bool fail = s_fail;
   const GatherLayout gl = GatherLayout::Make(R, a.T, a.C, a.row_bytes);
   const int cap = RowsCap(a.T, a.C);
   int32_t* slot = reinterpret_cast<int32_t*>(peer::peer_ptr(a.c.peers, me, a.c.area_off + gl.slot_off));
@@ -516,7 +606,7 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(GatherArgs a)
   for (int base = 0; base < a.C; base += blockDim.x) {
     const int i = base + threadIdx.x;
     int32_t s = -1, t = -1;
-    if (i < a.C) {
+    if (i < a.C && !fail) {
       s = a.src_rank[i];
       t = a.src_index[i];
       if (s != -1 && (s < 0 || s >= R || t < 0 || t >= a.T)) {
@@ -545,6 +635,11 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(GatherArgs a)
     const int32_t n = s_run[threadIdx.x];
     peer::header(a.c.peers, threadIdx.x)->req_n[kOpGather][me] = n < cap ? n : cap;
   }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int64_t site = site_to_send(a.c);
+    for (int s = 0; s < R; ++s) peer::header(a.c.peers, s)->site_req[kOpGather][me] = site;
+  }
   peer::fence_data();
   __syncthreads();
   if (threadIdx.x == 0)
@@ -559,12 +654,12 @@ __global__ void gather_push_kernel(GatherArgs a) {
   const GatherLayout gl = GatherLayout::Make(R, a.T, a.C, a.row_bytes);
   if (threadIdx.x == 0) {
     s_n = hdr->seq[kOpGather];
-    wait_all(a.c, hdr->request[kOpGather], s_n, kOpGather);
-    __threadfence();
+    const bool fail = wait_and_check(a.c, hdr->request[kOpGather], hdr->site_req[kOpGather], s_n,
+                                     kOpGather);
     int32_t off = 0;
     for (int q = 0; q < R; ++q) {
       s_off[q] = off;
-      off += peer::load_volatile(&hdr->req_n[kOpGather][q]);
+      if (!fail) off += peer::load_volatile(&hdr->req_n[kOpGather][q]);
     }
     s_off[R] = off;
   }
@@ -578,35 +673,39 @@ __global__ void gather_push_kernel(GatherArgs a) {
     const int32_t t = peer::load_cg_s32(reinterpret_cast<const int32_t*>(area + gl.req_off + q * gl.req_stride) + j);
     char* dst = peer::peer_ptr(a.c.peers, q, a.c.area_off + gl.data_off + me * gl.region_bytes) + j * stride;
     if (t >= 0 && t < a.T)
-      warp_copy_row(dst, g + static_cast<int64_t>(t) * a.row_bytes, a.row_bytes, lane);
+      warp_copy_row<true>(dst, g + static_cast<int64_t>(t) * a.row_bytes, a.row_bytes, lane);
     else
       warp_zero_row(dst, a.row_bytes, lane);
   }
   if (last_block_done(a.c, kDoneGatherPush)) {
+    const int64_t site = site_to_send(a.c);
+    for (int q = 0; q < R; ++q) peer::header(a.c.peers, q)->site_arr[kOpGather][me] = site;
+    peer::fence_data();
     for (int q = 0; q < R; ++q) peer::signal(&peer::header(a.c.peers, q)->arrive[kOpGather][me], s_n);
   }
 }
 
 __global__ void gather_finish_kernel(GatherArgs a) {
   __shared__ uint64_t s_n;
+  __shared__ bool s_fail;
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   RankHeader* hdr = peer::header(a.c.peers, me);
   if (threadIdx.x == 0) {
     s_n = hdr->seq[kOpGather];
-    wait_all(a.c, hdr->arrive[kOpGather], s_n, kOpGather);
-    __threadfence();
+    s_fail = wait_and_check(a.c, hdr->arrive[kOpGather], hdr->site_arr[kOpGather], s_n, kOpGather);
   }
   __syncthreads();
+  const bool fail = s_fail;  // then every output row is zero
   const GatherLayout gl = GatherLayout::Make(R, a.T, a.C, a.row_bytes);
   const size_t stride = RowStride(a.row_bytes);
   const char* area = peer::peer_ptr(a.c.peers, me, a.c.area_off);
   const int32_t* slot = reinterpret_cast<const int32_t*>(area + gl.slot_off);
   for (int i = global_warp(); i < a.C; i += total_warps()) {
     char* dst = static_cast<char*>(a.out) + static_cast<int64_t>(i) * a.row_bytes;
-    const int32_t sl = slot[i];
+    const int32_t sl = fail ? -1 : slot[i];
     if (sl >= 0) {
       const int s = a.src_rank[i];
-      warp_copy_row(dst, area + gl.data_off + s * gl.region_bytes + sl * stride, a.row_bytes, lane);
+      warp_copy_row<false>(dst, area + gl.data_off + s * gl.region_bytes + sl * stride, a.row_bytes, lane);
     } else {
       warp_zero_row(dst, a.row_bytes, lane);
     }
@@ -688,7 +787,12 @@ cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePre
 }
 
 cudaError_t ReadIntranodeError(ErrorRecord* out, bool clear) {
-  return ReadErrorSymbol(g_intranode_error, out, clear);
+  cudaError_t e = ReadErrorSymbol(g_intranode_error, out, clear);
+  if (e == cudaSuccess && clear) {
+    const int32_t zero = 0;
+    e = cudaMemcpyToSymbol(g_intranode_stop, &zero, sizeof(zero));
+  }
+  return e;
 }
 
 }  // namespace jax_ep

@@ -3,7 +3,8 @@
 // here means another transport only has to provide the same calls.
 //   peer_ptr(peers, r, off)   address of byte `off` of rank r's buffer
 //   signal(flag, value)       release store at system scope (after the data it covers)
-//   wait_geq(flag, v, ...)    acquire spin until *flag >= v, bounded by a timeout
+//   wait_geq(flag, v, ...)    acquire spin until *flag >= v, bounded by a timeout and
+//                             abandoned early when a stop word becomes non-zero
 //   fence_data()              orders this thread's remote data writes before a signal
 #pragma once
 
@@ -44,12 +45,16 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// Spins until *flag >= value. Returns false on timeout (the caller records an error
-// and carries on, so a missing peer never hangs the GPU).
-__device__ __forceinline__ bool wait_geq(const uint64_t* flag, uint64_t value, int64_t timeout_ns) {
+// Spins until *flag >= value. Returns false on timeout, or at once when `stop` (if given)
+// reads non-zero: a timeout already recorded on this GPU means a peer is gone, and
+// waiting the full timeout again in every queued kernel would only delay the error.
+// The caller records an error and carries on, so a missing peer never hangs the GPU.
+__device__ __forceinline__ bool wait_geq(const uint64_t* flag, uint64_t value, int64_t timeout_ns,
+                                         const int32_t* stop = nullptr) {
   if (load_acquire(flag) >= value) return true;
   const uint64_t start = global_timer_ns();
   while (load_acquire(flag) < value) {
+    if (stop != nullptr && *reinterpret_cast<const volatile int32_t*>(stop) != 0) return false;
     if (timeout_ns > 0 && global_timer_ns() - start > static_cast<uint64_t>(timeout_ns))
       return false;
     __nanosleep(64);
@@ -61,6 +66,15 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* flag, uint64_t value, i
 __device__ __forceinline__ uint4 load_cg16(const void* p) {
   uint4 v;
   asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+// 16-byte load through the non-coherent path without allocating in L1: for XLA inputs,
+// which nothing writes while the kernel runs, streamed once.
+__device__ __forceinline__ uint4 load_nc16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;

@@ -3,11 +3,14 @@
 // a call synchronizes with the host, so the collective handlers are registered as
 // command-buffer (CUDA graph) compatible.
 //
-// Errors that depend on values (ids outside [-1, E), a foreign handle, a missing peer)
-// are found on the device. Kernels then treat the bad entries as unused, finish the
-// protocol so no peer hangs, and record the error in a sticky per-GPU record that is
-// mirrored to mapped host memory. Every later jax_ep CUDA call in the process fails with
-// that message until jax_ep.cuda.check_errors() reads and clears it.
+// Errors that depend on values (ids outside [-1, E), a foreign handle, a missing peer, a
+// peer in another call) are found on the device and recorded in a sticky per-GPU record,
+// mirrored to mapped host memory; jax_ep.cuda.check_errors() reads and clears it. Bad
+// entries are treated as unused. After a protocol error (timeout, call-site or rank
+// mismatch, failed peer) the kernels keep signalling but move no data, until
+// jax_ep.cuda.reset(). A handler never returns early because of such an error: the
+// host sees it late and at different calls on different ranks (and not at all when XLA
+// replays a captured graph), so a host-side skip would leave ranks out of step.
 #include "xla_ffi/cuda/cuda_handlers.h"
 
 #include <cuda_runtime_api.h>
@@ -30,14 +33,6 @@ namespace {
 ffi::Error CudaFailed(const char* what, cudaError_t e) {
   return ffi::Error(ffi::ErrorCode::kInternal,
                     std::string("jax_ep: ") + what + ": " + cudaGetErrorString(e));
-}
-
-// A sticky device error from an earlier call fails every later call (see top).
-ffi::Error PendingError() {
-  const std::string msg = PendingMirrorError();
-  if (msg.empty()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    msg + " (reported by an earlier call; jax_ep.cuda.check_errors() clears it)");
 }
 
 ffi::Error Domain(int ordinal, int64_t num_ranks, CudaDomain* d) {
@@ -76,7 +71,7 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32
   if (num_ranks < 1 || num_experts % num_ranks != 0)
     return Invalid("num_experts must be a positive multiple of num_ranks");
   if (num_ranks > 4096) return Invalid("num_ranks above 4096 is not supported on GPU");
-  if (ffi::Error e = PendingError(); e.failure()) return e;
+  MarkDeviceUsed(ordinal);
   const cudaError_t err =
       LaunchLayout(stream, topk_idx.typed_data(), static_cast<int>(d[0]), static_cast<int>(d[1]),
                    static_cast<int>(num_experts), static_cast<int>(num_ranks),
@@ -97,19 +92,31 @@ struct Ranks {
   int count = 1;
   const int32_t* rank_in = nullptr;  // XLA's rank/group scalars, checked on the device
   const int32_t* group_in = nullptr;
+  int64_t site = 0;                  // the call's call-site id, checked on the device
+  const int64_t* sites = nullptr;    // harness: one per rank (tests plant mismatches)
+  bool concurrent = false;           // harness: each rank on its own stream
+  int absent = -1;                   // harness: a rank whose kernels are not launched
 };
 
-// A real rank: no pending device error, a registered domain of R ranks, room for `need`.
+// A real rank: a registered domain of R ranks, room for `need`.
 ffi::Error GroupRanks(int ordinal, int64_t num_ranks, int kind, size_t need, const char* what,
                       ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                      Ranks* k) {
-  if (ffi::Error e = PendingError(); e.failure()) return e;
+                      int64_t call_site, Ranks* k) {
   if (ffi::Error e = Domain(ordinal, num_ranks, &k->dom); e.failure()) return e;
   if (ffi::Error e = CheckArea(k->dom, kind, need, what); e.failure()) return e;
   k->rank_in = rank_buf.typed_data();
   k->group_in = group_buf.typed_data();
+  k->site = call_site;
   return ffi::Error::Success();
 }
+
+// How the harness runs a call: per-rank call sites (empty: all 1), concurrent streams,
+// and a rank left out (-1: none).
+struct HarnessOpts {
+  ffi::Span<const int64_t> call_sites;
+  bool concurrent = false;
+  int absent = -1;
+};
 
 struct HarnessBuffers {
   char* base = nullptr;
@@ -126,11 +133,48 @@ HarnessBuffers* Harness() {
   return h;
 }
 
+// Concurrent harness mode: one stream per virtual rank, forked from and joined back into
+// XLA's stream with events. Created once per device.
+struct RankStreams {
+  bool made = false;
+  cudaStream_t s[kMaxRanks];
+  cudaEvent_t fork;
+  cudaEvent_t join[kMaxRanks];
+};
+RankStreams* Streams() {
+  static RankStreams st[kMaxCudaDevices];
+  return st;
+}
+
+// Small grids, so every rank's kernels are resident at once and really wait for each other.
+constexpr IntranodePreset kConcurrentPreset = {"concurrent", kMaxRanks, 2, 2, 256};
+
+cudaError_t MakeRankStreams(int ordinal, RankStreams* st) {
+  if (st->made) return cudaSuccess;
+  int prev = -1;
+  cudaError_t e = cudaGetDevice(&prev);
+  if (e == cudaSuccess) e = cudaSetDevice(ordinal);
+  for (int r = 0; r < kMaxRanks && e == cudaSuccess; ++r) {
+    e = cudaStreamCreateWithFlags(&st->s[r], cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&st->join[r], cudaEventDisableTiming);
+  }
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming);
+  if (prev >= 0) cudaSetDevice(prev);
+  if (e == cudaSuccess) st->made = true;
+  return e;
+}
+
 // R virtual ranks with at least `area` bytes past the header each (the op's area starts
 // right after the header), allocated on first use.
 ffi::Error HarnessRanks(cudaStream_t stream, int ordinal, int R, int kind, size_t area,
-                        Ranks* k) {
+                        const HarnessOpts& o, Ranks* k) {
   if (ordinal < 0 || ordinal >= kMaxCudaDevices) return Invalid("device ordinal out of range");
+  if (o.call_sites.size() != 0 && static_cast<int>(o.call_sites.size()) != R)
+    return Invalid("harness call_sites must list one id per rank (" + std::to_string(R) +
+                   "), got " + std::to_string(o.call_sites.size()));
+  if (o.absent < -1 || o.absent >= R)
+    return Invalid("harness absent_rank must be -1 or a rank in [0, " + std::to_string(R) + ")");
+  MarkDeviceUsed(ordinal);
   std::string merr;
   AllocateErrorMirror(&merr);  // best effort; check_errors() also reads the device records
   std::lock_guard<std::mutex> lock(HarnessMu());
@@ -157,8 +201,12 @@ ffi::Error HarnessRanks(cudaStream_t stream, int ordinal, int R, int kind, size_
   k->dom.group = -1;
   k->dom.num_ranks = R;
   for (int r = 0; r < kMaxRanks; ++r) k->dom.peers.base[r] = r < R ? h.base + r * h.per_rank : nullptr;
-  for (int o = 0; o < kNumOpKinds; ++o) k->dom.areas.bytes[o] = o == kind ? area : 0;
+  for (int a = 0; a < kNumOpKinds; ++a) k->dom.areas.bytes[a] = a == kind ? area : 0;
   k->count = R;
+  k->site = 1;
+  k->sites = o.call_sites.size() == 0 ? nullptr : o.call_sites.begin();
+  k->concurrent = o.concurrent;
+  k->absent = o.absent;
   return ffi::Error::Success();
 }
 
@@ -205,8 +253,10 @@ GatherArgs AtRank(GatherArgs a, int r) {
   return a;
 }
 
-// Launches an op's three phases (kernels/cuda_kernels.h), each for every rank before the
-// next phase of any, so no kernel waits for one launched after it.
+// Launches an op's three phases (kernels/cuda_kernels.h). On XLA's stream, each phase
+// for every rank before the next phase of any, so no kernel waits for one launched after
+// it. In the harness's concurrent mode, each rank's three kernels on its own stream with
+// small grids, so ranks run at once and every wait is a real one.
 template <typename Args>
 ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodePreset&,
                                               cudaStream_t),
@@ -220,12 +270,34 @@ ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodeP
   a.c.group_in = k.group_in;
   a.c.host_err = ErrorMirror(ordinal);
   a.c.timeout_ns = KernelTimeoutNs();
+  auto at = [&](int r) {
+    Args ar = AtRank(a, r);
+    ar.c.me = k.dom.rank + r;
+    ar.c.call_site = k.sites != nullptr ? k.sites[r] : k.site;
+    return ar;
+  };
+  if (k.concurrent) {
+    std::lock_guard<std::mutex> lock(HarnessMu());
+    RankStreams* st = &Streams()[ordinal];
+    cudaError_t e = MakeRankStreams(ordinal, st);
+    if (e == cudaSuccess) e = cudaEventRecord(st->fork, stream);
+    for (int r = 0; r < k.count && e == cudaSuccess; ++r) {
+      if (r == k.absent) continue;
+      e = cudaStreamWaitEvent(st->s[r], st->fork, 0);
+      const Args ar = at(r);
+      for (int phase = 0; phase < kNumPhases && e == cudaSuccess; ++phase)
+        e = launch(phase, ar, kConcurrentPreset, st->s[r]);
+      if (e == cudaSuccess) e = cudaEventRecord(st->join[r], st->s[r]);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, st->join[r], 0);
+    }
+    if (e != cudaSuccess) return CudaFailed(what, e);
+    return ffi::Error::Success();
+  }
   const IntranodePreset& p = SelectIntranodePreset(k.dom.num_ranks);
   for (int phase = 0; phase < kNumPhases; ++phase) {
     for (int r = 0; r < k.count; ++r) {
-      Args ar = AtRank(a, r);
-      ar.c.me = k.dom.rank + r;
-      const cudaError_t e = launch(phase, ar, p, stream);
+      if (r == k.absent) continue;
+      const cudaError_t e = launch(phase, at(r), p, stream);
       if (e != cudaSuccess) return CudaFailed(what, e);
     }
   }
@@ -268,7 +340,7 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                     ffi::ResultBuffer<ffi::S32> recv_per_expert,
                     ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_index,
                     ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts, int64_t num_ranks,
-                    int64_t capacity) {
+                    int64_t capacity, int64_t call_site, const HarnessOpts& ho) {
   const bool harness = rank_buf == nullptr;
   auto xd = x.dimensions(), id = topk_idx.dimensions(), wd = topk_weights.dimensions();
   auto rxd = recv_x->dimensions(), srd = send_row->dimensions();
@@ -289,9 +361,9 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   const int R = static_cast<int>(num_ranks);
   const size_t need = DispatchAreaBytes(R, a.T, a.C, a.row_bytes, a.K);
   Ranks k;
-  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpDispatch, need, &k)
+  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpDispatch, need, ho, &k)
                              : GroupRanks(ordinal, num_ranks, kOpDispatch, need, "dispatch",
-                                          *rank_buf, *group_buf, &k);
+                                          *rank_buf, *group_buf, call_site, &k);
       e.failure())
     return e;
   a.x = x.untyped_data();
@@ -322,7 +394,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                         int64_t num_ranks, int64_t capacity, int64_t call_site) {
   return Dispatch(stream, ordinal, x, topk_idx, topk_weights, &rank_buf, &group_buf, recv_x,
                   recv_idx, recv_w, num_recv, num_dropped, recv_per_expert, src_rank, src_index,
-                  send_row, num_experts, num_ranks, capacity);
+                  send_row, num_experts, num_ranks, capacity, call_site, HarnessOpts{});
 }
 
 // ------------------------------- combine --------------------------------
@@ -347,7 +419,7 @@ std::string ValidateCombine(ffi::Span<const int64_t> yd, ffi::DataType yt,
 ffi::Error Combine(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
                    ffi::Buffer<ffi::S32> send_row, const ffi::Buffer<ffi::S32>* rank_buf,
                    const ffi::Buffer<ffi::S32>* group_buf, ffi::Result<ffi::AnyBuffer> out,
-                   int64_t num_ranks) {
+                   int64_t num_ranks, int64_t call_site, const HarnessOpts& ho) {
   const bool harness = rank_buf == nullptr;
   auto yd = y.dimensions(), sd = send_row.dimensions(), od = out->dimensions();
   std::string err;
@@ -363,9 +435,9 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
   const int R = static_cast<int>(num_ranks);
   const size_t need = CombineAreaBytes(R, a.T, a.C, a.row_bytes);
   Ranks k;
-  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpCombine, need, &k)
+  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpCombine, need, ho, &k)
                              : GroupRanks(ordinal, num_ranks, kOpCombine, need, "combine",
-                                          *rank_buf, *group_buf, &k);
+                                          *rank_buf, *group_buf, call_site, &k);
       e.failure())
     return e;
   a.y = y.untyped_data();
@@ -379,7 +451,8 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
                        ffi::Buffer<ffi::S32> send_row, ffi::Buffer<ffi::S32> rank_buf,
                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
                        int64_t num_ranks, int64_t call_site) {
-  return Combine(stream, ordinal, y, send_row, &rank_buf, &group_buf, out, num_ranks);
+  return Combine(stream, ordinal, y, send_row, &rank_buf, &group_buf, out, num_ranks, call_site,
+                 HarnessOpts{});
 }
 
 // ------------------------------- gather ---------------------------------
@@ -404,7 +477,8 @@ std::string ValidateGather(ffi::Span<const int64_t> gd, ffi::DataType gt,
 ffi::Error Gather(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
                   ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
                   const ffi::Buffer<ffi::S32>* rank_buf, const ffi::Buffer<ffi::S32>* group_buf,
-                  ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks) {
+                  ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks, int64_t call_site,
+                  const HarnessOpts& ho) {
   const bool harness = rank_buf == nullptr;
   auto gd = g.dimensions(), srd = src_rank.dimensions(), sid = src_index.dimensions();
   auto od = out->dimensions();
@@ -422,10 +496,10 @@ ffi::Error Gather(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
   const int R = static_cast<int>(num_ranks);
   const size_t need = GatherLayout::Make(R, a.T, a.C, a.row_bytes).bytes;
   Ranks k;
-  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpGather, need, &k)
+  if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpGather, need, ho, &k)
                              : GroupRanks(ordinal, num_ranks, kOpGather, need,
                                           "combine's transpose (gather)", *rank_buf,
-                                          *group_buf, &k);
+                                          *group_buf, call_site, &k);
       e.failure())
     return e;
   a.g = g.untyped_data();
@@ -440,7 +514,8 @@ ffi::Error GatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
                       ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
                       ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
                       ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks, int64_t call_site) {
-  return Gather(stream, ordinal, g, src_rank, src_index, &rank_buf, &group_buf, out, num_ranks);
+  return Gather(stream, ordinal, g, src_rank, src_index, &rank_buf, &group_buf, out, num_ranks,
+                call_site, HarnessOpts{});
 }
 
 // ------------------------- virtual-rank harness --------------------------
@@ -458,24 +533,42 @@ ffi::Error HarnessDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
                                ffi::ResultBuffer<ffi::S32> src_rank,
                                ffi::ResultBuffer<ffi::S32> src_index,
                                ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts,
-                               int64_t capacity) {
+                               int64_t capacity, ffi::Span<const int64_t> call_sites,
+                               int64_t concurrent, int64_t absent_rank) {
+  const HarnessOpts ho{call_sites, concurrent != 0, static_cast<int>(absent_rank)};
   return Dispatch(stream, ordinal, x, topk_idx, topk_weights, nullptr, nullptr, recv_x, recv_idx,
                   recv_w, num_recv, num_dropped, recv_per_expert, src_rank, src_index, send_row,
-                  num_experts, 0, capacity);
+                  num_experts, 0, capacity, 0, ho);
 }
 
 ffi::Error HarnessCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
-                              ffi::Buffer<ffi::S32> send_row, ffi::Result<ffi::AnyBuffer> out) {
-  return Combine(stream, ordinal, y, send_row, nullptr, nullptr, out, 0);
+                              ffi::Buffer<ffi::S32> send_row, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Span<const int64_t> call_sites, int64_t concurrent,
+                              int64_t absent_rank) {
+  const HarnessOpts ho{call_sites, concurrent != 0, static_cast<int>(absent_rank)};
+  return Combine(stream, ordinal, y, send_row, nullptr, nullptr, out, 0, 0, ho);
 }
 
 ffi::Error HarnessGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
                              ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
-                             ffi::Result<ffi::AnyBuffer> out) {
-  return Gather(stream, ordinal, g, src_rank, src_index, nullptr, nullptr, out, 0);
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> call_sites,
+                             int64_t concurrent, int64_t absent_rank) {
+  const HarnessOpts ho{call_sites, concurrent != 0, static_cast<int>(absent_rank)};
+  return Gather(stream, ordinal, g, src_rank, src_index, nullptr, nullptr, out, 0, 0, ho);
 }
 
 }  // namespace
+
+cudaError_t ResetHarnessBuffers(int ordinal) {
+  if (ordinal < 0 || ordinal >= kMaxCudaDevices) return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> lock(HarnessMu());
+  HarnessBuffers& h = Harness()[ordinal];
+  if (h.base == nullptr) return cudaSuccess;
+  cudaError_t e = cudaSuccess;
+  for (int r = 0; r < h.num_ranks && e == cudaSuccess; ++r)
+    e = cudaMemset(h.base + r * h.per_rank, 0, sizeof(RankHeader));
+  return e;
+}
 
 #define JEP_CMD_BUFFER {ffi::Traits::kCmdBufferCompatible}
 
@@ -560,7 +653,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessDispatchHandler, HarnessDispatchImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("capacity"));
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<ffi::Span<const int64_t>>("call_sites")
+                                  .Attr<int64_t>("concurrent")
+                                  .Attr<int64_t>("absent_rank"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessCombineHandler, HarnessCombineImpl,
                               ffi::Ffi::Bind()
@@ -568,7 +664,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessCombineHandler, HarnessCombineImpl,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("call_sites")
+                                  .Attr<int64_t>("concurrent")
+                                  .Attr<int64_t>("absent_rank"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessGatherHandler, HarnessGatherImpl,
                               ffi::Ffi::Bind()
@@ -577,6 +676,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessGatherHandler, HarnessGatherImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("call_sites")
+                                  .Attr<int64_t>("concurrent")
+                                  .Attr<int64_t>("absent_rank"));
 
 }  // namespace jax_ep

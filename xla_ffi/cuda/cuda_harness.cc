@@ -20,6 +20,7 @@
 #include "kernels/common/configs.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/intranode_buffer.h"
+#include "xla_ffi/cuda/cuda_handlers.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
 #include "xla_ffi/cuda/cuda_state.h"
 
@@ -170,10 +171,11 @@ void SetDomain(int ordinal, int rank, int group, int num_ranks, std::vector<uint
   SetCudaDomain(ordinal, d);
 }
 
+// Only the GPUs this process used for EP work: synchronizing every visible GPU would wait
+// for unrelated work and create contexts on GPUs the process never touches.
 std::vector<std::string> CheckErrors(bool clear) {
   std::vector<std::string> out;
-  const int n = DeviceCount();
-  for (int i = 0; i < n && i < kMaxCudaDevices; ++i) {
+  for (int i : DevicesInUse()) {
     DeviceGuard guard(i);
     Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     ErrorRecord rec{};
@@ -189,6 +191,31 @@ std::vector<std::string> CheckErrors(bool clear) {
   }
   if (clear) ClearErrorMirror();
   return out;
+}
+
+// This process's half of jax_ep.cuda.reset(): waits for its GPUs, re-zeroes the protocol
+// state of its own buffer headers (identity kept) and of the harness's, and clears the
+// device and host error records. Python runs it between two barriers of all processes,
+// so no peer still writes into a header and none starts a call before all are zero.
+std::vector<int> Reset() {
+  const std::vector<int> used = DevicesInUse();
+  for (int i : used) {
+    DeviceGuard guard(i);
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    CudaDomain d;
+    if (GetCudaDomain(i, &d)) {
+      Check(cudaMemset(d.peers.base[d.rank] + kHeaderIdentityBytes, 0,
+                       sizeof(RankHeader) - kHeaderIdentityBytes),
+            "clearing the buffer header");
+    }
+    Check(ResetHarnessBuffers(i), "clearing the harness headers");
+    ErrorRecord rec{};
+    Check(ReadLayoutError(&rec, true), "clearing the layout error record");
+    Check(ReadIntranodeError(&rec, true), "clearing the intranode error record");
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+  ClearErrorMirror();
+  return used;
 }
 
 nb::list Presets() {
@@ -227,7 +254,10 @@ void DefineCudaBindings(void* module) {
   m.def("cuda_set_domain", &SetDomain, nb::arg("ordinal"), nb::arg("rank"), nb::arg("group"),
         nb::arg("num_ranks"), nb::arg("peers"), nb::arg("area_bytes"));
   m.def("cuda_check_errors", &CheckErrors, nb::arg("clear") = true,
-        "Synchronizes every GPU and returns the device error messages (cleared by default).");
+        "Synchronizes the GPUs in use and returns the device error messages (cleared by default).");
+  m.def("cuda_reset", &Reset,
+        "Re-zeroes this process's buffer headers and error records; returns the GPUs reset.");
+  m.def("cuda_devices_in_use", &DevicesInUse, "Device ordinals this process used for EP work.");
   m.def("cuda_presets", &Presets, "The intranode launch presets (kernels/configs.h).");
   m.def("cuda_area_bytes", &AreaBytes, nb::arg("num_ranks"), nb::arg("tokens"), nb::arg("capacity"),
         nb::arg("row_bytes"), nb::arg("topk"),

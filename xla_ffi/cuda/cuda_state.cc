@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
@@ -20,6 +21,8 @@ CudaDomain* Domains() {
   return domains;
 }
 ErrorRecord* g_mirror = nullptr;
+std::atomic<uint64_t> g_used{0};  // bit i: device ordinal i (kMaxCudaDevices <= 64)
+static_assert(kMaxCudaDevices <= 64, "g_used is one 64-bit mask");
 
 const char* OpName(int kind) {
   switch (kind) {
@@ -32,6 +35,19 @@ const char* OpName(int kind) {
 
 }  // namespace
 
+void MarkDeviceUsed(int ordinal) {
+  if (ordinal < 0 || ordinal >= kMaxCudaDevices) return;
+  g_used.fetch_or(uint64_t{1} << ordinal, std::memory_order_relaxed);
+}
+
+std::vector<int> DevicesInUse() {
+  const uint64_t m = g_used.load(std::memory_order_relaxed);
+  std::vector<int> out;
+  for (int i = 0; i < kMaxCudaDevices; ++i)
+    if ((m >> i) & 1u) out.push_back(i);
+  return out;
+}
+
 bool GetCudaDomain(int ordinal, CudaDomain* out) {
   if (ordinal < 0 || ordinal >= kMaxCudaDevices) return false;
   std::lock_guard<std::mutex> lock(Mu());
@@ -42,6 +58,7 @@ bool GetCudaDomain(int ordinal, CudaDomain* out) {
 
 void SetCudaDomain(int ordinal, const CudaDomain& d) {
   if (ordinal < 0 || ordinal >= kMaxCudaDevices) return;
+  MarkDeviceUsed(ordinal);
   std::lock_guard<std::mutex> lock(Mu());
   Domains()[ordinal] = d;
 }

@@ -25,6 +25,12 @@ struct CudaDomain {
 bool GetCudaDomain(int ordinal, CudaDomain* out);
 void SetCudaDomain(int ordinal, const CudaDomain& d);
 
+// GPUs this process has used for EP work (a domain set up, a harness buffer, a layout
+// call): jax_ep.cuda.check_errors() and reset() touch only these, so they neither wait
+// for nor create contexts on GPUs the process never uses.
+void MarkDeviceUsed(int ordinal);
+std::vector<int> DevicesInUse();
+
 // Mapped, pinned host records (one per device ordinal) that kernels also write their
 // errors to. Allocate() creates them (not inside an FFI call); Get() returns null until
 // then, or for an ordinal out of range.
