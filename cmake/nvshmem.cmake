@@ -77,7 +77,7 @@ target_compile_options(jax_ep_internode PRIVATE
 target_link_options(jax_ep_internode PRIVATE
   $<DEVICE_LINK:-arch=sm_90>)
 target_link_libraries(jax_ep_internode PUBLIC
-  jax_ep_nvshmem_device jax_ep_nvshmem_host CUDA::cudart_static)
+  jax_ep_nvshmem_device jax_ep_nvshmem_host CUDA::cudart_static ${CMAKE_DL_LIBS})
 
 set(JAX_EP_HAVE_NVSHMEM ON)
 target_link_libraries(_jax_ep_ext PRIVATE jax_ep_internode)
@@ -87,4 +87,9 @@ target_sources(_jax_ep_ext PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/internod
 set_property(TARGET _jax_ep_ext APPEND PROPERTY INSTALL_RPATH
              "$ORIGIN/../nvidia/nvshmem/lib" "${_nvshmem_lib}")
 set_property(TARGET _jax_ep_ext APPEND PROPERTY BUILD_RPATH "${_nvshmem_lib}")
+# The static NVSHMEM device library (and the internode library around it) must not
+# export its symbols from the extension: jaxlib's Mosaic GPU links the same library,
+# and two default-visibility copies in one process would interpose on each other.
+target_link_options(_jax_ep_ext PRIVATE
+  "LINKER:--exclude-libs,libnvshmem_device.a:libjax_ep_internode.a")
 message(STATUS "jax_ep: NVSHMEM internode backend ON (${_nvshmem_root})")

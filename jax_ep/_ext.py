@@ -14,7 +14,10 @@ else:
     _IMPORT_ERROR = None
 
 
-_GRAPH_SAFE = ("jax_ep_layout", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_gather")
+_GRAPH_SAFE = ("jax_ep_layout", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_gather",
+               # internode: no host sync either; errors go to a sticky record
+               "jax_ep_internode_dispatch", "jax_ep_internode_combine",
+               "jax_ep_internode_gather")
 
 
 def _gpu_platform_present() -> bool:
@@ -53,14 +56,18 @@ def require_ext():
 
 
 def build_info() -> dict:
-    """What this build contains: {'cpu', 'cuda', 'nvshmem': bool, 'cuda_archs': [str],
-    'jax': version string}."""
-    info = {"cpu": False, "cuda": False, "nvshmem": False, "cuda_archs": []}
+    """What this build contains: {'cpu', 'cuda', 'nvshmem', 'nvshmem_qp_api': bool,
+    'cuda_archs': [str], 'jax': version string}."""
+    info = {"cpu": False, "cuda": False, "nvshmem": False, "nvshmem_qp_api": False,
+            "cuda_archs": []}
     if ext is not None:
         raw = dict(ext.build_info())
         info["cpu"] = bool(raw["cpu"])
         info["cuda"] = bool(raw["cuda"])
         info["nvshmem"] = bool(raw["nvshmem"])
         info["cuda_archs"] = [a for a in str(raw["cuda_archs"]).split(",") if a]
+        # internode: whether NVSHMEM's QP API (explicit QP per planned QP) is usable here;
+        # jax_ep.backends.internode.transport_report() has the details.
+        info["nvshmem_qp_api"] = bool(getattr(ext, "nvshmem_qp_api_available", lambda: False)())
     info["jax"] = jax.__version__
     return info

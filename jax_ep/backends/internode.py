@@ -21,17 +21,99 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep._common import Cfg, axis_names, ep_call, like, unify_varying
+from jax_ep._common import Cfg, axis_names, ep_call, like, next_call_site, unify_varying
 from jax_ep._types import DispatchHandle, InternodeHandleParts
 from jax_ep.backends.ffi import layout
 from jax_ep.runtime import nvshmem
 
 __all__ = ["ep_rank", "transport_attrs", "send_row_from", "layout", "dispatch", "combine",
-           "gather", "InternodeRankError"]
+           "gather", "InternodeRankError", "InternodeError", "transport_report",
+           "check_errors"]
 
 
 class InternodeRankError(ValueError):
     """The EP axis does not match the internode transport's group (all NVSHMEM PEs)."""
+
+
+class InternodeError(RuntimeError):
+    """An internode call failed on the device (timeout, mismatched call, bad ids)."""
+
+
+def _ext():
+    try:
+        from jax_ep import _jax_ep_ext as ext  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return ext
+
+
+def check_errors() -> None:
+    """Raises `InternodeError` with the sticky device error of an earlier internode call
+    (timeouts name the peer and signal waited for; mismatches name both sides' values).
+    The kernels never synchronise with the host, so a failing call is reported by the
+    next call on this process or here. The state is sticky for the process's life."""
+    ext = _ext()
+    if ext is None or not hasattr(ext, "internode_error"):
+        return
+    msg = str(ext.internode_error())
+    if msg:
+        raise InternodeError(msg)
+
+
+def transport_report(config=None, num_peers: int | None = None) -> dict:
+    """What the internode transport does on the wire, for humans and logs.
+
+    Keys: nvshmem_built (the build has the backend), headers_version and runtime_version
+    (NVSHMEM, "major.minor.patch", None when unknown), qp_api_available, qp_path
+    ("qp_api" | "fallback" | "not started"), ports, qps_per_port, qps_planned,
+    qps_created (explicit handles), qp_map (logical QP -> handle, port the plan assigns
+    it, and the NIC port NVSHMEM bound it to: "unknown", since NVSHMEM does not report
+    it), nvshmem_env (the NVSHMEM settings in force), notes.
+    """
+    from jax_ep.network.transport import TransportConfig
+
+    ext = _ext()
+    built = ext is not None and hasattr(ext, "nvshmem_info")
+    info = dict(ext.nvshmem_info()) if built else {}
+    st = nvshmem.state()
+    cfg = st.config if st is not None else (config or TransportConfig()).resolve()
+
+    def ver(v):
+        v = int(v) if v is not None else -1
+        return None if v < 0 else f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+
+    handles = list(info.get("qp_handles", []))
+    qp_api = bool(info.get("qp_api_available", False))
+    if st is None:
+        path = "not started"
+    else:
+        path = "qp_api" if (st.qp_api and handles) else "fallback"
+    qp_map = []
+    for q in range(cfg.num_qps):
+        qp_map.append({"qp": q, "handle": handles[q] if q < len(handles) else None,
+                       "planned_port": q % cfg.num_ports, "nic_port": "unknown"})
+    notes = []
+    if path == "fallback":
+        notes.append("no explicit QP handles: NVSHMEM picks the QP of each put; the "
+                     "transport runs on one port (no striping across ports)")
+    if not built:
+        notes.append("this build has no NVSHMEM backend")
+    return {
+        "nvshmem_built": built,
+        "headers_version": ver(info.get("version")),
+        "runtime_version": ver(info.get("runtime_version")),
+        "qp_api_available": qp_api,
+        "qp_path": path,
+        "adopted_nvshmem": bool(st.adopted) if st is not None else False,
+        "ports": cfg.num_ports,
+        "qps_per_port": cfg.qps_per_port,
+        "lag": cfg.lag,
+        "qps_planned": cfg.num_qps,
+        "qps_created": len(handles),
+        "qp_map": qp_map,
+        "nvshmem_env": dict(st.env) if st is not None else cfg.nvshmem_env(),
+        "notes": notes,
+    }
 
 
 def _state():
@@ -143,7 +225,8 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
          like(x, (), i32), like(x, (), i32), like(x, (el,), i32), like(x, (C,), i32),
          like(x, (C,), i32), like(x, (R, R), i32), like(x, (T, R), i32)),
     )(x, topk_idx, topk_weights, num_experts=np.int64(E), num_ranks=np.int64(R),
-      rank=np.int64(rank), capacity=np.int64(C), **transport_attrs())
+      rank=np.int64(rank), capacity=np.int64(C), **transport_attrs(),
+      call_site=np.int64(next_call_site()))
     (recv_x, recv_idx, recv_w, num_recv, num_dropped, per_expert, src_rank, src_index,
      counts, send_slot) = outs
     send_row = send_row_from(counts, send_slot, rank, C)
@@ -174,7 +257,8 @@ def _back_call(target, a, handle, what, rows_of):
                                            parts.send_slot)
     return ep_call(target, like(a, (rows, a.shape[1]), a.dtype))(
         a, counts, send_slot, num_ranks=np.int64(handle.num_ranks), rank=np.int64(rank),
-        capacity=np.int64(handle.capacity), topk=np.int64(parts.topk), **transport_attrs())
+        capacity=np.int64(handle.capacity), topk=np.int64(parts.topk), **transport_attrs(),
+        call_site=np.int64(next_call_site()))
 
 
 def combine(y, handle: DispatchHandle, cfg: Cfg):

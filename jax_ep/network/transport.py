@@ -20,15 +20,23 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["TransportConfig", "StripePlan", "ENV_VARS"]
+__all__ = ["TransportConfig", "StripePlan", "ENV_VARS", "REMOVED_ENV_VARS", "LAG_MODES",
+           "MAX_QPS"]
 
 # JAX_EP_* variable -> TransportConfig field.
 ENV_VARS = {
     "JAX_EP_NUM_PORTS": "num_ports",
     "JAX_EP_QPS_PER_PORT": "qps_per_port",
     "JAX_EP_CHUNK_BYTES": "chunk_bytes",
-    "JAX_EP_NUM_CHANNELS": "num_channels",
 }
+# Variables that used to mean something and now are an error, with why.
+REMOVED_ENV_VARS = {
+    "JAX_EP_NUM_CHANNELS": "the internode kernels send with one channel (CUDA block) per "
+                           "QP, so channels = num_ports * qps_per_port always; set "
+                           "JAX_EP_QPS_PER_PORT instead",
+}
+LAG_MODES = ("multiport", "bond")
+MAX_QPS = 64  # kernels/internode/wire_protocol.h kMaxQps (tests compare)
 
 
 def _ext():
@@ -116,23 +124,35 @@ class TransportConfig:
     num_ports: ports per NIC (2 for a dual-port or 2-member bonded NIC).
     qps_per_port: RC QPs per peer on each port; a peer gets num_ports * qps_per_port QPs.
     chunk_bytes: the unit of striping; for every peer the ports differ by at most one.
-    num_channels: CUDA blocks that send (default num_ports * qps_per_port: one QP each).
+    num_channels: CUDA blocks that send; always num_ports * qps_per_port (one per QP,
+        which the kernels assume); any other value is an error.
+    lag: how the ports are presented: "multiport" (one RDMA device per port, NVSHMEM
+        multi-port on, so NVSHMEM_IBGDA_NUM_RC_PER_PE counts QPs per device: qps_per_port)
+        or "bond" (one bonded device, multi-port off, num_ports * qps_per_port QPs on it).
     """
 
     num_ports: int = 2
     qps_per_port: int = 4
     chunk_bytes: int = 64 * 1024
     num_channels: int | None = None
+    lag: str = "multiport"
 
     def __post_init__(self):
         object.__setattr__(self, "num_ports", _positive_int("num_ports", self.num_ports))
         object.__setattr__(self, "qps_per_port", _positive_int("qps_per_port", self.qps_per_port))
         object.__setattr__(self, "chunk_bytes", _positive_int("chunk_bytes", self.chunk_bytes))
-        if self.num_channels is None:
-            object.__setattr__(self, "num_channels", self.num_ports * self.qps_per_port)
-        else:
-            object.__setattr__(self, "num_channels",
-                               _positive_int("num_channels", self.num_channels))
+        nq = self.num_ports * self.qps_per_port
+        if self.num_channels is not None and _positive_int(
+                "num_channels", self.num_channels) != nq:
+            raise ValueError(
+                f"num_channels must equal num_ports * qps_per_port ({nq}): the internode "
+                f"kernels send with one channel per QP; got {self.num_channels}")
+        object.__setattr__(self, "num_channels", nq)
+        if nq > MAX_QPS:
+            raise ValueError(f"num_ports * qps_per_port must be <= {MAX_QPS} (signal words "
+                             f"reserved per source), got {nq}")
+        if self.lag not in LAG_MODES:
+            raise ValueError(f"lag must be one of {LAG_MODES}, got {self.lag!r}")
 
     @property
     def num_qps(self) -> int:
@@ -146,6 +166,9 @@ class TransportConfig:
         error naming the variable.
         """
         env = os.environ if environ is None else environ
+        for var, why in REMOVED_ENV_VARS.items():
+            if (env.get(var) or "").strip():
+                raise ValueError(f"{var} is no longer read: {why}")
         updates = {}
         for var, field in ENV_VARS.items():
             raw = env.get(var)
@@ -154,10 +177,22 @@ class TransportConfig:
             updates[field] = _positive_int(var, raw.strip())
         if not updates:
             return self
-        if "num_channels" not in updates and (
-                self.num_channels == self.num_ports * self.qps_per_port):
-            updates["num_channels"] = None  # keep the one-QP-per-channel default
+        updates["num_channels"] = None  # one channel per QP
         return dataclasses.replace(self, **updates)
+
+    def single_port(self) -> "TransportConfig":
+        """This config on one port (the fallback without NVSHMEM's QP API): same QPs per
+        port, no striping across ports."""
+        return dataclasses.replace(self, num_ports=1, num_channels=None)
+
+    @property
+    def qps_per_device(self) -> int:
+        """NVSHMEM_IBGDA_NUM_RC_PER_PE: NVSHMEM counts RC QPs per RDMA device, so with
+        multi-port (one device per port) it is qps_per_port, under a bond (one device)
+        num_ports * qps_per_port."""
+        if self.lag == "multiport" and self.num_ports > 1:
+            return self.qps_per_port
+        return self.num_qps
 
     # --- the striping plan -----------------------------------------------------------
 
@@ -214,11 +249,12 @@ class TransportConfig:
         """
         if version not in (None, "3.7", "3.8"):
             raise ValueError(f"version must be None, '3.7' or '3.8', got {version!r}")
-        multi = "1" if self.num_ports > 1 else "0"
+        multi = "1" if (self.num_ports > 1 and self.lag == "multiport") else "0"
         env = {
             "NVSHMEM_IB_ENABLE_IBGDA": "1",  # GPU-initiated RDMA, no CPU proxy
-            "NVSHMEM_IBGDA_NUM_RC_PER_PE": str(self.num_qps),
-            # Without explicit QP handles, CTA (= channel) i uses RC QP i % num_qps.
+            # Per RDMA device: with multi-port the P devices hold P * this per peer.
+            "NVSHMEM_IBGDA_NUM_RC_PER_PE": str(self.qps_per_device),
+            # Fallback without QP handles: CTA (= logical QP) i uses RC QP i % NUM_RC.
             "NVSHMEM_IBGDA_RC_MAP_BY": "cta",
             "NVSHMEM_DISABLE_NVLS": "1",  # no NVLink SHARP multicast objects are needed
         }

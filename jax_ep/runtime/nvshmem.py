@@ -12,8 +12,26 @@ a compiled program. Process 0 creates an NVSHMEM unique id and publishes it thro
 capacity the program will use (see `heap_bytes_for`); a later call asking for more is an
 error, a call asking for less is a no-op.
 
-The NVSHMEM calls go through a small `Runtime` seam (unique_id, init, finalize) so the
-logic can be tested without GPUs; the default runtime is the compiled extension.
+The NVSHMEM calls go through a small `Runtime` seam (unique_id, init, finalize, and
+optionally qp_api_available, init_status) so the logic can be tested without GPUs; the
+default runtime is the compiled extension.
+
+QP path: with NVSHMEM's QP API (3.8+, found at run time) each planned QP gets its own
+handle and the plan's QP is the QP on the wire. Without it the transport runs on one port
+(`TransportConfig.single_port()`) and says so once, loudly; `transport_report()` in
+`jax_ep.backends.internode` shows which path is in use.
+
+Already running: when another library (XLA's own NVSHMEM kernels) started NVSHMEM first,
+its QP count, multi-port and heap settings were fixed then. `initialize` adopts it only
+if the environment already holds every NVSHMEM_* value the plan needs (NVSHMEM read them
+at its start); otherwise it refuses, naming what to set.
+
+Memory: XLA preallocates a fraction of GPU memory (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75
+by default) before this runs; the symmetric heap must fit in the rest. `initialize`
+checks this from the device's memory stats and refuses with the fraction to set.
+
+Exit: nothing collective runs at exit (a barrier there hangs if a peer died); call
+`finalize()` explicitly, on every process, to stop NVSHMEM earlier.
 """
 
 from __future__ import annotations
@@ -30,7 +48,8 @@ import numpy as np
 from jax_ep.network.transport import TransportConfig
 
 __all__ = ["Runtime", "BootstrapState", "heap_bytes_for", "initialize", "finalize",
-           "is_initialized", "state", "NvshmemBootstrapError"]
+           "is_initialized", "state", "NvshmemBootstrapError", "adopt_check",
+           "heap_headroom_error"]
 
 KEY_PREFIX = "jax_ep/nvshmem"
 UNIQUE_ID_BYTES = 128
@@ -46,7 +65,7 @@ class Runtime(Protocol):
     def unique_id(self) -> bytes: ...
 
     def init(self, rank: int, world: int, unique_id: bytes, heap_bytes: int,
-             num_qps: int) -> None: ...
+             num_qps: int, use_qp_api: bool, adopt: bool) -> None: ...
 
     def finalize(self) -> None: ...
 
@@ -68,18 +87,27 @@ class ExtensionRuntime:
     def unique_id(self) -> bytes:
         return bytes(self._ext.nvshmem_unique_id())
 
-    def init(self, rank, world, unique_id, heap_bytes, num_qps):
+    def init(self, rank, world, unique_id, heap_bytes, num_qps, use_qp_api, adopt):
         self._ext.nvshmem_init(int(rank), int(world), bytes(unique_id), int(heap_bytes),
-                               int(num_qps))
+                               int(num_qps), bool(use_qp_api), bool(adopt))
 
     def finalize(self):
         self._ext.nvshmem_finalize()
+
+    def qp_api_available(self) -> bool:
+        return bool(self._ext.nvshmem_qp_api_available())
+
+    def init_status(self) -> int:
+        return int(self._ext.nvshmem_init_status())
 
 
 # --- heap size (mirror of kernels/internode/internode_layout.h; tests compare) -------------------
 
 _ALIGN = 256
 _SLACK = 32 << 20
+_SIG_KINDS = 4    # wire::kNumSigKinds
+_MAX_QPS = 64     # wire::kMaxQps
+_HEADER = 64      # wire::kHeaderBytes
 
 
 def _round_up(v: int, a: int) -> int:
@@ -101,10 +129,11 @@ def heap_bytes_for(*, num_ranks: int, max_tokens: int, capacity: int | None = No
             raise ValueError(f"{name} must be >= 1, got {v}")
     xb, yb = _itemsize(x_dtype), _itemsize(y_dtype)
     R, T, C, H, K = map(int, (num_ranks, max_tokens, capacity, hidden, topk))
-    ds = _round_up(H * xb + 8 * K + 4, 16)
+    ds = _round_up(_round_up(H * xb, 16) + 8 * K + 4, 16)
     cs = _round_up(H * yb, 16)
     sr = T * min(K, R)
-    half = (_round_up(3 * R * 8, _ALIGN) + _round_up(R * R * 4, _ALIGN)
+    half = (_round_up(_SIG_KINDS * R * _MAX_QPS * 8, _ALIGN) + _round_up(R * _HEADER, _ALIGN)
+            + _round_up(R * R * 4, _ALIGN)
             + _round_up(C * ds, _ALIGN) + _round_up(sr * cs, _ALIGN)
             + _round_up(sr * ds, _ALIGN) + _round_up(C * cs, _ALIGN))
     return _round_up(2 * half + _SLACK, 2 << 20)
@@ -127,8 +156,10 @@ class BootstrapState:
     rank: int
     world: int
     heap_bytes: int
-    config: TransportConfig
+    config: TransportConfig  # as the kernels use it (one port on the fallback path)
     env: dict
+    qp_api: bool = True      # explicit QP handles (False: fallback, one port)
+    adopted: bool = False    # NVSHMEM was already running; its settings were checked
 
 
 _lock = threading.Lock()
@@ -230,8 +261,29 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
         _check_one_process_per_gpu()
         rank, world = jax.process_index(), jax.process_count()
         rt = runtime if runtime is not None else ExtensionRuntime()
-        env = _apply_env(cfg.nvshmem_env(), heap_bytes,
-                         os.environ if environ is None else environ)
+        environ = os.environ if environ is None else environ
+        qp_api = bool(getattr(rt, "qp_api_available", lambda: True)())
+        if not qp_api and cfg.num_ports > 1:
+            _say_fallback(cfg)
+            cfg = cfg.single_port()
+        status = int(getattr(rt, "init_status", lambda: 0)())
+        adopt = status >= _STATUS_INITIALIZED
+        if adopt:
+            wanted = dict(cfg.nvshmem_env(), NVSHMEM_SYMMETRIC_SIZE=str(heap_bytes))
+            missing = adopt_check(wanted, environ)
+            if missing:
+                raise NvshmemBootstrapError(
+                    "NVSHMEM is already initialised in this process (XLA starts it for its "
+                    "own kernels), with settings jax_ep cannot change. Set these in the "
+                    "environment before the process starts, so both use them: "
+                    + " ".join(missing))
+            env = {k: environ.get(k) for k in wanted}
+        else:
+            env = _apply_env(cfg.nvshmem_env(), heap_bytes, environ)
+        if runtime is None:
+            why = heap_headroom_error(heap_bytes, _bytes_limit(), environ)
+            if why:
+                raise NvshmemBootstrapError(why)
 
         key = f"{KEY_PREFIX}/uid/{_generation}"
         timeout_ms = int(timeout_s * 1000)
@@ -248,7 +300,7 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
                 raise NvshmemBootstrapError(
                     f"process {rank} did not receive the NVSHMEM unique id from process 0 "
                     f"within {timeout_s:g} s: {e}") from None
-        rt.init(rank, world, uid, heap_bytes, cfg.num_qps)
+        rt.init(rank, world, uid, heap_bytes, cfg.num_qps, qp_api, adopt)
         try:
             client.wait_at_barrier(f"{KEY_PREFIX}/ready/{_generation}", timeout_ms)
         except Exception as e:  # noqa: BLE001
@@ -257,12 +309,12 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
         _generation += 1
         _runtime = rt
         _state = BootstrapState(rank=rank, world=world, heap_bytes=heap_bytes, config=cfg,
-                                env=env)
+                                env=env, qp_api=qp_api, adopted=adopt)
         return _state
 
 
 def finalize() -> None:
-    """Stop NVSHMEM (all processes together). Called at exit if still running."""
+    """Stop NVSHMEM (collective: every process must call it). Not called at exit."""
     global _state, _runtime
     with _lock:
         if _state is None:
@@ -271,4 +323,92 @@ def finalize() -> None:
         rt.finalize()
 
 
-atexit.register(finalize)
+def _forget_at_exit() -> None:
+    # No collective at exit: a barrier there hangs when a peer died. The process's
+    # NVSHMEM resources go with it.
+    global _state, _runtime
+    _state, _runtime = None, None
+
+
+atexit.register(_forget_at_exit)
+
+
+# NVSHMEM_STATUS_IS_INITIALIZED in nvshmem_constants.h
+_STATUS_INITIALIZED = 2
+
+
+def adopt_check(wanted: dict, environ) -> list[str]:
+    """NVSHMEM_* settings the plan needs that the environment (read by an NVSHMEM some
+    other library already started) does not hold: ["VAR=value", ...]; [] if adoptable."""
+    missing = []
+    for k, v in wanted.items():
+        cur = environ.get(k)
+        if k == "NVSHMEM_SYMMETRIC_SIZE":
+            try:
+                ok = cur is not None and int(cur) >= int(v)
+            except ValueError:
+                ok = False
+        else:
+            ok = cur == v
+        if not ok:
+            missing.append(f"{k}={v}")
+    return missing
+
+
+def heap_headroom_error(heap_bytes: int, bytes_limit: int | None, environ,
+                        margin_bytes: int = 1 << 30) -> str | None:
+    """Why the symmetric heap will not fit next to XLA's preallocated pool, or None.
+
+    bytes_limit: XLA's pool on this GPU (device.memory_stats()['bytes_limit']), None if
+    unknown. With preallocation on, the pool is fraction * total, so total is estimated
+    as bytes_limit / fraction; the heap and a margin must fit in the rest.
+    """
+    if bytes_limit is None:
+        return None
+    if environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() in ("false", "0"):
+        return None
+    if environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+        return None
+    try:
+        frac = float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    except ValueError:
+        return None
+    if not 0 < frac < 1:
+        return None
+    total = bytes_limit / frac
+    free = total - bytes_limit
+    need = heap_bytes + margin_bytes
+    if need <= free:
+        return None
+    fit = max(0.0, (total - need) / total)
+    return (f"the NVSHMEM heap ({heap_bytes} bytes + {margin_bytes} margin) does not fit next "
+            f"to XLA's preallocated pool ({bytes_limit} of ~{int(total)} bytes, "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={frac:g}); set "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={fit:.2f} (or lower) before the process starts")
+
+
+def _bytes_limit() -> int | None:
+    import jax
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - CPU devices and old runtimes have none
+        return None
+    v = stats.get("bytes_limit")
+    return int(v) if v else None
+
+
+_fallback_said = False
+
+
+def _say_fallback(cfg: TransportConfig) -> None:
+    global _fallback_said
+    if _fallback_said:
+        return
+    _fallback_said = True
+    msg = (f"jax_ep: NVSHMEM's QP API (nvshmemx_qp_create, NVSHMEM >= 3.8) is not available: "
+           f"the internode transport runs on ONE port with {cfg.qps_per_port} QPs per peer "
+           f"and NVSHMEM's own QP choice, instead of striping over {cfg.num_ports} ports. "
+           f"Install nvidia-nvshmem-cu13>=3.8 to stripe.")
+    import sys
+    print(msg, file=sys.stderr, flush=True)
+    warnings.warn(msg, stacklevel=3)

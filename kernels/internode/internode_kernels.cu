@@ -1,27 +1,37 @@
-// Internode dispatch and combine: direct RDMA from every rank to every rank over the
-// transport interface (kernels/transport.cuh), NVSHMEM backend. See docs/internode.md.
+// Internode dispatch, combine and gather: direct RDMA from every rank to every rank over
+// the transport interface (kernels/internode/transport.cuh), NVSHMEM backend. The wire
+// protocol (signal words, header, expected counts, error record) is
+// kernels/internode/wire_protocol.h; docs/internode.md explains it and
+// tests/sim/internode_sim.py replays it on the host.
 //
-// One call (dispatch or combine) uses one half of the symmetric heap, chosen by the
-// parity of a per-PE call counter, so a peer already in the next call never writes into
-// memory this PE still reads (kernels/internode_layout.h). Every call makes every rank
-// signal every other rank at least once, so no rank can run more than one call ahead.
+// One call uses one half of the symmetric heap, chosen by the parity of a per-PE call
+// counter, so a peer already in the next call never writes into memory this PE still
+// reads (kernels/internode/internode_layout.h).
 //
 // Dispatch:  slots   -- per destination d, number this rank's tokens for d in token order
+//                       (and note bad expert ids, which the header reports to every peer)
 //            pack    -- pack (x row, ids, weights, token index) into stage, grouped by d
-//            counts  -- all-gather the count rows (put + signal to every peer)
+//            header  -- exchange headers (seq, config, error) and count rows; a mismatch
+//                       or a peer's error fails the call on every rank (no data phase)
 //            prefix  -- row offsets from the count matrix
-//            send    -- CTA q = logical QP q; the bytes for each peer are cut into chunks
-//                       and chunk j goes out on the QP/port of kernels/striping_plan.h,
-//                       each with a signal on the same QP; straight into the receiver's
-//                       recv rows (contract order: source rank, then token)
-//            unpack  -- wait for every source's chunks, write the outputs
-//            finish  -- reset this call's signals, advance the call counter
-// Combine:   the same wire pattern backwards (recv rows -> the sources' back rows), then
-//            each source sums the rows of a token in ascending rank order in float32.
+//            send    -- CTA q = logical QP q; chunk j of each peer's stream goes on the
+//                       QP of kernels/common/striping_plan.h, data and signal on that QP,
+//                       into word (kind, source, q); one closing signal per QP
+//            wait    -- one block waits (bounded) for every (source, QP) word
+//            unpack  -- write the outputs (zeros if the call failed)
+//            finish  -- reset this call's signal words, advance the call counter
+// Combine:   header, then the same wire pattern backwards (recv rows -> the sources'
+//            back rows), wait, then each source sums a token's rows in ascending rank
+//            order in float32. With T == 0 the header, send and wait still run.
 // Gather:    combine's transpose: dispatch's wire pattern for rows of g, driven by the
 //            handle (counts, send_slot) with no count exchange; out[i] = g_src[index].
+//
+// No host synchronisation: errors (bad ids, timeouts, mismatches) go to a sticky error
+// record in mapped host memory that the handlers read before each call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <dlfcn.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -33,6 +43,7 @@
 #include "kernels/common/layout_math.h"
 #include "kernels/common/striping_plan.h"
 #include "kernels/internode/transport_nvshmem.cuh"
+#include "kernels/internode/wire_protocol.h"
 
 namespace jax_ep {
 namespace transport {
@@ -54,21 +65,26 @@ __device__ unsigned long long g_call_counter = 0;
 
 struct RuntimeState {
   bool initialized = false;
+  bool adopted = false;  // NVSHMEM was already running; we did not start it
   int rank = 0;
   int world = 0;
   size_t heap_bytes = 0;
   size_t half_bytes = 0;  // bytes per parity half
   char* heap = nullptr;
-  int64_t* scratch = nullptr;  // [3R + 1] device prefixes
-  int* error_flag = nullptr;   // device
+  int64_t* scratch = nullptr;       // [3R + 1] device prefixes
+  int32_t* bad = nullptr;           // device [4]: flag, token, slot, value
+  wire::ErrorRecord* err = nullptr; // mapped host memory (sticky)
+  int num_qps = 0;                  // logical QPs asked for
+  int num_handles = 0;              // explicit QP handles created (0: fallback)
+  int handles[transport::kMaxQps] = {};
+  std::string qp_path = "none";
 };
 RuntimeState g_rt;
 
 // Pointers into one half of the heap for one call's dims.
 struct Half {
-  uint64_t* sig_counts;  // [R]
-  uint64_t* sig_disp;    // [R]
-  uint64_t* sig_comb;    // [R]
+  uint64_t* sigs;        // [kinds][R][kMaxQps] signal words
+  wire::Header* hdr;     // [R]
   int32_t* counts;       // [R][R]
   char* recv;            // [C] dispatch rows
   char* back;            // [T*min(K,R)] combine rows
@@ -79,23 +95,94 @@ struct Half {
 struct Geometry {
   int R, rank, T, H, K, C, E, el;
   int64_t xrow;    // H * x bytes
+  int64_t xmeta;   // offset of the int32 metadata in a dispatch row
   int64_t yrow;    // H * y bytes
   int64_t ds, cs;  // row strides on the wire
   int P, Q, num_qps;
   int64_t chunk;
+  int64_t timeout_ns;
+  int32_t cfg[wire::kNumCfgFields];
+  uint32_t hash;
+  wire::ErrorRecord* err;
+  int32_t* bad;
 };
 
 __host__ __device__ inline Half HalfAt(char* half_base, const HeapLayout& L, int R) {
   Half h;
-  h.sig_counts = reinterpret_cast<uint64_t*>(half_base + L.sigs);
-  h.sig_disp = h.sig_counts + R;
-  h.sig_comb = h.sig_disp + R;
+  h.sigs = reinterpret_cast<uint64_t*>(half_base + L.sigs);
+  h.hdr = reinterpret_cast<wire::Header*>(half_base + L.hdr);
   h.counts = reinterpret_cast<int32_t*>(half_base + L.counts);
   h.recv = half_base + L.recv;
   h.back = half_base + L.back;
   h.stage = half_base + L.stage;
   h.cstage = half_base + L.cstage;
   return h;
+}
+
+__device__ __forceinline__ uint64_t* Word(const Half& h, const Geometry& g, int kind, int src,
+                                          int qp) {
+  return h.sigs + wire::sig_word(kind, g.R, src, qp);
+}
+
+__device__ __forceinline__ uint64_t NowNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Whether this process has a recorded error (this call or an earlier one).
+__device__ __forceinline__ bool Failed(const Geometry& g) {
+  return *reinterpret_cast<volatile const int32_t*>(&g.err->code) != wire::kErrNone;
+}
+
+// Records `r` unless an error is already recorded (the first one wins). The record is in
+// mapped host memory: fields first, the code last, so the host never sees half a record.
+__device__ void Record(const Geometry& g, wire::ErrorRecord r) {
+  if (atomicCAS_system(&g.err->code, wire::kErrNone, -1) != wire::kErrNone) return;
+  volatile wire::ErrorRecord* e = g.err;
+  e->rank = g.rank;
+  e->op = g.cfg[wire::kCfgOp];
+  e->peer = r.peer;
+  e->kind = r.kind;
+  e->qp = r.qp;
+  e->expected = r.expected;
+  e->seen = r.seen;
+  e->my_seq = r.my_seq;
+  e->peer_seq = r.peer_seq;
+  for (int i = 0; i < wire::kNumCfgFields; ++i) {
+    e->mine[i] = r.mine[i];
+    e->theirs[i] = r.theirs[i];
+  }
+  __threadfence_system();
+  e->code = r.code;
+  __threadfence_system();
+}
+
+// Polls word `w` until it reaches `expect`, for at most the timeout. On expiry records
+// which peer and word it waited for. False if it expired or the call already failed.
+template <class T>
+__device__ bool WaitWord(const Geometry& g, uint64_t* w, uint64_t expect, int peer, int kind,
+                         int qp) {
+  const uint64_t start = NowNs();
+  uint64_t v = T::fetch(w);
+  for (int spin = 0; v < expect; ++spin) {
+    if ((spin & 1023) == 0) {
+      if (Failed(g)) return false;
+      if (static_cast<int64_t>(NowNs() - start) > g.timeout_ns) {
+        wire::ErrorRecord r{};
+        r.code = wire::kErrTimeout;
+        r.peer = peer;
+        r.kind = kind;
+        r.qp = qp;
+        r.expected = expect;
+        r.seen = v;
+        Record(g, r);
+        return false;
+      }
+    }
+    v = T::fetch(w);
+  }
+  return true;
 }
 
 // Copies n bytes with the widest access both pointers allow; threads [tid, stride).
@@ -127,8 +214,9 @@ __device__ __forceinline__ Half CurrentHalf(char* heap, int64_t half_bytes,
 // ---- dispatch ----------------------------------------------------------------------
 
 // Block d numbers, in token order, the tokens this rank sends rank d.
+// Ids outside [-1, E) are noted in g.bad (first one kept); the header reports them.
 __global__ void SlotsKernel(Geometry g, const int32_t* topk_idx, int32_t* send_slot,
-                            char* heap, int64_t half_bytes, HeapLayout L, int* error_flag) {
+                            char* heap, int64_t half_bytes, HeapLayout L) {
   const int d = blockIdx.x;
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
   __shared__ int warp_total[kWarps];
@@ -144,7 +232,11 @@ __global__ void SlotsKernel(Geometry g, const int32_t* topk_idx, int32_t* send_s
       hit = token_in_rank(row, g.K, g.el, d);
       if (d == 0) {
         for (int k = 0; k < g.K; ++k)
-          if (row[k] < -1 || row[k] >= g.E) atomicExch(error_flag, 1);
+          if ((row[k] < -1 || row[k] >= g.E) && atomicCAS(g.bad, 0, 1) == 0) {
+            g.bad[1] = t;
+            g.bad[2] = k;
+            g.bad[3] = row[k];
+          }
       }
     }
     const unsigned mask = __ballot_sync(0xffffffffu, hit);
@@ -188,7 +280,7 @@ __global__ void PackKernel(Geometry g, const char* x, const int32_t* topk_idx,
     if (j < 0) continue;
     char* dst = h.stage + (row_base[d] + j) * g.ds;
     CopyBytes(dst, xrow, g.xrow, threadIdx.x, blockDim.x);
-    int32_t* meta = reinterpret_cast<int32_t*>(dst + g.xrow);
+    int32_t* meta = reinterpret_cast<int32_t*>(dst + g.xmeta);
     for (int k = threadIdx.x; k < g.K; k += blockDim.x) {
       meta[k] = topk_idx[static_cast<int64_t>(t) * g.K + k];
       reinterpret_cast<float*>(meta + g.K)[k] = topk_weights[static_cast<int64_t>(t) * g.K + k];
@@ -197,22 +289,76 @@ __global__ void PackKernel(Geometry g, const char* x, const int32_t* topk_idx,
   }
 }
 
-// All-gather of the count rows: one warp per peer, then wait for every peer's row.
+// Header exchange (every op) and, for dispatch, the all-gather of the count rows: one
+// warp per peer puts this rank's header (and count row) on the control QP, each with its
+// own signal word; then thread s waits (bounded) for source s's words and checks its
+// header. Any difference or reported error fails the call on every rank alike, since
+// every rank sees every header.
 template <class T>
-__global__ void CountsKernel(Geometry g, char* heap, int64_t half_bytes, HeapLayout L) {
+__global__ void HeaderKernel(Geometry g, char* heap, int64_t half_bytes, HeapLayout L,
+                             bool with_counts) {
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int32_t* mine = h.counts + static_cast<int64_t>(g.rank) * g.R;
+  const int warp = threadIdx.x >> 5;
+  __shared__ int skip;
+  if (threadIdx.x == 0) {
+    skip = Failed(g) ? 1 : 0;  // an earlier call failed: stay silent, peers time out
+    wire::Header& mine = h.hdr[g.rank];
+    mine.seq = g_call_counter;
+    mine.hash = g.hash;
+    mine.error = g.bad[0];
+    for (int i = 0; i < wire::kNumCfgFields; ++i) mine.cfg[i] = g.cfg[i];
+    for (int i = 0; i < 4; ++i) mine.pad[i] = 0;
+  }
+  __syncthreads();
+  if (skip) return;
+  int32_t* row = h.counts + static_cast<int64_t>(g.rank) * g.R;
   for (int i = 1 + warp; i < g.R; i += kWarps) {
     const int peer = (g.rank + i) % g.R;
-    T::put_signal_warp(mine, mine, sizeof(int32_t) * g.R, h.sig_counts + g.rank, 1,
-                       SignalOp::kSet, peer, 0);
+    T::put_signal_warp(h.hdr + g.rank, h.hdr + g.rank, wire::kHeaderBytes,
+                       Word(h, g, wire::kSigHeader, g.rank, wire::kControlQp), 1,
+                       SignalOp::kSet, peer, wire::kControlQp);
+    if (with_counts)
+      T::put_signal_warp(row, row, sizeof(int32_t) * g.R,
+                         Word(h, g, wire::kSigCounts, g.rank, wire::kControlQp), 1,
+                         SignalOp::kSet, peer, wire::kControlQp);
   }
-  if (lane == 0) T::quiet();
+  if ((threadIdx.x & 31) == 0) T::quiet();
+  if (threadIdx.x == 0 && g.bad[0] != 0) {
+    wire::ErrorRecord r{};
+    r.code = wire::kErrBadId;
+    r.peer = g.bad[1];      // token
+    r.qp = g.bad[2];        // slot
+    r.seen = static_cast<uint64_t>(static_cast<int64_t>(g.bad[3]));
+    r.expected = static_cast<uint64_t>(g.E);
+    Record(g, r);
+  }
   for (int s = threadIdx.x; s < g.R; s += blockDim.x) {
     if (s == g.rank) continue;
-    T::wait_ge(h.sig_counts + s, 1);
-    h.sig_counts[s] = 0;  // next written in the call after next
+    if (!WaitWord<T>(g, Word(h, g, wire::kSigHeader, s, wire::kControlQp), 1, s,
+                     wire::kSigHeader, wire::kControlQp))
+      continue;
+    const wire::Header& th = h.hdr[s];
+    const uint64_t my_seq = g_call_counter;
+    if (th.seq != my_seq || th.hash != g.hash || th.error != 0) {
+      wire::ErrorRecord r{};
+      r.code = th.error != 0 && th.seq == my_seq && th.hash == g.hash ? wire::kErrPeerFailed
+                                                                      : wire::kErrMismatch;
+      r.peer = s;
+      r.kind = wire::kSigHeader;
+      r.my_seq = my_seq;
+      r.peer_seq = th.seq;
+      r.expected = g.hash;
+      r.seen = th.hash;
+      for (int i = 0; i < wire::kNumCfgFields; ++i) {
+        r.mine[i] = g.cfg[i];
+        r.theirs[i] = th.cfg[i];
+      }
+      Record(g, r);
+      continue;
+    }
+    if (with_counts)
+      WaitWord<T>(g, Word(h, g, wire::kSigCounts, s, wire::kControlQp), 1, s,
+                  wire::kSigCounts, wire::kControlQp);
   }
 }
 
@@ -304,16 +450,34 @@ __device__ __forceinline__ int64_t ChunksFrom(const Geometry& g, const int32_t* 
   return num_chunks(Kept(base, n, g.C) * stride, g.chunk);
 }
 
-// Every block: waits until each source other than this rank has signalled on `sig` all
-// its chunks of this call plus the closing signal.
+// One block: waits (bounded) until every (source, QP) word of this call holds the
+// source's chunks on that QP plus its closing signal, and checks none holds more.
 template <class T>
-__device__ __forceinline__ void WaitSources(const Geometry& g, const int32_t* counts,
-                                            uint64_t* sig, Wire wire) {
-  for (int s = threadIdx.x; s < g.R; s += blockDim.x) {
-    if (s == g.rank) continue;
-    T::wait_ge(sig + s, static_cast<uint64_t>(ChunksFrom(g, counts, s, wire) + 1));
+__global__ void WaitKernel(Geometry g, const int32_t* counts_ext, char* heap,
+                           int64_t half_bytes, HeapLayout L, Wire pattern) {
+  const Half h = CurrentHalf(heap, half_bytes, L, g.R);
+  const int32_t* counts = counts_ext != nullptr ? counts_ext : h.counts;
+  const int kind = pattern == Wire::kCombine ? wire::kSigCombine : wire::kSigDispatch;
+  const int64_t words = static_cast<int64_t>(g.R) * g.num_qps;
+  for (int64_t i = threadIdx.x; i < words; i += blockDim.x) {
+    const int s = static_cast<int>(i / g.num_qps), q = static_cast<int>(i % g.num_qps);
+    if (s == g.rank || Failed(g)) continue;
+    const uint64_t expect =
+        wire::expected_signal(ChunksFrom(g, counts, s, pattern), g.rank, q, g.P, g.Q);
+    uint64_t* w = Word(h, g, kind, s, q);
+    if (!WaitWord<T>(g, w, expect, s, kind, q)) continue;
+    const uint64_t v = T::fetch(w);
+    if (v != expect) {
+      wire::ErrorRecord r{};
+      r.code = wire::kErrExtraSignal;
+      r.peer = s;
+      r.kind = kind;
+      r.qp = q;
+      r.expected = expect;
+      r.seen = v;
+      Record(g, r);
+    }
   }
-  __syncthreads();
 }
 
 // Source rank of received row i: the last s with recv_base[s] <= i (scratch[2R, 3R]).
@@ -324,55 +488,47 @@ __device__ __forceinline__ int SourceOfRow(const Geometry& g, const int64_t* scr
   return s;
 }
 
-// CTA q sends, to every peer, the chunks the striping plan puts on logical QP q.
+// CTA q sends, to every peer, the chunks the striping plan puts on logical QP q: data
+// and signal on QP q, into word (kind, this rank, q); then one closing signal on QP q.
 template <class T>
 __global__ void SendKernel(Geometry g, const int32_t* counts_ext, const int64_t* scratch,
-                           char* heap, int64_t half_bytes, HeapLayout L, Wire wire) {
+                           char* heap, int64_t half_bytes, HeapLayout L, Wire pattern) {
   char* half = heap + Parity() * half_bytes;
   const Half h = HalfAt(half, L, g.R);
   const int32_t* counts = counts_ext != nullptr ? counts_ext : h.counts;
-  uint64_t* sig = wire == Wire::kCombine ? h.sig_comb : h.sig_disp;
+  const int kind = pattern == Wire::kCombine ? wire::kSigCombine : wire::kSigDispatch;
   const int q = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __shared__ int skip;
+  if (threadIdx.x == 0) skip = Failed(g) ? 1 : 0;
+  __syncthreads();
+  if (skip) return;
+  uint64_t* sig = Word(h, g, kind, g.rank, q);
   for (int i = 1; i < g.R; ++i) {
     const int peer = (g.rank + i) % g.R;
-    const Span s = StreamTo(g, counts, scratch, peer, wire, L);
-    // The channel whose chunks go on QP q for this peer (a bijection when
-    // channels == QPs, see striping_plan.h).
-    int channel = -1;
-    for (int c = 0; c < g.num_qps; ++c) {
-      if (qp_for(peer, c, c, g.P, g.Q).qp == q) {
-        channel = c;
-        break;
-      }
-    }
+    const Span s = StreamTo(g, counts, scratch, peer, pattern, L);
+    const int channel = wire::channel_of_qp(peer, q, g.P, g.Q);
     const int64_t n = num_chunks(s.bytes, g.chunk);
-    if (channel >= 0) {
-      int k = 0;
-      for (int64_t j = channel; j < n; j += g.num_qps, ++k) {
-        if (k % kWarps != warp) continue;
-        const QpPort qp = qp_for(peer, channel, j, g.P, g.Q);
-        const int64_t off = chunk_offset(j, g.chunk);
-        T::put_signal_warp(half + s.dst + off, half + s.src + off,
-                           static_cast<size_t>(chunk_size(s.bytes, j, g.chunk)),
-                           sig + g.rank, 1, SignalOp::kAdd, peer, qp.qp);
-      }
+    int k = 0;
+    for (int64_t j = channel; channel >= 0 && j < n; j += g.num_qps, ++k) {
+      if (k % kWarps != warp) continue;
+      const int64_t off = chunk_offset(j, g.chunk);
+      T::put_signal_warp(half + s.dst + off, half + s.src + off,
+                         static_cast<size_t>(chunk_size(s.bytes, j, g.chunk)), sig, 1,
+                         SignalOp::kAdd, peer, q);
     }
-    // One closing signal per peer, so a peer with nothing to receive still hears from us.
-    if (q == 0 && warp == 0 && lane == 0)
-      T::signal(sig + g.rank, 1, SignalOp::kAdd, peer, 0);
+    if (warp == 0 && lane == 0) T::signal(sig, 1, SignalOp::kAdd, peer, q);
   }
   __syncwarp();
   if (lane == 0) T::quiet();
 }
 
-// Waits (every block) for every source's chunks, then writes the dispatch outputs.
-template <class T>
+// Writes the dispatch outputs (after WaitKernel on the same stream).
 __global__ void UnpackKernel(Geometry g, const int64_t* scratch, char* heap,
                              int64_t half_bytes, HeapLayout L, DispatchOut out) {
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
-  WaitSources<T>(g, h.counts, h.sig_disp, Wire::kDispatch);
-  const int64_t total = scratch[3 * g.R];
+  // A failed call (any rank) leaves every output in its empty state.
+  const int64_t total = Failed(g) ? 0 : scratch[3 * g.R];
   const int64_t num_recv = kept_rows(total, g.C);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     *out.num_recv = static_cast<int32_t>(num_recv);
@@ -380,7 +536,7 @@ __global__ void UnpackKernel(Geometry g, const int64_t* scratch, char* heap,
   }
   for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x;
        i < static_cast<int64_t>(g.R) * g.R; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out.counts[i] = h.counts[i];
+    out.counts[i] = total == 0 ? 0 : h.counts[i];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int64_t i = blockIdx.x * kWarps + warp; i < g.C; i += gridDim.x * kWarps) {
     char* xo = static_cast<char*>(out.recv_x) + i * g.xrow;
@@ -400,7 +556,7 @@ __global__ void UnpackKernel(Geometry g, const int64_t* scratch, char* heap,
                           ? h.stage + (scratch[g.R + g.rank] + (i - scratch[2 * g.R + s])) * g.ds
                           : h.recv + i * g.ds;
     CopyBytes(xo, row, g.xrow, lane, 32);
-    const int32_t* ids = reinterpret_cast<const int32_t*>(row + g.xrow);
+    const int32_t* ids = reinterpret_cast<const int32_t*>(row + g.xmeta);
     const float* ws = reinterpret_cast<const float*>(ids + g.K);
     for (int k = lane; k < g.K; k += 32) {
       const int32_t local = local_expert_id(ids[k], g.el, g.rank);
@@ -415,12 +571,13 @@ __global__ void UnpackKernel(Geometry g, const int64_t* scratch, char* heap,
   }
 }
 
-// Resets the signals of this call's half and advances the call counter.
-__global__ void FinishKernel(int R, char* heap, int64_t half_bytes, HeapLayout L,
-                             bool combine) {
+// Resets the signal words of this call's half (header, counts, data) and advances the
+// call counter. The half is next written two calls later, after every peer has heard
+// this rank's next header, which follows this kernel on the stream.
+__global__ void FinishKernel(int R, char* heap, int64_t half_bytes, HeapLayout L) {
   const Half h = CurrentHalf(heap, half_bytes, L, R);
-  uint64_t* sig = combine ? h.sig_comb : h.sig_disp;
-  for (int s = threadIdx.x; s < R; s += blockDim.x) sig[s] = 0;
+  const int64_t n = wire::sig_words(R);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) h.sigs[i] = 0;
   __syncthreads();
   if (threadIdx.x == 0) ++g_call_counter;
 }
@@ -452,16 +609,22 @@ __device__ __forceinline__ float ToF(__half v) { return f16_to_f32(__half_as_ush
 template <>
 __device__ __forceinline__ __half FromF(float v) { return __ushort_as_half(f32_to_f16(v)); }
 
-// One block per token: wait for every rank's rows, then sum in ascending rank order.
-template <class T, typename E>
+// One block per token (after WaitKernel): sum in ascending rank order.
+template <typename E>
 __global__ void ReduceKernel(Geometry g, const E* y, const int32_t* counts,
                              const int32_t* send_slot, const int64_t* scratch, char* heap,
                              int64_t half_bytes, HeapLayout L, E* out) {
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
-  WaitSources<T>(g, counts, h.sig_comb, Wire::kCombine);
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = Failed(g) ? 1 : 0;
+  __syncthreads();
   const int t = blockIdx.x;
   for (int x = threadIdx.x; x < g.H; x += blockDim.x) {
     float acc = 0.f;
+    if (failed) {
+      out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc);
+      continue;
+    }
     for (int d = 0; d < g.R; ++d) {
       const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
       if (j < 0) continue;
@@ -494,14 +657,11 @@ __global__ void GatherPackKernel(Geometry g, const char* src, const int32_t* sen
   }
 }
 
-// Waits (every block) for every source's chunks, then writes out[C, H] (zero rows past
-// the rows kept).
-template <class T>
+// Writes out[C, H] (after WaitKernel; zero rows past the rows kept).
 __global__ void GatherUnpackKernel(Geometry g, const int32_t* counts, const int64_t* scratch,
                                    char* heap, int64_t half_bytes, HeapLayout L, char* out) {
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
-  WaitSources<T>(g, counts, h.sig_disp, Wire::kGather);
-  const int64_t num_recv = kept_rows(scratch[3 * g.R], g.C);
+  const int64_t num_recv = Failed(g) ? 0 : kept_rows(scratch[3 * g.R], g.C);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int64_t i = blockIdx.x * kWarps + warp; i < g.C; i += gridDim.x * kWarps) {
     char* o = out + i * g.yrow;
@@ -522,7 +682,8 @@ std::string CudaErr(cudaError_t e, const char* what) {
   return std::string("jax_ep internode: ") + what + ": " + cudaGetErrorString(e);
 }
 
-std::string MakeGeometry(const Dims& d, int x_bytes, int y_bytes, Geometry* g, HeapLayout* L) {
+std::string MakeGeometry(const Dims& d, int op, FloatKind elem, int x_bytes, int y_bytes,
+                         Geometry* g, HeapLayout* L) {
   if (!g_rt.initialized)
     return "jax_ep internode: NVSHMEM is not initialised; call "
            "jax_ep.nvshmem_bootstrap.initialize(...) before jit";
@@ -534,6 +695,10 @@ std::string MakeGeometry(const Dims& d, int x_bytes, int y_bytes, Geometry* g, H
   const int qps = d.num_ports * d.qps_per_port;
   if (d.num_ports < 1 || d.qps_per_port < 1 || qps > transport::kMaxQps || d.chunk_bytes < 1)
     return "jax_ep internode: bad transport config (ports, QPs per port, chunk bytes)";
+  if (qps != g_rt.num_qps)
+    return "jax_ep internode: the call asks for " + std::to_string(qps) +
+           " QPs per peer but NVSHMEM was started with " + std::to_string(g_rt.num_qps) +
+           "; trace with the TransportConfig given to nvshmem_bootstrap.initialize";
   g->R = d.num_ranks;
   g->rank = d.rank;
   g->T = d.tokens;
@@ -543,6 +708,7 @@ std::string MakeGeometry(const Dims& d, int x_bytes, int y_bytes, Geometry* g, H
   g->E = d.num_experts;
   g->el = d.experts_per_rank;
   g->xrow = static_cast<int64_t>(d.hidden) * x_bytes;
+  g->xmeta = dispatch_meta_offset(g->xrow);
   g->yrow = static_cast<int64_t>(d.hidden) * y_bytes;
   g->ds = dispatch_row_stride(g->xrow, d.topk);
   g->cs = combine_row_stride(g->yrow);
@@ -551,6 +717,18 @@ std::string MakeGeometry(const Dims& d, int x_bytes, int y_bytes, Geometry* g, H
   g->num_qps = qps;
   // Chunks are whole 16-byte units so every put stays aligned.
   g->chunk = round_up(d.chunk_bytes, 16);
+  g->timeout_ns = d.timeout_ns > 0 ? d.timeout_ns : 300ll * 1000000000ll;
+  g->cfg[wire::kCfgOp] = op;
+  g->cfg[wire::kCfgRanks] = d.num_ranks;
+  g->cfg[wire::kCfgTokens] = d.tokens;
+  g->cfg[wire::kCfgHidden] = d.hidden;
+  g->cfg[wire::kCfgTopk] = d.topk;
+  g->cfg[wire::kCfgCapacity] = d.capacity;
+  g->cfg[wire::kCfgDtype] = static_cast<int32_t>(elem);
+  g->cfg[wire::kCfgNumQps] = qps;
+  g->hash = wire::config_hash(g->cfg);
+  g->err = g_rt.err;
+  g->bad = g_rt.bad;
   *L = heap_layout(d.num_ranks, d.tokens, d.capacity, d.hidden, d.topk, x_bytes, y_bytes);
   if (static_cast<size_t>(L->total) > g_rt.half_bytes)
     return "jax_ep internode: the NVSHMEM heap is too small for this call (needs " +
@@ -560,25 +738,44 @@ std::string MakeGeometry(const Dims& d, int x_bytes, int y_bytes, Geometry* g, H
   return {};
 }
 
-std::string CheckErrorFlag(cudaStream_t stream) {
-  int flag = 0;
-  std::string e = CudaErr(cudaMemcpyAsync(&flag, g_rt.error_flag, sizeof(int),
-                                          cudaMemcpyDeviceToHost, stream), "read error flag");
-  if (e.empty()) e = CudaErr(cudaStreamSynchronize(stream), "dispatch");
-  if (!e.empty()) return e;
-  if (flag) {
-    cudaMemsetAsync(g_rt.error_flag, 0, sizeof(int), stream);
-    return "jax_ep internode: topk_idx has values outside [-1, num_experts)";
+const char* OpName(int op) {
+  switch (op) {
+    case wire::kOpDispatch: return "dispatch";
+    case wire::kOpCombine: return "combine";
+    case wire::kOpGather: return "gather";
+    default: return "an internode call";
   }
-  return {};
+}
+
+const char* KindName(int kind) {
+  switch (kind) {
+    case wire::kSigHeader: return "header";
+    case wire::kSigCounts: return "count row";
+    case wire::kSigDispatch: return "dispatch/gather data";
+    case wire::kSigCombine: return "combine data";
+    default: return "?";
+  }
+}
+
+std::string CfgText(const int32_t* c) {
+  static const char* kNames[wire::kNumCfgFields] = {"op", "R", "T", "H", "K", "C", "dtype",
+                                                    "qps"};
+  std::string out = "(";
+  for (int i = 0; i < wire::kNumCfgFields; ++i) {
+    if (i) out += ", ";
+    out += kNames[i];
+    out += "=";
+    out += i == wire::kCfgOp ? std::string(OpName(c[i])) : std::to_string(c[i]);
+  }
+  return out + ")";
 }
 
 // Start of a handle-driven call (combine, gather): geometry and layout for rows of
 // `elem` (they travel through the back and cstage regions; dispatch's regions, sized by
 // x, are unused), then the row prefixes from the handle's counts.
-std::string BeginHandleCall(cudaStream_t stream, const Dims& d, FloatKind elem,
+std::string BeginHandleCall(cudaStream_t stream, const Dims& d, int op, FloatKind elem,
                             const int32_t* counts, Geometry* g, HeapLayout* L) {
-  std::string e = MakeGeometry(d, 0, FloatKindBytes(elem), g, L);
+  std::string e = MakeGeometry(d, op, elem, 0, FloatKindBytes(elem), g, L);
   if (!e.empty()) return e;
   PrefixKernel<<<1, kThreads, 0, stream>>>(*g, counts, g_rt.heap,
                                            static_cast<int64_t>(g_rt.half_bytes), *L,
@@ -594,8 +791,55 @@ int Version() {
          NVSHMEM_VENDOR_PATCH_VERSION;
 }
 
+namespace {
+// A symbol of the NVSHMEM host library already loaded with the extension, or null.
+// Entry points newer than the oldest supported NVSHMEM are reached only this way, so the
+// extension has no undefined reference to them and loads with any libnvshmem_host.so.3.
+void* HostSymbol(const char* name) {
+  static void* lib = dlopen("libnvshmem_host.so.3", RTLD_NOLOAD | RTLD_LAZY);
+  void* p = lib != nullptr ? dlsym(lib, name) : nullptr;
+  return p != nullptr ? p : dlsym(RTLD_DEFAULT, name);
+}
+
+using QpHandle = int;  // nvshmemx_qp_handle_t in 3.8
+using QpCreateFn = int (*)(int, QpHandle**);
+using VersionFn = void (*)(int*, int*, int*);
+}  // namespace
+
+bool QpApiAvailable() {
+#if JAX_EP_NVSHMEM_QP_API
+  return HostSymbol("nvshmemx_qp_create") != nullptr;
+#else
+  return false;
+#endif
+}
+
+int RuntimeVersion() {
+  auto fn = reinterpret_cast<VersionFn>(HostSymbol("nvshmemx_vendor_get_version_info"));
+  if (fn == nullptr) return -1;
+  int major = 0, minor = 0, patch = 0;
+  fn(&major, &minor, &patch);
+  return major * 10000 + minor * 100 + patch;
+}
+
+int InitStatus() {
+  using StatusFn = int (*)();
+  auto fn = reinterpret_cast<StatusFn>(HostSymbol("nvshmemx_init_status"));
+  return fn == nullptr ? -1 : fn();
+}
+
 bool Initialized() { return g_rt.initialized; }
 size_t HeapBytes() { return g_rt.heap_bytes; }
+
+TransportInfo TransportState() {
+  TransportInfo t;
+  t.initialized = g_rt.initialized;
+  t.adopted = g_rt.adopted;
+  t.num_qps = g_rt.num_qps;
+  t.qp_path = g_rt.qp_path;
+  for (int i = 0; i < g_rt.num_handles; ++i) t.handles.push_back(g_rt.handles[i]);
+  return t;
+}
 
 std::string UniqueId(std::string* out) {
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
@@ -605,22 +849,34 @@ std::string UniqueId(std::string* out) {
 }
 
 std::string Init(int rank, int world, const std::string& unique_id, size_t heap_bytes,
-                 int num_qps) {
+                 int num_qps, bool use_qp_api, bool adopt) {
   if (g_rt.initialized) return "jax_ep internode: NVSHMEM is already initialised";
-  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
-  if (unique_id.size() != sizeof(id))
-    return "jax_ep internode: unique id has " + std::to_string(unique_id.size()) +
-           " bytes, expected " + std::to_string(sizeof(id));
+  if (num_qps < 1 || num_qps > transport::kMaxQps)
+    return "jax_ep internode: num_qps must be in [1, " + std::to_string(transport::kMaxQps) + "]";
   if (heap_bytes <= static_cast<size_t>(kHeapSlackBytes))
     return "jax_ep internode: heap_bytes is smaller than the reserved slack";
-  std::memcpy(&id, unique_id.data(), sizeof(id));
   std::string e = CudaErr(cudaFree(nullptr), "CUDA context");
   if (!e.empty()) return e;
-  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
-  if (nvshmemx_set_attr_uniqueid_args(rank, world, &id, &attr) != 0)
-    return "jax_ep internode: nvshmemx_set_attr_uniqueid_args failed";
-  if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
-    return "jax_ep internode: nvshmemx_init_attr failed";
+  const int status = InitStatus();
+  const bool running = status >= NVSHMEM_STATUS_IS_INITIALIZED;
+  if (running && !adopt)
+    return "jax_ep internode: NVSHMEM is already initialised in this process (XLA starts it "
+           "for its own kernels); its settings were fixed then. Start jax_ep's NVSHMEM "
+           "before anything else uses it, or set the NVSHMEM_* variables of "
+           "TransportConfig.nvshmem_env() in the environment before the process starts "
+           "and pass adopt=True";
+  if (!running) {
+    nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+    if (unique_id.size() != sizeof(id))
+      return "jax_ep internode: unique id has " + std::to_string(unique_id.size()) +
+             " bytes, expected " + std::to_string(sizeof(id));
+    std::memcpy(&id, unique_id.data(), sizeof(id));
+    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+    if (nvshmemx_set_attr_uniqueid_args(rank, world, &id, &attr) != 0)
+      return "jax_ep internode: nvshmemx_set_attr_uniqueid_args failed";
+    if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
+      return "jax_ep internode: nvshmemx_init_attr failed";
+  }
   if (nvshmem_my_pe() != rank || nvshmem_n_pes() != world)
     return "jax_ep internode: NVSHMEM PE " + std::to_string(nvshmem_my_pe()) + "/" +
            std::to_string(nvshmem_n_pes()) + " does not match process " +
@@ -632,28 +888,37 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
   e = CudaErr(cudaMemset(g_rt.heap, 0, 2 * g_rt.half_bytes), "clear heap");
   if (e.empty())
     e = CudaErr(cudaMalloc(&g_rt.scratch, sizeof(int64_t) * (3 * world + 1)), "scratch");
-  if (e.empty()) e = CudaErr(cudaMalloc(&g_rt.error_flag, sizeof(int)), "error flag");
-  if (e.empty()) e = CudaErr(cudaMemset(g_rt.error_flag, 0, sizeof(int)), "error flag");
+  if (e.empty()) e = CudaErr(cudaMalloc(&g_rt.bad, sizeof(int32_t) * 4), "bad-id note");
+  if (e.empty()) e = CudaErr(cudaMemset(g_rt.bad, 0, sizeof(int32_t) * 4), "bad-id note");
+  void* rec = nullptr;
+  if (e.empty())
+    e = CudaErr(cudaHostAlloc(&rec, sizeof(wire::ErrorRecord),
+                              cudaHostAllocMapped | cudaHostAllocPortable), "error record");
   if (!e.empty()) return e;
-  int handles = 0;
-#if JAX_EP_NVSHMEM_QP_API
-  // Explicit QP handles are opt-in (JAX_EP_NVSHMEM_QP_API=1): the default relies on
-  // NVSHMEM_IBGDA_RC_MAP_BY=cta, which every IBGDA version honours.
-  const char* want = std::getenv("JAX_EP_NVSHMEM_QP_API");
-  if (want != nullptr && std::strcmp(want, "1") == 0 && num_qps <= transport::kMaxQps) {
-    nvshmemx_qp_handle_t* arr = nullptr;
-    if (nvshmemx_qp_create(num_qps, &arr) == 0 && arr != nullptr) {
-      int host[transport::kMaxQps];
-      for (int i = 0; i < num_qps; ++i) host[i] = arr[i];
-      e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_qp_handles, host,
-                                     sizeof(int) * num_qps), "QP handles");
-      if (!e.empty()) return e;
-      handles = num_qps;
-    }
+  std::memset(rec, 0, sizeof(wire::ErrorRecord));
+  g_rt.err = static_cast<wire::ErrorRecord*>(rec);
+  // One explicit QP handle per logical QP: the plan's QP is the QP on the wire.
+  g_rt.num_handles = 0;
+  g_rt.qp_path = "fallback: NVSHMEM's own QP choice (no nvshmemx_qp_create)";
+  if (use_qp_api) {
+    auto create = reinterpret_cast<QpCreateFn>(
+        QpApiAvailable() ? HostSymbol("nvshmemx_qp_create") : nullptr);
+    if (create == nullptr)
+      return "jax_ep internode: the QP API was asked for but this NVSHMEM host library has "
+             "no nvshmemx_qp_create (NVSHMEM >= 3.8 needed); the bootstrap falls back to one "
+             "port when it is absent";
+    QpHandle* arr = nullptr;
+    if (create(num_qps, &arr) != 0 || arr == nullptr)
+      return "jax_ep internode: nvshmemx_qp_create(" + std::to_string(num_qps) + ") failed";
+    for (int i = 0; i < num_qps; ++i) g_rt.handles[i] = arr[i];
+    e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_qp_handles, g_rt.handles,
+                                   sizeof(int) * num_qps), "QP handles");
+    if (!e.empty()) return e;
+    g_rt.num_handles = num_qps;
+    g_rt.qp_path = "qp_api: one nvshmemx_qp_create handle per planned QP";
   }
-#endif
-  e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_num_qp_handles, &handles, sizeof(int)),
-              "QP handles");
+  e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_num_qp_handles, &g_rt.num_handles,
+                                 sizeof(int)), "QP handles");
   if (!e.empty()) return e;
   const unsigned long long zero = 0;
   e = CudaErr(cudaMemcpyToSymbol(g_call_counter, &zero, sizeof(zero)), "call counter");
@@ -662,22 +927,77 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
   if (!e.empty()) return e;
   nvshmem_barrier_all();
   g_rt.initialized = true;
+  g_rt.adopted = running;
   g_rt.rank = rank;
   g_rt.world = world;
   g_rt.heap_bytes = heap_bytes;
+  g_rt.num_qps = num_qps;
   return {};
 }
 
+// Collective: every PE must call it. Never called at exit (see jax_ep.nvshmem_bootstrap).
 std::string Finalize() {
   if (!g_rt.initialized) return {};
   cudaDeviceSynchronize();
   nvshmem_barrier_all();
   nvshmem_free(g_rt.heap);
   cudaFree(g_rt.scratch);
-  cudaFree(g_rt.error_flag);
-  nvshmem_finalize();
+  cudaFree(g_rt.bad);
+  cudaFreeHost(g_rt.err);
+  if (!g_rt.adopted) nvshmem_finalize();
   g_rt = RuntimeState{};
   return {};
+}
+
+std::string PendingError() {
+  if (g_rt.err == nullptr) return {};
+  const volatile wire::ErrorRecord* r = g_rt.err;
+  const int code = r->code;
+  if (code == wire::kErrNone) return {};
+  std::string m = "jax_ep internode: ";
+  const int op = r->op, peer = r->peer, kind = r->kind, qp = r->qp;
+  const unsigned long long expected = r->expected, seen = r->seen;
+  int32_t mine[wire::kNumCfgFields], theirs[wire::kNumCfgFields];
+  for (int i = 0; i < wire::kNumCfgFields; ++i) {
+    mine[i] = r->mine[i];
+    theirs[i] = r->theirs[i];
+  }
+  switch (code) {
+    case wire::kErrTimeout:
+      m += std::string(OpName(op)) + " timed out (JAX_EP_TIMEOUT_S) waiting for rank " +
+           std::to_string(peer) + ": " + KindName(kind) + " signal on QP " +
+           std::to_string(qp) + " holds " + std::to_string(seen) + " of " +
+           std::to_string(expected) +
+           "; that rank skipped the call, failed earlier, or is slower than the timeout";
+      break;
+    case wire::kErrMismatch:
+      m += std::string(OpName(op)) + ": rank " + std::to_string(peer) +
+           " is in another call: this rank seq " + std::to_string(r->my_seq) + " " +
+           CfgText(mine) + ", rank " + std::to_string(peer) + " seq " +
+           std::to_string(r->peer_seq) + " " + CfgText(theirs) +
+           "; every rank must make the same EP calls with the same shapes in the same order";
+      break;
+    case wire::kErrPeerFailed:
+      m += std::string(OpName(op)) + ": rank " + std::to_string(peer) +
+           " reported an error in this call (e.g. topk_idx out of range there); every rank "
+           "fails it";
+      break;
+    case wire::kErrBadId:
+      m += std::string(OpName(op)) + ": topk_idx[" + std::to_string(peer) + ", " +
+           std::to_string(qp) + "] = " + std::to_string(static_cast<long long>(seen)) +
+           " is outside [-1, " + std::to_string(expected) + ")";
+      break;
+    case wire::kErrExtraSignal:
+      m += std::string(OpName(op)) + ": rank " + std::to_string(peer) + " signalled " +
+           std::to_string(seen) + " times on " + KindName(kind) + " QP " +
+           std::to_string(qp) + ", expected " + std::to_string(expected);
+      break;
+    default:
+      m += "an error is being recorded (code " + std::to_string(code) + ")";
+  }
+  return m + " [rank " + std::to_string(static_cast<int>(r->rank)) +
+         "]. The internode transport stays failed for the life of this process (the "
+         "peers' signal words are out of step); restart the job.";
 }
 
 std::string Dispatch(cudaStream_t stream, const Dims& d, FloatKind elem, const void* x,
@@ -686,63 +1006,67 @@ std::string Dispatch(cudaStream_t stream, const Dims& d, FloatKind elem, const v
   Geometry g;
   HeapLayout L;
   // Each call lays out its own half; combine's regions (sized by y) are unused here.
-  std::string e = MakeGeometry(d, FloatKindBytes(elem), 0, &g, &L);
+  std::string e = MakeGeometry(d, wire::kOpDispatch, elem, FloatKindBytes(elem), 0, &g, &L);
   if (!e.empty()) return e;
   char* heap = g_rt.heap;
   const int64_t hb = static_cast<int64_t>(g_rt.half_bytes);
   e = CudaErr(cudaMemsetAsync(out.recv_per_expert, 0, sizeof(int32_t) * d.experts_per_rank,
                               stream), "clear expert counts");
+  if (e.empty())
+    e = CudaErr(cudaMemsetAsync(g_rt.bad, 0, sizeof(int32_t) * 4, stream), "clear bad ids");
   if (!e.empty()) return e;
-  SlotsKernel<<<g.R, kThreads, 0, stream>>>(g, topk_idx, out.send_slot, heap, hb, L,
-                                            g_rt.error_flag);
+  SlotsKernel<<<g.R, kThreads, 0, stream>>>(g, topk_idx, out.send_slot, heap, hb, L);
   if (g.T > 0)
     PackKernel<<<g.T, 128, 0, stream>>>(g, static_cast<const char*>(x), topk_idx,
                                         topk_weights, out.send_slot, heap, hb, L);
-  CountsKernel<Transport><<<1, kThreads, 0, stream>>>(g, heap, hb, L);
+  HeaderKernel<Transport><<<1, kThreads, 0, stream>>>(g, heap, hb, L, true);
   PrefixKernel<<<1, kThreads, 0, stream>>>(g, nullptr, heap, hb, L, g_rt.scratch);
   SendKernel<Transport><<<g.num_qps, kThreads, 0, stream>>>(g, nullptr, g_rt.scratch, heap,
                                                              hb, L, Wire::kDispatch);
+  WaitKernel<Transport><<<1, kThreads, 0, stream>>>(g, nullptr, heap, hb, L, Wire::kDispatch);
   const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
-  UnpackKernel<Transport><<<blocks < 1024 ? blocks : 1024, kThreads, 0, stream>>>(
-      g, g_rt.scratch, heap, hb, L, out);
-  FinishKernel<<<1, kThreads, 0, stream>>>(g.R, heap, hb, L, false);
-  e = CudaErr(cudaGetLastError(), "dispatch launch");
-  if (!e.empty()) return e;
-  return CheckErrorFlag(stream);
+  UnpackKernel<<<blocks < 1024 ? blocks : 1024, kThreads, 0, stream>>>(g, g_rt.scratch, heap,
+                                                                        hb, L, out);
+  FinishKernel<<<1, kThreads, 0, stream>>>(g.R, heap, hb, L);
+  return CudaErr(cudaGetLastError(), "dispatch launch");
 }
 
 std::string Combine(cudaStream_t stream, const Dims& d, FloatKind elem, const void* y,
                     const int32_t* counts, const int32_t* send_slot, void* out) {
   Geometry g;
   HeapLayout L;
-  const std::string e = BeginHandleCall(stream, d, elem, counts, &g, &L);
+  const std::string e = BeginHandleCall(stream, d, wire::kOpCombine, elem, counts, &g, &L);
   if (!e.empty()) return e;
   char* heap = g_rt.heap;
   const int64_t hb = static_cast<int64_t>(g_rt.half_bytes);
   CombineStageKernel<<<g.C < 1024 ? g.C : 1024, kThreads, 0, stream>>>(
       g, static_cast<const char*>(y), g_rt.scratch, heap, hb, L);
+  // With T == 0 the header, send and wait still run: this rank's peers expect its
+  // closing signals, and it must not reset words its peers are still signalling.
+  HeaderKernel<Transport><<<1, kThreads, 0, stream>>>(g, heap, hb, L, false);
   SendKernel<Transport><<<g.num_qps, kThreads, 0, stream>>>(g, counts, g_rt.scratch, heap,
                                                              hb, L, Wire::kCombine);
+  WaitKernel<Transport><<<1, kThreads, 0, stream>>>(g, counts, heap, hb, L, Wire::kCombine);
   if (g.T > 0) {
     switch (elem) {
       case FloatKind::kF32:
-        ReduceKernel<Transport, float><<<g.T, kThreads, 0, stream>>>(
+        ReduceKernel<float><<<g.T, kThreads, 0, stream>>>(
             g, static_cast<const float*>(y), counts, send_slot, g_rt.scratch, heap, hb, L,
             static_cast<float*>(out));
         break;
       case FloatKind::kBF16:
-        ReduceKernel<Transport, __nv_bfloat16><<<g.T, kThreads, 0, stream>>>(
+        ReduceKernel<__nv_bfloat16><<<g.T, kThreads, 0, stream>>>(
             g, static_cast<const __nv_bfloat16*>(y), counts, send_slot, g_rt.scratch, heap,
             hb, L, static_cast<__nv_bfloat16*>(out));
         break;
       case FloatKind::kF16:
-        ReduceKernel<Transport, __half><<<g.T, kThreads, 0, stream>>>(
+        ReduceKernel<__half><<<g.T, kThreads, 0, stream>>>(
             g, static_cast<const __half*>(y), counts, send_slot, g_rt.scratch, heap, hb, L,
             static_cast<__half*>(out));
         break;
     }
   }
-  FinishKernel<<<1, kThreads, 0, stream>>>(g.R, heap, hb, L, true);
+  FinishKernel<<<1, kThreads, 0, stream>>>(g.R, heap, hb, L);
   return CudaErr(cudaGetLastError(), "combine launch");
 }
 
@@ -750,25 +1074,28 @@ std::string Gather(cudaStream_t stream, const Dims& d, FloatKind elem, const voi
                    const int32_t* counts, const int32_t* send_slot, void* out) {
   Geometry g;
   HeapLayout L;
-  const std::string e = BeginHandleCall(stream, d, elem, counts, &g, &L);
+  const std::string e = BeginHandleCall(stream, d, wire::kOpGather, elem, counts, &g, &L);
   if (!e.empty()) return e;
   char* heap = g_rt.heap;
   const int64_t hb = static_cast<int64_t>(g_rt.half_bytes);
   if (g.T > 0)
     GatherPackKernel<<<g.T, 128, 0, stream>>>(g, static_cast<const char*>(src), send_slot,
                                               g_rt.scratch, heap, hb, L);
+  HeaderKernel<Transport><<<1, kThreads, 0, stream>>>(g, heap, hb, L, false);
   SendKernel<Transport><<<g.num_qps, kThreads, 0, stream>>>(g, counts, g_rt.scratch, heap,
                                                              hb, L, Wire::kGather);
+  WaitKernel<Transport><<<1, kThreads, 0, stream>>>(g, counts, heap, hb, L, Wire::kGather);
   const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
-  GatherUnpackKernel<Transport><<<blocks < 1024 ? blocks : 1024, kThreads, 0, stream>>>(
+  GatherUnpackKernel<<<blocks < 1024 ? blocks : 1024, kThreads, 0, stream>>>(
       g, counts, g_rt.scratch, heap, hb, L, static_cast<char*>(out));
-  FinishKernel<<<1, kThreads, 0, stream>>>(g.R, heap, hb, L, false);
+  FinishKernel<<<1, kThreads, 0, stream>>>(g.R, heap, hb, L);
   return CudaErr(cudaGetLastError(), "gather launch");
 }
 
 namespace {
 // One warp puts 4 KiB from the first half of a scratch area to its second half on this
-// PE through the transport, with a signal; thread 0 waits for the signal.
+// PE through the transport on logical QP 0, with a signal; thread 0 polls the signal
+// (bounded: about 10 s).
 __global__ void SelfPutKernel(char* area, uint64_t* sig, int* ok) {
   const int me = Transport::my_pe();
   constexpr int kBytes = 4096;
@@ -777,7 +1104,13 @@ __global__ void SelfPutKernel(char* area, uint64_t* sig, int* ok) {
   Transport::put_signal_warp(area + kBytes, area, kBytes, sig, 1, SignalOp::kSet, me, 0);
   if (threadIdx.x == 0) {
     Transport::quiet();
-    Transport::wait_ge(sig, 1);
+    const uint64_t start = NowNs();
+    while (Transport::fetch(sig) < 1) {
+      if (NowNs() - start > 10ull * 1000000000ull) {
+        *ok = 0;
+        return;
+      }
+    }
     int good = 1;
     for (int i = 0; i < kBytes; ++i) good &= area[kBytes + i] == static_cast<char>(i * 7 + 3);
     *ok = good;
@@ -790,14 +1123,17 @@ std::string SelfPutCheck(bool* ok) {
   if (!g_rt.initialized) return "jax_ep internode: NVSHMEM is not initialised";
   if (g_rt.half_bytes < 8192 + 256) return "jax_ep internode: heap too small for the check";
   std::string e = CudaErr(cudaDeviceSynchronize(), "self put");
-  // Uses the half the next call would use, then clears it again.
+  // Uses the data area of the half the next call would use, then clears it again.
   unsigned long long counter = 0;
   if (e.empty()) e = CudaErr(cudaMemcpyFromSymbol(&counter, g_call_counter, sizeof(counter)),
                              "call counter");
   if (!e.empty()) return e;
-  char* area = g_rt.heap + (counter & 1ull) * g_rt.half_bytes;
+  const HeapLayout L = heap_layout(g_rt.world, 0, 1, 0, 1, 0, 0);
+  char* area = g_rt.heap + (counter & 1ull) * g_rt.half_bytes + L.recv;
+  if (static_cast<size_t>(L.recv) + 8192 + 256 > g_rt.half_bytes)
+    return "jax_ep internode: heap too small for the check";
   uint64_t* sig = reinterpret_cast<uint64_t*>(area + 8192);
-  int* dok = g_rt.error_flag;  // reused as the result cell, reset below
+  int* dok = g_rt.bad;  // reused as the result cell, cleared below
   SelfPutKernel<<<1, 32>>>(area, sig, dok);
   int host = 0;
   e = CudaErr(cudaMemcpy(&host, dok, sizeof(int), cudaMemcpyDeviceToHost), "self put");

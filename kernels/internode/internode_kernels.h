@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kernels/common/dtype_convert.h"
 
@@ -25,16 +26,35 @@ struct Dims {
   int num_ports = 2;
   int qps_per_port = 1;
   int64_t chunk_bytes = 65536;
+  int64_t timeout_ns = 0;  // JAX_EP_TIMEOUT_S; bound of every device wait
 };
 
 // Runtime. All return "" on success or an error message.
 std::string UniqueId(std::string* out);  // 128 bytes, on PE 0 only
+// Starts NVSHMEM (collective) and creates `num_qps` explicit QP handles when
+// `use_qp_api`. With `adopt`, an NVSHMEM another library already started is used as is
+// (the caller has checked its settings); without it, that case is an error.
 std::string Init(int rank, int world, const std::string& unique_id, size_t heap_bytes,
-                 int num_qps);
+                 int num_qps, bool use_qp_api, bool adopt);
+// Collective (barrier). Never called at process exit.
 std::string Finalize();
 bool Initialized();
 size_t HeapBytes();
-int Version();  // major * 10000 + minor * 100 + patch of the NVSHMEM headers
+int Version();         // NVSHMEM headers built against: major*10000 + minor*100 + patch
+int RuntimeVersion();  // the loaded host library's, -1 if it cannot say
+int InitStatus();      // nvshmemx_init_status() of the loaded library, -1 if unknown
+bool QpApiAvailable(); // built with 3.8 headers and the host library has nvshmemx_qp_create
+// The sticky error of an earlier call ("" if none); read without synchronising.
+std::string PendingError();
+
+struct TransportInfo {
+  bool initialized = false;
+  bool adopted = false;
+  int num_qps = 0;
+  std::string qp_path;
+  std::vector<int> handles;  // handle of logical QP q, q < num_qps (empty: fallback)
+};
+TransportInfo TransportState();
 
 // Dispatch on `stream`. Outputs follow DESIGN.md, plus the handle parts combine needs:
 // counts[R, R] (rows each source sends each rank) and send_slot[T, R] (the token's

@@ -9,7 +9,9 @@
 // still reads. Within a half, signals and counts come first at offsets that depend on R
 // only (they must stay put from call to call, and are zero between calls):
 //
-//   sigs   [3][R] uint64          per-source signals: counts, dispatch data, combine data
+//   sigs   [4][R][64] uint64      signal words [kind][source][logical QP]
+//                                 (kernels/internode/wire_protocol.h)
+//   hdr    [R] 64-byte headers    per-call header of each source (seq, config, error)
 //   counts [R][R] int32           counts[s][d]: rows s sends d (all-gathered per call)
 //   recv   [C] dispatch rows      rows received by dispatch, in contract order
 //   back   [T*min(K,R)] combine rows   rows returned by combine, in send order
@@ -18,6 +20,8 @@
 #pragma once
 
 #include <cstdint>
+
+#include "kernels/internode/wire_protocol.h"
 
 #if defined(__CUDACC__)
 #define JEP_LAYOUT_HD __host__ __device__ __forceinline__
@@ -33,10 +37,12 @@ constexpr int64_t kHeapSlackBytes = 32ll << 20;
 
 JEP_LAYOUT_HD int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
-// One dispatched row: the token's bytes, K global expert ids (int32), K weights (f32)
-// and the source token index (int32), padded to 16 bytes.
+// One dispatched row: the token's bytes, padded to 16 so the int32 metadata that
+// follows is aligned (odd H in 16-bit dtypes), then K global expert ids (int32), K
+// weights (f32) and the source token index (int32), padded to 16 bytes.
+JEP_LAYOUT_HD int64_t dispatch_meta_offset(int64_t hidden_bytes) { return round_up(hidden_bytes, 16); }
 JEP_LAYOUT_HD int64_t dispatch_row_stride(int64_t hidden_bytes, int64_t topk) {
-  return round_up(hidden_bytes + 8 * topk + 4, 16);
+  return round_up(dispatch_meta_offset(hidden_bytes) + 8 * topk + 4, 16);
 }
 JEP_LAYOUT_HD int64_t combine_row_stride(int64_t hidden_bytes) { return round_up(hidden_bytes, 16); }
 
@@ -45,7 +51,7 @@ JEP_LAYOUT_HD int64_t send_rows(int64_t max_tokens, int64_t topk, int64_t num_ra
 }
 
 struct HeapLayout {
-  int64_t sigs, counts, recv, back, stage, cstage;  // byte offsets within a half
+  int64_t sigs, hdr, counts, recv, back, stage, cstage;  // byte offsets within a half
   int64_t total;                                     // bytes of one half
 };
 
@@ -58,7 +64,8 @@ JEP_LAYOUT_HD HeapLayout heap_layout(int64_t num_ranks, int64_t max_tokens, int6
   const int64_t cs = combine_row_stride(hidden * y_bytes);
   const int64_t sr = send_rows(max_tokens, topk, num_ranks);
   int64_t off = 0;
-  L.sigs = off;   off += round_up(3 * num_ranks * 8, kHeapAlign);
+  L.sigs = off;   off += round_up(wire::sig_words(static_cast<int>(num_ranks)) * 8, kHeapAlign);
+  L.hdr = off;    off += round_up(num_ranks * wire::kHeaderBytes, kHeapAlign);
   L.counts = off; off += round_up(num_ranks * num_ranks * 4, kHeapAlign);
   L.recv = off;   off += round_up(capacity * ds, kHeapAlign);
   L.back = off;   off += round_up(sr * cs, kHeapAlign);

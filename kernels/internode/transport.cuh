@@ -9,7 +9,7 @@
 //   static int my_pe();
 //   static int n_pes();
 //   // Non-blocking put of `bytes` from local `src` (registered memory) to the symmetric
-//   // address `dst` on `pe`, through logical QP `qp` (see kernels/striping_plan.h).
+//   // address `dst` on `pe`, through logical QP `qp` (see kernels/common/striping_plan.h).
 //   // Called by a whole warp with the same arguments.
 //   static void put_warp(void* dst, const void* src, size_t bytes, int pe, int qp);
 //   // The same, then `*sig op= value` on `pe`, on the same QP, visible only after the
@@ -18,8 +18,9 @@
 //                               uint64_t value, SignalOp op, int pe, int qp);
 //   // A signal alone (one thread).
 //   static void signal(uint64_t* sig, uint64_t value, SignalOp op, int pe, int qp);
-//   // Wait until the local symmetric signal `*sig >= value` (one thread).
-//   static void wait_ge(uint64_t* sig, uint64_t value);
+//   // Current value of the local symmetric signal `*sig` (one thread; the kernels
+//   // poll it against a deadline, so no wait is unbounded).
+//   static uint64_t fetch(uint64_t* sig);
 //   // A pointer through which this GPU can load/store `sym` on `pe` (NVLink / same
 //   // GPU), or nullptr when `pe` is reachable only by RDMA.
 //   static void* peer_ptr(void* sym, int pe);
@@ -35,7 +36,8 @@ namespace transport {
 
 enum class SignalOp : int { kSet = 0, kAdd = 1 };
 
-// Most logical QPs per peer a backend must provide (num_ports * qps_per_port).
+// Most logical QPs per peer a backend must provide (num_ports * qps_per_port); one
+// signal word per (source, QP) is reserved for each (kernels/internode/wire_protocol.h).
 constexpr int kMaxQps = 64;
 
 }  // namespace transport

@@ -1,12 +1,13 @@
-// NVSHMEM backend of kernels/transport.cuh: GPU-initiated RDMA (IBGDA) for peers on
-// other nodes, NVLink loads/stores where nvshmem_ptr gives a pointer.
+// NVSHMEM backend of kernels/internode/transport.cuh: GPU-initiated RDMA (IBGDA) for
+// peers on other nodes, NVLink loads/stores where nvshmem_ptr gives a pointer.
 //
-// Logical QP q of the striping plan is carried as follows:
-//   * NVSHMEM with the QP API (3.8+) and handles created at init: the put goes through
-//     handle `qp_handles[q]` (nvshmemx_qp_* calls), one RC QP per handle.
-//   * otherwise: NVSHMEM's default QP selection with NVSHMEM_IBGDA_RC_MAP_BY=cta, where
-//     CTA b uses RC QP b % NVSHMEM_IBGDA_NUM_RC_PER_PE. The kernels launch CTA q as the
-//     sender for logical QP q, so both paths put chunk -> QP as the plan says.
+// Logical QP q of the striping plan is carried by explicit QP handle
+// `g_nvshmem_qp_handles[q]` (NVSHMEM 3.8's QP API): the put and its signal are issued
+// on that handle, so the plan's QP is the QP on the wire. The host creates the handles
+// once at init through `nvshmemx_qp_create`, resolved with dlsym so that an older
+// NVSHMEM host library (or none) still loads the extension. Without handles
+// (g_nvshmem_num_qp_handles == 0) the calls fall back to NVSHMEM's own QP choice; the
+// bootstrap then runs with one port and says so (see docs/internode.md).
 #pragma once
 
 #include <nvshmem.h>
@@ -74,8 +75,9 @@ struct Nvshmem {
     nvshmemx_signal_op(sig, value, sig_op(op), pe);
   }
 
-  static __device__ __forceinline__ void wait_ge(uint64_t* sig, uint64_t value) {
-    nvshmem_signal_wait_until(sig, NVSHMEM_CMP_GE, value);
+  // Current value of a local symmetric signal word (the kernels poll with a deadline).
+  static __device__ __forceinline__ uint64_t fetch(uint64_t* sig) {
+    return nvshmem_signal_fetch(sig);
   }
 
   static __device__ __forceinline__ void* peer_ptr(void* sym, int pe) {

@@ -3,11 +3,14 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/vector.h>
 
 #include <stdexcept>
+#include <vector>
 
 #include "kernels/internode/internode_layout.h"
 #include "kernels/common/striping_plan.h"
+#include "kernels/internode/wire_protocol.h"
 #include "xla_ffi/common/transport_bindings.h"
 
 namespace nb = nanobind;
@@ -42,6 +45,55 @@ void AddTransportBindings(nb::module_& m) {
         [](int64_t num_ranks, int64_t max_tokens, int64_t capacity, int64_t hidden,
            int64_t topk, int64_t x_bytes, int64_t y_bytes) {
           return heap_bytes(num_ranks, max_tokens, capacity, hidden, topk, x_bytes, y_bytes);
+        });
+  // The internode wire protocol's constants and layout, for the host simulator
+  // (tests/sim/internode_sim.py) and `python -m jax_ep.plan --check-wire`.
+  m.def("internode_protocol", []() {
+    nb::dict d;
+    d["max_qps"] = wire::kMaxQps;
+    d["control_qp"] = wire::kControlQp;
+    d["header_bytes"] = wire::kHeaderBytes;
+    d["sig_kinds"] = nb::make_tuple(int(wire::kSigHeader), int(wire::kSigCounts),
+                                    int(wire::kSigDispatch), int(wire::kSigCombine));
+    d["num_sig_kinds"] = int(wire::kNumSigKinds);
+    d["num_cfg_fields"] = int(wire::kNumCfgFields);
+    d["heap_align"] = kHeapAlign;
+    d["heap_slack_bytes"] = kHeapSlackBytes;
+    return d;
+  });
+  m.def("internode_sig_word", [](int kind, int num_ranks, int source, int qp) {
+    return wire::sig_word(kind, num_ranks, source, qp);
+  });
+  m.def("internode_channel_of_qp", [](int peer, int qp, int num_ports, int qps_per_port) {
+    return wire::channel_of_qp(peer, qp, num_ports, qps_per_port);
+  });
+  m.def("internode_expected_signal", [](int64_t n_chunks, int receiver, int qp, int num_ports,
+                                        int qps_per_port) {
+    return wire::expected_signal(n_chunks, receiver, qp, num_ports, qps_per_port);
+  });
+  m.def("internode_config_hash", [](std::vector<int32_t> cfg) {
+    if (cfg.size() != static_cast<size_t>(wire::kNumCfgFields))
+      throw std::invalid_argument("internode_config_hash: cfg needs kNumCfgFields values");
+    return wire::config_hash(cfg.data());
+  });
+  m.def("internode_heap_layout",
+        [](int64_t num_ranks, int64_t max_tokens, int64_t capacity, int64_t hidden,
+           int64_t topk, int64_t x_bytes, int64_t y_bytes) {
+          const HeapLayout L =
+              heap_layout(num_ranks, max_tokens, capacity, hidden, topk, x_bytes, y_bytes);
+          nb::dict d;
+          d["sigs"] = L.sigs;
+          d["hdr"] = L.hdr;
+          d["counts"] = L.counts;
+          d["recv"] = L.recv;
+          d["back"] = L.back;
+          d["stage"] = L.stage;
+          d["cstage"] = L.cstage;
+          d["total"] = L.total;
+          d["dispatch_row_stride"] = dispatch_row_stride(hidden * x_bytes, topk);
+          d["dispatch_meta_offset"] = dispatch_meta_offset(hidden * x_bytes);
+          d["combine_row_stride"] = combine_row_stride(hidden * y_bytes);
+          return d;
         });
 #ifdef JAX_EP_WITH_NVSHMEM
   AddNvshmemBindings(m);

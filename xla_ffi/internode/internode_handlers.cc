@@ -11,8 +11,13 @@
 //     attrs: as combine (combine's transpose: out[i] = g_{src_rank[i]}[src_index[i]])
 //
 // The EP group is every NVSHMEM PE (one process per GPU, see jax_ep.nvshmem_bootstrap).
-// Dispatch synchronises its stream once to surface out-of-range expert ids as an error,
-// so these handlers are not registered as command-buffer (CUDA graph) compatible.
+// Every call also carries a `call_site` attribute (unique per traced call, so XLA never
+// merges two of them); the device protocol checks sequence and configuration per call.
+//
+// No handler synchronises with the host: value errors (bad ids, a peer's error, a
+// timeout, a mismatched call) land in a sticky error record in mapped host memory that
+// every later call reads first and returns. So the handlers are command-buffer (CUDA
+// graph) compatible.
 #include <string>
 
 #include "kernels/internode/internode_kernels.h"
@@ -28,6 +33,13 @@ namespace {
 ffi::Error FromString(const std::string& err) {
   if (err.empty()) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kInternal, err);
+}
+
+// The sticky error of an earlier call (read from mapped host memory, no sync).
+ffi::Error Pending() {
+  const std::string msg = internode::PendingError();
+  if (msg.empty()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, msg);
 }
 
 #define JEP_EXPECT(what, buf, ...)                                             \
@@ -55,7 +67,8 @@ ffi::Error BaseDims(int64_t R, int64_t rank, int64_t T, int64_t H, int64_t K, in
   d->num_ports = static_cast<int>(num_ports);
   d->qps_per_port = static_cast<int>(qps_per_port);
   d->chunk_bytes = chunk_bytes;
-  return ffi::Error::Success();
+  d->timeout_ns = static_cast<int64_t>(TimeoutSeconds() * 1e9);
+  return Pending();
 }
 
 ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
@@ -70,7 +83,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                         ffi::Result<ffi::Buffer<ffi::S32>> counts,
                         ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t num_experts,
                         int64_t num_ranks, int64_t rank, int64_t capacity, int64_t num_ports,
-                        int64_t qps_per_port, int64_t chunk_bytes) {
+                        int64_t qps_per_port, int64_t chunk_bytes, int64_t /*call_site*/) {
   FloatKind elem;
   if (!FloatKindOf(x.element_type(), &elem)) return Invalid("x must be float32, bfloat16 or float16");
   if (x.dimensions().size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(x.dimensions()));
@@ -115,7 +128,8 @@ template <bool kGather>
 ffi::Error HandleCallImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::S32> counts,
                           ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out,
                           int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
-                          int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes) {
+                          int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes,
+                          int64_t /*call_site*/) {
   const std::string name = kGather ? "g" : "y";
   FloatKind elem;
   if (!FloatKindOf(a.element_type(), &elem))
@@ -156,7 +170,8 @@ auto HandleCallBinding() {
       .Attr<int64_t>("topk")
       .Attr<int64_t>("num_ports")
       .Attr<int64_t>("qps_per_port")
-      .Attr<int64_t>("chunk_bytes");
+      .Attr<int64_t>("chunk_bytes")
+      .Attr<int64_t>("call_site");
 }
 
 }  // namespace
@@ -183,12 +198,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, DispatchImpl,
                                   .Attr<int64_t>("capacity")
                                   .Attr<int64_t>("num_ports")
                                   .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("chunk_bytes"));
+                                  .Attr<int64_t>("chunk_bytes")
+                                  .Attr<int64_t>("call_site"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, HandleCallImpl<false>,
-                              HandleCallBinding());
+                              HandleCallBinding(), {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeGatherHandler, HandleCallImpl<true>,
-                              HandleCallBinding());
+                              HandleCallBinding(), {ffi::Traits::kCmdBufferCompatible});
 
 void AddInternodeRegistrations(const RegisterFn& add) {
   add("jax_ep_internode_dispatch", reinterpret_cast<void*>(InternodeDispatchHandler));

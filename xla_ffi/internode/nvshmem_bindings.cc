@@ -1,6 +1,7 @@
 // NVSHMEM runtime for jax_ep.nvshmem_bootstrap (builds with NVSHMEM only).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <stdexcept>
 #include <string>
@@ -23,16 +24,27 @@ void AddNvshmemBindings(nb::module_& m) {
     Check(internode::UniqueId(&id));
     return nb::bytes(id.data(), id.size());
   });
-  m.def("nvshmem_init", [](int rank, int world, nb::bytes uid, size_t heap_bytes, int num_qps) {
+  m.def("nvshmem_init", [](int rank, int world, nb::bytes uid, size_t heap_bytes, int num_qps,
+                           bool use_qp_api, bool adopt) {
     Check(internode::Init(rank, world, std::string(uid.c_str(), uid.size()), heap_bytes,
-                          num_qps));
+                          num_qps, use_qp_api, adopt));
   });
   m.def("nvshmem_finalize", []() { Check(internode::Finalize()); });
+  m.def("nvshmem_qp_api_available", []() { return internode::QpApiAvailable(); });
+  m.def("nvshmem_init_status", []() { return internode::InitStatus(); });
+  m.def("internode_error", []() { return internode::PendingError(); });
   m.def("nvshmem_info", []() {
     nb::dict d;
+    const internode::TransportInfo t = internode::TransportState();
     d["initialized"] = internode::Initialized();
+    d["adopted"] = t.adopted;
     d["heap_bytes"] = internode::HeapBytes();
     d["version"] = internode::Version();
+    d["runtime_version"] = internode::RuntimeVersion();
+    d["qp_api_available"] = internode::QpApiAvailable();
+    d["qp_path"] = t.qp_path;
+    d["num_qps"] = t.num_qps;
+    d["qp_handles"] = t.handles;
     return d;
   });
   m.def("nvshmem_self_put_check", []() {
