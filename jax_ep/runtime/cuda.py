@@ -9,20 +9,34 @@ Call :func:`setup` once, before jitting programs that use the EP ops::
 
     jax_ep.cuda.setup(mesh, "expert", num_tokens=4096, hidden=7168, topk=8)
 
-Checks that need values (ids outside ``[-1, E)``, a handle from another call, a peer that
-never came) run on the GPU. The kernels then treat the bad entries as unused, finish the
-exchange so no GPU hangs, and record the error. :func:`check_errors` waits for the GPUs
-and raises it; until it is called, every later jax_ep CUDA call fails with the same
-message, so a bad batch is never silently accepted.
+Checks that need values run on the GPU and are recorded in a per-GPU error record that
+:func:`check_errors` reads (it waits for the GPUs this process uses and raises):
+
+- ids outside ``[-1, E)`` and handles from another call: the bad entries are treated as
+  unused and the call completes;
+- protocol errors: a peer that never came (every wait is bounded by ``JAX_EP_TIMEOUT_S``),
+  a peer in another EP call (each call carries its call-site id, and every rank checks
+  its peers'), a rank/group that differs from :func:`setup`'s, or a peer that reported
+  one of these. From then on the kernels on that GPU keep the exchange going, so no rank
+  falls out of step, but move no data: outputs are empty (zero rows, -1 ids, zero
+  counts), peers learn of it and skip too, and once a timeout is recorded later waits
+  end at once. :func:`reset` (every process together) clears this without a restart.
+
+Handlers never fail on the host because of an earlier device error (XLA may replay them
+from a CUDA graph without calling them, and ranks would see it at different calls), so
+call :func:`check_errors` after a step to learn of one.
 
 The virtual-rank harness (:func:`harness_dispatch`, :func:`harness_combine`,
 :func:`harness_gather`) runs the same kernels for R ranks whose buffers all live on one
-GPU, on stacked per-rank inputs. It launches each phase for every rank before the next
-phase of any, so it never relies on two ranks' kernels running at the same time.
+GPU, on stacked per-rank inputs. By default it launches each phase for every rank before
+the next phase of any, so every wait is already satisfied when it runs; with
+``concurrent=True`` each rank's kernels run on their own stream with small grids, at the
+same time as the others', so the waits are real.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -31,14 +45,23 @@ import numpy as np
 
 from jax_ep import _ext
 from jax_ep._common import axis_names as _axis_names
+from jax_ep._common import next_call_site
 from jax_ep.runtime.nvshmem import _kv_client
 
 __all__ = [
-    "available", "buffer_bytes", "setup", "check_errors", "presets", "HarnessDispatch",
+    "available", "buffer_bytes", "setup", "check_errors", "reset", "presets", "HarnessDispatch",
     "harness_dispatch", "harness_combine", "harness_gather",
 ]
 
 MAX_RANKS = 32  # ranks of one intranode group (kernels/cuda/intranode_buffer.h)
+# Legacy CUDA peer access (cudaDeviceEnablePeerAccess, and CUDA IPC between GPUs) reaches
+# at most 8 other GPUs; more ranks fit only where several share a GPU (the harness, or
+# several processes on one GPU).
+MAX_PEER_GPUS = 8
+# setup() and reset() are collective: every process calls them equally often, so these
+# counters name the same key-value-store keys and barriers on every process.
+_setup_calls = itertools.count()
+_reset_calls = itertools.count()
 _HEADER_BYTES = 64 * 1024
 _ALIGN = 256
 
@@ -148,6 +171,15 @@ def setup(mesh, axis_name, *, num_tokens: int, hidden: int, topk: int,
                          f"{MAX_RANKS}")
     if any(getattr(d, "platform", "") != "gpu" for d in np.asarray(mesh.devices).ravel()):
         raise ValueError("jax_ep.cuda.setup needs a mesh of GPU devices")
+    for g, devs in groups.items():
+        gpus = {d.local_hardware_id for d in devs}  # one host: the local id names the GPU
+        if len(gpus) - 1 > MAX_PEER_GPUS:
+            raise ValueError(
+                f"EP group {g} spans {len(gpus)} GPUs: the intranode path reaches peers by "
+                f"legacy CUDA peer access (or CUDA IPC), which allows at most "
+                f"{MAX_PEER_GPUS} peers per GPU; use EP groups of at most "
+                f"{MAX_PEER_GPUS + 1} GPUs per node, or the internode backend")
+    call = next(_setup_calls)
     if area_bytes is None:
         area_bytes = buffer_bytes(R, num_tokens, hidden, topk, dtype, capacity)
     areas = [int(area_bytes["dispatch"]), int(area_bytes["combine"]),
@@ -166,7 +198,8 @@ def setup(mesh, axis_name, *, num_tokens: int, hidden: int, topk: int,
         for m in local:
             if not handles[m.device.id]:
                 raise RuntimeError(f"CUDA IPC is not available for {m.device}")
-            client.key_value_set(f"jax_ep/cuda/ipc/{m.device.id}", handles[m.device.id].hex())
+            client.key_value_set(f"jax_ep/cuda/ipc/{call}/{m.device.id}",
+                                 handles[m.device.id].hex())
     for m in local:
         ordinal = m.device.local_hardware_id
         peers = []
@@ -178,21 +211,42 @@ def setup(mesh, axis_name, *, num_tokens: int, hidden: int, topk: int,
                 peers.append(ptrs[p.id])
             else:
                 h = bytes.fromhex(client.blocking_key_value_get(
-                    f"jax_ep/cuda/ipc/{p.id}", timeout_ms))
+                    f"jax_ep/cuda/ipc/{call}/{p.id}", timeout_ms))
                 peers.append(int(ext.cuda_open_ipc_handle(ordinal, h)))
         ext.cuda_set_domain(ordinal, m.rank, m.group, R, peers, areas)
     if client is not None:
-        client.wait_at_barrier("jax_ep_cuda_setup", timeout_ms)
+        client.wait_at_barrier(f"jax_ep_cuda_setup_{call}", timeout_ms)
     _ext.registered_platforms()
     return dict(zip(("dispatch", "combine", "gather"), areas))
 
 
 def check_errors(clear: bool = True) -> None:
-    """Waits for every GPU and raises RuntimeError with the errors the kernels recorded
-    (bad topk ids, foreign handles, missing peers). Clears them unless clear=False."""
+    """Waits for the GPUs this process used for EP work (no others) and raises
+    RuntimeError with the errors their kernels recorded (bad topk ids, foreign handles,
+    timeouts, call-site mismatches, failed peers). Clears the records unless clear=False;
+    after a protocol error the buffers stay out of step until :func:`reset`."""
     msgs = list(_bindings().cuda_check_errors(clear))
     if msgs:
         raise RuntimeError("; ".join(msgs))
+
+
+def reset(timeout_ms: int = 300_000) -> list[int]:
+    """Brings every EP group back to a clean state without a restart: waits for this
+    process's GPUs, then (between two barriers of all processes, when there are several)
+    re-zeroes the protocol state of its buffer headers, the harness's too, and clears the
+    error records. Collective: every process of the job calls it, after every EP program
+    it launched has finished (kernels stuck on a missing peer end within
+    ``JAX_EP_TIMEOUT_S``). Returns the device ordinals reset."""
+    ext = _bindings()
+    call = next(_reset_calls)
+    client = _kv_client() if jax.process_count() > 1 else None
+    ext.cuda_check_errors(False)  # waits for the GPUs in use; the errors are cleared below
+    if client is not None:  # no peer still writes into a header ...
+        client.wait_at_barrier(f"jax_ep_cuda_reset_{call}_a", timeout_ms)
+    used = [int(i) for i in ext.cuda_reset()]
+    if client is not None:  # ... and none starts a call before every header is zero
+        client.wait_at_barrier(f"jax_ep_cuda_reset_{call}_b", timeout_ms)
+    return used
 
 
 # ----------------------------------------------------------------------------- harness
@@ -215,10 +269,29 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
+def _harness_attrs(R: int, call_sites, concurrent: bool, absent_rank: int) -> dict:
+    """FFI attributes of the harness's run options (see harness_dispatch)."""
+    if call_sites is None:
+        call_sites = [next_call_site()] * R
+    sites = np.asarray(call_sites, np.int64).reshape(-1)
+    if sites.shape != (R,):
+        raise ValueError(f"call_sites must list one id per rank ({R}), got {sites.shape[0]}")
+    if not -1 <= int(absent_rank) < R:
+        raise ValueError(f"absent_rank must be -1 (none) or a rank in [0, {R}), got "
+                         f"{absent_rank}")
+    return dict(call_sites=sites, concurrent=np.int64(bool(concurrent)),
+                absent_rank=np.int64(absent_rank))
+
+
 def harness_dispatch(x, topk_idx, topk_weights, *, num_experts: int,
-                     capacity: int | None = None) -> HarnessDispatch:
+                     capacity: int | None = None, concurrent: bool = False, call_sites=None,
+                     absent_rank: int = -1) -> HarnessDispatch:
     """Dispatch for R virtual ranks on one GPU: x[R, T, H], topk_idx/topk_weights[R, T, K]
-    hold each rank's inputs; results have a leading rank axis."""
+    hold each rank's inputs; results have a leading rank axis.
+
+    concurrent: each rank's kernels on their own stream, at once (real waits). For tests
+    of the failure paths: call_sites[R] gives each rank's call-site id (default: one
+    fresh id for all), absent_rank leaves one rank's kernels out (its peers time out)."""
     _ext.registered_platforms()
     R, T, H = x.shape
     K = topk_idx.shape[2]
@@ -230,24 +303,31 @@ def harness_dispatch(x, topk_idx, topk_weights, *, num_experts: int,
          _sds((R,), jnp.int32), _sds((R,), jnp.int32), _sds((R, el), jnp.int32),
          _sds((R, C), jnp.int32), _sds((R, C), jnp.int32), _sds((R, T, R), jnp.int32)),
     )(x, jnp.asarray(topk_idx, jnp.int32), jnp.asarray(topk_weights, jnp.float32),
-      num_experts=np.int64(num_experts), capacity=np.int64(C))
+      num_experts=np.int64(num_experts), capacity=np.int64(C),
+      **_harness_attrs(R, call_sites, concurrent, absent_rank))
     return HarnessDispatch(*outs)
 
 
-def harness_combine(y, send_row):
-    """Combine for R virtual ranks: y[R, C, H], send_row[R, T, R] -> out[R, T, H]."""
+def harness_combine(y, send_row, *, concurrent: bool = False, call_sites=None,
+                    absent_rank: int = -1):
+    """Combine for R virtual ranks: y[R, C, H], send_row[R, T, R] -> out[R, T, H].
+    Options as for harness_dispatch."""
     _ext.registered_platforms()
     R, _, H = y.shape
     T = send_row.shape[1]
     return jax.ffi.ffi_call("jax_ep_harness_combine", _sds((R, T, H), y.dtype))(
-        y, jnp.asarray(send_row, jnp.int32))
+        y, jnp.asarray(send_row, jnp.int32),
+        **_harness_attrs(R, call_sites, concurrent, absent_rank))
 
 
-def harness_gather(g, src_rank, src_index):
+def harness_gather(g, src_rank, src_index, *, concurrent: bool = False, call_sites=None,
+                   absent_rank: int = -1):
     """Combine's transpose for R virtual ranks: g[R, T, H], src_rank/src_index[R, C]
-    -> out[R, C, H] with out[r, i] = g[src_rank[r, i], src_index[r, i]]."""
+    -> out[R, C, H] with out[r, i] = g[src_rank[r, i], src_index[r, i]]. Options as for
+    harness_dispatch."""
     _ext.registered_platforms()
     R, _, H = g.shape
     C = src_rank.shape[1]
     return jax.ffi.ffi_call("jax_ep_harness_gather", _sds((R, C, H), g.dtype))(
-        g, jnp.asarray(src_rank, jnp.int32), jnp.asarray(src_index, jnp.int32))
+        g, jnp.asarray(src_rank, jnp.int32), jnp.asarray(src_index, jnp.int32),
+        **_harness_attrs(R, call_sites, concurrent, absent_rank))
