@@ -1,0 +1,173 @@
+"""The direct vs hierarchical MODEL (jax_ep.network.modes, `python -m jax_ep.plan modes`)
+and the hierarchical layout: Python mirror against the compiled header."""
+import json
+import math
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from jax_ep.network import modes, plan
+from jax_ep.network.topology import Topology
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+_PROGRAM = r"""
+#include <cstdio>
+#include "kernels/internode/hierarchical_layout.h"
+int main() {
+  using namespace jax_ep::hier;
+  std::printf("%d %d %d %d %d\n", kRdmaChunkRows, kRdmaRingChunks, kNvlRingRows,
+              kMaxGpusPerNode, kMetaWords);
+  long long R, G, Q, H, K, xb, yb;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &R, &G, &Q, &H, &K, &xb, &yb) == 7) {
+    Layout L = layout(R, G, Q, H, K, xb, yb);
+    std::printf("%lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
+                (long long)L.sig_data, (long long)L.sig_credit, (long long)L.sig_counts,
+                (long long)L.nvl_head, (long long)L.nvl_tail, (long long)L.counts,
+                (long long)L.rdma_send, (long long)L.rdma_recv, (long long)L.nvl_recv,
+                (long long)L.row_stride, (long long)L.rdma_bytes, (long long)L.nvl_bytes,
+                (long long)L.total, (long long)state_bytes(R, G, Q, H, K, xb, yb));
+  }
+  return 0;
+}
+"""
+FIELDS = ["sig_data", "sig_credit", "sig_counts", "nvl_head", "nvl_tail", "counts",
+          "rdma_send", "rdma_recv", "nvl_recv", "row_stride", "rdma_bytes", "nvl_bytes",
+          "total"]
+
+
+@pytest.fixture(scope="module")
+def header_program(tmp_path_factory):
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the layout header check")
+    d = tmp_path_factory.mktemp("hier_layout")
+    (d / "check.cc").write_text(_PROGRAM)
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{ROOT}",
+                    str(d / "check.cc"), "-o", str(d / "check")], check=True)
+    return d / "check"
+
+
+def test_python_layout_matches_header(header_program):
+    cases = [(R, G, Q, H, K, xb, yb) for R, G in ((4, 2), (8, 4), (16, 8), (32, 8), (64, 8),
+                                                  (12, 3))
+             for Q in (1, 4, 8) for H, K in ((7168, 8), (7, 1), (4096, 6))
+             for xb, yb in ((2, 2), (4, 4), (1, 2))]
+    text = "".join(" ".join(map(str, c)) + "\n" for c in cases)
+    out = subprocess.run([str(header_program)], input=text, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    consts = [int(v) for v in out[0].split()]
+    assert consts == [modes.RDMA_CHUNK_ROWS, modes.RDMA_RING_CHUNKS, modes.NVL_RING_ROWS,
+                      modes.MAX_GPUS_PER_NODE, modes.META_WORDS]
+    for case, line in zip(cases, out[1:], strict=True):
+        want = [int(v) for v in line.split()]
+        L = modes.hier_layout(*case)
+        got = [getattr(L, f) for f in FIELDS] + [modes.hier_state_bytes(*case)]
+        assert got == want, (case, got, want)
+
+
+@pytest.mark.parametrize("ranks", [16, 32, 64])
+def test_state_bytes_at_deepseek_sizes_fit_one_gib(ranks):
+    # T=4096, H=7168 bf16, K=8, 8 GPUs per node, 8 QPs per peer: state does not depend
+    # on T or C, and stays under DeepEP's normal-mode buffer (~1 GiB RDMA + NVLink)
+    b = modes.hier_state_bytes(ranks, 8, 8, 7168, 8, 2, 2)
+    L = modes.hier_layout(ranks, 8, 8, 7168, 8, 2, 2)
+    assert b == 2 * L.total
+    assert L.rdma_bytes + L.nvl_bytes <= L.total
+    assert b <= 2 ** 30
+    # the direct mode's heap at the default capacity R*T grows with R*T
+    assert modes.direct_state_bytes(ranks, 4096, ranks * 4096, 7168, 8, 2, 2) > 4 * b
+
+
+def test_traffic_hand_checked():
+    topo = Topology(8, 4)  # 2 nodes of 4; experts 0..7, 1 per rank
+    idx = np.array([[4, 5, 6],     # node 1 only: 3 GPUs, 1 node
+                    [0, 4, -1],    # own rank 0 and rank 4
+                    [1, 2, 3],     # own node only
+                    [-1, -1, -1]], np.int32)
+    tr = modes.traffic(idx, 0, topo, 8)
+    assert tr["remote_gpu_rows"] == 4       # 3 + 1
+    assert tr["remote_node_rows"] == 2      # tokens 0 and 1 cross once each
+    assert tr["local_gpu_rows"] == 3        # ranks 1, 2, 3 for token 2
+    assert tr["forwarded_rows"] == 2        # token 0: rail peer 4 keeps one, forwards 5, 6
+    assert tr["per_node_rows"].tolist() == [2, 2]
+
+
+def test_routing_samplers():
+    rng = np.random.default_rng(0)
+    idx = modes.sample_routing(rng, 500, 256, 8, 16, "node-limited", 4)
+    nodes = idx // 16
+    assert all(len(set(row)) <= 4 for row in nodes.tolist())
+    assert all(len(set(row)) == 8 for row in idx.tolist())  # distinct experts
+    uni = modes.sample_routing(rng, 500, 256, 8, 16, "uniform")
+    assert max(len(set(row)) for row in (uni // 16).tolist()) > 4
+    with pytest.raises(ValueError, match="routing"):
+        modes.sample_routing(rng, 1, 16, 2, 2, "zipf")
+    with pytest.raises(ValueError, match="multiple"):
+        modes.sample_routing(rng, 1, 10, 2, 4)
+
+
+def test_hierarchical_moves_at_least_1_9x_fewer_bytes_at_4x8_node_limited():
+    m = modes.model(modes.ModeInputs(nodes=4, gpus_per_node=8, routing="node-limited"))
+    direct, hier, _ = m["modes"]
+    assert direct["dispatch_internode_bytes"] >= 1.9 * hier["dispatch_internode_bytes"]
+    assert m["dispatch_bytes_ratio_direct_over_hier"] >= 1.9
+    assert hier["rdma_peers_per_gpu"] == 3 and direct["rdma_peers_per_gpu"] == 24
+    assert hier["bit_identical"] and not m["modes"][2]["bit_identical"]
+    assert "MODEL" in m["label"]
+
+
+def test_two_nodes_uniform_ratio_matches_the_closed_form():
+    # 16 ranks of 16 experts: E[remote GPUs hit] / P(remote node hit) per token
+    m = modes.model(modes.ModeInputs(nodes=2, gpus_per_node=8, routing="uniform",
+                                     tokens=8192))
+    c = math.comb
+    gpus = 8 * (1 - c(240, 8) / c(256, 8))
+    node = 1 - c(128, 8) / c(256, 8)
+    want = gpus / node * modes._round_up(7168 * 2 + 68, 16) / \
+        modes.hier_dispatch_row_stride(7168 * 2, 8)
+    assert m["dispatch_bytes_ratio_direct_over_hier"] == pytest.approx(want, rel=0.03)
+
+
+def test_ports_and_bonds():
+    aff = modes.model(modes.ModeInputs(nodes=4, ports=2, lag="affinity", tokens=1024))
+    one = modes.model(modes.ModeInputs(nodes=4, ports=1, tokens=1024))
+    bond = modes.model(modes.ModeInputs(nodes=4, ports=2, lag="hash", tokens=1024))
+    for mode in (0, 1):
+        a, o, b = aff["modes"][mode], one["modes"][mode], bond["modes"][mode]
+        # striping: two ports within a chunk per stream, half the single-port time
+        chunks = a["rdma_peers_per_gpu"] * 65536
+        assert a["dispatch_port_bytes"][0] - a["dispatch_port_bytes"][1] <= chunks
+        assert sum(a["dispatch_port_bytes"]) == a["dispatch_internode_bytes"]
+        assert a["dispatch_time_us"] == pytest.approx(o["dispatch_time_us"] / 2, rel=0.02)
+        # a hashing bond is never better than pinned QPs
+        assert b["dispatch_port_bytes"][0] >= a["dispatch_port_bytes"][0] - chunks
+    # fewer RDMA peers means fewer QPs for a bond to hash: hierarchical loses more to it
+    eff = lambda m, i: (sum(m["modes"][i]["dispatch_port_bytes"]) / 2  # noqa: E731
+                        / m["modes"][i]["dispatch_port_bytes"][0])
+    assert eff(bond, 1) < eff(bond, 0)
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(ValueError, match="nodes"):
+        modes.model(modes.ModeInputs(nodes=0))
+    with pytest.raises(ValueError, match="lag"):
+        modes.model(modes.ModeInputs(lag="bonded"))
+
+
+def test_cli_through_plan_says_model_and_json(capsys):
+    assert plan.main(["modes", "--nodes", "2", "--ports", "2", "--lag", "affinity",
+                      "--routing", "node-limited", "--tokens", "256"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("MODEL, not a measurement") >= 2
+    assert "hierarchical" in text and "direct" in text
+    assert plan.main(["modes", "--nodes", "2", "4", "--ports", "1", "2", "--tokens", "128",
+                      "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "MODEL" in doc["label"]
+    # 2 node counts x 2 routings x (1 port, 2 ports affinity, 2 ports hash)
+    assert len(doc["results"]) == 2 * 2 * 3
+    assert plan.main(["modes", "--nodes", "3", "--tokens", "8"]) == 2  # 256 % 3 != 0

@@ -1,0 +1,65 @@
+"""Node topology and the internode mode choice (jax_ep.network.topology)."""
+import pytest
+
+from jax_ep.network import topology
+from jax_ep.network.topology import Topology
+
+
+def test_numbering_and_rail_peers():
+    t = Topology(8, 4)
+    assert t.num_nodes == 2
+    assert [t.node_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [t.local_of(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert t.rank_of(1, 2) == 6
+    assert t.rail_peer(1, 1) == 5 and t.rail_peer(6, 0) == 2 and t.rail_peer(6, 1) == 6
+    with pytest.raises(ValueError, match="rank"):
+        t.node_of(8)
+    with pytest.raises(ValueError, match="divide"):
+        Topology(6, 4)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        Topology(4, 0)
+
+
+def test_from_local_ranks():
+    assert topology.from_local_ranks([0, 1, 0, 1, 0, 1]) == Topology(6, 2)
+    assert topology.from_local_ranks([0, 1, 2, 3]) == Topology(4, 4)
+    assert topology.from_local_ranks([0, 0, 0]) == Topology(3, 1)
+    with pytest.raises(ValueError, match="local_ranks"):
+        topology.from_local_ranks([0, 2, 1])
+    with pytest.raises(ValueError, match="different sizes"):
+        topology.from_local_ranks([0, 1, 0])
+    with pytest.raises(ValueError, match="empty"):
+        topology.from_local_ranks([])
+
+
+def test_detect_override_and_default():
+    env = {"JAX_EP_GPUS_PER_NODE": "2"}
+    # 4 PEs on one GPU as 2 virtual nodes of 2
+    assert topology.detect(4, local_ranks=[0, 1, 2, 3], environ=env) == Topology(4, 2)
+    assert topology.detect(4, local_ranks=[0, 1, 0, 1], environ={}) == Topology(4, 2)
+    assert topology.detect(4, environ={}) == Topology(4, 4)
+    with pytest.raises(ValueError, match="JAX_EP_GPUS_PER_NODE"):
+        topology.detect(4, environ={"JAX_EP_GPUS_PER_NODE": "3"})
+    with pytest.raises(ValueError, match="JAX_EP_GPUS_PER_NODE"):
+        topology.detect(4, environ={"JAX_EP_GPUS_PER_NODE": "two"})
+    with pytest.raises(ValueError, match="entries"):
+        topology.detect(6, local_ranks=[0, 1, 0, 1], environ={})
+
+
+def test_choose_mode():
+    assert topology.choose_mode("auto", Topology(16, 8)) == "hierarchical"
+    assert topology.choose_mode(None, Topology(8, 8)) == "direct"      # one node
+    assert topology.choose_mode("auto", Topology(4, 1)) == "direct"    # one GPU per node
+    assert topology.choose_mode("direct", Topology(16, 8)) == "direct"
+    assert topology.choose_mode("Hierarchical", Topology(8, 8)) == "hierarchical"
+    with pytest.raises(ValueError, match="mode"):
+        topology.choose_mode("ring", Topology(8, 8))
+
+
+def test_mode_from_env():
+    assert topology.mode_from_env("direct", {}) == "direct"
+    assert topology.mode_from_env(None, {}) == "auto"
+    assert topology.mode_from_env("direct", {"JAX_EP_INTERNODE_MODE": "hierarchical"}) \
+        == "hierarchical"
+    with pytest.raises(ValueError, match="JAX_EP_INTERNODE_MODE"):
+        topology.mode_from_env(None, {"JAX_EP_INTERNODE_MODE": "tree"})
