@@ -1,0 +1,151 @@
+"""Several processes on one GPU (scripts/gpu_check.sh stages 3 and 4; marked `gpu`,
+skipped without a GPU): the real handlers with real concurrency between processes,
+bit-exact against the CPU ffi backend run here on CPU devices, and a killed process
+whose peers end in the timeout error instead of hanging.
+
+Stage 3 (intranode, "ffi"): buffers shared through CUDA IPC between processes on the
+same GPU (under CUDA MPS when gpu_check.sh could start it). Stage 4 ("internode"): one
+NVSHMEM PE per process, several PEs on the one GPU; skipped when the build has no NVSHMEM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_ep import _ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import mp_cuda_worker as W  # noqa: E402
+
+LAUNCH_TIMEOUT_S = 90
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+NO_GPU = "no NVIDIA GPU visible to JAX here; scripts/gpu_check.sh runs this on a GPU machine"
+needs_gpu = pytest.mark.skipif(not _gpus() or not _ext.build_info()["cuda"], reason=NO_GPU)
+needs_nvshmem = pytest.mark.skipif(
+    not _ext.build_info()["nvshmem"],
+    reason="this build has no NVSHMEM internode backend (build_info()['nvshmem'] is False)")
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, needs_gpu]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, nproc, backend, mode, timeout_s="30"):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(JAX_EP_TIMEOUT_S=timeout_s, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               PYTHONUNBUFFERED="1")
+    if backend == "internode":
+        env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one node: peer-to-peer only
+    procs, logs = [], []
+    for pid in range(nproc):
+        log = open(tmp_path / f"proc{pid}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "mp_cuda_worker.py"), str(pid), str(nproc),
+             str(port), str(tmp_path), backend, mode],
+            env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    hung = [i for i, p in enumerate(procs) if p.poll() is None]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = []
+    for pid, log in enumerate(logs):
+        log.seek(0)
+        text.append(f"--- process {pid} (rc {procs[pid].returncode}) ---\n{log.read()[-3000:]}")
+        log.close()
+    return procs, hung, "\n".join(text)
+
+
+def _cpu_oracle(nproc):
+    """The same per-shard program on nproc CPU devices with the CPU ffi backend."""
+    R, E, C = nproc, W.experts(nproc), W.CAPACITY
+    cpu = jax.devices("cpu")
+    if len(cpu) < R:
+        pytest.skip(f"the CPU oracle needs {R} CPU devices (XLA_FLAGS "
+                    f"--xla_force_host_platform_device_count)")
+    mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=cpu[:R])
+    inp = W.global_inputs(nproc)
+    prog = jax.jit(jax.shard_map(W.shard_fn(E, C, "ffi"), mesh=mesh, in_specs=P("ep"),
+                                 out_specs=P("ep")))
+    sh = jax.sharding.NamedSharding(mesh, P("ep"))
+    res = prog(*(jax.device_put(inp[k], sh) for k in ("x", "idx", "w", "y", "g", "cw")))
+    return {k: np.asarray(v) for k, v in res.items()}
+
+
+def _gathered(tmp_path, nproc):
+    parts, repeat_ok = {}, []
+    for pid in range(nproc):
+        with np.load(tmp_path / f"proc{pid}.npz") as z:
+            repeat_ok.append(bool(z["repeat_identical"]))
+            for key in z.files:
+                if "@" in key:
+                    name, rank = key.split("@")
+                    parts.setdefault(name, {})[int(rank)] = z[key]
+    return {n: np.concatenate([c[r] for r in sorted(c)]) for n, c in parts.items()}, repeat_ok
+
+
+def _check_against_oracle(tmp_path, nproc, backend):
+    procs, hung, logs = _launch(tmp_path, nproc, backend, "ops")
+    assert not hung, f"processes {hung} still running after {LAUNCH_TIMEOUT_S} s\n{logs}"
+    assert all(p.returncode == 0 for p in procs), logs
+    got, repeat_ok = _gathered(tmp_path, nproc)
+    assert all(repeat_ok), f"a second run differed from the first: {repeat_ok}\n{logs}"
+    want = _cpu_oracle(nproc)
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        bad = np.flatnonzero(got[k].view(np.uint8) != want[k].view(np.uint8))
+        assert bad.size == 0, f"{backend} R={nproc}: {k} differs from the CPU oracle\n{logs}"
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_processes_sharing_a_gpu_match_the_cpu_oracle(tmp_path, nproc):
+    _check_against_oracle(tmp_path, nproc, "ffi")
+
+
+def test_killed_process_ends_in_timeout_not_hang(tmp_path):
+    nproc = 3
+    procs, hung, logs = _launch(tmp_path, nproc, "ffi", "kill", timeout_s="5")
+    assert not hung, f"processes {hung} hung after a peer died\n{logs}"
+    for pid in range(nproc - 1):
+        assert procs[pid].returncode == 0, logs
+        with open(tmp_path / f"proc{pid}.json") as f:
+            res = json.load(f)
+        assert "timed out" in res["error"] or "had an error" in res["error"], (res, logs)
+
+
+@needs_nvshmem
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_internode_pes_sharing_a_gpu_match_the_cpu_oracle(tmp_path, nproc):
+    """Internode has one mode in this code (direct puts to every PE)."""
+    _check_against_oracle(tmp_path, nproc, "internode")
