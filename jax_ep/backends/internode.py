@@ -209,11 +209,40 @@ def _vary_with_axis(axis_name, *arrays):
     return unify_varying(*arrays, marker)[:-1]
 
 
+# --- internode mode (network/topology.py) ------------------------------------------------
+# The hierarchical kernels are specified (kernels/internode/hierarchical_layout.h) and
+# their protocol is simulated (tests/sim/hierarchical_sim.py), but not built: "auto" picks
+# direct, and asking for "hierarchical" is a NotImplementedError.
+HIERARCHICAL_KERNELS = False
+
+
+def internode_mode(num_ranks: int) -> str:
+    """"direct" or "hierarchical": the started TransportConfig's `mode` (with
+    JAX_EP_INTERNODE_MODE applied) on the EP group's node topology
+    (JAX_EP_GPUS_PER_NODE, else the processes' local ranks or the launcher's local
+    size). Raises NotImplementedError where the hierarchical kernels are needed."""
+    from jax_ep.network import topology
+
+    st = _state()
+    topo = topology.detect(num_ranks, getattr(st, "local_ranks", None))
+    mode = topology.choose_mode(getattr(st.config, "mode", "auto"), topo,
+                                hierarchical_available=HIERARCHICAL_KERNELS)
+    if mode == "hierarchical" and not HIERARCHICAL_KERNELS:
+        raise NotImplementedError(
+            "internode mode 'hierarchical' (jax_ep/backends/internode.py): the hierarchical "
+            "CUDA kernels (kernels/internode/hierarchical_kernels.cu, RDMA to the rail peer "
+            "plus NVLink forwarding) are not built yet; only their layout, model and host "
+            "protocol simulator exist. Use TransportConfig(mode='direct') or "
+            "JAX_EP_INTERNODE_MODE=direct")
+    return mode
+
+
 def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     """Internode dispatch: (recv_x, recv_topk_idx, recv_topk_weights,
     DispatchHandle) as in DESIGN.md, with the kernels' handle in `handle.extra`."""
     R, C, E = cfg.num_ranks, cfg.capacity, cfg.num_experts
     rank = ep_rank(cfg.axis_name, R)
+    internode_mode(R)  # only "direct" runs today (see above)
     x, topk_idx, topk_weights = _vary_with_axis(cfg.axis_name, x, topk_idx, topk_weights)
     T, H = x.shape
     K = topk_idx.shape[1]

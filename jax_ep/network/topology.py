@@ -9,7 +9,9 @@ Where the topology comes from, first match wins:
   1. `JAX_EP_GPUS_PER_NODE` (tests, and several NVSHMEM PEs on one GPU arranged as
      virtual nodes: 4 PEs with `JAX_EP_GPUS_PER_NODE=2` are 2 "nodes" of 2);
   2. the processes' local ranks (one per global rank, as `jax.distributed` or the
-     launcher reports them): a node starts where the local rank goes back to 0.
+     launcher reports them): a node starts where the local rank goes back to 0;
+  3. the launcher's local size (`LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_SIZE`,
+     `SLURM_NTASKS_PER_NODE`), assuming node-major numbering.
 
 Modes: "direct" (every GPU puts to every GPU), "hierarchical" (above) and "auto":
 hierarchical when there are several nodes with several GPUs each, direct otherwise.
@@ -26,6 +28,10 @@ __all__ = ["Topology", "MODES", "MODE_ENV", "GPUS_PER_NODE_ENV", "from_local_ran
 MODES = ("direct", "hierarchical", "auto")
 MODE_ENV = "JAX_EP_INTERNODE_MODE"
 GPUS_PER_NODE_ENV = "JAX_EP_GPUS_PER_NODE"
+# Launchers' "processes on this node" variables (torchrun, Open MPI, Slurm), read when
+# neither the override nor the local ranks are given.
+LAUNCHER_LOCAL_SIZE = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                       "SLURM_NTASKS_PER_NODE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +121,8 @@ def _env_gpus_per_node(environ: Mapping[str, str]) -> int | None:
 def detect(num_ranks: int, local_ranks: Sequence[int] | None = None,
            environ: Mapping[str, str] | None = None) -> Topology:
     """The EP group's topology: `JAX_EP_GPUS_PER_NODE` if set, else `local_ranks`, else
-    one node (every rank on one node)."""
+    a launcher's local size (LAUNCHER_LOCAL_SIZE, when it divides the ranks), else one
+    node (every rank on one node)."""
     env = os.environ if environ is None else environ
     g = _env_gpus_per_node(env)
     if g is not None:
@@ -128,18 +135,25 @@ def detect(num_ranks: int, local_ranks: Sequence[int] | None = None,
         if topo.num_ranks != num_ranks:
             raise ValueError(f"local_ranks has {topo.num_ranks} entries for {num_ranks} ranks")
         return topo
+    for var in LAUNCHER_LOCAL_SIZE:  # this process's node size, as its launcher says
+        raw = env.get(var, "").strip()
+        if raw.isdigit() and int(raw) >= 1 and num_ranks % int(raw) == 0:
+            return Topology(num_ranks, int(raw))
     return Topology(num_ranks, num_ranks)
 
 
-def choose_mode(requested: str | None, topo: Topology) -> str:
+def choose_mode(requested: str | None, topo: Topology,
+                hierarchical_available: bool = True) -> str:
     """"direct" or "hierarchical" for `requested` ("direct", "hierarchical", "auto" or
     None = "auto") on `topo`. "auto" is hierarchical when there are several nodes with
-    several GPUs each (then a token crosses the network once per node, not per GPU)."""
+    several GPUs each (then a token crosses the network once per node, not per GPU) and
+    `hierarchical_available` (the build has its kernels), direct otherwise."""
     mode = "auto" if requested is None else str(requested).strip().lower()
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {requested!r}")
     if mode == "auto":
-        return "hierarchical" if topo.num_nodes > 1 and topo.gpus_per_node > 1 else "direct"
+        several = topo.num_nodes > 1 and topo.gpus_per_node > 1
+        return "hierarchical" if several and hierarchical_available else "direct"
     return mode
 
 

@@ -136,6 +136,8 @@ class TransportConfig:
     chunk_bytes: int = 64 * 1024
     num_channels: int | None = None
     lag: str = "multiport"
+    # internode mode (network/topology.py): "direct", "hierarchical" or "auto"
+    mode: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "num_ports", _positive_int("num_ports", self.num_ports))
@@ -153,6 +155,9 @@ class TransportConfig:
                              f"reserved per source), got {nq}")
         if self.lag not in LAG_MODES:
             raise ValueError(f"lag must be one of {LAG_MODES}, got {self.lag!r}")
+        if self.mode not in ("direct", "hierarchical", "auto"):  # network/topology.py
+            raise ValueError(f"mode must be 'direct', 'hierarchical' or 'auto', got "
+                             f"{self.mode!r}")
 
     @property
     def num_qps(self) -> int:
@@ -175,6 +180,9 @@ class TransportConfig:
             if raw is None or raw.strip() == "":
                 continue
             updates[field] = _positive_int(var, raw.strip())
+        if (env.get("JAX_EP_INTERNODE_MODE") or "").strip():  # network/topology.py
+            from jax_ep.network.topology import mode_from_env
+            updates["mode"] = mode_from_env(self.mode, env)
         if not updates:
             return self
         updates["num_channels"] = None  # one channel per QP

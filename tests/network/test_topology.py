@@ -63,3 +63,16 @@ def test_mode_from_env():
         == "hierarchical"
     with pytest.raises(ValueError, match="JAX_EP_INTERNODE_MODE"):
         topology.mode_from_env(None, {"JAX_EP_INTERNODE_MODE": "tree"})
+
+
+def test_launcher_local_size_and_availability():
+    assert topology.detect(16, environ={"LOCAL_WORLD_SIZE": "8"}) == Topology(16, 8)
+    assert topology.detect(16, environ={"SLURM_NTASKS_PER_NODE": "8(x2)"}) == Topology(16, 16)
+    # the override wins over the launcher
+    assert topology.detect(16, environ={"LOCAL_WORLD_SIZE": "8",
+                                        "JAX_EP_GPUS_PER_NODE": "4"}) == Topology(16, 4)
+    # auto falls back to direct where the build has no hierarchical kernels
+    assert topology.choose_mode("auto", Topology(16, 8), hierarchical_available=False) \
+        == "direct"
+    assert topology.choose_mode("hierarchical", Topology(16, 8),
+                                hierarchical_available=False) == "hierarchical"

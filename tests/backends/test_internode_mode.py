@@ -1,0 +1,68 @@
+"""The internode mode (`TransportConfig.mode`, JAX_EP_INTERNODE_MODE) as the internode
+backend resolves it: direct runs; hierarchical is a NotImplementedError naming what is
+missing (its kernels are specified and simulated, not built); auto picks direct until they
+exist. No kernel runs here."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import nvshmem_bootstrap, ops
+from jax_ep.backends import internode
+from jax_ep.network.transport import TransportConfig
+
+from conftest import ep_mesh
+
+R = 8
+
+
+def _fake_state(monkeypatch, mode):
+    st = nvshmem_bootstrap.BootstrapState(
+        rank=0, world=R, heap_bytes=1 << 30,
+        config=TransportConfig(num_ports=2, qps_per_port=4, mode=mode), env={})
+    monkeypatch.setattr(nvshmem_bootstrap, "_state", st)
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend: "internode")
+    return st
+
+
+def test_config_mode_validation_and_env_override():
+    assert TransportConfig().mode == "auto"
+    with pytest.raises(ValueError, match="mode"):
+        TransportConfig(mode="tree")
+    cfg = TransportConfig(mode="direct").resolve({"JAX_EP_INTERNODE_MODE": "hierarchical"})
+    assert cfg.mode == "hierarchical"
+    assert TransportConfig(mode="direct").resolve({}).mode == "direct"
+    with pytest.raises(ValueError, match="JAX_EP_INTERNODE_MODE"):
+        TransportConfig().resolve({"JAX_EP_INTERNODE_MODE": "ring"})
+
+
+@pytest.mark.parametrize("mode,gpn,want", [
+    ("direct", "4", "direct"), ("auto", "4", "direct"), ("auto", "8", "direct"),
+    ("hierarchical", "4", NotImplementedError), ("hierarchical", "8", NotImplementedError),
+])
+def test_internode_mode(monkeypatch, mode, gpn, want):
+    _fake_state(monkeypatch, mode)
+    monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", gpn)
+    if want is NotImplementedError:
+        with pytest.raises(NotImplementedError, match="hierarchical.*direct"):
+            internode.internode_mode(R)
+    else:
+        assert internode.internode_mode(R) == want
+
+
+def test_hierarchical_request_fails_when_tracing_dispatch(monkeypatch):
+    _fake_state(monkeypatch, "hierarchical")
+    monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", "4")
+    x = np.zeros((R * 2, 4), np.float32)
+    idx = np.zeros((R * 2, 2), np.int32)
+    w = np.zeros((R * 2, 2), np.float32)
+
+    def f(x, i, w):
+        return jax_ep.dispatch(x, i, w, num_experts=R, axis_name="ep")[0]
+
+    g = jax.jit(jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+    with pytest.raises(NotImplementedError, match="hierarchical_kernels.cu"):
+        g.trace(x, idx, w).lower(lowering_platforms=("cuda",))
