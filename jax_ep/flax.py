@@ -17,16 +17,19 @@ over every mesh axis (`data_axes` first, then `mesh_axis`) and the stacked exper
 `[E, ...]` split over `mesh_axis`. So each index of the data axes forms its own EP group
 of `R = mesh.shape[mesh_axis]` ranks, each holding `E // R` experts.
 
-Grouping received rows by expert. A received row carries up to `top_k` local expert ids
-(a token whose several experts live on this rank arrives once). The layer expands rows
-*per top-k slot*: the `C * top_k` (row, slot) pairs are stably sorted by local expert id
-(unused slots, id -1, go last; only the first `C * min(top_k, E // R)` places can be
-used, so the rest is cut), the rows are gathered in that order, and three
-`jax.lax.ragged_dot` calls (gate, up, down) run the SwiGLU of each expert on its
-contiguous group. Each pair's output is scaled by its top-k weight and summed back onto
-its row (in float32), so a row routed to several local experts gets each of their
-outputs, already weighted; `jax_ep.combine` then sums the rows of all ranks back onto the
-source tokens. The sort is a pure function of the received ids, so the `reference` and
+Grouping received rows by expert (`jax_ep.experts`). A received row carries up to `top_k`
+local expert ids (a token whose several experts live on this rank arrives once). The
+layer packs the (row, slot) pairs by local expert into static blocks `[E_local, cap, H]`,
+runs every expert's SwiGLU as batched matmuls over its block, and sums each pair's
+output, scaled by its top-k weight, back onto its row (in float32); `jax_ep.combine` then
+sums the rows of all ranks back onto the source tokens. `cap` comes from
+`capacity_factor`: `ceil(capacity_factor * T * top_k / E_local)` places per expert (T
+tokens per shard; `T * top_k / E_local` is an expert's mean load), so the work is
+`capacity_factor` times what balanced routing needs. An expert's pairs past `cap` (in
+received order: source rank, then token) are dropped and counted in `aux["dropped"]`.
+`capacity_factor=None` sizes every block for the worst case (`cap` = the received rows C)
+and never drops, at `E_local * C / (T * top_k)` times the work (about E_local x with the
+default C). The grouping is a pure function of the received ids, so the `reference` and
 `ffi` backends (which receive the same rows bit for bit) compute the same numbers.
 """
 from __future__ import annotations
@@ -39,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import ops
+from jax_ep import experts, ops
 
 __all__ = ["MoE", "RoutingBias", "SwiGLU", "route", "load_balance_loss"]
 
@@ -166,6 +169,12 @@ class MoE(nnx.Module):
       capacity: rows each rank can receive per call. None: `R * T` (T tokens per shard;
         never drops). An int: that many rows. A float f: `ceil(f * T * min(K, R))`, capped
         at `R * T` (f = 1.0 fits perfectly balanced routing).
+      capacity_factor: places per local expert, as a multiple of an expert's mean load
+        `T * top_k / E_local` (rounded up to a multiple of 8, at most the received rows).
+        Pairs past an expert's places are dropped and counted in `aux["dropped"]`. The
+        expert work is about `capacity_factor` times what balanced routing needs.
+        None: never drop (every expert sized for all received rows: about `E_local`
+        times the work). Default 2.0.
       score: 'softmax' or 'sigmoid' router scores.
       n_groups, topk_groups: group-limited routing (both or neither).
       routing_bias: add a `RoutingBias` [E] used for expert selection only (aux-loss-free
@@ -180,13 +189,17 @@ class MoE(nnx.Module):
 
     Call: `y, aux = moe(x)` with x[B, S, H] (or [N, H]); y has x's shape and dtype. `aux`
     holds `load_balance_loss` (scalar), `router_z_loss` (scalar), `tokens_per_expert`
-    (int32[E], top-k slots routed to each expert over the whole batch) and `dropped`
-    (int32 scalar, rows dropped for capacity over all EP groups).
+    (int32[E], top-k slots routed to each expert over the whole batch), `dropped`
+    (int32 scalar: top-k slots, i.e. (token, expert) pairs, that got no expert output,
+    whether their row did not fit in `capacity` or their expert's places were full; over
+    all EP groups) and `dropped_rows` (int32 scalar: rows that did not fit in
+    `capacity`).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, *,
                  mesh_axis: str = "expert", data_axes: Sequence[str] | None = None,
                  backend: str | None = None, capacity: int | float | None = None,
+                 capacity_factor: float | None = 2.0,
                  score: str = "softmax", n_groups: int | None = None,
                  topk_groups: int | None = None, routing_bias: bool = False,
                  shared_experts: int = 0, norm_topk_prob: bool = True,
@@ -214,6 +227,14 @@ class MoE(nnx.Module):
             raise TypeError(f"capacity must be None, an int or a float, got {capacity!r}")
         if capacity is not None and capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
+        if capacity_factor is not None:
+            if (isinstance(capacity_factor, bool)
+                    or not isinstance(capacity_factor, (int, float))):
+                raise TypeError(f"capacity_factor must be None or a number, got "
+                                f"{capacity_factor!r}")
+            if not capacity_factor > 0:
+                raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+        self.capacity_factor = capacity_factor
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
         self.num_experts, self.top_k = num_experts, top_k
         self.mesh_axis = mesh_axis
@@ -308,16 +329,20 @@ class MoE(nnx.Module):
                              f"{shards} shards of mesh axes {tok_axes}")
         T = N // shards
         C = self._capacity(T, R)
+        rows = R * T if C is None else C
+        el = E // R
+        cap = rows if self.capacity_factor is None else experts.expert_capacity(
+            T * K, el, self.capacity_factor, limit=rows)
         tok = P(tok_axes)
         wspec = P(self.mesh_axis)
         dtype = self.dtype
 
         def shard_fn(xs, idx, w, wg, wu, wd):
-            y, dropped = _experts_per_shard(
+            y, computed, dropped_rows = _experts_per_shard(
                 xs, idx, w, wg.astype(dtype), wu.astype(dtype), wd.astype(dtype),
                 num_experts=E, axis_name=self.mesh_axis, capacity=C,
-                backend=self.backend)
-            return y, jax.lax.psum(dropped, tok_axes)
+                expert_capacity=cap, backend=self.backend)
+            return y, jax.lax.psum(jnp.stack([computed, dropped_rows]), tok_axes)
 
         args = (x2.astype(dtype), topk_idx, topk_w, self.w_gate[...], self.w_up[...],
                 self.w_down[...])
@@ -326,39 +351,29 @@ class MoE(nnx.Module):
         if explicit:
             # Explicit axes: shard_map wants its inputs laid out as in_specs already.
             args = tuple(jax.sharding.reshard(a, s) for a, s in zip(args, specs))
-        y, dropped = jax.shard_map(shard_fn, mesh=mesh, in_specs=specs,
-                                   out_specs=(tok, P()))(*args)
+        y, counts = jax.shard_map(shard_fn, mesh=mesh, in_specs=specs,
+                                  out_specs=(tok, P()))(*args)
+        # Slots routed (all experts, all tokens) minus slots some expert computed.
+        dropped = jnp.sum(tokens_per_expert) - counts[0]
         if explicit:
             y = jax.sharding.reshard(y, jax.typeof(x2).sharding.spec)
         if self.shared is not None:
             y = y + self.shared(x2).astype(y.dtype)
         aux = {"load_balance_loss": lb, "router_z_loss": z,
-               "tokens_per_expert": tokens_per_expert, "dropped": dropped}
+               "tokens_per_expert": tokens_per_expert, "dropped": dropped,
+               "dropped_rows": counts[1]}
         return y.reshape(shape).astype(x.dtype), aux
 
 
 def _experts_per_shard(x, topk_idx, topk_w, w_gate, w_up, w_down, *, num_experts,
-                       axis_name, capacity, backend):
-    """Dispatch, grouped SwiGLU over the local experts, combine (inside shard_map)."""
+                       axis_name, capacity, expert_capacity, backend):
+    """Dispatch, grouped SwiGLU over the local experts, combine (inside shard_map).
+    Returns (y[T, H], int32 pairs computed here, int32 rows this rank dropped)."""
     recv_x, recv_idx, recv_w, handle = ops.dispatch(
         x, topk_idx, topk_w, num_experts=num_experts, axis_name=axis_name,
         capacity=capacity, backend=backend)
-    C, K = recv_idx.shape
-    el = w_gate.shape[0]
-    # One entry per (row, slot); unused slots (-1) sort last and form no group. The
-    # groups' sizes are the handle's slots per local expert (kept rows only).
-    key = jnp.where(recv_idx >= 0, recv_idx, el).reshape(-1)
-    group_sizes = handle.num_recv_tokens_per_expert
-    # A row holds at most min(K, el) distinct local experts, so the used entries fit in
-    # the first C * min(K, el) places of the sorted order.
-    order = jnp.argsort(key, stable=True)[:C * min(K, el)]
-    rows = order // K
-    xs = recv_x[rows]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(
-        xs, w_up, group_sizes)
-    out = jax.lax.ragged_dot(h, w_down, group_sizes)  # zero past sum(group_sizes)
-    wts = recv_w.reshape(-1)[order]
-    y = jnp.zeros((C, out.shape[1]), jnp.float32).at[rows].add(
-        out.astype(jnp.float32) * wts[:, None])
+    y, groups = experts.grouped_swiglu(recv_x, recv_idx, recv_w, w_gate, w_up, w_down,
+                                       capacity=expert_capacity)
     y = ops.combine(y.astype(x.dtype), handle, backend=backend)
-    return y, handle.num_dropped
+    computed = jnp.sum(jnp.minimum(groups.counts, expert_capacity), dtype=jnp.int32)
+    return y, computed, handle.num_dropped.astype(jnp.int32)

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jax_ep import experts
 from jax_ep.flax import MoE, RoutingBias, route
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,17 +41,29 @@ def _np_swiglu(x, wg, wu, wd):
     return ((g / (1 + np.exp(-g))) * (x @ wu)) @ wd
 
 
-def _np_moe(moe, x, idx, w):
-    """Dense NumPy oracle: y[t] = sum_k w[t,k] * SwiGLU_{idx[t,k]}(x[t])."""
+def _np_moe(moe, x, idx, w, group_tokens=None, cap=None):
+    """Dense NumPy oracle: y[t] = sum_k w[t,k] * SwiGLU_{idx[t,k]}(x[t]). With `cap`,
+    each EP group (`group_tokens` consecutive tokens) keeps only the first `cap` tokens
+    naming each expert (in token order, which is the received order); returns (y,
+    slots dropped) then."""
     x = np.asarray(x, np.float64).reshape(-1, moe.hidden)
+    idx, w = np.asarray(idx), np.asarray(w)
     wg, wu, wd = (np.asarray(v[...], np.float64) for v in (moe.w_gate, moe.w_up,
                                                           moe.w_down))
     y = np.zeros_like(x)
+    seen, dropped = {}, 0
     for t in range(x.shape[0]):
-        for e, c in zip(np.asarray(idx[t]), np.asarray(w[t])):
-            if e >= 0:
-                y[t] += c * _np_swiglu(x[t], wg[e], wu[e], wd[e])
-    return y
+        for e, c in zip(idx[t], w[t]):
+            if e < 0:
+                continue
+            if cap is not None:
+                key = (t // group_tokens, int(e))
+                seen[key] = seen.get(key, 0) + 1
+                if seen[key] > cap:
+                    dropped += 1
+                    continue
+            y[t] += c * _np_swiglu(x[t], wg[e], wu[e], wd[e])
+    return y if cap is None else (y, dropped)
 
 
 def _loss_and_grads(moe, x):
@@ -96,13 +109,14 @@ def test_ffi_matches_reference(mesh, cfg):
 
 
 def test_matches_dense_oracle_and_shardings(mesh):
+    """capacity_factor=None never drops: the layer is the dense oracle."""
     x = _x((4, 16, 16), seed=1)
     with jax.set_mesh(mesh):
-        moe = MoE(16, 24, 8, 3, rngs=nnx.Rngs(0))
+        moe = MoE(16, 24, 8, 3, capacity_factor=None, rngs=nnx.Rngs(0))
         xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
         y, aux = nnx.jit(lambda m, x: m(x))(moe, xs)
     assert y.shape == x.shape and y.dtype == x.dtype
-    assert int(aux["dropped"]) == 0
+    assert int(aux["dropped"]) == 0 and int(aux["dropped_rows"]) == 0
     logits = x.reshape(-1, 16) @ moe.router[...]
     idx, w, _ = route(logits, 3)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), _np_moe(moe, x, idx, w),
@@ -161,12 +175,76 @@ def test_capacity_drops(mesh, backend):
         moe = MoE(E, 16, E, 2, backend=backend, capacity=T, rngs=nnx.Rngs(2))
         _set_router(moe, 20 * np.eye(E))
         y, aux = nnx.jit(lambda m, x: m(x))(moe, jnp.asarray(x))
-    assert int(aux["dropped"]) == 2 * 3 * T
+    assert int(aux["dropped_rows"]) == 2 * 3 * T
+    assert int(aux["dropped"]) == 2 * 3 * T * 2  # each dropped row held 2 slots
     np.testing.assert_array_equal(aux["tokens_per_expert"], [64, 64, 0, 0, 0, 0, 0, 0])
     kept = (np.arange(64) // T) % 4 == 0  # token shards are (data, expert) major-to-minor
     y = np.asarray(y)
     assert np.all(y[~kept] == 0)
     assert np.all(np.abs(y[kept]).sum(1) > 0)
+
+
+@pytest.mark.parametrize("cf", [0.5, 1.0, 2.0])
+def test_expert_capacity_drops_match_numpy(mesh, cf):
+    """Per-expert capacity: each expert keeps its first `cap` pairs in received order
+    (source rank, then token); the rest are dropped and counted as slots."""
+    x = _x((4, 16, 16), seed=11)
+    with jax.set_mesh(mesh):
+        moe = MoE(16, 24, 8, 3, capacity_factor=cf, rngs=nnx.Rngs(3))
+        y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
+    R, T, K, el = 4, 8, 3, 2
+    cap = experts.expert_capacity(T * K, el, cf, limit=R * T)
+    idx, w, _ = route(x.reshape(-1, 16) @ moe.router[...], K)
+    want, dropped = _np_moe(moe, x, idx, w, group_tokens=R * T, cap=cap)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want, rtol=2e-4, atol=2e-5)
+    assert int(aux["dropped"]) == dropped
+    assert int(aux["dropped_rows"]) == 0
+    if cf < 1:
+        assert dropped > 0  # the case covers drops
+    if cf >= 2:
+        assert dropped == 0
+
+
+def test_capacity_factor_argument_errors():
+    for bad in (0, -1.5):
+        with pytest.raises(ValueError, match="capacity_factor"):
+            MoE(16, 16, 8, 2, capacity_factor=bad, rngs=nnx.Rngs(0))
+    for bad in ("2", True):
+        with pytest.raises(TypeError, match="capacity_factor"):
+            MoE(16, 16, 8, 2, capacity_factor=bad, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("cf", [None, 1.0])
+def test_layer_gradients_numerically(mesh, cf):
+    """Directional finite differences of a scalar loss against the layer's gradient
+    (every parameter and x at once), in float32 on small shapes."""
+    x = _x((2, 16, 8), seed=12)
+    with jax.set_mesh(mesh):
+        moe = MoE(8, 8, 8, 2, capacity_factor=cf, rngs=nnx.Rngs(4))
+        graphdef, params = nnx.split(moe)
+
+        def loss(p, x):
+            y, aux = nnx.merge(graphdef, p)(x)
+            return jnp.sum(jnp.sin(y)) + 0.1 * aux["load_balance_loss"]
+
+        f = jax.jit(loss)
+        gp, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+        rng = np.random.default_rng(5)
+        vp = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype),
+                          params)
+        vx = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+        eps = 1e-3
+        plus = f(jax.tree.map(lambda a, v: a + eps * v, params, vp), x + eps * vx)
+        minus = f(jax.tree.map(lambda a, v: a - eps * v, params, vp), x - eps * vx)
+        numeric = (float(plus) - float(minus)) / (2 * eps)
+        analytic = float(sum(jnp.vdot(g, v) for g, v in
+                             zip(jax.tree.leaves(gp), jax.tree.leaves(vp)))
+                         + jnp.vdot(gx, vx))
+        _, aux = nnx.merge(graphdef, params)(x)
+    if cf is not None:
+        assert int(aux["dropped"]) > 0  # the gradient check covers dropped slots
+    assert abs(analytic) > 1e-2
+    np.testing.assert_allclose(numeric, analytic, rtol=2e-2, atol=2e-3)
 
 
 def test_group_limited_routing_and_bias():
