@@ -171,3 +171,17 @@ def test_cli_through_plan_says_model_and_json(capsys):
     # 2 node counts x 2 routings x (1 port, 2 ports affinity, 2 ports hash)
     assert len(doc["results"]) == 2 * 2 * 3
     assert plan.main(["modes", "--nodes", "3", "--tokens", "8"]) == 2  # 256 % 3 != 0
+
+
+def test_header_compiles_as_device_code_with_warnings_as_errors(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    src = tmp_path / "hier.cu"
+    src.write_text('#include "kernels/internode/hierarchical_layout.h"\n'
+                   "__global__ void k(long long* o) {\n"
+                   "  o[0] = jax_ep::hier::layout(64, 8, 8, 7168, 8, 2, 2).total +\n"
+                   "         jax_ep::hier::credit_needed(9) + jax_ep::hier::nvl_slot(40);\n}\n")
+    subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-Werror", "all-warnings",
+                    "-Xcompiler", "-Wall,-Wextra,-Werror", f"-I{ROOT}", "-c", str(src), "-o",
+                    str(tmp_path / "hier.o")], check=True)

@@ -815,10 +815,12 @@ def _combine(net: Net, p: Problem, cfg: Config, disp: list, send_row: list):
 
 # ----------------------------------------------------------------------------- entry point
 
-def run(cfg: Config, x, idx, w, y, *, E: int, C: int, seq: int = 1) -> Result:
+def run(cfg: Config, x, idx, w, y, *, E: int, C: int, seq: int = 1, g=None) -> Result:
     """Dispatch then combine of per-rank inputs x[r][T, H], idx/w[r][T, K], y[r][C, H]
-    (lists or stacked arrays) under `cfg`. Protocol violations raise `Violation`;
-    errors a rank would return (timeouts, mismatches, bad ids) are in `Result.errors`."""
+    (lists or stacked arrays) under `cfg`; with g[r][T, H] also the gather (combine's
+    transpose: dispatch's wire pattern for rows of g, outputs[r]["gather"]). Protocol
+    violations raise `Violation`; errors a rank would return (timeouts, mismatches, bad
+    ids) are in `Result.errors`."""
     topo = Topology(cfg.nodes * cfg.gpus, cfg.gpus)
     p = Problem(topo, list(x), list(idx), list(w), E, C, None if y is None else list(y))
     net_d = Net(cfg, topo.num_ranks)
@@ -833,6 +835,15 @@ def run(cfg: Config, x, idx, w, y, *, E: int, C: int, seq: int = 1) -> Result:
     for r in range(p.R):
         disp[r]["send_row"] = send_row[r]
     res.outputs = disp
+    if g is not None:
+        pg = Problem(topo, list(g), list(idx), list(w), E, C)
+        net_g = Net(dataclasses.replace(cfg, seed=cfg.seed + 2), p.R)
+        rows_g, shared_g = _dispatch(net_g, pg, cfg, seq + 1)
+        if any(e is not None for e in net_g.error):
+            res.errors = list(net_g.error)
+            return res
+        for r in range(p.R):
+            disp[r]["gather"] = _dispatch_outputs(pg, r, shared_g, rows_g[r])["recv_x"]
     if y is None:
         return res
     net_c = Net(dataclasses.replace(cfg, seed=cfg.seed + 1), p.R)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import hierarchical_sim as hs
-from conftest import assert_bitwise_equal, np_model
+from conftest import assert_bitwise_equal, np_gather, np_model
 from jax_ep.network import modes
 from jax_ep.network.topology import Topology
 
@@ -52,6 +52,19 @@ def test_bit_exact_against_the_model(mode, N, G, seed):
     if mode == "hierarchical":
         kinds = {r.kind for r in res.net_dispatch.rings if r.wrapped}
         assert {"rdma", "nvl"} <= kinds, f"no ring went round: {kinds}"
+
+
+@pytest.mark.parametrize("mode", ["hierarchical", "direct"])
+def test_gather_is_exact(mode):
+    # combine's transpose (jax.grad through combine): dispatch's wire pattern for g rows
+    x, idx, w, y, E, C = make_inputs(2, 4, T=8, C=20, seed=13)
+    g = np.random.default_rng(13).standard_normal(x.shape).astype(np.float32)
+    res = hs.run(hs.Config(2, 4, mode=mode, seed=13, **SMALL_RINGS), x, idx, w, None,
+                 E=E, C=C, g=g)
+    assert all(e is None for e in res.errors), res.errors
+    want = np_model(x, idx, w, y, E, C)
+    assert_bitwise_equal({"gather": np.stack([o["gather"] for o in res.outputs])},
+                         {"gather": np_gather(g, want["src_rank"], want["src_index"])})
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
