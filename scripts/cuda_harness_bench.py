@@ -50,6 +50,9 @@ def main(argv=None):
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--concurrent", action="store_true",
+                   help="also time the concurrent mode (each rank on its own stream, small "
+                        "grids: real waits, not a throughput setting)")
     p.add_argument("--json", default="", help="also write the results to this file")
     a = p.parse_args(argv)
     if not jcuda.available():
@@ -105,6 +108,16 @@ def main(argv=None):
                   + pairs * row + R * T * row    # finish: read staged rows, write out
                   + 2 * R * T * R * 4)           # send_row read by plan and finish
     logical = recv_rows * row                    # DeepEP: received token bytes / time
+    t_disp_c = t_comb_c = None
+    if a.concurrent:
+        disp_c = jax.jit(lambda x, i, w: jcuda.harness_dispatch(
+            x, i, w, num_experts=E, capacity=C, concurrent=True))
+        t_disp_c, dc = _time(disp_c, x, idx, w, iters=a.iters)
+        same = all(np.array_equal(np.asarray(getattr(dc, f)), np.asarray(getattr(d, f)))
+                   for f in ("recv_x", "src_rank", "src_index", "send_row"))
+        comb_c = jax.jit(lambda y, s: jcuda.harness_combine(y, s, concurrent=True))
+        t_comb_c, _ = _time(comb_c, y, d.send_row, iters=a.iters)
+        jcuda.check_errors()
 
     res = dict(
         ranks=R, tokens=T, hidden=H, topk=K, experts=E, dtype="bfloat16", capacity=C,
@@ -114,6 +127,9 @@ def main(argv=None):
         dispatch_logical_GBps=logical / t_disp / 1e9,
         combine_logical_GBps=logical / t_comb / 1e9,
         received_rows=recv_rows, device=jax.devices("gpu")[0].device_kind)
+    if a.concurrent:
+        res.update(concurrent_dispatch_ms=t_disp_c * 1e3, concurrent_combine_ms=t_comb_c * 1e3,
+                   concurrent_matches_sequential=bool(same))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
@@ -127,6 +143,11 @@ def main(argv=None):
         ("combine, logical (DeepEP-style)", f"{res['combine_logical_GBps']:.0f} GB/s", "DeepEP EP8: 158"),
         ("dispatch / combine time (all %d ranks)" % R, f"{res['dispatch_ms']:.2f} / {res['combine_ms']:.2f} ms", ""),
     ]
+    if a.concurrent:
+        rows.append(("concurrent mode: dispatch / combine time",
+                     f"{res['concurrent_dispatch_ms']:.2f} / {res['concurrent_combine_ms']:.2f} ms",
+                     "bit-identical to phase by phase: "
+                     + ("yes" if res["concurrent_matches_sequential"] else "NO")))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     print(f"\nvirtual-rank harness on {res['device']}: {R} ranks x {T} tokens, hidden {H} bf16, "
