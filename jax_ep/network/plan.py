@@ -32,7 +32,7 @@ from jax_ep.network.transport import TransportConfig
 MODEL_LABEL = "MODEL, not a measurement: nominal link rates, no congestion or protocol overhead"
 
 __all__ = ["hit_probability", "dispatch_row_bytes", "expected_max_count", "hash_efficiency",
-           "qps_for_efficiency", "PlanInputs", "model", "format_report", "main"]
+           "qps_for_efficiency", "PlanInputs", "model", "format_report", "check_wire", "main"]
 
 
 def hit_probability(num_experts: int, num_ranks: int, topk: int) -> float:
@@ -247,6 +247,114 @@ def format_report(m: dict) -> str:
     return "\n".join(lines)
 
 
+# --- --check-wire: the compiled path's QP choice against the plan --------------------
+
+def _compiled_wire(ext):
+    """The kernels' send and wait schedule through the bindings of
+    kernels/internode/wire_protocol.h: (channel_of_qp, expected_signal)."""
+    return ext.internode_channel_of_qp, ext.internode_expected_signal
+
+
+def check_wire(cfg: TransportConfig, ranks: int, stream_bytes: int, *, qp_api: bool = True,
+               channel_of_qp=None, expected_signal=None) -> dict:
+    """Replays the QP choice of the compiled path for every (sender, peer, channel, chunk)
+    of a `stream_bytes` stream and compares it with the plan (`cfg.qp_for`).
+
+    Compiled path: CTA q (logical QP q) sends, to each peer, the chunks j of the channel
+    channel_of_qp(peer, q) (j = channel mod num_qps), with data and signal on QP q's
+    handle (QP API), signalling word (kind, sender, q); the receiver waits for
+    expected_signal(chunks, receiver, q) on each word. Returns {"ok", "checked",
+    "disagreements": [...], "losses": [...], ...}.
+    qp_api=False replays the fallback: one port (cfg.single_port()); the QP of each put
+    is then NVSHMEM's choice, which is reported as a loss, not checked.
+    """
+    if channel_of_qp is None or expected_signal is None:
+        from jax_ep.network.transport import _ext
+        ext = _ext()
+        if ext is None or not hasattr(ext, "internode_channel_of_qp"):
+            raise RuntimeError("--check-wire needs the compiled extension (pip install -e .)")
+        c, e = _compiled_wire(ext)
+        channel_of_qp = channel_of_qp or c
+        expected_signal = expected_signal or e
+    wire_cfg = cfg if qp_api else cfg.single_port()
+    P, Q, NQ, cb = wire_cfg.num_ports, wire_cfg.qps_per_port, wire_cfg.num_qps, cfg.chunk_bytes
+    chunk = (cb + 15) // 16 * 16  # the kernels round chunks to 16 bytes
+    n = 0 if stream_bytes <= 0 else (stream_bytes + chunk - 1) // chunk
+    bad, checked = [], 0
+    for sender in range(ranks):
+        for peer in range(ranks):
+            if peer == sender:
+                continue
+            sent_by = {}
+            for q in range(NQ):
+                ch = int(channel_of_qp(peer, q, P, Q))
+                for j in range(ch, n, NQ) if ch >= 0 else ():
+                    if j in sent_by:
+                        bad.append(f"peer {peer} chunk {j} sent on QPs {sent_by[j]} and {q}")
+                    sent_by[j] = q
+                # the receiver's wait must count exactly this QP's chunks plus its closing
+                want = sum(1 for j in range(n) if j % NQ == ch) + 1 if ch >= 0 else 1
+                got = int(expected_signal(n, peer, q, P, Q))
+                if got != want:
+                    bad.append(f"peer {peer} QP {q}: receiver waits for {got} signals, the "
+                               f"sender sends {want}")
+            for j in range(n):
+                checked += 1
+                plan_qp, plan_port = wire_cfg.qp_for(peer, j % NQ, j)
+                q = sent_by.get(j)
+                if q is None:
+                    bad.append(f"sender {sender} peer {peer} chunk {j}: never sent")
+                elif q != plan_qp or q % P != plan_port:
+                    bad.append(f"sender {sender} peer {peer} chunk {j}: plan says QP "
+                               f"{plan_qp} (port {plan_port}), the wire uses QP {q} "
+                               f"(port {q % P})")
+    losses = []
+    if not qp_api:
+        if cfg.num_ports > 1:
+            losses.append(f"no striping across ports: all {n} chunks per peer on one port, "
+                          f"not {cfg.num_ports}")
+        losses.append("no explicit QP handles: the QP of each put is NVSHMEM's choice "
+                      "(CTA q -> RC QP q mod NVSHMEM_IBGDA_NUM_RC_PER_PE with RC_MAP_BY=cta), "
+                      "so the plan's QP is not guaranteed on the wire")
+    return {"ok": not bad, "checked": checked, "chunks_per_stream": n, "ranks": ranks,
+            "path": "qp_api" if qp_api else "fallback", "ports": P, "qps_per_port": Q,
+            "chunk_bytes": chunk, "disagreements": bad[:50], "num_disagreements": len(bad),
+            "losses": losses}
+
+
+def _check_wire_main(args: dict) -> int:
+    from jax_ep.network.transport import _ext
+    ext = _ext()
+    path = args["path"]
+    if path == "auto":
+        avail = bool(ext is not None and getattr(ext, "nvshmem_qp_api_available", None)
+                     and ext.nvshmem_qp_api_available())
+        path = "qp_api" if avail else "fallback"
+    qps = args["qps_per_port"] or max(1, args["qps_per_peer"] // max(args["ports"], 1))
+    cfg = TransportConfig(num_ports=args["ports"], qps_per_port=qps,
+                          chunk_bytes=args["chunk_bytes"])
+    ranks = args["ranks"] or args["nodes"] * args["gpus_per_node"]
+    stream = args["stream_bytes"] or 2 * cfg.num_qps * cfg.chunk_bytes + 17
+    try:
+        r = check_wire(cfg, ranks, stream, qp_api=(path == "qp_api"))
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args["json"]:
+        print(json.dumps(r, indent=1))
+    else:
+        print(f"check-wire ({r['path']}): {ranks} ranks, {r['ports']} ports x "
+              f"{r['qps_per_port']} QPs, {r['chunks_per_stream']} chunks of "
+              f"{r['chunk_bytes']} B per stream, {r['checked']} chunks checked: "
+              + ("agrees with the plan" if r["ok"] else
+                 f"{r['num_disagreements']} DISAGREEMENTS"))
+        for line in r["disagreements"]:
+            print("  " + line)
+        for line in r["losses"]:
+            print("  fallback loses: " + line)
+    return 0 if r["ok"] else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     d = PlanInputs()
     ap = argparse.ArgumentParser(prog="python -m jax_ep.plan", description=MODEL_LABEL)
@@ -267,7 +375,21 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hit-prob", type=float, default=None,
                     help="measured P(token -> a given rank); default: uniform top-k routing")
     ap.add_argument("--json", action="store_true", help="print the model as JSON")
+    w = ap.add_argument_group("--check-wire: replay the compiled path's QP choice")
+    w.add_argument("--check-wire", action="store_true",
+                   help="compare the kernels' QP for every (peer, channel, chunk) with the "
+                        "plan; exit 1 on any disagreement")
+    w.add_argument("--ranks", type=int, default=None, help="default: nodes * gpus-per-node")
+    w.add_argument("--qps-per-port", type=int, default=None,
+                   help="default: qps-per-peer // ports")
+    w.add_argument("--stream-bytes", type=int, default=None,
+                   help="bytes per peer stream (default: 2 chunks per QP + 17)")
+    w.add_argument("--path", choices=["auto", "qp_api", "fallback"], default="auto",
+                   help="auto: what this install's NVSHMEM supports")
     return ap
+
+
+_CHECK_WIRE_ONLY = ("check_wire", "ranks", "qps_per_port", "stream_bytes", "path")
 
 
 def main(argv=None) -> int:
@@ -277,6 +399,10 @@ def main(argv=None) -> int:
         from jax_ep.network import modes
         return modes.main(argv[1:], prog="python -m jax_ep.plan modes")
     args = vars(_parser().parse_args(argv))
+    if args["check_wire"]:
+        return _check_wire_main(args)
+    for k in _CHECK_WIRE_ONLY:
+        args.pop(k)
     as_json = args.pop("json")
     try:
         m = model(PlanInputs(**args))

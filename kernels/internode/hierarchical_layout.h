@@ -49,13 +49,16 @@ constexpr int64_t kAlign = 256;
 
 JEP_HIER_HD int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
+// Byte offset of a row's metadata: the payload rounded up to 16 bytes, so the int32
+// words stay aligned whatever H and the dtype (odd H in 16-bit types included).
+JEP_HIER_HD int64_t meta_offset(int64_t hidden_bytes) { return round_up(hidden_bytes, 16); }
 // A dispatch row: payload, K ids (int32), K weights (float32), kMetaWords int32; 16 B units.
 JEP_HIER_HD int64_t dispatch_row_stride(int64_t hidden_bytes, int64_t topk) {
-  return round_up(hidden_bytes + 8 * topk + 4 * kMetaWords, 16);
+  return round_up(meta_offset(hidden_bytes) + 8 * topk + 4 * kMetaWords, 16);
 }
 // A combine row: y payload and kMetaWords int32.
 JEP_HIER_HD int64_t combine_row_stride(int64_t hidden_bytes) {
-  return round_up(hidden_bytes + 4 * kMetaWords, 16);
+  return round_up(meta_offset(hidden_bytes) + 4 * kMetaWords, 16);
 }
 JEP_HIER_HD int64_t rdma_ring_rows() {
   return static_cast<int64_t>(kRdmaChunkRows) * kRdmaRingChunks;

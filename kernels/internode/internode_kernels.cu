@@ -307,7 +307,7 @@ __global__ void HeaderKernel(Geometry g, char* heap, int64_t half_bytes, HeapLay
     mine.hash = g.hash;
     mine.error = g.bad[0];
     for (int i = 0; i < wire::kNumCfgFields; ++i) mine.cfg[i] = g.cfg[i];
-    for (int i = 0; i < 4; ++i) mine.pad[i] = 0;
+    for (int i = 0; i < 16 - 4 - wire::kNumCfgFields; ++i) mine.pad[i] = 0;
   }
   __syncthreads();
   if (skip) return;
@@ -726,6 +726,7 @@ std::string MakeGeometry(const Dims& d, int op, FloatKind elem, int x_bytes, int
   g->cfg[wire::kCfgCapacity] = d.capacity;
   g->cfg[wire::kCfgDtype] = static_cast<int32_t>(elem);
   g->cfg[wire::kCfgNumQps] = qps;
+  g->cfg[wire::kCfgCallSite] = static_cast<int32_t>(d.call_site);
   g->hash = wire::config_hash(g->cfg);
   g->err = g_rt.err;
   g->bad = g_rt.bad;
@@ -759,7 +760,7 @@ const char* KindName(int kind) {
 
 std::string CfgText(const int32_t* c) {
   static const char* kNames[wire::kNumCfgFields] = {"op", "R", "T", "H", "K", "C", "dtype",
-                                                    "qps"};
+                                                    "qps", "call_site"};
   std::string out = "(";
   for (int i = 0; i < wire::kNumCfgFields; ++i) {
     if (i) out += ", ";

@@ -27,6 +27,7 @@ struct Dims {
   int qps_per_port = 1;
   int64_t chunk_bytes = 65536;
   int64_t timeout_ns = 0;  // JAX_EP_TIMEOUT_S; bound of every device wait
+  int64_t call_site = 0;   // the custom call's call_site attribute (in the header)
 };
 
 // Runtime. All return "" on success or an error message.

@@ -61,7 +61,9 @@ JEP_WIRE_HD int64_t sig_words(int num_ranks) {
 // The call's configuration as exchanged in the header (and hashed).
 enum CfgField : int {
   kCfgOp = 0, kCfgRanks, kCfgTokens, kCfgHidden, kCfgTopk, kCfgCapacity, kCfgDtype,
-  kCfgNumQps, kNumCfgFields
+  kCfgNumQps,
+  kCfgCallSite,  // the custom call's call_site: a rank in another call site is a mismatch
+  kNumCfgFields
 };
 
 struct Header {
@@ -69,7 +71,7 @@ struct Header {
   uint32_t hash;                  // config_hash(cfg)
   int32_t error;                  // nonzero: this rank found an error (bad ids) already
   int32_t cfg[kNumCfgFields];
-  int32_t pad[4];
+  int32_t pad[16 - 4 - kNumCfgFields];
 };
 static_assert(sizeof(Header) == 64, "the header is one 64-byte put");
 constexpr int kHeaderBytes = 64;

@@ -7,6 +7,7 @@ test_global_view_partitions_into_internode_calls). No kernel runs here.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import types
 
@@ -424,6 +425,10 @@ def test_global_view_partitions_into_internode_calls(internode_forced, tmp_path)
         ("jax_ep_internode_gather", 1)]
     transport = dict(num_ports=2, qps_per_port=4, chunk_bytes=65536)
     ((line, d),) = calls["jax_ep_internode_dispatch"]
+    sites = [d.pop("call_site")] + [a.pop("call_site") for t in ("jax_ep_internode_combine",
+                                                                 "jax_ep_internode_gather")
+                                    for _, a in calls[t]]
+    assert len(sites) == 4 and len(set(sites)) >= 3  # every call carries its call site
     assert d == dict(num_experts=E, num_ranks=R, rank=RANK, capacity=C, **transport)
     # per shard: counts[R, R] and send_slot[T, R] come out of the dispatch ...
     assert f"s32[{R},{R}]" in line.split("custom-call")[0]
@@ -494,3 +499,63 @@ def test_global_view_cpu_handle_is_unchanged():
     (h,) = handles
     assert h.extra is None
     assert len(jax.tree.leaves(h)) == 6
+
+
+# --------------------------------------------- ordering, reports, errors, packaging (issue 11)
+
+def test_internode_calls_carry_distinct_call_sites(internode_forced):
+    def f(x, idx, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep")
+        a = jax_ep.combine(rx, h)
+        return a + jax_ep.combine(rx * 3, h)
+
+    hlo = _lower_cuda(f, *_inputs())
+    sites = [c["call_site"] for t in ("jax_ep_internode_dispatch", "jax_ep_internode_combine")
+             for c in _calls(hlo, t)]
+    assert len(sites) == 3 and len(set(sites)) == 3  # XLA cannot merge any two
+
+
+def test_transport_report_names_the_path(monkeypatch):
+    rep = internode.transport_report(TransportConfig(num_ports=2, qps_per_port=3))
+    assert rep["qp_path"] == "not started" and rep["qps_planned"] == 6
+    assert [m["planned_port"] for m in rep["qp_map"]] == [0, 1, 0, 1, 0, 1]
+    st = _fake_state(monkeypatch, config=TransportConfig(num_ports=1, qps_per_port=3))
+    monkeypatch.setattr(nvshmem_bootstrap, "_state",
+                        dataclasses.replace(st, qp_api=False))
+    rep = internode.transport_report()
+    assert rep["qp_path"] == "fallback" and rep["ports"] == 1
+    assert any("one port" in n for n in rep["notes"])
+    info = _ext.build_info()
+    assert "nvshmem_qp_api" in info
+    if info["nvshmem"]:
+        assert rep["nvshmem_built"] and rep["headers_version"].startswith("3.")
+
+
+def test_check_errors_is_quiet_without_an_error():
+    internode.check_errors()  # nothing recorded in this process
+
+
+def _extension_path():
+    from jax_ep import _jax_ep_ext
+    return _jax_ep_ext.__file__
+
+
+def test_no_undefined_qp_api_symbols_and_nvshmem_hidden():
+    """The extension must load with an NVSHMEM older than 3.8 (or none on the CPU path):
+    no undefined nvshmemx_qp_* symbol (they are resolved with dlsym), and the static
+    NVSHMEM device library's symbols are not exported."""
+    import shutil
+    import subprocess
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm")
+    so = _extension_path()
+    und = subprocess.run([nm, "-D", "--undefined-only", so], capture_output=True, text=True,
+                         check=True).stdout
+    bad = [l for l in und.splitlines() if "nvshmemx_qp_" in l]
+    assert bad == [], bad
+    defined = subprocess.run([nm, "-D", "--defined-only", so], capture_output=True,
+                             text=True, check=True).stdout
+    leaked = [l for l in defined.splitlines() if "nvshmem" in l.lower()]
+    assert leaked == [], leaked[:5]

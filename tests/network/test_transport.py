@@ -196,7 +196,8 @@ def test_bad_config_is_a_clear_error():
 def test_nvshmem_env_both_versions():
     env = TransportConfig(num_ports=2, qps_per_port=4).nvshmem_env()
     assert env["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
-    assert env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "8"
+    # NVSHMEM counts RC QPs per device: with multi-port, 2 devices x 4 = the 8 planned
+    assert env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "4"
     assert env["NVSHMEM_ENABLE_MULTI_PORT"] == "1"  # 3.8
     assert env["NVSHMEM_IBGDA_ENABLE_MULTI_PORT"] == "1"  # 3.7
     assert env["NVSHMEM_IBGDA_RC_MAP_BY"] == "cta"
@@ -221,10 +222,32 @@ def test_env_overrides_config():
     cfg = base.resolve(env)
     assert (cfg.num_ports, cfg.qps_per_port, cfg.chunk_bytes) == (4, 3, 8192)
     assert cfg.num_channels == 12
-    assert cfg.nvshmem_env()["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "12"
+    assert cfg.nvshmem_env()["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "3"  # per device (port)
     assert base.resolve({}) is base
     assert base.resolve({"JAX_EP_NUM_PORTS": " "}) is base
-    assert base.resolve({"JAX_EP_NUM_CHANNELS": "5"}).num_channels == 5
+    # channels are one per QP in the kernels: the old variable is an error, not ignored
+    with pytest.raises(ValueError, match="JAX_EP_NUM_CHANNELS"):
+        base.resolve({"JAX_EP_NUM_CHANNELS": "5"})
+
+
+def test_qp_count_for_multiport_and_bond():
+    """NVSHMEM_IBGDA_NUM_RC_PER_PE is per RDMA device: multi-port has one device per port,
+    a bond one device for all ports. Either way the peer gets ports x QPs per port."""
+    for P, Q in [(1, 3), (2, 1), (2, 4), (4, 2)]:
+        mp = TransportConfig(num_ports=P, qps_per_port=Q, lag="multiport")
+        bond = TransportConfig(num_ports=P, qps_per_port=Q, lag="bond")
+        devices_mp = P if mp.nvshmem_env()["NVSHMEM_ENABLE_MULTI_PORT"] == "1" else 1
+        assert devices_mp * int(mp.nvshmem_env()["NVSHMEM_IBGDA_NUM_RC_PER_PE"]) == P * Q
+        assert bond.nvshmem_env()["NVSHMEM_ENABLE_MULTI_PORT"] == "0"
+        assert int(bond.nvshmem_env()["NVSHMEM_IBGDA_NUM_RC_PER_PE"]) == P * Q
+    with pytest.raises(ValueError, match="lag"):
+        TransportConfig(lag="lacp")
+    with pytest.raises(ValueError, match="num_channels"):
+        TransportConfig(num_ports=2, qps_per_port=2, num_channels=3)
+    with pytest.raises(ValueError, match="64"):
+        TransportConfig(num_ports=2, qps_per_port=33)
+    one = TransportConfig(num_ports=2, qps_per_port=3).single_port()
+    assert (one.num_ports, one.qps_per_port, one.num_channels) == (1, 3, 3)
 
 
 def test_env_override_bad_value_names_variable(monkeypatch):

@@ -32,8 +32,13 @@ _WORKER = textwrap.dedent(r"""
         def unique_id(self):
             self.calls.append("unique_id")
             return os.urandom(128)
-        def init(self, rank, world, uid, heap_bytes, num_qps):
-            self.calls.append(["init", rank, world, uid.hex(), heap_bytes, num_qps])
+        def init(self, rank, world, uid, heap_bytes, num_qps, use_qp_api, adopt):
+            self.calls.append(["init", rank, world, uid.hex(), heap_bytes, num_qps,
+                               use_qp_api, adopt])
+        def qp_api_available(self):
+            return True
+        def init_status(self):
+            return 0
         def finalize(self):
             self.calls.append("finalize")
 
@@ -113,13 +118,14 @@ def test_heap_sized_once_and_qps_from_config(two_processes):
         init = [c for c in r["calls"] if isinstance(c, list)][0]
         assert init[4] == r["heap"]
         assert init[5] == 6  # 2 ports x JAX_EP_QPS_PER_PORT=3 overrides qps_per_port=1
+        assert init[6] is True and init[7] is False  # QP handles; NVSHMEM not yet running
         assert r["calls"].count("finalize") == 2
         assert r["env"]["NVSHMEM_SYMMETRIC_SIZE"] == str(r["heap"])
         assert r["env"]["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
         assert r["env"]["NVSHMEM_ENABLE_MULTI_PORT"] == "1"
     # a value the user set is kept (with a warning), not overwritten
     assert two_processes[1]["env"]["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "99"
-    assert two_processes[0]["env"]["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "6"
+    assert two_processes[0]["env"]["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "3"  # per port device
 
 
 class _Client:
@@ -225,3 +231,77 @@ def test_heap_bytes_matches_kernel_layout(tmp_path):
         nb.heap_bytes_for(num_ranks=2, max_tokens=4, capacity=8, hidden=8, topk=2)
     with pytest.raises(ValueError, match="topk"):
         nb.heap_bytes_for(num_ranks=2, max_tokens=4, hidden=8, topk=0)
+
+
+# --- QP API fallback, NVSHMEM already running, memory headroom, exit ----------------------
+
+class _Rec(_Rt):
+    def __init__(self, qp_api=True, status=0):
+        self.qp_api, self.status, self.inits = qp_api, status, []
+
+    def qp_api_available(self):
+        return self.qp_api
+
+    def init_status(self):
+        return self.status
+
+    def init(self, *a):
+        self.inits.append(a)
+
+
+@pytest.fixture
+def one_device(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [jax.devices()[0]])
+    yield
+    nb.finalize()
+
+
+def test_without_qp_api_runs_one_port_and_says_so(one_device, capsys):
+    rt = _Rec(qp_api=False)
+    env = {}
+    with pytest.warns(UserWarning, match="ONE port"):
+        st = nb.initialize(heap_bytes=64 << 20, runtime=rt, client=_Client(), environ=env,
+                           config=TransportConfig(num_ports=2, qps_per_port=2))
+    assert st.config.num_ports == 1 and st.qp_api is False
+    assert rt.inits[0][4:] == (2, False, False)  # 1 port x 2 QPs, no handles, fresh start
+    assert env["NVSHMEM_ENABLE_MULTI_PORT"] == "0"
+    assert "nvshmemx_qp_create" in capsys.readouterr().err
+
+
+def test_already_running_nvshmem_is_adopted_only_with_matching_settings(one_device):
+    cfg = TransportConfig(num_ports=2, qps_per_port=2)
+    with pytest.raises(nb.NvshmemBootstrapError, match="already initialised") as e:
+        nb.initialize(heap_bytes=64 << 20, runtime=_Rec(status=2), client=_Client(),
+                      environ={}, config=cfg)
+    assert "NVSHMEM_IBGDA_NUM_RC_PER_PE=2" in str(e.value)
+    assert "NVSHMEM_SYMMETRIC_SIZE=" in str(e.value)
+    env = dict(cfg.nvshmem_env(), NVSHMEM_SYMMETRIC_SIZE=str(128 << 20))
+    rt = _Rec(status=2)
+    st = nb.initialize(heap_bytes=64 << 20, runtime=rt, client=_Client(), environ=env,
+                       config=cfg)
+    assert st.adopted is True and rt.inits[0][6] is True  # adopt=True reaches the runtime
+    assert nb.adopt_check({"A": "1"}, {"A": "2"}) == ["A=1"]
+
+
+def test_heap_headroom_next_to_xla_preallocation():
+    gib = 1 << 30
+    # 80 GiB GPU, XLA took 75%: 20 GiB left
+    assert nb.heap_headroom_error(8 * gib, 60 * gib, {}) is None
+    msg = nb.heap_headroom_error(24 * gib, 60 * gib, {})
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.69" in msg
+    assert nb.heap_headroom_error(24 * gib, 60 * gib,
+                                  {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}) is None
+    assert nb.heap_headroom_error(24 * gib, None, {}) is None
+
+
+def test_nothing_collective_at_exit(one_device):
+    rt = _Rec()
+    finalized = []
+    rt.finalize = lambda: finalized.append(1)
+    nb.initialize(heap_bytes=64 << 20, runtime=rt, client=_Client(), environ={})
+    nb._forget_at_exit()
+    assert finalized == [] and not nb.is_initialized()
+    import atexit  # noqa: F401 - the registered hook is the non-collective one
+    assert nb.finalize.__doc__ and "Not called at exit" in nb.finalize.__doc__

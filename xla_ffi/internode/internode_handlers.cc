@@ -83,7 +83,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                         ffi::Result<ffi::Buffer<ffi::S32>> counts,
                         ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t num_experts,
                         int64_t num_ranks, int64_t rank, int64_t capacity, int64_t num_ports,
-                        int64_t qps_per_port, int64_t chunk_bytes, int64_t /*call_site*/) {
+                        int64_t qps_per_port, int64_t chunk_bytes, int64_t call_site) {
   FloatKind elem;
   if (!FloatKindOf(x.element_type(), &elem)) return Invalid("x must be float32, bfloat16 or float16");
   if (x.dimensions().size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(x.dimensions()));
@@ -96,6 +96,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   internode::Dims d;
   ffi::Error e = BaseDims(R, rank, T, H, K, C, num_ports, qps_per_port, chunk_bytes, &d);
   if (e.failure()) return e;
+  d.call_site = call_site;
   if (num_experts < 1 || num_experts % R != 0)
     return Invalid("num_experts must be a positive multiple of num_ranks");
   const int64_t el = num_experts / R;
@@ -129,7 +130,7 @@ ffi::Error HandleCallImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi
                           ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out,
                           int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
                           int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes,
-                          int64_t /*call_site*/) {
+                          int64_t call_site) {
   const std::string name = kGather ? "g" : "y";
   FloatKind elem;
   if (!FloatKindOf(a.element_type(), &elem))
@@ -147,6 +148,7 @@ ffi::Error HandleCallImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi
   internode::Dims d;  // topk sizes the rows this rank sends (T * min(K, R))
   ffi::Error e = BaseDims(R, rank, T, H, topk, C, num_ports, qps_per_port, chunk_bytes, &d);
   if (e.failure()) return e;
+  d.call_site = call_site;
   JEP_EXPECT(name.c_str(), a, kGather ? T : C, H);
   JEP_EXPECT("handle.counts", counts, R, R);
   JEP_EXPECT("out", *out, kGather ? C : T, H);

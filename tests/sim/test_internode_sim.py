@@ -1,0 +1,300 @@
+"""The host simulator of the internode protocol (tests/sim/internode_sim.py, a model on
+the CPU, not a GPU run): exact results against the NumPy contract model under arbitrary
+interleavings of the QPs, bytes per port, fault cases, and planted mistakes it must
+catch."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import internode_sim as S
+from conftest import np_model
+from jax_ep.network.transport import TransportConfig
+from jax_ep.runtime import nvshmem
+
+
+def _inputs(R, T, H, K, E, seed, bad_rank=None, tokens=None):
+    rng = np.random.default_rng(seed)
+    Ts = tokens or [T] * R
+    xs, idxs, ws = [], [], []
+    for r in range(R):
+        t = Ts[r]
+        xs.append(rng.standard_normal((t, H)).astype(np.float32))
+        idx = np.stack([rng.choice(E, K, replace=False) for _ in range(t)]).astype(np.int32) \
+            if t else np.zeros((0, K), np.int32)
+        if t:
+            idx[rng.random((t, K)) < 0.15] = -1
+        if r == bad_rank and t:
+            idx[t // 2, 0] = E + 3
+        idxs.append(idx)
+        ws.append(rng.random((t, K)).astype(np.float32))
+    return xs, idxs, ws
+
+
+def _dispatch_calls(xs, idxs, ws, C, E):
+    return [S.Call("dispatch", x=x, topk_idx=i, topk_w=w, capacity=C, num_experts=E)
+            for x, i, w in zip(xs, idxs, ws)]
+
+
+def _run(per_rank, **kw):
+    w = S.simulate(per_rank, **kw)
+    return w
+
+
+def _handles(w, call=0):
+    return [{"counts": rk.results[call]["counts"], "send_slot": rk.results[call]["send_slot"]}
+            for rk in w.ranks]
+
+
+# --- constants come from the compiled header ---------------------------------------------
+
+def test_constants_are_the_compiled_ones():
+    assert S.MAX_QPS == 64 and S.HEADER_BYTES == 64 and S.CONTROL_QP == 0
+    R = 5
+    words = {S.sig_word(k, R, s, q) for k in S.PROTO["sig_kinds"] for s in range(R)
+             for q in range(S.MAX_QPS)}
+    assert words == set(range(S.PROTO["num_sig_kinds"] * R * S.MAX_QPS))
+    # Python's heap sizing mirrors the same layout (signal and header regions included)
+    for (R, T, C, H, K) in [(2, 4, 8, 7, 2), (32, 16, 100, 33, 8)]:
+        L = S.layout(R, T, C, H, K, 2, 4)
+        assert nvshmem.heap_bytes_for(num_ranks=R, max_tokens=T, capacity=C, hidden=H,
+                                      topk=K) == S._ext.internode_heap_bytes(R, T, C, H, K, 2, 4)
+        assert L["dispatch_meta_offset"] % 16 == 0  # odd H in 16-bit dtypes stays aligned
+    # the transport's QP limit is the header's
+    from jax_ep.network import transport
+    assert transport.MAX_QPS == S.MAX_QPS
+
+
+def test_expected_signal_counts_the_chunks_on_each_qp():
+    for P, Q in [(1, 1), (2, 1), (2, 3), (4, 2)]:
+        NQ = P * Q
+        for peer in range(9):
+            chans = [S.channel_of_qp(peer, q, P, Q) for q in range(NQ)]
+            assert sorted(chans) == list(range(NQ))  # one channel per QP
+            for n in (0, 1, NQ - 1, NQ, 3 * NQ + 1):
+                per_qp = [0] * NQ
+                for j in range(n):
+                    per_qp[S.qp_for(peer, j % NQ, j, P, Q)[0]] += 1
+                assert [S.expected_signal(n, peer, q, P, Q) - 1 for q in range(NQ)] == per_qp
+
+
+# --- exact results under arbitrary interleaving ---------------------------------------------
+
+@pytest.mark.parametrize("R,P,Q,chunk,C,seed,policy", [
+    (2, 2, 1, 16, 8, 0, "random"),
+    (3, 1, 2, 48, 5, 1, "lazy"),       # capacity drops rows
+    (5, 2, 2, 64, 40, 2, "random"),
+    (8, 2, 3, 32, 12, 3, "random"),
+    (6, 4, 1, 1000, 30, 4, "lazy"),     # one chunk per stream
+])
+def test_dispatch_combine_gather_match_the_contract(R, P, Q, chunk, C, seed, policy):
+    T, H, K = 6, 5, 3
+    E = 2 * R
+    xs, idxs, ws = _inputs(R, T, H, K, E, seed)
+    w = _run([[c] for c in _dispatch_calls(xs, idxs, ws, C, E)], num_ports=P,
+             qps_per_port=Q, chunk_bytes=chunk, seed=seed, policy=policy)
+    assert w.violations == [] and all(rk.error is None for rk in w.ranks)
+    rng = np.random.default_rng(seed + 100)
+    y = rng.standard_normal((R, C, H)).astype(np.float32)
+    ref = np_model(np.stack(xs), np.stack(idxs), np.stack(ws), y, E, C)
+    for r, rk in enumerate(w.ranks):
+        got = rk.results[0]
+        np.testing.assert_array_equal(got["recv_x"], ref["recv_x"][r])
+        np.testing.assert_array_equal(got["recv_topk_idx"], ref["recv_idx"][r])
+        np.testing.assert_array_equal(got["src_rank"], ref["src_rank"][r])
+        np.testing.assert_array_equal(got["src_index"], ref["src_index"][r])
+        assert got["num_recv"] == ref["num_recv"][r]
+    # combine then gather with the handles, in one program of calls
+    hs = _handles(w)
+    g = rng.standard_normal((R, T, H)).astype(np.float32)
+    per_rank = [[S.Call("dispatch", x=xs[r], topk_idx=idxs[r], topk_w=ws[r], capacity=C,
+                        num_experts=E),
+                 S.Call("combine", x=y[r], handle=hs[r], capacity=C, topk=K),
+                 S.Call("gather", x=g[r], handle=hs[r], capacity=C, topk=K)]
+                for r in range(R)]
+    w2 = _run(per_rank, num_ports=P, qps_per_port=Q, chunk_bytes=chunk, seed=seed + 7,
+              policy=policy)
+    assert w2.violations == [] and all(rk.error is None for rk in w2.ranks)
+    for r, rk in enumerate(w2.ranks):
+        np.testing.assert_array_equal(rk.results[1]["out"], ref["out"][r])
+        want = np.zeros((C, H), np.float32)
+        for i in range(ref["num_recv"][r]):
+            want[i] = g[ref["src_rank"][r, i], ref["src_index"][r, i]]
+        np.testing.assert_array_equal(rk.results[2]["out"], want)
+
+
+def test_32_ranks_many_calls_no_half_reused_early():
+    R, T, H, K, C = 32, 2, 2, 2, 8
+    E = R
+    xs, idxs, ws = _inputs(R, T, H, K, E, 11)
+    y = np.ones((R, C, H), np.float32)
+    w0 = _run([[c] for c in _dispatch_calls(xs, idxs, ws, C, E)], seed=5)
+    hs = _handles(w0)
+    calls = []
+    for r in range(R):
+        d = S.Call("dispatch", x=xs[r], topk_idx=idxs[r], topk_w=ws[r], capacity=C,
+                   num_experts=E)
+        cmb = S.Call("combine", x=y[r], handle=hs[r], capacity=C, topk=K)
+        calls.append([d, cmb, d])
+    w = _run(calls, num_ports=2, qps_per_port=2, chunk_bytes=16, seed=9, policy="random")
+    assert w.violations == [] and all(rk.error is None for rk in w.ranks)
+    assert all(rk.done == 3 for rk in w.ranks)
+
+
+# --- bytes per port ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("P,Q", [(2, 1), (2, 4), (3, 2)])
+def test_bytes_per_port_follow_the_plan(P, Q):
+    R, T, H, K, C, chunk = 6, 8, 9, 4, 48, 32
+    E = 2 * R
+    xs, idxs, ws = _inputs(R, T, H, K, E, 21)
+    w = _run([[c] for c in _dispatch_calls(xs, idxs, ws, C, E)], num_ports=P,
+             qps_per_port=Q, chunk_bytes=chunk, seed=3)
+    assert w.violations == []
+    cfg = TransportConfig(num_ports=P, qps_per_port=Q, chunk_bytes=chunk)
+    for s in range(R):
+        stream = w.pair_port_bytes[s].sum(axis=1)  # bytes s sent each peer
+        plan = cfg.stripe(stream)
+        # the simulated wire carried exactly what the striping plan says, port by port
+        np.testing.assert_array_equal(w.pair_port_bytes[s], plan.port_bytes)
+        assert np.all(plan.port_imbalance_bytes <= chunk)
+        assert w.qp_bytes[s].sum() == stream.sum()
+
+
+# --- fault cases --------------------------------------------------------------------------
+
+def _two_calls(R=4, T=4, H=3, K=2, C=16, seed=0, **kw):
+    """Two dispatches from two call sites (as two ops in one traced program)."""
+    E = 2 * R
+    xs, idxs, ws = _inputs(R, T, H, K, E, seed, **kw)
+    return [[c, dataclasses.replace(c, call_site=2)]
+            for c in _dispatch_calls(xs, idxs, ws, C, E)]
+
+
+def test_a_rank_that_skips_a_call_fails_every_rank():
+    calls = _two_calls()
+    calls[2] = [None, calls[2][1]]  # rank 2 skips the first call (a rank-dependent cond)
+    w = _run(calls, timeout=3000)
+    for rk in w.ranks:
+        assert rk.error is not None, rk.rank
+        assert all(res is None for res in rk.results)  # no rank goes on alone
+    # rank 2's first call is the others' second call site: a mismatch naming both
+    e = w.ranks[0].error
+    assert e["code"] == "mismatch" and e["peer"] == 2
+    assert (e["mine"][8], e["theirs"][8]) == (1, 2)  # call_site
+
+
+def test_a_rank_that_skips_a_repeated_call_times_out_everywhere():
+    """The same call site twice (a loop body): rank 2's second call pairs with the
+    others' first (identical, so indistinguishable); the others then time out on rank 2
+    and go silent, so rank 2 times out at its next call. Nobody goes on for long."""
+    calls = _two_calls()
+    calls = [[cs[0], cs[0], cs[1]] for cs in calls]
+    calls[2] = [None, calls[2][1], calls[2][2]]
+    w = _run(calls, timeout=3000)
+    for r in (0, 1, 3):
+        e = w.ranks[r].error
+        assert e["code"] in ("timeout", "mismatch") and e["peer"] == 2
+        assert w.ranks[r].results[1:] == [None, None]
+    assert w.ranks[2].error["code"] in ("timeout", "mismatch")
+    assert w.ranks[2].results[-1] is None
+
+
+def test_other_shapes_is_a_mismatch_naming_both_sides():
+    R, H, K, C, E = 4, 3, 2, 16, 8
+    xs, idxs, ws = _inputs(R, 4, H, K, E, 1, tokens=[4, 4, 5, 4])
+    w = _run([[c] for c in _dispatch_calls(xs, idxs, ws, C, E)])
+    for rk in w.ranks:
+        assert rk.error["code"] == "mismatch"
+        assert rk.results == [None]
+    e = w.ranks[0].error
+    assert e["peer"] == 2 and e["mine"][2] == 4 and e["theirs"][2] == 5  # T: 4 vs 5
+    assert w.port_bytes.sum() == 0  # no data phase anywhere
+
+
+def test_late_past_the_timeout_fails_everyone_within_it_succeeds():
+    calls = _two_calls()
+    late = [[c for c in cs] for cs in calls]
+    late[1][0] = dataclasses.replace(late[1][0], delay=5000)
+    w = _run(late, timeout=1000)
+    assert all(rk.error is not None for rk in w.ranks)
+    assert w.ranks[0].error["peer"] == 1 and w.ranks[0].error["code"] == "timeout"
+    ok = [[c for c in cs] for cs in calls]
+    ok[1][0] = dataclasses.replace(ok[1][0], delay=200)
+    w = _run(ok, timeout=5000)
+    assert w.violations == [] and all(rk.error is None for rk in w.ranks)
+
+
+def test_combine_with_zero_tokens_takes_part():
+    R, H, K, C, E = 4, 3, 2, 16, 8
+    xs, idxs, ws = _inputs(R, 4, H, K, E, 2)
+    xs[1], idxs[1], ws[1] = xs[1][:0], idxs[1][:0], ws[1][:0]
+    disp = _dispatch_calls(xs, idxs, ws, C, E)
+    # shapes differ (T=0 on rank 1): every rank's config must agree, so use T=0 on all
+    w = _run([[c] for c in disp])
+    assert all(rk.error["code"] == "mismatch" for rk in w.ranks)
+    for r in range(R):
+        xs[r], idxs[r], ws[r] = xs[r][:0], idxs[r][:0], ws[r][:0]
+    disp = _dispatch_calls(xs, idxs, ws, C, E)
+    w = _run([[c] for c in disp])
+    hs = _handles(w)
+    y = np.ones((R, C, H), np.float32)
+    calls = [[disp[r], S.Call("combine", x=y[r], handle=hs[r], capacity=C, topk=K)] * 3
+             for r in range(R)]
+    w = _run(calls, seed=4)
+    assert w.violations == [] and all(rk.error is None for rk in w.ranks)
+    assert all(rk.results[1]["out"].shape == (0, H) for rk in w.ranks)
+
+
+def test_a_bad_id_on_one_rank_fails_every_rank_before_any_data():
+    calls = _two_calls(bad_rank=3)
+    w = _run(calls)
+    assert w.ranks[3].error["code"] == "bad_id"
+    assert w.ranks[3].error["detail"][2] == 2 * 4 + 3
+    for r in (0, 1, 2):
+        assert w.ranks[r].error["code"] == "peer_failed" and w.ranks[r].error["peer"] == 3
+    assert w.port_bytes.sum() == 0
+    assert all(res is None for rk in w.ranks for res in rk.results)
+
+
+# --- planted mistakes: each must be reported --------------------------------------------------
+
+def _clean(**kw):
+    return _run(_two_calls(seed=5), num_ports=2, qps_per_port=2, chunk_bytes=16, **kw)
+
+
+def test_baseline_has_no_findings():
+    for policy in ("random", "lazy"):
+        w = _clean(policy=policy, seed=1)
+        assert w.violations == [] and all(rk.error is None for rk in w.ranks)
+
+
+def test_planted_missing_closing_signal_is_caught():
+    w = _clean(mistakes=S.Mistakes(no_closing_signal=True), timeout=2000)
+    errs = [rk.error for rk in w.ranks]
+    assert all(e is not None and e["code"] == "timeout" and e["kind"] == "data" for e in errs)
+
+
+def test_planted_shared_counter_across_qps_is_caught():
+    w = _clean(mistakes=S.Mistakes(shared_counter=True), timeout=2000)
+    assert any("more than one QP" in v for v in w.violations)
+
+
+def test_planted_early_wait_is_caught():
+    w = _clean(mistakes=S.Mistakes(early_wait=True), policy="lazy")
+    assert any("before it landed" in v for v in w.violations)
+
+
+def test_planted_zero_token_combine_without_wait_is_caught():
+    R, H, K, C, E = 4, 3, 2, 16, 8
+    xs, idxs, ws = _inputs(R, 0, H, K, E, 2, tokens=[0] * R)
+    disp = _dispatch_calls(xs, idxs, ws, C, E)
+    hs = _handles(_run([[c] for c in disp]))
+    y = np.ones((R, C, H), np.float32)
+    calls = [[S.Call("combine", x=y[r], handle=hs[r], capacity=C, topk=K)] * 4
+             for r in range(R)]
+    w = _run(calls, mistakes=S.Mistakes(t0_skips_wait=True), policy="lazy")
+    assert any("did not wait" in v or "reused early" in v for v in w.violations) or any(
+        rk.error is not None for rk in w.ranks)
+    w = _run(calls, policy="lazy")
+    assert w.violations == [] and all(rk.error is None for rk in w.ranks)
