@@ -59,12 +59,17 @@ def _round_up(v: int, a: int) -> int:
     return (v + a - 1) // a * a
 
 
+def hier_meta_offset(hidden_bytes: int) -> int:
+    """Offset of a row's int32 metadata: the payload rounded up to 16 bytes."""
+    return _round_up(hidden_bytes, 16)
+
+
 def hier_dispatch_row_stride(hidden_bytes: int, topk: int) -> int:
-    return _round_up(hidden_bytes + 8 * topk + 4 * META_WORDS, 16)
+    return _round_up(hier_meta_offset(hidden_bytes) + 8 * topk + 4 * META_WORDS, 16)
 
 
 def hier_combine_row_stride(hidden_bytes: int) -> int:
-    return _round_up(hidden_bytes + 4 * META_WORDS, 16)
+    return _round_up(hier_meta_offset(hidden_bytes) + 4 * META_WORDS, 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,15 +122,12 @@ def hier_state_bytes(num_ranks, gpus_per_node, num_qps, hidden, topk, x_bytes, y
 
 
 def direct_state_bytes(num_ranks, tokens, capacity, hidden, topk, x_bytes, y_bytes) -> int:
-    """The direct mode's heap for comparison (kernels/internode/internode_layout.h, via
-    `jax_ep.runtime.nvshmem.heap_bytes_for`'s arithmetic: two halves, no slack)."""
-    ds = _round_up(hidden * x_bytes + 8 * topk + 4, 16)
-    cs = _round_up(hidden * y_bytes, 16)
-    sr = tokens * min(topk, num_ranks)
-    half = (_round_up(3 * num_ranks * 8, _ALIGN) + _round_up(num_ranks * num_ranks * 4, _ALIGN)
-            + _round_up(capacity * ds, _ALIGN) + _round_up(sr * cs, _ALIGN)
-            + _round_up(sr * ds, _ALIGN) + _round_up(capacity * cs, _ALIGN))
-    return 2 * half
+    """The direct mode's NVSHMEM heap for comparison (`heap_bytes_for`, the mirror of
+    kernels/internode/internode_layout.h): it grows with the tokens and the capacity."""
+    from jax_ep.runtime.nvshmem import heap_bytes_for
+
+    return heap_bytes_for(num_ranks=num_ranks, max_tokens=tokens, capacity=capacity,
+                          hidden=hidden, topk=topk, x_dtype=int(x_bytes), y_dtype=int(y_bytes))
 
 
 # --- routing ---------------------------------------------------------------------------
@@ -239,7 +241,8 @@ def model(inp: ModeInputs) -> dict:
                          inp.max_nodes)
     tr = traffic(idx, 0, topo, inp.experts)
     G, N, P = inp.gpus_per_node, inp.nodes, inp.ports
-    d_row = _round_up(inp.hidden * inp.x_bytes + 8 * inp.topk + 4, 16)  # direct kernels
+    # the direct kernels' row (internode_layout.h): payload to 16 B, ids, weights, index
+    d_row = _round_up(_round_up(inp.hidden * inp.x_bytes, 16) + 8 * inp.topk + 4, 16)
     c_row = _round_up(inp.hidden * inp.y_bytes, 16)
     hd_row = hier_dispatch_row_stride(inp.hidden * inp.x_bytes, inp.topk)
     hc_row = hier_combine_row_stride(inp.hidden * inp.y_bytes)

@@ -19,8 +19,9 @@ _PROGRAM = r"""
 #include "kernels/internode/hierarchical_layout.h"
 int main() {
   using namespace jax_ep::hier;
-  std::printf("%d %d %d %d %d\n", kRdmaChunkRows, kRdmaRingChunks, kNvlRingRows,
-              kMaxGpusPerNode, kMetaWords);
+  std::printf("%d %d %d %d %d %lld %lld\n", kRdmaChunkRows, kRdmaRingChunks, kNvlRingRows,
+              kMaxGpusPerNode, kMetaWords, (long long)meta_offset(14),
+              (long long)meta_offset(32));
   long long R, G, Q, H, K, xb, yb;
   while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &R, &G, &Q, &H, &K, &xb, &yb) == 7) {
     Layout L = layout(R, G, Q, H, K, xb, yb);
@@ -54,14 +55,16 @@ def header_program(tmp_path_factory):
 def test_python_layout_matches_header(header_program):
     cases = [(R, G, Q, H, K, xb, yb) for R, G in ((4, 2), (8, 4), (16, 8), (32, 8), (64, 8),
                                                   (12, 3))
-             for Q in (1, 4, 8) for H, K in ((7168, 8), (7, 1), (4096, 6))
+             for Q in (1, 4, 8) for H, K in ((7168, 8), (7, 1), (4096, 6), (7, 3))
              for xb, yb in ((2, 2), (4, 4), (1, 2))]
     text = "".join(" ".join(map(str, c)) + "\n" for c in cases)
     out = subprocess.run([str(header_program)], input=text, capture_output=True, text=True,
                          check=True).stdout.splitlines()
     consts = [int(v) for v in out[0].split()]
     assert consts == [modes.RDMA_CHUNK_ROWS, modes.RDMA_RING_CHUNKS, modes.NVL_RING_ROWS,
-                      modes.MAX_GPUS_PER_NODE, modes.META_WORDS]
+                      modes.MAX_GPUS_PER_NODE, modes.META_WORDS, modes.hier_meta_offset(14),
+                      modes.hier_meta_offset(32)]
+    assert modes.hier_meta_offset(14) == 16  # odd H = 7 in a 16-bit type: metadata aligned
     for case, line in zip(cases, out[1:], strict=True):
         want = [int(v) for v in line.split()]
         L = modes.hier_layout(*case)

@@ -539,7 +539,8 @@ def _dispatch(net: Net, p: Problem, cfg: Config, seq: int):
     H, K = p.x[0].shape[1], p.idx[0].shape[1]
     hier = cfg.mode == "hierarchical"
     row_bytes = (modes.hier_dispatch_row_stride(H * p.x[0].dtype.itemsize, K) if hier else
-                 modes._round_up(H * p.x[0].dtype.itemsize + 8 * K + 4, 16))
+                 modes._round_up(modes._round_up(H * p.x[0].dtype.itemsize, 16) + 8 * K + 4,
+                                 16))
     streams = Streams(net, cfg)
     shared, rings, rows_at = {}, {}, collections.defaultdict(dict)
 
