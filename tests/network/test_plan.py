@@ -123,3 +123,45 @@ def test_cli_text_and_json(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--lag", "random"])
     assert math.isfinite(m["ideal_rdma_time_us"])
+
+
+# --- --check-wire ---------------------------------------------------------------------
+
+def test_check_wire_agrees_by_construction():
+    from jax_ep.network.plan import check_wire
+    from jax_ep.network.transport import TransportConfig
+
+    for P, Q in [(1, 1), (2, 1), (2, 4), (3, 2)]:
+        cfg = TransportConfig(num_ports=P, qps_per_port=Q, chunk_bytes=100)
+        r = check_wire(cfg, 9, 100 * (3 * P * Q + 1) + 5)
+        assert r["ok"], r["disagreements"]
+        assert r["checked"] == 9 * 8 * r["chunks_per_stream"] and r["losses"] == []
+
+
+def test_check_wire_catches_a_wrong_qp_choice_and_a_wrong_wait():
+    from jax_ep.network.plan import check_wire
+    from jax_ep.network.transport import TransportConfig, _ext
+
+    ext = _ext()
+    cfg = TransportConfig(num_ports=2, qps_per_port=2, chunk_bytes=64)
+    # a sender that ignores the peer's starting port (peer % ports would be the same bug)
+    wrong_channel = lambda peer, q, P, Q: q  # noqa: E731
+    r = check_wire(cfg, 4, 64 * 9, channel_of_qp=wrong_channel,
+                   expected_signal=ext.internode_expected_signal)
+    assert not r["ok"] and any("plan says QP" in d for d in r["disagreements"])
+    # a receiver that forgets the closing signal
+    short = lambda n, recv, q, P, Q: ext.internode_expected_signal(n, recv, q, P, Q) - 1  # noqa
+    r = check_wire(cfg, 4, 64 * 9, expected_signal=short)
+    assert not r["ok"] and any("waits for" in d for d in r["disagreements"])
+
+
+def test_check_wire_command(capsys):
+    from jax_ep.network.plan import main
+
+    assert main(["--check-wire", "--ranks", "6", "--ports", "2", "--qps-per-port", "2",
+                 "--chunk-bytes", "4096", "--path", "qp_api"]) == 0
+    assert "agrees with the plan" in capsys.readouterr().out
+    assert main(["--check-wire", "--ranks", "6", "--ports", "2", "--qps-per-port", "2",
+                 "--path", "fallback"]) == 0
+    out = capsys.readouterr().out
+    assert "fallback loses: no striping across ports" in out
