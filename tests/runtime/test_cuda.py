@@ -131,6 +131,73 @@ def test_available_is_false_without_a_gpu():
         assert jcuda.available() is False
 
 
+def test_harness_options_are_checked():
+    attrs = jcuda._harness_attrs(3, None, True, -1)
+    assert attrs["call_sites"].shape == (3,) and len(set(attrs["call_sites"].tolist())) == 1
+    assert int(attrs["concurrent"]) == 1
+    assert jcuda._harness_attrs(3, None, False, -1)["call_sites"][0] != attrs["call_sites"][0]
+    with pytest.raises(ValueError, match="call_sites must list one id per rank"):
+        jcuda._harness_attrs(3, [1, 2], False, -1)
+    with pytest.raises(ValueError, match="absent_rank"):
+        jcuda._harness_attrs(3, None, False, 3)
+
+
+class _FakeGpu:
+    platform = "gpu"
+    process_index = 0
+
+    def __init__(self, i, hw):
+        self.id, self.local_hardware_id = i, hw
+
+
+class _FakeMesh:
+    def __init__(self, devices):
+        self.axis_names = ("ep",)
+        self.devices = np.array(devices, dtype=object)
+
+
+class _Allocated(Exception):
+    pass
+
+
+def test_setup_rejects_groups_beyond_legacy_peer_access(monkeypatch):
+    """Legacy peer access reaches 8 peers: a group over 10 GPUs is refused with a message;
+    10 ranks sharing one GPU (several processes on it) pass that check."""
+    class Ext:
+        def cuda_alloc_buffer(self, *a):
+            raise _Allocated()
+    monkeypatch.setattr(jcuda, "_bindings", lambda: Ext())
+    with pytest.raises(ValueError, match="at most 8 peers"):
+        jcuda.setup(_FakeMesh([_FakeGpu(i, i) for i in range(10)]), "ep", num_tokens=4,
+                    hidden=8, topk=2)
+    with pytest.raises(_Allocated):
+        jcuda.setup(_FakeMesh([_FakeGpu(i, 0) for i in range(10)]), "ep", num_tokens=4,
+                    hidden=8, topk=2)
+
+
+@needs_bindings
+def test_no_gpu_in_use_means_nothing_to_check():
+    """check_errors() and reset() touch only GPUs this process used for EP work."""
+    if not _gpus():
+        assert list(_ext.ext.cuda_devices_in_use()) == []
+        jcuda.check_errors()
+        assert jcuda.reset() == []
+
+
+def test_kernels_check_the_call_site_and_fail_safely():
+    """Source-level facts of the fail-safe protocol that no CPU run can show: every
+    request and data signal carries the call site, receivers compare it, waits give up
+    once a timeout is recorded, handlers have no host-side early return."""
+    with open(os.path.join(ROOT, "kernels", "cuda", "intranode_kernels.cu")) as f:
+        k = f.read()
+    with open(os.path.join(ROOT, "xla_ffi", "cuda", "cuda_handlers.cc")) as f:
+        h = f.read()
+    assert k.count("wait_and_check(") == 1 + 5  # definition + every data/request wait
+    assert k.count("site_req[kOp") == 4 and k.count("site_arr[kOp") == 6
+    assert "&g_intranode_stop" in k
+    assert "PendingMirrorError" not in h and "call_site, &k" in h
+
+
 # ----------------------------------------------------------------------------- GPU
 
 def _inputs(R, T, H, K, E, dtype, seed, C):
@@ -168,10 +235,10 @@ def _cpu_ffi(x, idx, w, y, E, C):
     return {k: np.asarray(v) for k, v in res.items()}
 
 
-def _harness(x, idx, w, y, E, C):
+def _harness(x, idx, w, y, E, C, concurrent=False):
     d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
-                               num_experts=E, capacity=C)
-    out = jcuda.harness_combine(jnp.asarray(y), d.send_row)
+                               num_experts=E, capacity=C, concurrent=concurrent)
+    out = jcuda.harness_combine(jnp.asarray(y), d.send_row, concurrent=concurrent)
     return dict(recv_x=d.recv_x, recv_idx=d.recv_topk_idx, recv_w=d.recv_topk_weights,
                 num_recv=d.num_recv, num_dropped=d.num_dropped,
                 per_expert=d.num_recv_tokens_per_expert, src_rank=d.src_rank,
@@ -190,14 +257,31 @@ CASES = [  # R, T, H, K, E, C (None: R*T), dtype
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("concurrent", [False, True], ids=["phased", "concurrent"])
 @pytest.mark.parametrize("R,T,H,K,E,C,dtype", CASES)
-def test_harness_matches_model_and_cpu_ffi(R, T, H, K, E, C, dtype):
+def test_harness_matches_model_and_cpu_ffi(R, T, H, K, E, C, dtype, concurrent):
     Ce = R * T if C is None else C
     x, idx, w, y = _inputs(R, T, H, K, E, dtype, seed=R * 1000 + T, C=Ce)
-    got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, Ce).items()}
+    got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, Ce, concurrent).items()}
     want = np_model(x, idx, w, y, E, Ce)
     assert_bitwise_equal(got, want, what="harness vs model: ")
     assert_bitwise_equal(got, _cpu_ffi(x, idx, w, y, E, Ce), what="harness vs cpu ffi: ")
+    jcuda.check_errors()
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("concurrent", [False, True], ids=["phased", "concurrent"])
+def test_harness_empty_ranks(concurrent):
+    """Rank 1 sends nothing, nobody sends to rank 2."""
+    R, T, H, K, E = 4, 20, 40, 2, 8
+    x, idx, w, y = _inputs(R, T, H, K, E, jnp.bfloat16, seed=42, C=R * T)
+    idx[1] = -1
+    idx[(idx == 4) | (idx == 5)] = -1  # rank 2 holds experts 4 and 5
+    got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, R * T, concurrent).items()}
+    assert got["num_recv"][2] == 0 and (got["send_row"][1] == -1).all()
+    assert_bitwise_equal(got, np_model(x, idx, w, y, E, R * T), what="harness vs model: ")
+    assert_bitwise_equal(got, _cpu_ffi(x, idx, w, y, E, R * T), what="harness vs cpu ffi: ")
 
 
 @gpu
@@ -214,14 +298,17 @@ def test_harness_repeated_calls_are_bitwise_stable():
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_harness_gather_is_combine_transpose(dtype):
+@pytest.mark.parametrize("concurrent", [False, True], ids=["phased", "concurrent"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_harness_gather_is_combine_transpose(dtype, concurrent):
     R, T, H, K, E = 4, 40, 96, 4, 16
-    x, idx, w, _ = _inputs(R, T, H, K, E, dtype, seed=3, C=R * T)
+    C = 3 * T  # below the worst case: the gather of a handle with dropped rows
+    x, idx, w, _ = _inputs(R, T, H, K, E, dtype, seed=3, C=C)
     d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
-                               num_experts=E, capacity=R * T)
+                               num_experts=E, capacity=C, concurrent=concurrent)
     g = np.random.default_rng(1).standard_normal((R, T, H)).astype(np.float32).astype(dtype)
-    out = np.asarray(jcuda.harness_gather(jnp.asarray(g), d.src_rank, d.src_index))
+    out = np.asarray(jcuda.harness_gather(jnp.asarray(g), d.src_rank, d.src_index,
+                                          concurrent=concurrent))
     sr, si = np.asarray(d.src_rank), np.asarray(d.src_index)
     want = np.zeros_like(out)
     for r in range(R):
@@ -229,6 +316,52 @@ def test_harness_gather_is_combine_transpose(dtype):
             if sr[r, i] >= 0:
                 want[r, i] = g[sr[r, i], si[r, i]]
     assert np.array_equal(bits(out), bits(want))
+    jcuda.check_errors()
+
+
+@gpu
+@needs_gpu
+@needs_bindings
+def test_call_site_mismatch_is_reported_and_later_calls_skip_until_reset():
+    jcuda.reset()
+    R, T, H, K, E = 2, 16, 32, 2, 4
+    x, idx, w, y = _inputs(R, T, H, K, E, jnp.float32, seed=9, C=R * T)
+    d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
+                               num_experts=E, capacity=R * T, call_sites=[5, 6])
+    assert (np.asarray(d.num_recv) == 0).all() and (np.asarray(d.send_row) == -1).all()
+    assert not np.asarray(d.recv_x).any()
+    # A well-formed call after it moves no data either (the error is sticky) ...
+    again = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, R * T).items()}
+    assert (again["num_recv"] == 0).all() and not again["out"].any()
+    with pytest.raises(RuntimeError, match="is in another EP call"):
+        jcuda.check_errors(clear=False)
+    # ... until reset(), after which the same call is exact again.
+    assert jcuda.reset() == [_gpus()[0].local_hardware_id]
+    got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, R * T).items()}
+    assert_bitwise_equal(got, np_model(x, idx, w, y, E, R * T), what="after reset: ")
+    jcuda.check_errors()
+
+
+@gpu
+@needs_gpu
+@needs_bindings
+def test_missing_peer_times_out_then_reset_recovers(monkeypatch):
+    jcuda.reset()
+    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "1")
+    R, T, H, K, E = 3, 16, 32, 2, 6
+    x, idx, w, y = _inputs(R, T, H, K, E, jnp.float32, seed=13, C=R * T)
+    d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
+                               num_experts=E, capacity=R * T, concurrent=True, absent_rank=1)
+    out = jcuda.harness_combine(jnp.asarray(y), d.send_row, concurrent=True, absent_rank=1)
+    jax.block_until_ready(out)
+    assert (np.asarray(d.num_recv)[[0, 2]] == 0).all()  # the ranks that ran skipped
+    with pytest.raises(RuntimeError, match="timed out in .* waiting for rank 1"):
+        jcuda.check_errors()
+    monkeypatch.delenv("JAX_EP_TIMEOUT_S")
+    jcuda.reset()
+    got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, R * T, True).items()}
+    assert_bitwise_equal(got, np_model(x, idx, w, y, E, R * T), what="after reset: ")
+    jcuda.check_errors()
 
 
 @gpu
@@ -284,4 +417,9 @@ def test_real_handlers_on_one_gpu_group():
         assert np.array_equal(bits(np.asarray(rx)), bits(want["recv_x"][0]))
         assert np.array_equal(np.asarray(send_row), want["send_row"][0])
         assert np.array_equal(bits(np.asarray(out)), bits(want["out"][0]))
+    jcuda.check_errors()
+    jcuda.setup(mesh, "ep", num_tokens=T, hidden=H, topk=K, dtype=jnp.float32)  # again: fine
+    assert dev[0].local_hardware_id in jcuda.reset()
+    rx, send_row, out = prog(x[0], idx[0], w[0], y[0])  # epochs start over after reset
+    assert np.array_equal(bits(np.asarray(out)), bits(want["out"][0]))
     jcuda.check_errors()
