@@ -105,3 +105,20 @@ def test_the_checker_catches_a_shared_site_and_a_missing_chain():
     broken = hlo.replace(f"@jax_ep_combine({last['operands'][0]},",
                          f"@jax_ep_combine({unchained_operand},")
     assert any("concurrently" in p for p in check_ordered(broken))
+
+
+def test_internode_calls_are_ordered(monkeypatch):
+    """The same program on the internode targets (NVSHMEM state faked as PE 1 of R)."""
+    from jax_ep import nvshmem_bootstrap, ops
+    from jax_ep.network.transport import TransportConfig
+
+    st = nvshmem_bootstrap.BootstrapState(rank=1, world=R, heap_bytes=1 << 30,
+                                          config=TransportConfig(), env={})
+    monkeypatch.setattr(nvshmem_bootstrap, "_state", st)
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend: "internode")
+    hlo = _program("cuda")
+    targets = [c["target"] for c in ep_calls(hlo)]
+    assert targets.count("jax_ep_internode_dispatch") == 1
+    assert targets.count("jax_ep_internode_gather") == 1
+    assert targets.count("jax_ep_internode_combine") == 3
+    assert check_ordered(hlo) == []
