@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
 done
 
 NAMES=(build tests multiprocess internode sanitizer bench)
-BUDGETS=(170 75 75 60 60 50)
+BUDGETS=(160 75 75 75 60 45)
 OVERHEAD=20     # GPU query, MPS start/stop, the report
 LIMIT=540       # 9 minutes: one device call must end well inside its 10
 
@@ -179,11 +179,11 @@ stage_sanitizer() {
 stage_bench() {
   local rc=0
   echo "== python -m jax_ep.bench --virtual-ranks (8 ranks on this GPU through the harness)"
-  timeout -k 3 24 "$PY" -m jax_ep.bench --virtual-ranks --ranks 8 --tokens 4096 --hidden 7168 \
+  timeout -k 2 22 "$PY" -m jax_ep.bench --virtual-ranks --ranks 8 --tokens 4096 --hidden 7168 \
     --topk 8 --experts 256 --dtype bfloat16 --repeats 3 --no-progress \
     --json "$WORK/s6_bench.json" || rc=1
   echo "== scripts/cuda_harness_bench.py (phase by phase, then concurrent streams)"
-  timeout -k 3 22 "$PY" scripts/cuda_harness_bench.py --iters 10 --concurrent \
+  timeout -k 2 19 "$PY" scripts/cuda_harness_bench.py --iters 10 --concurrent \
     --json "$WORK/s6_harness.json" || rc=1
   return $rc
 }

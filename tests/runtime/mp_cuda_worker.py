@@ -109,7 +109,13 @@ def main(argv):
                                  out_specs=P("ep")))
 
     # Compile everywhere first, so no process waits in a kernel for a peer still compiling.
-    prog = prog.lower(*args).compile()
+    try:
+        prog = prog.lower(*args).compile()
+    except NotImplementedError as e:  # e.g. an internode mode the kernels do not have yet
+        with open(os.path.join(out_dir, f"proc{pid}.json"), "w") as f:
+            json.dump({"not_implemented": str(e)}, f)
+        print(f"process {pid}: not implemented: {e}", flush=True)
+        os._exit(3)
     from jax._src import distributed
     distributed.global_state.client.wait_at_barrier("mp_cuda_worker_compiled", 60_000)
 
