@@ -38,9 +38,13 @@ def parse_args(argv=None):
     p.add_argument("--score", choices=("softmax", "sigmoid"), default="softmax")
     p.add_argument("--routing-bias", action="store_true",
                    help="aux-loss-free balancing bias (updated every step)")
-    p.add_argument("--capacity", type=float, default=1.25,
-                   help="capacity factor: rows each rank receives = f * tokens per shard "
-                        "* min(top-k, expert); 0 means R * tokens (nothing dropped)")
+    p.add_argument("--capacity", type=float, default=0,
+                   help="dispatch capacity factor: rows each rank receives = f * tokens "
+                        "per shard * min(top-k, expert); 0 means R * tokens (no row "
+                        "dropped at dispatch)")
+    p.add_argument("--capacity-factor", type=float, default=2.0,
+                   help="places per expert as a multiple of its mean load (MoE "
+                        "capacity_factor); slots past them are dropped; 0 means never drop")
     p.add_argument("--backend", choices=("auto", "ffi", "reference"), default="auto")
     p.add_argument("--data", type=int, default=2, help="data-parallel mesh size")
     p.add_argument("--expert", type=int, default=4, help="expert-parallel mesh size")
@@ -136,7 +140,8 @@ class Block(nnx.Module):
         self.attn = Attention(a.hidden, a.heads, rngs=rngs)
         self.norm2 = nnx.RMSNorm(a.hidden, rngs=rngs)
         self.moe = MoE(a.hidden, a.ffn, a.experts, a.top_k, mesh_axis="expert",
-                       backend=a.backend, capacity=a.capacity or None, score=a.score,
+                       backend=a.backend, capacity=a.capacity or None,
+                       capacity_factor=a.capacity_factor or None, score=a.score,
                        routing_bias=a.routing_bias, shared_experts=a.shared_experts,
                        rngs=rngs)
 
@@ -410,11 +415,15 @@ def main(a):
     k = min(10, len(losses))
     first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    slots = len(records) * a.layers * a.batch * a.seq * a.top_k
+    dropped = sum(r.get("dropped", 0) for r in records)
     print(f"trained steps {start + 1}..{end} in {wall:.0f}s; over steps "
           f"{records[0]['step']}..{records[-1]['step']}: "
           f"mean loss first {k}: {first:.3f}, last {k}: {last:.3f} "
           f"({100 * last / first:.0f}% of first)"
-          + (f"; held-out loss {evals[-1]:.3f}" if evals else ""))
+          + (f"; held-out loss {evals[-1]:.3f}" if evals else "")
+          + f"; {(end - start) / wall:.2f} steps/s; dropped {dropped} of {slots} top-k "
+          f"slots ({100 * dropped / slots:.2f}%)")
     print(f"metrics: {os.path.abspath(metrics_path)}")
     print(f"plots:   {os.path.abspath(os.path.join(a.out, 'loss.png'))}")
     print(f"         {os.path.abspath(os.path.join(a.out, 'expert_load.png'))}")

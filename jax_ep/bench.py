@@ -539,6 +539,9 @@ def parse_args(argv=None):
                         "--ranks); the reference backend is then skipped")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--layer", action="store_true",
+                   help="benchmark the Flax MoE layer against a dense SwiGLU instead "
+                        "(`--layer -h` lists its flags; see jax_ep/bench_layer.py)")
     args = p.parse_args(argv)
     base = QUICK if args.quick else FULL
     for k in ("tokens", "hidden", "repeats", "warmup", "input_sets", "memcpy_mib"):
@@ -559,6 +562,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+    # `--layer`: the Flax MoE layer against a dense SwiGLU (jax_ep/bench_layer.py).
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--layer" in argv:
+        from jax_ep import bench_layer
+        return bench_layer.main([x for x in argv if x != "--layer"])
     args = parse_args(argv)
     # One virtual CPU device per rank, if JAX's backends have not started yet (as under
     # `python -m jax_ep.bench`).

@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true",
+                   help="accepted for symmetry with the exchange benchmark (no bar here)")
     a = p.parse_args(argv)
     base = dict(DEFAULTS, **(QUICK if a.quick else {}))
     for k in ("tokens", "hidden", "ffn", "experts", "topk", "repeats", "warmup"):

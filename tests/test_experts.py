@@ -181,3 +181,29 @@ def test_expert_capacity_and_errors():
     with pytest.raises(ValueError, match="counts"):
         ex.swiglu_blocks(jnp.zeros((2, 4, 8)), jnp.zeros((2, 8, 4)), jnp.zeros((2, 8, 4)),
                          jnp.zeros((2, 4, 8)), jnp.zeros((3,), jnp.int32))
+
+
+def test_layer_benchmark_smoke(tmp_path, capsys):
+    """`python -m jax_ep.bench --layer`, small: one JSON with both layers, both programs,
+    timings, memory, drops and the target ratios."""
+    from jax_ep import bench
+
+    out = tmp_path / "layer.json"
+    report = bench.main(["--layer", "--quick", "--data", "2", "--expert", "2",
+                         "--capacity-factors", "1.0,none", "--repeats", "1",
+                         "--warmup", "0", "--input-sets", "1", "--json", str(out)])
+    import json
+    assert json.loads(out.read_text())["config"] == json.loads(json.dumps(report["config"]))
+    names = {(r["layer"], r["program"]) for r in report["results"]}
+    assert names == {(n, p) for n in ("dense", "moe cf=1.0", "moe cf=None")
+                     for p in ("fwd", "fwd_bwd")}
+    for r in report["results"]:
+        assert r["median_s"] > 0 and len(r["times_s"]) == 1
+    for n in ("dense", "moe cf=1.0", "moe cf=None"):
+        assert report["memory"][n]["fwd_bwd"]["peak_bytes"] > 0
+    assert report["dropped"]["moe cf=None"]["dropped_slots"] == 0
+    assert report["dropped"]["moe cf=1.0"]["slots"] == 256 * 2
+    assert set(report["targets"]) == {"moe cf=1.0", "moe cf=None"}
+    assert "x dense" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--layer", "--capacity-factors", "zero"])
