@@ -224,7 +224,11 @@ def internode_mode(num_ranks: int) -> str:
     from jax_ep.network import topology
 
     st = _state()
-    topo = topology.detect(num_ranks, getattr(st, "local_ranks", None))
+    # local ranks or host names per rank, where the bootstrap records them
+    local = getattr(st, "local_ranks", None)
+    if local is None and getattr(st, "hosts", None) is not None:
+        local = topology.local_ranks_from_hosts(st.hosts)
+    topo = topology.detect(num_ranks, local)
     mode = topology.choose_mode(getattr(st.config, "mode", "auto"), topo,
                                 hierarchical_available=HIERARCHICAL_KERNELS)
     if mode == "hierarchical" and not HIERARCHICAL_KERNELS:

@@ -23,7 +23,8 @@ import os
 from typing import Mapping, Sequence
 
 __all__ = ["Topology", "MODES", "MODE_ENV", "GPUS_PER_NODE_ENV", "from_local_ranks",
-           "detect", "choose_mode", "mode_from_env"]
+           "detect", "choose_mode", "mode_from_env",
+           "local_ranks_from_hosts"]
 
 MODES = ("direct", "hierarchical", "auto")
 MODE_ENV = "JAX_EP_INTERNODE_MODE"
@@ -103,6 +104,19 @@ def from_local_ranks(local_ranks: Sequence[int]) -> Topology:
         raise ValueError(f"local_ranks give nodes of different sizes {sizes}; every node "
                          f"must hold the same number of ranks")
     return Topology(len(lr), sizes[0])
+
+
+def local_ranks_from_hosts(hosts: Sequence[str]) -> list[int]:
+    """Every global rank's local rank from its host name (one per rank, in global order,
+    e.g. all-gathered through `jax.distributed`'s key-value store at bootstrap): its index
+    among the earlier ranks on the same host. Feed the result to `from_local_ranks`, which
+    checks the numbering is node-major."""
+    seen: dict[str, int] = {}
+    out = []
+    for h in hosts:
+        out.append(seen.get(h, 0))
+        seen[h] = seen.get(h, 0) + 1
+    return out
 
 
 def _env_gpus_per_node(environ: Mapping[str, str]) -> int | None:

@@ -76,3 +76,12 @@ def test_launcher_local_size_and_availability():
         == "direct"
     assert topology.choose_mode("hierarchical", Topology(16, 8),
                                 hierarchical_available=False) == "hierarchical"
+
+
+def test_local_ranks_from_hosts():
+    hosts = ["a", "a", "b", "b", "c", "c"]
+    assert topology.local_ranks_from_hosts(hosts) == [0, 1, 0, 1, 0, 1]
+    assert topology.from_local_ranks(topology.local_ranks_from_hosts(hosts)) == Topology(6, 2)
+    # ranks of one host not contiguous: not node-major, refused
+    with pytest.raises(ValueError, match="local_ranks"):
+        topology.from_local_ranks(topology.local_ranks_from_hosts(["a", "b", "a", "b"]))
