@@ -559,3 +559,20 @@ def test_no_undefined_qp_api_symbols_and_nvshmem_hidden():
                              text=True, check=True).stdout
     leaked = [l for l in defined.splitlines() if "nvshmem" in l.lower()]
     assert leaked == [], leaked[:5]
+
+
+def test_hot_path_has_no_host_sync_and_is_graph_safe():
+    """Dispatch/Combine/Gather (the per-call host code) never wait for the device: errors
+    go through the sticky mapped record, so XLA may capture the calls in CUDA graphs."""
+    import pathlib
+
+    src = (pathlib.Path(__file__).resolve().parents[2] / "kernels" / "internode" /
+           "internode_kernels.cu").read_text()
+    for fn in ("std::string Dispatch(", "std::string Combine(", "std::string Gather(",
+               "std::string BeginHandleCall(", "std::string MakeGeometry("):
+        body = src[src.index(fn):]
+        body = body[:body.index("\n}\n")]
+        for sync in ("Synchronize", "cudaMemcpy(", "cudaMemcpyFromSymbol(", "cudaMalloc("):
+            assert sync not in body, (fn, sync)
+    for t in ("jax_ep_internode_dispatch", "jax_ep_internode_combine", "jax_ep_internode_gather"):
+        assert t in _ext._GRAPH_SAFE
