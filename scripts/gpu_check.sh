@@ -126,7 +126,7 @@ stage_tests() {
 }
 
 stage_multiprocess() {
-  "$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime/test_mp_cuda.py -k "not internode" \
+  "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/runtime/test_mp_cuda.py -k "not internode" \
     --junitxml="$WORK/s3.xml"
 }
 
@@ -136,7 +136,7 @@ stage_internode() {
     echo "skipped (no NVSHMEM in this build)" >"$WORK/s4.status"
     return 0
   fi
-  "$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime/test_mp_cuda.py -k internode \
+  "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/runtime/test_mp_cuda.py -k internode \
     --junitxml="$WORK/s4.xml"
 }
 

@@ -3,8 +3,9 @@ of which share one GPU: real handlers, real concurrency between processes.
 
     python tests/runtime/mp_cuda_worker.py PID NPROC PORT OUT_DIR BACKEND MODE
 
-BACKEND: "ffi" (intranode kernels; buffers shared through CUDA IPC on the one GPU) or
-"internode" (NVSHMEM, one PE per process). MODE: "ops" runs dispatch, combine and the
+BACKEND: "ffi" (intranode kernels; buffers shared through CUDA IPC on the one GPU),
+"internode" (NVSHMEM, one PE per process) or "reference" (CPU, gloo: checks this
+worker and its test on machines without a GPU). MODE: "ops" runs dispatch, combine and the
 gradients twice and saves this process's shard of every result to OUT_DIR/procPID.npz;
 "kill" runs one step, then the last process kills itself and the others run a second
 step, which must end in the timeout error (OUT_DIR/procPID.json), not hang.
@@ -76,14 +77,19 @@ def main(argv):
     pid, nproc, port, out_dir, backend, mode = (int(argv[1]), int(argv[2]), int(argv[3]),
                                                argv[4], argv[5], argv[6])
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if backend == "reference":
+        os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     t0 = time.monotonic()
+    if backend == "reference":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc,
-                               process_id=pid, local_device_ids=[0],
+                               process_id=pid,
+                               local_device_ids=None if backend == "reference" else [0],
                                initialization_timeout=60)
     import jax_ep
 
@@ -93,18 +99,16 @@ def main(argv):
     if backend == "internode":
         jax_ep.nvshmem_bootstrap.initialize(max_tokens=T, hidden=H, topk=K, capacity=C,
                                             x_dtype="float32", y_dtype="float32")
-    else:
+    elif backend == "ffi":
         jax_ep.cuda.setup(mesh, "ep", num_tokens=T, hidden=H, topk=K, dtype=np.float32,
                           capacity=C)
     inputs = global_inputs(nproc)
     sharding = NamedSharding(mesh, P("ep"))
-    me = jax.process_index()
 
-    def local(a):
-        n = a.shape[0] // R
-        return jax.make_array_from_process_local_data(sharding, a[me * n:(me + 1) * n])
+    def put(a):  # each process supplies the rows of its own shard, wherever it is
+        return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
 
-    args = [local(inputs[k]) for k in ("x", "idx", "w", "y", "g", "cw")]
+    args = [put(inputs[k]) for k in ("x", "idx", "w", "y", "g", "cw")]
     prog = jax.jit(jax.shard_map(shard_fn(E, C, backend), mesh=mesh, in_specs=P("ep"),
                                  out_specs=P("ep")))
 
@@ -120,16 +124,21 @@ def main(argv):
     distributed.global_state.client.wait_at_barrier("mp_cuda_worker_compiled", 60_000)
 
     def step():
+        """This process's shard of every result, keyed name@first global row."""
         res = prog(*args)
         jax.block_until_ready(res)
-        return {k: np.asarray(v.addressable_shards[0].data) for k, v in res.items()}
+        out = {}
+        for k, v in res.items():
+            sh = v.addressable_shards[0]
+            out[f"{k}@{sh.index[0].start or 0}"] = np.asarray(sh.data)
+        return out
 
     def check():
         if backend == "internode":
             from jax_ep.backends import internode
             if hasattr(internode, "check_errors"):
                 internode.check_errors()
-        else:
+        elif backend == "ffi":
             jax_ep.cuda.check_errors()
 
     first = step()
@@ -139,8 +148,7 @@ def main(argv):
         check()
         same = all(np.array_equal(first[k].view(np.uint8), second[k].view(np.uint8))
                    for k in first)
-        np.savez(os.path.join(out_dir, f"proc{pid}.npz"), repeat_identical=same,
-                 **{f"{k}@{me}": v for k, v in second.items()})
+        np.savez(os.path.join(out_dir, f"proc{pid}.npz"), repeat_identical=same, **second)
         print(f"process {pid}: done in {time.monotonic() - t0:.1f} s", flush=True)
         os._exit(0)  # the coordinator's shutdown barrier is not needed
 

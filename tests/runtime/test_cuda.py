@@ -229,9 +229,8 @@ def _cpu_ffi(x, idx, w, y, E, C):
 
     flat = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
     prog = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        res = prog(*(jax.device_put(flat(a), cpu) for a in (x, idx, w, y)))
+    sh = jax.sharding.NamedSharding(mesh, P("ep"))  # placed on the CPU mesh, not GPU 0
+    res = prog(*(jax.device_put(flat(a), sh) for a in (x, idx, w, y)))
     return {k: np.asarray(v) for k, v in res.items()}
 
 

@@ -42,7 +42,8 @@ needs_gpu = pytest.mark.skipif(not _gpus() or not _ext.build_info()["cuda"], rea
 needs_nvshmem = pytest.mark.skipif(
     not _ext.build_info()["nvshmem"],
     reason="this build has no NVSHMEM internode backend (build_info()['nvshmem'] is False)")
-pytestmark = [pytest.mark.gpu, pytest.mark.slow, needs_gpu]
+pytestmark = [pytest.mark.slow]
+gpu = pytest.mark.gpu
 
 
 def _free_port() -> int:
@@ -111,8 +112,8 @@ def _gathered(tmp_path, nproc):
             repeat_ok.append(bool(z["repeat_identical"]))
             for key in z.files:
                 if "@" in key:
-                    name, rank = key.split("@")
-                    parts.setdefault(name, {})[int(rank)] = z[key]
+                    name, start = key.split("@")
+                    parts.setdefault(name, {})[int(start)] = z[key]
     return {n: np.concatenate([c[r] for r in sorted(c)]) for n, c in parts.items()}, repeat_ok
 
 
@@ -133,11 +134,21 @@ def _check_against_oracle(tmp_path, nproc, backend, internode_mode=None):
         assert bad.size == 0, f"{backend} R={nproc}: {k} differs from the CPU oracle\n{logs}"
 
 
+def test_worker_and_oracle_on_cpu(tmp_path):
+    """The worker, its launch and the comparison, with the reference backend on CPU
+    processes (gloo): what the GPU stages rely on, checked where no GPU is."""
+    _check_against_oracle(tmp_path, 2, "reference")
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_processes_sharing_a_gpu_match_the_cpu_oracle(tmp_path, nproc):
     _check_against_oracle(tmp_path, nproc, "ffi")
 
 
+@gpu
+@needs_gpu
 def test_killed_process_ends_in_timeout_not_hang(tmp_path):
     nproc = 3
     procs, hung, logs = _launch(tmp_path, nproc, "ffi", "kill", timeout_s="5")
@@ -149,6 +160,8 @@ def test_killed_process_ends_in_timeout_not_hang(tmp_path):
         assert "timed out" in res["error"] or "had an error" in res["error"], (res, logs)
 
 
+@gpu
+@needs_gpu
 @needs_nvshmem
 @pytest.mark.parametrize("mode", ["direct", "hierarchical"])
 @pytest.mark.parametrize("nproc", [2, 4])
