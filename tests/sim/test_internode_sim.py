@@ -294,7 +294,6 @@ def test_planted_zero_token_combine_without_wait_is_caught():
     calls = [[S.Call("combine", x=y[r], handle=hs[r], capacity=C, topk=K)] * 4
              for r in range(R)]
     w = _run(calls, mistakes=S.Mistakes(t0_skips_wait=True), policy="lazy")
-    assert any("did not wait" in v or "reused early" in v for v in w.violations) or any(
-        rk.error is not None for rk in w.ranks)
+    assert any("did not wait" in v for v in w.violations)
     w = _run(calls, policy="lazy")
     assert w.violations == [] and all(rk.error is None for rk in w.ranks)
