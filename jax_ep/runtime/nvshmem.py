@@ -263,7 +263,7 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
         rt = runtime if runtime is not None else ExtensionRuntime()
         environ = os.environ if environ is None else environ
         qp_api = bool(getattr(rt, "qp_api_available", lambda: True)())
-        if not qp_api and cfg.num_ports > 1:
+        if not qp_api:
             _say_fallback(cfg)
             cfg = cfg.single_port()
         status = int(getattr(rt, "init_status", lambda: 0)())
@@ -405,10 +405,11 @@ def _say_fallback(cfg: TransportConfig) -> None:
     if _fallback_said:
         return
     _fallback_said = True
+    lost = (f", instead of striping over {cfg.num_ports} ports" if cfg.num_ports > 1 else
+            ", so the planned QP of a chunk is not guaranteed on the wire")
     msg = (f"jax_ep: NVSHMEM's QP API (nvshmemx_qp_create, NVSHMEM >= 3.8) is not available: "
            f"the internode transport runs on ONE port with {cfg.qps_per_port} QPs per peer "
-           f"and NVSHMEM's own QP choice, instead of striping over {cfg.num_ports} ports. "
-           f"Install nvidia-nvshmem-cu13>=3.8 to stripe.")
+           f"and NVSHMEM's own QP choice{lost}. Install nvidia-nvshmem-cu13>=3.8.")
     import sys
     print(msg, file=sys.stderr, flush=True)
     warnings.warn(msg, stacklevel=3)
