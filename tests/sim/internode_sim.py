@@ -140,13 +140,18 @@ class Wire:
     """
 
     def __init__(self, R, num_ports, qps_per_port, half_bytes, *, seed=0, timeout=10_000,
-                 policy="random"):
+                 policy="random", nwords=None):
+        """nwords: signal words per half per rank (default: the direct protocol's
+        kinds x R x kMaxQps); another schedule on this core may size its own."""
         if not 1 <= R <= 64:
             raise ValueError(f"R must be in [1, 64], got {R}")
+        if policy not in ("random", "lazy"):
+            raise ValueError(f"policy must be 'random' or 'lazy', got {policy!r}")
         self.R, self.P, self.Q = R, num_ports, qps_per_port
         self.NQ = num_ports * qps_per_port
-        self.ranks = [Rank(r, half_bytes, PROTO["num_sig_kinds"] * R * MAX_QPS)
-                      for r in range(R)]
+        if nwords is None:
+            nwords = PROTO["num_sig_kinds"] * R * MAX_QPS
+        self.ranks = [Rank(r, half_bytes, nwords) for r in range(R)]
         self.fifos: dict[tuple, deque] = {}
         self._ne_list: list[tuple] = []
         self._ne_pos: dict[tuple, int] = {}

@@ -297,3 +297,23 @@ def test_planted_zero_token_combine_without_wait_is_caught():
     assert any("did not wait" in v for v in w.violations)
     w = _run(calls, policy="lazy")
     assert w.violations == [] and all(rk.error is None for rk in w.ranks)
+
+
+def test_core_is_reusable_for_another_schedule():
+    """The Wire core alone: a two-rank ping over one QP, with its own word count."""
+    w = S.Wire(2, 1, 1, 64, nwords=4, policy="lazy")
+
+    def sender():
+        w.write_local(0, 0, 0, b"abcd", 0)
+        yield ("put", S.Put(0, 1, 0, 0, 0, 16, b"abcd", 3, "add", 1))
+
+    def receiver():
+        ok = yield ("wait", 0, 3, 1, 0, "ping", 0)
+        assert ok
+        assert w.read(1, 0, 16, 4, 0, "ping") == b"abcd"
+        w.ranks[1].done += 1
+
+    w.run([sender(), receiver()])
+    assert w.violations == [] and w.port_bytes[0, 0] == 4 and w.ranks[1].done == 1
+    with pytest.raises(ValueError, match="policy"):
+        S.Wire(2, 1, 1, 64, policy="fifo")
