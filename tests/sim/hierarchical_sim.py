@@ -33,6 +33,8 @@ Planted mistakes (`bugs=`), each of which a test must see reported:
   reduce_in_node        combine sums a node's rows before the final sum (DeepEP-style)
   missing_close         a sender omits the closing signal on its last QP
   shared_signal_word    all QPs of a source signal one word
+  no_final_credit_wait  a sender resets its credit word without waiting for the last
+                        credit (a late credit would corrupt the call after next)
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ from jax_ep.network.topology import Topology
 from jax_ep.network.transport import _qp_for_mirror
 
 BUGS = frozenset({"credit_early", "forward_before_land", "nvl_publish_early",
-                  "reduce_in_node", "missing_close", "shared_signal_word"})
+                  "reduce_in_node", "missing_close", "shared_signal_word",
+                  "no_final_credit_wait"})
 
 
 class Violation(AssertionError):
@@ -127,8 +130,18 @@ class Words:
 
     def __init__(self, rank: int):
         self.rank, self.v, self.writer = rank, collections.defaultdict(int), {}
+        self.reset_keys = set()
+
+    def reset(self, key):
+        """The reader zeroes a word at the end of the call; nothing of this call may
+        land in it afterwards (the word is next used two calls later)."""
+        self.v[key] = 0
+        self.reset_keys.add(key)
 
     def op(self, key, value, add: bool, src: int, qp: int):
+        if key in self.reset_keys:
+            raise Violation(f"rank {self.rank}: signal word {key} written by (source {src}, "
+                            f"QP {qp}) after its reader reset it: a late signal of this call")
         w = self.writer.setdefault(key, (src, qp))
         if w != (src, qp):
             raise Violation(f"rank {self.rank}: signal word {key} written from (source "
@@ -349,6 +362,7 @@ def _exchange(net: Net, p: Problem, r: int, shared: dict, seq: int):
         if net.aborted(r):
             return
         rows[s] = shared[("inbox", r)][s]
+        net.words[r].reset(("counts", s))
     for s in range(p.R):
         cs, _, sseq, sh, sbad, sshape = rows[s]
         if sbad:
@@ -439,6 +453,15 @@ class RdmaStream:
                 continue
             net.put(self.src, self.dst, q, 0,
                     lambda q=q: net.words[self.dst].op(self._word(q), 1, True, self.src, q))
+        if self.is_ring:
+            # the stream ends once every chunk is freed: no credit of this call is still
+            # in flight when the word is reset
+            if "no_final_credit_wait" not in self.cfg.bugs:
+                n = self.n_chunks
+                yield Wait(lambda: net.word(self.src, ("credit", self.tag)) >= n,
+                           f"the last ring credit from rank {self.dst} (word "
+                           f"credit{self.tag} >= {n})", self.dst)
+            net.words[self.src].reset(("credit", self.tag))
 
     def wait_chunk(self, c):
         q, k = self.qps[c], self.nth[c] + 1
@@ -464,6 +487,11 @@ class RdmaStream:
             yield Wait(lambda q=q, k=k: self.net.word(self.dst, self._word(q)) >= k,
                        f"the closing signal of rank {self.src} on QP {q} (signal word "
                        f"{self._word(q)} >= {k})", self.src)
+
+    def finish(self):
+        """The reader's end of the stream: reset its data words."""
+        for q in range(self.cfg.num_qps):
+            self.net.words[self.dst].reset(self._word(q))
 
 
 class NvlRing:
@@ -584,6 +612,7 @@ def _dispatch(net: Net, p: Problem, cfg: Config, seq: int):
             else:
                 st.free(c)
         yield from st.wait_closed()
+        st.finish()
 
     def receiver(r, g, n):
         s = topo.rank_of(n, g)
@@ -602,6 +631,7 @@ def _dispatch(net: Net, p: Problem, cfg: Config, seq: int):
             rows_at[r][int(base + i)] = st.read(i // cfg.chunk_rows, i % cfg.chunk_rows)
         for c in range(st.n_chunks):
             st.free(c)
+        st.finish()
 
     def rank_main(s):
         yield from _exchange(net, p, s, shared, cfg.seq_override.get(s, seq))
@@ -792,6 +822,8 @@ def _combine(net: Net, p: Problem, cfg: Config, disp: list, send_row: list):
         if hier:
             for k in remote:
                 yield from st_of[k].wait_closed()
+        for k in remote:
+            st_of[k].finish()
         outs[s] = out
 
     for r in range(R):

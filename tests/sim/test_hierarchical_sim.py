@@ -207,7 +207,7 @@ def _caught(bug, mode, seeds=range(3)):
 @pytest.mark.parametrize("bug,mode,expect", [
     ("credit_early", "hierarchical", "overwritten"),
     ("forward_before_land", "hierarchical", "before it landed"),
-    ("forward_before_land", "direct", "before it landed"),
+    ("forward_before_land", "direct", ("before it landed", "after its reader reset")),
     ("nvl_publish_early", "hierarchical", "before it landed"),
     ("reduce_in_node", "hierarchical", "differs"),
     ("reduce_in_node", "direct", "differs"),
@@ -215,10 +215,12 @@ def _caught(bug, mode, seeds=range(3)):
     ("missing_close", "direct", "closing signal"),
     ("shared_signal_word", "hierarchical", "written from"),
     ("shared_signal_word", "direct", "written from"),
+    ("no_final_credit_wait", "hierarchical", "after its reader reset"),
 ])
 def test_planted_mistake_is_caught(bug, mode, expect):
     reports = _caught(bug, mode)
-    assert all(expect in r for r in reports), reports
+    expect = (expect,) if isinstance(expect, str) else expect
+    assert all(any(e in r for e in expect) for r in reports), reports
 
 
 def test_unknown_bug_name_is_an_error():
