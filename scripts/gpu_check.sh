@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
 done
 
 NAMES=(build tests multiprocess internode sanitizer bench)
-BUDGETS=(160 75 75 75 60 45)
+BUDGETS=(160 90 70 70 60 60)
 OVERHEAD=20     # GPU query, MPS start/stop, the report
 LIMIT=540       # 9 minutes: one device call must end well inside its 10
 
@@ -149,19 +149,19 @@ stage_sanitizer() {
   local worst=0 tool secs rc t0 status filter
   # Only jax_ep's kernels are instrumented (XLA's run unchecked), which keeps it fast.
   filter=(--kernel-name kns=jax_ep)
-  for spec in memcheck:22 racecheck:18 synccheck:14; do
-    tool=${spec%%:*}
-    secs=${spec##*:}
+  # memcheck on every dtype width; the shared-memory checks on one dtype (same kernels).
+  for spec in memcheck:22:float32,bfloat16 racecheck:18:float32 synccheck:14:float32; do
+    IFS=: read -r tool secs dtypes <<<"$spec"
     t0=$(date +%s)
     echo "== compute-sanitizer --tool $tool (limit ${secs}s)"
     timeout -k 3 "$secs" compute-sanitizer --tool "$tool" --error-exitcode 9 ${filter[@]+"${filter[@]}"} \
-      "$PY" scripts/gpu_sanitize_run.py 2>&1 | tee "$WORK/s5_$tool.txt"
+      "$PY" scripts/gpu_sanitize_run.py --dtypes "$dtypes" 2>&1 | tee "$WORK/s5_$tool.txt"
     rc=${PIPESTATUS[0]}
     if [ "$rc" -ne 0 ] && grep -qiE "unrecognized|unknown option|invalid option" "$WORK/s5_$tool.txt"; then
       echo "(this compute-sanitizer has no --kernel-name filter: every kernel is checked)"
       filter=()
       timeout -k 3 "$secs" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-        "$PY" scripts/gpu_sanitize_run.py 2>&1 | tee "$WORK/s5_$tool.txt"
+        "$PY" scripts/gpu_sanitize_run.py --dtypes "$dtypes" 2>&1 | tee "$WORK/s5_$tool.txt"
       rc=${PIPESTATUS[0]}
     fi
     case "$rc" in
@@ -179,11 +179,11 @@ stage_sanitizer() {
 stage_bench() {
   local rc=0
   echo "== python -m jax_ep.bench --virtual-ranks (8 ranks on this GPU through the harness)"
-  timeout -k 2 22 "$PY" -m jax_ep.bench --virtual-ranks --ranks 8 --tokens 4096 --hidden 7168 \
-    --topk 8 --experts 256 --dtype bfloat16 --repeats 3 --no-progress \
+  timeout -k 2 30 "$PY" -m jax_ep.bench --virtual-ranks --ranks 8 --tokens 4096 --hidden 7168 \
+    --topk 8 --experts 256 --dtype bfloat16 --repeats 3 --warmup 1 --input-sets 1 --no-progress \
     --json "$WORK/s6_bench.json" || rc=1
   echo "== scripts/cuda_harness_bench.py (phase by phase, then concurrent streams)"
-  timeout -k 2 19 "$PY" scripts/cuda_harness_bench.py --iters 10 --concurrent \
+  timeout -k 2 24 "$PY" scripts/cuda_harness_bench.py --iters 10 --concurrent \
     --json "$WORK/s6_harness.json" || rc=1
   return $rc
 }

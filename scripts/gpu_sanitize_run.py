@@ -21,6 +21,8 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--hidden", type=int, default=72)
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="comma-separated: float32, bfloat16, float16")
     a = p.parse_args(argv)
     import jax.numpy as jnp
     import numpy as np
@@ -35,7 +37,7 @@ def main(argv=None) -> int:
     C = (R * T) // 2  # below the worst case: some rows are dropped
     rng = np.random.default_rng(0)
     failures = []
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype in [jnp.dtype(n) for n in a.dtypes.split(",")]:
         idx = rng.integers(-1, E, (R, T, K)).astype(np.int32)
         x = rng.standard_normal((R, T, H)).astype(np.float32).astype(dtype)
         w = rng.random((R, T, K)).astype(np.float32)

@@ -163,8 +163,7 @@ def test_killed_process_ends_in_timeout_not_hang(tmp_path):
 @gpu
 @needs_gpu
 @needs_nvshmem
-@pytest.mark.parametrize("mode", ["direct", "hierarchical"])
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc,mode", [(2, "direct"), (4, "direct"), (4, "hierarchical")])
 def test_internode_pes_sharing_a_gpu_match_the_cpu_oracle(tmp_path, nproc, mode):
     """Every internode mode (JAX_EP_INTERNODE_MODE); one the kernels do not have is
     skipped with the library's NotImplementedError message."""
