@@ -61,6 +61,8 @@ def _launch(tmp_path, nproc, backend, mode, timeout_s="30", internode_mode=None)
         env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one node: peer-to-peer only
         if internode_mode:
             env["JAX_EP_INTERNODE_MODE"] = internode_mode
+        if internode_mode == "hierarchical":
+            env["JAX_EP_GPUS_PER_NODE"] = "2"  # virtual nodes of 2 PEs on the one GPU
     procs, logs = [], []
     for pid in range(nproc):
         log = open(tmp_path / f"proc{pid}.log", "w+")
