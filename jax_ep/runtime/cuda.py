@@ -45,7 +45,6 @@ import numpy as np
 
 from jax_ep import _ext
 from jax_ep._common import axis_names as _axis_names
-from jax_ep._common import next_call_site
 from jax_ep.runtime.nvshmem import _kv_client
 
 __all__ = [
@@ -61,6 +60,7 @@ MAX_PEER_GPUS = 8
 # setup() and reset() are collective: every process calls them equally often, so these
 # counters name the same key-value-store keys and barriers on every process.
 _setup_calls = itertools.count()
+HARNESS_CALL_SITE = 1  # the harness's default call-site id (every rank the same)
 _reset_calls = itertools.count()
 _HEADER_BYTES = 64 * 1024
 _ALIGN = 256
@@ -272,7 +272,9 @@ def _sds(shape, dtype):
 def _harness_attrs(R: int, call_sites, concurrent: bool, absent_rank: int) -> dict:
     """FFI attributes of the harness's run options (see harness_dispatch)."""
     if call_sites is None:
-        call_sites = [next_call_site()] * R
+        # One process runs every rank, so any id shared by all ranks works; a constant keeps
+        # the process-wide counter of real EP calls (which processes must agree on) as is.
+        call_sites = [HARNESS_CALL_SITE] * R
     sites = np.asarray(call_sites, np.int64).reshape(-1)
     if sites.shape != (R,):
         raise ValueError(f"call_sites must list one id per rank ({R}), got {sites.shape[0]}")
@@ -291,7 +293,8 @@ def harness_dispatch(x, topk_idx, topk_weights, *, num_experts: int,
 
     concurrent: each rank's kernels on their own stream, at once (real waits). For tests
     of the failure paths: call_sites[R] gives each rank's call-site id (default: one
-    fresh id for all), absent_rank leaves one rank's kernels out (its peers time out)."""
+    HARNESS_CALL_SITE for all), absent_rank leaves one rank's kernels out (its peers time
+    out)."""
     _ext.registered_platforms()
     R, T, H = x.shape
     K = topk_idx.shape[2]

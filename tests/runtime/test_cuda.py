@@ -135,9 +135,9 @@ def test_available_is_false_without_a_gpu():
 
 def test_harness_options_are_checked():
     attrs = jcuda._harness_attrs(3, None, True, -1)
-    assert attrs["call_sites"].shape == (3,) and len(set(attrs["call_sites"].tolist())) == 1
-    assert int(attrs["concurrent"]) == 1
-    assert jcuda._harness_attrs(3, None, False, -1)["call_sites"][0] != attrs["call_sites"][0]
+    assert attrs["call_sites"].tolist() == [jcuda.HARNESS_CALL_SITE] * 3
+    assert int(attrs["concurrent"]) == 1 and int(attrs["absent_rank"]) == -1
+    assert jcuda._harness_attrs(2, [7, 8], False, 1)["call_sites"].tolist() == [7, 8]
     with pytest.raises(ValueError, match="call_sites must list one id per rank"):
         jcuda._harness_attrs(3, [1, 2], False, -1)
     with pytest.raises(ValueError, match="absent_rank"):
