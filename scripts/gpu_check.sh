@@ -250,7 +250,7 @@ run_stage() {
   echo "== stage $n: $name (budget ${budget}s): $(describe "$n")"
   local t0 rc status
   t0=$(date +%s)
-  timeout -k 10 "$budget" bash -c "stage_$name" >"$log" 2>&1
+  timeout -k 5 "$budget" bash -c "stage_$name" >"$log" 2>&1
   rc=$?
   case "$rc" in
     0) status=pass ;;
