@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _ext, backends
+from jax_ep import _cpu_pool, _ext, backends
 from jax_ep._common import FLOAT_DTYPES, Cfg, after, ep_size
 from jax_ep._types import DispatchHandle, DispatchLayout
 from jax_ep.backends import reference
@@ -24,6 +24,10 @@ from jax_ep.runtime import nvshmem
 # "internode" (NVSHMEM, one process per GPU; see docs/internode.md) is also what "ffi" and
 # "auto" resolve to on GPUs when NVSHMEM runs in this process and there are >1 processes.
 BACKENDS = ("reference", "ffi", "auto", "internode")
+
+# Before JAX creates its CPU client: give the CPU transport enough pool threads (see
+# jax_ep/_cpu_pool.py; pipelined calls stall on a pool of one thread per device).
+_cpu_pool.install()
 
 
 # ----------------------------------------------------------------------------- checks
@@ -96,7 +100,9 @@ def resolve_backend(backend) -> str:
             return "reference"
         if platform == "cpu" and jax.process_count() > 1:
             return "reference"  # the CPU transport meets peers inside one process only
-        return "internode" if _internode_ready(platform) else "ffi"
+        if _internode_ready(platform):
+            return "internode"
+        backend = "ffi"
     if backend == "ffi":
         if platform not in available:
             raise NotImplementedError(
@@ -108,6 +114,8 @@ def resolve_backend(backend) -> str:
                 f"{jax.process_count()} processes use backend='reference' or 'auto'")
         if _internode_ready(platform):
             return "internode"
+    if backend == "ffi" and platform == "cpu":
+        _cpu_pool.check(jax.local_device_count())
     return backend
 
 

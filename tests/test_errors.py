@@ -191,3 +191,58 @@ def test_missing_peer_times_out(monkeypatch):
         jax.block_until_ready(f(*args))
     elapsed = time.monotonic() - t0
     assert 1.5 < elapsed < 60, elapsed
+
+
+# ----------------------------------------------------------------------------- pipelining
+
+_PIPELINE = r"""
+import sys
+import numpy as np
+import jax_ep  # first: sizes XLA's CPU pool before JAX creates its client
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((8,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+def body(x, i, w):
+    rx, _, _, h = jax_ep.dispatch(x, i, w, num_experts=16, axis_name="ep", backend="ffi")
+    return jax_ep.combine(rx, h, backend="ffi")
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+rng = np.random.default_rng(0)
+put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
+x = put(rng.standard_normal((128, 64)).astype(np.float32))
+i = put(rng.integers(0, 16, (128, 2)).astype(np.int32))
+w = put(np.ones((128, 2), np.float32))
+want = np.asarray(f(x, i, w))
+outs = [f(x, i, w) for _ in range(int(sys.argv[1]))]  # no waiting in between
+bad = sum(not np.array_equal(np.asarray(o), want) for o in outs)
+print("DONE", len(outs), "mismatches", bad)
+"""
+
+
+def _run_pipeline(env_extra, calls, timeout):
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "XLA_FLAGS")}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", **env_extra)
+    return subprocess.run([sys.executable, "-c", _PIPELINE, str(calls)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_pipelined_calls_complete():
+    """256 back-to-back calls of one jitted dispatch+combine on 8 CPU devices, never
+    waiting in between (JAX's asynchronous dispatch). XLA parks a pool thread per device
+    whose in-flight queue is full; on a pool of one thread per device (2 cores) that left
+    a round without the thread its last rank needed, and the loop never finished. jax_ep
+    sizes the pool (2 threads per device) when imported before JAX's CPU client exists."""
+    r = _run_pipeline({"JAX_EP_TIMEOUT_S": "20"}, 256, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "DONE 256 mismatches 0" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_small_pool_warns():
+    """With the pool pinned to one thread per device (NPROC set by the user) jax_ep
+    cannot resize it: it warns at trace time, naming the remedy."""
+    r = _run_pipeline({"JAX_EP_TIMEOUT_S": "20", "NPROC": "8"}, 4, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "XLA's CPU thread pool has 8 threads for 8 devices" in r.stderr, r.stderr[-3000:]
+    assert "Set NPROC to at least 16" in r.stderr, r.stderr[-3000:]

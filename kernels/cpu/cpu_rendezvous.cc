@@ -2,9 +2,11 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -65,8 +67,23 @@ struct State {
   std::mutex mu;
   std::condition_variable cv;  // wakes the watchdog when a round appears
   std::map<RendezvousKey, std::unique_ptr<Round>> rounds;
+  // Rounds that timed out, most recent last (bounded): a rank that reaches one late
+  // fails at once instead of waiting a second timeout for peers that already gave up.
+  std::set<RendezvousKey> expired;
+  std::deque<RendezvousKey> expired_order;
   bool watchdog_started = false;
 };
+
+constexpr size_t kExpiredKept = 4096;
+
+void RememberExpired(State& s, const RendezvousKey& key) {
+  if (!s.expired.insert(key).second) return;
+  s.expired_order.push_back(key);
+  if (s.expired_order.size() > kExpiredKept) {
+    s.expired.erase(s.expired_order.front());
+    s.expired_order.pop_front();
+  }
+}
 
 State& S() {
   static State* s = new State();
@@ -107,9 +124,13 @@ void Watchdog() {
           << " of " << round.num_ranks << " ranks arrived (missing:";
         for (int r = 0; r < round.num_ranks; ++r)
           if (!round.present[r]) m << " " << r;
-        m << "). A peer never reached this call; raise JAX_EP_TIMEOUT_S if it is just slow.";
+        m << "). A peer never reached this call, or its execution is still queued: on CPU, "
+             "XLA runs every device's program on one thread pool, and with many calls in "
+             "flight a small pool can leave a peer no thread (see the README, 'Pipelined "
+             "calls on CPU'). Raise JAX_EP_TIMEOUT_S if the peer is just slow.";
         for (int r = 0; r < round.num_ranks; ++r)
           if (round.present[r]) expired.emplace_back(round.members[r].done, m.str());
+        RememberExpired(s, it->first);
         it = s.rounds.erase(it);
         continue;
       }
@@ -124,6 +145,44 @@ void Watchdog() {
     }
     s.cv.wait_until(lock, next);
   }
+}
+
+// Adds `rank` to the round of `key` (under s.mu). Returns "" or why it was refused; sets
+// *complete when this arrival completes the round. Takes mine, work and done only if it
+// admits the rank (the caller reports a refusal through done).
+std::string Enter(State& s, const RendezvousKey& key, int rank, int num_ranks,
+                  PeerBuffers& mine, double timeout_s, RendezvousWork& work,
+                  RendezvousDone& done, std::unique_ptr<Round>* complete) {
+  auto& slot = s.rounds[key];
+  if (!slot) slot = std::make_unique<Round>(num_ranks);
+  Round& round = *slot;
+  if (round.num_ranks != num_ranks) {
+    std::ostringstream m;
+    m << "jax_ep: participants disagree on the number of ranks (" << round.num_ranks
+      << " vs " << num_ranks << ") at " << KeyText(key);
+    return m.str();
+  }
+  if (round.present[rank]) {
+    // Two live participants claim one rank: they are not one EP group. Meeting would
+    // exchange rows between unrelated groups, so refuse.
+    std::ostringstream m;
+    m << "jax_ep: two participants claim rank " << rank << " at " << KeyText(key)
+      << "; EP groups are mislabelled (each group needs distinct ranks 0.."
+      << num_ranks - 1 << ")";
+    return m.str();
+  }
+  const auto wait = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(timeout_s));
+  round.peers[rank] = std::move(mine);
+  round.members[rank] = Participant{std::move(work), std::move(done), Clock::now() + wait};
+  round.present[rank] = true;
+  if (++round.arrived == num_ranks) {
+    *complete = std::move(slot);
+    s.rounds.erase(key);
+  } else {
+    s.cv.notify_all();
+  }
+  return {};
 }
 
 }  // namespace
@@ -144,34 +203,14 @@ void Rendezvous::Join(const RendezvousKey& key, int rank, int num_ranks, PeerBuf
       s.watchdog_started = true;
       Spawn([] { Watchdog(); });
     }
-    auto& slot = s.rounds[key];
-    if (!slot) slot = std::make_unique<Round>(num_ranks);
-    Round& round = *slot;
-    if (round.num_ranks != num_ranks) {
+    if (s.expired.count(key)) {
       std::ostringstream m;
-      m << "jax_ep: participants disagree on the number of ranks (" << round.num_ranks
-        << " vs " << num_ranks << ") at " << KeyText(key);
-      refused = m.str();
-    } else if (round.present[rank]) {
-      // Two live participants claim one rank: they are not one EP group. Meeting would
-      // exchange rows between unrelated groups, so refuse.
-      std::ostringstream m;
-      m << "jax_ep: two participants claim rank " << rank << " at " << KeyText(key)
-        << "; EP groups are mislabelled (each group needs distinct ranks 0.."
-        << num_ranks - 1 << ")";
+      m << "jax_ep: rank " << rank << " reached " << KeyText(key)
+        << " after its peers timed out waiting for it (JAX_EP_TIMEOUT_S); the call failed "
+           "on every rank";
       refused = m.str();
     } else {
-      const auto wait = std::chrono::duration_cast<Clock::duration>(
-          std::chrono::duration<double>(timeout_s));
-      round.peers[rank] = std::move(mine);
-      round.members[rank] = Participant{std::move(work), std::move(done), Clock::now() + wait};
-      round.present[rank] = true;
-      if (++round.arrived == num_ranks) {
-        complete = std::move(slot);
-        s.rounds.erase(key);
-      } else {
-        s.cv.notify_all();
-      }
+      refused = Enter(s, key, rank, num_ranks, mine, timeout_s, work, done, &complete);
     }
   }
   if (!refused.empty()) {
