@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 
 #include "xla_ffi/cpu/cpu_handlers.h"
+#include "xla_ffi/cpu/low_latency_handlers.h"
 #include "xla_ffi/common/transport_bindings.h"
 #ifdef JAX_EP_WITH_CUDA
 #include "xla_ffi/cuda/cuda_registrations.h"
@@ -30,6 +31,11 @@ NB_MODULE(_jax_ep_ext, m) {
     cpu["jax_ep_dispatch"] = Capsule(jax_ep::DispatchCpuHandler);
     cpu["jax_ep_combine"] = Capsule(jax_ep::CombineCpuHandler);
     cpu["jax_ep_gather"] = Capsule(jax_ep::GatherCpuHandler);
+    // Low-latency mode (jax_ep.low_latency).
+    cpu["jax_ep_ll_dispatch_send"] = Capsule(jax_ep::LowLatencyDispatchSendCpuHandler);
+    cpu["jax_ep_ll_dispatch_recv"] = Capsule(jax_ep::LowLatencyDispatchRecvCpuHandler);
+    cpu["jax_ep_ll_combine_send"] = Capsule(jax_ep::LowLatencyCombineSendCpuHandler);
+    cpu["jax_ep_ll_combine_recv"] = Capsule(jax_ep::LowLatencyCombineRecvCpuHandler);
     nb::dict out;
     out["cpu"] = cpu;
 #ifdef JAX_EP_WITH_CUDA

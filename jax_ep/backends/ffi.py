@@ -69,3 +69,73 @@ def gather(g, handle: DispatchHandle, cfg: Cfg):
     return ep_call("jax_ep_gather", like(g, (handle.capacity, g.shape[1]), g.dtype))(
         g, src_rank, src_index, rank, group, num_ranks=np.int64(handle.num_ranks),
         call_site=np.int64(next_call_site()))
+
+
+# ============================================================================
+# --- low-latency mode (jax_ep.low_latency): targets jax_ep_ll_dispatch_send/_recv and
+# jax_ep_ll_combine_send/_recv, the send and receive halves as separate custom calls
+# (xla_ffi/cpu/low_latency_handlers.cc). Signatures as in backends/reference.py's
+# low-latency section (cfg.capacity = M).
+# ============================================================================
+
+def _ll_platform_check():
+    if jax.default_backend() != "cpu":
+        raise NotImplementedError(
+            "jax_ep.low_latency with backend='ffi' on GPUs: the CUDA low-latency kernels "
+            "(jax_ep/backends/ffi.py ll_*, kernels/cuda) are not built yet; use "
+            "backend='reference'")
+
+
+def _ll_attrs(cfg: Cfg):
+    return dict(num_ranks=np.int64(cfg.num_ranks), max_tokens=np.int64(cfg.capacity),
+                call_site=np.int64(next_call_site()))
+
+
+def ll_dispatch_send(x, topk_idx, cfg: Cfg):
+    """Stages x[S, H] and topk_idx[S, K]; also returns tokens per expert int32[E]."""
+    _ll_platform_check()
+    S, H = x.shape
+    K = topk_idx.shape[1]
+    x, topk_idx = unify_varying(x, topk_idx)
+    return tuple(ep_call("jax_ep_ll_dispatch_send",
+                         (like(x, (S, H), x.dtype), like(x, (S, K), jnp.int32),
+                          like(x, (cfg.num_experts,), jnp.int32)))(
+        x, topk_idx, num_experts=np.int64(cfg.num_experts), **_ll_attrs(cfg)))
+
+
+def ll_dispatch_recv(sent, cfg: Cfg):
+    stage_x, stage_idx, counts = sent
+    rank, group = ep_coords(cfg.axis_name, cfg.group_axes)
+    stage_x, stage_idx, counts, rank = unify_varying(stage_x, stage_idx, counts, rank)
+    R, M, H = cfg.num_ranks, cfg.capacity, stage_x.shape[1]
+    el = cfg.experts_per_rank
+    i32 = jnp.int32
+    return tuple(ep_call(
+        "jax_ep_ll_dispatch_recv",
+        (like(stage_x, (el, R * M, H), stage_x.dtype), like(stage_x, (el,), i32),
+         like(stage_x, (el, R * M), i32), like(stage_x, (el, R * M), i32),
+         like(stage_x, (el, R), i32), like(stage_x, (el, R), i32)))(
+        stage_x, stage_idx, counts, rank, group, num_experts=np.int64(cfg.num_experts),
+        **_ll_attrs(cfg)))
+
+
+def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):
+    """Stages each source rank's rows of y[E_local, R*M, H]: [R, rows_per_dest, H], plus a
+    status scalar the receive half reports."""
+    _ll_platform_check()
+    y, first_row, row_count = unify_varying(y, first_row, row_count)
+    R, H = cfg.num_ranks, y.shape[-1]
+    return tuple(ep_call("jax_ep_ll_combine_send",
+                         (like(y, (R, rows_per_dest, H), y.dtype), like(y, (), jnp.int32)))(
+        y, first_row, row_count, rows_per_dest=np.int64(rows_per_dest), **_ll_attrs(cfg)))
+
+
+def ll_combine_recv(sent, topk_idx, topk_weights, cfg: Cfg):
+    stage, status = sent
+    rank, group = ep_coords(cfg.axis_name, cfg.group_axes)
+    stage, status, topk_idx, topk_weights, rank = unify_varying(stage, status, topk_idx,
+                                                                topk_weights, rank)
+    S, H = topk_idx.shape[0], stage.shape[-1]
+    return ep_call("jax_ep_ll_combine_recv", like(stage, (S, H), stage.dtype))(
+        stage, status, topk_idx, topk_weights, rank, group,
+        num_experts=np.int64(cfg.num_experts), **_ll_attrs(cfg))

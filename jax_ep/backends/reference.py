@@ -151,3 +151,140 @@ def gather(g, handle: DispatchHandle, cfg: Cfg):
     rows = recv[jnp.where(kept, handle.src_rank, 0), jnp.where(kept, handle.src_index, 0)]
     return jax.lax.bitcast_convert_type(
         jnp.where(kept[:, None], rows, jnp.zeros((), gb.dtype)), g.dtype)
+
+
+# ============================================================================
+# --- low-latency mode (jax_ep.low_latency): per-expert rows, fixed [E_local, R * M, H]
+# receive blocks. Functions (shared by every backend module, cfg.capacity = M):
+#   ll_dispatch_send(x[S, H], topk_idx[S, K], cfg) -> sent (tuple of arrays)
+#   ll_dispatch_recv(sent, cfg) -> (recv_x[E_local, R*M, H], recv_count[E_local],
+#       src_rank[E_local, R*M], src_index[E_local, R*M], first_row[E_local, R],
+#       row_count[E_local, R])
+#   ll_combine_send(y[E_local, R*M, H], first_row, row_count, rows_per_dest, cfg) -> sent
+#   ll_combine_recv(sent, topk_idx[S, K], topk_weights[S, K], cfg) -> out[S, H]
+# Here the send halves hold the all_to_all and the receive halves the local packing.
+# ============================================================================
+
+from jax_ep._common import unify_varying  # noqa: E402 - low-latency section only
+
+
+def check_ll_ids(topk_idx, num_experts, exchanged=None):
+    """Host value check of the low-latency routing: ids in [-1, E) and no expert twice
+    in one token's top-k (each expert gets one row per token). `exchanged`, arrays the
+    op's collectives produced, make the check run after them: a rank that raised before
+    joining the collective would leave its peers waiting there."""
+    if topk_idx.size == 0:
+        return
+    K = topk_idx.shape[1]
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    flat = jnp.argmax(bad.reshape(-1))
+    eq = (topk_idx[:, :, None] == topk_idx[:, None, :]) & (topk_idx[:, :, None] >= 0)
+    dup = eq & ~jnp.eye(K, dtype=bool)[None]
+    tok = jnp.argmax(jnp.any(dup, axis=(1, 2)))
+    val = jnp.max(jnp.where(dup[tok], topk_idx[tok][:, None], -1))
+
+    def _raise(any_dup, t, v):
+        if bool(any_dup):
+            raise ValueError(f"jax_ep.low_latency: topk_idx[{int(t)}] names expert {int(v)} "
+                             "more than once (duplicate ids in one token's top-k)")
+
+    def _check(any_bad, pos, bad_val, any_dup, t, v, *_):
+        if bool(any_bad):
+            raise ValueError(f"jax_ep: topk_idx[{int(pos) // K}, {int(pos) % K}] = "
+                             f"{int(bad_val)} is outside [-1, {num_experts}) "
+                             f"(num_experts={num_experts})")
+        _raise(any_dup, t, v)
+
+    extra = tuple(a.reshape(-1)[:1] for a in (exchanged or ()))
+    jax.debug.callback(_check, jnp.any(bad), flat, topk_idx.reshape(-1)[flat], jnp.any(dup),
+                       tok, val, *extra)
+
+
+def ll_slot_positions(topk_idx, num_experts):
+    """(pos[S, K], count[E]) int32: pos is the slot's row among this rank's tokens that
+    pick the same expert (token order), count the tokens per expert; 0 in -1 slots."""
+    valid = topk_idx >= 0
+    hit = jnp.sum(topk_idx[:, :, None] == jnp.arange(num_experts, dtype=jnp.int32), axis=1,
+                  dtype=jnp.int32)  # [S, E]
+    before = jnp.cumsum(hit, axis=0, dtype=jnp.int32) - hit
+    pos = jnp.take_along_axis(before, jnp.where(valid, topk_idx, 0), axis=1)
+    return jnp.where(valid, pos, 0), jnp.sum(hit, axis=0, dtype=jnp.int32)
+
+
+def ll_dispatch_send(x, topk_idx, cfg: Cfg):
+    E, R, M = cfg.num_experts, cfg.num_ranks, cfg.capacity
+    el = E // R
+    S, H = x.shape
+    K = topk_idx.shape[1]
+    pos, count = ll_slot_positions(topk_idx, E)
+    ok = (topk_idx >= 0) & (pos < M)
+    dest = jnp.where(ok, topk_idx * M + pos, E * M).reshape(-1)  # E * M: dropped
+    xb = _as_bits(x)
+    rows = jnp.broadcast_to(xb[:, None, :], (S, K, H)).reshape(S * K, H)
+    tok = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], (S, K)).reshape(-1)
+    send_x = jnp.zeros((E * M, H), xb.dtype).at[dest].set(rows, mode="drop")
+    send_tok = jnp.full((E * M,), -1, jnp.int32).at[dest].set(tok, mode="drop")
+    # [R(dest), E_local, M, ...] -> [R(source), E_local, M, ...]
+    recv_x = _a2a(send_x.reshape(R, el, M, H), cfg.axis_name)
+    recv_tok = _a2a(send_tok.reshape(R, el, M), cfg.axis_name)
+    recv_cnt = _a2a(jnp.minimum(count, M).reshape(R, el), cfg.axis_name)
+    if cfg.check_ids:
+        check_ll_ids(topk_idx, E, exchanged=(recv_x, recv_tok, recv_cnt))
+    return jax.lax.bitcast_convert_type(recv_x, x.dtype), recv_tok, recv_cnt
+
+
+def ll_dispatch_recv(sent, cfg: Cfg):
+    recv_x, recv_tok, recv_cnt = sent
+    dtype = recv_x.dtype
+    recv_x = _as_bits(recv_x)
+    R, M = cfg.num_ranks, cfg.capacity
+    el = cfg.experts_per_rank
+    H = recv_x.shape[-1]
+    row_count = recv_cnt.T  # [E_local, R]
+    first_row = jnp.cumsum(row_count, axis=1, dtype=jnp.int32) - row_count
+    j = jnp.arange(M, dtype=jnp.int32)
+    keep = j[None, None, :] < row_count[:, :, None]  # [E_local, R, M]
+    e_ix = jnp.arange(el, dtype=jnp.int32)[:, None, None]
+    dest = jnp.where(keep, e_ix * (R * M) + first_row[:, :, None] + j, el * R * M).reshape(-1)
+    data = jnp.transpose(recv_x, (1, 0, 2, 3)).reshape(el * R * M, H)
+    out_x = jnp.zeros((el * R * M, H), recv_x.dtype).at[dest].set(data, mode="drop")
+    src = jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32)[None, :, None], (el, R, M))
+    src_rank = jnp.full((el * R * M,), -1, jnp.int32).at[dest].set(src.reshape(-1), mode="drop")
+    src_index = jnp.full((el * R * M,), -1, jnp.int32).at[dest].set(
+        jnp.transpose(recv_tok, (1, 0, 2)).reshape(-1), mode="drop")
+    return (jax.lax.bitcast_convert_type(out_x, dtype).reshape(el, R * M, H),
+            jnp.sum(row_count, axis=1, dtype=jnp.int32), src_rank.reshape(el, R * M),
+            src_index.reshape(el, R * M), first_row, row_count)
+
+
+def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):
+    R, M = cfg.num_ranks, cfg.capacity
+    el, RM, H = y.shape
+    j = jnp.arange(M, dtype=jnp.int32)
+    keep = j[None, None, :] < row_count[:, :, None]  # [E_local, R(dest), M]
+    row = jnp.where(keep, first_row[:, :, None] + j, 0)
+    yb = _as_bits(y)
+    rows = yb[jnp.arange(el)[:, None, None], row]  # [E_local, R, M, H]
+    rows = jnp.where(keep[..., None], rows, jnp.zeros((), yb.dtype))
+    back = _a2a(jnp.transpose(rows, (1, 0, 2, 3)), cfg.axis_name)  # [R(owner), E_local, M, H]
+    return (jax.lax.bitcast_convert_type(back, y.dtype),)
+
+
+def ll_combine_recv(sent, topk_idx, topk_weights, cfg: Cfg):
+    """out[S, H]: sum over k ascending of w[t, k] * row(t, k) in float32, cast to y's
+    dtype; -1 slots are skipped."""
+    (back,) = sent
+    el = cfg.experts_per_rank
+    M = cfg.capacity
+    pos, _ = ll_slot_positions(topk_idx, cfg.num_experts)
+    valid = (topk_idx >= 0) & (pos < M)  # rows past M were never sent
+    g = jnp.where(valid, topk_idx, 0)
+    rows = back[g // el, g % el, jnp.minimum(pos, M - 1)]  # [S, K, H]
+    terms = jnp.where(valid[:, :, None], topk_weights[:, :, None] * rows.astype(jnp.float32),
+                      0.0)
+    # The products are materialized before a loop adds them, k ascending: fused into one
+    # loop body, XLA on CPU contracts product and add into a fused multiply-add, which
+    # rounds once instead of twice and differs from the kernels in the last bit.
+    zero, terms = unify_varying(jnp.zeros(terms[:, 0].shape, jnp.float32), terms)
+    acc, _ = jax.lax.scan(lambda a, v: (a + v, None), zero, jnp.moveaxis(terms, 1, 0))
+    return acc.astype(back.dtype)
