@@ -240,23 +240,28 @@ def _fp8_unpack(recv):
     return fp8_lib.unpack(recv, block=FP8_BLOCK)
 
 
-def _fp8_dispatch_impl(x, idx, cfg, round_scale):
-    outs = dispatch_rows(_fp8_payload(x, round_scale), idx, cfg, cfg.capacity)
-    return (_fp8_unpack(outs[0]),) + tuple(outs[1:])
+def make_fp8_dispatch(dispatch_fn):
+    """FP8 dispatch over a row function like `dispatch_rows`: quantizes and packs x
+    (jax_ep.fp8), moves the packed rows, unpacks them. Differentiating it raises."""
+
+    def impl(x, idx, cfg, round_scale):
+        outs = dispatch_fn(_fp8_payload(x, round_scale), idx, cfg, cfg.capacity)
+        return (_fp8_unpack(outs[0]),) + tuple(outs[1:])
+
+    def fwd(x, idx, cfg, round_scale):
+        return impl(x, idx, cfg, round_scale), None
+
+    def bwd(cfg, round_scale, res, cts):
+        raise NotImplementedError(
+            "jax_ep.low_latency.dispatch(fp8=True) has no gradient (FP8 dispatch is for "
+            "inference); dispatch with fp8=False to differentiate")
+
+    f = jax.custom_vjp(impl, nondiff_argnums=(2, 3))
+    f.defvjp(fwd, bwd)
+    return f
 
 
-def _fp8_dispatch_fwd(x, idx, cfg, round_scale):
-    return _fp8_dispatch_impl(x, idx, cfg, round_scale), None
-
-
-def _fp8_dispatch_bwd(cfg, round_scale, res, cts):
-    raise NotImplementedError(
-        "jax_ep.low_latency.dispatch(fp8=True) has no gradient (FP8 dispatch is for "
-        "inference); dispatch with fp8=False to differentiate")
-
-
-_fp8_dispatch = jax.custom_vjp(_fp8_dispatch_impl, nondiff_argnums=(2, 3))
-_fp8_dispatch.defvjp(_fp8_dispatch_fwd, _fp8_dispatch_bwd)
+_fp8_dispatch = make_fp8_dispatch(dispatch_rows)
 
 
 # ----------------------------------------------------------------------------- checks

@@ -451,3 +451,7 @@ def combine(y, handle: ShardedDispatchHandle, *, backend=None):
     if spec.backend == "internode":
         _internode_parts(handle, "combine")
     return _combine(y, handle, spec)
+
+
+# The low-latency mode's global view (jax_ep.sharded.low_latency.dispatch / combine).
+from jax_ep import sharded_low_latency as low_latency  # noqa: E402

@@ -305,3 +305,17 @@ def gather(g, handle: DispatchHandle, cfg: Cfg):
     zero past num_recv."""
     return _back_call("jax_ep_internode_gather", g, handle, "gather",
                       lambda parts: handle.capacity)
+
+
+# ============================================================================
+# --- low-latency mode (jax_ep.low_latency): not built for NVSHMEM yet.
+# ============================================================================
+
+def _ll_not_implemented(*_args, **_kwargs):
+    raise NotImplementedError(
+        "jax_ep.low_latency on the internode (NVSHMEM) backend is not implemented "
+        "(jax_ep/backends/internode.py ll_*; direct per-expert puts are planned); use "
+        "backend='reference' for multi-process runs")
+
+
+ll_dispatch_send = ll_dispatch_recv = ll_combine_send = ll_combine_recv = _ll_not_implemented
