@@ -564,6 +564,15 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     # `--layer`: the Flax MoE layer against a dense SwiGLU (jax_ep/bench_layer.py).
     argv = sys.argv[1:] if argv is None else list(argv)
+    # `--mode low_latency`: the low-latency mode at the decode shape
+    # (jax_ep/bench_low_latency.py).
+    if "--mode" in argv:
+        i = argv.index("--mode")
+        mode = argv[i + 1] if i + 1 < len(argv) else ""
+        if mode != "low_latency":
+            raise SystemExit(f"jax_ep.bench: --mode must be 'low_latency', got {mode!r}")
+        from jax_ep import bench_low_latency
+        return bench_low_latency.main(argv[:i] + argv[i + 2:])
     if "--layer" in argv:
         from jax_ep import bench_layer
         return bench_layer.main([x for x in argv if x != "--layer"])
