@@ -6,17 +6,23 @@ Shapes (R ranks on `axis_name`, E experts, E_local = E // R, C = capacity):
   x[T, H] float32/bfloat16/float16, topk_idx[T, K] int32 in [-1, E), topk_weights[T, K]
   float32 -> recv_x[C, H], recv_topk_idx[C, K] int32 (local ids), recv_topk_weights[C, K]
   float32, DispatchHandle; combine(y[C, H], handle) -> out[T, H].
+Tokens may carry leading dims (x[..., H], routing [..., K], out[..., H]; T = their
+product), and x may be an FP8 pair (x_fp8 [..., H], scales [..., H // block]) from
+`jax_ep.fp8.quantize`, received as a pair.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _cpu_pool, _ext, backends
-from jax_ep._common import FLOAT_DTYPES, Cfg, after, ep_size
+from jax_ep import _cpu_pool, _ext, backends, fp8
+from jax_ep._common import FLOAT_DTYPES, Cfg, after, ep_size, unify_varying
 from jax_ep._types import DispatchHandle, DispatchLayout
 from jax_ep.backends import reference
 from jax_ep.runtime import nvshmem
@@ -148,7 +154,25 @@ def _layout_impl(topk_idx, num_experts, num_ranks, backend, check_ids=True):
 
 # ----------------------------------------------------------------------------- dispatch
 
+def _empty_dispatch(x, topk_idx, topk_weights, cfg: Cfg):
+    """Dispatch with T == 0 on every rank (T is static, so all ranks agree): nothing is
+    sent or received, so the result needs no exchange."""
+    C, R, el, K, H = (cfg.capacity, cfg.num_ranks, cfg.experts_per_rank, topk_idx.shape[1],
+                      x.shape[1])
+    out = (jnp.zeros((C, H), x.dtype), jnp.full((C, K), -1, jnp.int32),
+           jnp.zeros((C, K), jnp.float32), jnp.zeros((), jnp.int32),
+           jnp.zeros((), jnp.int32), jnp.zeros((el,), jnp.int32),
+           jnp.full((C,), -1, jnp.int32), jnp.full((C,), -1, jnp.int32),
+           jnp.zeros((0, R), jnp.int32))
+    # Results vary over the mesh axes like the inputs (shard_map's type checks).
+    out = unify_varying(x, topk_idx, topk_weights, *out)[3:]
+    handle = DispatchHandle(*out[3:], cfg.num_experts, R, C, cfg.axis_name)
+    return out[0], out[1], out[2], handle
+
+
 def _dispatch_impl(x, topk_idx, topk_weights, cfg: Cfg):
+    if x.shape[0] == 0 and cfg.backend != "internode":
+        return _empty_dispatch(x, topk_idx, topk_weights, cfg)
     return backends.get(cfg.backend).dispatch(x, topk_idx, topk_weights, cfg)
 
 
@@ -179,14 +203,56 @@ _dispatch = jax.custom_vjp(_dispatch_impl, nondiff_argnums=(3,))
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
+def as_payload(x):
+    """x as the rows dispatch moves: an FP8 pair (x_fp8 [..., H], scales [..., H // b])
+    becomes its packed PAYLOAD_DTYPE rows [..., W] (bit for bit); anything else is
+    returned as an array. Returns (rows, block or None)."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise TypeError(f"x must be an array or an FP8 pair (x_fp8, scales), got a "
+                            f"sequence of {len(x)}")
+        x_fp8, scales = jnp.asarray(x[0]), jnp.asarray(x[1])
+        if x_fp8.ndim >= 1 and scales.ndim == x_fp8.ndim and scales.shape[-1] >= 1:
+            block = x_fp8.shape[-1] // scales.shape[-1]
+        else:
+            block = None
+        payload = fp8.pack(x_fp8, scales)  # checks dtypes and shapes, naming them
+        return payload, block
+    return jnp.asarray(x), None
+
+
+def _check_token_shapes(x, topk_idx, topk_weights):
+    """x[..., H] with topk_idx/topk_weights [..., K] of the same leading shape (rank 2,
+    [T, H] and [T, K], is the common case)."""
+    if x.ndim < 2:
+        raise ValueError(f"x must be rank 2 [T, H] (or [..., H] with leading dims), got "
+                         f"shape {x.shape}")
+    if topk_idx.ndim < 2:
+        raise ValueError(f"topk_idx must be rank 2 [T, K] (or [..., K] with x's leading "
+                         f"dims), got shape {topk_idx.shape}")
+    if x.ndim == 2 and topk_idx.ndim == 2:
+        return  # _check_routing compares the token counts
+    if x.shape[:-1] != topk_idx.shape[:-1]:
+        which = "x must be rank 2 [T, H] like topk_idx" if x.ndim > topk_idx.ndim else \
+            "topk_idx must have x's leading dims"
+        raise ValueError(f"{which}: x[..., H] and topk_idx[..., K] need the same leading "
+                         f"shape, got x {x.shape} and topk_idx {topk_idx.shape}")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"topk_weights must have topk_idx's shape {topk_idx.shape}, "
+                         f"got {topk_weights.shape}")
+
+
 def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity=None,
              backend=None):
     """Sends each token to the ranks that hold its top-k experts (inside shard_map).
 
     Args:
-      x: [T, H] float32, bfloat16 or float16.
-      topk_idx: [T, K] int32 expert ids in [-1, E); -1 is an unused slot.
-      topk_weights: [T, K] float32.
+      x: [T, H] float32, bfloat16 or float16, or [..., H] with leading dims; or an FP8
+        pair (x_fp8 float8_e4m3fn [..., H], scales float32 [..., H // block]) from
+        `jax_ep.fp8.quantize`, moved as one row of H + 4 H / block bytes per token.
+      topk_idx: [T, K] (or [..., K], x's leading dims) int32 expert ids in [-1, E); -1 is
+        an unused slot.
+      topk_weights: float32, topk_idx's shape.
       num_experts: E, a multiple of the EP axis size R.
       axis_name: the EP mesh axis (or tuple of axes).
       capacity: C, rows received per rank (default R * T, which never overflows).
@@ -195,63 +261,137 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
         and 'ffi' resolve to 'internode'.
 
     Returns:
-      recv_x [C, H] (x's dtype), recv_topk_idx [C, K] int32 (local expert ids, -1 where
-      the expert is elsewhere or the row is empty), recv_topk_weights [C, K] float32, and a
-      DispatchHandle. Rows are ordered by source rank, then source token; rows past
-      capacity are dropped (counted in handle.num_dropped).
+      recv_x [C, H] (x's dtype; for an FP8 pair the pair (recv_x_fp8 [C, H], recv_scales
+      [C, H // block]), both bit-exact copies), recv_topk_idx [C, K] int32 (local expert
+      ids, -1 where the expert is elsewhere or the row is empty), recv_topk_weights [C, K]
+      float32, and a DispatchHandle (with leading dims, its send_row is [..., R]). Rows
+      are ordered by source rank, then source token (leading dims flattened row-major);
+      rows past capacity are dropped (counted in handle.num_dropped).
     """
-    x = jnp.asarray(x)
+    x, block = as_payload(x)
     topk_idx = jnp.asarray(topk_idx)
     topk_weights = jnp.asarray(topk_weights)
-    _check_tokens("x", x)
+    _check_token_shapes(x, topk_idx, topk_weights)
+    _check_tokens("x", x.reshape(-1, x.shape[-1]) if x.ndim > 2 else x)
+    lead = x.shape[:-1]
+    T = math.prod(lead)
+    x = x.reshape(T, x.shape[-1])
+    if topk_idx.ndim > 2:
+        topk_idx = topk_idx.reshape(T, topk_idx.shape[-1])
+        topk_weights = topk_weights.reshape(T, topk_weights.shape[-1])
     num_experts = _static_int("num_experts", num_experts, 1)
     R = ep_size(axis_name)
-    _check_routing(topk_idx, topk_weights, x.shape[0], num_experts, R)
-    C = R * x.shape[0] if capacity is None else _static_int("capacity", capacity, 1)
+    _check_routing(topk_idx, topk_weights, T, num_experts, R)
+    C = R * T if capacity is None else _static_int("capacity", capacity, 1)
+    if C < 1:
+        raise ValueError("the default capacity R * T is 0 (T == 0 tokens): pass "
+                         "capacity >= 1")
     cfg = Cfg(num_experts, R, C, axis_name, resolve_backend(backend))
-    return _dispatch(x, topk_idx, topk_weights, cfg)
+    recv_x, recv_idx, recv_w, handle = _dispatch(x, topk_idx, topk_weights, cfg)
+    if len(lead) != 1:
+        handle = dataclasses.replace(handle, send_row=handle.send_row.reshape(*lead, R))
+    if block is not None:
+        recv_x = fp8.unpack(recv_x, block=block)
+    return recv_x, recv_idx, recv_w, handle
 
 
 # ----------------------------------------------------------------------------- combine
 
-def _combine_impl(y, handle, backend, group_axes=None):
-    return backends.get(backend).combine(y, handle, Cfg.for_handle(handle, backend, group_axes))
+def _native_bias(backend) -> bool:
+    """Backends that add the bias inside their float32 accumulation."""
+    return backend == "reference" or (backend == "ffi" and jax.default_backend() == "cpu")
+
+
+def _combine_impl(y, handle, backend, group_axes=None, bias=()):
+    T = handle.send_row.shape[0]
+    if T == 0 and backend != "internode":
+        return unify_varying(y, jnp.zeros((0, y.shape[1]), y.dtype))[1]
+    cfg = Cfg.for_handle(handle, backend, group_axes)
+    impl = backends.get(backend)
+    if not bias:
+        return impl.combine(y, handle, cfg)
+    if _native_bias(backend):
+        return impl.combine(y, handle, cfg, bias=tuple(bias))
+    # The same bits without native support: float32 rows sum exactly as the kernel's
+    # float32 accumulator does, then the bias, then the one cast. Costs a float32 copy of
+    # y and twice y's bytes on the wire.
+    acc = impl.combine(y.astype(jnp.float32), handle, cfg)
+    for b in bias:
+        acc = acc + b.astype(jnp.float32)
+    return acc.astype(y.dtype)
 
 
 def _gather_impl(g, handle, backend, group_axes=None):
+    if handle.send_row.shape[0] == 0 and backend != "internode":
+        return unify_varying(g, jnp.zeros((handle.capacity, g.shape[1]), g.dtype))[1]
     return backends.get(backend).gather(g, handle, Cfg.for_handle(handle, backend, group_axes))
 
 
-def _combine_fwd(y, handle, backend):
-    return _combine_impl(y, handle, backend), handle
+def _combine_fwd(y, bias, handle, backend):
+    return _combine_impl(y, handle, backend, bias=bias), handle
 
 
-def _combine_bwd(backend, handle, d_out):
-    dy = _gather_impl(d_out, handle, backend)
-    zeros = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), handle)
-    return dy, zeros
+def _bias_cotangent(d_out, dtypes):
+    # out = cast(sum + bias): the bias passes its cotangent straight through.
+    return tuple(d_out.astype(d) for d in dtypes)
 
 
-def _combine_primal(y, handle, backend):
-    # Exactly the fwd's arguments: custom_vjp fills in defaulted parameters of the primal
-    # (like _combine_impl's group_axes) and would pass them on to _combine_fwd.
-    return _combine_impl(y, handle, backend)
+def _make_combine(bias_dtypes):
+    def primal(y, bias, handle, backend):
+        # Exactly the fwd's arguments: custom_vjp fills in defaulted parameters of the
+        # primal (like _combine_impl's group_axes) and would pass them on to the fwd.
+        return _combine_impl(y, handle, backend, bias=bias)
+
+    def bwd(backend, handle, d_out):
+        dy = _gather_impl(d_out, handle, backend)
+        zeros = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), handle)
+        return dy, _bias_cotangent(d_out, bias_dtypes), zeros
+
+    f = jax.custom_vjp(primal, nondiff_argnums=(3,))
+    f.defvjp(_combine_fwd, bwd)
+    return f
 
 
-_combine = jax.custom_vjp(_combine_primal, nondiff_argnums=(2,))
-_combine.defvjp(_combine_fwd, _combine_bwd)
+_combine_for = functools.cache(_make_combine)
 
 
-def combine(y, handle: DispatchHandle, *, backend=None):
+def check_bias(bias, shape):
+    """bias None, one array or a pair, each of `shape` ([..., H], out's shape) and a float
+    dtype -> a tuple of arrays in float32, bfloat16 or float16 (others are converted to
+    float32 here, which is what adding them in float32 does)."""
+    if bias is None:
+        return ()
+    terms = tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
+    if not 1 <= len(terms) <= 2:
+        raise ValueError(f"bias must be one array or a pair of arrays, got {len(terms)}")
+    out = []
+    for i, b in enumerate(terms):
+        name = "bias" if len(terms) == 1 else f"bias[{i}]"
+        b = jnp.asarray(b)
+        if tuple(b.shape) != tuple(shape):
+            raise ValueError(f"{name} must have the combined output's shape {tuple(shape)}, "
+                             f"got {b.shape}")
+        if not jnp.issubdtype(b.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a float array, got {b.dtype}")
+        out.append(b if jnp.dtype(b.dtype) in FLOAT_DTYPES else b.astype(jnp.float32))
+    return tuple(out)
+
+
+def combine(y, handle: DispatchHandle, *, bias=None, backend=None):
     """Sums expert outputs back onto the ranks their tokens came from (inside shard_map).
 
     Args:
       y: [C, H] float32, bfloat16 or float16; row i belongs to the handle's row i. Rows
         past handle.num_recv are ignored.
       handle: the DispatchHandle from `dispatch`.
+      bias: None, or one array or a pair of arrays of out's shape ([T, H], or [..., H]
+        with dispatch's leading dims), any float dtype: added in float32 to each token's
+        sum (after the ranks, in order) before the single cast to y's dtype. Gradients
+        flow to it.
     Returns:
-      out [T, H] in y's dtype: for each token, the float32 sum in ascending rank order of
-      the rows that ranks kept for it; zero for tokens sent nowhere.
+      out [T, H] (or [..., H]) in y's dtype: for each token, the float32 sum in ascending
+      rank order of the rows that ranks kept for it, plus the bias; zero (or the bias) for
+      tokens sent nowhere.
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the DispatchHandle returned by dispatch, got "
@@ -265,4 +405,13 @@ def combine(y, handle: DispatchHandle, *, backend=None):
     if R != handle.num_ranks:
         raise ValueError(f"handle was made for {handle.num_ranks} ranks but axis "
                          f"{handle.axis_name!r} has {R}")
-    return _combine(y, handle, resolve_backend(backend))
+    lead = handle.send_row.shape[:-1]
+    H = y.shape[1]
+    bias = check_bias(bias, (*lead, H))
+    T = math.prod(lead)
+    if len(lead) != 1:
+        handle = dataclasses.replace(handle, send_row=handle.send_row.reshape(T, R))
+        bias = tuple(b.reshape(T, H) for b in bias)
+    f = _combine_for(tuple(jnp.dtype(b.dtype) for b in bias))
+    out = f(y, bias, handle, resolve_backend(backend))
+    return out.reshape(*lead, H)

@@ -52,13 +52,14 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     return recv_x, recv_idx, recv_w, handle
 
 
-def combine(y, handle: DispatchHandle, cfg: Cfg):
-    """y[C, H] -> out[T, H]: float32 sums in ascending rank order, cast to y.dtype."""
+def combine(y, handle: DispatchHandle, cfg: Cfg, bias=()):
+    """y[C, H] -> out[T, H]: float32 sums in ascending rank order, plus each [T, H]
+    array of `bias` (CPU kernel only: trailing operands), cast to y.dtype."""
     rank, group = ep_coords(handle.axis_name, cfg.group_axes)
-    y, send_row, rank = unify_varying(y, handle.send_row, rank)
+    y, send_row, rank, *bias = unify_varying(y, handle.send_row, rank, *bias)
     T = send_row.shape[0]
     return ep_call("jax_ep_combine", like(y, (T, y.shape[1]), y.dtype))(
-        y, send_row, rank, group, num_ranks=np.int64(handle.num_ranks),
+        y, send_row, rank, group, *bias, num_ranks=np.int64(handle.num_ranks),
         call_site=np.int64(next_call_site()))
 
 

@@ -119,8 +119,9 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     return out_x, out_idx, out_w, handle
 
 
-def combine(y, handle: DispatchHandle, cfg: Cfg):
-    """out[T, H]: float32 sum over receivers in ascending rank order, cast to y.dtype."""
+def combine(y, handle: DispatchHandle, cfg: Cfg, bias=()):
+    """out[T, H]: float32 sum over receivers in ascending rank order, plus each [T, H]
+    array of `bias` in order (in float32), cast to y.dtype."""
     R = handle.num_ranks
     T = handle.send_row.shape[0]
     H = y.shape[1]
@@ -137,6 +138,8 @@ def combine(y, handle: DispatchHandle, cfg: Cfg):
     for r in range(R):
         acc = acc + jnp.where(handle.send_row[:, r:r + 1] >= 0,
                               back[r].astype(jnp.float32), 0.0)
+    for b in bias:
+        acc = acc + b.astype(jnp.float32)
     return acc.astype(y.dtype)
 
 

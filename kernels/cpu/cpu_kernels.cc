@@ -164,9 +164,30 @@ struct Elem<FloatKind::kF16> {
   static T store(float v) { return f32_to_f16(v); }
 };
 
+// acc[h] += row[h] for one [H] row of a bias term, converted to float32.
+void AddBiasRow(const CombineBias& b, int64_t offset, int H, float* acc) {
+  switch (b.kind) {
+    case FloatKind::kF32: {
+      const float* v = static_cast<const float*>(b.data) + offset;
+      for (int h = 0; h < H; ++h) acc[h] += v[h];
+      return;
+    }
+    case FloatKind::kBF16: {
+      const uint16_t* v = static_cast<const uint16_t*>(b.data) + offset;
+      for (int h = 0; h < H; ++h) acc[h] += bf16_to_f32(v[h]);
+      return;
+    }
+    case FloatKind::kF16: {
+      const uint16_t* v = static_cast<const uint16_t*>(b.data) + offset;
+      for (int h = 0; h < H; ++h) acc[h] += f16_to_f32(v[h]);
+      return;
+    }
+  }
+}
+
 template <FloatKind kKind>
 void CombineTyped(int R, int T, int H, const int32_t* send_row, const void* const* peer_y,
-                  void* out_v) {
+                  void* out_v, const CombineBias* bias, int num_bias) {
   using E = Elem<kKind>;
   using V = typename E::T;
   V* out = static_cast<V*>(out_v);
@@ -180,6 +201,9 @@ void CombineTyped(int R, int T, int H, const int32_t* send_row, const void* cons
       const V* y = static_cast<const V*>(peer_y[r]) + static_cast<int64_t>(i) * H;
       for (int h = 0; h < H; ++h) acc[h] += E::load(y[h]);
     }
+    // The bias joins the float32 sum after the ranks, so the one cast below rounds once.
+    for (int b = 0; b < num_bias; ++b)
+      AddBiasRow(bias[b], static_cast<int64_t>(t) * H, H, acc.data());
     V* o = out + static_cast<int64_t>(t) * H;
     for (int h = 0; h < H; ++h) o[h] = E::store(acc[h]);
   }
@@ -187,14 +211,18 @@ void CombineTyped(int R, int T, int H, const int32_t* send_row, const void* cons
 }  // namespace
 
 void CombineCpu(FloatKind kind, int num_ranks, int T, int H, const int32_t* send_row,
-                const void* const* peer_y, void* out) {
+                const void* const* peer_y, void* out, const CombineBias* bias,
+                int num_bias) {
   switch (kind) {
     case FloatKind::kF32:
-      return CombineTyped<FloatKind::kF32>(num_ranks, T, H, send_row, peer_y, out);
+      return CombineTyped<FloatKind::kF32>(num_ranks, T, H, send_row, peer_y, out, bias,
+                                           num_bias);
     case FloatKind::kBF16:
-      return CombineTyped<FloatKind::kBF16>(num_ranks, T, H, send_row, peer_y, out);
+      return CombineTyped<FloatKind::kBF16>(num_ranks, T, H, send_row, peer_y, out, bias,
+                                            num_bias);
     case FloatKind::kF16:
-      return CombineTyped<FloatKind::kF16>(num_ranks, T, H, send_row, peer_y, out);
+      return CombineTyped<FloatKind::kF16>(num_ranks, T, H, send_row, peer_y, out, bias,
+                                           num_bias);
   }
 }
 

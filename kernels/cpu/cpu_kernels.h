@@ -47,10 +47,18 @@ void DispatchRecvCpu(int rank, const RoutingShape& s, size_t row_bytes,
 void DispatchSendRowsCpu(int rank, const RoutingShape& s, const int32_t* topk_idx,
                          const int32_t* counts, int32_t* send_row);
 
+// One bias term of combine: a [T, H] array of `kind`, added to each token's float32 sum.
+struct CombineBias {
+  FloatKind kind;
+  const void* data;
+};
+
 // Combine on one source rank: out[t] = sum over r ascending with send_row[t, r] >= 0 of
-// peer_y[r][send_row[t, r]], accumulated in float32 and cast to the element type.
+// peer_y[r][send_row[t, r]], accumulated in float32, then plus bias[0][t], bias[1][t], ...
+// (each converted to float32), and cast once to the element type.
 void CombineCpu(FloatKind kind, int num_ranks, int T, int H, const int32_t* send_row,
-                const void* const* peer_y, void* out);
+                const void* const* peer_y, void* out, const CombineBias* bias = nullptr,
+                int num_bias = 0);
 
 // Hints the kernel to back [p, p + n) with transparent huge pages (Linux; no-op elsewhere).
 void AdviseHugePages(void* p, size_t n);

@@ -164,7 +164,8 @@ ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::S
 
 ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> send_row,
                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                       ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks, int64_t call_site) {
+                       ffi::RemainingArgs bias_args, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t num_ranks, int64_t call_site) {
   auto yd = y.dimensions();
   auto sd = send_row.dimensions();
   if (yd.size() != 2) return Failed(Invalid("y must be [C, H], got " + Dims(yd)));
@@ -176,6 +177,23 @@ ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::S3
   FloatKind kind;
   if (!FloatKindOf(y.element_type(), &kind))
     return Failed(Invalid("y must be float32, bfloat16 or float16"));
+  // Optional trailing operands: up to two [T, H] bias arrays, added in float32.
+  if (bias_args.size() > 2)
+    return Failed(Invalid("combine takes at most two bias arrays, got " +
+                          std::to_string(bias_args.size())));
+  std::vector<CombineBias> bias;
+  for (size_t i = 0; i < bias_args.size(); ++i) {
+    auto b = bias_args.get<ffi::AnyBuffer>(i);
+    const std::string name = "bias[" + std::to_string(i) + "]";
+    if (!b.has_value()) return Failed(Invalid(name + " is not a buffer"));
+    CombineBias term{};
+    if (!FloatKindOf(b->element_type(), &term.kind))
+      return Failed(Invalid(name + " must be float32, bfloat16 or float16"));
+    err = ExpectShape(name.c_str(), b->dimensions(), {T, H});
+    if (!err.empty()) return Failed(Invalid(err));
+    term.data = b->untyped_data();
+    bias.push_back(term);
+  }
   const int rank = Scalar(rank_buf);
   PeerBuffers mine;
   mine.in[0] = y.untyped_data();
@@ -190,7 +208,8 @@ ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::S3
                     std::vector<const void*> py(num_ranks);
                     for (int j = 0; j < num_ranks; ++j) py[j] = peers[j].in[0];
                     CombineCpu(kind, static_cast<int>(num_ranks), static_cast<int>(T),
-                               static_cast<int>(H), rows, py.data(), out_data);
+                               static_cast<int>(H), rows, py.data(), out_data, bias.data(),
+                               static_cast<int>(bias.size()));
                     return {};
                   });
 }
@@ -272,6 +291,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCpuHandler, CombineImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("call_site"));
