@@ -277,6 +277,17 @@ class Net:
         i = int(self.rng.integers(n))
         return ("actor", ready[i]) if i < len(ready) else ("fifo", queues[i - len(ready)])
 
+    def check_quiet(self):
+        """After a call that ended without error: no put in flight and every signal word
+        written in the call reset by its reader, so the half can be reused two calls
+        later."""
+        if any(self.fifos.values()):
+            raise Violation(f"puts still in flight after the call: {sorted(self.fifos)[:5]}")
+        for w in self.words:
+            left = [k for k in w.writer if k not in w.reset_keys]
+            if left:
+                raise Violation(f"rank {w.rank}: signal words {left[:5]} never reset")
+
     def _expire(self, T, only_late):
         if only_late and (T >= 10 ** 8 or self.clock % 16):
             return
@@ -863,6 +874,7 @@ def run(cfg: Config, x, idx, w, y, *, E: int, C: int, seq: int = 1, g=None) -> R
                  peer_port_bytes=dict(net_d.peer_port_bytes), net_dispatch=net_d)
     if any(e is not None for e in errors):
         return res
+    net_d.check_quiet()
     disp = [_dispatch_outputs(p, r, shared, rows_at[r]) for r in range(p.R)]
     send_row = [_send_row(p, s, shared) for s in range(p.R)]
     for r in range(p.R):
@@ -875,6 +887,7 @@ def run(cfg: Config, x, idx, w, y, *, E: int, C: int, seq: int = 1, g=None) -> R
         if any(e is not None for e in net_g.error):
             res.errors = list(net_g.error)
             return res
+        net_g.check_quiet()
         for r in range(p.R):
             disp[r]["gather"] = _dispatch_outputs(pg, r, shared_g, rows_g[r])["recv_x"]
     if y is None:
@@ -885,6 +898,7 @@ def run(cfg: Config, x, idx, w, y, *, E: int, C: int, seq: int = 1, g=None) -> R
     res.net_combine = net_c
     res.port_bytes = res.port_bytes + net_c.port_bytes
     if all(e is None for e in res.errors):
+        net_c.check_quiet()
         for r in range(p.R):
             disp[r]["out"] = outs[r]
     return res

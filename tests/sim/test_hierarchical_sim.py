@@ -226,3 +226,12 @@ def test_planted_mistake_is_caught(bug, mode, expect):
 def test_unknown_bug_name_is_an_error():
     with pytest.raises(ValueError, match="bugs"):
         hs.Config(2, 2, bugs=frozenset({"typo"}))
+
+
+def test_a_word_left_set_at_the_end_of_a_call_is_reported(monkeypatch):
+    # a reader that forgets to reset its data words leaves the half unusable two calls
+    # later: check_quiet (run after every call that ends without error) reports it
+    monkeypatch.setattr(hs.RdmaStream, "finish", lambda self: None)
+    x, idx, w, y, E, C = make_inputs(2, 2, seed=14)
+    with pytest.raises(hs.Violation, match="never reset"):
+        hs.run(hs.Config(2, 2, **SMALL_RINGS), x, idx, w, y, E=E, C=C)
