@@ -33,10 +33,12 @@ add_library(jax_ep_cuda STATIC
   kernels/cuda/toolchain_check.cu
   kernels/cuda/layout_kernels.cu
   kernels/cuda/intranode_kernels.cu
+  kernels/cuda/low_latency_kernels.cu
   xla_ffi/cuda/cuda_state.cc
   xla_ffi/cuda/cuda_handlers.cc
   xla_ffi/cuda/cuda_harness.cc
-  xla_ffi/cuda/cuda_registrations.cc)
+  xla_ffi/cuda/cuda_registrations.cc
+  xla_ffi/cuda/low_latency_handlers.cc)
 target_include_directories(jax_ep_cuda PUBLIC "${CMAKE_CURRENT_SOURCE_DIR}")
 target_include_directories(jax_ep_cuda SYSTEM PUBLIC "${XLA_FFI_INCLUDE_DIR}")
 target_compile_options(jax_ep_cuda PRIVATE

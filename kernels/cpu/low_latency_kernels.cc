@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/common/low_latency_math.h"
+#include "kernels/cpu/cpu_kernels.h"  // AdviseHugePages
 
 namespace jax_ep {
 
@@ -60,6 +61,9 @@ void LowLatencyDispatchRecvCpu(int me, const LowLatencyShape& s, const void* con
     recv_count[e] = total;
   }
   char* out = static_cast<char*>(recv_x);
+  // The fixed blocks are large (E * M * H elements per rank) and fresh from XLA: fault
+  // them in 2 MiB at a time.
+  AdviseHugePages(out, static_cast<size_t>(el * RM) * rb);
   std::vector<int32_t> next(el);
   for (int src = 0; src < R; ++src) {
     for (int e = 0; e < el; ++e) next[e] = first_row[e * R + src];

@@ -1,6 +1,7 @@
 #include "xla_ffi/cuda/cuda_registrations.h"
 
 #include "xla_ffi/cuda/cuda_handlers.h"
+#include "xla_ffi/cuda/low_latency_handlers.h"
 
 namespace jax_ep {
 // CUDA handlers under the same target names as the CPU ones (the Python layer is
@@ -15,5 +16,7 @@ void AddCudaRegistrations(const RegisterFn& add) {
   add("jax_ep_harness_dispatch", reinterpret_cast<void*>(HarnessDispatchHandler));
   add("jax_ep_harness_combine", reinterpret_cast<void*>(HarnessCombineHandler));
   add("jax_ep_harness_gather", reinterpret_cast<void*>(HarnessGatherHandler));
+  // Low-latency mode, virtual-rank harness (xla_ffi/cuda/low_latency_handlers.cc).
+  AddLowLatencyCudaRegistrations(add);
 }
 }  // namespace jax_ep
