@@ -436,3 +436,55 @@ def combine_recv(state: CombineSendState):
                         f"{type(state).__name__}")
     return _recv_combine(state.sent, state.topk_idx, state.topk_weights, state.cfg,
                          state.cfg.capacity)
+
+
+# ----------------------------------------------------------------------------- GPU harness
+
+def _harness_attrs(E, M, K):
+    return dict(num_experts=np.int64(E), max_tokens=np.int64(M), topk_max=np.int64(K))
+
+
+def harness_dispatch(x, topk_idx, *, num_experts: int, max_tokens_per_rank: int):
+    """The CUDA low-latency kernels with R virtual ranks on one GPU (no shard_map):
+    x[R, T, H], topk_idx[R, T, K] int32 stacked per rank -> (recv_x [R, E_local, R * M, H],
+    recv_count [R, E_local], src_rank, src_index [R, E_local, R * M], first_row,
+    row_count [R, E_local, R]), each rank's block as `dispatch` returns it. For tests and
+    benchmarks on one GPU; the send and receive halves are two custom calls."""
+    x, topk_idx = jnp.asarray(x), jnp.asarray(topk_idx)
+    R, T, H = x.shape
+    K = topk_idx.shape[-1]
+    E, M = num_experts, max_tokens_per_rank
+    _check_T(T, M)
+    el = E // R
+    pad = ((0, 0), (0, M - T), (0, 0))
+    xp, ip = jnp.pad(x, pad), jnp.pad(topk_idx, pad, constant_values=-1)
+    token = jax.ffi.ffi_call("jax_ep_ll_harness_dispatch_send",
+                             jax.ShapeDtypeStruct((R,), jnp.int32))(xp, ip,
+                                                                    **_harness_attrs(E, M, K))
+    i32 = jnp.int32
+    return jax.ffi.ffi_call(
+        "jax_ep_ll_harness_dispatch_recv",
+        (jax.ShapeDtypeStruct((R, el, R * M, H), x.dtype), jax.ShapeDtypeStruct((R, el), i32),
+         jax.ShapeDtypeStruct((R, el, R * M), i32), jax.ShapeDtypeStruct((R, el, R * M), i32),
+         jax.ShapeDtypeStruct((R, el, R), i32), jax.ShapeDtypeStruct((R, el, R), i32)))(
+        token, **_harness_attrs(E, M, K))
+
+
+def harness_combine(y, topk_idx, topk_weights, first_row, row_count, *, num_experts: int,
+                    max_tokens_per_rank: int):
+    """`combine` through the CUDA harness: y[R, E_local, R * M, H], topk_idx/topk_weights
+    [R, T, K], first_row/row_count [R, E_local, R] from `harness_dispatch` -> out
+    [R, T, H]."""
+    y, topk_idx, topk_weights = map(jnp.asarray, (y, topk_idx, topk_weights))
+    R, T, K = topk_idx.shape
+    E, M = num_experts, max_tokens_per_rank
+    _check_T(T, M)
+    token = jax.ffi.ffi_call("jax_ep_ll_harness_combine_send",
+                             jax.ShapeDtypeStruct((R,), jnp.int32))(
+        y, first_row, row_count, **_harness_attrs(E, M, K))
+    pad = ((0, 0), (0, M - T), (0, 0))
+    out = jax.ffi.ffi_call("jax_ep_ll_harness_combine_recv",
+                           jax.ShapeDtypeStruct((R, M, y.shape[-1]), y.dtype))(
+        token, jnp.pad(topk_idx, pad, constant_values=-1), jnp.pad(topk_weights, pad),
+        **_harness_attrs(E, M, K))
+    return out[:, :T]

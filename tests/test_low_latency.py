@@ -394,3 +394,34 @@ def test_lowered_program_has_send_and_recv_with_compute_between():
     hlo = lowered.compile().as_text()
     for name in pos:
         assert hlo.count(f'custom_call_target="jax_ep_ll_{name}"') == 1, name
+
+
+# ----------------------------------------------------------------------------- GPU harness
+
+def _has_gpu():
+    try:
+        return bool(jax.devices("gpu")) and jax_ep.build_info()["cuda"]
+    except RuntimeError:
+        return False
+
+
+import jax_ep  # noqa: E402
+
+
+@pytest.mark.skipif(not _has_gpu(), reason="needs a GPU and the CUDA build")
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_cuda_harness_matches_model(dtype):
+    """The CUDA kernels, R virtual ranks on one GPU, against the NumPy model."""
+    x, idx, w, y = inputs(12, dtype=np.dtype(dtype))
+    gpu = jax.devices("gpu")[0]
+    on_gpu = lambda *a: [jax.device_put(v, gpu) for v in a]  # noqa: E731
+    d = jax.jit(functools.partial(ll.harness_dispatch, num_experts=E, max_tokens_per_rank=M))
+    recv, cnt, sr, si, first, rows = jax.tree.map(np.asarray, d(*on_gpu(x, idx)))
+    model = np_dispatch(x, idx, E, M)
+    for got, key in ((cnt, "count"), (sr, "src_rank"), (si, "src_index"),
+                     (first, "first_row"), (rows, "row_count")):
+        np.testing.assert_array_equal(got, model[key], err_msg=key)
+    np.testing.assert_array_equal(recv.view(np.uint8), model["recv"].view(np.uint8))
+    c = jax.jit(functools.partial(ll.harness_combine, num_experts=E, max_tokens_per_rank=M))
+    out = np.asarray(c(*on_gpu(y, idx, w, first, rows)))
+    np.testing.assert_array_equal(out.view(np.uint8), np_combine(y, idx, w, model).view(np.uint8))
