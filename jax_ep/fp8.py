@@ -15,9 +15,11 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-# Largest finite float8_e4m3fn value.
+# Largest finite float8_e4m3fn value, and its float32 reciprocal.
 E4M3_MAX = 448.0
+INV_E4M3_MAX = np.float32(1.0 / 448.0)
 # The amax of an all-zero (or tiny) block is raised to this, so its scale is a finite,
 # normal float32 and x / scale stays finite.
 AMAX_FLOOR = 1e-10
@@ -55,7 +57,8 @@ def quantize(x, *, block: int = DEFAULT_BLOCK, round_scale: bool = False):
     """x[..., H] (any float dtype) -> (x_fp8 float8_e4m3fn [..., H], scales float32
     [..., H // block]).
 
-    Each 1 x block run of a row gets `scale = max(amax, AMAX_FLOOR) / 448` (amax in float32);
+    Each 1 x block run of a row gets `scale = max(amax, AMAX_FLOOR) * float32(1 / 448)`
+    (amax / 448 to within one rounding; amax in float32);
     with `round_scale=True` the scale is rounded up to a power of two (UE8M0). The values
     are `x / scale`, clipped to +-448, rounded to nearest even in FP8.
     """
@@ -69,7 +72,9 @@ def quantize(x, *, block: int = DEFAULT_BLOCK, round_scale: bool = False):
     _check_hidden("x", H, block)
     xb = x.astype(jnp.float32).reshape(*x.shape[:-1], H // block, block)
     amax = jnp.max(jnp.abs(xb), axis=-1)
-    scales = jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) / jnp.float32(E4M3_MAX)
+    # A product, not a quotient: XLA may turn division by a constant into this product
+    # anyway, and the product rounds the same way on every platform.
+    scales = jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) * INV_E4M3_MAX
     if round_scale:
         scales = _ceil_pow2(scales)
     q = jnp.clip(xb / scales[..., None], -E4M3_MAX, E4M3_MAX)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ep import ops
+from jax_ep import fp8, ops
 from jax_ep._common import Cfg
 from jax_ep.backends import internode
 from jax_ep._types import HANDLE_ARRAYS, DispatchHandle, DispatchLayout, InternodeHandleParts
@@ -230,8 +230,10 @@ def _layout_op(spec: _Spec):
         lay = ops._layout_impl(idx, E, R, spec.backend, check_ids=False)
         return lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank
 
-    return _partitioned(spec, body, abstract, "(s t) k -> (s r), (s e), (s t) r", 1, 3,
-                        need_replication_factors=("k", "r", "e"), t=T, r=R, e=E)
+    # Shardy needs the size of every factor used only inside compound factors (s, and a
+    # for the R per-rank counts); r is a whole dimension, sized by the array itself.
+    return _partitioned(spec, body, abstract, "(s t) k -> (s a), (s e), (s t) r", 1, 3,
+                        need_replication_factors=("k", "a", "e", "r"), s=S, t=T, a=R, e=E)
 
 
 def get_dispatch_layout(topk_idx, *, num_experts: int, mesh_axis: str, batch_axes=None,
@@ -310,25 +312,31 @@ def _dispatch_op(spec: _Spec, H: int, K: int, dtype):
 
 
 @functools.cache
-def _handle_driven_op(spec: _Spec, H: int, dtype, transpose: bool, internode_meta):
+def _handle_driven_op(spec: _Spec, H: int, dtype, transpose: bool, internode_meta,
+                      n_bias: int = 0):
     """combine ([S*C, H] rows -> [S*T, H] tokens) or, with `transpose`, its transpose
     gather ([S*T, H] -> [S*C, H]), both driven by the handle's arrays; internode_meta is
-    the static (rank, topk) of handle.extra for the internode backend, else None."""
+    the static (rank, topk) of handle.extra for the internode backend, else None. A
+    combine takes `n_bias` more [S*T, H] operands after the handle's arrays (its bias)."""
     S = spec.num_shards
     rows_out = spec.capacity if transpose else spec.tokens_per_shard
-    impl = ops._gather_impl if transpose else ops._combine_impl
+    n_handle = len(HANDLE_ARRAYS) + (2 if spec.backend == "internode" else 0)
 
-    def abstract(v, *handle):
+    def abstract(v, *rest):
         return jnp.zeros((S * rows_out, H), v.dtype)
 
-    def body(v, *handle):
-        return impl(v, _local_handle(spec, handle, internode_meta), spec.backend,
-                    spec.group_axes)
+    def body(v, *rest):
+        handle = _local_handle(spec, rest[:n_handle], internode_meta)
+        if transpose:
+            return ops._gather_impl(v, handle, spec.backend, spec.group_axes)
+        return ops._combine_impl(v, handle, spec.backend, spec.group_axes,
+                                 bias=tuple(rest[n_handle:]))
 
     rows, tokens = "(s c) h", "(s t) h"
     src, dst = (tokens, rows) if transpose else (rows, tokens)
-    rule = f"{src}, {_handle_rule(spec)} -> {dst}"
-    n_in = 1 + len(HANDLE_ARRAYS) + (2 if spec.backend == "internode" else 0)
+    bias_rule = "".join(f", {tokens}" for _ in range(n_bias))
+    rule = f"{src}, {_handle_rule(spec)}{bias_rule} -> {dst}"
+    n_in = 1 + n_handle + n_bias
     return _partitioned(spec, body, abstract, rule, n_in, 1, **_handle_factors(spec, "h"))
 
 
@@ -341,19 +349,19 @@ def _internode_parts(h: ShardedDispatchHandle, what: str) -> InternodeHandlePart
     return h.extra
 
 
-def _handle_driven(v, h: ShardedDispatchHandle, spec: _Spec, transpose: bool):
+def _handle_driven(v, h: ShardedDispatchHandle, spec: _Spec, transpose: bool, bias=()):
     arrays = tuple(getattr(h, f) for f in HANDLE_ARRAYS)
     meta = None
     if spec.backend == "internode":
         parts = _internode_parts(h, "gather" if transpose else "combine")
         arrays += (parts.counts, parts.send_slot)
         meta = (parts.rank, parts.topk)
-    op = _handle_driven_op(spec, v.shape[1], jnp.dtype(v.dtype), transpose, meta)
-    return op(v, *arrays)
+    op = _handle_driven_op(spec, v.shape[1], jnp.dtype(v.dtype), transpose, meta, len(bias))
+    return op(v, *arrays, *bias)
 
 
-def _sharded_combine(y, h: ShardedDispatchHandle, spec: _Spec):
-    return _handle_driven(y, h, spec, False)
+def _sharded_combine(y, h: ShardedDispatchHandle, spec: _Spec, bias=()):
+    return _handle_driven(y, h, spec, False, bias)
 
 
 def _sharded_gather(g, h: ShardedDispatchHandle, spec: _Spec):
@@ -392,7 +400,9 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, mesh_axis: str, cap
     """Global-view dispatch.
 
     Args:
-      x: [N, H] float32/bfloat16/float16, N = S * T tokens sharded over the token axes.
+      x: [N, H] float32/bfloat16/float16, N = S * T tokens sharded over the token axes;
+        or an FP8 pair (x_fp8 [N, H], scales [N, H // block]) from jax_ep.fp8.quantize,
+        received as the pair (recv_x_fp8 [S * C, H], recv_scales [S * C, H // block]).
       topk_idx: [N, K] int32 in [-1, E). topk_weights: [N, K] float32.
       mesh_axis: the EP axis of the mesh in context (R = its size).
       capacity: C rows received per shard (default R * T).
@@ -404,35 +414,46 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, mesh_axis: str, cap
       recv_x [S * C, H], recv_topk_idx [S * C, K] int32, recv_topk_weights [S * C, K]
       float32 and a ShardedDispatchHandle; block s of each is shard s's per-shard result.
     """
-    x, topk_idx, topk_weights = map(jnp.asarray, (x, topk_idx, topk_weights))
+    x, block = ops.as_payload(x)
+    topk_idx, topk_weights = map(jnp.asarray, (topk_idx, topk_weights))
     ops._check_tokens("x", x)
     num_experts = ops._static_int("num_experts", num_experts, 1)
     ops._check_routing(topk_idx, topk_weights, x.shape[0], num_experts, 1)
     spec = _spec(x.shape[0], num_experts, mesh_axis, capacity, backend, batch_axes)
     if spec.backend == "reference":
         ops._check_ids_reference(topk_idx, num_experts)
-    return _dispatch(x, topk_idx, topk_weights, spec)
+    recv_x, recv_idx, recv_w, handle = _dispatch(x, topk_idx, topk_weights, spec)
+    if block is not None:
+        recv_x = fp8.unpack(recv_x, block=block)
+    return recv_x, recv_idx, recv_w, handle
 
 
-def _combine_fwd_impl(y, handle, spec):
-    return _sharded_combine(y, handle, spec)
+def _make_combine(bias_dtypes):
+    def primal(y, bias, handle, spec):
+        return _sharded_combine(y, handle, spec, bias)
+
+    def fwd(y, bias, handle, spec):
+        return _sharded_combine(y, handle, spec, bias), handle
+
+    def bwd(spec, handle, d_out):
+        dy = _sharded_gather(d_out, handle, spec)
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), handle)
+        return dy, ops._bias_cotangent(d_out, bias_dtypes), zeros
+
+    f = jax.custom_vjp(primal, nondiff_argnums=(3,))
+    f.defvjp(fwd, bwd)
+    return f
 
 
-def _combine_fwd(y, handle, spec):
-    return _sharded_combine(y, handle, spec), handle
+_combine_for = functools.cache(_make_combine)
 
 
-def _combine_bwd(spec, handle, d_out):
-    dy = _sharded_gather(d_out, handle, spec)
-    return dy, jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), handle)
+def combine(y, handle: ShardedDispatchHandle, *, bias=None, backend=None):
+    """Global-view combine: y [S * C, H] -> out [N, H] (y's dtype), sharded like x.
 
-
-_combine = jax.custom_vjp(_combine_fwd_impl, nondiff_argnums=(2,))
-_combine.defvjp(_combine_fwd, _combine_bwd)
-
-
-def combine(y, handle: ShardedDispatchHandle, *, backend=None):
-    """Global-view combine: y [S * C, H] -> out [N, H] (y's dtype), sharded like x."""
+    bias: None, or one array or a pair of arrays [N, H] (any float dtype), added in
+    float32 to each token's sum before the single cast, as in `jax_ep.combine`.
+    """
     if not isinstance(handle, ShardedDispatchHandle):
         raise TypeError("handle must be the ShardedDispatchHandle returned by "
                         f"jax_ep.sharded.dispatch, got {type(handle).__name__}")
@@ -442,6 +463,7 @@ def combine(y, handle: ShardedDispatchHandle, *, backend=None):
     if y.shape[0] != S * handle.capacity:
         raise ValueError(f"y must have S * capacity = {S * handle.capacity} rows, got "
                          f"shape {y.shape}")
+    bias = ops.check_bias(bias, (handle.send_row.shape[0], y.shape[1]))
     mesh = _context_mesh()
     spec = _Spec(handle.num_experts, handle.num_ranks, handle.capacity, handle.mesh_axis,
                  handle.token_axes, S, handle.send_row.shape[0] // S,
@@ -450,8 +472,5 @@ def combine(y, handle: ShardedDispatchHandle, *, backend=None):
         raise ValueError("the mesh in context does not match the handle's mesh")
     if spec.backend == "internode":
         _internode_parts(handle, "combine")
-    return _combine(y, handle, spec)
-
-
-# The low-latency mode's global view (jax_ep.sharded.low_latency.dispatch / combine).
-from jax_ep import sharded_low_latency as low_latency  # noqa: E402
+    f = _combine_for(tuple(jnp.dtype(b.dtype) for b in bias))
+    return f(y, bias, handle, spec)
