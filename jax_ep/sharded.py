@@ -197,8 +197,12 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
         # Pin operands to the token sharding (one reshard if they arrive otherwise); this
         # also hands the partitioner the concrete mesh.
         sharding = NamedSharding(mesh, P(spec.token_axes))
-        pinned = [jax.lax.with_sharding_constraint(a, sharding) for a in args]
-        return op(*pinned)
+        def pinned(*args):
+            return op(*[jax.lax.with_sharding_constraint(a, sharding) for a in args])
+
+        # Called eagerly, the op alone would run `abstract` (zeros): compile it with
+        # its partitioning, as inside an outer jit (where this jit is inlined).
+        return jax.jit(pinned)(*args)
 
     # vmap over a leading batch axis: one exchange per batch element, in order.
     batched_call = jax.custom_batching.custom_vmap(call)
@@ -474,3 +478,7 @@ def combine(y, handle: ShardedDispatchHandle, *, bias=None, backend=None):
         _internode_parts(handle, "combine")
     f = _combine_for(tuple(jnp.dtype(b.dtype) for b in bias))
     return f(y, bias, handle, spec)
+
+
+# The low-latency mode's global view (jax_ep.sharded.low_latency.dispatch / combine).
+from jax_ep import sharded_low_latency as low_latency  # noqa: E402

@@ -485,3 +485,216 @@ def test_auto_backend_is_ffi_on_one_cpu_process():
     assert jax_ep.resolve_backend(None) == "ffi"
     assert jax_ep.resolve_backend("auto") == "ffi"
     assert jax_ep.resolve_backend("reference") == "reference"
+
+
+# ----------------------------------------------------------------------------- leading dims
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_dims_match_flat_tokens(backend):
+    """x[B, S, H] with routing [B, S, K] is the flat [B*S, H] case, row-major; combine
+    returns [B, S, H] and gradients keep the shapes."""
+    R, B, S, K, E, H = 4, 2, 3, 2, 8, 5
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((R * B, S, H)).astype(np.float32)
+    idx = rng.integers(-1, E, (R * B, S, K)).astype(np.int32)
+    w = rng.random((R * B, S, K)).astype(np.float32)
+    mesh = ep_mesh(R)
+
+    def nd(x, idx, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                        backend=backend)
+        return rx, ri, rw, jax_ep.combine(rx * 3.0, h, backend=backend), h.send_row
+
+    def flat(x, idx, w):
+        T = x.shape[0] * x.shape[1]
+        rx, ri, rw, h = jax_ep.dispatch(x.reshape(T, H), idx.reshape(T, K),
+                                        w.reshape(T, K), num_experts=E, axis_name="ep",
+                                        backend=backend)
+        return rx, ri, rw, jax_ep.combine(rx * 3.0, h, backend=backend), h.send_row
+
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"),  # noqa: E731
+                                          out_specs=P("ep")))(x, idx, w)
+    got, want = run(nd), run(flat)
+    assert got[3].shape == (R * B, S, H)
+    assert got[4].shape == (R * B, S, R)
+    for g, v in zip(got[:3], want[:3]):
+        assert_bitwise_equal({"a": g}, {"a": v})
+    assert_bitwise_equal({"a": got[3]}, {"a": np.asarray(want[3]).reshape(R * B, S, H)})
+    np.testing.assert_array_equal(np.asarray(got[4]).reshape(-1, R), np.asarray(want[4]))
+    # The combined rows are 3 * x summed over the ranks each token reached.
+    reached = (np.asarray(got[4]) >= 0).sum(-1)[..., None]
+    np.testing.assert_allclose(np.asarray(got[3]), 3.0 * reached * x, rtol=1e-6)
+
+    def loss(x, w):
+        def body(x, idx, w):
+            rx, _, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                           backend=backend)
+            out = jax_ep.combine(rx * jnp.sum(rw, 1, keepdims=True), h, backend=backend)
+            return jnp.sum(out ** 2)[None]
+        return jnp.sum(jax.shard_map(body, mesh=mesh, in_specs=P("ep"),
+                                     out_specs=P("ep"))(x, idx, w))
+
+    gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    assert gx.shape == x.shape and gw.shape == w.shape
+    assert np.all(np.isfinite(np.asarray(gx))) and np.abs(np.asarray(gw)).sum() > 0
+
+
+def test_leading_dims_bad_shapes_name_the_argument():
+    mesh = ep_mesh(2)
+    x = np.zeros((4, 3, 5), np.float32)
+
+    def call(x, idx, w):
+        f = lambda x, idx, w: jax_ep.dispatch(  # noqa: E731
+            x, idx, w, num_experts=4, axis_name="ep")[0]
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+            x, idx, w)
+
+    with pytest.raises(ValueError, match=r"topk_idx must have x's leading dims"):
+        call(x[:, 0], np.zeros((4, 3, 2), np.int32), np.zeros((4, 3, 2), np.float32))
+    with pytest.raises(ValueError, match=r"same leading shape, got x \(2, 3, 5\) and "
+                                         r"topk_idx \(2, 2, 2\)"):
+        call(x, np.zeros((4, 2, 2), np.int32), np.zeros((4, 2, 2), np.float32))
+    with pytest.raises(ValueError, match=r"topk_weights must have topk_idx's shape"):
+        call(x, np.zeros((4, 3, 2), np.int32), np.zeros((4, 3, 1), np.float32))
+
+
+# ----------------------------------------------------------------------------- bias
+
+def _bias_case(backend, dtype, n_bias, bias_dtype, fallback=False, seed=12):
+    R, T, K, E, H, C = 4, 6, 2, 8, 7, 10
+    rng = np.random.default_rng(seed)
+    x, w, y = make_inputs(rng, R, T, K, H, C, dtype)
+    idx = make_routing(rng, R, T, K, E, mask_frac=0.2)
+    biases = [np.asarray(jnp.asarray(rng.standard_normal((R, T, H)) * 4, bias_dtype))
+              for _ in range(n_bias)]
+    mesh = ep_mesh(R)
+
+    def f(x, idx, w, y, *b):
+        _, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                     capacity=C, backend=backend)
+        bias = b[0] if len(b) == 1 else tuple(b)
+        return jax_ep.combine(y, h, bias=bias, backend=backend), h.send_row[None]
+
+    flat = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
+    args = [flat(a) for a in (x, idx, w, y, *biases)]
+    out, send_row = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"),
+                                          out_specs=P("ep")))(*args)
+    # Model: float32 sum over ranks ascending, then each bias, then one cast.
+    send_row = np.asarray(send_row)
+    acc = np.zeros((R, T, H), np.float32)
+    for r in range(R):
+        rows = send_row[:, :, r]
+        acc[rows >= 0] += np.asarray(y[r], np.float32)[rows[rows >= 0]]
+    for b in biases:
+        acc = acc + np.asarray(b, np.float32)
+    want = acc.astype(np.asarray(y).dtype)
+    return np.asarray(out).reshape(R, T, H), want
+
+
+@pytest.mark.parametrize("n_bias,bias_dtype", [(1, F32), (2, BF16), (2, F16), (1, BF16)])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_combine_bias_added_in_float32_before_the_cast(backend, dtype, n_bias, bias_dtype):
+    got, want = _bias_case(backend, dtype, n_bias, bias_dtype)
+    assert_bitwise_equal({"out": got}, {"out": want})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_combine_bias_fallback_is_bit_identical(backend, monkeypatch):
+    """The path the CUDA and internode backends take (float32 combine, add, one cast)
+    gives the same bits as the native bias."""
+    native, want = _bias_case(backend, BF16, 2, BF16)
+    monkeypatch.setattr(jax_ep.ops, "_native_bias", lambda b: False)
+    fallback, _ = _bias_case(backend, BF16, 2, BF16)
+    assert_bitwise_equal({"out": fallback}, {"out": native})
+    assert_bitwise_equal({"out": fallback}, {"out": want})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_combine_bias_gradient(backend):
+    R, T, K, E, H, C = 2, 3, 2, 4, 4, 6
+    rng = np.random.default_rng(13)
+    x, w, y = make_inputs(rng, R, T, K, H, C, F32)
+    idx = make_routing(rng, R, T, K, E)
+    b0 = rng.standard_normal((R * T, H)).astype(np.float32)
+    b1 = rng.standard_normal((R * T, H)).astype(np.float32)
+    mesh = ep_mesh(R)
+    flat = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
+
+    def loss(y, b0, b1):
+        def body(x, idx, w, y, b0, b1):
+            _, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                         capacity=C, backend=backend)
+            out = jax_ep.combine(y, h, bias=(b0, b1.astype(jnp.bfloat16)), backend=backend)
+            return jnp.sum(out * out)[None]
+        return jnp.sum(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
+            flat(x), flat(idx), flat(w), y, b0, b1))
+
+    yf = flat(y)
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(yf, b0, b1)
+
+    def out_of(y, b0, b1):
+        def body(x, idx, w, y, b0, b1):
+            _, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                         capacity=C, backend=backend)
+            return jax_ep.combine(y, h, bias=(b0, b1.astype(jnp.bfloat16)), backend=backend)
+        return jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
+            flat(x), flat(idx), flat(w), y, b0, b1)
+
+    out = np.asarray(jax.jit(out_of)(yf, b0, b1))
+    # d loss / d bias = 2 * out for both terms (straight through the cast).
+    np.testing.assert_allclose(np.asarray(g[1]), 2 * out, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g[2]), 2 * out, rtol=1e-2, atol=1e-2)
+    assert g[0].shape == yf.shape and np.abs(np.asarray(g[0])).sum() > 0
+
+
+def test_combine_bias_bad_arguments():
+    mesh = ep_mesh(2)
+
+    def call(bias):
+        def f(x, idx, w):
+            _, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=4, axis_name="ep")
+            return jax_ep.combine(x[:0].reshape(0, 3).sum() + jnp.zeros((6, 3)), h,
+                                  bias=bias)
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+            np.zeros((6, 3), np.float32), np.zeros((6, 2), np.int32),
+            np.zeros((6, 2), np.float32))
+
+    with pytest.raises(ValueError, match=r"bias must have the combined output's shape"):
+        call(jnp.zeros((2, 3)))
+    with pytest.raises(TypeError, match=r"bias\[1\] must be a float array"):
+        call((jnp.zeros((3, 3)), jnp.zeros((3, 3), jnp.int32)))
+    with pytest.raises(ValueError, match=r"one array or a pair"):
+        call((jnp.zeros((3, 3)),) * 3)
+
+
+# ----------------------------------------------------------------------------- T == 0
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_tokens_per_rank(backend):
+    """T == 0 on every rank: layout, dispatch, combine and their gradients run and give
+    empty results (the reference id check once crashed on the empty argmax; the ffi
+    program once failed to compile)."""
+    lay = jax_ep.get_dispatch_layout(jnp.zeros((0, 2), jnp.int32), num_experts=16,
+                                     num_ranks=8, backend=backend)
+    np.testing.assert_array_equal(np.asarray(lay.num_tokens_per_rank), np.zeros(8))
+    np.testing.assert_array_equal(np.asarray(lay.num_tokens_per_expert), np.zeros(16))
+    assert lay.is_token_in_rank.shape == (0, 8)
+    mesh = ep_mesh(8)
+
+    def f(x, idx, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=16, axis_name="ep",
+                                        capacity=4, backend=backend)
+        out = jax_ep.combine(rx + 1.0, h, backend=backend)
+        return rx, ri, rw, h.num_recv[None], h.src_rank, out
+
+    x = jnp.zeros((0, 8), jnp.float32)
+    idx, w = jnp.zeros((0, 2), jnp.int32), jnp.zeros((0, 2), jnp.float32)
+    rx, ri, rw, n, src, out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"),
+                                                    out_specs=P("ep")))(x, idx, w)
+    np.testing.assert_array_equal(np.asarray(rx), np.zeros((32, 8)))
+    np.testing.assert_array_equal(np.asarray(ri), -np.ones((32, 2)))
+    np.testing.assert_array_equal(np.asarray(rw), np.zeros((32, 2)))
+    np.testing.assert_array_equal(np.asarray(n), np.zeros(8))
+    np.testing.assert_array_equal(np.asarray(src), -np.ones(32))
+    assert out.shape == (0, 8)
