@@ -230,23 +230,19 @@ def make_differentiable(dispatch_fn, combine_fn):
 _dispatch, _combine = make_differentiable(dispatch_rows, combine_rows)
 
 
-def _fp8_payload(x, round_scale):
-    from jax_ep import fp8 as fp8_lib
-    return fp8_lib.pack(*fp8_lib.quantize(x, block=FP8_BLOCK, round_scale=round_scale))
-
-
-def _fp8_unpack(recv):
-    from jax_ep import fp8 as fp8_lib
-    return fp8_lib.unpack(recv, block=FP8_BLOCK)
-
-
 def make_fp8_dispatch(dispatch_fn):
-    """FP8 dispatch over a row function like `dispatch_rows`: quantizes and packs x
-    (jax_ep.fp8), moves the packed rows, unpacks them. Differentiating it raises."""
+    """FP8 dispatch over a row function like `dispatch_rows`: quantizes x (jax_ep.fp8),
+    then moves the FP8 rows (H bytes) and the scale rows (H // 128 float32) as two
+    dispatches of the same routing. Two calls rather than one packed row: unpacking the
+    fixed [E_local, R * M, ...] blocks after the move costs more than the second call.
+    Differentiating it raises."""
 
     def impl(x, idx, cfg, round_scale):
-        outs = dispatch_fn(_fp8_payload(x, round_scale), idx, cfg, cfg.capacity)
-        return (_fp8_unpack(outs[0]),) + tuple(outs[1:])
+        from jax_ep import fp8 as fp8_lib
+        q, s = fp8_lib.quantize(x, block=FP8_BLOCK, round_scale=round_scale)
+        outs = dispatch_fn(q, idx, cfg, cfg.capacity)
+        scales = dispatch_fn(s, after(outs[0], idx), cfg, cfg.capacity)[0]
+        return ((outs[0], scales),) + tuple(outs[1:])
 
     def fwd(x, idx, cfg, round_scale):
         return impl(x, idx, cfg, round_scale), None
@@ -326,11 +322,8 @@ def _handle(outs, cfg: Cfg, T, K):
                             cfg.num_ranks, cfg.capacity, cfg.axis_name, T, K)
 
 
-def _recv_result(outs, cfg, T, K, fp8):
-    recv = outs[0]
-    if fp8:
-        recv = _fp8_unpack(recv)
-    return recv, outs[1], _handle(outs, cfg, T, K)
+def _recv_result(outs, cfg, T, K):
+    return outs[0], outs[1], _handle(outs, cfg, T, K)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -359,9 +352,8 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name, max_tokens_per_rank: i
     cfg = _cfg(x, topk_idx, num_experts, axis_name, max_tokens_per_rank, fp8, backend)
     T, K = topk_idx.shape
     if fp8:
-        return _recv_result(_fp8_dispatch(x, topk_idx, cfg, bool(round_scale)), cfg, T, K,
-                            False)
-    return _recv_result(_dispatch(x, topk_idx, cfg), cfg, T, K, False)
+        return _recv_result(_fp8_dispatch(x, topk_idx, cfg, bool(round_scale)), cfg, T, K)
+    return _recv_result(_dispatch(x, topk_idx, cfg), cfg, T, K)
 
 
 def dispatch_send(x, topk_idx, *, num_experts: int, axis_name, max_tokens_per_rank: int,
@@ -372,8 +364,13 @@ def dispatch_send(x, topk_idx, *, num_experts: int, axis_name, max_tokens_per_ra
     x = jnp.asarray(x)
     topk_idx = jnp.asarray(topk_idx)
     cfg = _cfg(x, topk_idx, num_experts, axis_name, max_tokens_per_rank, fp8, backend)
-    payload = _fp8_payload(x, round_scale) if fp8 else x
-    sent = _send_dispatch(payload, topk_idx, cfg, cfg.capacity)
+    if fp8:  # values and scales as two dispatches of the same routing
+        from jax_ep import fp8 as fp8_lib
+        q, s = fp8_lib.quantize(x, block=FP8_BLOCK, round_scale=round_scale)
+        sent_q = _send_dispatch(q, topk_idx, cfg, cfg.capacity)
+        sent = (sent_q, _send_dispatch(s, after(sent_q, topk_idx), cfg, cfg.capacity))
+    else:
+        sent = _send_dispatch(x, topk_idx, cfg, cfg.capacity)
     return DispatchSendState(sent, topk_idx, cfg, x.shape[0], x.shape[1], bool(fp8))
 
 
@@ -382,9 +379,14 @@ def dispatch_recv(state: DispatchSendState):
     if not isinstance(state, DispatchSendState):
         raise TypeError(f"state must be the DispatchSendState from dispatch_send, got "
                         f"{type(state).__name__}")
-    outs = _recv_dispatch(state.sent, state.cfg)
+    if state.fp8:
+        outs = _recv_dispatch(state.sent[0], state.cfg)
+        scales = _recv_dispatch(after(outs[0], state.sent[1]), state.cfg)[0]
+        outs = ((outs[0], scales),) + tuple(outs[1:])
+    else:
+        outs = _recv_dispatch(state.sent, state.cfg)
     T, K = state.topk_idx.shape
-    return _recv_result(outs, state.cfg, T, K, state.fp8)
+    return _recv_result(outs, state.cfg, T, K)
 
 
 # ----------------------------------------------------------------------------- combine
