@@ -482,7 +482,3 @@ def combine(y, handle: ShardedDispatchHandle, *, bias=None, backend=None):
 
 # The low-latency mode's global view (jax_ep.sharded.low_latency.dispatch / combine).
 from jax_ep import sharded_low_latency as low_latency  # noqa: E402
-
-
-# The low-latency mode's global view (jax_ep.sharded.low_latency.dispatch / combine).
-from jax_ep import sharded_low_latency as low_latency  # noqa: E402
