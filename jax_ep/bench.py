@@ -576,6 +576,8 @@ def main(argv=None) -> dict:
     if "--layer" in argv:
         from jax_ep import bench_layer
         return bench_layer.main([x for x in argv if x != "--layer"])
+    if "--fp8" in argv:  # FP8 pairs against bf16 rows (fp8_main below)
+        return fp8_main([x for x in argv if x != "--fp8"])
     args = parse_args(argv)
     # One virtual CPU device per rank, if JAX's backends have not started yet (as under
     # `python -m jax_ep.bench`).
@@ -689,6 +691,108 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(sweep, memcpy["GBps"], args.plot)
         print(f"wrote {args.plot}")
+    return report
+
+
+# ----------------------------------------------------------------------------- --fp8
+
+def fp8_payload_bytes(hidden: int) -> dict:
+    """Bytes one dispatched row carries: bf16 (2 H) against an FP8 pair (H values + H/128
+    float32 scales = H + H/32)."""
+    from jax_ep import fp8
+    return {"bfloat16": 2 * hidden, "fp8": fp8.payload_bytes(hidden)}
+
+
+def fp8_main(argv=None) -> dict:
+    """`--fp8`: per-shard dispatch of bf16 rows against FP8 pairs (jax_ep.fp8.quantize;
+    quantization not timed), same routing. Reports bytes per row and time per call."""
+    p = argparse.ArgumentParser(
+        prog="python -m jax_ep.bench --fp8",
+        description="Times dispatch of bf16 rows against FP8 pairs (H + H/32 bytes a row).")
+    p.add_argument("--backends", default="ffi,reference")
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4096)")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="hidden size, a multiple of 128 (default 2048)")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    base = QUICK if a.quick else FULL
+    for k in ("tokens", "hidden", "repeats", "warmup"):
+        if getattr(a, k) is None:
+            setattr(a, k, base[k])
+    if a.hidden % 128:
+        p.error(f"--hidden {a.hidden} must be a multiple of 128 (one scale per 128 values)")
+    if a.experts % a.ranks:
+        p.error(f"--experts {a.experts} must be a multiple of --ranks {a.ranks}")
+    set_host_device_count(a.ranks)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_ep
+    from jax_ep import fp8
+
+    R, T, H = a.ranks, a.tokens, a.hidden
+    if len(jax.devices()) < R:
+        raise SystemExit(f"jax_ep.bench --fp8: {len(jax.devices())} devices for --ranks {R}")
+    mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:R])
+    put = lambda v: jax.device_put(v, NamedSharding(mesh, P("ep")))  # noqa: E731
+    rng = np.random.default_rng(a.seed)
+    x = put(jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16))
+    idx = put(jnp.asarray(np.argsort(rng.random((R * T, a.experts)), 1)[:, :a.topk],
+                          jnp.int32))
+    w = put(jnp.full((R * T, a.topk), 1.0 / a.topk, jnp.float32))
+    q, sc = jax.jit(fp8.quantize)(x)
+    per_row = fp8_payload_bytes(H)
+    results = []
+    for backend in [b.strip() for b in a.backends.split(",") if b.strip()]:
+        backend = jax_ep.resolve_backend(backend)
+        for fmt, args in (("bfloat16", (x,)), ("fp8", (q, sc))):
+            def f(*xs, idx, w, backend=backend):
+                xs = xs[0] if len(xs) == 1 else xs
+                rx, _, _, h = jax_ep.dispatch(xs, idx, w, num_experts=a.experts,
+                                              axis_name="ep", backend=backend)
+                return rx, h.num_recv[None]
+            n_in = len(args)
+            prog = jax.jit(jax.shard_map(
+                lambda *v: f(*v[:n_in], idx=v[n_in], w=v[n_in + 1]), mesh=mesh,
+                in_specs=P("ep"), out_specs=P("ep")))
+            for _ in range(a.warmup):
+                jax.block_until_ready(prog(*args, idx, w))
+            times = []
+            for _ in range(a.repeats):
+                t0 = time.perf_counter()
+                _, n = jax.block_until_ready(prog(*args, idx, w))
+                times.append(time.perf_counter() - t0)
+            rows = int(np.sum(np.asarray(n)))
+            med = float(np.median(times))
+            results.append({"backend": backend, "format": fmt, "bytes_per_row": per_row[fmt],
+                            "rows": rows, "bytes": rows * per_row[fmt], "median_s": med,
+                            "GBps": rows * per_row[fmt] / med / 1e9})
+    print(f"dispatch, {R} ranks x {T} tokens, H={H}, top-{a.topk} of {a.experts}: payload "
+          f"bytes per row bf16 {per_row['bfloat16']} (2H), fp8 {per_row['fp8']} (H + H/32; "
+          f"{per_row['fp8'] / per_row['bfloat16']:.3f}x)")
+    print(f"{'backend':<10} {'format':<9} {'B/row':>6} {'rows':>8} {'MB':>9} {'ms':>9} "
+          f"{'GB/s':>7}")
+    for r in results:
+        print(f"{r['backend']:<10} {r['format']:<9} {r['bytes_per_row']:>6} {r['rows']:>8} "
+              f"{r['bytes'] / 1e6:>9.2f} {r['median_s'] * 1e3:>9.3f} {r['GBps']:>7.2f}")
+    report = {"config": {"ranks": R, "tokens": T, "hidden": H, "topk": a.topk,
+                         "experts": a.experts, "repeats": a.repeats, "warmup": a.warmup,
+                         "platform": jax.default_backend()},
+              "payload_bytes_per_row": per_row, "results": results}
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+        print(f"wrote {a.json}")
     return report
 
 

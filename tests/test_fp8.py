@@ -205,3 +205,16 @@ def test_fp8_round_trip_within_quantization_error_of_bf16(backend):
         np.abs(ref) * 2 ** -6 + 1e-6
     assert np.all(np.abs(got - ref) <= bound)
     assert np.abs(got - ref).max() > 0  # FP8 really was used
+
+
+def test_bench_fp8_reports_payload_bytes():
+    from jax_ep import bench
+    rep = bench.fp8_main(["--quick", "--tokens", "16", "--hidden", "256", "--repeats", "1",
+                          "--warmup", "0", "--experts", "16", "--topk", "2"])
+    assert rep["payload_bytes_per_row"] == {"bfloat16": 2 * 256, "fp8": 256 + 256 // 32}
+    by = {(r["backend"], r["format"]): r for r in rep["results"]}
+    for b in ("ffi", "reference"):
+        assert by[(b, "fp8")]["rows"] == by[(b, "bfloat16")]["rows"] > 0
+        assert by[(b, "fp8")]["bytes"] * 512 == by[(b, "bfloat16")]["bytes"] * 264
+    with pytest.raises(SystemExit):
+        bench.fp8_main(["--quick", "--hidden", "100"])
