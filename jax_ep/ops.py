@@ -415,3 +415,54 @@ def combine(y, handle: DispatchHandle, *, bias=None, backend=None):
     f = _combine_for(tuple(jnp.dtype(b.dtype) for b in bias))
     out = f(y, bias, handle, resolve_backend(backend))
     return out.reshape(*lead, H)
+
+
+# ----------------------------------------------------------------------------- cached dispatch
+
+def _cached_primal(x, handle, backend):
+    return _gather_impl(x, handle, backend)
+
+
+def _cached_fwd(x, handle, backend):
+    return _gather_impl(x, handle, backend), handle
+
+
+def _cached_bwd(backend, handle, d_rows):
+    zeros = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), handle)
+    return _combine_impl(d_rows, handle, backend), zeros
+
+
+_cached = jax.custom_vjp(_cached_primal, nondiff_argnums=(2,))
+_cached.defvjp(_cached_fwd, _cached_bwd)
+
+
+def cached_dispatch(x, handle: DispatchHandle, *, backend=None):
+    """Dispatches another x through an existing handle: the same rows land in the same
+    places, with no layout recomputed (DeepEP's `dispatch(x, handle=handle)`).
+
+    Args:
+      x: [T, H] (or [..., H], the dispatch's leading dims) float32/bfloat16/float16, or
+        an FP8 pair (x_fp8, scales) as for `dispatch`.
+      handle: the DispatchHandle of a `dispatch` of the same tokens.
+    Returns:
+      recv_x [C, H] (or the received FP8 pair), row i = the row the handle put there.
+      Its gradient is the combine of the cotangent.
+    """
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle must be the DispatchHandle returned by dispatch, got "
+                        f"{type(handle).__name__}")
+    x, block = as_payload(x)
+    lead = handle.send_row.shape[:-1]
+    if x.shape[:-1] != lead:
+        raise ValueError(f"x must have the dispatched tokens' leading shape {lead} (+ H), "
+                         f"got {x.shape}")
+    _check_tokens("x", x.reshape(-1, x.shape[-1]))
+    R = ep_size(handle.axis_name)
+    if R != handle.num_ranks:
+        raise ValueError(f"handle was made for {handle.num_ranks} ranks but axis "
+                         f"{handle.axis_name!r} has {R}")
+    T = math.prod(lead)
+    if len(lead) != 1:
+        handle = dataclasses.replace(handle, send_row=handle.send_row.reshape(T, R))
+    rows = _cached(x.reshape(T, x.shape[-1]), handle, resolve_backend(backend))
+    return fp8.unpack(rows, block=block) if block is not None else rows
