@@ -425,3 +425,25 @@ def test_cuda_harness_matches_model(dtype):
     c = jax.jit(functools.partial(ll.harness_combine, num_experts=E, max_tokens_per_rank=M))
     out = np.asarray(c(*on_gpu(y, idx, w, first, rows)))
     np.testing.assert_array_equal(out.view(np.uint8), np_combine(y, idx, w, model).view(np.uint8))
+
+
+# ----------------------------------------------------------------------------- bench
+
+def test_bench_mode_low_latency_runs(tmp_path):
+    from jax_ep import bench
+
+    out = tmp_path / "ll.json"
+    report = bench.main(["--mode", "low_latency", "--ranks", "4", "--tokens", "8",
+                         "--hidden", "128", "--topk", "2", "--experts", "8", "--repeats", "1",
+                         "--warmup", "0", "--input-sets", "1", "--memcpy-mib", "4",
+                         "--backends", "ffi,reference", "--json", str(out)])
+    ops = {(r["backend"], r["op"]) for r in report["results"]}
+    assert ops == {(b, o) for b in ("ffi", "reference")
+                   for o in ("dispatch", "dispatch_fp8", "combine", "roundtrip")}
+    # Bytes follow the shape: 4 ranks * 8 tokens * 2 slots rows of 128 bf16.
+    disp = next(r for r in report["results"] if r["op"] == "dispatch")
+    assert disp["rows_bytes"] == 4 * 8 * 2 * 128 * 2
+    assert disp["output_bytes"] == 4 * 2 * 4 * 8 * 128 * 2
+    assert report["ffi_roundtrip_over_output_floor"] > 0 and out.exists()
+    with pytest.raises(SystemExit):
+        bench.main(["--mode", "fast"])
