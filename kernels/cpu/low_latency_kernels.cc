@@ -105,6 +105,7 @@ std::string LowLatencyCombineStageCpu(const LowLatencyShape& s, const void* y,
   const size_t rb = s.row_bytes;
   const char* yb = static_cast<const char*>(y);
   char* st = static_cast<char*>(stage);
+  AdviseHugePages(st, static_cast<size_t>(R * rows_per_dest) * rb);
   for (int d = 0; d < R; ++d) {
     int64_t off = 0;
     for (int e = 0; e < el; ++e) {
