@@ -8,7 +8,8 @@
 // own collectives) of the thread it needs. The last participant to arrive starts one
 // thread per participant; each runs its work, waits until all works are done (no buffer
 // may be released while a peer still reads it), then reports completion. A participant
-// whose peers do not arrive within the timeout is completed with an error.
+// whose peers do not arrive within the timeout is completed with an error, and so is, at
+// once, one that arrives at a round its peers already abandoned.
 #pragma once
 
 #include <cstdint>
