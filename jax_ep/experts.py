@@ -10,17 +10,22 @@ shape that follows the routing instead of the worst case:
                     sentinel past the last), their weights, and the pairs over `cap`
                     counted as dropped
   gather_blocks     x[C, H] -> blocks[E_local, cap, H] (zero in empty places)
-  swiglu_blocks     blocks[E_local, N, H] -> [E_local, N, H]: every expert's SwiGLU as
-                    batched matmuls (also the low-latency mode's per-expert layout)
+  swiglu_blocks     blocks[E_local, N, H] -> [E_local, N, H]: every expert's SwiGLU, as
+                    batched matmuls, or with `counts` only on the tiles of rows in use
+                    (the layout of the low-latency mode's receive buffer too)
   scatter_blocks    blocks[E_local, cap, H] -> y[C, H] float32, each pair's output scaled
                     by its weight and summed onto its row
-  grouped_swiglu    the four in a row
+  grouped_swiglu    what the MoE layer calls: group_by_expert, then one loop over
+                    (expert, tile of places) that skips tiles holding no pair, gathers
+                    a tile's rows from x, runs the SwiGLU and adds the weighted outputs
+                    onto y in place; its backward is the same loop, hand-written
 
-All of it is pure JAX (gathers, one sort, batched `einsum`), differentiable in every
-float argument, the same on every platform. Batched matmuls over `[E_local, cap, H]`
-blocks do `E_local * cap` rows of work. (`jax.lax.ragged_dot` on the sorted pairs is the
-alternative; XLA:CPU computes it as every group over every row, about E_local times the
-work, so it is not used: see docs/performance.md.)
+All of it is pure JAX (one sort, gathers, scatter-adds, matmuls, `lax.scan`/`lax.cond`),
+differentiable in every float argument (reverse mode), the same on every platform. Work
+follows the routed pairs: each expert computes `ceil(pairs / tile)` tiles, whatever
+`cap` is. (`jax.lax.ragged_dot` on the sorted pairs is the obvious alternative; XLA:CPU
+computes it as every group over every row, about E_local times the work, measured in
+docs/performance.md, so it is not used.)
 
 Capacity. `cap` is static. `expert_capacity(num_slots, num_local_experts, factor)` is
 `ceil(factor * num_slots / E_local)` rounded up to a multiple of 8: `factor` times the mean
