@@ -19,17 +19,17 @@ of `R = mesh.shape[mesh_axis]` ranks, each holding `E // R` experts.
 
 Grouping received rows by expert (`jax_ep.experts`). A received row carries up to `top_k`
 local expert ids (a token whose several experts live on this rank arrives once). The
-layer packs the (row, slot) pairs by local expert into static blocks `[E_local, cap, H]`,
-runs every expert's SwiGLU as batched matmuls over its block, and sums each pair's
-output, scaled by its top-k weight, back onto its row (in float32); `jax_ep.combine` then
-sums the rows of all ranks back onto the source tokens. `cap` comes from
+layer packs the (row, slot) pairs by local expert into static places `[E_local, cap]`,
+runs each expert's SwiGLU on the tiles of its places that hold pairs (empty tiles are
+skipped, forward and backward), and sums each pair's output, scaled by its top-k weight,
+back onto its row (in float32); `jax_ep.combine` then sums the rows of all ranks back
+onto the source tokens. So the work follows the routed pairs. `cap` comes from
 `capacity_factor`: `ceil(capacity_factor * T * top_k / E_local)` places per expert (T
-tokens per shard; `T * top_k / E_local` is an expert's mean load), so the work is
-`capacity_factor` times what balanced routing needs. An expert's pairs past `cap` (in
-received order: source rank, then token) are dropped and counted in `aux["dropped"]`.
-`capacity_factor=None` sizes every block for the worst case (`cap` = the received rows C)
-and never drops, at `E_local * C / (T * top_k)` times the work (about E_local x with the
-default C). The grouping is a pure function of the received ids, so the `reference` and
+tokens per shard; `T * top_k / E_local` is an expert's mean load), rounded up to a
+multiple of 8; it bounds the memory of the saved activations (`[E_local, cap, F]` twice)
+and the drops: an expert's pairs past `cap` (in received order: source rank, then token)
+get no output and are counted in `aux["dropped"]`. `capacity_factor=None` sizes the
+places for every received row (`cap` = C) and never drops. The grouping is a pure function of the received ids, so the `reference` and
 `ffi` backends (which receive the same rows bit for bit) compute the same numbers.
 """
 from __future__ import annotations
@@ -171,10 +171,10 @@ class MoE(nnx.Module):
         at `R * T` (f = 1.0 fits perfectly balanced routing).
       capacity_factor: places per local expert, as a multiple of an expert's mean load
         `T * top_k / E_local` (rounded up to a multiple of 8, at most the received rows).
-        Pairs past an expert's places are dropped and counted in `aux["dropped"]`. The
-        expert work is about `capacity_factor` times what balanced routing needs.
-        None: never drop (every expert sized for all received rows: about `E_local`
-        times the work). Default 2.0.
+        Pairs past an expert's places are dropped and counted in `aux["dropped"]`. Only
+        places holding pairs are computed, so the factor sets memory (the saved
+        activations, `[E_local, cap, F]` twice) and drops, not the work. None: never
+        drop (places for every received row). Default 2.0.
       score: 'softmax' or 'sigmoid' router scores.
       n_groups, topk_groups: group-limited routing (both or neither).
       routing_bias: add a `RoutingBias` [E] used for expert selection only (aux-loss-free
