@@ -184,7 +184,7 @@ def test_capacity_drops(mesh, backend):
     assert np.all(np.abs(y[kept]).sum(1) > 0)
 
 
-@pytest.mark.parametrize("cf", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("cf", [0.5, 2.0])
 def test_expert_capacity_drops_match_numpy(mesh, cf):
     """Per-expert capacity: each expert keeps its first `cap` pairs in received order
     (source rank, then token); the rest are dropped and counted as slots."""
