@@ -62,7 +62,9 @@ set_target_properties(jax_ep_nvshmem_device PROPERTIES
 # link (against libnvshmem_device.a) happens when this static library is built, so the
 # extension links it like any host library.
 add_library(jax_ep_internode STATIC kernels/internode/internode_kernels.cu
-            xla_ffi/internode/internode_handlers.cc)
+            kernels/internode/hierarchical_kernels.cu
+            xla_ffi/internode/internode_handlers.cc
+            xla_ffi/internode/hierarchical_handlers.cc)
 set_target_properties(jax_ep_internode PROPERTIES
   CUDA_SEPARABLE_COMPILATION ON
   CUDA_RESOLVE_DEVICE_SYMBOLS ON

@@ -1119,6 +1119,24 @@ __global__ void SelfPutKernel(char* area, uint64_t* sig, int* ok) {
 }
 }  // namespace
 
+std::string SharedState(SharedRuntime* out) {
+  if (!g_rt.initialized)
+    return "jax_ep internode: NVSHMEM is not initialised; call "
+           "jax_ep.nvshmem_bootstrap.initialize(...) before jit";
+  void* counter = nullptr;
+  const std::string e = CudaErr(cudaGetSymbolAddress(&counter, g_call_counter), "call counter");
+  if (!e.empty()) return e;
+  out->heap = g_rt.heap;
+  out->half_bytes = g_rt.half_bytes;
+  out->err = g_rt.err;
+  out->bad = g_rt.bad;
+  out->call_counter = static_cast<unsigned long long*>(counter);
+  out->rank = g_rt.rank;
+  out->world = g_rt.world;
+  out->num_qps = g_rt.num_qps;
+  return {};
+}
+
 std::string SelfPutCheck(bool* ok) {
   *ok = false;
   if (!g_rt.initialized) return "jax_ep internode: NVSHMEM is not initialised";

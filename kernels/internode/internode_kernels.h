@@ -87,6 +87,19 @@ std::string Combine(cudaStream_t stream, const Dims& d, FloatKind elem, const vo
 std::string Gather(cudaStream_t stream, const Dims& d, FloatKind elem, const void* src,
                    const int32_t* counts, const int32_t* send_slot, void* out);
 
+// What the hierarchical mode (kernels/internode/hierarchical_kernels.cu) shares with this
+// one: the same heap halves, call counter (so calls of either mode alternate halves) and
+// sticky error record. "" on success, else why not (NVSHMEM not started).
+struct SharedRuntime {
+  char* heap = nullptr;
+  size_t half_bytes = 0;
+  void* err = nullptr;                       // wire::ErrorRecord*, mapped host memory
+  int32_t* bad = nullptr;                    // device [4]: bad-id flag, token, slot, value
+  unsigned long long* call_counter = nullptr;  // device address of the call counter
+  int rank = 0, world = 0, num_qps = 0;
+};
+std::string SharedState(SharedRuntime* out);
+
 // Device check for one GPU: a put to itself through the transport interface arrives.
 std::string SelfPutCheck(bool* ok);
 

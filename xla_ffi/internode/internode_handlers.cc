@@ -213,6 +213,7 @@ void AddInternodeRegistrations(const RegisterFn& add) {
   add("jax_ep_internode_dispatch", reinterpret_cast<void*>(InternodeDispatchHandler));
   add("jax_ep_internode_combine", reinterpret_cast<void*>(InternodeCombineHandler));
   add("jax_ep_internode_gather", reinterpret_cast<void*>(InternodeGatherHandler));
+  AddHierarchicalRegistrations(add);  // the hierarchical mode's targets
 }
 
 }  // namespace jax_ep

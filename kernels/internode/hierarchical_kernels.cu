@@ -1,0 +1,1305 @@
+// Hierarchical internode dispatch, combine and gather (NVSHMEM backend of
+// kernels/internode/transport.cuh). The protocol is the one tests/sim/hierarchical_sim.py
+// replays on the host; the layout is kernels/internode/hierarchical_layout.h; docs in
+// docs/internode.md ("Hierarchical mode"). Ranks are node-major, rank = node * G + local.
+//
+// Every call: an exchange of count rows on QP 0 (dispatch and gather carry the rows each
+// rank sends every rank and every node; the signal value itself carries the sequence
+// number, the configuration hash and the bad-id flag, so a mismatch or a peer's bad id
+// fails the call on every rank), then one cooperative kernel whose warps play the roles
+// of the simulator's actors, so every ring has a producer and a consumer running at once:
+//
+// Dispatch / gather (gather: dispatch's paths for rows of g, routed by the handle)
+//   sender m        rows of this rank's tokens with a receiver on node m, in token order,
+//                   packed into the staging ring, chunk c put on QP qp_for(rail peer, c)
+//                   with ADD 1 on word data[my node][qp] there, once the credit word of
+//                   node m covers the slot (hier::credit_needed); closing signal per QP;
+//                   the final credit wait, then the sender resets its credit word.
+//   local forwarder the rows of this rank's tokens for its own node, straight into the
+//                   receivers' NVLink rings (no RDMA).
+//   rail forwarder  per remote node n: chunk by chunk (bounded wait on the chunk's own
+//                   QP word), each row pushed to every receiver of this node in its node
+//                   mask that keeps it (the receiver row is computed here, as the
+//                   capacity cut is per receiver), then a credit (SET c+1, QP 0); after
+//                   the closing signals, the reader resets its data words.
+//   receivers       poll the NVLink rings [forwarder][source node] of this rank without
+//                   blocking on any one, write each row at its destination row.
+// Combine
+//   pushers         every row this rank holds from source s goes, in token order, into
+//                   the NVLink ring at s's rail peer on this node (s itself when s is on
+//                   this node).
+//   forwarder n     merges the rings of the source (n, my local) by (token, rank), so a
+//                   token's rows of this node leave together in ascending rank order, one
+//                   RDMA stream (chunked, credited) back to the source. No sum here: a sum
+//                   inside the node would change float32 rounding.
+//   source          one block: per token, every row in ascending rank order (own node's
+//                   from NVLink rings, others' from the RDMA rings), summed in float32.
+//
+// Every wait is bounded (JAX_EP_TIMEOUT_S) and records the peer and the word it waited
+// for in the sticky error record it shares with the direct mode; NVLink ring head/tail
+// words are reset by the ring's owner once every row it expects has been consumed.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <string>
+#include <utility>
+
+#include "kernels/common/dtype_convert.h"
+#include "kernels/common/layout_math.h"
+#include "kernels/common/striping_plan.h"
+#include "kernels/internode/hierarchical_kernels.h"
+#include "kernels/internode/hierarchical_layout.h"
+#include "kernels/internode/internode_kernels.h"
+#include "kernels/internode/transport_nvshmem.cuh"
+#include "kernels/internode/wire_protocol.h"
+
+namespace jax_ep {
+namespace hier {
+namespace {
+
+using Tr = transport::Nvshmem;
+using transport::SignalOp;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxRanks = 1024;
+constexpr int kMaxNodes = 256;
+constexpr unsigned kFull = 0xffffffffu;
+// Wait kinds of this mode in the shared error record (beside wire::SigKind).
+constexpr int kKindCredit = 16;  // RDMA ring credit from the stream's reader
+constexpr int kKindNvl = 17;     // NVLink ring head or tail
+constexpr int kKindRow = 18;     // a row arrived out of order (qp: the ring or stream)
+constexpr int kKindNoPeer = 19;  // a GPU of the node has no NVSHMEM peer pointer
+
+struct Geo {
+  int R, rank, G, N, node, local;
+  int T, H, K, C, E, el;
+  int64_t prow;     // payload bytes per row
+  int64_t dmeta;    // offset of the 4 metadata words in a dispatch-pattern row
+  int64_t cmeta;    // offset of the metadata words in a combine row
+  int64_t stride;   // ring row stride (Layout::row_stride)
+  int P, Qpp, nq;
+  int64_t timeout_ns;
+  uint32_t hash;
+  int32_t cfg[wire::kNumCfgFields];
+  wire::ErrorRecord* err;
+  int32_t* bad;
+  unsigned long long* counter;
+  char* heap;
+  int64_t half_bytes;
+  int64_t region;  // offset of the hierarchical region in a half
+  Layout L;
+  int64_t rdma_ring_bytes, nvl_ring_bytes;
+};
+
+// Pointers into this call's half.
+struct View {
+  uint64_t *data, *credit, *cnt_sig, *head, *tail;
+  int32_t* counts;  // [R][R + N]
+  char *send, *recv, *nvl;
+};
+
+__device__ __forceinline__ View ViewOf(const Geo& g) {
+  char* b = g.heap + static_cast<int64_t>(*g.counter & 1ull) * g.half_bytes + g.region;
+  View v;
+  v.data = reinterpret_cast<uint64_t*>(b + g.L.sig_data);
+  v.credit = reinterpret_cast<uint64_t*>(b + g.L.sig_credit);
+  v.cnt_sig = reinterpret_cast<uint64_t*>(b + g.L.sig_counts);
+  v.head = reinterpret_cast<uint64_t*>(b + g.L.nvl_head);
+  v.tail = reinterpret_cast<uint64_t*>(b + g.L.nvl_tail);
+  v.counts = reinterpret_cast<int32_t*>(b + g.L.counts);
+  v.send = b + g.L.rdma_send;
+  v.recv = b + g.L.rdma_recv;
+  v.nvl = b + g.L.nvl_recv;
+  return v;
+}
+
+__device__ __forceinline__ uint64_t* DataWord(const View& v, const Geo& g, int n, int q) {
+  return v.data + static_cast<int64_t>(n) * g.nq + q;
+}
+__device__ __forceinline__ uint64_t* HeadW(const View& v, const Geo& g, int gl, int n) {
+  return v.head + static_cast<int64_t>(gl) * g.N + n;
+}
+__device__ __forceinline__ uint64_t* TailW(const View& v, const Geo& g, int gl, int n) {
+  return v.tail + static_cast<int64_t>(gl) * g.N + n;
+}
+__device__ __forceinline__ char* SendSlot(const View& v, const Geo& g, int m, int64_t c) {
+  return v.send + m * g.rdma_ring_bytes + rdma_slot(c) * kRdmaChunkRows * g.stride;
+}
+__device__ __forceinline__ char* RecvSlot(const View& v, const Geo& g, int n, int64_t c) {
+  return v.recv + n * g.rdma_ring_bytes + rdma_slot(c) * kRdmaChunkRows * g.stride;
+}
+__device__ __forceinline__ char* NvlRing(const View& v, const Geo& g, int gl, int n) {
+  return v.nvl + (static_cast<int64_t>(gl) * g.N + n) * g.nvl_ring_bytes;
+}
+
+__device__ __forceinline__ uint64_t NowNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// NVLink ring positions: written by one GPU's stores, read by another's loads.
+__device__ __forceinline__ uint64_t LoadAcq(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void StoreRel(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ bool Failed(const Geo& g) {
+  return *reinterpret_cast<volatile const int32_t*>(&g.err->code) != wire::kErrNone;
+}
+
+// First error wins; fields before the code, so the host never reads half a record.
+__device__ void Record(const Geo& g, int32_t code, int peer, int kind, int qp,
+                       uint64_t expected, uint64_t seen, uint64_t my_seq = 0,
+                       uint64_t peer_seq = 0) {
+  if (atomicCAS_system(&g.err->code, wire::kErrNone, -1) != wire::kErrNone) return;
+  volatile wire::ErrorRecord* e = g.err;
+  e->rank = g.rank;
+  e->op = g.cfg[wire::kCfgOp];
+  e->peer = peer;
+  e->kind = kind;
+  e->qp = qp;
+  e->expected = expected;
+  e->seen = seen;
+  e->my_seq = my_seq;
+  e->peer_seq = peer_seq;
+  for (int i = 0; i < wire::kNumCfgFields; ++i) {
+    e->mine[i] = g.cfg[i];
+    e->theirs[i] = 0;
+  }
+  __threadfence_system();
+  e->code = code;
+  __threadfence_system();
+}
+
+// One thread: polls `read()` until it reaches `expect`, for at most the timeout; on
+// expiry records (peer, kind, qp). False if it expired or the call already failed.
+template <class Read>
+__device__ bool WaitAtLeast(const Geo& g, Read read, uint64_t expect, int peer, int kind,
+                            int qp) {
+  const uint64_t start = NowNs();
+  uint64_t v = read();
+  for (int spin = 0; v < expect; ++spin) {
+    if ((spin & 255) == 0) {
+      if (Failed(g)) return false;
+      if (static_cast<int64_t>(NowNs() - start) > g.timeout_ns) {
+        Record(g, wire::kErrTimeout, peer, kind, qp, expect, v);
+        return false;
+      }
+    }
+    v = read();
+  }
+  return true;
+}
+
+// Lane 0 waits for an RDMA signal word; the warp gets the outcome.
+__device__ __forceinline__ bool WarpWaitSig(const Geo& g, uint64_t* w, uint64_t expect,
+                                            int peer, int kind, int qp) {
+  int ok = 1;
+  if ((threadIdx.x & 31) == 0)
+    ok = WaitAtLeast(g, [w] { return Tr::fetch(w); }, expect, peer, kind, qp) ? 1 : 0;
+  return __shfl_sync(kFull, ok, 0) != 0;
+}
+
+__device__ __forceinline__ void CopyBytes(char* dst, const char* src, int64_t n, int tid,
+                                          int stride) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  if ((a % 16) == 0 && (n % 16) == 0) {
+    for (int64_t i = tid; i < n / 16; i += stride)
+      reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
+  } else if ((a % 4) == 0 && (n % 4) == 0) {
+    for (int64_t i = tid; i < n / 4; i += stride)
+      reinterpret_cast<int32_t*>(dst)[i] = reinterpret_cast<const int32_t*>(src)[i];
+  } else {
+    for (int64_t i = tid; i < n; i += stride) dst[i] = src[i];
+  }
+}
+
+// Row counts from a count matrix with row stride `cs`: first row of source s at d, and
+// the rows of s that d keeps under the capacity.
+__device__ __forceinline__ int64_t BaseOf(const int32_t* cnt, int cs, int s, int d) {
+  int64_t b = 0;
+  for (int i = 0; i < s; ++i) b += cnt[static_cast<int64_t>(i) * cs + d];
+  return b;
+}
+__device__ __forceinline__ int64_t KeptOf(const int32_t* cnt, int cs, int s, int d, int C) {
+  const int64_t b = BaseOf(cnt, cs, s, d);
+  const int64_t n = cnt[static_cast<int64_t>(s) * cs + d];
+  const int64_t room = C - b;
+  return room <= 0 ? 0 : (n < room ? n : room);
+}
+
+// Local indices (bit g) of the receivers on node m of token t: from its expert ids
+// (dispatch) or from the handle's send slots (gather). The same function sizes the
+// node's stream in the count exchange and selects its rows, so the two agree.
+__device__ __forceinline__ uint32_t NodeMask(const Geo& g, int t, int m,
+                                             const int32_t* topk_idx,
+                                             const int32_t* send_slot) {
+  uint32_t mask = 0;
+  if (topk_idx != nullptr) {
+    for (int k = 0; k < g.K; ++k) {
+      const int32_t e = topk_idx[static_cast<int64_t>(t) * g.K + k];
+      if (e < 0) continue;
+      const int d = owner_rank(e, g.el);
+      if (d < g.R && d / g.G == m) mask |= 1u << (d % g.G);
+    }
+  } else {
+    for (int l = 0; l < g.G; ++l)
+      if (send_slot[static_cast<int64_t>(t) * g.R + m * g.G + l] >= 0) mask |= 1u << l;
+  }
+  return mask;
+}
+
+__device__ __forceinline__ int Lane() { return threadIdx.x & 31; }
+
+// ---- count exchange ------------------------------------------------------------------
+
+// Blocks [0, R): send slots (dispatch only) and rows for rank d; blocks [R, R + N): tokens
+// with a receiver on node m. Block 0 of a dispatch also notes bad ids.
+__global__ void CountKernel(Geo g, const int32_t* topk_idx, const int32_t* send_slot_in,
+                            int32_t* send_slot_out) {
+  const View v = ViewOf(g);
+  const int b = blockIdx.x;
+  __shared__ int warp_total[kWarps];
+  __shared__ int running;
+  const int lane = Lane(), warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) running = 0;
+  __syncthreads();
+  for (int base = 0; base < g.T; base += kThreads) {
+    const int t = base + threadIdx.x;
+    bool hit = false;
+    if (t < g.T) {
+      if (b < g.R) {
+        hit = topk_idx != nullptr
+                  ? token_in_rank(topk_idx + static_cast<int64_t>(t) * g.K, g.K, g.el, b)
+                  : send_slot_in[static_cast<int64_t>(t) * g.R + b] >= 0;
+      } else {
+        hit = NodeMask(g, t, b - g.R, topk_idx, send_slot_in) != 0;
+      }
+      if (b == 0 && topk_idx != nullptr) {
+        for (int k = 0; k < g.K; ++k) {
+          const int32_t e = topk_idx[static_cast<int64_t>(t) * g.K + k];
+          if ((e < -1 || e >= g.E) && atomicCAS(g.bad, 0, 1) == 0) {
+            g.bad[1] = t;
+            g.bad[2] = k;
+            g.bad[3] = e;
+          }
+        }
+      }
+    }
+    const unsigned mask = __ballot_sync(kFull, hit);
+    if (lane == 0) warp_total[warp] = __popc(mask);
+    __syncthreads();
+    int off = running;
+    for (int w = 0; w < warp; ++w) off += warp_total[w];
+    if (t < g.T && b < g.R && send_slot_out != nullptr)
+      send_slot_out[static_cast<int64_t>(t) * g.R + b] =
+          hit ? off + __popc(mask & ((1u << lane) - 1u)) : -1;
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (int w = 0; w < kWarps; ++w) running += warp_total[w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) v.counts[static_cast<int64_t>(g.rank) * (g.R + g.N) + b] = running;
+}
+
+// The signal value of the exchange: nonzero, the bad-id flag, 30 bits of the sequence
+// number and the configuration hash.
+__device__ __forceinline__ uint64_t HeaderValue(uint64_t seq, uint32_t hash, bool bad) {
+  return (1ull << 63) | (bad ? 1ull << 62 : 0ull) | ((seq & 0x3fffffffull) << 32) | hash;
+}
+
+// One block: puts this rank's count row to every peer on QP 0 with a SET of the header
+// value into word cnt_sig[rank] there; then thread s waits (bounded) for source s's
+// word, checks it and resets it (its reader). A peer in another call or with bad ids
+// fails the call on every rank alike.
+__global__ void ExchangeKernel(Geo g, bool with_rows) {
+  const View v = ViewOf(g);
+  const int warp = threadIdx.x >> 5;
+  const uint64_t seq = *g.counter;
+  __shared__ int skip;
+  if (threadIdx.x == 0) skip = Failed(g) ? 1 : 0;
+  __syncthreads();
+  if (skip) return;  // an earlier call failed: stay silent, peers time out
+  const bool bad = g.bad[0] != 0;
+  const uint64_t mine = HeaderValue(seq, g.hash, bad);
+  int32_t* row = v.counts + static_cast<int64_t>(g.rank) * (g.R + g.N);
+  const size_t row_bytes = with_rows ? sizeof(int32_t) * (g.R + g.N) : sizeof(int32_t);
+  for (int i = 1 + warp; i < g.R; i += kWarps) {
+    const int peer = (g.rank + i) % g.R;
+    Tr::put_signal_warp(row, row, row_bytes, v.cnt_sig + g.rank, mine, SignalOp::kSet, peer,
+                        wire::kControlQp);
+  }
+  if (Lane() == 0) Tr::quiet();
+  if (threadIdx.x == 0 && bad)
+    Record(g, wire::kErrBadId, g.bad[1], 0, g.bad[2], static_cast<uint64_t>(g.E),
+           static_cast<uint64_t>(static_cast<int64_t>(g.bad[3])));
+  for (int s = threadIdx.x; s < g.R; s += blockDim.x) {
+    if (s == g.rank) continue;
+    uint64_t* w = v.cnt_sig + s;
+    if (!WaitAtLeast(g, [w] { return Tr::fetch(w); }, 1, s, wire::kSigCounts,
+                     wire::kControlQp))
+      continue;
+    const uint64_t theirs = Tr::fetch(w);
+    *w = 0;
+    const uint64_t want = HeaderValue(seq, g.hash, false);
+    if ((theirs & ~(1ull << 62)) != want)
+      Record(g, wire::kErrMismatch, s, wire::kSigCounts, wire::kControlQp, g.hash,
+             theirs & 0xffffffffull, seq & 0x3fffffffull, (theirs >> 32) & 0x3fffffffull);
+    else if (theirs & (1ull << 62))
+      Record(g, wire::kErrPeerFailed, s, wire::kSigCounts, wire::kControlQp, 0, 0);
+  }
+}
+
+// ---- dispatch and gather ---------------------------------------------------------------
+
+struct Outs {
+  char* x;              // [C, prow] rows (dispatch recv_x, gather out)
+  int32_t* idx;         // dispatch only
+  float* w;
+  int32_t* per_expert;
+  int32_t* src_rank;
+  int32_t* src_index;
+};
+
+// Writes a dispatch-pattern row: payload, K ids and weights (dispatch), metadata.
+__device__ __forceinline__ void WriteRow(const Geo& g, char* dst, const char* payload,
+                                         const int32_t* topk_idx, const float* topk_w, int t,
+                                         uint32_t mask, int64_t dest) {
+  const int lane = Lane();
+  CopyBytes(dst, payload + static_cast<int64_t>(t) * g.prow, g.prow, lane, 32);
+  if (topk_idx != nullptr) {
+    int32_t* ids = reinterpret_cast<int32_t*>(dst + meta_offset(g.prow));
+    float* ws = reinterpret_cast<float*>(ids + g.K);
+    for (int k = lane; k < g.K; k += 32) {
+      ids[k] = topk_idx[static_cast<int64_t>(t) * g.K + k];
+      ws[k] = topk_w[static_cast<int64_t>(t) * g.K + k];
+    }
+  }
+  if (lane == 0) {
+    int32_t* meta = reinterpret_cast<int32_t*>(dst + g.dmeta);
+    meta[0] = t;
+    meta[1] = g.rank;
+    meta[2] = static_cast<int32_t>(mask);
+    meta[3] = static_cast<int32_t>(dest);
+  }
+}
+
+// A forwarder's view of the receivers of its node for one source: lane l < G holds
+// receiver (node, l)'s numbering, capacity cut and NVLink ring (peer pointers).
+struct FwdLane {
+  long long sent = 0, base = 0, kept = 0;
+  unsigned long long tail = 0;
+  char* ring = nullptr;
+  uint64_t* head = nullptr;
+  uint64_t* tailw = nullptr;
+};
+
+__device__ bool FwdSetup(const Geo& g, const View& v, const int32_t* cnt, int cs, int s,
+                         FwdLane* f) {
+  const int lane = Lane();
+  int ok = 1;
+  if (lane < g.G) {
+    const int d = g.node * g.G + lane;
+    f->base = BaseOf(cnt, cs, s, d);
+    f->kept = KeptOf(cnt, cs, s, d, g.C);
+    const int ns = s / g.G;
+    f->ring = static_cast<char*>(Tr::peer_ptr(NvlRing(v, g, g.local, ns), d));
+    f->head = static_cast<uint64_t*>(Tr::peer_ptr(HeadW(v, g, g.local, ns), d));
+    f->tailw = static_cast<uint64_t*>(Tr::peer_ptr(TailW(v, g, g.local, ns), d));
+    ok = f->ring != nullptr && f->head != nullptr && f->tailw != nullptr;
+    if (!ok) Record(g, wire::kErrTimeout, d, kKindNoPeer, 0, 1, 0);
+  }
+  return __all_sync(kFull, ok) != 0;
+}
+
+template <class P>
+__device__ __forceinline__ P* ShflPtr(P* p, int src) {
+  return reinterpret_cast<P*>(
+      __shfl_sync(kFull, reinterpret_cast<unsigned long long>(p), src));
+}
+
+// Waits (lane 0, bounded) for room in receiver l's ring; its slot, or null on failure.
+__device__ char* NvlReserve(const Geo& g, const FwdLane& f, int l) {
+  const unsigned long long tail = __shfl_sync(kFull, f.tail, l);
+  uint64_t* head = ShflPtr(f.head, l);
+  int ok = 1;
+  if (Lane() == 0 && tail >= static_cast<unsigned long long>(kNvlRingRows))
+    ok = WaitAtLeast(g, [head] { return LoadAcq(head); }, tail + 1 - kNvlRingRows,
+                     g.node * g.G + l, kKindNvl, l) ? 1 : 0;
+  if (!__shfl_sync(kFull, ok, 0)) return nullptr;
+  return ShflPtr(f.ring, l) + nvl_slot(static_cast<int64_t>(tail)) * g.stride;
+}
+
+// Publishes the row just written into receiver l's ring (the warp's stores first).
+__device__ __forceinline__ void NvlPublish(FwdLane* f, int l) {
+  const unsigned long long tail = __shfl_sync(kFull, f->tail, l);
+  uint64_t* tw = ShflPtr(f->tailw, l);
+  __syncwarp();
+  if (Lane() == 0) {
+    __threadfence_system();
+    StoreRel(tw, tail + 1);
+  }
+  if (Lane() == l) f->tail = tail + 1;
+  __syncwarp();
+}
+
+// Hands one row (at `row`, already in this GPU's memory, or composed from the inputs
+// when `row` is null) to every receiver of this node in `mask` that keeps it.
+__device__ bool Forward(const Geo& g, FwdLane* f, uint32_t mask, const char* row,
+                        const char* payload, const int32_t* topk_idx, const float* topk_w,
+                        int t) {
+  while (mask != 0) {
+    const int l = __ffs(mask) - 1;
+    mask &= mask - 1;
+    const long long slot = __shfl_sync(kFull, f->sent, l);
+    const long long kept = __shfl_sync(kFull, f->kept, l);
+    const long long base = __shfl_sync(kFull, f->base, l);
+    if (Lane() == l) f->sent = slot + 1;
+    if (slot >= kept) continue;  // past the capacity there: dropped, never forwarded
+    char* dst = NvlReserve(g, *f, l);
+    if (dst == nullptr) return false;
+    if (row != nullptr) {
+      CopyBytes(dst, row, g.stride, Lane(), 32);
+      __syncwarp();
+      if (Lane() == 0) reinterpret_cast<int32_t*>(dst + g.dmeta)[3] =
+                           static_cast<int32_t>(base + slot);
+    } else {
+      WriteRow(g, dst, payload, topk_idx, topk_w, t, 0, base + slot);
+    }
+    NvlPublish(f, l);
+  }
+  return true;
+}
+
+// The QP of chunk c of a stream to `peer`: the striping plan's, channel c % nq. Every QP
+// is used once per nq consecutive chunks (channels are a bijection onto QPs), so chunk c
+// is number c / nq on its QP.
+__device__ __forceinline__ int ChunkQp(const Geo& g, int peer, int64_t c) {
+  return qp_for(peer, static_cast<int32_t>(c % g.nq), c, g.P, g.Qpp).qp;
+}
+
+// Waits (bounded) for every closing signal of a stream of `chunks` chunks from node n's
+// peer `peer`, checks none holds more, then resets the words (their reader).
+__device__ bool CloseStream(const Geo& g, const View& v, int n, int peer, int64_t chunks,
+                            int kind) {
+  int ok = 1;
+  for (int q = Lane(); q < g.nq; q += 32) {
+    uint64_t* w = DataWord(v, g, n, q);
+    const uint64_t expect = wire::expected_signal(chunks, g.rank, q, g.P, g.Qpp);
+    if (!WaitAtLeast(g, [w] { return Tr::fetch(w); }, expect, peer, kind, q)) {
+      ok = 0;
+      continue;
+    }
+    const uint64_t seen = Tr::fetch(w);
+    if (seen != expect) {
+      Record(g, wire::kErrExtraSignal, peer, kind, q, expect, seen);
+      ok = 0;
+    }
+    *w = 0;
+  }
+  return __all_sync(kFull, ok) != 0;
+}
+
+// The stream's writer: closing signal on every QP, the final credit wait (no credit of
+// this call may land after the word is reset), then the reset.
+__device__ void EndStream(const Geo& g, const View& v, int m, int peer, int64_t chunks,
+                          int data_node) {
+  for (int q = Lane(); q < g.nq; q += 32)
+    Tr::signal(DataWord(v, g, data_node, q), 1, SignalOp::kAdd, peer, q);
+  __syncwarp();
+  if (Lane() == 0) {
+    uint64_t* cw = v.credit + m;
+    if (WaitAtLeast(g, [cw] { return Tr::fetch(cw); }, static_cast<uint64_t>(chunks), peer,
+                    kKindCredit, 0))
+      *cw = 0;
+  }
+  __syncwarp();
+}
+
+// Chunk c (rows of the staging slot for node m) to `peer`, data and signal on its QP.
+__device__ __forceinline__ void PutChunk(const Geo& g, const View& v, int m, int peer,
+                                         int64_t c, int64_t rows) {
+  __syncwarp();
+  __threadfence();
+  const int q = ChunkQp(g, peer, c);
+  Tr::put_signal_warp(RecvSlot(v, g, g.node, c), SendSlot(v, g, m, c),
+                      static_cast<size_t>(rows * g.stride), DataWord(v, g, g.node, q), 1,
+                      SignalOp::kAdd, peer, q);
+}
+
+// Waits (bounded) for the credit that frees the staging slot of chunk c.
+__device__ __forceinline__ bool WaitCredit(const Geo& g, const View& v, int m, int peer,
+                                           int64_t c) {
+  const int64_t need = credit_needed(c);
+  if (need == 0) return true;
+  return WarpWaitSig(g, v.credit + m, static_cast<uint64_t>(need), peer, kKindCredit, 0);
+}
+
+// Sender to node m's rail peer: the rows of this rank's tokens with a receiver on m.
+__device__ void SendRole(const Geo& g, const View& v, int m, const char* payload,
+                         const int32_t* topk_idx, const float* topk_w,
+                         const int32_t* send_slot) {
+  const int peer = m * g.G + g.local;
+  int64_t o = 0;
+  for (int tb = 0; tb < g.T; tb += 32) {
+    const int t = tb + Lane();
+    const uint32_t mask = t < g.T ? NodeMask(g, t, m, topk_idx, send_slot) : 0u;
+    unsigned todo = __ballot_sync(kFull, mask != 0);
+    while (todo != 0) {
+      const int l = __ffs(todo) - 1;
+      todo &= todo - 1;
+      const uint32_t mm = __shfl_sync(kFull, mask, l);
+      const int64_t c = o / kRdmaChunkRows, j = o % kRdmaChunkRows;
+      if (j == 0 && !WaitCredit(g, v, m, peer, c)) return;
+      WriteRow(g, SendSlot(v, g, m, c) + j * g.stride, payload, topk_idx, topk_w, tb + l, mm,
+               -1);
+      ++o;
+      if (j == kRdmaChunkRows - 1) PutChunk(g, v, m, peer, c, kRdmaChunkRows);
+    }
+  }
+  if (o % kRdmaChunkRows != 0) PutChunk(g, v, m, peer, o / kRdmaChunkRows, o % kRdmaChunkRows);
+  EndStream(g, v, m, peer, (o + kRdmaChunkRows - 1) / kRdmaChunkRows, g.node);
+}
+
+// This rank's own tokens for its own node: straight into the receivers' rings.
+__device__ void LocalForwardRole(const Geo& g, const View& v, const char* payload,
+                                 const int32_t* topk_idx, const float* topk_w,
+                                 const int32_t* send_slot) {
+  FwdLane f;
+  if (!FwdSetup(g, v, v.counts, g.R + g.N, g.rank, &f)) return;
+  for (int tb = 0; tb < g.T; tb += 32) {
+    const int t = tb + Lane();
+    const uint32_t mask = t < g.T ? NodeMask(g, t, g.node, topk_idx, send_slot) : 0u;
+    unsigned todo = __ballot_sync(kFull, mask != 0);
+    while (todo != 0) {
+      const int l = __ffs(todo) - 1;
+      todo &= todo - 1;
+      if (!Forward(g, &f, __shfl_sync(kFull, mask, l), nullptr, payload, topk_idx, topk_w,
+                   tb + l))
+        return;
+    }
+  }
+}
+
+// Rail forwarder for the source (n, my local index): chunk by chunk from the RDMA ring to
+// the receivers of this node, a credit after each chunk.
+__device__ void RailForwardRole(const Geo& g, const View& v, int n) {
+  const int s = n * g.G + g.local;
+  const int cs = g.R + g.N;
+  FwdLane f;
+  if (!FwdSetup(g, v, v.counts, cs, s, &f)) return;
+  const int64_t rows = v.counts[static_cast<int64_t>(s) * cs + g.R + g.node];
+  const int64_t chunks = (rows + kRdmaChunkRows - 1) / kRdmaChunkRows;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int q = ChunkQp(g, g.rank, c);
+    if (!WarpWaitSig(g, DataWord(v, g, n, q), static_cast<uint64_t>(c / g.nq + 1), s,
+                     wire::kSigDispatch, q))
+      return;
+    const char* slot = RecvSlot(v, g, n, c);
+    const int64_t nr = rows - c * kRdmaChunkRows < kRdmaChunkRows ? rows - c * kRdmaChunkRows
+                                                                  : kRdmaChunkRows;
+    for (int64_t j = 0; j < nr; ++j) {
+      const char* row = slot + j * g.stride;
+      const uint32_t mask =
+          static_cast<uint32_t>(reinterpret_cast<const int32_t*>(row + g.dmeta)[2]);
+      if (!Forward(g, &f, mask, row, nullptr, nullptr, nullptr, 0)) return;
+    }
+    __syncwarp();
+    if (Lane() == 0)
+      Tr::signal(v.credit + g.node, static_cast<uint64_t>(c + 1), SignalOp::kSet, s,
+                 wire::kControlQp);
+  }
+  CloseStream(g, v, n, s, chunks, wire::kSigDispatch);
+}
+
+// Writes one received dispatch-pattern row to the outputs.
+__device__ void Unpack(const Geo& g, const char* row, const Outs& out, bool gather, int ring) {
+  const int lane = Lane();
+  const int32_t* meta = reinterpret_cast<const int32_t*>(row + g.dmeta);
+  const int64_t dest = meta[3];
+  if (dest < 0 || dest >= g.C) {
+    if (lane == 0) Record(g, wire::kErrMismatch, meta[1], kKindRow, ring, g.C, dest);
+    return;
+  }
+  CopyBytes(out.x + dest * g.prow, row, g.prow, lane, 32);
+  if (gather) return;
+  const int32_t* ids = reinterpret_cast<const int32_t*>(row + meta_offset(g.prow));
+  const float* ws = reinterpret_cast<const float*>(ids + g.K);
+  for (int k = lane; k < g.K; k += 32) {
+    const int32_t local = local_expert_id(ids[k], g.el, g.rank);
+    out.idx[dest * g.K + k] = local;
+    out.w[dest * g.K + k] = local < 0 ? 0.f : ws[k];
+    if (local >= 0) atomicAdd(out.per_expert + local, 1);
+  }
+  if (lane == 0) {
+    out.src_rank[dest] = meta[1];
+    out.src_index[dest] = meta[0];
+  }
+}
+
+// Receiver warp w of nw: rings w, w + nw, ... of this rank (lane j: ring w + j * nw),
+// polled without blocking on any one; the owner resets each ring's words at the end.
+__device__ void ReceiveRole(const Geo& g, const View& v, int w, int nw, const Outs& out,
+                            bool gather) {
+  const int lane = Lane();
+  const int ring = w + lane * nw;
+  const bool mine = ring < g.G * g.N;
+  const int gl = mine ? ring / g.N : 0, n = mine ? ring % g.N : 0;
+  const int s = n * g.G + gl;
+  long long left = mine ? KeptOf(v.counts, g.R + g.N, s, g.rank, g.C) : 0;
+  unsigned long long head = 0;
+  uint64_t last = NowNs();
+  for (int spin = 0;; ++spin) {
+    const bool active = left > 0;
+    if (!__any_sync(kFull, active)) break;
+    const unsigned long long tail = active ? LoadAcq(TailW(v, g, gl, n)) : 0ull;
+    unsigned ready = __ballot_sync(kFull, active && tail > head);
+    __syncwarp();
+    if (ready == 0) {
+      int stop = 0;
+      if (lane == 0 && (spin & 255) == 0) {
+        if (Failed(g)) stop = 1;
+        else if (static_cast<int64_t>(NowNs() - last) > g.timeout_ns) stop = 2;
+      }
+      stop = __shfl_sync(kFull, stop, 0);
+      if (stop == 2) {
+        const int l = __ffs(__ballot_sync(kFull, active)) - 1;
+        const int r = __shfl_sync(kFull, ring, l);
+        const unsigned long long h = __shfl_sync(kFull, head, l);
+        if (lane == 0)
+          Record(g, wire::kErrTimeout, g.node * g.G + r / g.N, kKindNvl, r, h + 1, h);
+      }
+      if (stop) return;
+      continue;
+    }
+    last = NowNs();
+    while (ready != 0) {
+      const int l = __ffs(ready) - 1;
+      ready &= ready - 1;
+      const unsigned long long h = __shfl_sync(kFull, head, l);
+      const long long lim = __shfl_sync(kFull, left, l);
+      long long avail = static_cast<long long>(__shfl_sync(kFull, tail, l) - h);
+      if (avail > lim) avail = lim;
+      const int lgl = __shfl_sync(kFull, gl, l), ln = __shfl_sync(kFull, n, l);
+      const char* base = NvlRing(v, g, lgl, ln);
+      for (long long k = 0; k < avail; ++k)
+        Unpack(g, base + nvl_slot(static_cast<int64_t>(h + k)) * g.stride, out, gather,
+               __shfl_sync(kFull, ring, l));
+      __syncwarp();
+      if (lane == l) {
+        head = h + avail;
+        left -= avail;
+        StoreRel(HeadW(v, g, gl, n), head);
+      }
+    }
+  }
+  __syncwarp();
+  if (mine) {
+    *HeadW(v, g, gl, n) = 0;
+    *TailW(v, g, gl, n) = 0;
+  }
+}
+
+// Warps [0, N): sender to node m (the local forwarder for m == this node); [N, 2N): rail
+// forwarder for node n != this node; [2N, 2N + nw): receivers.
+__global__ void __launch_bounds__(kThreads) DispatchMain(Geo g, const char* payload,
+                                                         const int32_t* topk_idx,
+                                                         const float* topk_w,
+                                                         const int32_t* send_slot, Outs out,
+                                                         int nw, bool gather) {
+  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  int failed = 0;
+  if (Lane() == 0) failed = Failed(g) ? 1 : 0;
+  if (__shfl_sync(kFull, failed, 0)) return;
+  const View v = ViewOf(g);
+  if (gw < g.N) {
+    if (gw == g.node)
+      LocalForwardRole(g, v, payload, topk_idx, topk_w, send_slot);
+    else
+      SendRole(g, v, gw, payload, topk_idx, topk_w, send_slot);
+  } else if (gw < 2 * g.N) {
+    if (gw - g.N != g.node) RailForwardRole(g, v, gw - g.N);
+  } else if (gw < 2 * g.N + nw) {
+    ReceiveRole(g, v, gw - 2 * g.N, nw, out, gather);
+  }
+  __syncwarp();
+  if (Lane() == 0) Tr::quiet();
+}
+
+// After DispatchMain: the row totals, the count matrix, and the empty state of every row
+// past the rows kept (all rows when the call failed anywhere).
+__global__ void DispatchFinish(Geo g, Outs out, bool gather, int32_t* num_recv,
+                               int32_t* num_dropped, int32_t* counts_out) {
+  const View v = ViewOf(g);
+  const int cs = g.R + g.N;
+  const bool failed = Failed(g);
+  __shared__ long long total;
+  if (threadIdx.x == 0) total = failed ? 0 : BaseOf(v.counts, cs, g.R, g.rank);
+  __syncthreads();
+  const int64_t kept = kept_rows(total, g.C);
+  const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t gstride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (gtid == 0 && num_recv != nullptr) {
+    *num_recv = static_cast<int32_t>(kept);
+    *num_dropped = static_cast<int32_t>(total - kept);
+  }
+  if (counts_out != nullptr)
+    for (int64_t i = gtid; i < static_cast<int64_t>(g.R) * g.R; i += gstride)
+      counts_out[i] = failed ? 0 : v.counts[(i / g.R) * cs + i % g.R];
+  if (failed && !gather)
+    for (int64_t i = gtid; i < g.el; i += gstride) out.per_expert[i] = 0;
+  for (int64_t i = kept * g.prow + gtid; i < g.C * g.prow; i += gstride) out.x[i] = 0;
+  if (gather) return;
+  for (int64_t i = kept * g.K + gtid; i < static_cast<int64_t>(g.C) * g.K; i += gstride) {
+    out.idx[i] = -1;
+    out.w[i] = 0.f;
+  }
+  for (int64_t i = kept + gtid; i < g.C; i += gstride) out.src_rank[i] = out.src_index[i] = -1;
+}
+
+// Advances the call counter shared with the direct mode (after every reader of it).
+__global__ void AdvanceKernel(unsigned long long* counter) { ++*counter; }
+
+// ---- combine -----------------------------------------------------------------------------
+
+template <typename E>
+__device__ __forceinline__ float ToF(E v) { return static_cast<float>(v); }
+template <typename E>
+__device__ __forceinline__ E FromF(float v) { return static_cast<E>(v); }
+template <>
+__device__ __forceinline__ float ToF(__nv_bfloat16 v) {
+  return bf16_to_f32(__bfloat16_as_ushort(v));
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF(float v) {
+  return __ushort_as_bfloat16(f32_to_bf16(v));
+}
+template <>
+__device__ __forceinline__ float ToF(__half v) { return f16_to_f32(__half_as_ushort(v)); }
+template <>
+__device__ __forceinline__ __half FromF(float v) { return __ushort_as_half(f32_to_f16(v)); }
+
+// Pusher warp p: lane l owns source s = 32 p + l, the rows this rank holds from s (in
+// token order) into the ring [my local][s's node] at s's rail peer on this node.
+__device__ void PushRole(const Geo& g, const View& v, int p, const char* y,
+                         const int32_t* counts, const int32_t* src_index) {
+  const int lane = Lane();
+  const int s = p * 32 + lane;
+  const bool mine = s < g.R;
+  long long start = 0, n = 0, next = 0;
+  unsigned long long tail = 0;
+  char* ring = nullptr;
+  uint64_t *head = nullptr, *tailw = nullptr;
+  int ok = 1;
+  if (mine) {
+    const int64_t b = BaseOf(counts, g.R, s, g.rank);
+    start = b;
+    n = KeptOf(counts, g.R, s, g.rank, g.C);
+    const int f = g.node * g.G + s % g.G;
+    const int ns = s / g.G;
+    if (n > 0) {
+      ring = static_cast<char*>(Tr::peer_ptr(NvlRing(v, g, g.local, ns), f));
+      head = static_cast<uint64_t*>(Tr::peer_ptr(HeadW(v, g, g.local, ns), f));
+      tailw = static_cast<uint64_t*>(Tr::peer_ptr(TailW(v, g, g.local, ns), f));
+      ok = ring != nullptr && head != nullptr && tailw != nullptr;
+      if (!ok) Record(g, wire::kErrTimeout, f, kKindNoPeer, 0, 1, 0);
+    }
+  }
+  if (!__all_sync(kFull, ok)) return;
+  uint64_t last = NowNs();
+  for (int spin = 0;; ++spin) {
+    const bool active = next < n;
+    if (!__any_sync(kFull, active)) break;
+    const bool room = active && (tail < static_cast<unsigned long long>(kNvlRingRows) ||
+                                 LoadAcq(head) + kNvlRingRows > tail);
+    unsigned ready = __ballot_sync(kFull, room);
+    if (ready == 0) {
+      int stop = 0;
+      if (lane == 0 && (spin & 255) == 0) {
+        if (Failed(g)) stop = 1;
+        else if (static_cast<int64_t>(NowNs() - last) > g.timeout_ns) stop = 2;
+      }
+      stop = __shfl_sync(kFull, stop, 0);
+      if (stop == 2) {
+        const int l = __ffs(__ballot_sync(kFull, active)) - 1;
+        const int ls = __shfl_sync(kFull, s, l);
+        if (lane == 0)
+          Record(g, wire::kErrTimeout, g.node * g.G + ls % g.G, kKindNvl, g.local, 0, 0);
+      }
+      if (stop) return;
+      continue;
+    }
+    last = NowNs();
+    while (ready != 0) {
+      const int l = __ffs(ready) - 1;
+      ready &= ready - 1;
+      const long long i = __shfl_sync(kFull, start + next, l);
+      const unsigned long long tl = __shfl_sync(kFull, tail, l);
+      char* dst = ShflPtr(ring, l) + nvl_slot(static_cast<int64_t>(tl)) * g.stride;
+      uint64_t* tw = ShflPtr(tailw, l);
+      CopyBytes(dst, y + i * g.prow, g.prow, lane, 32);
+      if (lane == 0) {
+        int32_t* meta = reinterpret_cast<int32_t*>(dst + g.cmeta);
+        meta[0] = src_index[i];
+        meta[1] = g.rank;
+      }
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence_system();
+        StoreRel(tw, tl + 1);
+      }
+      if (lane == l) {
+        tail = tl + 1;
+        ++next;
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// Combine forwarder for the source s = (n, my local index): merges this node's rings of
+// s by (token, rank) into one credited RDMA stream back to s.
+__device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int32_t* counts) {
+  const int lane = Lane();
+  const int s = n * g.G + g.local;
+  long long left = lane < g.G ? KeptOf(counts, g.R, s, g.node * g.G + lane, g.C) : 0;
+  unsigned long long head = 0;
+  long long rows = left;
+  for (int o = 16; o > 0; o >>= 1) rows += __shfl_xor_sync(kFull, rows, o);
+  const int64_t chunks = (rows + kRdmaChunkRows - 1) / kRdmaChunkRows;
+  int64_t o = 0;
+  uint64_t last = NowNs();
+  for (int spin = 0; o < rows; ++spin) {
+    const bool need = left > 0;
+    const bool have = !need || LoadAcq(TailW(v, g, lane, n)) > head;
+    if (!__all_sync(kFull, have)) {
+      int stop = 0;
+      if (lane == 0 && (spin & 255) == 0) {
+        if (Failed(g)) stop = 1;
+        else if (static_cast<int64_t>(NowNs() - last) > g.timeout_ns) stop = 2;
+      }
+      stop = __shfl_sync(kFull, stop, 0);
+      if (stop == 2) {
+        const int l = __ffs(__ballot_sync(kFull, !have)) - 1;
+        if (lane == 0)
+          Record(g, wire::kErrTimeout, g.node * g.G + l, kKindNvl, l * g.N + n, 1, 0);
+      }
+      if (stop) return;
+      continue;
+    }
+    __syncwarp();
+    last = NowNs();
+    long long key = LLONG_MAX;
+    if (need) {
+      const char* r = NvlRing(v, g, lane, n) + nvl_slot(static_cast<int64_t>(head)) * g.stride;
+      key = (static_cast<long long>(reinterpret_cast<const int32_t*>(r + g.cmeta)[0]) << 6) |
+            lane;
+    }
+    for (int x = 16; x > 0; x >>= 1) {
+      const long long other = __shfl_xor_sync(kFull, key, x);
+      key = other < key ? other : key;
+    }
+    const int l = static_cast<int>(key & 63);
+    const unsigned long long h = __shfl_sync(kFull, head, l);
+    const int64_t c = o / kRdmaChunkRows, j = o % kRdmaChunkRows;
+    if (j == 0 && !WaitCredit(g, v, n, s, c)) return;
+    CopyBytes(SendSlot(v, g, n, c) + j * g.stride,
+              NvlRing(v, g, l, n) + nvl_slot(static_cast<int64_t>(h)) * g.stride, g.stride,
+              lane, 32);
+    __syncwarp();
+    if (lane == l) {
+      head = h + 1;
+      --left;
+      StoreRel(HeadW(v, g, l, n), head);
+    }
+    ++o;
+    if (j == kRdmaChunkRows - 1 || o == rows) PutChunk(g, v, n, s, c, j + 1);
+  }
+  EndStream(g, v, n, s, chunks, g.node);
+  __syncwarp();
+  if (lane < g.G) {
+    *HeadW(v, g, lane, n) = 0;
+    *TailW(v, g, lane, n) = 0;
+  }
+}
+
+// The source (one block): per token, its rows in ascending rank order, summed in
+// float32; credits back as the RDMA chunks are consumed; then the closing waits.
+template <typename E>
+__device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
+                           const int32_t* send_slot, E* out) {
+  __shared__ int sbase[kMaxRanks];      // min(first row of this rank at d, C)
+  __shared__ int pos[kMaxNodes];        // rows read from node k's stream
+  __shared__ int nrows[kMaxNodes];      // rows in node k's stream
+  __shared__ int credited[kMaxNodes];   // chunks of node k's stream credited
+  __shared__ unsigned long long nvl_head[kMaxGpusPerNode];
+  __shared__ const char* ptrs[kMaxRanks];
+  __shared__ int nptr;
+  const int tid = threadIdx.x;
+  for (int d = tid; d < g.R; d += blockDim.x) {
+    const int64_t b = BaseOf(counts, g.R, g.rank, d);
+    sbase[d] = static_cast<int>(b < g.C ? b : g.C);
+  }
+  for (int k = tid; k < g.N; k += blockDim.x) {
+    int64_t r = 0;
+    for (int l = 0; l < g.G; ++l) r += KeptOf(counts, g.R, g.rank, k * g.G + l, g.C);
+    nrows[k] = static_cast<int>(r);
+    pos[k] = 0;
+    credited[k] = 0;
+  }
+  for (int l = tid; l < g.G; l += blockDim.x) nvl_head[l] = 0;
+  __syncthreads();
+  for (int t = 0; t < g.T; ++t) {
+    if (tid == 0) {
+      int n = 0;
+      for (int d = 0; d < g.R && n >= 0; ++d) {
+        const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
+        if (j < 0 || static_cast<int64_t>(sbase[d]) + j >= g.C) continue;
+        const int k = d / g.G;
+        const char* row;
+        if (k == g.node) {
+          const int l = d % g.G;
+          const unsigned long long hd = nvl_head[l];
+          uint64_t* tw = TailW(v, g, l, g.node);
+          if (!WaitAtLeast(g, [tw] { return LoadAcq(tw); }, hd + 1, d, kKindNvl,
+                           l * g.N + g.node)) {
+            n = -1;
+            break;
+          }
+          row = NvlRing(v, g, l, g.node) + nvl_slot(static_cast<int64_t>(hd)) * g.stride;
+          nvl_head[l] = hd + 1;
+        } else {
+          const int o = pos[k];
+          const int64_t c = o / kRdmaChunkRows;
+          const int peer = k * g.G + g.local;
+          if (o % kRdmaChunkRows == 0) {
+            const int q = ChunkQp(g, g.rank, c);
+            uint64_t* w = DataWord(v, g, k, q);
+            if (!WaitAtLeast(g, [w] { return Tr::fetch(w); },
+                             static_cast<uint64_t>(c / g.nq + 1), peer, wire::kSigCombine,
+                             q)) {
+              n = -1;
+              break;
+            }
+          }
+          row = RecvSlot(v, g, k, c) + (o % kRdmaChunkRows) * g.stride;
+          pos[k] = o + 1;
+        }
+        const int32_t* meta = reinterpret_cast<const int32_t*>(row + g.cmeta);
+        if (meta[0] != t || meta[1] != d) {
+          Record(g, wire::kErrMismatch, d, kKindRow, t, static_cast<uint64_t>(t),
+                 static_cast<uint64_t>(static_cast<int64_t>(meta[0])));
+          n = -1;
+          break;
+        }
+        ptrs[n++] = row;
+      }
+      nptr = n;
+    }
+    __syncthreads();
+    const int n = nptr;
+    if (n < 0) break;
+    for (int x = tid; x < g.H; x += blockDim.x) {
+      float acc = 0.f;
+      for (int i = 0; i < n; ++i) acc += ToF(reinterpret_cast<const E*>(ptrs[i])[x]);
+      out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      for (int l = 0; l < g.G; ++l) StoreRel(HeadW(v, g, l, g.node), nvl_head[l]);
+      for (int k = 0; k < g.N; ++k) {
+        if (k == g.node) continue;
+        const int done = pos[k] == nrows[k] ? (pos[k] + kRdmaChunkRows - 1) / kRdmaChunkRows
+                                            : pos[k] / kRdmaChunkRows;
+        if (done > credited[k]) {
+          Tr::signal(v.credit + g.node, static_cast<uint64_t>(done), SignalOp::kSet,
+                     k * g.G + g.local, wire::kControlQp);
+          credited[k] = done;
+        }
+      }
+    }
+    __syncthreads();
+  }
+  // Closing waits of every node's stream (also with T == 0: the forwarders still close).
+  for (int k = threadIdx.x >> 5; k < g.N; k += kWarps) {
+    // warp-uniform: CloseStream's vote needs every lane
+    const int stop = __shfl_sync(kFull, Failed(g) ? 1 : 0, 0);
+    if (k == g.node || stop) continue;
+    CloseStream(g, v, k, k * g.G + g.local,
+                (nrows[k] + kRdmaChunkRows - 1) / kRdmaChunkRows, wire::kSigCombine);
+  }
+  __syncthreads();
+  for (int l = tid; l < g.G; l += blockDim.x) {
+    *HeadW(v, g, l, g.node) = 0;
+    *TailW(v, g, l, g.node) = 0;
+  }
+  if (Failed(g))
+    for (int64_t i = tid; i < static_cast<int64_t>(g.T) * g.H; i += blockDim.x)
+      out[i] = FromF<E>(0.f);
+}
+
+// Block 0: the source; then warps [0, N): forwarders (n != this node), [N, N + np):
+// pushers.
+template <typename E>
+__global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
+                                                        const int32_t* counts,
+                                                        const int32_t* send_slot,
+                                                        const int32_t* src_index, E* out,
+                                                        int np) {
+  const View v = ViewOf(g);
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = Failed(g) ? 1 : 0;
+  __syncthreads();
+  if (failed) {
+    if (blockIdx.x == 0)
+      for (int64_t i = threadIdx.x; i < static_cast<int64_t>(g.T) * g.H; i += blockDim.x)
+        out[i] = FromF<E>(0.f);
+    return;
+  }
+  if (blockIdx.x == 0) {
+    SourceRole<E>(g, v, counts, send_slot, out);
+  } else {
+    const int gw = (blockIdx.x - 1) * kWarps + (threadIdx.x >> 5);
+    if (gw < g.N) {
+      if (gw != g.node) CombineForwardRole(g, v, gw, counts);
+    } else if (gw < g.N + np) {
+      PushRole(g, v, gw - g.N, y, counts, src_index);
+    }
+  }
+  __syncwarp();
+  if (Lane() == 0) Tr::quiet();
+}
+
+// ---- host ---------------------------------------------------------------------------------
+
+std::string CudaErr(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return {};
+  return std::string("jax_ep internode (hierarchical): ") + what + ": " +
+         cudaGetErrorString(e);
+}
+
+std::string MakeGeo(const HierDims& hd, int op, FloatKind elem, Geo* g,
+                    internode::SharedRuntime* rt) {
+  const internode::Dims& d = hd.base;
+  std::string e = internode::SharedState(rt);
+  if (!e.empty()) return e;
+  if (d.num_ranks != rt->world || d.rank != rt->rank)
+    return "jax_ep internode (hierarchical): the EP group must be all NVSHMEM PEs (" +
+           std::to_string(rt->world) + "); got " + std::to_string(d.num_ranks) + " ranks";
+  const int G = hd.gpus_per_node;
+  if (G < 1 || G > kMaxGpusPerNode || d.num_ranks % G != 0)
+    return "jax_ep internode (hierarchical): gpus_per_node must divide num_ranks (" +
+           std::to_string(d.num_ranks) + ") and be in [1, " +
+           std::to_string(kMaxGpusPerNode) + "], got " + std::to_string(G);
+  if (d.num_ranks > kMaxRanks || d.num_ranks / G > kMaxNodes)
+    return "jax_ep internode (hierarchical): at most 1024 ranks and 256 nodes";
+  const int qps = d.num_ports * d.qps_per_port;
+  if (d.num_ports < 1 || d.qps_per_port < 1 || qps > transport::kMaxQps || qps > kMaxQps)
+    return "jax_ep internode (hierarchical): bad transport config (ports, QPs per port)";
+  if (qps != rt->num_qps)
+    return "jax_ep internode (hierarchical): the call asks for " + std::to_string(qps) +
+           " QPs per peer but NVSHMEM was started with " + std::to_string(rt->num_qps);
+  const int eb = FloatKindBytes(elem);
+  g->R = d.num_ranks;
+  g->rank = d.rank;
+  g->G = G;
+  g->N = d.num_ranks / G;
+  g->node = d.rank / G;
+  g->local = d.rank % G;
+  g->T = d.tokens;
+  g->H = d.hidden;
+  g->K = d.topk;
+  g->C = d.capacity;
+  g->E = d.num_experts;
+  g->el = d.experts_per_rank > 0 ? d.experts_per_rank : 1;
+  g->prow = static_cast<int64_t>(d.hidden) * eb;
+  g->dmeta = meta_offset(g->prow) + 8 * static_cast<int64_t>(d.topk);
+  g->cmeta = meta_offset(g->prow);
+  g->P = d.num_ports;
+  g->Qpp = d.qps_per_port;
+  g->nq = qps;
+  g->timeout_ns = d.timeout_ns > 0 ? d.timeout_ns : 300ll * 1000000000ll;
+  g->cfg[wire::kCfgOp] = op;
+  g->cfg[wire::kCfgRanks] = d.num_ranks;
+  g->cfg[wire::kCfgTokens] = d.tokens;
+  g->cfg[wire::kCfgHidden] = d.hidden;
+  g->cfg[wire::kCfgTopk] = d.topk;
+  g->cfg[wire::kCfgCapacity] = d.capacity;
+  g->cfg[wire::kCfgDtype] = static_cast<int32_t>(elem);
+  g->cfg[wire::kCfgNumQps] = qps;
+  g->cfg[wire::kCfgCallSite] = static_cast<int32_t>(d.call_site);
+  // The node size is part of the configuration: a rank with another G is another call.
+  g->hash = wire::config_hash(g->cfg) ^ (static_cast<uint32_t>(G) * 2654435761u);
+  g->err = static_cast<wire::ErrorRecord*>(rt->err);
+  g->bad = rt->bad;
+  g->counter = rt->call_counter;
+  g->heap = rt->heap;
+  g->half_bytes = static_cast<int64_t>(rt->half_bytes);
+  // Rows of either direction in one stride (a half serves either call).
+  g->L = layout(d.num_ranks, G, qps, d.hidden, d.topk, eb, eb);
+  g->stride = g->L.row_stride;
+  g->rdma_ring_bytes = round_up(rdma_ring_rows() * g->stride, kAlign);
+  g->nvl_ring_bytes = round_up(static_cast<int64_t>(kNvlRingRows) * g->stride, kAlign);
+  if (g->L.total > g->half_bytes)
+    return "jax_ep internode (hierarchical): the NVSHMEM heap is too small (a half needs " +
+           std::to_string(g->L.total) + " bytes for the hierarchical rings, has " +
+           std::to_string(g->half_bytes) +
+           "); size it with jax_ep.nvshmem_bootstrap.heap_bytes_for(..., gpus_per_node=G)";
+  // At the end of each half, so the direct mode's regions (at its start) never overlap
+  // it when the heap is sized for both.
+  g->region = (g->half_bytes - g->L.total) / kAlign * kAlign;
+  return {};
+}
+
+// A launch whose blocks all run at once (the roles wait on one another).
+template <typename... Args, typename... Act>
+std::string LaunchCoop(void (*kernel)(Args...), int blocks, cudaStream_t stream,
+                       Act&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return CudaErr(cudaLaunchKernelEx(&cfg, kernel, std::forward<Act>(args)...),
+                 "cooperative launch");
+}
+
+// Dispatch and gather share the path: x or g rows, routed by topk_idx or the handle.
+std::string RunDispatchPattern(cudaStream_t stream, const Geo& g, const char* payload,
+                               const int32_t* topk_idx, const float* topk_w,
+                               const int32_t* send_slot_in, int32_t* send_slot_out,
+                               const Outs& out, bool gather, int32_t* num_recv,
+                               int32_t* num_dropped, int32_t* counts_out,
+                               const internode::SharedRuntime& rt) {
+  std::string e;
+  if (!gather)
+    e = CudaErr(cudaMemsetAsync(out.per_expert, 0, sizeof(int32_t) * g.el, stream),
+                "clear expert counts");
+  if (e.empty()) e = CudaErr(cudaMemsetAsync(rt.bad, 0, sizeof(int32_t) * 4, stream), "clear");
+  if (!e.empty()) return e;
+  CountKernel<<<g.R + g.N, kThreads, 0, stream>>>(g, topk_idx, send_slot_in, send_slot_out);
+  ExchangeKernel<<<1, kThreads, 0, stream>>>(g, true);
+  const int nw = g.G * g.N < 32 ? g.G * g.N : 32;
+  const int warps = 2 * g.N + nw;
+  e = LaunchCoop(DispatchMain, (warps + kWarps - 1) / kWarps, stream, g, payload, topk_idx,
+                 topk_w, send_slot_in, out, nw, gather);
+  if (!e.empty()) return e;
+  const int64_t work = static_cast<int64_t>(g.C) * g.prow;
+  const int64_t blocks = (work + kThreads - 1) / kThreads;
+  DispatchFinish<<<blocks < 1 ? 1 : (blocks > 1024 ? 1024 : blocks), kThreads, 0, stream>>>(
+      g, out, gather, num_recv, num_dropped, counts_out);
+  AdvanceKernel<<<1, 1, 0, stream>>>(g.counter);
+  return CudaErr(cudaGetLastError(), gather ? "gather launch" : "dispatch launch");
+}
+
+}  // namespace
+
+std::string Dispatch(cudaStream_t stream, const HierDims& d, FloatKind elem, const void* x,
+                     const int32_t* topk_idx, const float* topk_weights,
+                     const internode::DispatchOut& out) {
+  Geo g;
+  internode::SharedRuntime rt;
+  std::string e = MakeGeo(d, wire::kOpDispatch, elem, &g, &rt);
+  if (!e.empty()) return e;
+  Outs o{static_cast<char*>(out.recv_x), out.recv_topk_idx, out.recv_topk_weights,
+         out.recv_per_expert, out.src_rank, out.src_index};
+  return RunDispatchPattern(stream, g, static_cast<const char*>(x), topk_idx, topk_weights,
+                            nullptr, out.send_slot, o, false, out.num_recv, out.num_dropped,
+                            out.counts, rt);
+}
+
+std::string Gather(cudaStream_t stream, const HierDims& d, FloatKind elem, const void* src,
+                   const int32_t* counts, const int32_t* send_slot, void* out) {
+  Geo g;
+  internode::SharedRuntime rt;
+  std::string e = MakeGeo(d, wire::kOpGather, elem, &g, &rt);
+  if (!e.empty()) return e;
+  (void)counts;  // the exchange recounts the rows from send_slot (same numbers)
+  Outs o{static_cast<char*>(out), nullptr, nullptr, nullptr, nullptr, nullptr};
+  return RunDispatchPattern(stream, g, static_cast<const char*>(src), nullptr, nullptr,
+                            send_slot, nullptr, o, true, nullptr, nullptr, nullptr, rt);
+}
+
+std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, const void* y,
+                    const int32_t* counts, const int32_t* send_slot, const int32_t* src_index,
+                    void* out) {
+  Geo g;
+  internode::SharedRuntime rt;
+  std::string e = MakeGeo(d, wire::kOpCombine, elem, &g, &rt);
+  if (!e.empty()) return e;
+  e = CudaErr(cudaMemsetAsync(rt.bad, 0, sizeof(int32_t) * 4, stream), "clear");
+  if (!e.empty()) return e;
+  // Header only (no rows): seq, configuration and error flag, as every call.
+  ExchangeKernel<<<1, kThreads, 0, stream>>>(g, false);
+  const int np = (g.R + 31) / 32;
+  const int blocks = 1 + (g.N + np + kWarps - 1) / kWarps;
+  const char* yc = static_cast<const char*>(y);
+  switch (elem) {
+    case FloatKind::kF32:
+      e = LaunchCoop(CombineMain<float>, blocks, stream, g, yc, counts, send_slot, src_index,
+                     static_cast<float*>(out), np);
+      break;
+    case FloatKind::kBF16:
+      e = LaunchCoop(CombineMain<__nv_bfloat16>, blocks, stream, g, yc, counts, send_slot,
+                     src_index, static_cast<__nv_bfloat16*>(out), np);
+      break;
+    case FloatKind::kF16:
+      e = LaunchCoop(CombineMain<__half>, blocks, stream, g, yc, counts, send_slot, src_index,
+                     static_cast<__half*>(out), np);
+      break;
+  }
+  if (!e.empty()) return e;
+  AdvanceKernel<<<1, 1, 0, stream>>>(g.counter);
+  return CudaErr(cudaGetLastError(), "combine launch");
+}
+
+std::string PendingError() {
+  internode::SharedRuntime rt;
+  if (!internode::SharedState(&rt).empty() || rt.err == nullptr) return {};
+  const volatile wire::ErrorRecord* r = static_cast<const wire::ErrorRecord*>(rt.err);
+  const int code = r->code;
+  const int kind = r->kind;
+  if (code == wire::kErrNone || code < 0 || kind < kKindCredit) return internode::PendingError();
+  const int peer = r->peer, qp = r->qp, rank = r->rank;
+  const unsigned long long expected = r->expected, seen = r->seen;
+  std::string m = "jax_ep internode (hierarchical): ";
+  switch (kind) {
+    case kKindCredit:
+      m += "timed out (JAX_EP_TIMEOUT_S) waiting for a ring credit from rank " +
+           std::to_string(peer) + " (credit word holds " + std::to_string(seen) + " of " +
+           std::to_string(expected) + " chunks freed)";
+      break;
+    case kKindNvl:
+      m += "timed out (JAX_EP_TIMEOUT_S) on an NVLink ring shared with rank " +
+           std::to_string(peer) + " (ring " + std::to_string(qp) +
+           "); that rank skipped the call, failed earlier, or is slower than the timeout";
+      break;
+    case kKindRow:
+      m += "a row from rank " + std::to_string(peer) + " arrived out of order (expected " +
+           std::to_string(expected) + ", got " + std::to_string(static_cast<long long>(seen)) +
+           "); the ranks disagree on the dispatch handle";
+      break;
+    default:
+      m += "rank " + std::to_string(peer) +
+           " is on this node but has no NVSHMEM peer pointer (no NVLink / P2P path); the "
+           "hierarchical mode needs one between the GPUs of a node";
+  }
+  return m + " [rank " + std::to_string(rank) +
+         "]. The internode transport stays failed for the life of this process; restart the "
+         "job.";
+}
+
+}  // namespace hier
+}  // namespace jax_ep
