@@ -10,6 +10,11 @@ process's rank on the EP axis is static: its PE index (`runtime.nvshmem.state().
 read at trace time by `ep_rank`, which also checks that the EP axis has one rank per PE
 and, where the mesh is known, that this process's device sits at that index on it.
 
+Mode "hierarchical" (kernels/internode/hierarchical_kernels.cu) calls
+`jax_ep_internode_hier_dispatch` / `_combine` / `_gather` instead, with the same operands
+and results plus a `gpus_per_node` attribute (its combine also takes the handle's
+src_index[C]); `internode_mode` says which runs.
+
 The kernels' handle is (counts[R, R], send_slot[T, R]), where send_slot is a token's
 position among the rows this rank sends each receiver. The contract's `send_row` (the row
 it occupies there, -1 where not sent or dropped) is derived from them here; both go in
@@ -210,17 +215,23 @@ def _vary_with_axis(axis_name, *arrays):
 
 
 # --- internode mode (network/topology.py) ------------------------------------------------
-# The hierarchical kernels are specified (kernels/internode/hierarchical_layout.h) and
-# their protocol is simulated (tests/sim/hierarchical_sim.py), but not built: "auto" picks
-# direct, and asking for "hierarchical" is a NotImplementedError.
-HIERARCHICAL_KERNELS = False
+# The hierarchical kernels (kernels/internode/hierarchical_kernels.cu, targets
+# jax_ep_internode_hier_*) are built with the NVSHMEM backend: "auto" picks them when
+# there are several nodes with several GPUs each. Compiled, not yet run on hardware.
+HIERARCHICAL_KERNELS = True
+_MAX_GPUS_PER_NODE = 32  # hier::kMaxGpusPerNode (one 32-bit node mask per row)
 
 
 def internode_mode(num_ranks: int) -> str:
     """"direct" or "hierarchical": the started TransportConfig's `mode` (with
     JAX_EP_INTERNODE_MODE applied) on the EP group's node topology
     (JAX_EP_GPUS_PER_NODE, else the processes' local ranks or the launcher's local
-    size). Raises NotImplementedError where the hierarchical kernels are needed."""
+    size)."""
+    return _mode_and_topology(num_ranks)[0]
+
+
+def _mode_and_topology(num_ranks: int):
+    """(mode, Topology) of the EP group, as `internode_mode`."""
     from jax_ep.network import topology
 
     st = _state()
@@ -231,14 +242,19 @@ def internode_mode(num_ranks: int) -> str:
     topo = topology.detect(num_ranks, local)
     mode = topology.choose_mode(getattr(st.config, "mode", "auto"), topo,
                                 hierarchical_available=HIERARCHICAL_KERNELS)
-    if mode == "hierarchical" and not HIERARCHICAL_KERNELS:
-        raise NotImplementedError(
-            "internode mode 'hierarchical' (jax_ep/backends/internode.py): the hierarchical "
-            "CUDA kernels (kernels/internode/hierarchical_kernels.cu, RDMA to the rail peer "
-            "plus NVLink forwarding) are not built yet; only their layout, model and host "
-            "protocol simulator exist. Use TransportConfig(mode='direct') or "
-            "JAX_EP_INTERNODE_MODE=direct")
-    return mode
+    if mode == "hierarchical" and topo.gpus_per_node > _MAX_GPUS_PER_NODE:
+        raise ValueError(
+            f"internode mode 'hierarchical' needs at most {_MAX_GPUS_PER_NODE} GPUs per node "
+            f"(kernels/internode/hierarchical_layout.h), the EP group has "
+            f"{topo.gpus_per_node}: set JAX_EP_GPUS_PER_NODE or use mode='direct'")
+    return mode, topo
+
+
+def _target(op: str, mode: str, topo) -> tuple[str, dict]:
+    """The custom-call target of `op` in `mode` and the attributes the mode adds."""
+    if mode == "hierarchical":
+        return f"jax_ep_internode_hier_{op}", dict(gpus_per_node=np.int64(topo.gpus_per_node))
+    return f"jax_ep_internode_{op}", {}
 
 
 def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
@@ -246,20 +262,20 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     DispatchHandle) as in DESIGN.md, with the kernels' handle in `handle.extra`."""
     R, C, E = cfg.num_ranks, cfg.capacity, cfg.num_experts
     rank = ep_rank(cfg.axis_name, R)
-    internode_mode(R)  # only "direct" runs today (see above)
+    target, mode_attrs = _target("dispatch", *_mode_and_topology(R))
     x, topk_idx, topk_weights = _vary_with_axis(cfg.axis_name, x, topk_idx, topk_weights)
     T, H = x.shape
     K = topk_idx.shape[1]
     el = E // R
     i32 = jnp.int32
     outs = ep_call(
-        "jax_ep_internode_dispatch",
+        target,
         (like(x, (C, H), x.dtype), like(x, (C, K), i32), like(x, (C, K), jnp.float32),
          like(x, (), i32), like(x, (), i32), like(x, (el,), i32), like(x, (C,), i32),
          like(x, (C,), i32), like(x, (R, R), i32), like(x, (T, R), i32)),
     )(x, topk_idx, topk_weights, num_experts=np.int64(E), num_ranks=np.int64(R),
       rank=np.int64(rank), capacity=np.int64(C), **transport_attrs(),
-      call_site=np.int64(next_call_site()))
+      call_site=np.int64(next_call_site()), **mode_attrs)
     (recv_x, recv_idx, recv_w, num_recv, num_dropped, per_expert, src_rank, src_index,
      counts, send_slot) = outs
     send_row = send_row_from(counts, send_slot, rank, C)
@@ -283,28 +299,31 @@ def _parts(handle: DispatchHandle, what: str) -> tuple[InternodeHandleParts, int
     return parts, rank
 
 
-def _back_call(target, a, handle, what, rows_of):
+def _back_call(op, a, handle, what, rows_of):
     parts, rank = _parts(handle, what)
     rows = rows_of(parts)
-    a, counts, send_slot = _vary_with_axis(handle.axis_name, a, parts.counts,
-                                           parts.send_slot)
-    return ep_call(target, like(a, (rows, a.shape[1]), a.dtype))(
-        a, counts, send_slot, num_ranks=np.int64(handle.num_ranks), rank=np.int64(rank),
+    mode, topo = _mode_and_topology(handle.num_ranks)
+    target, mode_attrs = _target(op, mode, topo)
+    operands = [a, parts.counts, parts.send_slot]
+    if mode == "hierarchical" and op == "combine":
+        # a node's forwarder merges its rows by token: src_index[C] of the handle
+        operands.append(handle.src_index)
+    operands = _vary_with_axis(handle.axis_name, *operands)
+    return ep_call(target, like(operands[0], (rows, a.shape[1]), a.dtype))(
+        *operands, num_ranks=np.int64(handle.num_ranks), rank=np.int64(rank),
         capacity=np.int64(handle.capacity), topk=np.int64(parts.topk), **transport_attrs(),
-        call_site=np.int64(next_call_site()))
+        call_site=np.int64(next_call_site()), **mode_attrs)
 
 
 def combine(y, handle: DispatchHandle, cfg: Cfg):
     """Internode combine: y[C, H] -> out[T, H] (float32 sums in ascending rank order)."""
-    return _back_call("jax_ep_internode_combine", y, handle, "combine",
-                      lambda parts: parts.send_slot.shape[0])
+    return _back_call("combine", y, handle, "combine", lambda parts: parts.send_slot.shape[0])
 
 
 def gather(g, handle: DispatchHandle, cfg: Cfg):
     """Combine's transpose: g[T, H] -> out[C, H], out[i] = g_{src_rank[i]}[src_index[i]],
     zero past num_recv."""
-    return _back_call("jax_ep_internode_gather", g, handle, "gather",
-                      lambda parts: handle.capacity)
+    return _back_call("gather", g, handle, "gather", lambda parts: handle.capacity)
 
 
 # ============================================================================

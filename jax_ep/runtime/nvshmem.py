@@ -115,11 +115,15 @@ def _round_up(v: int, a: int) -> int:
 
 
 def heap_bytes_for(*, num_ranks: int, max_tokens: int, capacity: int | None = None,
-                   hidden: int, topk: int, x_dtype="bfloat16", y_dtype="float32") -> int:
+                   hidden: int, topk: int, x_dtype="bfloat16", y_dtype="float32",
+                   gpus_per_node: int | None = None, num_qps: int = 1) -> int:
     """Symmetric heap bytes the internode kernels need for these limits.
 
     capacity defaults to num_ranks * max_tokens (never overflows). Pass the largest
-    values any jitted call will use.
+    values any jitted call will use. With `gpus_per_node` (and the plan's `num_qps`,
+    ports * QPs per port), each half also holds the hierarchical mode's rings
+    (jax_ep.network.modes.hier_state_bytes, independent of T and C) beside the direct
+    mode's regions, so calls of both modes fit.
     """
     if capacity is None:
         capacity = num_ranks * max_tokens
@@ -136,7 +140,26 @@ def heap_bytes_for(*, num_ranks: int, max_tokens: int, capacity: int | None = No
             + _round_up(R * R * 4, _ALIGN)
             + _round_up(C * ds, _ALIGN) + _round_up(sr * cs, _ALIGN)
             + _round_up(sr * ds, _ALIGN) + _round_up(C * cs, _ALIGN))
-    return _round_up(2 * half + _SLACK, 2 << 20)
+    hier = 0
+    if gpus_per_node is not None:
+        from jax_ep.network import modes
+        g = int(gpus_per_node)
+        if g < 1 or R % g:
+            raise ValueError(f"gpus_per_node must divide num_ranks ({R}), got {gpus_per_node}")
+        eb = max(xb, yb)  # one ring stride serves both directions of a call
+        hier = modes.hier_state_bytes(R, g, int(num_qps), H, K, eb, eb)
+    return _round_up(2 * half + hier + _SLACK, 2 << 20)
+
+
+def _hier_heap_args(num_ranks: int, config) -> dict:
+    """heap_bytes_for's hierarchical arguments where the config may pick that mode."""
+    from jax_ep.network import topology
+
+    cfg = (config or TransportConfig()).resolve()
+    topo = topology.detect(num_ranks)
+    if topology.choose_mode(cfg.mode, topo) != "hierarchical":
+        return {}
+    return dict(gpus_per_node=topo.gpus_per_node, num_qps=cfg.num_qps)
 
 
 def _itemsize(dt) -> int:
@@ -237,9 +260,11 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
             if None in (max_tokens, hidden, topk):
                 raise ValueError("give heap_bytes, or max_tokens, hidden and topk "
                                  "(and optionally capacity) to size the symmetric heap")
+            n = num_ranks or jax.process_count()
             heap_bytes = heap_bytes_for(
-                num_ranks=num_ranks or jax.process_count(), max_tokens=max_tokens,
-                capacity=capacity, hidden=hidden, topk=topk, x_dtype=x_dtype, y_dtype=y_dtype)
+                num_ranks=n, max_tokens=max_tokens,
+                capacity=capacity, hidden=hidden, topk=topk, x_dtype=x_dtype, y_dtype=y_dtype,
+                **_hier_heap_args(n, config))
         heap_bytes = int(heap_bytes)
         if heap_bytes < 1:
             raise ValueError(f"heap_bytes must be >= 1, got {heap_bytes}")

@@ -1,7 +1,7 @@
 """The internode mode (`TransportConfig.mode`, JAX_EP_INTERNODE_MODE) as the internode
-backend resolves it: direct runs; hierarchical is a NotImplementedError naming what is
-missing (its kernels are specified and simulated, not built); auto picks direct until they
-exist. No kernel runs here."""
+backend resolves it: "direct" and "hierarchical" as asked; "auto" is hierarchical with
+several nodes of several GPUs, direct otherwise. No kernel runs here (the lowered targets
+are checked in test_internode_hier.py)."""
 from __future__ import annotations
 
 import jax
@@ -40,20 +40,24 @@ def test_config_mode_validation_and_env_override():
 
 
 @pytest.mark.parametrize("mode,gpn,want", [
-    ("direct", "4", "direct"), ("auto", "4", "direct"), ("auto", "8", "direct"),
-    ("hierarchical", "4", NotImplementedError), ("hierarchical", "8", NotImplementedError),
+    ("direct", "4", "direct"), ("auto", "4", "hierarchical"), ("auto", "2", "hierarchical"),
+    ("auto", "8", "direct"), ("auto", "1", "direct"),
+    ("hierarchical", "4", "hierarchical"), ("hierarchical", "8", "hierarchical"),
 ])
 def test_internode_mode(monkeypatch, mode, gpn, want):
     _fake_state(monkeypatch, mode)
     monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", gpn)
-    if want is NotImplementedError:
-        with pytest.raises(NotImplementedError, match="hierarchical.*direct"):
-            internode.internode_mode(R)
-    else:
-        assert internode.internode_mode(R) == want
+    assert internode.internode_mode(R) == want
 
 
-def test_hierarchical_request_fails_when_tracing_dispatch(monkeypatch):
+def test_bad_gpus_per_node_is_a_clear_error(monkeypatch):
+    _fake_state(monkeypatch, "hierarchical")
+    monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", "3")
+    with pytest.raises(ValueError, match="JAX_EP_GPUS_PER_NODE"):
+        internode.internode_mode(R)
+
+
+def test_hierarchical_request_traces_to_the_hierarchical_target(monkeypatch):
     _fake_state(monkeypatch, "hierarchical")
     monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", "4")
     x = np.zeros((R * 2, 4), np.float32)
@@ -64,5 +68,6 @@ def test_hierarchical_request_fails_when_tracing_dispatch(monkeypatch):
         return jax_ep.dispatch(x, i, w, num_experts=R, axis_name="ep")[0]
 
     g = jax.jit(jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep")))
-    with pytest.raises(NotImplementedError, match="hierarchical_kernels.cu"):
-        g.trace(x, idx, w).lower(lowering_platforms=("cuda",))
+    hlo = g.trace(x, idx, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@jax_ep_internode_hier_dispatch(" in hlo
+    assert "@jax_ep_internode_dispatch(" not in hlo
