@@ -478,7 +478,3 @@ def combine(y, handle: ShardedDispatchHandle, *, bias=None, backend=None):
         _internode_parts(handle, "combine")
     f = _combine_for(tuple(jnp.dtype(b.dtype) for b in bias))
     return f(y, bias, handle, spec)
-
-
-# The low-latency mode's global view (jax_ep.sharded.low_latency.dispatch / combine).
-from jax_ep import sharded_low_latency as low_latency  # noqa: E402

@@ -1,4 +1,4 @@
-"""Global-view low-latency mode (`jax_ep.sharded.low_latency`): the per-shard contract
+"""Global-view low-latency mode (`jax_ep.sharded_low_latency`): the per-shard contract
 of `jax_ep.low_latency` on global arrays under `jax.jit` with a mesh in context, no user
 `shard_map`, partitioned like `jax_ep.sharded` (dim 0 over the token axes, S shards).
 
@@ -136,7 +136,7 @@ def combine(y, topk_idx, topk_weights, handle: ShardedLowLatencyHandle, *, backe
     dtype, sharded like x (per shard as `jax_ep.low_latency.combine`)."""
     if not isinstance(handle, ShardedLowLatencyHandle):
         raise TypeError("handle must be the ShardedLowLatencyHandle returned by "
-                        f"jax_ep.sharded.low_latency.dispatch, got {type(handle).__name__}")
+                        f"jax_ep.sharded_low_latency.dispatch, got {type(handle).__name__}")
     y, topk_idx, topk_weights = map(jnp.asarray, (y, topk_idx, topk_weights))
     spec = handle.spec
     S, el = spec.num_shards, spec.experts_per_rank
