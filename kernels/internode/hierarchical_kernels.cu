@@ -1271,11 +1271,23 @@ std::string PendingError() {
   const volatile wire::ErrorRecord* r = static_cast<const wire::ErrorRecord*>(rt.err);
   const int code = r->code;
   const int kind = r->kind;
-  if (code == wire::kErrNone || code < 0 || kind < kKindCredit) return internode::PendingError();
+  // The exchange's mismatch carries hashes, not the peer's configuration fields.
+  const bool hier_mismatch = code == wire::kErrMismatch && kind == wire::kSigCounts;
+  if (code == wire::kErrNone || code < 0 || (kind < kKindCredit && !hier_mismatch))
+    return internode::PendingError();
   const int peer = r->peer, qp = r->qp, rank = r->rank;
   const unsigned long long expected = r->expected, seen = r->seen;
   std::string m = "jax_ep internode (hierarchical): ";
-  switch (kind) {
+  switch (hier_mismatch ? -1 : kind) {
+    case -1:
+      m += "rank " + std::to_string(peer) + " is in another call: this rank seq " +
+           std::to_string(static_cast<unsigned long long>(r->my_seq)) + " config hash " +
+           std::to_string(expected) + ", rank " + std::to_string(peer) + " seq " +
+           std::to_string(static_cast<unsigned long long>(r->peer_seq)) + " config hash " +
+           std::to_string(seen) +
+           " (the hash covers op, R, T, H, K, C, dtype, QPs, call site and GPUs per node); "
+           "every rank must make the same EP calls with the same shapes in the same order";
+      break;
     case kKindCredit:
       m += "timed out (JAX_EP_TIMEOUT_S) waiting for a ring credit from rank " +
            std::to_string(peer) + " (credit word holds " + std::to_string(seen) + " of " +
