@@ -298,8 +298,11 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
 # ----------------------------------------------------------------------------- combine
 
 def _native_bias(backend) -> bool:
-    """Backends that add the bias inside their float32 accumulation."""
-    return backend == "reference" or (backend == "ffi" and jax.default_backend() == "cpu")
+    """Backends that add the bias inside their float32 accumulation (their module has
+    `combine_with_bias`; for 'ffi' only the CPU kernel takes it)."""
+    if not hasattr(backends.get(backend), "combine_with_bias"):
+        return False
+    return backend != "ffi" or jax.default_backend() == "cpu"
 
 
 def _combine_impl(y, handle, backend, group_axes=None, bias=()):
@@ -311,7 +314,7 @@ def _combine_impl(y, handle, backend, group_axes=None, bias=()):
     if not bias:
         return impl.combine(y, handle, cfg)
     if _native_bias(backend):
-        return impl.combine(y, handle, cfg, bias=tuple(bias))
+        return impl.combine_with_bias(y, handle, cfg, tuple(bias))
     # The same bits without native support: float32 rows sum exactly as the kernel's
     # float32 accumulator does, then the bias, then the one cast. Costs a float32 copy of
     # y and twice y's bytes on the wire.

@@ -52,9 +52,14 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     return recv_x, recv_idx, recv_w, handle
 
 
-def combine(y, handle: DispatchHandle, cfg: Cfg, bias=()):
-    """y[C, H] -> out[T, H]: float32 sums in ascending rank order, plus each [T, H]
-    array of `bias` (CPU kernel only: trailing operands), cast to y.dtype."""
+def combine(y, handle: DispatchHandle, cfg: Cfg):
+    """y[C, H] -> out[T, H]: float32 sums in ascending rank order, cast to y.dtype."""
+    return combine_with_bias(y, handle, cfg, ())
+
+
+def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias):
+    """combine, plus each [T, H] array of `bias` added in float32 before the cast (the
+    CPU kernel takes them as trailing operands; the CUDA handler takes none)."""
     rank, group = ep_coords(handle.axis_name, cfg.group_axes)
     y, send_row, rank, *bias = unify_varying(y, handle.send_row, rank, *bias)
     T = send_row.shape[0]

@@ -119,9 +119,14 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     return out_x, out_idx, out_w, handle
 
 
-def combine(y, handle: DispatchHandle, cfg: Cfg, bias=()):
-    """out[T, H]: float32 sum over receivers in ascending rank order, plus each [T, H]
-    array of `bias` in order (in float32), cast to y.dtype."""
+def combine(y, handle: DispatchHandle, cfg: Cfg):
+    """out[T, H]: float32 sum over receivers in ascending rank order, cast to y.dtype."""
+    return combine_with_bias(y, handle, cfg, ())
+
+
+def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias):
+    """combine, plus each [T, H] array of `bias` in order, added in float32 before the
+    cast to y.dtype."""
     R = handle.num_ranks
     T = handle.send_row.shape[0]
     H = y.shape[1]
