@@ -181,3 +181,16 @@ def test_hierarchical_targets_are_registered_with_nvshmem():
     cuda = set(_ext.ext.registrations()["CUDA"])
     for op in ("dispatch", "combine", "gather"):
         assert f"jax_ep_internode_{op}" in cuda and f"jax_ep_internode_hier_{op}" in cuda
+
+
+@pytest.mark.parametrize("mode,gpn,want", [("hierarchical", "4", 4), ("auto", "2", 2),
+                                          ("auto", "8", None), ("direct", "4", None)])
+def test_bootstrap_sizes_the_heap_for_the_mode_it_can_pick(monkeypatch, mode, gpn, want):
+    from jax_ep.runtime import nvshmem as rt
+    monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", gpn)
+    monkeypatch.delenv("JAX_EP_INTERNODE_MODE", raising=False)
+    args = rt._hier_heap_args(R, TransportConfig(mode=mode, **TRANSPORT))
+    if want is None:
+        assert args == {}
+    else:
+        assert args == dict(gpus_per_node=want, num_qps=8)
