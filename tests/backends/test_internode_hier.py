@@ -155,6 +155,8 @@ def _clear_global_view_caches():
 
 
 def test_more_gpus_per_node_than_a_node_mask_holds_is_an_error(monkeypatch):
+    # the backend's bound is the layout header's (modes mirrors it; tests compare those)
+    assert internode._MAX_GPUS_PER_NODE == modes.MAX_GPUS_PER_NODE
     _fake_state(monkeypatch, "hierarchical", None)
     monkeypatch.setattr(internode, "_MAX_GPUS_PER_NODE", 4)  # R = 8 ranks on one node
     with pytest.raises(ValueError, match="GPUs per node.*JAX_EP_GPUS_PER_NODE"):
