@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import experts, ops
+from jax_ep import experts, fp8, ops
 
 __all__ = ["MoE", "RoutingBias", "SwiGLU", "route", "load_balance_loss"]
 
@@ -184,6 +184,12 @@ class MoE(nnx.Module):
       norm_topk_prob: renormalize the selected experts' weights to sum to 1.
       dtype: compute dtype of the tokens and expert matmuls (router math is float32).
       param_dtype: parameter dtype.
+      dispatch_dtype: None (tokens travel in `dtype`) or "fp8": tokens are quantized to
+        float8_e4m3fn with one scale per 1 x 128 block (`jax_ep.fp8`; hidden must be a
+        multiple of 128), dispatched as FP8 pairs (H + H/32 bytes a row) and dequantized
+        into the expert matmuls in `dtype`; the gradient with respect to the tokens is
+        the combine of the received rows' cotangent in `dtype` (straight-through the
+        quantization, as DeepSeek-V3 trains). Combine stays in `dtype`.
       rngs: `nnx.Rngs`; parameters depend only on its `params` stream, never on the
         backend.
 
@@ -204,7 +210,9 @@ class MoE(nnx.Module):
                  topk_groups: int | None = None, routing_bias: bool = False,
                  shared_experts: int = 0, norm_topk_prob: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                 rngs: nnx.Rngs):
+                 dispatch_dtype: str | None = None, rngs: nnx.Rngs):
+        _check_dispatch_dtype(dispatch_dtype, hidden)
+        self.dispatch_dtype = dispatch_dtype
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
         if not 1 <= top_k <= num_experts:
@@ -341,7 +349,8 @@ class MoE(nnx.Module):
             y, computed, dropped_rows = _experts_per_shard(
                 xs, idx, w, wg.astype(dtype), wu.astype(dtype), wd.astype(dtype),
                 num_experts=E, axis_name=self.mesh_axis, capacity=C,
-                expert_capacity=cap, backend=self.backend)
+                expert_capacity=cap, backend=self.backend,
+                dispatch_dtype=self.dispatch_dtype)
             return y, jax.lax.psum(jnp.stack([computed, dropped_rows]), tok_axes)
 
         args = (x2.astype(dtype), topk_idx, topk_w, self.w_gate[...], self.w_up[...],
@@ -366,10 +375,11 @@ class MoE(nnx.Module):
 
 
 def _experts_per_shard(x, topk_idx, topk_w, w_gate, w_up, w_down, *, num_experts,
-                       axis_name, capacity, expert_capacity, backend):
+                       axis_name, capacity, expert_capacity, backend, dispatch_dtype=None):
     """Dispatch, grouped SwiGLU over the local experts, combine (inside shard_map).
     Returns (y[T, H], int32 pairs computed here, int32 rows this rank dropped)."""
-    recv_x, recv_idx, recv_w, handle = ops.dispatch(
+    dispatch = _dispatch_fp8 if dispatch_dtype == "fp8" else ops.dispatch
+    recv_x, recv_idx, recv_w, handle = dispatch(
         x, topk_idx, topk_w, num_experts=num_experts, axis_name=axis_name,
         capacity=capacity, backend=backend)
     y, groups = experts.grouped_swiglu(recv_x, recv_idx, recv_w, w_gate, w_up, w_down,
@@ -377,3 +387,40 @@ def _experts_per_shard(x, topk_idx, topk_w, w_gate, w_up, w_down, *, num_experts
     y = ops.combine(y.astype(x.dtype), handle, backend=backend)
     computed = jnp.sum(jnp.minimum(groups.counts, expert_capacity), dtype=jnp.int32)
     return y, computed, handle.num_dropped.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- FP8 dispatch
+
+def _check_dispatch_dtype(dispatch_dtype, hidden):
+    if dispatch_dtype not in (None, "fp8"):
+        raise ValueError(f"dispatch_dtype must be None or 'fp8', got {dispatch_dtype!r}")
+    if dispatch_dtype == "fp8" and hidden % fp8.DEFAULT_BLOCK:
+        raise ValueError(f"dispatch_dtype='fp8' needs hidden={hidden} to be a multiple of "
+                         f"{fp8.DEFAULT_BLOCK} (one scale per 1 x {fp8.DEFAULT_BLOCK} block)")
+
+
+def _dispatch_fp8(x, topk_idx, topk_w, *, backend, **kw):
+    """`ops.dispatch` of x[T, H] as FP8 pairs; the received rows come back dequantized in
+    x's dtype. Their cotangent reaches x as its combine (straight-through)."""
+    (q, s), recv_idx, recv_w, handle = ops.dispatch(
+        fp8.quantize(jax.lax.stop_gradient(x)), topk_idx, topk_w, backend=backend, **kw)
+    rows = fp8.dequantize(jax.lax.stop_gradient(q), jax.lax.stop_gradient(s))
+    return _straight_through(rows.astype(x.dtype), x, handle, backend), recv_idx, recv_w, \
+        handle
+
+
+def _st_primal(rows, x, handle, backend):
+    return rows
+
+
+def _st_fwd(rows, x, handle, backend):
+    return rows, handle
+
+
+def _st_bwd(backend, handle, d_rows):
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), handle)
+    return jnp.zeros_like(d_rows), ops.combine(d_rows, handle, backend=backend), zeros
+
+
+_straight_through = jax.custom_vjp(_st_primal, nondiff_argnums=(3,))
+_straight_through.defvjp(_st_fwd, _st_bwd)
