@@ -208,7 +208,7 @@ class ModeInputs:
 def _port_bytes(stream_bytes: np.ndarray, peers: list[int], P: int, qps_per_peer: int,
                 lag: str, chunk_bytes: int) -> np.ndarray:
     """Busiest-first bytes on each port for streams `stream_bytes[i]` to peer `peers[i]`."""
-    from jax_ep.network.plan import expected_max_count
+    from jax_ep.network.hashing import expected_max_count
     from jax_ep.network.transport import TransportConfig
 
     total = float(np.sum(stream_bytes))
