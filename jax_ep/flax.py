@@ -190,6 +190,12 @@ class MoE(nnx.Module):
         into the expert matmuls in `dtype`; the gradient with respect to the tokens is
         the combine of the received rows' cotangent in `dtype` (straight-through the
         quantization, as DeepSeek-V3 trains). Combine stays in `dtype`.
+      mode: "normal", or "low_latency" for decoding (`jax_ep.low_latency`): each local
+        expert's rows arrive as their own fixed block of `R * max_tokens_per_rank` rows,
+        the experts run on the blocks and combine applies the top-k weights; no capacity,
+        nothing dropped; the same outputs as "normal" to float32 summation order.
+      max_tokens_per_rank: M, tokens per shard the low-latency buffers hold (mode
+        "low_latency" only; T <= M).
       rngs: `nnx.Rngs`; parameters depend only on its `params` stream, never on the
         backend.
 
@@ -210,8 +216,11 @@ class MoE(nnx.Module):
                  topk_groups: int | None = None, routing_bias: bool = False,
                  shared_experts: int = 0, norm_topk_prob: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                 dispatch_dtype: str | None = None, rngs: nnx.Rngs):
+                 dispatch_dtype: str | None = None, mode: str = "normal",
+                 max_tokens_per_rank: int | None = None, rngs: nnx.Rngs):
         _check_dispatch_dtype(dispatch_dtype, hidden)
+        _check_mode(mode, max_tokens_per_rank, dispatch_dtype)  # low-latency section
+        self.mode, self.max_tokens_per_rank = mode, max_tokens_per_rank
         self.dispatch_dtype = dispatch_dtype
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
@@ -353,6 +362,9 @@ class MoE(nnx.Module):
                 dispatch_dtype=self.dispatch_dtype)
             return y, jax.lax.psum(jnp.stack([computed, dropped_rows]), tok_axes)
 
+        if self.mode == "low_latency":  # see the low-latency section at the end
+            shard_fn = _low_latency_shard_fn(self, tok_axes, dtype)
+
         args = (x2.astype(dtype), topk_idx, topk_w, self.w_gate[...], self.w_up[...],
                 self.w_down[...])
         specs = (tok, tok, tok, wspec, wspec, wspec)
@@ -424,3 +436,45 @@ def _st_bwd(backend, handle, d_rows):
 
 _straight_through = jax.custom_vjp(_st_primal, nondiff_argnums=(3,))
 _straight_through.defvjp(_st_fwd, _st_bwd)
+
+
+# ============================================================================
+# --- low-latency mode (MoE(..., mode="low_latency", max_tokens_per_rank=M)): each
+# local expert's rows arrive as their own fixed block (jax_ep.low_latency), so the
+# experts run straight on the receive blocks and combine applies the top-k weights.
+# ============================================================================
+
+def _check_mode(mode, max_tokens_per_rank, dispatch_dtype=None):
+    if mode not in ("normal", "low_latency"):
+        raise ValueError(f"mode must be 'normal' or 'low_latency', got {mode!r}")
+    if mode == "low_latency":
+        if dispatch_dtype is not None:
+            raise NotImplementedError(
+                "MoE(mode='low_latency', dispatch_dtype='fp8') is not implemented "
+                "(jax_ep/flax.py, low-latency section): jax_ep.low_latency.dispatch(fp8=True) "
+                "has no gradient; use dispatch_dtype=None")
+        if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int):
+            raise TypeError("mode='low_latency' needs max_tokens_per_rank, an int (the "
+                            f"tokens per shard the buffers hold), got {max_tokens_per_rank!r}")
+        if max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
+    elif max_tokens_per_rank is not None:
+        raise ValueError("max_tokens_per_rank applies to mode='low_latency' only")
+
+
+def _low_latency_shard_fn(moe, tok_axes, dtype):
+    """The per-shard expert path of the low-latency mode, with `shard_fn`'s signature:
+    (y[T, H], psum over the token axes of [slots computed, rows dropped (always 0)])."""
+    from jax_ep import low_latency
+
+    def shard_fn(xs, idx, w, wg, wu, wd):
+        recv, count, handle = low_latency.dispatch(
+            xs, idx, num_experts=moe.num_experts, axis_name=moe.mesh_axis,
+            max_tokens_per_rank=moe.max_tokens_per_rank, backend=moe.backend)
+        yb = experts.swiglu_blocks(recv, wg.astype(dtype), wu.astype(dtype),
+                                   wd.astype(dtype), counts=count)
+        y = low_latency.combine(yb.astype(xs.dtype), idx, w, handle, backend=moe.backend)
+        computed = jnp.sum(count, dtype=jnp.int32)  # every routed slot has a row
+        return y, jax.lax.psum(jnp.stack([computed, jnp.zeros((), jnp.int32)]), tok_axes)
+
+    return shard_fn
