@@ -147,7 +147,7 @@ def test_rows_counts_and_combine_match_model(backend, kind):
     check_against_model(run_ll(x, idx, w, y, backend=backend), x, idx, w, y)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), drop=st.floats(0.0, 1.0))
 def test_random_routing_matches_model_on_every_backend(seed, drop):
     rng = np.random.default_rng(seed)
@@ -195,8 +195,7 @@ def test_send_recv_split_equals_fused(backend):
         np.testing.assert_array_equal(split[key], fused[key], err_msg=key)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("round_scale", [False, True])
+@pytest.mark.parametrize("backend,round_scale", [("reference", True), ("ffi", False)])
 def test_fp8_dispatch(backend, round_scale):
     """recv pairs are jax_ep.fp8.quantize of the routed rows, bit for bit."""
     Hn = 256
@@ -347,7 +346,7 @@ def test_fp8_dispatch_has_no_gradient():
 
     f = jax.shard_map(per, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     with pytest.raises(NotImplementedError, match=r"fp8=True\) has no gradient"):
-        jax.grad(lambda x: jnp.sum(f(x, idx)))(x)
+        jax.jit(jax.grad(lambda x: jnp.sum(f(x, idx))))(x)
 
 
 # ----------------------------------------------------------------------------- overlap
