@@ -46,6 +46,9 @@ def parse_args(argv=None):
                    help="places per expert as a multiple of its mean load (MoE "
                         "capacity_factor); slots past them are dropped; 0 means never drop")
     p.add_argument("--backend", choices=("auto", "ffi", "reference"), default="auto")
+    p.add_argument("--dispatch-dtype", choices=("default", "fp8"), default="default",
+                   help="fp8: tokens dispatched as FP8 with 1 x 128 block scales "
+                        "(MoE dispatch_dtype; --hidden must be a multiple of 128)")
     p.add_argument("--data", type=int, default=2, help="data-parallel mesh size")
     p.add_argument("--expert", type=int, default=4, help="expert-parallel mesh size")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -143,6 +146,7 @@ class Block(nnx.Module):
                        backend=a.backend, capacity=a.capacity or None,
                        capacity_factor=a.capacity_factor or None, score=a.score,
                        routing_bias=a.routing_bias, shared_experts=a.shared_experts,
+                       dispatch_dtype=None if a.dispatch_dtype == "default" else "fp8",
                        rngs=rngs)
 
     def __call__(self, x):
