@@ -122,7 +122,7 @@ def heap_bytes_for(*, num_ranks: int, max_tokens: int, capacity: int | None = No
     capacity defaults to num_ranks * max_tokens (never overflows). Pass the largest
     values any jitted call will use. With `gpus_per_node` (and the plan's `num_qps`,
     ports * QPs per port), each half also holds the hierarchical mode's rings
-    (jax_ep.network.modes.hier_state_bytes, independent of T and C) beside the direct
+    (jax_ep.network.hier_layout.hier_state_bytes, independent of T and C) beside the direct
     mode's regions, so calls of both modes fit.
     """
     if capacity is None:
@@ -142,12 +142,12 @@ def heap_bytes_for(*, num_ranks: int, max_tokens: int, capacity: int | None = No
             + _round_up(sr * ds, _ALIGN) + _round_up(C * cs, _ALIGN))
     hier = 0
     if gpus_per_node is not None:
-        from jax_ep.network import modes
+        from jax_ep.network import hier_layout
         g = int(gpus_per_node)
         if g < 1 or R % g:
             raise ValueError(f"gpus_per_node must divide num_ranks ({R}), got {gpus_per_node}")
         eb = max(xb, yb)  # one ring stride serves both directions of a call
-        hier = modes.hier_state_bytes(R, g, int(num_qps), H, K, eb, eb)
+        hier = hier_layout.hier_state_bytes(R, g, int(num_qps), H, K, eb, eb)
     return _round_up(2 * half + hier + _SLACK, 2 << 20)
 
 
