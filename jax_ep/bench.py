@@ -51,11 +51,11 @@ import argparse
 import gc
 import json
 import os
-import re
 import statistics
 import sys
-import threading
 import time
+
+from jax_ep._bench_util import measure_memcpy, set_host_device_count
 
 OPS = ("dispatch", "combine", "roundtrip", "roundtrip_fwd_bwd")
 # Multiples of rows * row_bytes that each op must move.
@@ -72,22 +72,6 @@ VIRTUAL_NOTE = ("{R} virtual ranks on device 0 through the CUDA harness (jax_ep.
                 "all ranks together")
 VIRTUAL_SKIP = ("cannot run R ranks on one device: it is a shard_map program over a mesh "
                 "of R devices; only the CUDA harness (ffi) has virtual ranks")
-
-
-# ----------------------------------------------------------------------------- devices
-
-def set_host_device_count(n: int) -> None:
-    """Asks XLA:CPU for at least `n` virtual devices (a count already in XLA_FLAGS that
-    covers `n` is kept). Effective only before JAX's backends start (importing jax does
-    not start them; the first device query does)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    pat = r"--xla_force_host_platform_device_count=(\d+)"
-    m = re.search(pat, flags)
-    flag = f"--xla_force_host_platform_device_count={n}"
-    if m is None:
-        os.environ["XLA_FLAGS"] = (flags + " " + flag).strip()
-    elif int(m.group(1)) < n:
-        os.environ["XLA_FLAGS"] = re.sub(pat, flag, flags)
 
 
 # ----------------------------------------------------------------------------- bytes
@@ -120,46 +104,6 @@ def op_bytes(rows: int, hidden: int, itemsize: int) -> dict:
     """Bytes each op must move for `rows` kept rows of `hidden` elements."""
     row_bytes = hidden * itemsize
     return {op: OP_ROW_FACTOR[op] * rows * row_bytes for op in OPS}
-
-
-# ----------------------------------------------------------------------------- memcpy
-
-def measure_memcpy(total_bytes: int, repeats: int = 5, threads=None) -> dict:
-    """Copy bandwidth of this machine in GB/s (1e9 bytes copied per second) with
-    numpy.copyto, for 1 thread and for `threads` threads (default: CPU count)."""
-    import numpy as np
-
-    ncpu = threads or os.cpu_count() or 1
-    out = {}
-    for nt in sorted({1, ncpu}):
-        share = max(total_bytes // nt, 1 << 20)
-        src = [np.ones(share, np.uint8) for _ in range(nt)]
-        dst = [np.zeros(share, np.uint8) for _ in range(nt)]
-        times = []
-        for _ in range(repeats + 1):  # the first pass faults the pages in
-            barrier = threading.Barrier(nt + 1)
-
-            def work(i):
-                barrier.wait()
-                np.copyto(dst[i], src[i])
-                barrier.wait()
-
-            ts = [threading.Thread(target=work, args=(i,)) for i in range(nt)]
-            for t in ts:
-                t.start()
-            barrier.wait()
-            t0 = time.perf_counter()
-            barrier.wait()
-            times.append(time.perf_counter() - t0)
-            for t in ts:
-                t.join()
-        out[nt] = share * nt / statistics.median(times[1:]) / 1e9
-        del src, dst
-    best = max(out.values())
-    return {"GBps": best, "by_threads": {str(k): v for k, v in out.items()},
-            "method": "numpy.copyto of uint8 buffers, 1 thread and one per CPU core; "
-                      "bytes copied (counted once) per second; the faster is used",
-            "bytes": int(total_bytes)}
 
 
 def measure_device_copy(total_bytes: int, repeats: int = 5) -> dict:

@@ -279,7 +279,7 @@ def format_table(report) -> str:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    from jax_ep.bench import set_host_device_count
+    from jax_ep._bench_util import set_host_device_count
 
     set_host_device_count(a.data * a.expert)
     report = run(a)

@@ -130,7 +130,7 @@ def _time(fn, arg_sets, warmup, repeats):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from jax_ep.bench import measure_memcpy, set_host_device_count
+    from jax_ep._bench_util import measure_memcpy, set_host_device_count
 
     set_host_device_count(args.ranks)
     import jax

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jax_ep import low_latency as ll
 from jax_ep import ops
-from jax_ep import sharded as _sh
+from jax_ep import _partition as _sh
 from jax_ep.backends import reference
 
 __all__ = ["ShardedLowLatencyHandle", "dispatch", "combine"]
