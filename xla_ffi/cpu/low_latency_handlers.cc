@@ -14,67 +14,13 @@
 #include "kernels/common/low_latency_math.h"
 #include "kernels/cpu/cpu_rendezvous.h"
 #include "kernels/cpu/low_latency_kernels.h"
+#include "xla_ffi/cpu/cpu_exchange.h"
 #include "xla_ffi/common/ffi_helpers.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_ep {
 namespace {
-
-int32_t Scalar(ffi::Buffer<ffi::S32> b) { return b.typed_data()[0]; }
-
-ffi::Future Failed(ffi::Error e) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  promise.SetError(std::move(e));
-  return future;
-}
-
-// Publishes `mine`, returns a future completed once `work` ran on the peers' buffers and
-// every peer finished reading ours. A rank's error (mine.error) fails every rank.
-template <typename Work>
-ffi::Future Meet(ffi::RunId run_id, int64_t call_site, int rank, int group, int R,
-                 PeerBuffers mine, Work work) {
-  if (rank < 0 || rank >= R) {
-    std::ostringstream s;
-    s << "rank index " << rank << " is outside [0, " << R << ")";
-    return Failed(Invalid(s.str()));
-  }
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  Rendezvous::Global().Join(
-      {run_id.run_id, call_site, group}, rank, R, std::move(mine), TimeoutSeconds(),
-      [R, work = std::move(work)](const std::vector<PeerBuffers>& peers) -> std::string {
-        for (int s = 0; s < R; ++s) {
-          if (!peers[s].error.empty()) {
-            std::ostringstream m;
-            m << "jax_ep: on rank " << s << ": " << peers[s].error;
-            return m.str();
-          }
-          for (int j = 0; j < 8; ++j) {
-            if (peers[s].meta[j] != peers[0].meta[j]) {
-              std::ostringstream m;
-              m << "jax_ep.low_latency: ranks 0 and " << s << " of one EP group disagree "
-                << "on shapes or dtype (field " << j << ": " << peers[0].meta[j] << " vs "
-                << peers[s].meta[j] << ")";
-              return m.str();
-            }
-          }
-        }
-        return work(peers);
-      },
-      [promise](const std::string& err) mutable {
-        if (err.empty()) {
-          promise.SetAvailable();
-        } else {
-          const bool timeout = err.find("timed out") != std::string::npos;
-          promise.SetError(ffi::Error(
-              timeout ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kInvalidArgument,
-              err));
-        }
-      });
-  return future;
-}
 
 std::string CheckGroup(int64_t E, int64_t R, int64_t M) {
   if (R < 1 || E % R != 0) return "num_experts must be a positive multiple of num_ranks";
@@ -162,19 +108,21 @@ ffi::Future DispatchRecvImpl(ffi::RunId run_id, ffi::AnyBuffer stage_x,
     int32_t *count, *src_rank, *src_index, *first, *rows;
   } o{recv_x->untyped_data(), recv_count->typed_data(), src_rank->typed_data(),
       src_index->typed_data(), first_row->typed_data(), row_count->typed_data()};
-  return Meet(run_id, call_site, rank, Scalar(group_buf), static_cast<int>(R), std::move(mine),
-              [=](const std::vector<PeerBuffers>& peers) -> std::string {
-                std::vector<const void*> px(R);
-                std::vector<const int32_t*> pi(R), pc(R);
-                for (int j = 0; j < R; ++j) {
-                  px[j] = peers[j].in[0];
-                  pi[j] = static_cast<const int32_t*>(peers[j].in[1]);
-                  pc[j] = static_cast<const int32_t*>(peers[j].in[2]);
-                }
-                LowLatencyDispatchRecvCpu(rank, s, px.data(), pi.data(), pc.data(), o.x,
-                                          o.count, o.src_rank, o.src_index, o.first, o.rows);
-                return {};
-              });
+  return Exchange(
+      run_id, call_site, rank, Scalar(group_buf), static_cast<int>(R), std::move(mine),
+      [=](const std::vector<PeerBuffers>& peers) -> std::string {
+        std::vector<const void*> px(R);
+        std::vector<const int32_t*> pi(R), pc(R);
+        for (int j = 0; j < R; ++j) {
+          px[j] = peers[j].in[0];
+          pi[j] = static_cast<const int32_t*>(peers[j].in[1]);
+          pc[j] = static_cast<const int32_t*>(peers[j].in[2]);
+        }
+        LowLatencyDispatchRecvCpu(rank, s, px.data(), pi.data(), pc.data(), o.x,
+                                  o.count, o.src_rank, o.src_index, o.first, o.rows);
+        return {};
+      },
+      "jax_ep.low_latency");
 }
 
 // -------------------------------- combine --------------------------------
@@ -244,13 +192,15 @@ ffi::Future CombineRecvImpl(ffi::RunId run_id, ffi::AnyBuffer stage,
   const int32_t* idx = topk_idx.typed_data();
   const float* w = topk_weights.typed_data();
   void* out_data = out->untyped_data();
-  return Meet(run_id, call_site, rank, Scalar(group_buf), static_cast<int>(R), std::move(mine),
-              [=](const std::vector<PeerBuffers>& peers) -> std::string {
-                std::vector<const void*> ps(R);
-                for (int j = 0; j < R; ++j) ps[j] = peers[j].in[0];
-                LowLatencyCombineRecvCpu(rank, kind, s, rpd, ps.data(), idx, w, out_data);
-                return {};
-              });
+  return Exchange(
+      run_id, call_site, rank, Scalar(group_buf), static_cast<int>(R), std::move(mine),
+      [=](const std::vector<PeerBuffers>& peers) -> std::string {
+        std::vector<const void*> ps(R);
+        for (int j = 0; j < R; ++j) ps[j] = peers[j].in[0];
+        LowLatencyCombineRecvCpu(rank, kind, s, rpd, ps.data(), idx, w, out_data);
+        return {};
+      },
+      "jax_ep.low_latency");
 }
 
 }  // namespace
