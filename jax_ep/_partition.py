@@ -148,12 +148,7 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
         # Pin operands to the token sharding (one reshard if they arrive otherwise); this
         # also hands the partitioner the concrete mesh.
         sharding = NamedSharding(mesh, P(spec.token_axes))
-        def pinned(*args):
-            return op(*[jax.lax.with_sharding_constraint(a, sharding) for a in args])
-
-        # Called eagerly, the op alone would run `abstract` (zeros): compile it with
-        # its partitioning, as inside an outer jit (where this jit is inlined).
-        return jax.jit(pinned)(*args)
+        return op(*[jax.lax.with_sharding_constraint(a, sharding) for a in args])
 
     # vmap over a leading batch axis: one exchange per batch element, in order.
     batched_call = jax.custom_batching.custom_vmap(call)
@@ -168,4 +163,8 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
         outs = tuple(jnp.stack([p[j] for p in per_item]) for j in range(n_out))
         return outs, (True,) * n_out
 
-    return batched_call
+    # Run eagerly, the op alone would evaluate `abstract` (zeros): a jit compiles it with
+    # its partitioning. Under an outer jit it is inlined, so the program holds the op
+    # itself rather than a call to a private function (which newer JAX may share between
+    # two identical call sites).
+    return jax.jit(batched_call, inline=True)
