@@ -1,0 +1,260 @@
+"""The host simulator of the low-latency mode on real intranode ranks
+(tests/sim/intranode_ll_sim.py, a model on the CPU, not a GPU run): bit-exact results
+against the NumPy model of the contract under random interleavings of ranks running at
+their own pace, repeated calls, fault cases, and every planted mistake caught."""
+import numpy as np
+import pytest
+
+import intranode_ll_sim as S
+
+R, T, M, H, K, E = 4, 5, 6, 8, 3, 8
+SETUP = S.Setup(R=R, E=E, M=M, K=K, H=H)
+
+
+# --- NumPy model of the contract (docs/low_latency.md) ----------------------------------
+
+def np_dispatch(x, idx, E_, M_):
+    Rn, Tn, Hn = x.shape
+    el = E_ // Rn
+    res = []
+    for r in range(Rn):
+        recv = np.zeros((el, Rn * M_, Hn), x.dtype)
+        src_rank = np.full((el, Rn * M_), -1, np.int32)
+        src_index = np.full((el, Rn * M_), -1, np.int32)
+        first = np.zeros((el, Rn), np.int32)
+        rows = np.zeros((el, Rn), np.int32)
+        count = np.zeros(el, np.int32)
+        for e in range(el):
+            g, row = r * el + e, 0
+            for s in range(Rn):
+                first[e, s] = row
+                for t in range(Tn):
+                    if g in idx[s, t]:
+                        recv[e, row] = x[s, t]
+                        src_rank[e, row], src_index[e, row] = s, t
+                        row += 1
+                rows[e, s] = row - first[e, s]
+            count[e] = row
+        res.append(dict(recv=recv, count=count, src_rank=src_rank, src_index=src_index,
+                        first_row=first, row_count=rows))
+    return res
+
+
+def np_combine(ys, idx, w, model):
+    Rn, Tn, Kn = idx.shape
+    el = ys[0].shape[0]
+    outs = []
+    for s in range(Rn):
+        out = np.zeros((Tn, ys[0].shape[-1]), ys[0].dtype)
+        for t in range(Tn):
+            acc = np.zeros(ys[0].shape[-1], np.float32)
+            for k in range(Kn):
+                g = idx[s, t, k]
+                if g < 0:
+                    continue
+                r, e = g // el, g % el
+                j = sum(g in idx[s, u] for u in range(t))
+                row = model[r]["first_row"][e, s] + j
+                acc = acc + np.float32(w[s, t, k]) * ys[r][e, row].astype(np.float32)
+            out[t] = acc.astype(ys[0].dtype)
+        outs.append(out)
+    return outs
+
+
+def routing(rng, kind, Tn=T):
+    if kind == "masked":
+        return np.full((R, Tn, K), -1, np.int32)
+    if kind == "skewed":  # every token names experts 0..K-1: rank 0 owns all rows
+        idx = np.broadcast_to(np.arange(K, dtype=np.int32), (R, Tn, K)).copy()
+        idx[:, ::2, -1] = -1
+        return idx
+    idx = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(Tn)])
+                    for _ in range(R)]).astype(np.int32)
+    return np.where(rng.random((R, Tn, K)) < 0.25, -1, idx).astype(np.int32)
+
+
+def make_calls(seed, kinds, dtype=np.float32, Tn=T, order="paired", loop=False):
+    """Programs of repeated dispatches and combines, plus the model's results per call.
+    order "paired": D0 C0 D1 C1 ...; "batched": D0 D1 ... C0 C1 ... (back-to-back calls
+    of one kind, where only the credits keep a fast rank from reusing a slot; in "paired"
+    programs the other op kind's waits already order them). loop: every iteration has the
+    same call sites, as one compiled call in a scan over decode steps (then only the
+    epochs tell calls apart)."""
+    rng = np.random.default_rng(seed)
+    programs = [[] for _ in range(R)]
+    combines = [[] for _ in range(R)]
+    want = []
+    for i, kind in enumerate(kinds):
+        x = rng.standard_normal((R, Tn, H)).astype(dtype)
+        idx = routing(rng, kind, Tn)
+        w = rng.random((R, Tn, K)).astype(np.float32)
+        ys = [rng.standard_normal((E // R, R * M, H)).astype(dtype) for _ in range(R)]
+        model = np_dispatch(x, idx, E, M)
+        outs = np_combine(ys, idx, w, model)
+        for r in range(R):
+            site = 1 if loop else 2 * i + 1
+            programs[r].append(S.Call("dispatch", x=x[r], idx=idx[r], site=site))
+            c = S.Call("combine", y=ys[r], idx=idx[r], w=w[r], first_row=model[r]["first_row"],
+                       row_count=model[r]["row_count"], site=site + 1)
+            (programs if order == "paired" else combines)[r].append(c)
+        want.append((model, outs))
+    for r in range(R):
+        programs[r] += combines[r]
+    return programs, want, order
+
+
+def check(world, want, order="paired"):
+    assert world.findings == [], world.findings[:3]
+    n = len(want)
+    for rk in world.ranks:
+        assert rk.error is None, rk.error
+        assert len(rk.results) == 2 * n
+        for i, (model, outs) in enumerate(want):
+            di, ci = (2 * i, 2 * i + 1) if order == "paired" else (i, n + i)
+            got = rk.results[di]
+            for key, v in model[rk.me].items():
+                np.testing.assert_array_equal(got[key].view(np.uint8) if key == "recv"
+                                              else got[key],
+                                              v.view(np.uint8) if key == "recv" else v,
+                                              err_msg=f"rank {rk.me} call {i} {key}")
+            np.testing.assert_array_equal(rk.results[ci]["out"].view(np.uint8),
+                                          outs[rk.me].view(np.uint8))
+
+
+# --- correct protocol -----------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ["paired", "batched"])
+@pytest.mark.parametrize("seed", range(3))
+def test_repeated_calls_match_model_in_random_orders(seed, order):
+    programs, want, _ = make_calls(seed, ["random", "skewed", "masked", "random"], order=order,
+                                   loop=seed % 2 == 1)
+    check(S.simulate(SETUP, programs, seed=seed), want, order)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_fewer_tokens_and_half_precision(dtype):
+    programs, want, _ = make_calls(7, ["random", "random"], dtype=dtype, Tn=2)
+    check(S.simulate(SETUP, programs, seed=7), want)
+
+
+def test_index_math_is_the_compiled_one():
+    from jax_ep import _ext
+    ext = _ext.ext
+    if ext is None or not hasattr(ext, "cuda_ll_slot"):
+        pytest.skip("no CUDA host functions in this build (kernels/common/low_latency_math.h "
+                    "is reached through them)")
+    for e, s, p, Rn, Mn in [(0, 0, 0, 4, 6), (1, 3, 5, 4, 6), (3, 7, 2, 8, 128)]:
+        assert ext.cuda_ll_slot(e, s, p, Rn, Mn) == S.slot_index(e, s, p, Rn, Mn)
+    col = np.array([3, 0, 2, 5], np.int32)
+    for e in range(4):
+        assert ext.cuda_ll_stage_row(e, 1, list(col)) == S.stage_row(e, 1, col)
+
+
+# --- faults the protocol reports ------------------------------------------------------
+
+def test_absent_rank_times_out_everywhere_without_hang():
+    programs, _, _ = make_calls(3, ["random", "random"])
+    programs[2] = None  # never runs
+    w = S.simulate(SETUP, programs, seed=3, timeout=200)
+    assert w.findings == []
+    for rk in w.ranks:
+        if rk.me == 2:
+            continue
+        assert rk.error is not None and rk.error[0] in (S.ERR_TIMEOUT, S.ERR_PEER_FAILED)
+        assert any(rk.error[0] == S.ERR_TIMEOUT for rk in w.ranks if rk.me != 2)
+
+
+def test_a_rank_with_other_shapes_errors_instead_of_mixing():
+    programs, _, _ = make_calls(4, ["random"])
+    c = programs[1][0]
+    programs[1][0] = S.Call("dispatch", x=c.x[:, :H // 2].copy(), idx=c.idx, site=c.site)
+    w = S.simulate(SETUP, programs, seed=4)
+    assert w.findings == []
+    codes = {rk.me: rk.error[0] for rk in w.ranks}
+    assert set(codes.values()) <= {S.ERR_CALL_SITE, S.ERR_PEER_FAILED}
+    assert codes[1] == S.ERR_CALL_SITE
+
+
+def test_a_skipped_call_is_a_site_mismatch():
+    programs, _, _ = make_calls(5, ["random", "random"])
+    programs[3] = programs[3][2:]  # rank 3 runs call 2 while the others run call 1
+    w = S.simulate(SETUP, programs, seed=5, timeout=300)
+    assert w.findings == []
+    assert all(rk.error is not None for rk in w.ranks)
+    assert w.ranks[3].error[0] in (S.ERR_CALL_SITE, S.ERR_PEER_FAILED, S.ERR_TIMEOUT)
+
+
+def test_bad_id_is_reported_and_others_finish():
+    programs, _, _ = make_calls(6, ["random"])
+    idx = programs[0][0].idx.copy()
+    idx[1, 0] = E + 2
+    programs[0][0] = S.Call("dispatch", x=programs[0][0].x, idx=idx, site=1)
+    w = S.simulate(SETUP, programs, seed=6)
+    assert w.findings == []
+    assert w.ranks[0].error[:4] == (S.ERR_BAD_ID, 1, 0, E + 2)
+    assert all(rk.error is None for rk in w.ranks[1:])
+
+
+# --- planted mistakes, each caught ----------------------------------------------------
+
+def _planted(plant, seeds=range(6), **kw):
+    """(findings, wrong results) over several interleavings with `plant` switched on."""
+    caught = []
+    for seed in seeds:
+        programs, want, order = make_calls(seed, ["random", "skewed", "random"],
+                                           order="batched", loop=True)
+        try:
+            w = S.simulate(SETUP, programs, seed=seed, plant=(plant,), **kw)
+        except S.Hang as h:
+            caught.append(f"hang: {h}")
+            continue
+        try:
+            check(w, want, order)
+        except AssertionError as a:
+            caught.append(str(a)[:300])
+    return caught
+
+
+@pytest.mark.parametrize("plant", ["no_dispatch_credit", "no_combine_credit",
+                                   "credit_before_read", "flag_before_data", "stale_epoch"])
+def test_planted_ordering_mistake_is_caught(plant):
+    caught = _planted(plant)
+    assert caught, f"{plant} went unnoticed"
+
+
+def test_planted_stale_epoch_reads_the_previous_call():
+    programs, _, _ = make_calls(0, ["random"] * 3, order="batched", loop=True)
+    stale = []
+    for seed in range(6):
+        w = S.simulate(SETUP, programs, seed=seed, plant=("stale_epoch",))
+        stale += [f for f in w.findings if f.startswith("read before written/stale")]
+    assert stale
+
+
+def test_planted_missing_credit_is_an_unread_overwrite():
+    programs, _, _ = make_calls(1, ["skewed", "skewed", "skewed"], order="batched")
+    hits = []
+    for seed in range(6):
+        w = S.simulate(SETUP, programs, seed=seed, plant=("no_dispatch_credit",))
+        hits += [f for f in w.findings if f.startswith("overwrote unread")]
+    assert hits
+
+
+def test_planted_wait_without_timeout_hangs():
+    programs, _, _ = make_calls(2, ["random"])
+    programs[1] = None
+    with pytest.raises(S.Hang):
+        S.simulate(SETUP, programs, seed=2, plant=("no_timeout",), hang_limit=3000)
+
+
+def test_planted_missing_config_check_mixes_shapes():
+    programs, _, _ = make_calls(4, ["random"])
+    c = programs[1][0]
+    programs[1][0] = S.Call("dispatch", x=c.x[:, :H // 2].copy(), idx=c.idx, site=c.site)
+    w = S.simulate(SETUP, programs, seed=4, plant=("no_config_check",))
+    assert any(f.startswith("mixed configs") for f in w.findings)
+
+
+def test_unknown_plant_is_rejected():
+    with pytest.raises(ValueError, match="unknown planted"):
+        S.World(SETUP, plant=("nope",))
