@@ -5,6 +5,7 @@
 #include "xla_ffi/cpu/cpu_handlers.h"
 #include "xla_ffi/cpu/low_latency_handlers.h"
 #include "xla_ffi/common/transport_bindings.h"
+#include "xla_ffi/internode/low_latency_handlers.h"
 #ifdef JAX_EP_WITH_CUDA
 #include "xla_ffi/cuda/cuda_registrations.h"
 #endif
@@ -22,6 +23,7 @@ nb::capsule Capsule(T* fn) {
 
 NB_MODULE(_jax_ep_ext, m) {
   jax_ep::AddTransportBindings(m);
+  jax_ep::AddLowLatencyWireBindings(m);
 #ifdef JAX_EP_WITH_CUDA
   jax_ep::DefineCudaBindings(m.ptr());
 #endif
@@ -44,6 +46,8 @@ NB_MODULE(_jax_ep_ext, m) {
         [&](const char* name, void* fn) { cuda[name] = nb::capsule(fn); });
 #ifdef JAX_EP_WITH_NVSHMEM
     jax_ep::AddInternodeRegistrations(
+        [&](const char* name, void* fn) { cuda[name] = nb::capsule(fn); });
+    jax_ep::AddInternodeLowLatencyRegistrations(
         [&](const char* name, void* fn) { cuda[name] = nb::capsule(fn); });
 #endif
     out["CUDA"] = cuda;

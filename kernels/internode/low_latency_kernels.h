@@ -1,0 +1,106 @@
+// Host API of the internode (NVSHMEM) low-latency mode (jax_ep.low_latency on the
+// internode backend): direct per-expert puts, no layout pass, no host synchronisation.
+// Plain C++: no NVSHMEM types leak out of low_latency_kernels.cu.
+//
+// Protocol (kernels/internode/low_latency_wire.h has the word-level rules):
+//   dispatch_send (every rank as a source, epoch n of the dispatch op, buffer b = n & 1):
+//     plan  -- each (token, slot)'s position among this rank's tokens naming the same
+//              expert (token order), counts per expert (at most M), bad or repeated ids
+//              noted; one header per owner (seq n, config hash, error flag, counts)
+//     pack  -- each staged token once into the symmetric stage (row + source token index)
+//     send  -- CTA q = logical QP q: waits (bounded) for every owner's credit for buffer
+//              b (the owner finished epoch n - 2), CTA 0 puts the headers (put-with-signal
+//              SET n on the control QP); then every (token, slot) row whose stream index
+//              j (owner's experts in order, then position) the striping plan puts on QP q
+//              goes straight into the owner's slot drecv[b][expert][source][position],
+//              as a put-with-signal ADD 1 on QP q into word (dispatch, b, source, q)
+//     token -- int32[2] (n, 0): the epoch the receive half completes
+//   dispatch_recv (every rank as an owner): waits (bounded) for every source's header
+//     word == n, checks seq, hash and error flag, waits for every (source, QP) data word
+//     to hold that QP's rows; writes recv_x[E_local, R*M, H] (rows of source s for expert
+//     e at first_row[e, s], in token order, zero past the count), recv_count, src_rank,
+//     src_index, first_row, row_count; resets buffer b's data words and returns the credit
+//     (SET n into word (dispatch, b, owner) on every source).
+//   combine_send (every rank as an owner, epoch m of the combine op): y's rows of each
+//     source, expert after expert, into the stage, then, after the source's credit, each
+//     row j of the stream to source s on QP row_qp(s, j) into crecv[b][owner][j] at s.
+//   combine_recv (every rank as a source): waits for every owner's header and rows, checks
+//     the owner's row count equals what its own routing implies, sums each token's rows
+//     k ascending (float32 product rounded, then added, kernels/common/low_latency_math.h),
+//     casts; resets and returns the credit.
+//
+// Slot reuse: DOUBLE BUFFERING BY EPOCH PARITY, GUARDED BY CREDITS. Epoch n writes buffer
+// n & 1 of the reader's areas; before writing it, the writer waits until the reader's
+// credit for that buffer says it finished epoch n - 2. So at most two calls of an op can
+// be in flight per rank (e.g. the FP8 dispatch's two sends before its two receives); a
+// third send waits for a credit that only a receive behind it on the stream can give,
+// and ends in a timeout error, never a hang or a silent overwrite.
+//
+// Buffers: one symmetric area per PE, allocated once by Init from (R, M, row bytes, K, E)
+// and independent of the call's T (llwire::area_layout). The sticky error record, QP
+// handles and the NVSHMEM runtime are the direct mode's (internode::SharedState); a failed
+// rank stays silent, so its peers time out, as in the other internode modes.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/common/dtype_convert.h"
+
+namespace jax_ep {
+namespace ll_internode {
+
+struct Limits {
+  bool initialized = false;
+  int R = 0, M = 0, K = 0, E = 0;
+  int64_t row_bytes = 0;
+  int64_t area_bytes = 0;
+};
+
+// Collective over every PE (nvshmem_malloc), after internode::Init: the area for up to M
+// tokens per rank of row_bytes bytes each (H times the largest element size used), top-K
+// routing and E experts over the num_ranks PEs. "" on success.
+std::string Init(int num_ranks, int max_tokens, int64_t row_bytes, int topk, int num_experts);
+Limits GetLimits();
+
+// One call's shape. S staged tokens (S <= M * K), K' = topk of the staged routing.
+struct CallDims {
+  int R = 0, rank = 0, E = 0, M = 0;
+  int S = 0, K = 0;
+  int64_t H = 0;
+  FloatKind elem = FloatKind::kF32;
+  int64_t rows_per_dest = 0;  // combine: rows an owner returns to one source
+  int num_ports = 1, qps_per_port = 1;
+  int64_t timeout_ns = 0;
+  int64_t call_site = 0;      // the send half's call_site (hashed in the header)
+};
+
+// token: int32[2] device, written by the send half, read by the receive half.
+std::string DispatchSend(cudaStream_t stream, const CallDims& d, const void* x,
+                         const int32_t* topk_idx, int32_t* token);
+
+struct DispatchRecvOut {
+  void* recv_x;          // [E_local, R*M, H]
+  int32_t* recv_count;   // [E_local]
+  int32_t* src_rank;     // [E_local, R*M]
+  int32_t* src_index;    // [E_local, R*M]
+  int32_t* first_row;    // [E_local, R]
+  int32_t* row_count;    // [E_local, R]
+};
+std::string DispatchRecv(cudaStream_t stream, const CallDims& d, const int32_t* token,
+                         const DispatchRecvOut& out);
+
+std::string CombineSend(cudaStream_t stream, const CallDims& d, const void* y,
+                        const int32_t* first_row, const int32_t* row_count, int32_t* token);
+// out[S, H]; topk_idx / topk_weights [S, K].
+std::string CombineRecv(cudaStream_t stream, const CallDims& d, const int32_t* token,
+                        const int32_t* topk_idx, const float* topk_weights, void* out);
+
+// The sticky error of an earlier call of any internode mode ("" if none), with this
+// mode's wait kinds spelled out.
+std::string PendingError();
+
+}  // namespace ll_internode
+}  // namespace jax_ep

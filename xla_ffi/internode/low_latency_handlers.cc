@@ -1,0 +1,258 @@
+// XLA FFI handlers of the internode (NVSHMEM) low-latency mode, platform CUDA
+// (kernels/internode/low_latency_kernels.h). The send and receive halves are separate
+// custom calls; the send half's token (int32[2]: the epoch) is the receive half's operand:
+//
+//   jax_ep_internode_ll_dispatch_send(x[S,H], topk_idx[S,K] s32) -> token[2] s32
+//     attrs: num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port, call_site
+//   jax_ep_internode_ll_dispatch_recv(token[2] s32)
+//     -> recv_x[E/R, R*M, H] (x's dtype), recv_count[E/R], src_rank[E/R, R*M],
+//        src_index[E/R, R*M], first_row[E/R, R], row_count[E/R, R] (s32)
+//     attrs: as the send, plus stage_rows (S), topk (K), send_site (the send's call_site)
+//   jax_ep_internode_ll_combine_send(y[E/R, R*M, H], first_row[E/R, R] s32,
+//                                    row_count[E/R, R] s32) -> token[2] s32
+//     attrs: num_experts, num_ranks, rank, max_tokens, rows_per_dest, num_ports,
+//            qps_per_port, call_site
+//   jax_ep_internode_ll_combine_recv(token[2] s32, topk_idx[S,K] s32, topk_weights[S,K] f32)
+//     -> out[S,H] (y's dtype)
+//     attrs: as combine_send, plus send_site
+//
+// No handler allocates or synchronises with the host (the area is allocated once at
+// start, errors go to the sticky record every later internode call returns first), so
+// all four are command-buffer compatible.
+#include <string>
+
+#include "kernels/internode/low_latency_kernels.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/ffi_helpers.h"
+#include "xla_ffi/internode/low_latency_handlers.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_ep {
+namespace {
+
+ffi::Error FromString(const std::string& err) {
+  if (err.empty()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInternal, err);
+}
+
+#define JEP_LL_EXPECT(what, buf, ...)                                           \
+  do {                                                                          \
+    const std::string m_ = ExpectShape(what, (buf).dimensions(), {__VA_ARGS__}); \
+    if (!m_.empty()) return Invalid(m_);                                        \
+  } while (0)
+
+// Checks shared by the four targets; the sticky error of an earlier call comes first.
+ffi::Error BaseDims(int64_t E, int64_t R, int64_t rank, int64_t M, int64_t num_ports,
+                    int64_t qps_per_port, int64_t call_site, ll_internode::CallDims* d) {
+  const std::string pending = ll_internode::PendingError();
+  if (!pending.empty()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, pending);
+  if (R < 1) return Invalid("num_ranks must be >= 1");
+  if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
+  if (E < 1 || E % R != 0) return Invalid("num_experts must be a positive multiple of num_ranks");
+  if (M < 1) return Invalid("max_tokens must be >= 1");
+  if (num_ports < 1) return Invalid("num_ports must be >= 1");
+  if (qps_per_port < 1) return Invalid("qps_per_port must be >= 1");
+  d->E = static_cast<int>(E);
+  d->R = static_cast<int>(R);
+  d->rank = static_cast<int>(rank);
+  d->M = static_cast<int>(M);
+  d->num_ports = static_cast<int>(num_ports);
+  d->qps_per_port = static_cast<int>(qps_per_port);
+  d->call_site = call_site;
+  d->timeout_ns = static_cast<int64_t>(TimeoutSeconds() * 1e9);
+  return ffi::Error::Success();
+}
+
+ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> idx,
+                            ffi::Result<ffi::Buffer<ffi::S32>> token, int64_t num_experts,
+                            int64_t num_ranks, int64_t rank, int64_t max_tokens,
+                            int64_t num_ports, int64_t qps_per_port, int64_t call_site) {
+  ll_internode::CallDims d;
+  ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
+                          call_site, &d);
+  if (e.failure()) return e;
+  if (!FloatKindOf(x.element_type(), &d.elem))
+    return Invalid("x must be float32, bfloat16 or float16");
+  if (x.dimensions().size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(x.dimensions()));
+  d.S = static_cast<int>(x.dimensions()[0]);
+  d.H = x.dimensions()[1];
+  if (idx.dimensions().size() != 2 || idx.dimensions()[0] != d.S)
+    return Invalid("topk_idx must be [tokens, k] with tokens = x.shape[0], got " +
+                   Dims(idx.dimensions()));
+  d.K = static_cast<int>(idx.dimensions()[1]);
+  JEP_LL_EXPECT("token", *token, 2);
+  return FromString(ll_internode::DispatchSend(stream, d, x.untyped_data(), idx.typed_data(),
+                                               token->typed_data()));
+}
+
+ffi::Error DispatchRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
+                            ffi::Result<ffi::AnyBuffer> recv_x,
+                            ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
+                            ffi::Result<ffi::Buffer<ffi::S32>> src_rank,
+                            ffi::Result<ffi::Buffer<ffi::S32>> src_index,
+                            ffi::Result<ffi::Buffer<ffi::S32>> first_row,
+                            ffi::Result<ffi::Buffer<ffi::S32>> row_count, int64_t num_experts,
+                            int64_t num_ranks, int64_t rank, int64_t max_tokens,
+                            int64_t stage_rows, int64_t topk, int64_t num_ports,
+                            int64_t qps_per_port, int64_t send_site, int64_t call_site) {
+  ll_internode::CallDims d;
+  ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
+                          send_site, &d);
+  if (e.failure()) return e;
+  if (stage_rows < 0 || topk < 1) return Invalid("stage_rows must be >= 0 and topk >= 1");
+  d.S = static_cast<int>(stage_rows);
+  d.K = static_cast<int>(topk);
+  if (!FloatKindOf(recv_x->element_type(), &d.elem))
+    return Invalid("recv_x must be float32, bfloat16 or float16");
+  const int64_t el = num_experts / num_ranks, RM = num_ranks * max_tokens;
+  if (recv_x->dimensions().size() != 3)
+    return Invalid("recv_x must be [E_local, R * M, H], got " + Dims(recv_x->dimensions()));
+  d.H = recv_x->dimensions()[2];
+  JEP_LL_EXPECT("token", token, 2);
+  JEP_LL_EXPECT("recv_x", *recv_x, el, RM, d.H);
+  JEP_LL_EXPECT("recv_count", *recv_count, el);
+  JEP_LL_EXPECT("src_rank", *src_rank, el, RM);
+  JEP_LL_EXPECT("src_index", *src_index, el, RM);
+  JEP_LL_EXPECT("first_row", *first_row, el, num_ranks);
+  JEP_LL_EXPECT("row_count", *row_count, el, num_ranks);
+  ll_internode::DispatchRecvOut out{recv_x->untyped_data(), recv_count->typed_data(),
+                                    src_rank->typed_data(), src_index->typed_data(),
+                                    first_row->typed_data(), row_count->typed_data()};
+  return FromString(ll_internode::DispatchRecv(stream, d, token.typed_data(), out));
+}
+
+ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> first_row,
+                           ffi::Buffer<ffi::S32> row_count,
+                           ffi::Result<ffi::Buffer<ffi::S32>> token, int64_t num_experts,
+                           int64_t num_ranks, int64_t rank, int64_t max_tokens,
+                           int64_t rows_per_dest, int64_t num_ports, int64_t qps_per_port,
+                           int64_t call_site) {
+  ll_internode::CallDims d;
+  ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
+                          call_site, &d);
+  if (e.failure()) return e;
+  if (!FloatKindOf(y.element_type(), &d.elem))
+    return Invalid("y must be float32, bfloat16 or float16");
+  const int64_t el = num_experts / num_ranks, RM = num_ranks * max_tokens;
+  if (y.dimensions().size() != 3)
+    return Invalid("y must be [E_local, R * M, H], got " + Dims(y.dimensions()));
+  d.H = y.dimensions()[2];
+  if (rows_per_dest < 1) return Invalid("rows_per_dest must be >= 1");
+  d.rows_per_dest = rows_per_dest;
+  JEP_LL_EXPECT("y", y, el, RM, d.H);
+  JEP_LL_EXPECT("handle.first_row", first_row, el, num_ranks);
+  JEP_LL_EXPECT("handle.row_count", row_count, el, num_ranks);
+  JEP_LL_EXPECT("token", *token, 2);
+  return FromString(ll_internode::CombineSend(stream, d, y.untyped_data(), first_row.typed_data(),
+                                              row_count.typed_data(), token->typed_data()));
+}
+
+ffi::Error CombineRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
+                           ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> w,
+                           ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
+                           int64_t num_ranks, int64_t rank, int64_t max_tokens,
+                           int64_t rows_per_dest, int64_t num_ports, int64_t qps_per_port,
+                           int64_t send_site, int64_t call_site) {
+  ll_internode::CallDims d;
+  ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
+                          send_site, &d);
+  if (e.failure()) return e;
+  if (!FloatKindOf(out->element_type(), &d.elem))
+    return Invalid("out must be float32, bfloat16 or float16");
+  if (idx.dimensions().size() != 2) return Invalid("topk_idx must be [tokens, k], got " + Dims(idx.dimensions()));
+  d.S = static_cast<int>(idx.dimensions()[0]);
+  d.K = static_cast<int>(idx.dimensions()[1]);
+  if (out->dimensions().size() != 2) return Invalid("out must be [tokens, hidden], got " + Dims(out->dimensions()));
+  d.H = out->dimensions()[1];
+  if (rows_per_dest < 1) return Invalid("rows_per_dest must be >= 1");
+  d.rows_per_dest = rows_per_dest;
+  JEP_LL_EXPECT("token", token, 2);
+  JEP_LL_EXPECT("topk_weights", w, d.S, d.K);
+  JEP_LL_EXPECT("out", *out, d.S, d.H);
+  return FromString(ll_internode::CombineRecv(stream, d, token.typed_data(), idx.typed_data(),
+                                              w.typed_data(), out->untyped_data()));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchSendHandler, DispatchSendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("num_ports")
+                                  .Attr<int64_t>("qps_per_port")
+                                  .Attr<int64_t>("call_site"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchRecvHandler, DispatchRecvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("stage_rows")
+                                  .Attr<int64_t>("topk")
+                                  .Attr<int64_t>("num_ports")
+                                  .Attr<int64_t>("qps_per_port")
+                                  .Attr<int64_t>("send_site")
+                                  .Attr<int64_t>("call_site"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLCombineSendHandler, CombineSendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("rows_per_dest")
+                                  .Attr<int64_t>("num_ports")
+                                  .Attr<int64_t>("qps_per_port")
+                                  .Attr<int64_t>("call_site"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLCombineRecvHandler, CombineRecvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("rows_per_dest")
+                                  .Attr<int64_t>("num_ports")
+                                  .Attr<int64_t>("qps_per_port")
+                                  .Attr<int64_t>("send_site")
+                                  .Attr<int64_t>("call_site"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+void AddInternodeLowLatencyRegistrations(const RegisterFn& add) {
+  add("jax_ep_internode_ll_dispatch_send", reinterpret_cast<void*>(InternodeLLDispatchSendHandler));
+  add("jax_ep_internode_ll_dispatch_recv", reinterpret_cast<void*>(InternodeLLDispatchRecvHandler));
+  add("jax_ep_internode_ll_combine_send", reinterpret_cast<void*>(InternodeLLCombineSendHandler));
+  add("jax_ep_internode_ll_combine_recv", reinterpret_cast<void*>(InternodeLLCombineRecvHandler));
+}
+
+}  // namespace jax_ep
