@@ -1,0 +1,411 @@
+"""The internode low-latency protocol on the host simulator (tests/sim/low_latency_sim.py):
+exact results against a NumPy model of the contract at several shapes, QP striping,
+faults ending in errors on every rank, and each planted mistake reported."""
+import numpy as np
+import pytest
+
+from low_latency_sim import Mistakes, Sim
+
+
+# --- a NumPy model of the contract (docs/low_latency.md), independent of the protocol ----
+
+def model_dispatch(xs, idxs, E, M):
+    """Per owner: recv_x[E_local, R*M, H], recv_count, src_rank, src_index, and the list
+    of (source, token) of each expert's rows."""
+    R = len(xs)
+    el, H = E // R, xs[0].shape[1]
+    outs = []
+    for r in range(R):
+        recv_x = np.zeros((el, R * M, H), np.float32)
+        src_rank = np.full((el, R * M), -1, np.int32)
+        src_index = np.full((el, R * M), -1, np.int32)
+        lists = []
+        for e in range(el):
+            g = r * el + e
+            rows = []
+            for s in range(R):
+                toks = [t for t in range(idxs[s].shape[0]) if g in idxs[s][t]]
+                rows += [(s, t) for t in toks[:M]]  # past M a source's rows are dropped
+            for i, (s, t) in enumerate(rows):
+                recv_x[e, i], src_rank[e, i], src_index[e, i] = xs[s][t], s, t
+            lists.append(rows)
+        outs.append(dict(recv_x=recv_x, recv_count=np.array([len(l) for l in lists], np.int32),
+                         src_rank=src_rank, src_index=src_index, rows=lists))
+    return outs
+
+
+def model_combine(ys, idxs, ws, disp, E):
+    """out_s[t] = sum over k ascending of w[t, k] * (owner's y row of (s, t) for that
+    expert), float32 products rounded, then added."""
+    R = len(ys)
+    el, H = E // R, ys[0].shape[-1]
+    outs = []
+    for s in range(R):
+        S, K = idxs[s].shape
+        out = np.zeros((S, H), np.float32)
+        for t in range(S):
+            acc = np.zeros(H, np.float32)
+            for k in range(K):
+                g = int(idxs[s][t, k])
+                if g < 0:
+                    continue
+                rows = disp[g // el]["rows"][g % el]
+                if (s, t) not in rows:
+                    continue  # dropped at dispatch (past M)
+                v = ys[g // el][g % el, rows.index((s, t))]
+                acc = (acc + (np.float32(ws[s][t, k]) * v).astype(np.float32)).astype(np.float32)
+            out[t] = acc
+        outs.append(out)
+    return outs
+
+
+def routing(rng, R, E, M, K, T=None, pad_to=None):
+    """Per rank idx[S, K]: T <= M tokens with K distinct experts or -1, padded with -1
+    rows to `pad_to` (M by default, as the Python layer stages them)."""
+    pad_to = M if pad_to is None else pad_to
+    out = []
+    for _ in range(R):
+        t = int(rng.integers(0, M + 1)) if T is None else T
+        idx = np.full((pad_to, K), -1, np.int32)
+        for i in range(t):
+            n = int(rng.integers(0, min(K, E) + 1))
+            idx[i, :n] = rng.choice(E, n, replace=False)
+            rng.shuffle(idx[i])
+        out.append(idx)
+    return out
+
+
+def round_data(rng, R, E, M, K, H):
+    """x[M, H], idx[M, K] and weights[M, K] per rank."""
+    xs = [rng.standard_normal((M, H)).astype(np.float32) for _ in range(R)]
+    idxs = routing(rng, R, E, M, K)
+    ws = [rng.standard_normal((M, K)).astype(np.float32) for _ in range(R)]
+    return xs, idxs, ws
+
+
+def run_rounds(R, E, M, K, H, *, P=2, Q=2, rounds=3, seed=0, mistakes=Mistakes(),
+               depth2=False, reorder=True, slow=None, policy="random"):
+    """`rounds` dispatch + combine rounds on every rank (with `depth2`, two dispatch sends
+    before their receives, as the FP8 dispatch does); y = 2 * recv_x + rank. `slow`:
+    (rank, steps) sleeps before each of that rank's receives. Returns (Result, model
+    outputs)."""
+    rng = np.random.default_rng(seed)
+    el = E // R
+    rpd = M * min(K, el)
+    data = [round_data(rng, R, E, M, K, H) for i in range(rounds)]
+    want_d = [model_dispatch(xs, idxs, E, M) for xs, idxs, _ in data]
+    ys = [[(2 * want_d[i][r]["recv_x"] + r).astype(np.float32) for r in range(R)]
+          for i in range(rounds)]
+    # y rows past the count are never sent: garbage there must not matter
+    for i in range(rounds):
+        for r in range(R):
+            for e in range(el):
+                ys[i][r][e, want_d[i][r]["recv_count"][e]:] = 1e30
+    want_c = [model_combine(ys[i], data[i][1], data[i][2], want_d[i], E) for i in range(rounds)]
+
+    def sleep(r):
+        return [{"do": "sleep", "steps": slow[1]}] if slow and slow[0] == r else []
+
+    steps = []
+    for r in range(R):
+        st = []
+        i = 0
+        while i < rounds:
+            group = [i, i + 1] if depth2 and i + 1 < rounds else [i]
+            for j in group:
+                st.append({"do": "dispatch_send", "x": data[j][0][r], "idx": data[j][1][r],
+                           "name": f"d{j}"})
+            for j in group:
+                st += sleep(r) + [{"do": "dispatch_recv", "name": f"d{j}"}]
+            for j in group:
+                h = want_d[j][r]
+                first = np.zeros((el, R), np.int32)
+                count = np.zeros((el, R), np.int32)
+                for e in range(el):
+                    srcs = [s for s, _ in h["rows"][e]]
+                    for s in range(R):
+                        count[e, s] = srcs.count(s)
+                    first[e] = np.cumsum(count[e]) - count[e]
+                st.append({"do": "combine_send", "y": ys[j][r], "first_row": first,
+                           "row_count": count, "rows_per_dest": rpd, "name": f"c{j}"})
+                st += sleep(r) + [{"do": "combine_recv", "name": f"c{j}", "idx": data[j][1][r],
+                                   "w": data[j][2][r], "rows_per_dest": rpd}]
+            i += len(group)
+        steps.append(st)
+    sim = Sim(R, E, M, H, num_ports=P, qps_per_port=Q, seed=seed, reorder=reorder,
+              policy=policy, mistakes=mistakes)
+    return sim.simulate(steps), want_d, want_c, depth2
+
+
+def outputs_of(res, r):
+    """(dispatch outputs per round, combine outputs per round) of rank r."""
+    outs = [o for o in res.outputs[r] if o is not None]
+    d, c = [], []
+    for o in outs:
+        (d if isinstance(o, tuple) else c).append(o)
+    return d, c
+
+
+def check_exact(res, want_d, want_c, R):
+    for r in range(R):
+        d, c = outputs_of(res, r)
+        assert len(d) == len(want_d) and len(c) == len(want_c)
+        for i in range(len(want_d)):
+            recv_x, count, src_rank, src_index, first_row, row_count = d[i]
+            w = want_d[i][r]
+            np.testing.assert_array_equal(recv_x.view(np.uint32), w["recv_x"].view(np.uint32))
+            np.testing.assert_array_equal(count, w["recv_count"])
+            np.testing.assert_array_equal(src_rank, w["src_rank"])
+            np.testing.assert_array_equal(src_index, w["src_index"])
+            np.testing.assert_array_equal(row_count.sum(1), w["recv_count"])
+            np.testing.assert_array_equal(first_row, np.cumsum(row_count, 1) - row_count)
+            np.testing.assert_array_equal(c[i].view(np.uint32), want_c[i][r].view(np.uint32))
+
+
+SHAPES = [  # R, E, M, K, H, ports, QPs per port
+    (2, 4, 3, 2, 4, 1, 1),
+    (4, 8, 4, 3, 3, 2, 2),
+    (3, 6, 5, 6, 2, 2, 1),   # K > E_local: an owner gets several slots of one token
+    (8, 16, 3, 4, 2, 2, 2),
+    (4, 4, 6, 1, 2, 1, 3),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed,policy", [(0, "random"), (1, "random"), (2, "lazy")])
+def test_exact_against_model(shape, seed, policy):
+    R, E, M, K, H, P, Q = shape
+    res, want_d, want_c, _ = run_rounds(R, E, M, K, H, P=P, Q=Q, rounds=3, seed=seed,
+                                        policy=policy)
+    assert res.violations == [] and not res.hang
+    assert res.errors == [None] * R
+    check_exact(res, want_d, want_c, R)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_two_sends_in_flight_and_slow_reader(seed):
+    """The FP8 dispatch's pattern (two sends, then two receives) with one rank slow to
+    read: the credits hold the third epoch back until buffer 1 is free again."""
+    R, E, M, K, H = 4, 8, 4, 2, 2
+    res, want_d, want_c, _ = run_rounds(R, E, M, K, H, rounds=4, seed=seed, depth2=True,
+                                        slow=(1, 300))
+    assert res.violations == [] and not res.hang
+    assert res.errors == [None] * R
+    check_exact(res, want_d, want_c, R)
+
+
+def test_fifo_qps_and_one_slot_gradient_staging():
+    """QPs delivering in order, and the gradient's staging: M * K one-slot tokens."""
+    R, E, M, K, H = 4, 8, 3, 3, 2
+    rng = np.random.default_rng(5)
+    idxs = routing(rng, R, E, M, K, T=M)
+    one = [np.where(i >= 0, i, -1).reshape(M * K, 1) for i in idxs]
+    xs = [rng.standard_normal((M * K, H)).astype(np.float32) for _ in range(R)]
+    want = model_dispatch(xs, one, E, M)
+    sim = Sim(R, E, M, H, seed=3, reorder=False)
+    res = sim.simulate([[{"do": "dispatch_send", "x": xs[r], "idx": one[r], "name": "g"},
+                         {"do": "dispatch_recv", "name": "g"}] for r in range(R)])
+    assert res.violations == [] and res.errors == [None] * R
+    for r in range(R):
+        got = res.outputs[r][1]
+        np.testing.assert_array_equal(got[0], want[r]["recv_x"])
+        np.testing.assert_array_equal(got[3], want[r]["src_index"])
+
+
+def test_rows_striped_over_ports():
+    """Each (source, owner) stream's rows are spread over the ports within one row, and
+    every word has one writer QP (the simulator checks the latter on every signal)."""
+    R, E, M, K, H, P, Q = 4, 4, 8, 4, 1, 2, 2
+    rng = np.random.default_rng(0)
+    idxs = routing(rng, R, E, M, K, T=M)
+    xs = [np.ones((M, H), np.float32) for _ in range(R)]
+    sim = Sim(R, E, M, H, num_ports=P, qps_per_port=Q, seed=0)
+    res = sim.simulate([[{"do": "dispatch_send", "x": xs[r], "idx": idxs[r], "name": "d"},
+                         {"do": "dispatch_recv", "name": "d"}] for r in range(R)])
+    assert res.violations == []
+    streams = 0
+    for s in range(R):
+        for d in range(R):
+            per_port = [res.port_rows.get((s, d, p), 0) for p in range(P)]
+            if sum(per_port) > 1:
+                streams += 1
+                assert max(per_port) - min(per_port) <= 1, (s, d, per_port)
+    assert streams > 0
+
+
+# --- faults -------------------------------------------------------------------------
+
+def _one_dispatch(R, E, M, K, H, *, seed=0, mutate=None, mistakes=Mistakes(), timeout=2000):
+    rng = np.random.default_rng(seed)
+    idxs = routing(rng, R, E, M, K, T=M)
+    xs = [rng.standard_normal((M, H)).astype(np.float32) for _ in range(R)]
+    steps = [[{"do": "dispatch_send", "x": xs[r], "idx": idxs[r], "name": "d"},
+              {"do": "dispatch_recv", "name": "d"}] for r in range(R)]
+    if mutate:
+        mutate(steps)
+    sim = Sim(R, E, M, H, seed=seed, timeout=timeout, mistakes=mistakes)
+    return sim.simulate(steps)
+
+
+def test_skipped_call_times_out_naming_the_peer():
+    res = _one_dispatch(4, 8, 3, 2, 2, mutate=lambda st: st[2].clear())
+    assert not res.hang
+    for r in (0, 1, 3):
+        err = res.errors[r]
+        assert err["code"] == "timeout" and err["peer"] == 2 and err["kind"] == "header", err
+
+
+def test_bad_id_fails_every_rank():
+    def bad(st):
+        st[1][0]["idx"] = st[1][0]["idx"].copy()
+        st[1][0]["idx"][0, 0] = 99
+    res = _one_dispatch(4, 8, 3, 2, 2, mutate=bad)
+    assert res.errors[1]["code"] == "bad_id" and res.errors[1]["value"] == 99
+    for r in (0, 2, 3):
+        assert res.errors[r] == {"code": "peer_failed", "peer": 1, "rank": r}
+    assert res.violations == []
+
+
+def test_other_shape_is_a_mismatch_on_every_rank():
+    def other(st):
+        st[3][0]["x"] = np.zeros((3, 5), np.float32)  # H = 5 instead of 2
+    res = _one_dispatch(4, 8, 3, 2, 2, mutate=other)
+    for r in range(4):
+        assert res.errors[r]["code"] == "mismatch", res.errors[r]
+    assert res.errors[0]["peer"] == 3 and res.errors[3]["peer"] == 0
+
+
+def test_combine_with_another_routing_is_an_error():
+    R, E, M, K, H = 4, 8, 4, 2, 2
+    # one source passes other ids to combine_recv than the ones it dispatched
+    rng = np.random.default_rng(4)
+    xs, idxs, ws = round_data(rng, R, E, M, K, H)
+    d = model_dispatch(xs, idxs, E, M)
+    steps = []
+    for r in range(R):
+        el = E // R
+        count = np.array([[[s for s, _ in d[r]["rows"][e]].count(s) for s in range(R)]
+                          for e in range(el)], np.int32)
+        first = (np.cumsum(count, 1) - count).astype(np.int32)
+        idx = idxs[r] if r != 2 else np.full_like(idxs[r], -1)
+        steps.append([{"do": "combine_send", "y": d[r]["recv_x"], "first_row": first,
+                       "row_count": count, "rows_per_dest": M * min(K, el), "name": "c"},
+                      {"do": "combine_recv", "name": "c", "idx": idx, "w": ws[r],
+                       "rows_per_dest": M * min(K, el)}])
+    assert any(s == 2 for o in range(R) for e in range(E // R) for s, _ in d[o]["rows"][e])
+    res2 = Sim(R, E, M, H, seed=1).simulate(steps)
+    assert res2.errors[2]["code"] == "rows_mismatch", res2.errors[2]
+    assert [res2.errors[r] for r in (0, 1, 3)] == [None] * 3
+
+
+# --- planted mistakes -----------------------------------------------------------------
+
+def _caught(res):
+    return bool(res.violations) or res.hang or any(e is not None for e in res.errors)
+
+
+@pytest.mark.parametrize("mistake", [False, True])
+def test_planted_signal_before_data_is_caught(mistake):
+    """Operations land as late as possible ("lazy"): a reader woken by a signal that
+    went out ahead of its row reads the row before it lands."""
+    hits = 0
+    for seed in range(4):
+        res, want_d, want_c, _ = run_rounds(4, 8, 4, 2, 2, rounds=1, seed=seed, policy="lazy",
+                                            mistakes=Mistakes(signal_before_data=mistake))
+        hits += any("row" in v and "before it landed" in v for v in res.violations)
+        if not mistake:
+            check_exact(res, want_d, want_c, 4)
+    assert (hits > 0) == mistake
+
+
+def test_planted_shared_signal_word_is_caught():
+    res, *_ = run_rounds(4, 8, 4, 3, 2, P=2, Q=2, rounds=1,
+                         mistakes=Mistakes(shared_signal_word=True))
+    assert any("more than one QP" in v for v in res.violations)
+
+
+def _slow_writer_steps(rounds, slow_rank, R, E, M, K, H, seed):
+    """Dispatch-only rounds; `slow_rank` sleeps before each of its sends after the
+    first, so its readers reach their receive before its header lands."""
+    rng = np.random.default_rng(seed)
+    data = [(routing(rng, R, E, M, K, T=M),
+             [rng.standard_normal((M, H)).astype(np.float32) for _ in range(R)])
+            for _ in range(rounds)]
+    steps = []
+    for r in range(R):
+        st = []
+        for i, (idxs, xs) in enumerate(data):
+            if r == slow_rank and i > 0:
+                st.append({"do": "sleep", "steps": 400})
+            st += [{"do": "dispatch_send", "x": xs[r], "idx": idxs[r], "name": f"d{i}"},
+                   {"do": "dispatch_recv", "name": f"d{i}"}]
+        steps.append(st)
+    return steps, data
+
+
+@pytest.mark.parametrize("mistake", [None, "no_epoch_check"])
+def test_planted_missing_epoch_check_accepts_a_stale_header(mistake):
+    R, E, M, K, H = 4, 8, 3, 2, 2
+    steps, _ = _slow_writer_steps(3, 0, R, E, M, K, H, seed=0)
+    m = Mistakes(no_epoch_check=True) if mistake else Mistakes()
+    res = Sim(R, E, M, H, seed=0, timeout=5000, mistakes=m).simulate(steps)
+    stale = [v for v in res.violations if "header" in v and "before it landed" in v]
+    if mistake:
+        assert stale, res.violations
+    else:
+        assert res.violations == [] and res.errors == [None] * R
+
+
+def _slow_reader_steps(R, E, M, K, H, seed, depth2):
+    rng = np.random.default_rng(seed)
+    rounds = 4 if depth2 else 3
+    data = [(routing(rng, R, E, M, K, T=M),
+             [rng.standard_normal((M, H)).astype(np.float32) for _ in range(R)])
+            for _ in range(rounds)]
+    steps = []
+    for r in range(R):
+        st = []
+        groups = [[0, 1], [2, 3]] if depth2 else [[0], [1], [2]]
+        for g in groups:
+            for i in g:
+                st.append({"do": "dispatch_send", "x": data[i][1][r], "idx": data[i][0][r],
+                           "name": f"d{i}"})
+            for i in g:
+                if r == 0:
+                    st.append({"do": "sleep", "steps": 600})
+                st.append({"do": "dispatch_recv", "name": f"d{i}"})
+        steps.append(st)
+    return steps
+
+
+@pytest.mark.parametrize("mistake,depth2", [(None, False), (None, True),
+                                            ("single_buffer", False), ("no_credit", True)])
+def test_planted_slot_reuse_without_double_buffer_or_credit(mistake, depth2):
+    """Rank 0 reads late. One buffer without credits lets the next epoch overwrite the
+    rows it has not read; two buffers without credits fail the same way once two sends
+    are in flight. With both (the protocol) nothing is overwritten."""
+    R, E, M, K, H = 4, 4, 4, 2, 2
+    steps = _slow_reader_steps(R, E, M, K, H, 0, depth2)
+    m = Mistakes(**{mistake: True}) if mistake else Mistakes()
+    res = Sim(R, E, M, H, seed=0, timeout=5000, mistakes=m).simulate(steps)
+    early = [v for v in res.violations if "slot reused early" in v]
+    if mistake:
+        assert early, res.violations
+    else:
+        assert res.violations == [] and res.errors == [None] * R
+
+
+def test_planted_wrong_row_order_is_caught():
+    R, E, M, K, H = 4, 8, 4, 3, 2
+    res, want_d, want_c, _ = run_rounds(R, E, M, K, H, rounds=1, seed=0,
+                                        mistakes=Mistakes(wrong_row_order=True))
+    with pytest.raises(AssertionError):
+        check_exact(res, want_d, want_c, R)
+
+
+def test_planted_missing_timeout_hangs_and_is_reported():
+    skip = lambda st: st[2].clear()  # noqa: E731
+    res = _one_dispatch(4, 8, 3, 2, 2, mutate=skip, mistakes=Mistakes(no_timeout=True))
+    assert res.hang and any(v.startswith("hang") for v in res.violations)
+    ok = _one_dispatch(4, 8, 3, 2, 2, mutate=skip)
+    assert not ok.hang and _caught(ok)
