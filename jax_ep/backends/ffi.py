@@ -1,7 +1,7 @@
 """The "ffi" backend: custom calls into the compiled kernels. The CPU transport
 (xla_ffi/cpu) and the CUDA intranode transport (xla_ffi/cuda) register the same target
-names (`jax_ep_layout`, `jax_ep_dispatch`, `jax_ep_combine`, `jax_ep_gather`), so XLA
-picks the platform's handler. Functions run per shard, inside `shard_map`, with the
+names (`jax_ep_layout`, `jax_ep_dispatch`, `jax_ep_combine`, `jax_ep_gather`, and the
+low-latency `jax_ep_ll_*`), so XLA picks the platform's handler. Functions run per shard, inside `shard_map`, with the
 signatures every backend module shares (cfg is a `jax_ep._common.Cfg`).
 """
 from __future__ import annotations
@@ -79,17 +79,52 @@ def gather(g, handle: DispatchHandle, cfg: Cfg):
 
 # ============================================================================
 # --- low-latency mode (jax_ep.low_latency): targets jax_ep_ll_dispatch_send/_recv and
-# jax_ep_ll_combine_send/_recv, the send and receive halves as separate custom calls
-# (xla_ffi/cpu/low_latency_handlers.cc). Signatures as in backends/reference.py's
-# low-latency section (cfg.capacity = M).
+# jax_ep_ll_combine_send/_recv, the send and receive halves as separate custom calls.
+# CPU (xla_ffi/cpu/low_latency_handlers.cc) and CUDA real ranks
+# (xla_ffi/cuda/low_latency_handlers.cc) register the same names and operands, so one
+# lowering serves both. On CUDA the send halves push rows straight into the peers'
+# low-latency areas (jax_ep.cuda.setup(..., max_tokens_per_rank=M, num_experts=E)); their
+# staging outputs are placeholders nothing writes. Signatures as in
+# backends/reference.py's low-latency section (cfg.capacity = M).
 # ============================================================================
 
-def _ll_platform_check():
-    if jax.default_backend() != "cpu":
+_SETUP_HINT = ("call jax_ep.cuda.setup(mesh, axis_name, ..., max_tokens_per_rank=M, "
+               "num_experts=E) (its low-latency option) before jitting")
+
+
+def _ll_platform_check(cfg: Cfg, topk: int | None = None, row_bytes: int | None = None):
+    """On GPUs the call needs the low-latency area of jax_ep.cuda.setup, large enough for
+    it (the handlers check again, per GPU); CPU needs nothing."""
+    platform = jax.default_backend()
+    if platform == "cpu":
+        return
+    if platform != "gpu":
         raise NotImplementedError(
-            "jax_ep.low_latency with backend='ffi' on GPUs: the CUDA low-latency kernels "
-            "(jax_ep/backends/ffi.py ll_*, kernels/cuda) are not built yet; use "
-            "backend='reference'")
+            f"jax_ep.low_latency with backend='ffi' on {platform!r}: only CPU and CUDA "
+            "GPUs have handlers (jax_ep/backends/ffi.py ll_*); use backend='reference'")
+    from jax_ep.runtime import cuda as cuda_rt
+    area = cuda_rt.low_latency_area()
+    if area is None:
+        raise ValueError("jax_ep.low_latency with backend='ffi' on GPUs needs a low-latency "
+                         f"area: {_SETUP_HINT}")
+    problems = []
+    if area["num_ranks"] != cfg.num_ranks:
+        problems.append(f"the EP axis has {cfg.num_ranks} ranks, the area "
+                        f"{area['num_ranks']}")
+    if area["num_experts"] != cfg.num_experts:
+        problems.append(f"num_experts={cfg.num_experts}, the area's {area['num_experts']}")
+    if cfg.capacity > area["max_tokens_per_rank"]:
+        problems.append(f"max_tokens_per_rank={cfg.capacity} exceeds the area's "
+                        f"{area['max_tokens_per_rank']}")
+    if topk is not None and topk > area["topk"]:
+        problems.append(f"topk={topk} exceeds the area's {area['topk']}")
+    if row_bytes is not None and row_bytes > area["row_bytes"]:
+        problems.append(f"rows of {row_bytes} bytes exceed the area's {area['row_bytes']} "
+                        "(setup's hidden * dtype size)")
+    if problems:
+        raise ValueError("jax_ep.low_latency: the low-latency area of jax_ep.cuda.setup does "
+                         "not fit this call: " + "; ".join(problems) + f"; {_SETUP_HINT} "
+                         "with the largest shapes")
 
 
 def _ll_attrs(cfg: Cfg):
@@ -98,10 +133,11 @@ def _ll_attrs(cfg: Cfg):
 
 
 def ll_dispatch_send(x, topk_idx, cfg: Cfg):
-    """Stages x[S, H] and topk_idx[S, K]; also returns tokens per expert int32[E]."""
-    _ll_platform_check()
+    """Stages x[S, H] and topk_idx[S, K]; also returns tokens per expert int32[E]. (On
+    CUDA: pushes the rows into the owners' areas; the staged copies are placeholders.)"""
     S, H = x.shape
     K = topk_idx.shape[1]
+    _ll_platform_check(cfg, topk=K, row_bytes=H * jnp.dtype(x.dtype).itemsize)
     x, topk_idx = unify_varying(x, topk_idx)
     return tuple(ep_call("jax_ep_ll_dispatch_send",
                          (like(x, (S, H), x.dtype), like(x, (S, K), jnp.int32),
@@ -127,8 +163,9 @@ def ll_dispatch_recv(sent, cfg: Cfg):
 
 def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):
     """Stages each source rank's rows of y[E_local, R*M, H]: [R, rows_per_dest, H], plus a
-    status scalar the receive half reports."""
-    _ll_platform_check()
+    status scalar the receive half reports. (On CUDA: pushes the rows into the sources'
+    stages; the stage output is a placeholder and status is 0.)"""
+    _ll_platform_check(cfg, row_bytes=y.shape[-1] * jnp.dtype(y.dtype).itemsize)
     y, first_row, row_count = unify_varying(y, first_row, row_count)
     R, H = cfg.num_ranks, y.shape[-1]
     return tuple(ep_call("jax_ep_ll_combine_send",

@@ -9,6 +9,14 @@ Call :func:`setup` once, before jitting programs that use the EP ops::
 
     jax_ep.cuda.setup(mesh, "expert", num_tokens=4096, hidden=7168, topk=8)
 
+The low-latency mode (:mod:`jax_ep.low_latency`, ``backend='ffi'``) needs its own area,
+sized once from (R, M, H, K, E) and never from a call's token count; ask for it with
+``max_tokens_per_rank`` and ``num_experts`` (``num_tokens`` may then be None to reserve
+nothing for the normal mode)::
+
+    jax_ep.cuda.setup(mesh, "expert", num_tokens=None, hidden=7168, topk=8,
+                      max_tokens_per_rank=128, num_experts=256)
+
 Checks that need values run on the GPU and are recorded in a per-GPU error record that
 :func:`check_errors` reads (it waits for the GPUs this process uses and raises):
 
@@ -48,7 +56,7 @@ from jax_ep._common import axis_names as _axis_names
 from jax_ep.runtime.nvshmem import _kv_client
 
 __all__ = [
-    "available", "buffer_bytes", "setup", "check_errors", "reset", "presets", "HarnessDispatch",
+    "available", "buffer_bytes", "low_latency_layout", "low_latency_area", "setup", "check_errors", "reset", "presets", "HarnessDispatch",
     "harness_dispatch", "harness_combine", "harness_gather",
 ]
 
@@ -64,6 +72,9 @@ HARNESS_CALL_SITE = 1  # the harness's default call-site id (every rank the same
 _reset_calls = itertools.count()
 _HEADER_BYTES = 64 * 1024
 _ALIGN = 256
+_LL_HEADER_BYTES = 4096  # kLowLatencyHeaderBytes (kernels/cuda/low_latency_kernels.h)
+# The low-latency area of the last setup (dict of its shapes), None before one asked for it.
+_ll_area: dict | None = None
 
 
 def _gpus():
@@ -99,21 +110,78 @@ def _align(v: int, a: int = _ALIGN) -> int:
     return (v + a - 1) // a * a
 
 
-def buffer_bytes(num_ranks: int, num_tokens: int, hidden: int, topk: int,
-                 dtype=jnp.bfloat16, capacity: int | None = None) -> dict:
+def low_latency_layout(num_ranks: int, max_tokens_per_rank: int, row_bytes: int, topk: int,
+                       num_experts: int) -> dict:
+    """Offsets and size in bytes of the low-latency area for these shapes (the formulas of
+    LowLatencyLayout in kernels/cuda/low_latency_kernels.h): header, slots
+    [E_local][R][M] rows, their source tokens, counts [E_local][R], two position scratches
+    [M * K], expert offsets [E], combine stage [R][M * min(K, E_local)] rows."""
+    R, M, K, E = int(num_ranks), int(max_tokens_per_rank), int(topk), int(num_experts)
+    el = E // R
+    stride = _align(int(row_bytes), 16)
+    rows_per_dest = M * min(K, el)
+    n_slots = el * R * M
+    lay = {"header": _LL_HEADER_BYTES, "stride": stride, "rows_per_dest": rows_per_dest,
+           "slots": _LL_HEADER_BYTES}
+    lay["slot_tok"] = lay["slots"] + _align(n_slots * stride)
+    lay["counts"] = lay["slot_tok"] + _align(n_slots * 4)
+    lay["pos"] = lay["counts"] + _align(el * R * 4)
+    lay["pos_combine"] = lay["pos"] + _align(M * K * 4)
+    lay["offsets"] = lay["pos_combine"] + _align(M * K * 4)
+    lay["cstage"] = lay["offsets"] + _align(E * 4)
+    lay["bytes"] = lay["cstage"] + _align(R * rows_per_dest * stride)
+    return lay
+
+
+def _check_ll_shapes(R, max_tokens_per_rank, num_experts, topk, hidden):
+    if num_experts is None:
+        raise ValueError("max_tokens_per_rank (the low-latency area) needs num_experts")
+    M, E = int(max_tokens_per_rank), int(num_experts)
+    if M < 1:
+        raise ValueError(f"max_tokens_per_rank must be >= 1, got {M}")
+    if E < R or E % R != 0:
+        raise ValueError(f"num_experts={E} must be a positive multiple of the {R} ranks")
+    if E > 1024:
+        raise ValueError(f"num_experts={E}: the GPU low-latency path supports at most 1024")
+    if int(topk) < 1 or int(hidden) < 1:
+        raise ValueError("topk and hidden must be >= 1")
+    return M, E
+
+
+def buffer_bytes(num_ranks: int, num_tokens: int | None, hidden: int, topk: int,
+                 dtype=jnp.bfloat16, capacity: int | None = None, *,
+                 max_tokens_per_rank: int | None = None,
+                 num_experts: int | None = None) -> dict:
     """Bytes of communication buffer each op kind needs on every GPU for these per-rank
-    shapes (the same formulas as kernels/cuda/intranode_buffer.h)."""
-    R, T, H, K = int(num_ranks), int(num_tokens), int(hidden), int(topk)
-    C = R * T if capacity is None else int(capacity)
+    shapes (the same formulas as kernels/cuda/intranode_buffer.h). num_tokens=None: no
+    normal-mode areas (zero bytes). With max_tokens_per_rank and num_experts, also the
+    "low_latency" area: a function of (R, M, H, K, E) and dtype only, holding any call of
+    at most M tokens per rank, top-K routing and rows of at most H elements of dtype."""
+    R, H, K = int(num_ranks), int(hidden), int(topk)
     if not 1 <= R <= MAX_RANKS:
         raise ValueError(f"num_ranks must be in [1, {MAX_RANKS}] on the intranode GPU path")
     row = H * jnp.dtype(dtype).itemsize
-    stride = _align(row, 16)
-    cap = min(T, C)
-    region = (_align(cap * stride) + 2 * _align(cap * K * 4) + _align(cap * 4))
-    gather = R * _align(cap * stride) + R * _align(cap * 4) + _align(C * 4)
-    return {"dispatch": R * region, "combine": R * _align(cap * stride), "gather": gather,
-            "header": _HEADER_BYTES}
+    if num_tokens is None:
+        out = {"dispatch": 0, "combine": 0, "gather": 0, "header": _HEADER_BYTES}
+    else:
+        T = int(num_tokens)
+        C = R * T if capacity is None else int(capacity)
+        stride = _align(row, 16)
+        cap = min(T, C)
+        region = (_align(cap * stride) + 2 * _align(cap * K * 4) + _align(cap * 4))
+        gather = R * _align(cap * stride) + R * _align(cap * 4) + _align(C * 4)
+        out = {"dispatch": R * region, "combine": R * _align(cap * stride), "gather": gather,
+               "header": _HEADER_BYTES}
+    if max_tokens_per_rank is not None:
+        M, E = _check_ll_shapes(R, max_tokens_per_rank, num_experts, K, H)
+        out["low_latency"] = _align(low_latency_layout(R, M, row, K, E)["bytes"])
+    return out
+
+
+def low_latency_area() -> dict | None:
+    """Shapes of the low-latency area the last :func:`setup` allocated (num_ranks,
+    max_tokens_per_rank, num_experts, topk, row_bytes, bytes), or None if none did."""
+    return None if _ll_area is None else dict(_ll_area)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -153,18 +221,28 @@ def _group_members(mesh, axis_name):
     return {g: [m[r] for r in range(R)] for g, m in groups.items()}, members, R
 
 
-def setup(mesh, axis_name, *, num_tokens: int, hidden: int, topk: int,
+def setup(mesh, axis_name, *, num_tokens: int | None, hidden: int, topk: int,
           dtype=jnp.bfloat16, capacity: int | None = None, area_bytes: dict | None = None,
-          timeout_ms: int = 300_000) -> dict:
+          timeout_ms: int = 300_000, max_tokens_per_rank: int | None = None,
+          num_experts: int | None = None) -> dict:
     """Allocates (once per GPU) and wires the communication buffers for EP over
     `axis_name` of `mesh`, sized for per-rank shapes x[num_tokens, hidden] of `dtype`,
     top-`topk` routing and `capacity` (default R * num_tokens). Pass `area_bytes`
     (``{"dispatch", "combine", "gather"}``) to size the buffers yourself. Call it before
     jitting; call it with the largest shapes first. Returns the area sizes used.
 
+    Low-latency mode: `max_tokens_per_rank` (M) and `num_experts` (E) add the area
+    `jax_ep.low_latency` with ``backend='ffi'`` needs, sized once for calls of at most M
+    tokens per rank, top-`topk` routing and rows of at most `hidden` elements of `dtype`
+    (see :func:`buffer_bytes`); `num_tokens` may then be None (no normal-mode areas).
+
     One EP group per GPU and process: programs captured as CUDA graphs keep the buffer
     pointers, so a GPU's group cannot change afterwards."""
+    global _ll_area
     ext = _bindings()
+    if num_tokens is None and max_tokens_per_rank is None and area_bytes is None:
+        raise ValueError("num_tokens=None reserves no normal-mode buffers; pass num_tokens, "
+                         "or max_tokens_per_rank and num_experts for the low-latency mode")
     groups, members, R = _group_members(mesh, axis_name)
     if not 1 <= R <= MAX_RANKS:
         raise ValueError(f"EP groups of {R} ranks: the intranode GPU path supports 1 to "
@@ -179,11 +257,18 @@ def setup(mesh, axis_name, *, num_tokens: int, hidden: int, topk: int,
                 f"legacy CUDA peer access (or CUDA IPC), which allows at most "
                 f"{MAX_PEER_GPUS} peers per GPU; use EP groups of at most "
                 f"{MAX_PEER_GPUS + 1} GPUs per node, or the internode backend")
+    ll_shape = []
+    if max_tokens_per_rank is not None:
+        M, E = _check_ll_shapes(R, max_tokens_per_rank, num_experts, topk, hidden)
+        ll_row = int(hidden) * jnp.dtype(dtype).itemsize
+        ll_shape = [M, int(topk), E, ll_row]
     call = next(_setup_calls)
     if area_bytes is None:
         area_bytes = buffer_bytes(R, num_tokens, hidden, topk, dtype, capacity)
     areas = [int(area_bytes["dispatch"]), int(area_bytes["combine"]),
              int(area_bytes["gather"])]
+    if ll_shape:
+        areas.append(_align(low_latency_layout(R, M, ll_row, int(topk), E)["bytes"]))
     me = jax.process_index()
     local = [m for m in members if m.device.process_index == me]
     ptrs, handles = {}, {}
@@ -213,11 +298,14 @@ def setup(mesh, axis_name, *, num_tokens: int, hidden: int, topk: int,
                 h = bytes.fromhex(client.blocking_key_value_get(
                     f"jax_ep/cuda/ipc/{call}/{p.id}", timeout_ms))
                 peers.append(int(ext.cuda_open_ipc_handle(ordinal, h)))
-        ext.cuda_set_domain(ordinal, m.rank, m.group, R, peers, areas)
+        ext.cuda_set_domain(ordinal, m.rank, m.group, R, peers, areas, ll_shape)
     if client is not None:
         client.wait_at_barrier(f"jax_ep_cuda_setup_{call}", timeout_ms)
     _ext.registered_platforms()
-    return dict(zip(("dispatch", "combine", "gather"), areas))
+    if ll_shape:
+        _ll_area = dict(num_ranks=R, max_tokens_per_rank=ll_shape[0], topk=ll_shape[1],
+                        num_experts=ll_shape[2], row_bytes=ll_shape[3], bytes=areas[3])
+    return dict(zip(("dispatch", "combine", "gather", "low_latency"), areas))
 
 
 def check_errors(clear: bool = True) -> None:

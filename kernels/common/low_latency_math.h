@@ -1,6 +1,8 @@
 // Math of the low-latency mode that the CPU and CUDA kernels must agree on bit for bit:
 // element loads and stores by FloatKind, the weighted-sum step of combine (one float32
-// product, then one float32 add, never fused), and the fixed buffer sizes.
+// product, then one float32 add, never fused), the fixed buffer sizes, and the index math
+// of the CUDA buffers (slots, stage rows, call tags) that the real-rank host simulator
+// (tests/sim/intranode_ll_sim.py) checks through the bindings.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +42,39 @@ JEP_HD float ll_weighted_add(float acc, float w, float v) {
 // tokens names at most min(K, E_local) of the owner's experts.
 JEP_HD int64_t ll_rows_per_dest(int64_t M, int64_t K, int64_t experts_per_rank) {
   return M * (K < experts_per_rank ? K : experts_per_rank);
+}
+
+// Owner's slot of source s's p-th row for local expert e: slots are [E_local][R][M_area],
+// M_area being the M the buffer was sized for (a call may use fewer rows).
+JEP_HD int64_t ll_slot(int e, int s, int p, int R, int M_area) {
+  return (static_cast<int64_t>(e) * R + s) * M_area + p;
+}
+
+// Row of (local expert e, p-th row) in an owner's stage region for one source: that
+// source's rows of the experts before e, then p. `per_expert[i * stride]` is the rows of
+// local expert i (an owner reads its handle's row_count column, stride R; a source its
+// own capped counts, stride 1), so both ends compute the same row.
+JEP_HD int64_t ll_stage_row(const int32_t* per_expert, int stride, int e, int64_t p) {
+  int64_t off = 0;
+  for (int i = 0; i < e; ++i) off += per_expert[static_cast<int64_t>(i) * stride];
+  return off + p;
+}
+
+// 64-bit tag of one low-latency call: a rank writes it before each arrival signal and the
+// receiver compares it with its own, so calls with other shapes (or another call site)
+// never mix. Never 0 (an empty word) nor -1 (kSiteFailed).
+JEP_HD uint64_t ll_mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  h *= 0xff51afd7ed558ccdull;
+  return h ^ (h >> 33);
+}
+JEP_HD int64_t ll_call_tag(int64_t call_site, int kind, int64_t S, int64_t K, int64_t M,
+                           int64_t row_bytes, int64_t E) {
+  uint64_t h = 0x6a65702d6c6cull;  // "jep-ll"
+  const int64_t parts[7] = {call_site, kind, S, K, M, row_bytes, E};
+  for (int i = 0; i < 7; ++i) h = ll_mix(h, static_cast<uint64_t>(parts[i]));
+  int64_t t = static_cast<int64_t>(h >> 1);  // non-negative
+  return t == 0 ? 1 : t;
 }
 
 }  // namespace jax_ep

@@ -13,7 +13,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kOpLowLatency = 8;  // op kind reported in timeout errors
 
 __device__ __forceinline__ LowLatencyHeader* ll_header(const LowLatencyArgs& a, int r) {
   return reinterpret_cast<LowLatencyHeader*>(a.peers.base[r]);
@@ -22,29 +21,136 @@ __device__ __forceinline__ char* ll_at(const LowLatencyArgs& a, int r, size_t of
   return a.peers.base[r] + off;
 }
 
+__device__ __forceinline__ void ll_report(const LowLatencyArgs& a, int32_t code, int32_t p,
+                                          int32_t q, int32_t u, int32_t v) {
+  record_error(&g_ll_error, a.host_err, code, a.me, p, q, u, v);
+}
+
+// A protocol error is recorded on this GPU: move no data, end waits at once.
+__device__ __forceinline__ bool ll_failed() {
+  return IsProtocolError(*reinterpret_cast<const volatile int32_t*>(&g_ll_error.code));
+}
+
+__device__ __forceinline__ void store_volatile(int64_t* p, int64_t v) {
+  *reinterpret_cast<volatile int64_t*>(p) = v;
+}
+__device__ __forceinline__ int64_t load_volatile64(const int64_t* p) {
+  return *reinterpret_cast<const volatile int64_t*>(p);
+}
+
+// Spins until *flag >= value, bounded by the timeout; ends at once while a protocol error
+// is recorded. A timeout is recorded with the peer and op kind; the caller carries on.
+__device__ bool ll_wait(const LowLatencyArgs& a, const uint64_t* flag, uint64_t value, int peer,
+                        int op) {
+  if (peer::load_acquire(flag) >= value) return true;
+  const uint64_t start = peer::global_timer_ns();
+  while (peer::load_acquire(flag) < value) {
+    if (ll_failed()) return false;
+    if (a.timeout_ns > 0 &&
+        peer::global_timer_ns() - start > static_cast<uint64_t>(a.timeout_ns)) {
+      ll_report(a, kErrTimeout, peer, op, static_cast<int32_t>(value), 0);
+      return false;
+    }
+    __nanosleep(64);
+  }
+  return true;
+}
+
+// Rank/group XLA passed to a receive half, against the domain (real ranks only).
+__device__ void ll_check_rank(const LowLatencyArgs& a) {
+  if (a.rank_in == nullptr || threadIdx.x != 0 || blockIdx.x != 0) return;
+  const int32_t r = *a.rank_in, g = *a.group_in;
+  if (r != a.me || g != a.expect_group) ll_report(a, kErrRankMismatch, r, a.me, g, a.expect_group);
+}
+
+// Block-wide: waits for every peer's arrival of epoch n, then checks the epoch is exactly
+// n and each peer's tag is `mine`. Every block of a kernel reads the same flags and tags,
+// so all decide alike. Returns true when this block must move no data.
+__device__ bool ll_arrivals(const LowLatencyArgs& a, const uint64_t* arrive, const int64_t* tags,
+                            uint64_t n, int64_t mine, int op) {
+  __shared__ int bad;
+  if (threadIdx.x == 0) bad = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < a.L.R; s += blockDim.x) {
+    if (!ll_wait(a, &arrive[s], n, s, op)) {
+      bad = 1;
+      continue;
+    }
+    const uint64_t got = peer::load_acquire(&arrive[s]);
+    const int64_t tag = load_volatile64(&tags[s]);
+    if (got != n) {  // a peer a whole call ahead: only a broken protocol gets here
+      ll_report(a, kErrCallSite, s, op, static_cast<int32_t>(got), static_cast<int32_t>(n));
+      bad = 1;
+    } else if (tag == kSiteFailed) {
+      ll_report(a, kErrPeerFailed, s, op, 0, 0);
+      bad = 1;
+    } else if (tag != mine) {
+      ll_report(a, kErrCallSite, s, op, static_cast<int32_t>(tag), static_cast<int32_t>(mine));
+      bad = 1;
+    }
+  }
+  __syncthreads();
+  const bool out = bad != 0 || ll_failed();
+  __syncthreads();
+  return out;
+}
+
+// Block-wide: waits credit[p] >= n - 1 from every peer p (it finished reading our previous
+// epoch's writes into its buffer).
+__device__ void ll_credits(const LowLatencyArgs& a, const uint64_t* credit, uint64_t n, int op) {
+  for (int p = threadIdx.x; p < a.L.R; p += blockDim.x) ll_wait(a, &credit[p], n - 1, p, op);
+  __syncthreads();
+}
+
+// Last block of a kernel (counter `done`, reset by the op's plan kernel): after every
+// block's memory work, `signal` runs once. Thread 0 of each block calls it.
+template <typename F>
+__device__ void ll_last_block(uint32_t* done, F signal) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    peer::fence_data();
+    if (atomicAdd(done, 1u) == gridDim.x - 1) {
+      peer::fence_data();
+      signal();
+    }
+  }
+}
+
 // ------------------------------- dispatch --------------------------------
 
-// One block. Thread g walks this rank's routing in token order and numbers the slots that
-// name expert g; ids outside [-1, E) and repeats within a token are recorded as errors
-// and their slots left unused.
+// One block. Numbers each (token, slot) among this rank's slots naming the same expert
+// (ids outside [-1, E) and repeats within a token are recorded and left unused), waits
+// for every owner's credit, then writes its counts into the owners.
 __global__ void ll_dispatch_plan(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
-  const int E = a.L.E, el = a.L.experts_per_rank(), M = a.L.M, R = a.L.R;
+  const int E = a.L.E, el = a.L.experts_per_rank(), R = a.L.R;
   const int n_slots = a.S * a.K;
   int32_t* pos = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.pos_off));
+  __shared__ int any_bad;
+  __shared__ uint64_t epoch;
   if (threadIdx.x == 0) {
-    h->seq_dispatch += 1;
+    any_bad = 0;
+    epoch = h->seq_dispatch + 1;
+    h->seq_dispatch = epoch;
     h->done_dispatch = 0;
+    h->done_dispatch_recv = 0;
+    h->my_tag_dispatch = a.tag;
   }
+  __syncthreads();
   for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
     const int32_t g = a.topk_idx[i];
     bool bad = g < -1 || g >= E;
     const int t = i / a.K, k = i % a.K;
     for (int j = 0; j < k && !bad; ++j) bad = g >= 0 && a.topk_idx[t * a.K + j] == g;
-    if (bad) record_error(&g_ll_error, a.host_err, kErrBadTopkId, a.me, t, k, g, E);
+    if (bad) {
+      ll_report(a, kErrBadTopkId, t, k, g, E);
+      any_bad = 1;
+    }
     pos[i] = -1;
   }
   __syncthreads();
+  ll_credits(a, h->credit_dispatch, epoch, kOpLLDispatchCredit);
+  const bool skip = ll_failed();
   for (int g = threadIdx.x; g < E; g += blockDim.x) {
     int c = 0;
     for (int i = 0; i < n_slots; ++i) {
@@ -53,75 +159,69 @@ __global__ void ll_dispatch_plan(LowLatencyArgs a) {
       bool dup = false;
       for (int j = 0; j < k; ++j) dup = dup || a.topk_idx[t * a.K + j] == g;
       if (dup) continue;
-      pos[i] = c < M ? c : -1;
+      pos[i] = c < a.M ? c : -1;
       ++c;
     }
+    if (a.expert_count != nullptr) a.expert_count[g] = any_bad ? 0 : c;
+    if (skip) continue;
     const int r = g / el, e = g % el;
     int32_t* counts = reinterpret_cast<int32_t*>(ll_at(a, r, a.L.counts_off));
-    counts[e * R + a.me] = c < M ? c : M;
+    counts[e * R + a.me] = c < a.M ? c : a.M;
   }
 }
 
 // A warp per (token, slot): the token's row into its expert's slot on the owner. The
-// last block to finish tells every owner its rows and counts are there.
+// last block tells every owner its rows and counts are there (tag, then arrival).
 __global__ void ll_dispatch_push(LowLatencyArgs a) {
-  const int el = a.L.experts_per_rank(), M = a.L.M, R = a.L.R;
+  const int el = a.L.experts_per_rank(), R = a.L.R;
   const int n_slots = a.S * a.K;
   const int32_t* pos = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.pos_off));
   const int lane = threadIdx.x % 32;
   const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
-  for (int i = warp; i < n_slots; i += gridDim.x * kWarps) {
+  const bool skip = ll_failed();
+  for (int i = warp; i < n_slots && !skip; i += gridDim.x * kWarps) {
     const int p = pos[i];
     if (p < 0) continue;
     const int32_t g = a.topk_idx[i];
     const int r = g / el, e = g % el;
-    const size_t slot = (static_cast<size_t>(e) * R + a.me) * M + p;
+    const int64_t slot = ll_slot(e, a.me, p, R, a.L.M);
     warp_copy_row<true>(ll_at(a, r, a.L.slots_off + slot * a.L.stride),
-                  static_cast<const char*>(a.x) + static_cast<size_t>(i / a.K) * a.L.row_bytes,
-                  a.L.row_bytes, lane);
+                        static_cast<const char*>(a.x) + static_cast<size_t>(i / a.K) * a.row_bytes,
+                        a.row_bytes, lane);
     if (lane == 0) reinterpret_cast<int32_t*>(ll_at(a, r, a.L.tok_off))[slot] = i / a.K;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    LowLatencyHeader* h = ll_header(a, a.me);
-    peer::fence_data();
-    if (atomicAdd(&h->done_dispatch, 1u) == gridDim.x - 1) {
-      peer::fence_data();
-      const uint64_t n = h->seq_dispatch;
-      for (int r = 0; r < R; ++r) peer::signal(&ll_header(a, r)->arrive_dispatch[a.me], n);
+  LowLatencyHeader* h = ll_header(a, a.me);
+  ll_last_block(&h->done_dispatch, [&] {
+    const uint64_t n = h->seq_dispatch;
+    const int64_t tag = ll_failed() ? kSiteFailed : a.tag;
+    for (int r = 0; r < R; ++r) {
+      LowLatencyHeader* o = ll_header(a, r);
+      store_volatile(&o->tag_dispatch[a.me], tag);
+      peer::signal(&o->arrive_dispatch[a.me], n);
     }
-  }
+  });
 }
 
-__device__ bool ll_wait_all(const LowLatencyArgs& a, const uint64_t* flags, uint64_t n) {
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
-  for (int s = threadIdx.x; s < a.L.R; s += blockDim.x) {
-    if (!peer::wait_geq(&flags[s], n, a.timeout_ns)) {
-      record_error(&g_ll_error, a.host_err, kErrTimeout, a.me, s, kOpLowLatency,
-                   static_cast<int32_t>(n), 0);
-      ok = 0;
-    }
-  }
-  __syncthreads();
-  return ok != 0;
-}
-
-// Owner: a warp per output row (e, i) of the [E_local, R * M] blocks.
+// Owner: a warp per output row (e, i) of the [E_local, R * M] blocks; then credits.
 __global__ void ll_dispatch_recv(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
   const uint64_t n = h->seq_dispatch;
-  ll_wait_all(a, h->arrive_dispatch, n);  // on timeout the rows still get defined values
-  const int el = a.L.experts_per_rank(), M = a.L.M, R = a.L.R;
-  const int64_t RM = static_cast<int64_t>(R) * M;
+  ll_check_rank(a);
+  const bool skip = ll_arrivals(a, h->arrive_dispatch, h->tag_dispatch, n,
+                                h->my_tag_dispatch, kOpLLDispatch);
+  const int el = a.L.experts_per_rank(), R = a.L.R;
+  const int64_t RM = static_cast<int64_t>(R) * a.M;
   const int32_t* counts = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.counts_off));
   const int32_t* tok = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.tok_off));
+  auto count = [&](int e, int s) {
+    const int32_t c = skip ? 0 : peer::load_cg_s32(&counts[e * R + s]);
+    return c < 0 ? 0 : (c > a.M ? a.M : c);
+  };
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e < el; e += blockDim.x) {
       int32_t total = 0;
       for (int s = 0; s < R; ++s) {
-        const int32_t c = peer::load_cg_s32(&counts[e * R + s]);
+        const int32_t c = count(e, s);
         a.first_row[e * R + s] = total;
         a.row_count[e * R + s] = c;
         total += c;
@@ -137,80 +237,96 @@ __global__ void ll_dispatch_recv(LowLatencyArgs a) {
     int s = 0;
     int64_t first = 0;
     for (; s < R; ++s) {
-      const int32_t c = peer::load_cg_s32(&counts[e * R + s]);
+      const int32_t c = count(e, s);
       if (i < first + c) break;
       first += c;
     }
-    char* dst = static_cast<char*>(a.recv_x) + w * a.L.row_bytes;
+    char* dst = static_cast<char*>(a.recv_x) + w * a.row_bytes;
     if (s == R) {
-      warp_zero_row(dst, a.L.row_bytes, lane);
+      warp_zero_row(dst, a.row_bytes, lane);
       if (lane == 0) a.src_rank[w] = a.src_index[w] = -1;
       continue;
     }
-    const size_t slot = (static_cast<size_t>(e) * R + s) * M + (i - first);
-    warp_copy_row<false>(dst, ll_at(a, a.me, a.L.slots_off + slot * a.L.stride), a.L.row_bytes, lane);
+    const int64_t slot = ll_slot(e, s, static_cast<int>(i - first), R, a.L.M);
+    warp_copy_row<false>(dst, ll_at(a, a.me, a.L.slots_off + slot * a.L.stride), a.row_bytes,
+                         lane);
     if (lane == 0) {
       a.src_rank[w] = s;
       a.src_index[w] = peer::load_cg_s32(&tok[slot]);
     }
   }
+  ll_last_block(&h->done_dispatch_recv, [&] {
+    for (int s = 0; s < R; ++s) peer::signal(&ll_header(a, s)->credit_dispatch[a.me], n);
+  });
 }
 
 // -------------------------------- combine --------------------------------
 
+// One block: the epoch, then every source's credit (it read our previous stage rows).
 __global__ void ll_combine_plan(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
-  h->seq_combine += 1;
-  h->done_combine = 0;
+  __shared__ uint64_t epoch;
+  if (threadIdx.x == 0) {
+    epoch = h->seq_combine + 1;
+    h->seq_combine = epoch;
+    h->done_combine = 0;
+    h->done_combine_recv = 0;
+    h->my_tag_combine = a.tag;
+  }
+  __syncthreads();
+  ll_credits(a, h->credit_combine, epoch, kOpLLCombineCredit);
 }
 
 // Owner: a warp per row (e, i) of y; rows of source d go to d's cstage[me], expert after
-// expert, each expert's rows in order.
+// expert, each expert's rows in order (ll_stage_row).
 __global__ void ll_combine_push(LowLatencyArgs a) {
-  const int el = a.L.experts_per_rank(), M = a.L.M, R = a.L.R;
-  const int64_t RM = static_cast<int64_t>(R) * M;
+  const int el = a.L.experts_per_rank(), R = a.L.R;
+  const int64_t RM = static_cast<int64_t>(R) * a.M;
   const int lane = threadIdx.x % 32;
   const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
-  for (int64_t w = warp; w < el * RM; w += static_cast<int64_t>(gridDim.x) * kWarps) {
+  const bool skip = ll_failed();
+  for (int64_t w = warp; w < el * RM && !skip; w += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int e = static_cast<int>(w / RM);
     const int64_t i = w % RM;
     int d = 0;
     for (; d < R; ++d) {
       const int32_t f = a.first_row[e * R + d], c = a.row_count[e * R + d];
       if (f < 0 || c < 0 || f + c > RM) {
-        if (lane == 0) record_error(&g_ll_error, a.host_err, kErrBadHandle, a.me, e, d, f, 1);
+        if (lane == 0) ll_report(a, kErrBadHandle, e, d, f, 1);
         d = R;
         break;
       }
       if (i >= f && i < f + c) break;
     }
     if (d == R) continue;  // row past the counts
-    int64_t off = i - a.first_row[e * R + d];
-    for (int e2 = 0; e2 < e; ++e2) off += a.row_count[e2 * R + d];
-    if (off >= a.L.rows_per_dest) continue;
-    const size_t at = a.L.cstage_off + (static_cast<size_t>(a.me) * a.L.rows_per_dest + off) *
-                                           a.L.stride;
-    warp_copy_row<true>(ll_at(a, d, at), static_cast<const char*>(a.y) + w * a.L.row_bytes,
-                  a.L.row_bytes, lane);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    LowLatencyHeader* h = ll_header(a, a.me);
-    peer::fence_data();
-    if (atomicAdd(&h->done_combine, 1u) == gridDim.x - 1) {
-      peer::fence_data();
-      const uint64_t n = h->seq_combine;
-      for (int d = 0; d < R; ++d) peer::signal(&ll_header(a, d)->arrive_combine[a.me], n);
+    const int64_t off = ll_stage_row(a.row_count + d, R, e, i - a.first_row[e * R + d]);
+    if (off >= a.L.rows_per_dest) {
+      if (lane == 0) ll_report(a, kErrBadHandle, e, d, static_cast<int32_t>(off), 1);
+      continue;
     }
+    const size_t at = a.L.cstage_off +
+                      (static_cast<size_t>(a.me) * a.L.rows_per_dest + off) * a.L.stride;
+    warp_copy_row<true>(ll_at(a, d, at), static_cast<const char*>(a.y) + w * a.row_bytes,
+                        a.row_bytes, lane);
   }
+  LowLatencyHeader* h = ll_header(a, a.me);
+  ll_last_block(&h->done_combine, [&] {
+    const uint64_t n = h->seq_combine;
+    const int64_t tag = ll_failed() ? kSiteFailed : a.tag;
+    for (int d = 0; d < R; ++d) {
+      LowLatencyHeader* o = ll_header(a, d);
+      store_volatile(&o->tag_combine[a.me], tag);
+      peer::signal(&o->arrive_combine[a.me], n);
+    }
+  });
 }
 
 // Source, one block: positions of this call's routing (as the dispatch numbered them)
 // and where each expert's rows start in its owner's stage.
 __global__ void ll_combine_recv_plan(LowLatencyArgs a) {
-  const int E = a.L.E, el = a.L.experts_per_rank(), M = a.L.M;
+  const int E = a.L.E, el = a.L.experts_per_rank();
   const int n_slots = a.S * a.K;
-  int32_t* pos = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.pos_off));
+  int32_t* pos = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.pos_c_off));
   int32_t* offsets = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.offsets_off));
   __shared__ int32_t cnt[1024];
   for (int i = threadIdx.x; i < n_slots; i += blockDim.x) pos[i] = -1;
@@ -219,35 +335,35 @@ __global__ void ll_combine_recv_plan(LowLatencyArgs a) {
     int c = 0;
     for (int i = 0; i < n_slots; ++i) {
       if (a.topk_idx[i] != g) continue;
-      pos[i] = c < M ? c : -1;
+      pos[i] = c < a.M ? c : -1;
       ++c;
     }
-    if (g < 1024) cnt[g] = c < M ? c : M;
+    if (g < 1024) cnt[g] = c < a.M ? c : a.M;
   }
   __syncthreads();
-  for (int r = threadIdx.x; r < a.L.R; r += blockDim.x) {
-    int32_t off = 0;
-    for (int e = 0; e < el; ++e) {
-      offsets[r * el + e] = off;
-      off += cnt[r * el + e];
-    }
-  }
+  for (int r = threadIdx.x; r < a.L.R; r += blockDim.x)
+    for (int e = 0; e < el; ++e)
+      offsets[r * el + e] = static_cast<int32_t>(ll_stage_row(cnt + r * el, 1, e, 0));
 }
 
-// Source: a warp per token; lanes over the hidden dim, k ascending per element.
+// Source: a warp per token; lanes over the hidden dim, k ascending per element; then
+// credits every owner.
 __global__ void ll_combine_recv(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
-  ll_wait_all(a, h->arrive_combine, h->seq_combine);
+  const uint64_t n = h->seq_combine;
+  ll_check_rank(a);
+  const bool skip = ll_arrivals(a, h->arrive_combine, h->tag_combine, n, h->my_tag_combine,
+                                kOpLLCombine);
   const int el = a.L.experts_per_rank();
-  const int32_t* pos = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.pos_off));
+  const int32_t* pos = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.pos_c_off));
   const int32_t* offsets = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.offsets_off));
   const int lane = threadIdx.x % 32;
   const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
   for (int t = warp; t < a.S; t += gridDim.x * kWarps) {
-    char* dst = static_cast<char*>(a.out) + static_cast<size_t>(t) * a.L.row_bytes;
+    char* dst = static_cast<char*>(a.out) + static_cast<size_t>(t) * a.row_bytes;
     for (int64_t x = lane; x < a.H; x += 32) {
       float acc = 0.0f;
-      for (int k = 0; k < a.K; ++k) {
+      for (int k = 0; k < a.K && !skip; ++k) {
         const int i = t * a.K + k;
         const int32_t g = a.topk_idx[i];
         const int p = pos[i];
@@ -268,6 +384,9 @@ __global__ void ll_combine_recv(LowLatencyArgs a) {
       ll_store(a.kind, dst, x, acc);
     }
   }
+  ll_last_block(&h->done_combine_recv, [&] {
+    for (int r = 0; r < a.L.R; ++r) peer::signal(&ll_header(a, r)->credit_combine[a.me], n);
+  });
 }
 
 int Blocks(int64_t warps_of_work) {
@@ -278,14 +397,14 @@ int Blocks(int64_t warps_of_work) {
 }  // namespace
 
 cudaError_t LaunchLowLatencyPhase(int phase, const LowLatencyArgs& a, cudaStream_t stream) {
-  const int64_t rows = static_cast<int64_t>(a.L.experts_per_rank()) * a.L.R * a.L.M;
+  const int64_t rows = static_cast<int64_t>(a.L.experts_per_rank()) * a.L.R * a.M;
   switch (phase) {
     case kLLDispatchPlan: ll_dispatch_plan<<<1, kThreads, 0, stream>>>(a); break;
     case kLLDispatchPush:
       ll_dispatch_push<<<Blocks(static_cast<int64_t>(a.S) * a.K), kThreads, 0, stream>>>(a);
       break;
     case kLLDispatchRecv: ll_dispatch_recv<<<Blocks(rows), kThreads, 0, stream>>>(a); break;
-    case kLLCombinePlan: ll_combine_plan<<<1, 1, 0, stream>>>(a); break;
+    case kLLCombinePlan: ll_combine_plan<<<1, kThreads, 0, stream>>>(a); break;
     case kLLCombinePush: ll_combine_push<<<Blocks(rows), kThreads, 0, stream>>>(a); break;
     case kLLCombineRecvPlan: ll_combine_recv_plan<<<1, kThreads, 0, stream>>>(a); break;
     case kLLCombineRecv: ll_combine_recv<<<Blocks(a.S), kThreads, 0, stream>>>(a); break;
@@ -296,6 +415,10 @@ cudaError_t LaunchLowLatencyPhase(int phase, const LowLatencyArgs& a, cudaStream
 
 cudaError_t ReadLowLatencyError(ErrorRecord* out, bool clear) {
   return ReadErrorSymbol(g_ll_error, out, clear);
+}
+
+cudaError_t ClearLowLatencyHeader(void* header) {
+  return cudaMemset(header, 0, sizeof(LowLatencyHeader));
 }
 
 }  // namespace jax_ep

@@ -19,7 +19,9 @@
 
 #include "kernels/common/configs.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/common/low_latency_math.h"
 #include "kernels/cuda/intranode_buffer.h"
+#include "kernels/cuda/low_latency_kernels.h"
 #include "xla_ffi/cuda/cuda_handlers.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
 #include "xla_ffi/cuda/cuda_state.h"
@@ -52,12 +54,19 @@ std::mutex g_mu;
 std::map<int, std::pair<uintptr_t, size_t>> g_buffers;              // ordinal -> (ptr, bytes)
 std::map<std::pair<int, std::string>, uintptr_t> g_ipc_opened;     // (ordinal, handle) -> ptr
 
+// area_bytes: dispatch, combine, gather, and optionally the low-latency area, which
+// follows the three (kernels/cuda/low_latency_kernels.h).
 AreaConfig Areas(const std::vector<uint64_t>& area_bytes) {
-  if (area_bytes.size() != kNumOpKinds)
-    throw std::invalid_argument("jax_ep: area_bytes must list dispatch, combine and gather bytes");
+  if (area_bytes.size() != kNumOpKinds && area_bytes.size() != kNumOpKinds + 1)
+    throw std::invalid_argument(
+        "jax_ep: area_bytes must list dispatch, combine and gather bytes (and optionally the "
+        "low-latency area's)");
   AreaConfig a;
   for (int k = 0; k < kNumOpKinds; ++k) a.bytes[k] = area_bytes[k];
   return a;
+}
+size_t LowLatencyBytes(const std::vector<uint64_t>& area_bytes) {
+  return area_bytes.size() > kNumOpKinds ? AlignUp(area_bytes[kNumOpKinds], kAreaAlign) : 0;
 }
 
 int DeviceCount() {
@@ -71,7 +80,7 @@ int DeviceCount() {
 
 // Allocates (once) and zeroes the buffer of `ordinal`; returns (pointer, IPC handle or b"").
 nb::tuple AllocBuffer(int ordinal, std::vector<uint64_t> area_bytes) {
-  const size_t total = Areas(area_bytes).total();
+  const size_t total = Areas(area_bytes).total() + LowLatencyBytes(area_bytes);
   std::lock_guard<std::mutex> lock(g_mu);
   std::string merr;
   if (!AllocateErrorMirror(&merr)) throw std::runtime_error("jax_ep: " + merr);
@@ -133,8 +142,10 @@ uintptr_t OpenIpcHandle(int ordinal, nb::bytes handle) {
   return v;
 }
 
+// ll_shape: empty, or (max_tokens, topk, num_experts, row_bytes) of the low-latency area
+// whose size is area_bytes[3].
 void SetDomain(int ordinal, int rank, int group, int num_ranks, std::vector<uint64_t> peers,
-               std::vector<uint64_t> area_bytes) {
+               std::vector<uint64_t> area_bytes, std::vector<int64_t> ll_shape) {
   if (num_ranks < 1 || num_ranks > kMaxRanks)
     throw std::invalid_argument("jax_ep: the intranode GPU path supports 1 to 32 ranks per group");
   if (static_cast<int>(peers.size()) != num_ranks)
@@ -147,9 +158,33 @@ void SetDomain(int ordinal, int rank, int group, int num_ranks, std::vector<uint
   d.num_ranks = num_ranks;
   for (int r = 0; r < kMaxRanks; ++r) d.peers.base[r] = r < num_ranks ? reinterpret_cast<char*>(peers[r]) : nullptr;
   d.areas = Areas(area_bytes);
+  if (LowLatencyBytes(area_bytes) > 0) {
+    if (ll_shape.size() != 4)
+      throw std::invalid_argument("jax_ep: a low-latency area needs (max_tokens, topk, "
+                                  "num_experts, row_bytes)");
+    LowLatencyArea& ll = d.ll;
+    ll.offset = d.areas.total();
+    ll.bytes = LowLatencyBytes(area_bytes);
+    ll.max_tokens = static_cast<int>(ll_shape[0]);
+    ll.topk = static_cast<int>(ll_shape[1]);
+    ll.num_experts = static_cast<int>(ll_shape[2]);
+    ll.row_bytes = static_cast<size_t>(ll_shape[3]);
+    if (ll.max_tokens < 1 || ll.topk < 1 || ll.num_experts < num_ranks ||
+        ll.num_experts % num_ranks != 0 || ll.num_experts > 1024 || ll_shape[3] < 1)
+      throw std::invalid_argument("jax_ep: low-latency area: max_tokens, topk >= 1, num_experts "
+                                  "a multiple of the ranks (at most 1024), row_bytes >= 1");
+    const size_t need = LowLatencyLayout::Make(num_ranks, ll.max_tokens, ll.row_bytes, ll.topk,
+                                               ll.num_experts).bytes;
+    if (need > ll.bytes)
+      throw std::invalid_argument("jax_ep: the low-latency area needs " + std::to_string(need) +
+                                  " bytes, got " + std::to_string(ll.bytes));
+  }
   CudaDomain old;
   if (GetCudaDomain(ordinal, &old)) {
     bool same = old.rank == d.rank && old.group == d.group && old.num_ranks == d.num_ranks;
+    same = same && old.ll.offset == d.ll.offset && old.ll.bytes == d.ll.bytes &&
+           old.ll.max_tokens == d.ll.max_tokens && old.ll.topk == d.ll.topk &&
+           old.ll.num_experts == d.ll.num_experts && old.ll.row_bytes == d.ll.row_bytes;
     for (int r = 0; r < num_ranks && same; ++r) same = old.peers.base[r] == d.peers.base[r];
     for (int k = 0; k < kNumOpKinds && same; ++k) same = old.areas.bytes[k] == d.areas.bytes[k];
     if (!same)
@@ -184,6 +219,9 @@ std::vector<std::string> CheckErrors(bool clear) {
     rec = ErrorRecord{};
     Check(ReadIntranodeError(&rec, clear), "reading the intranode error record");
     if (rec.code != kErrNone) out.push_back(DescribeError(rec, i));
+    rec = ErrorRecord{};
+    Check(ReadLowLatencyError(&rec, clear), "reading the low-latency error record");
+    if (rec.code != kErrNone) out.push_back(DescribeError(rec, i));
   }
   if (out.empty()) {
     const std::string m = PendingMirrorError();
@@ -207,11 +245,15 @@ std::vector<int> Reset() {
       Check(cudaMemset(d.peers.base[d.rank] + kHeaderIdentityBytes, 0,
                        sizeof(RankHeader) - kHeaderIdentityBytes),
             "clearing the buffer header");
+      if (d.ll.bytes > 0)
+        Check(ClearLowLatencyHeader(d.peers.base[d.rank] + d.ll.offset),
+              "clearing the low-latency header");
     }
     Check(ResetHarnessBuffers(i), "clearing the harness headers");
     ErrorRecord rec{};
     Check(ReadLayoutError(&rec, true), "clearing the layout error record");
     Check(ReadIntranodeError(&rec, true), "clearing the intranode error record");
+    Check(ReadLowLatencyError(&rec, true), "clearing the low-latency error record");
     Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
   ClearErrorMirror();
@@ -242,6 +284,35 @@ nb::dict AreaBytes(int num_ranks, int64_t tokens, int64_t capacity, uint64_t row
   return d;
 }
 
+// The low-latency area's layout (kernels/cuda/low_latency_kernels.h) for these shapes.
+nb::dict LowLatencyAreaLayout(int num_ranks, int max_tokens, uint64_t row_bytes, int topk,
+                              int num_experts) {
+  if (num_ranks < 1 || num_ranks > kMaxRanks || max_tokens < 1 || topk < 1 ||
+      num_experts % num_ranks != 0 || num_experts < num_ranks)
+    throw std::invalid_argument("jax_ep: low-latency layout: bad shapes");
+  const LowLatencyLayout l =
+      LowLatencyLayout::Make(num_ranks, max_tokens, row_bytes, topk, num_experts);
+  nb::dict d;
+  d["header"] = kLowLatencyHeaderBytes;
+  d["stride"] = l.stride;
+  d["rows_per_dest"] = l.rows_per_dest;
+  d["slots"] = l.slots_off;
+  d["slot_tok"] = l.tok_off;
+  d["counts"] = l.counts_off;
+  d["pos"] = l.pos_off;
+  d["pos_combine"] = l.pos_c_off;
+  d["offsets"] = l.offsets_off;
+  d["cstage"] = l.cstage_off;
+  d["bytes"] = l.bytes;
+  return d;
+}
+
+int64_t LowLatencyStageRow(int e, int64_t p, std::vector<int32_t> per_expert) {
+  if (e < 0 || e > static_cast<int>(per_expert.size()))
+    throw std::invalid_argument("jax_ep: e outside the per-expert list");
+  return ll_stage_row(per_expert.data(), 1, e, p);
+}
+
 }  // namespace
 
 void DefineCudaBindings(void* module) {
@@ -252,7 +323,18 @@ void DefineCudaBindings(void* module) {
   m.def("cuda_enable_peer_access", &EnablePeerAccess, nb::arg("ordinal"), nb::arg("peer"));
   m.def("cuda_open_ipc_handle", &OpenIpcHandle, nb::arg("ordinal"), nb::arg("handle"));
   m.def("cuda_set_domain", &SetDomain, nb::arg("ordinal"), nb::arg("rank"), nb::arg("group"),
-        nb::arg("num_ranks"), nb::arg("peers"), nb::arg("area_bytes"));
+        nb::arg("num_ranks"), nb::arg("peers"), nb::arg("area_bytes"),
+        nb::arg("ll_shape") = std::vector<int64_t>{});
+  m.def("cuda_ll_layout", &LowLatencyAreaLayout, nb::arg("num_ranks"), nb::arg("max_tokens"),
+        nb::arg("row_bytes"), nb::arg("topk"), nb::arg("num_experts"),
+        "Offsets and bytes of the low-latency area (kernels/cuda/low_latency_kernels.h).");
+  m.def("cuda_ll_slot", &ll_slot, nb::arg("e"), nb::arg("s"), nb::arg("p"), nb::arg("num_ranks"),
+        nb::arg("max_tokens"), "Owner's slot index (kernels/common/low_latency_math.h).");
+  m.def("cuda_ll_stage_row", &LowLatencyStageRow, nb::arg("e"), nb::arg("p"),
+        nb::arg("per_expert"), "Stage row (kernels/common/low_latency_math.h).");
+  m.def("cuda_ll_call_tag", &ll_call_tag, nb::arg("call_site"), nb::arg("kind"), nb::arg("S"),
+        nb::arg("K"), nb::arg("M"), nb::arg("row_bytes"), nb::arg("E"),
+        "Tag of a low-latency call (kernels/common/low_latency_math.h).");
   m.def("cuda_check_errors", &CheckErrors, nb::arg("clear") = true,
         "Synchronizes the GPUs in use and returns the device error messages (cleared by default).");
   m.def("cuda_reset", &Reset,

@@ -29,6 +29,10 @@ const char* OpName(int kind) {
     case kOpDispatch: return "dispatch";
     case kOpCombine: return "combine";
     case kOpGather: return "gather (combine's transpose)";
+    case 8: return "low-latency dispatch";
+    case 9: return "low-latency combine";
+    case 10: return "low-latency dispatch (waiting for an owner's credit)";
+    case 11: return "low-latency combine (waiting for a source's credit)";
     default: return "?";
   }
 }
@@ -137,6 +141,15 @@ std::string DescribeError(const ErrorRecord& e, int ordinal) {
       s << "the rank/group passed to the op (rank " << e.a << ", group " << e.c
         << ") differ from those jax_ep.cuda.setup registered for this GPU (rank " << e.b
         << ", group " << e.d << "); call setup with the mesh and axis the op runs on";
+      break;
+    case kErrCallSite:
+      s << OpName(e.b) << ": rank " << e.a << " is in another EP call (its call id/tag or epoch "
+        << e.c << ", this rank's " << e.d << "); every rank must run the same EP calls with the "
+        << "same shapes in the same order";
+      break;
+    case kErrPeerFailed:
+      s << OpName(e.b) << ": rank " << e.a << " had an error and moved no data; see its record "
+        << "(jax_ep.cuda.check_errors on that rank), then jax_ep.cuda.reset()";
       break;
     default:
       s << "unknown device error code " << e.code;

@@ -13,12 +13,25 @@ namespace jax_ep {
 
 constexpr int kMaxCudaDevices = 64;
 
+// The low-latency area of a domain (jax_ep.cuda.setup(..., max_tokens_per_rank=M,
+// num_experts=E)): where it starts in every buffer of the group and the largest shapes it
+// holds (kernels/cuda/low_latency_kernels.h LowLatencyLayout). bytes == 0: none.
+struct LowLatencyArea {
+  size_t offset = 0;
+  size_t bytes = 0;
+  int max_tokens = 0;
+  int topk = 0;
+  int num_experts = 0;
+  size_t row_bytes = 0;
+};
+
 struct CudaDomain {
   int rank = -1;
   int group = -1;
   int num_ranks = 0;
   PeerTable peers{};
   AreaConfig areas{};
+  LowLatencyArea ll{};
 };
 
 // Domain registered for a device ordinal; false if none.

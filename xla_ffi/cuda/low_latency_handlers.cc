@@ -1,15 +1,27 @@
-// Low-latency mode on CUDA, through the virtual-rank harness: R ranks' buffers share one
-// allocation on this GPU and every phase is launched for each rank before the next phase
-// of any (kernels/cuda/low_latency_kernels.h). The send and receive halves are separate
-// custom calls; a small token array orders them. Shapes are validated on the host; value
-// errors (ids, a foreign handle, a missing arrival) go to the sticky device record. The
-// buffer is allocated on first use (and grown), which synchronizes: these targets are not
-// registered as command-buffer compatible.
+// Low-latency mode on CUDA (kernels/cuda/low_latency_kernels.h), two kinds of targets:
+//
+// Real ranks, jax_ep_ll_{dispatch,combine}_{send,recv} (the CPU's names and operands, so
+// the lowering is shared): each GPU is one rank of the group jax_ep.cuda.setup wired, and
+// the kernels work in the low-latency area of the group's buffers (setup(...,
+// max_tokens_per_rank=M, num_experts=E)). The send halves push rows straight into the
+// peers' areas, so their staging outputs (stage_x, stage_idx; the combine stage) are
+// placeholders nothing writes; dispatch_send's tokens-per-expert output is real and
+// combine_send's status is 0 (a foreign handle goes to the device record). Shapes are
+// checked on the host against the area; nothing allocates or synchronizes, so these
+// targets are command-buffer (CUDA graph) compatible. Value errors (ids, handles, a
+// missing peer, a peer with other shapes) go to the sticky device record that
+// jax_ep.cuda.check_errors() reads.
+//
+// Harness, jax_ep_ll_harness_*: R virtual ranks whose buffers share one allocation on
+// this GPU, every phase launched for each rank before the next phase of any; a small
+// token array orders the halves. The buffer is allocated on first use (and grown), which
+// synchronizes: these targets are not command-buffer compatible.
 #include "xla_ffi/cuda/low_latency_handlers.h"
 
 #include <cuda_runtime_api.h>
 
 #include <mutex>
+#include <sstream>
 #include <string>
 
 #include "kernels/cuda/low_latency_kernels.h"
@@ -111,6 +123,8 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   const size_t rb = static_cast<size_t>(H) * ffi::ByteWidth(x.element_type());
   a.L = LowLatencyLayout::Make(static_cast<int>(R), static_cast<int>(max_tokens), rb,
                                static_cast<int>(topk_max), static_cast<int>(num_experts));
+  a.M = a.L.M;
+  a.row_bytes = a.L.row_bytes;
   a.S = static_cast<int>(S);
   a.K = static_cast<int>(K);
   a.H = H;
@@ -150,6 +164,8 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ff
   const size_t rb = static_cast<size_t>(H) * ffi::ByteWidth(recv_x->element_type());
   a.L = LowLatencyLayout::Make(static_cast<int>(R), static_cast<int>(M), rb,
                                static_cast<int>(topk_max), static_cast<int>(num_experts));
+  a.M = a.L.M;
+  a.row_bytes = a.L.row_bytes;
   a.H = H;
   if (ffi::Error e = Buffers(stream, ordinal, static_cast<int>(R), &a); e.failure()) return e;
   const int64_t blk = el * R * M;
@@ -186,6 +202,8 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   const size_t rb = static_cast<size_t>(H) * ffi::ByteWidth(y.element_type());
   a.L = LowLatencyLayout::Make(static_cast<int>(R), static_cast<int>(M), rb,
                                static_cast<int>(topk_max), static_cast<int>(num_experts));
+  a.M = a.L.M;
+  a.row_bytes = a.L.row_bytes;
   a.H = H;
   if (ffi::Error e = Buffers(stream, ordinal, static_cast<int>(R), &a); e.failure()) return e;
   cudaError_t ce = cudaMemsetAsync(token->typed_data(), 0, R * sizeof(int32_t), stream);
@@ -223,6 +241,8 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi
   const size_t rb = static_cast<size_t>(H) * ffi::ByteWidth(out->element_type());
   a.L = LowLatencyLayout::Make(static_cast<int>(R), static_cast<int>(max_tokens), rb,
                                static_cast<int>(topk_max), static_cast<int>(num_experts));
+  a.M = a.L.M;
+  a.row_bytes = a.L.row_bytes;
   a.S = static_cast<int>(S);
   a.K = static_cast<int>(K);
   a.H = H;
@@ -236,6 +256,229 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi
     b.out = static_cast<char*>(out->untyped_data()) + r * S * rb;
     return b;
   });
+}
+
+// ------------------------------ real ranks -------------------------------
+// One GPU = one rank of the group jax_ep.cuda.setup registered; the low-latency area of
+// its buffers holds the slots, counts and stages (sized once for the largest shapes).
+
+constexpr const char* kSetupHint =
+    "call jax_ep.cuda.setup(mesh, axis_name, ..., max_tokens_per_rank=M, num_experts=E) "
+    "(its low-latency option) before jitting";
+
+// This GPU's domain, with a low-latency area for an EP group of R ranks and E experts.
+ffi::Error RankDomain(int ordinal, int64_t R, int64_t E, CudaDomain* d) {
+  if (!GetCudaDomain(ordinal, d)) {
+    std::ostringstream s;
+    s << "jax_ep.low_latency: no communication buffer on GPU " << ordinal << "; " << kSetupHint;
+    return Invalid(s.str());
+  }
+  std::ostringstream s;
+  if (d->num_ranks != R) {
+    s << "jax_ep.low_latency: GPU " << ordinal << " was set up for an EP group of "
+      << d->num_ranks << " ranks, but the op has num_ranks=" << R;
+  } else if (d->ll.bytes == 0) {
+    s << "jax_ep.low_latency: GPU " << ordinal << " has no low-latency area; " << kSetupHint;
+  } else if (d->ll.num_experts != E) {
+    s << "jax_ep.low_latency: num_experts=" << E << " but the low-latency area of GPU "
+      << ordinal << " was set up for num_experts=" << d->ll.num_experts << "; " << kSetupHint;
+  } else if (E > 1024) {
+    s << "jax_ep.low_latency: num_experts above 1024 is not supported on GPU";
+  }
+  if (!s.str().empty()) return Invalid(s.str());
+  return ffi::Error::Success();
+}
+
+// What the area holds against what a call needs; "" if it fits.
+std::string FitsArea(const CudaDomain& d, int64_t M, size_t row_bytes, int64_t slots,
+                     int64_t rows_per_dest) {
+  const LowLatencyArea& a = d.ll;
+  std::ostringstream s;
+  if (M > a.max_tokens)
+    s << "max_tokens_per_rank=" << M << " exceeds the " << a.max_tokens << " of the area";
+  else if (row_bytes > a.row_bytes)
+    s << "rows of " << row_bytes << " bytes exceed the area's " << a.row_bytes
+      << " (setup's hidden and dtype)";
+  else if (slots > static_cast<int64_t>(a.max_tokens) * a.topk)
+    s << "staged slots S * K = " << slots << " exceed the area's max_tokens_per_rank * topk = "
+      << static_cast<int64_t>(a.max_tokens) * a.topk;
+  else if (rows_per_dest > ll_rows_per_dest(a.max_tokens, a.topk, a.num_experts / d.num_ranks))
+    s << "combine rows per source " << rows_per_dest << " exceed the area's "
+      << ll_rows_per_dest(a.max_tokens, a.topk, a.num_experts / d.num_ranks);
+  if (s.str().empty()) return {};
+  return "jax_ep.low_latency: " + s.str() + "; pass larger sizes to jax_ep.cuda.setup "
+         "(max_tokens_per_rank, topk, hidden, dtype; see jax_ep.cuda.buffer_bytes)";
+}
+
+// Kernel arguments of this GPU's rank: the area's fixed layout and every rank's area.
+LowLatencyArgs RankArgs(const CudaDomain& d, int ordinal) {
+  LowLatencyArgs a{};
+  a.L = LowLatencyLayout::Make(d.num_ranks, d.ll.max_tokens, d.ll.row_bytes, d.ll.topk,
+                               d.ll.num_experts);
+  for (int r = 0; r < kMaxRanks; ++r)
+    a.peers.base[r] = r < d.num_ranks ? d.peers.base[r] + d.ll.offset : nullptr;
+  a.me = d.rank;
+  a.expect_group = d.group;
+  a.host_err = ErrorMirror(ordinal);
+  a.timeout_ns = KernelTimeoutNs();
+  return a;
+}
+
+ffi::Error LaunchRank(std::initializer_list<int> phases, const LowLatencyArgs& a,
+                      cudaStream_t stream) {
+  for (int phase : phases) {
+    const cudaError_t e = LaunchLowLatencyPhase(phase, a, stream);
+    if (e != cudaSuccess) return CudaFailed("kernel launch", e);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RankDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                ffi::Buffer<ffi::S32> topk_idx,
+                                ffi::Result<ffi::AnyBuffer> stage_x,
+                                ffi::ResultBuffer<ffi::S32> stage_idx,
+                                ffi::ResultBuffer<ffi::S32> expert_count, int64_t num_experts,
+                                int64_t num_ranks, int64_t max_tokens, int64_t call_site) {
+  auto xd = x.dimensions();
+  auto id = topk_idx.dimensions();
+  if (xd.size() != 2) return Invalid("x must be [S, H], got " + Dims(xd));
+  if (id.size() != 2) return Invalid("topk_idx must be [S, K], got " + Dims(id));
+  const int64_t S = xd[0], H = xd[1], K = id[1];
+  std::string err = ExpectShape("topk_idx", id, {S, K});
+  if (err.empty()) err = ExpectShape("stage_x", stage_x->dimensions(), {S, H});
+  if (err.empty()) err = ExpectShape("stage_idx", stage_idx->dimensions(), {S, K});
+  if (err.empty()) err = ExpectShape("expert_count", expert_count->dimensions(), {num_experts});
+  if (!err.empty()) return Invalid(err);
+  CudaDomain d;
+  if (ffi::Error e = RankDomain(ordinal, num_ranks, num_experts, &d); e.failure()) return e;
+  const size_t rb = static_cast<size_t>(H) * ffi::ByteWidth(x.element_type());
+  err = FitsArea(d, max_tokens, rb, S * K, 0);
+  if (!err.empty()) return Invalid(err);
+  LowLatencyArgs a = RankArgs(d, ordinal);
+  a.M = static_cast<int>(max_tokens);
+  a.row_bytes = rb;
+  a.S = static_cast<int>(S);
+  a.K = static_cast<int>(K);
+  a.H = H;
+  a.tag = ll_call_tag(call_site, 0, S, K, max_tokens, static_cast<int64_t>(rb), num_experts);
+  a.x = x.untyped_data();
+  a.topk_idx = topk_idx.typed_data();
+  a.expert_count = expert_count->typed_data();
+  return LaunchRank({kLLDispatchPlan, kLLDispatchPush}, a, stream);
+}
+
+ffi::Error RankDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer stage_x,
+                                ffi::Buffer<ffi::S32> stage_idx,
+                                ffi::Buffer<ffi::S32> expert_count,
+                                ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                                ffi::Result<ffi::AnyBuffer> recv_x,
+                                ffi::ResultBuffer<ffi::S32> recv_count,
+                                ffi::ResultBuffer<ffi::S32> src_rank,
+                                ffi::ResultBuffer<ffi::S32> src_index,
+                                ffi::ResultBuffer<ffi::S32> first_row,
+                                ffi::ResultBuffer<ffi::S32> row_count, int64_t num_experts,
+                                int64_t num_ranks, int64_t max_tokens, int64_t call_site) {
+  auto xd = stage_x.dimensions();
+  if (xd.size() != 2) return Invalid("staged x must be [S, H], got " + Dims(xd));
+  const int64_t H = xd[1], R = num_ranks, M = max_tokens, E = num_experts;
+  if (R < 1 || E % R != 0) return Invalid("num_experts must be a positive multiple of num_ranks");
+  const int64_t el = E / R;
+  std::string err = ExpectShape("expert_count", expert_count.dimensions(), {E});
+  if (err.empty()) err = ExpectShape("recv_x", recv_x->dimensions(), {el, R * M, H});
+  if (err.empty()) err = ExpectShape("recv_count", recv_count->dimensions(), {el});
+  if (err.empty()) err = ExpectShape("src_rank", src_rank->dimensions(), {el, R * M});
+  if (err.empty()) err = ExpectShape("src_index", src_index->dimensions(), {el, R * M});
+  if (err.empty()) err = ExpectShape("first_row", first_row->dimensions(), {el, R});
+  if (err.empty()) err = ExpectShape("row_count", row_count->dimensions(), {el, R});
+  if (!err.empty()) return Invalid(err);
+  CudaDomain d;
+  if (ffi::Error e = RankDomain(ordinal, R, E, &d); e.failure()) return e;
+  const size_t rb = static_cast<size_t>(H) * ffi::ByteWidth(stage_x.element_type());
+  err = FitsArea(d, M, rb, 0, 0);
+  if (!err.empty()) return Invalid(err);
+  LowLatencyArgs a = RankArgs(d, ordinal);
+  a.M = static_cast<int>(M);
+  a.row_bytes = rb;
+  a.H = H;
+  a.rank_in = rank_buf.typed_data();
+  a.group_in = group_buf.typed_data();
+  a.recv_x = recv_x->untyped_data();
+  a.recv_count = recv_count->typed_data();
+  a.src_rank = src_rank->typed_data();
+  a.src_index = src_index->typed_data();
+  a.first_row = first_row->typed_data();
+  a.row_count = row_count->typed_data();
+  return LaunchRank({kLLDispatchRecv}, a, stream);
+}
+
+ffi::Error RankCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
+                               ffi::Buffer<ffi::S32> first_row, ffi::Buffer<ffi::S32> row_count,
+                               ffi::Result<ffi::AnyBuffer> stage,
+                               ffi::ResultBuffer<ffi::S32> status, int64_t num_ranks,
+                               int64_t max_tokens, int64_t rows_per_dest, int64_t call_site) {
+  auto yd = y.dimensions();
+  if (yd.size() != 3) return Invalid("y must be [E_local, R * M, H], got " + Dims(yd));
+  const int64_t el = yd[0], H = yd[2], R = num_ranks, M = max_tokens;
+  std::string err = ExpectShape("y", yd, {el, R * M, H});
+  if (err.empty()) err = ExpectShape("handle.first_row", first_row.dimensions(), {el, R});
+  if (err.empty()) err = ExpectShape("handle.row_count", row_count.dimensions(), {el, R});
+  if (err.empty()) err = ExpectShape("stage", stage->dimensions(), {R, rows_per_dest, H});
+  if (err.empty()) err = ExpectShape("status", status->dimensions(), {});
+  if (!err.empty()) return Invalid(err);
+  CudaDomain d;
+  if (ffi::Error e = RankDomain(ordinal, R, el * R, &d); e.failure()) return e;
+  const size_t rb = static_cast<size_t>(H) * ffi::ByteWidth(y.element_type());
+  err = FitsArea(d, M, rb, 0, rows_per_dest);
+  if (!err.empty()) return Invalid(err);
+  LowLatencyArgs a = RankArgs(d, ordinal);
+  a.M = static_cast<int>(M);
+  a.row_bytes = rb;
+  a.H = H;
+  a.tag = ll_call_tag(call_site, 1, rows_per_dest, 0, M, static_cast<int64_t>(rb), el * R);
+  a.y = y.untyped_data();
+  a.first_row = const_cast<int32_t*>(first_row.typed_data());
+  a.row_count = const_cast<int32_t*>(row_count.typed_data());
+  const cudaError_t ce = cudaMemsetAsync(status->typed_data(), 0, sizeof(int32_t), stream);
+  if (ce != cudaSuccess) return CudaFailed("status", ce);
+  return LaunchRank({kLLCombinePlan, kLLCombinePush}, a, stream);
+}
+
+ffi::Error RankCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer stage,
+                               ffi::Buffer<ffi::S32> status, ffi::Buffer<ffi::S32> topk_idx,
+                               ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> rank_buf,
+                               ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
+                               int64_t num_experts, int64_t num_ranks, int64_t max_tokens,
+                               int64_t call_site) {
+  auto sd = stage.dimensions();
+  auto id = topk_idx.dimensions();
+  if (sd.size() != 3) return Invalid("stage must be [R, rows, H], got " + Dims(sd));
+  if (id.size() != 2) return Invalid("topk_idx must be [S, K], got " + Dims(id));
+  const int64_t R = num_ranks, rpd = sd[1], H = sd[2], S = id[0], K = id[1];
+  std::string err = ExpectShape("stage", sd, {R, rpd, H});
+  if (err.empty()) err = ExpectShape("topk_weights", topk_weights.dimensions(), {S, K});
+  if (err.empty()) err = ExpectShape("out", out->dimensions(), {S, H});
+  FloatKind kind;
+  if (err.empty() && !FloatKindOf(stage.element_type(), &kind))
+    err = "y must be float32, bfloat16 or float16";
+  if (!err.empty()) return Invalid(err);
+  CudaDomain d;
+  if (ffi::Error e = RankDomain(ordinal, R, num_experts, &d); e.failure()) return e;
+  const size_t rb = static_cast<size_t>(H) * ffi::ByteWidth(stage.element_type());
+  err = FitsArea(d, max_tokens, rb, S * K, rpd);
+  if (!err.empty()) return Invalid(err);
+  LowLatencyArgs a = RankArgs(d, ordinal);
+  a.M = static_cast<int>(max_tokens);
+  a.row_bytes = rb;
+  a.S = static_cast<int>(S);
+  a.K = static_cast<int>(K);
+  a.H = H;
+  a.kind = kind;
+  a.rank_in = rank_buf.typed_data();
+  a.group_in = group_buf.typed_data();
+  a.topk_idx = topk_idx.typed_data();
+  a.topk_w = topk_weights.typed_data();
+  a.out = out->untyped_data();
+  return LaunchRank({kLLCombineRecvPlan, kLLCombineRecv}, a, stream);
 }
 
 }  // namespace
@@ -290,11 +533,88 @@ XLA_FFI_DEFINE_HANDLER(kCombineRecv, CombineRecvImpl,
                            .Attr<int64_t>("max_tokens")
                            .Attr<int64_t>("topk_max"));
 
+#define JEP_LL_CMD_BUFFER {ffi::Traits::kCmdBufferCompatible}
+
+// Real ranks: no allocation or host sync inside, so XLA may capture them in CUDA graphs
+// (the trait travels in the handler's metadata).
+XLA_FFI_DEFINE_HANDLER(kRankDispatchSend, RankDispatchSendImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Attr<int64_t>("num_experts")
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("max_tokens")
+                           .Attr<int64_t>("call_site"),
+                       JEP_LL_CMD_BUFFER);
+
+XLA_FFI_DEFINE_HANDLER(kRankDispatchRecv, RankDispatchRecvImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Attr<int64_t>("num_experts")
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("max_tokens")
+                           .Attr<int64_t>("call_site"),
+                       JEP_LL_CMD_BUFFER);
+
+XLA_FFI_DEFINE_HANDLER(kRankCombineSend, RankCombineSendImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("max_tokens")
+                           .Attr<int64_t>("rows_per_dest")
+                           .Attr<int64_t>("call_site"),
+                       JEP_LL_CMD_BUFFER);
+
+XLA_FFI_DEFINE_HANDLER(kRankCombineRecv, RankCombineRecvImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<int64_t>("num_experts")
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("max_tokens")
+                           .Attr<int64_t>("call_site"),
+                       JEP_LL_CMD_BUFFER);
+
 void AddLowLatencyCudaRegistrations(const RegisterFn& add) {
   add("jax_ep_ll_harness_dispatch_send", reinterpret_cast<void*>(kDispatchSend));
   add("jax_ep_ll_harness_dispatch_recv", reinterpret_cast<void*>(kDispatchRecv));
   add("jax_ep_ll_harness_combine_send", reinterpret_cast<void*>(kCombineSend));
   add("jax_ep_ll_harness_combine_recv", reinterpret_cast<void*>(kCombineRecv));
+  // The CPU's target names and operands (xla_ffi/cpu/low_latency_handlers.cc).
+  add("jax_ep_ll_dispatch_send", reinterpret_cast<void*>(kRankDispatchSend));
+  add("jax_ep_ll_dispatch_recv", reinterpret_cast<void*>(kRankDispatchRecv));
+  add("jax_ep_ll_combine_send", reinterpret_cast<void*>(kRankCombineSend));
+  add("jax_ep_ll_combine_recv", reinterpret_cast<void*>(kRankCombineRecv));
 }
 
 }  // namespace jax_ep
