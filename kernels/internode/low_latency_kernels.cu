@@ -175,7 +175,7 @@ __global__ void DispatchPlan(G g, const int32_t* idx, int32_t* token) {
   if (threadIdx.x == 0) {
     n = ++g_ll_epoch[kD];
     token[0] = static_cast<int32_t>(n);
-    token[1] = 0;
+    token[1] = static_cast<int32_t>(g.hash);
     bad[0] = 0;
   }
   __syncthreads();
@@ -297,7 +297,7 @@ __global__ void CombinePlan(G g, const int32_t* first_row, const int32_t* row_co
   if (threadIdx.x == 0) {
     n = ++g_ll_epoch[kC];
     token[0] = static_cast<int32_t>(n);
-    token[1] = 0;
+    token[1] = static_cast<int32_t>(g.hash);
     bad[0] = 0;
   }
   __syncthreads();
@@ -404,11 +404,13 @@ __global__ void CombineRecvPlan(G g, const int32_t* idx) {
   }
 }
 
-// One block: every writer's header (== epoch, same hash, no error), then every (writer,
-// QP) data word holds the rows the header implies on that QP, and no more. Combine also
-// checks the owner's row count against its own routing.
+// One block: every writer's header (== epoch, and the hash this rank's own send of the
+// epoch computed, which its token carries; no error), then every (writer, QP) data word
+// holds the rows the header implies on that QP, and no more. Combine also checks the
+// owner's row count against its own routing.
 __global__ void RecvWait(G g, const int32_t* token) {
   const unsigned long long n = static_cast<unsigned long long>(token[0]);
+  const uint32_t hash = static_cast<uint32_t>(token[1]);
   const int b = static_cast<int>(n & 1ull);
   __shared__ int ok;
   if (threadIdx.x == 0) ok = Failed(g) ? 0 : 1;
@@ -420,8 +422,8 @@ __global__ void RecvWait(G g, const int32_t* token) {
       continue;
     }
     const llwire::Header* h = Hdr(g, g.op, b, w);
-    if (h->seq != n || h->hash != g.hash) {
-      Record(g, wire::kErrMismatch, w, llwire::kKindHeader, llwire::kControlQp, g.hash, h->hash,
+    if (h->seq != n || h->hash != hash) {
+      Record(g, wire::kErrMismatch, w, llwire::kKindHeader, llwire::kControlQp, hash, h->hash,
              n, h->seq);
       ok = 0;
     } else if (h->error != 0) {

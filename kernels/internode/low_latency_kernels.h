@@ -14,7 +14,8 @@
 //              j (owner's experts in order, then position) the striping plan puts on QP q
 //              goes straight into the owner's slot drecv[b][expert][source][position],
 //              as a put-with-signal ADD 1 on QP q into word (dispatch, b, source, q)
-//     token -- int32[2] (n, 0): the epoch the receive half completes
+//     token -- int32[2] (n, hash): the epoch the receive half completes and this call's
+//              config hash, which every writer's header must carry
 //   dispatch_recv (every rank as an owner): waits (bounded) for every source's header
 //     word == n, checks seq, hash and error flag, waits for every (source, QP) data word
 //     to hold that QP's rows; writes recv_x[E_local, R*M, H] (rows of source s for expert
@@ -75,6 +76,8 @@ struct CallDims {
   int num_ports = 1, qps_per_port = 1;
   int64_t timeout_ns = 0;
   int64_t call_site = 0;      // the send half's call_site (hashed in the header)
+  // Receive halves: H, dtype and (combine) S, K of the call; the config hash to check
+  // comes from the send half's token.
 };
 
 // token: int32[2] device, written by the send half, read by the receive half.

@@ -13,7 +13,7 @@ rules are kernels/internode/low_latency_wire.h.
 | put_signal_warp (data, then its signal)        | one operation: the data lands, then the     |
 |                                                | signal, atomically                          |
 | signal (credit)                                | an operation with no data                   |
-| epoch n per op, buffer n & 1, token            | `Rank.epoch`, `buf()`, the send's token     |
+| epoch n per op, buffer n & 1, token (n, hash)  | `Sim.epoch`, `buf()`, the send's token      |
 | row_qp, rows_on_qp, config_hash                | the same functions through the bindings     |
 | JAX_EP_TIMEOUT_S                               | `timeout` in scheduler steps                |
 | sticky error record, first error wins          | `Rank.error`; a failed rank stays silent    |
@@ -305,11 +305,11 @@ class Sim:
         token (epoch)."""
         self.epoch[r][OP_D] += 1
         n = self.epoch[r][OP_D]
-        if self.errors[r] is not None:
-            return n  # a failed rank stays silent
-        b = self.buf(n)
         S, K = idx.shape
         h = self._cfg(OP_D, S, K, x.shape[1], 0, site)
+        if self.errors[r] is not None:
+            return n, h  # a failed rank stays silent
+        b = self.buf(n)
         pos, counts, bad = self.positions(idx, self.E, self.M)
         el = self.el
         hdrs = {p: dict(seq=n, hash=h, error=bad is not None,
@@ -320,11 +320,11 @@ class Sim:
             offsets[g] = counts[(g // el) * el:g].sum()
         ok = yield from self._credits(r, OP_D, b, n)
         if not ok:
-            return n
+            return n, h
         yield from self._headers(r, OP_D, b, n, hdrs)
         if bad is not None:
             self.record(r, code="bad_id", token=bad[0], slot=bad[1], value=bad[2])
-            return n
+            return n, h
         order = [(t, k) for t in range(S) for k in range(K) if pos[t, k] >= 0]
         self.rng.shuffle(order)  # warps of the QP's CTAs issue in any order
         for t, k in order:
@@ -334,11 +334,12 @@ class Sim:
             q = row_qp(p, j, self.P, self.Q)
             key = ("drecv", b, e, r, int(pos[t, k]))
             yield from self._row(r, p, q, (OP_D, n), key, (x[t].copy(), t), OP_D, b)
-        return n
+        return n, h
 
-    def _recv_headers(self, r, op, n, check_rows=None):
-        """Waits for every writer's header and data words of epoch n; the headers, or
-        None if the call failed."""
+    def _recv_headers(self, r, op, token, check_rows=None):
+        """Waits for every writer's header (epoch n and the hash of this rank's own send,
+        both in its token) and data words; the headers, or None if the call failed."""
+        n, hash_ = token
         mem = self.mem[r]
         b = self.buf(n)
         if self.errors[r] is not None:
@@ -355,7 +356,7 @@ class Sim:
             if hd is None:
                 hd = dict(seq=-1, hash=-1, error=False, counts=np.zeros(self.el, np.int64),
                           rows=0)
-            if hd["seq"] != n or hd["hash"] != self._hash[r]:
+            if hd["seq"] != n or hd["hash"] != hash_:
                 self.record(r, code="mismatch", peer=w, my_seq=n, peer_seq=hd["seq"])
                 return None
             if hd["error"]:
@@ -397,17 +398,17 @@ class Sim:
         for w in range(self.R):
             yield ("put", Op(r, w, CONTROL_QP, (op, n), (), ("credit", op, b, r), "set", n))
 
-    def dispatch_recv(self, r, n, S, K, H, site=1):
-        """Generator: the receive half of epoch n on rank r; returns (recv_x, recv_count,
-        src_rank, src_index, first_row, row_count)."""
+    def dispatch_recv(self, r, token, H):
+        """Generator: the receive half of the send's token (epoch, hash) on rank r;
+        returns (recv_x, recv_count, src_rank, src_index, first_row, row_count)."""
         el, R, M = self.el, self.R, self.M
-        self._hash[r] = self._cfg(OP_D, S, K, H, 0, site)
+        n = token[0]
         recv_x = np.zeros((el, R * M, H), np.float32)
         src_rank = np.full((el, R * M), -1, np.int32)
         src_index = np.full((el, R * M), -1, np.int32)
         first_row = np.zeros((el, R), np.int32)
         row_count = np.zeros((el, R), np.int32)
-        hdrs = yield from self._recv_headers(r, OP_D, n)
+        hdrs = yield from self._recv_headers(r, OP_D, token)
         if hdrs is None:
             return recv_x, np.zeros(el, np.int32), src_rank, src_index, first_row, row_count
         b = self.buf(n)
@@ -431,11 +432,11 @@ class Sim:
         """Generator: the owner's send half (y[E_local, R*M, H]); returns the token."""
         self.epoch[r][OP_C] += 1
         n = self.epoch[r][OP_C]
+        h = self._cfg(OP_C, 0, 0, y.shape[-1], rows_per_dest, site)
         if self.errors[r] is not None:
-            return n
+            return n, h
         b = self.buf(n)
         el, R = self.el, self.R
-        h = self._cfg(OP_C, 0, 0, y.shape[-1], rows_per_dest, site)
         streams, hdrs = {}, {}
         bad = bool(np.any((first_row < 0) | (row_count < 0) | (row_count > self.M)
                           | (first_row + row_count > R * self.M)))
@@ -450,28 +451,28 @@ class Sim:
             hdrs[d]["error"] = bad
         ok = yield from self._credits(r, OP_C, b, n)
         if not ok:
-            return n
+            return n, h
         yield from self._headers(r, OP_C, b, n, hdrs)
         if bad:
             self.record(r, code="bad_handle")
-            return n
+            return n, h
         order = [(d, j) for d in range(R) for j in range(len(streams[d]))]
         self.rng.shuffle(order)
         for d, j in order:
             e, i = streams[d][j]
             q = row_qp(d, j, self.P, self.Q)
             yield from self._row(r, d, q, (OP_C, n), ("crecv", b, r, j), y[e, i].copy(), OP_C, b)
-        return n
+        return n, h
 
-    def combine_recv(self, r, n, idx, w, H, rows_per_dest, site=2):
+    def combine_recv(self, r, token, idx, w, H):
         """Generator: the source's receive half; returns out[S, H] float32."""
         el = self.el
-        self._hash[r] = self._cfg(OP_C, 0, 0, H, rows_per_dest, site)
+        n = token[0]
         S, K = idx.shape
         out = np.zeros((S, H), np.float32)
         pos, counts, _ = self.positions(idx, self.E, self.M)
         expect = [int(counts[p * el:(p + 1) * el].sum()) for p in range(self.R)]
-        hdrs = yield from self._recv_headers(r, OP_C, n, check_rows=expect)
+        hdrs = yield from self._recv_headers(r, OP_C, token, check_rows=expect)
         if hdrs is None:
             return out
         b = self.buf(n)
@@ -503,27 +504,23 @@ class Sim:
                 continue
             if do == "dispatch_send":
                 tokens[st["name"]] = (yield from self.dispatch_send(
-                    r, st["x"], st["idx"], st.get("site", 1))), st["x"].shape, st["idx"].shape
+                    r, st["x"], st["idx"], st.get("site", 1))), st["x"].shape[1]
                 outs.append(None)
             elif do == "dispatch_recv":
-                n, xs, ids = tokens.pop(st["name"])
-                outs.append((yield from self.dispatch_recv(r, n, ids[0], ids[1], xs[1],
-                                                           st.get("site", 1))))
+                token, H = tokens.pop(st["name"])
+                outs.append((yield from self.dispatch_recv(r, token, H)))
             elif do == "combine_send":
                 tokens[st["name"]] = (yield from self.combine_send(
                     r, st["y"], st["first_row"], st["row_count"], st["rows_per_dest"],
                     st.get("site", 2))), st["y"].shape[-1]
                 outs.append(None)
             elif do == "combine_recv":
-                n, H = tokens.pop(st["name"])
-                outs.append((yield from self.combine_recv(r, n, st["idx"], st["w"], H,
-                                                          st["rows_per_dest"],
-                                                          st.get("site", 2))))
+                token, H = tokens.pop(st["name"])
+                outs.append((yield from self.combine_recv(r, token, st["idx"], st["w"], H)))
             else:
                 raise ValueError(f"unknown step {do!r}")
 
     def simulate(self, steps_per_rank) -> Result:
-        self._hash = [None] * self.R
         outs = [[] for _ in range(self.R)]
         hang = self.run([self.program(r, s, outs[r]) for r, s in enumerate(steps_per_rank)])
         return Result(outs, list(self.errors), list(self.violations), hang,

@@ -7,14 +7,14 @@
 //   jax_ep_internode_ll_dispatch_recv(token[2] s32)
 //     -> recv_x[E/R, R*M, H] (x's dtype), recv_count[E/R], src_rank[E/R, R*M],
 //        src_index[E/R, R*M], first_row[E/R, R], row_count[E/R, R] (s32)
-//     attrs: as the send, plus stage_rows (S), topk (K), send_site (the send's call_site)
+//     attrs: as the send (the config hash to check comes in the token)
 //   jax_ep_internode_ll_combine_send(y[E/R, R*M, H], first_row[E/R, R] s32,
 //                                    row_count[E/R, R] s32) -> token[2] s32
 //     attrs: num_experts, num_ranks, rank, max_tokens, rows_per_dest, num_ports,
 //            qps_per_port, call_site
 //   jax_ep_internode_ll_combine_recv(token[2] s32, topk_idx[S,K] s32, topk_weights[S,K] f32)
 //     -> out[S,H] (y's dtype)
-//     attrs: as combine_send, plus send_site
+//     attrs: num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port, call_site
 //
 // No handler allocates or synchronises with the host (the area is allocated once at
 // start, errors go to the sticky record every later internode call returns first), so
@@ -94,15 +94,13 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
                             ffi::Result<ffi::Buffer<ffi::S32>> first_row,
                             ffi::Result<ffi::Buffer<ffi::S32>> row_count, int64_t num_experts,
                             int64_t num_ranks, int64_t rank, int64_t max_tokens,
-                            int64_t stage_rows, int64_t topk, int64_t num_ports,
-                            int64_t qps_per_port, int64_t send_site, int64_t call_site) {
+                            int64_t num_ports, int64_t qps_per_port, int64_t call_site) {
   ll_internode::CallDims d;
   ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
-                          send_site, &d);
+                          call_site, &d);
   if (e.failure()) return e;
-  if (stage_rows < 0 || topk < 1) return Invalid("stage_rows must be >= 0 and topk >= 1");
-  d.S = static_cast<int>(stage_rows);
-  d.K = static_cast<int>(topk);
+  d.S = 0;
+  d.K = 1;
   if (!FloatKindOf(recv_x->element_type(), &d.elem))
     return Invalid("recv_x must be float32, bfloat16 or float16");
   const int64_t el = num_experts / num_ranks, RM = num_ranks * max_tokens;
@@ -152,11 +150,10 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
                            ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> w,
                            ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
                            int64_t num_ranks, int64_t rank, int64_t max_tokens,
-                           int64_t rows_per_dest, int64_t num_ports, int64_t qps_per_port,
-                           int64_t send_site, int64_t call_site) {
+                           int64_t num_ports, int64_t qps_per_port, int64_t call_site) {
   ll_internode::CallDims d;
   ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
-                          send_site, &d);
+                          call_site, &d);
   if (e.failure()) return e;
   if (!FloatKindOf(out->element_type(), &d.elem))
     return Invalid("out must be float32, bfloat16 or float16");
@@ -165,8 +162,6 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
   d.K = static_cast<int>(idx.dimensions()[1]);
   if (out->dimensions().size() != 2) return Invalid("out must be [tokens, hidden], got " + Dims(out->dimensions()));
   d.H = out->dimensions()[1];
-  if (rows_per_dest < 1) return Invalid("rows_per_dest must be >= 1");
-  d.rows_per_dest = rows_per_dest;
   JEP_LL_EXPECT("token", token, 2);
   JEP_LL_EXPECT("topk_weights", w, d.S, d.K);
   JEP_LL_EXPECT("out", *out, d.S, d.H);
@@ -205,11 +200,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchRecvHandler, DispatchRecvImpl,
                                   .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("rank")
                                   .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("stage_rows")
-                                  .Attr<int64_t>("topk")
                                   .Attr<int64_t>("num_ports")
                                   .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("send_site")
                                   .Attr<int64_t>("call_site"),
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -241,10 +233,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLCombineRecvHandler, CombineRecvImpl,
                                   .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("rank")
                                   .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("rows_per_dest")
                                   .Attr<int64_t>("num_ports")
                                   .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("send_site")
                                   .Attr<int64_t>("call_site"),
                               {ffi::Traits::kCmdBufferCompatible});
 
