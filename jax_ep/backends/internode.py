@@ -33,7 +33,8 @@ from jax_ep.runtime import nvshmem
 
 __all__ = ["ep_rank", "transport_attrs", "send_row_from", "layout", "dispatch", "combine",
            "gather", "InternodeRankError", "InternodeError", "transport_report",
-           "check_errors"]
+           "check_errors", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
+           "ll_combine_recv"]
 
 
 class InternodeRankError(ValueError):
@@ -327,14 +328,115 @@ def gather(g, handle: DispatchHandle, cfg: Cfg):
 
 
 # ============================================================================
-# --- low-latency mode (jax_ep.low_latency): not built for NVSHMEM yet.
+# --- low-latency mode (jax_ep.low_latency): targets jax_ep_internode_ll_dispatch_send /
+# _recv and jax_ep_internode_ll_combine_send / _recv (xla_ffi/internode/
+# low_latency_handlers.cc, kernels/internode/low_latency_kernels.cu): direct per-expert
+# puts into each owner's per-(expert, source) slots, no layout pass. Signatures as in
+# backends/reference.py's low-latency section (cfg.capacity = M). The send halves return
+# (token int32[2], carrier): the token (epoch, config hash) is the receive half's operand;
+# the carrier is a zero-size array whose shape and dtype hold what the receive half's
+# result types need (the row dtype and H; for combine also rows_per_dest).
 # ============================================================================
 
-def _ll_not_implemented(*_args, **_kwargs):
-    raise NotImplementedError(
-        "jax_ep.low_latency on the internode (NVSHMEM) backend is not implemented "
-        "(jax_ep/backends/internode.py ll_*; direct per-expert puts are planned); use "
-        "backend='reference' for multi-process runs")
+def _ll_limits(cfg: Cfg, rows: int, topk: int, hidden: int, itemsize: int,
+               rows_per_dest: int | None = None) -> None:
+    """Trace-time check of a call against the low-latency area NVSHMEM was started with
+    (`nvshmem_bootstrap.initialize(low_latency=...)`)."""
+    st = _state()
+    ll = getattr(st, "low_latency", None)
+    if ll is None:
+        raise nvshmem.NvshmemBootstrapError(
+            "jax_ep.low_latency on the internode backend needs its symmetric area: pass "
+            "low_latency=dict(max_tokens_per_rank=M, hidden=H, topk=K, num_experts=E) to "
+            "jax_ep.nvshmem_bootstrap.initialize (before jit), or choose backend='reference'")
+    E, M = cfg.num_experts, cfg.capacity
+    if E != ll["num_experts"]:
+        raise ValueError(f"num_experts={E}, but the internode low-latency area was started "
+                         f"for num_experts={ll['num_experts']}")
+    if M > ll["max_tokens_per_rank"]:
+        raise ValueError(f"max_tokens_per_rank={M} is more than the internode low-latency "
+                         f"area's {ll['max_tokens_per_rank']} (nvshmem_bootstrap.initialize("
+                         f"low_latency=...))")
+    if hidden * itemsize > ll["row_bytes"]:
+        raise ValueError(f"rows of hidden={hidden} x {itemsize} bytes do not fit the internode "
+                         f"low-latency area's {ll['row_bytes']}-byte rows")
+    if rows * topk > ll["max_tokens_per_rank"] * ll["topk"]:
+        raise ValueError(f"{rows} staged tokens x topk={topk} slots are more than the internode "
+                         f"low-latency area holds (max_tokens_per_rank x topk = "
+                         f"{ll['max_tokens_per_rank']} x {ll['topk']})")
+    if rows_per_dest is not None:
+        from jax_ep import _ext
+        lay = _ext.require_ext().ll_area_layout(cfg.num_ranks, ll["max_tokens_per_rank"],
+                                                ll["row_bytes"], ll["topk"], E)
+        if rows_per_dest > lay["rows_per_dest"]:
+            raise ValueError(f"combine returns up to {rows_per_dest} rows per source, more "
+                             f"than the internode low-latency area's {lay['rows_per_dest']} "
+                             "(its topk is too small)")
 
 
-ll_dispatch_send = ll_dispatch_recv = ll_combine_send = ll_combine_recv = _ll_not_implemented
+def _ll_attrs(cfg: Cfg, rank: int) -> dict:
+    t = _state().config
+    return dict(num_experts=np.int64(cfg.num_experts), num_ranks=np.int64(cfg.num_ranks),
+                rank=np.int64(rank), max_tokens=np.int64(cfg.capacity),
+                num_ports=np.int64(t.num_ports), qps_per_port=np.int64(t.qps_per_port),
+                call_site=np.int64(next_call_site()))
+
+
+def ll_dispatch_send(x, topk_idx, cfg: Cfg):
+    """x[S, H] (any 1, 2 or 4-byte dtype: rows move as bytes), topk_idx[S, K] int32 ->
+    (token int32[2], carrier [0, H] in x's dtype). Puts every (token, slot) row into its
+    owner's slot; ids are checked on the device (an error on every rank)."""
+    R = cfg.num_ranks
+    rank = ep_rank(cfg.axis_name, R)
+    S, H = x.shape
+    _ll_limits(cfg, S, topk_idx.shape[1], H, jnp.dtype(x.dtype).itemsize)
+    x, topk_idx = _vary_with_axis(cfg.axis_name, x, topk_idx)
+    token = ep_call("jax_ep_internode_ll_dispatch_send", like(x, (2,), jnp.int32))(
+        x, topk_idx, **_ll_attrs(cfg, rank))
+    return token, x[:0]
+
+
+def ll_dispatch_recv(sent, cfg: Cfg):
+    """-> (recv_x[E_local, R*M, H], recv_count[E_local], src_rank, src_index
+    [E_local, R*M], first_row, row_count [E_local, R]), int32 but recv_x."""
+    token, carrier = sent
+    R, M = cfg.num_ranks, cfg.capacity
+    rank = ep_rank(cfg.axis_name, R)
+    el, H = cfg.experts_per_rank, carrier.shape[1]
+    i32 = jnp.int32
+    return tuple(ep_call(
+        "jax_ep_internode_ll_dispatch_recv",
+        (like(token, (el, R * M, H), carrier.dtype), like(token, (el,), i32),
+         like(token, (el, R * M), i32), like(token, (el, R * M), i32),
+         like(token, (el, R), i32), like(token, (el, R), i32)))(
+        token, **_ll_attrs(cfg, rank)))
+
+
+def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):
+    """y[E_local, R*M, H] (float32, bfloat16, float16) and the handle's first_row,
+    row_count [E_local, R] -> (token int32[2], carrier [0, rows_per_dest, H] in y's dtype).
+    Puts each source's rows back into its receive area."""
+    R = cfg.num_ranks
+    rank = ep_rank(cfg.axis_name, R)
+    H = y.shape[-1]
+    _ll_limits(cfg, 0, 1, H, jnp.dtype(y.dtype).itemsize, rows_per_dest)
+    y, first_row, row_count = _vary_with_axis(cfg.axis_name, y, first_row, row_count)
+    token = ep_call("jax_ep_internode_ll_combine_send", like(y, (2,), jnp.int32))(
+        y, first_row, row_count, rows_per_dest=np.int64(rows_per_dest),
+        **_ll_attrs(cfg, rank))
+    carrier = jnp.zeros((0, rows_per_dest, H), y.dtype)
+    return token, carrier
+
+
+def ll_combine_recv(sent, topk_idx, topk_weights, cfg: Cfg):
+    """out[S, H] in y's dtype: sum over k ascending of w[t, k] * row(t, k) in float32,
+    each product rounded before the add (kernels/common/low_latency_math.h)."""
+    token, carrier = sent
+    R = cfg.num_ranks
+    rank = ep_rank(cfg.axis_name, R)
+    S, K = topk_idx.shape
+    _ll_limits(cfg, S, K, carrier.shape[-1], jnp.dtype(carrier.dtype).itemsize)
+    token, topk_idx, topk_weights = unify_varying(token, topk_idx, topk_weights)
+    return ep_call("jax_ep_internode_ll_combine_recv",
+                   like(token, (S, carrier.shape[-1]), carrier.dtype))(
+        token, topk_idx, topk_weights, **_ll_attrs(cfg, rank))

@@ -47,8 +47,8 @@ import numpy as np
 
 from jax_ep.network.transport import TransportConfig
 
-__all__ = ["Runtime", "BootstrapState", "heap_bytes_for", "initialize", "finalize",
-           "is_initialized", "state", "NvshmemBootstrapError", "adopt_check",
+__all__ = ["Runtime", "BootstrapState", "heap_bytes_for", "ll_area_bytes_for", "initialize",
+           "finalize", "is_initialized", "state", "NvshmemBootstrapError", "adopt_check",
            "heap_headroom_error"]
 
 KEY_PREFIX = "jax_ep/nvshmem"
@@ -93,6 +93,12 @@ class ExtensionRuntime:
 
     def finalize(self):
         self._ext.nvshmem_finalize()
+
+    def ll_init(self, world, max_tokens, row_bytes, topk, num_experts):
+        if not hasattr(self._ext, "ll_internode_init"):
+            raise NvshmemBootstrapError("this jax_ep build has no internode low-latency kernels")
+        self._ext.ll_internode_init(int(world), int(max_tokens), int(row_bytes), int(topk),
+                                    int(num_experts))
 
     def qp_api_available(self) -> bool:
         return bool(self._ext.nvshmem_qp_api_available())
@@ -151,6 +157,67 @@ def heap_bytes_for(*, num_ranks: int, max_tokens: int, capacity: int | None = No
     return _round_up(2 * half + hier + _SLACK, 2 << 20)
 
 
+# --- the low-latency area (mirror of llwire::area_layout in
+# kernels/internode/low_latency_wire.h; a test compares) ---------------------------------
+
+_LL_OPS_BUFS = 4  # kNumOps * kNumBufs
+_LL_HEADER_FIXED = 32
+
+
+def ll_area_bytes_for(*, num_ranks: int, max_tokens_per_rank: int, hidden: int, topk: int,
+                      num_experts: int, dtype="bfloat16") -> int:
+    """Bytes of the internode low-latency mode's symmetric area for these limits (one
+    allocation per PE, beside the heap halves; independent of the calls' T):
+    2 buffers of E_local * R * M dispatch rows and of R * M * min(K, E_local) combine rows,
+    M * K staged rows, R * M * min(K, E_local) combine staging rows, signal words and
+    headers. `dtype` is the widest row dtype the calls use (float32 for the FP8 scales'
+    rows is never wider than H bytes... pass the token dtype)."""
+    R, M, H, K, E = map(int, (num_ranks, max_tokens_per_rank, hidden, topk, num_experts))
+    for name, v in (("num_ranks", R), ("max_tokens_per_rank", M), ("hidden", H),
+                    ("topk", K), ("num_experts", E)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if E % R:
+        raise ValueError(f"num_experts={E} must be a multiple of num_ranks={R}")
+    return _ll_area(R, M, H * _itemsize(dtype), K, E)["total"]
+
+
+def _ll_area(R, M, row_bytes, K, E) -> dict:
+    el = E // R
+    ds = _round_up(row_bytes, 16) + 16
+    cs = _round_up(row_bytes, 16)
+    hs = _round_up(_LL_HEADER_FIXED + 4 * el, 16)
+    rpd = M * min(K, el)
+    sizes = [("dsig", _LL_OPS_BUFS * R * _MAX_QPS * 8), ("hsig", _LL_OPS_BUFS * R * 8),
+             ("credit", _LL_OPS_BUFS * R * 8), ("hdr", _LL_OPS_BUFS * R * hs),
+             ("hstage", 2 * R * hs), ("bad", 16), ("pos", M * K * 4), ("counts", E * 4),
+             ("offsets", E * 4), ("dstage", M * K * ds), ("drecv", 2 * el * R * M * ds),
+             ("cstage", R * rpd * cs), ("crecv", 2 * R * rpd * cs)]
+    out, off = {}, 0
+    for name, n in sizes:
+        out[name] = off
+        off += _round_up(n, _ALIGN)
+    out["total"] = off
+    out["rows_per_dest"] = rpd
+    return out
+
+
+def _ll_limits(low_latency: dict, num_ranks: int) -> dict:
+    """The low-latency area's limits from initialize's `low_latency` argument."""
+    need = ("max_tokens_per_rank", "hidden", "topk", "num_experts")
+    unknown = set(low_latency) - set(need) - {"dtype"}
+    missing = [k for k in need if k not in low_latency]
+    if missing or unknown:
+        raise ValueError(f"low_latency needs the keys {need} (and optionally dtype); missing "
+                         f"{missing}, unknown {sorted(unknown)}")
+    lim = {k: int(low_latency[k]) for k in need}
+    lim["row_bytes"] = lim["hidden"] * _itemsize(low_latency.get("dtype", "bfloat16"))
+    lim["area_bytes"] = ll_area_bytes_for(num_ranks=num_ranks,
+                                          dtype=low_latency.get("dtype", "bfloat16"),
+                                          **{k: lim[k] for k in need})
+    return lim
+
+
 def _hier_heap_args(num_ranks: int, config) -> dict:
     """heap_bytes_for's hierarchical arguments where the config may pick that mode."""
     from jax_ep.network import topology
@@ -183,6 +250,9 @@ class BootstrapState:
     env: dict
     qp_api: bool = True      # explicit QP handles (False: fallback, one port)
     adopted: bool = False    # NVSHMEM was already running; its settings were checked
+    # the internode low-latency area's limits (max_tokens_per_rank, hidden, topk,
+    # num_experts, row_bytes, area_bytes), None when not allocated
+    low_latency: dict | None = None
 
 
 _lock = threading.Lock()
@@ -246,11 +316,15 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
                hidden: int | None = None, topk: int | None = None, x_dtype="bfloat16",
                y_dtype="float32", config: TransportConfig | None = None,
                runtime: Runtime | None = None, client=None, timeout_s: float = 300.0,
-               environ=None) -> BootstrapState:
+               environ=None, low_latency: dict | None = None) -> BootstrapState:
     """Start NVSHMEM in this process (once), before jit. See the module docstring.
 
     Either give heap_bytes, or the limits (max_tokens, hidden, topk, and optionally
     capacity and num_ranks, default jax.process_count()) to size it with heap_bytes_for.
+    low_latency: dict(max_tokens_per_rank=M, hidden=H, topk=K, num_experts=E,
+    dtype="bfloat16") also allocates the internode low-latency mode's area
+    (`ll_area_bytes_for`; NVSHMEM_SYMMETRIC_SIZE grows by it), collectively, right after
+    NVSHMEM starts.
     """
     global _state, _runtime, _generation
     import jax
@@ -268,7 +342,17 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
         heap_bytes = int(heap_bytes)
         if heap_bytes < 1:
             raise ValueError(f"heap_bytes must be >= 1, got {heap_bytes}")
+        ll = None
+        if low_latency is not None:
+            ll = _ll_limits(low_latency, num_ranks or jax.process_count())
         if _state is not None:
+            have = _state.low_latency
+            if ll is not None and (have is None or any(
+                    ll[k] > have[k] for k in ("max_tokens_per_rank", "topk", "row_bytes"))
+                    or ll["num_experts"] != have["num_experts"]):
+                raise NvshmemBootstrapError(
+                    f"NVSHMEM is already running with the low-latency area {have}; {ll} was "
+                    f"asked for. Call initialize once, before jit, with the largest limits.")
             if heap_bytes > _state.heap_bytes:
                 raise NvshmemBootstrapError(
                     f"NVSHMEM is already running with a {_state.heap_bytes}-byte symmetric "
@@ -293,8 +377,13 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
             cfg = cfg.single_port()
         status = int(getattr(rt, "init_status", lambda: 0)())
         adopt = status >= _STATUS_INITIALIZED
+        # the low-latency area is a second allocation beside the heap halves
+        sym_bytes = heap_bytes + (_round_up(ll["area_bytes"], 2 << 20) if ll else 0)
+        if ll is not None and not hasattr(rt, "ll_init"):
+            raise NvshmemBootstrapError("this jax_ep build has no internode low-latency "
+                                        "kernels (the runtime has no ll_init)")
         if adopt:
-            wanted = dict(cfg.nvshmem_env(), NVSHMEM_SYMMETRIC_SIZE=str(heap_bytes))
+            wanted = dict(cfg.nvshmem_env(), NVSHMEM_SYMMETRIC_SIZE=str(sym_bytes))
             missing = adopt_check(wanted, environ)
             if missing:
                 raise NvshmemBootstrapError(
@@ -304,9 +393,9 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
                     + " ".join(missing))
             env = {k: environ.get(k) for k in wanted}
         else:
-            env = _apply_env(cfg.nvshmem_env(), heap_bytes, environ)
+            env = _apply_env(cfg.nvshmem_env(), sym_bytes, environ)
         if runtime is None:
-            why = heap_headroom_error(heap_bytes, _bytes_limit(), environ)
+            why = heap_headroom_error(sym_bytes, _bytes_limit(), environ)
             if why:
                 raise NvshmemBootstrapError(why)
 
@@ -326,6 +415,9 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
                     f"process {rank} did not receive the NVSHMEM unique id from process 0 "
                     f"within {timeout_s:g} s: {e}") from None
         rt.init(rank, world, uid, heap_bytes, cfg.num_qps, qp_api, adopt)
+        if ll is not None:  # collective, every process in the same order
+            rt.ll_init(world, ll["max_tokens_per_rank"], ll["row_bytes"], ll["topk"],
+                       ll["num_experts"])
         try:
             client.wait_at_barrier(f"{KEY_PREFIX}/ready/{_generation}", timeout_ms)
         except Exception as e:  # noqa: BLE001
@@ -334,7 +426,7 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
         _generation += 1
         _runtime = rt
         _state = BootstrapState(rank=rank, world=world, heap_bytes=heap_bytes, config=cfg,
-                                env=env, qp_api=qp_api, adopted=adopt)
+                                env=env, qp_api=qp_api, adopted=adopt, low_latency=ll)
         return _state
 
 

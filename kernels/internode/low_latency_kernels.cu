@@ -562,7 +562,7 @@ std::string MakeG(const CallDims& d, int op, G* g) {
            "low_latency=dict(max_tokens_per_rank=..., hidden=..., topk=..., num_experts=...) "
            "to jax_ep.nvshmem_bootstrap.initialize";
   const Limits& l = g_ll.lim;
-  const int64_t row_bytes = d.H * FloatKindBytes(d.elem);
+  const int64_t row_bytes = d.H * d.elem_bytes;
   if (d.R != rt.world || d.rank != rt.rank)
     return "jax_ep internode low-latency: the EP group must be all " + std::to_string(rt.world) +
            " NVSHMEM PEs; got " + std::to_string(d.R) + " ranks";
@@ -607,7 +607,7 @@ std::string MakeG(const CallDims& d, int op, G* g) {
   c[llwire::kCfgStageRows] = op == kD ? d.S : 0;
   c[llwire::kCfgTopk] = op == kD ? d.K : 0;
   c[llwire::kCfgHidden] = static_cast<int32_t>(d.H);
-  c[llwire::kCfgDtype] = static_cast<int32_t>(d.elem);
+  c[llwire::kCfgDtype] = d.dtype_code;
   c[llwire::kCfgRowsPerDest] = static_cast<int32_t>(d.rows_per_dest);
   c[llwire::kCfgNumQps] = nq;
   c[llwire::kCfgCallSite] = static_cast<int32_t>(d.call_site);

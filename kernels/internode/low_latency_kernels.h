@@ -71,7 +71,9 @@ struct CallDims {
   int R = 0, rank = 0, E = 0, M = 0;
   int S = 0, K = 0;
   int64_t H = 0;
-  FloatKind elem = FloatKind::kF32;
+  int elem_bytes = 4;          // dispatch moves raw rows of any 1, 2 or 4-byte dtype
+  int dtype_code = 0;          // the XLA element type (hashed)
+  FloatKind elem = FloatKind::kF32;  // combine's arithmetic
   int64_t rows_per_dest = 0;  // combine: rows an owner returns to one source
   int num_ports = 1, qps_per_port = 1;
   int64_t timeout_ns = 0;

@@ -7,7 +7,7 @@ rules are kernels/internode/low_latency_wire.h.
 | the symmetric area (llwire::area_layout)       | `Mem`: dicts of rows, headers and words,     |
 |                                                | keyed like the area, each value tagged with |
 |                                                | the (op, epoch) that wrote it               |
-| logical QP q between two ranks                 | `Net.queues[(src, dst, q)]`; with           |
+| logical QP q between two ranks                 | `Sim.queues[(src, dst, q)]`; with           |
 |                                                | `reorder=True` any pending operation of a   |
 |                                                | QP may land next (puts delayed, reordered)  |
 | put_signal_warp (data, then its signal)        | one operation: the data lands, then the     |
@@ -16,7 +16,7 @@ rules are kernels/internode/low_latency_wire.h.
 | epoch n per op, buffer n & 1, token (n, hash)  | `Sim.epoch`, `buf()`, the send's token      |
 | row_qp, rows_on_qp, config_hash                | the same functions through the bindings     |
 | JAX_EP_TIMEOUT_S                               | `timeout` in scheduler steps                |
-| sticky error record, first error wins          | `Rank.error`; a failed rank stays silent    |
+| sticky error record, first error wins          | `Sim.errors`; a failed rank stays silent    |
 
 Checks made on every event (they land in `Result.violations`): a reader reads only what
 the epoch it completes wrote (no read before the data landed, no stale header or row);

@@ -2,7 +2,8 @@
 // (kernels/internode/low_latency_kernels.h). The send and receive halves are separate
 // custom calls; the send half's token (int32[2]: the epoch) is the receive half's operand:
 //
-//   jax_ep_internode_ll_dispatch_send(x[S,H], topk_idx[S,K] s32) -> token[2] s32
+//   jax_ep_internode_ll_dispatch_send(x[S,H] any 1/2/4-byte type, topk_idx[S,K] s32)
+//     -> token[2] s32
 //     attrs: num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port, call_site
 //   jax_ep_internode_ll_dispatch_recv(token[2] s32)
 //     -> recv_x[E/R, R*M, H] (x's dtype), recv_count[E/R], src_rank[E/R, R*M],
@@ -42,6 +43,16 @@ ffi::Error FromString(const std::string& err) {
     if (!m_.empty()) return Invalid(m_);                                        \
   } while (0)
 
+// Rows move as raw bytes: any element type of 1, 2 or 4 bytes (the FP8 dispatch sends
+// float8 values and float32 scales as two calls).
+bool RowDtype(ffi::DataType t, ll_internode::CallDims* d) {
+  const size_t w = ffi::ByteWidth(t);
+  if (w != 1 && w != 2 && w != 4) return false;
+  d->elem_bytes = static_cast<int>(w);
+  d->dtype_code = static_cast<int>(t);
+  return true;
+}
+
 // Checks shared by the four targets; the sticky error of an earlier call comes first.
 ffi::Error BaseDims(int64_t E, int64_t R, int64_t rank, int64_t M, int64_t num_ports,
                     int64_t qps_per_port, int64_t call_site, ll_internode::CallDims* d) {
@@ -72,8 +83,9 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
                           call_site, &d);
   if (e.failure()) return e;
-  if (!FloatKindOf(x.element_type(), &d.elem))
-    return Invalid("x must be float32, bfloat16 or float16");
+  if (!RowDtype(x.element_type(), &d))
+    return Invalid("x must have a 1, 2 or 4-byte element type (float32, bfloat16, float16, "
+                   "float8, scales), got another");
   if (x.dimensions().size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(x.dimensions()));
   d.S = static_cast<int>(x.dimensions()[0]);
   d.H = x.dimensions()[1];
@@ -101,8 +113,8 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
   if (e.failure()) return e;
   d.S = 0;
   d.K = 1;
-  if (!FloatKindOf(recv_x->element_type(), &d.elem))
-    return Invalid("recv_x must be float32, bfloat16 or float16");
+  if (!RowDtype(recv_x->element_type(), &d))
+    return Invalid("recv_x must have a 1, 2 or 4-byte element type");
   const int64_t el = num_experts / num_ranks, RM = num_ranks * max_tokens;
   if (recv_x->dimensions().size() != 3)
     return Invalid("recv_x must be [E_local, R * M, H], got " + Dims(recv_x->dimensions()));
@@ -130,7 +142,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ff
   ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
                           call_site, &d);
   if (e.failure()) return e;
-  if (!FloatKindOf(y.element_type(), &d.elem))
+  if (!FloatKindOf(y.element_type(), &d.elem) || !RowDtype(y.element_type(), &d))
     return Invalid("y must be float32, bfloat16 or float16");
   const int64_t el = num_experts / num_ranks, RM = num_ranks * max_tokens;
   if (y.dimensions().size() != 3)
@@ -155,7 +167,7 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
   ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
                           call_site, &d);
   if (e.failure()) return e;
-  if (!FloatKindOf(out->element_type(), &d.elem))
+  if (!FloatKindOf(out->element_type(), &d.elem) || !RowDtype(out->element_type(), &d))
     return Invalid("out must be float32, bfloat16 or float16");
   if (idx.dimensions().size() != 2) return Invalid("topk_idx must be [tokens, k], got " + Dims(idx.dimensions()));
   d.S = static_cast<int>(idx.dimensions()[0]);

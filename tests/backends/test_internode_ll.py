@@ -1,0 +1,284 @@
+"""The low-latency mode (jax_ep.low_latency) on the internode (NVSHMEM) backend, without
+a GPU: programs are lowered for CUDA and their HLO checked for the two custom calls per op
+(send and receive halves) with their attributes; argument errors; the area's size mirror
+against the compiled layout; the bootstrap allocating the area. No kernel runs here (the
+protocol is simulated in tests/sim/test_low_latency_sim.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+from jax_ep import _ext, low_latency as ll, nvshmem_bootstrap, ops
+from jax_ep.backends import internode
+from jax_ep.network.transport import TransportConfig
+
+from conftest import ep_mesh
+from test_internode import _calls, _tensor_shapes
+
+R, M, T, H, K, E = 8, 6, 5, 16, 3, 16
+EL = E // R
+RANK = 5
+LIMITS = dict(max_tokens_per_rank=M, hidden=H, topk=K, num_experts=E, row_bytes=4 * H,
+              area_bytes=0)
+
+
+def _state(monkeypatch, low_latency=LIMITS, rank=RANK, world=R):
+    st = nvshmem_bootstrap.BootstrapState(
+        rank=rank, world=world, heap_bytes=1 << 30,
+        config=TransportConfig(num_ports=2, qps_per_port=2, chunk_bytes=65536), env={},
+        low_latency=None if low_latency is None else dict(low_latency))
+    monkeypatch.setattr(nvshmem_bootstrap, "_state", st)
+    return st
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """NVSHMEM 'running' as PE RANK of R with the low-latency area, every op on the
+    internode backend."""
+    _state(monkeypatch)
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend: "internode")
+    monkeypatch.setattr(ll, "resolve_backend", lambda backend: "internode")
+    return monkeypatch
+
+
+def _inputs(seed=0, dtype=jnp.float32, t=T):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((R * t, H)), dtype)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(R * t)]).astype(np.int32)
+    idx[::4, 1] = -1
+    w = jnp.asarray(rng.random((R * t, K)), jnp.float32)
+    return x, jnp.asarray(idx), w
+
+
+def _lower(f, *args, n_out=1):
+    mesh = ep_mesh(R)
+    spec = jax.sharding.PartitionSpec("ep")
+    out_specs = spec if n_out == 1 else (spec,) * n_out
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=out_specs))
+    return g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+BASE = dict(num_experts=E, num_ranks=R, rank=RANK, max_tokens=M, num_ports=2, qps_per_port=2)
+
+
+def _attrs(c):
+    return {k: c[k] for k in BASE}
+
+
+def test_dispatch_and_combine_lower_to_two_internode_calls_each(forced):
+    def f(x, idx, w):
+        recv_x, count, h = ll.dispatch(x, idx, num_experts=E, axis_name="ep",
+                                       max_tokens_per_rank=M)
+        return ll.combine(recv_x * 2, idx, w, h)
+
+    hlo = _lower(f, *_inputs())
+    for name in ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"):
+        assert f"@jax_ep_ll_{name}(" not in hlo  # not the CPU/intranode targets
+    (ds,) = _calls(hlo, "jax_ep_internode_ll_dispatch_send")
+    (dr,) = _calls(hlo, "jax_ep_internode_ll_dispatch_recv")
+    (cs,) = _calls(hlo, "jax_ep_internode_ll_combine_send")
+    (cr,) = _calls(hlo, "jax_ep_internode_ll_combine_recv")
+    for c in (ds, dr, cs, cr):
+        assert _attrs(c) == BASE
+    sites = [c["call_site"] for c in (ds, dr, cs, cr)]
+    assert len(set(sites)) == 4
+    # staged to M rows (padded), the token, the receive blocks, the combine rows
+    assert _tensor_shapes(ds["_operands"]) == [(M, H), (M, K)]
+    assert _tensor_shapes(ds["_results"]) == [(2,)]
+    assert _tensor_shapes(dr["_operands"]) == [(2,)]
+    assert _tensor_shapes(dr["_results"]) == [(EL, R * M, H), (EL,), (EL, R * M), (EL, R * M),
+                                              (EL, R), (EL, R)]
+    assert cs["rows_per_dest"] == M * min(K, EL)
+    assert _tensor_shapes(cs["_operands"]) == [(EL, R * M, H), (EL, R), (EL, R)]
+    assert _tensor_shapes(cr["_operands"]) == [(2,), (M, K), (M, K)]
+    assert _tensor_shapes(cr["_results"]) == [(M, H)]
+    assert "tensor<2xi32>" in dr["_operands"] and "f32" in dr["_results"]
+
+
+def test_receive_half_takes_the_send_token_and_compute_fits_between(forced):
+    def f(x, idx, w):
+        st = ll.dispatch_send(x, idx, num_experts=E, axis_name="ep", max_tokens_per_rank=M)
+        other = jnp.tanh(x @ jnp.ones((H, H), x.dtype))  # independent of the send
+        recv_x, _, h = ll.dispatch_recv(st)
+        return recv_x.sum(axis=(0, 1))[None] + other.sum()
+
+    hlo = _lower(f, *_inputs())
+    lines = hlo.splitlines()
+    send = next(i for i, l in enumerate(lines) if "@jax_ep_internode_ll_dispatch_send(" in l)
+    recv = next(i for i, l in enumerate(lines) if "@jax_ep_internode_ll_dispatch_recv(" in l)
+    result = lines[send].split("=")[0].strip()
+    assert result in lines[recv]
+    dot = next(i for i, l in enumerate(lines) if "stablehlo.dot_general" in l)
+    assert result not in lines[dot]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grad_lowers_to_internode_ll_calls_only(forced, dtype):
+    x, idx, w = _inputs(1, dtype)
+
+    def f(x, idx, w):
+        def loss(x, w):
+            recv_x, _, h = ll.dispatch(x, idx, num_experts=E, axis_name="ep",
+                                       max_tokens_per_rank=M)
+            out = ll.combine(recv_x * 3, idx, w, h)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    hlo = _lower(f, x, idx, w, n_out=2)
+    assert "@jax_ep_ll_" not in hlo
+    sends = _calls(hlo, "jax_ep_internode_ll_dispatch_send")
+    # forward dispatch; the combine's transpose dispatches M * K one-slot tokens
+    assert sorted(_tensor_shapes(c["_operands"])[0] for c in sends) == [(M, H), (M * K, H)]
+    assert len(_calls(hlo, "jax_ep_internode_ll_dispatch_recv")) == 2
+    # forward combine, dispatch's transpose, and the weights' row gather
+    assert len(_calls(hlo, "jax_ep_internode_ll_combine_send")) == 3
+    assert len(_calls(hlo, "jax_ep_internode_ll_combine_recv")) == 3
+
+
+def test_fp8_dispatch_moves_values_and_scales_as_two_calls(forced):
+    x, idx, _ = _inputs(2)
+    x = jnp.concatenate([x] * 8, axis=1)  # H = 128
+
+    def f(x, idx):
+        (q, s), _, _ = ll.dispatch(x, idx, num_experts=E, axis_name="ep",
+                                   max_tokens_per_rank=M, fp8=True)
+        return (q.astype(jnp.float32).sum() + s.sum())[None]
+
+    forced.setattr(nvshmem_bootstrap, "_state", dataclasses.replace(
+        nvshmem_bootstrap.state(), low_latency=dict(LIMITS, hidden=128, row_bytes=128)))
+    hlo = _lower(f, x, idx)
+    sends = _calls(hlo, "jax_ep_internode_ll_dispatch_send")
+    assert len(sends) == 2
+    assert "f8E4M3FN" in sends[0]["_operands"] and _tensor_shapes(sends[1]["_operands"])[0] == (
+        M, 1)
+    recvs = _calls(hlo, "jax_ep_internode_ll_dispatch_recv")
+    assert [_tensor_shapes(r["_results"])[0] for r in recvs] == [(EL, R * M, 128), (EL, R * M, 1)]
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_without_the_area_the_error_names_low_latency(monkeypatch):
+    _state(monkeypatch, low_latency=None)
+    monkeypatch.setattr(ll, "resolve_backend", lambda backend: "internode")
+    with pytest.raises(nvshmem_bootstrap.NvshmemBootstrapError, match="low_latency=dict"):
+        _lower(lambda x, idx: ll.dispatch(x, idx, num_experts=E, axis_name="ep",
+                                          max_tokens_per_rank=M)[0], *_inputs()[:2])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_tokens_per_rank=M + 2), "max_tokens_per_rank=8 is more than"),
+    (dict(num_experts=2 * E), "num_experts=32"),
+])
+def test_calls_beyond_the_area_are_errors(forced, kw, match):
+    args = dict(num_experts=E, axis_name="ep", max_tokens_per_rank=M)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        _lower(lambda x, idx: ll.dispatch(x, idx, **args)[0], *_inputs()[:2])
+
+
+def test_wider_rows_than_the_area_are_errors(forced):
+    forced.setattr(nvshmem_bootstrap, "_state", dataclasses.replace(
+        nvshmem_bootstrap.state(), low_latency=dict(LIMITS, row_bytes=2 * H)))
+    with pytest.raises(ValueError, match="do not fit"):
+        _lower(lambda x, idx: ll.dispatch(x, idx, num_experts=E, axis_name="ep",
+                                          max_tokens_per_rank=M)[0], *_inputs()[:2])
+
+
+def test_ep_axis_must_span_every_pe(monkeypatch):
+    _state(monkeypatch, world=2 * R)
+    monkeypatch.setattr(ll, "resolve_backend", lambda backend: "internode")
+    with pytest.raises(internode.InternodeRankError, match="every NVSHMEM PE"):
+        _lower(lambda x, idx: ll.dispatch(x, idx, num_experts=E, axis_name="ep",
+                                          max_tokens_per_rank=M)[0], *_inputs()[:2])
+
+
+def test_contract_checks_still_come_first(forced):
+    x, idx, _ = _inputs(t=M + 1)
+    with pytest.raises(ValueError, match="T > M"):
+        _lower(lambda x, idx: ll.dispatch(x, idx, num_experts=E, axis_name="ep",
+                                          max_tokens_per_rank=M)[0], x, idx)
+
+
+# ----------------------------------------------------------------------------- the area
+
+@pytest.mark.parametrize("R_,M_,E_,H_,K_,itemsize", [
+    (2, 4, 4, 16, 2, 2), (8, 128, 256, 7168, 8, 2), (3, 9, 6, 33, 4, 4), (16, 64, 16, 1, 16, 1)])
+def test_area_size_mirror_equals_the_compiled_layout(R_, M_, E_, H_, K_, itemsize):
+    from jax_ep.runtime import nvshmem as rt
+    got = rt.ll_area_bytes_for(num_ranks=R_, max_tokens_per_rank=M_, hidden=H_, topk=K_,
+                               num_experts=E_, dtype=itemsize)
+    lay = _ext.require_ext().ll_area_layout(R_, M_, H_ * itemsize, K_, E_)
+    assert got == lay["total"]
+    m = rt._ll_area(R_, M_, H_ * itemsize, K_, E_)
+    for key in ("dsig", "hsig", "credit", "hdr", "hstage", "bad", "pos", "counts", "offsets",
+                "dstage", "drecv", "cstage", "crecv", "total", "rows_per_dest"):
+        assert m[key] == lay[key], key
+
+
+def test_area_does_not_depend_on_tokens_and_has_the_expected_big_terms():
+    a = nvshmem_bootstrap.ll_area_bytes_for(num_ranks=32, max_tokens_per_rank=128, hidden=7168,
+                                            topk=8, num_experts=256)
+    row = 7168 * 2
+    recv = 2 * 256 * 128 * (row + 16)               # two buffers of E * M dispatch rows
+    back = 3 * 32 * 128 * min(8, 8) * row           # staging + two buffers of R * M * min(K, E_local)
+    stage = 128 * 8 * (row + 16)                    # M * K staged tokens
+    assert recv + back + stage < a < recv + back + stage + 2**20
+
+
+class _FakeRuntime:
+    def __init__(self):
+        self.calls = []
+
+    def unique_id(self):
+        return bytes(128)
+
+    def init(self, *a):
+        self.calls.append(("init",) + a)
+
+    def ll_init(self, *a):
+        self.calls.append(("ll_init",) + a)
+
+    def qp_api_available(self):
+        return True
+
+    def init_status(self):
+        return 0
+
+    def finalize(self):
+        self.calls.append(("finalize",))
+
+
+class _FakeClient:
+    def key_value_set_bytes(self, k, v):
+        pass
+
+    def wait_at_barrier(self, k, t):
+        pass
+
+
+def test_bootstrap_allocates_the_area_and_sizes_the_symmetric_heap(monkeypatch):
+    from jax_ep.runtime import nvshmem as rt
+    monkeypatch.setattr(rt, "_state", None)
+    monkeypatch.setattr(rt, "_check_one_process_per_gpu", lambda: None)
+    fake = _FakeRuntime()
+    env = {}
+    lim = dict(max_tokens_per_rank=64, hidden=512, topk=4, num_experts=16)
+    st = rt.initialize(heap_bytes=64 << 20, num_ranks=1, runtime=fake, client=_FakeClient(),
+                       environ=env, low_latency=lim)
+    area = rt.ll_area_bytes_for(num_ranks=1, **lim)
+    assert [c[0] for c in fake.calls] == ["init", "ll_init"]
+    assert fake.calls[0][4] == 64 << 20            # the heap halves keep their size
+    assert fake.calls[1][1:] == (1, 64, 512 * 2, 4, 16)
+    assert int(env["NVSHMEM_SYMMETRIC_SIZE"]) == (64 << 20) + -(-area // (2 << 20)) * (2 << 20)
+    assert st.low_latency["area_bytes"] == area and st.low_latency["row_bytes"] == 1024
+    with pytest.raises(rt.NvshmemBootstrapError, match="low-latency area"):
+        rt.initialize(heap_bytes=1 << 20, num_ranks=1, runtime=fake, client=_FakeClient(),
+                      environ=env, low_latency=dict(lim, max_tokens_per_rank=65))
+    with pytest.raises(ValueError, match="missing"):
+        rt._ll_limits(dict(hidden=1), 1)
+    monkeypatch.setattr(rt, "_state", None)
