@@ -170,8 +170,9 @@ def ll_area_bytes_for(*, num_ranks: int, max_tokens_per_rank: int, hidden: int, 
     allocation per PE, beside the heap halves; independent of the calls' T):
     2 buffers of E_local * R * M dispatch rows and of R * M * min(K, E_local) combine rows,
     M * K staged rows, R * M * min(K, E_local) combine staging rows, signal words and
-    headers. `dtype` is the widest row dtype the calls use (float32 for the FP8 scales'
-    rows is never wider than H bytes... pass the token dtype)."""
+    headers. `dtype` is the dtype of the rows the calls move (the tokens' dtype; the
+    FP8 dispatch's rows, H bytes of values and H / 32 bytes of scales, fit in those of a
+    16-bit dtype)."""
     R, M, H, K, E = map(int, (num_ranks, max_tokens_per_rank, hidden, topk, num_experts))
     for name, v in (("num_ranks", R), ("max_tokens_per_rank", M), ("hidden", H),
                     ("topk", K), ("num_experts", E)):

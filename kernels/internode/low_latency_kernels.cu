@@ -404,6 +404,18 @@ __global__ void CombineRecvPlan(G g, const int32_t* idx) {
   }
 }
 
+// A header's counts index inside the blocks: each in [0, M], summing to its rows (at
+// most the area's rows per source for combine).
+__device__ bool CountsFit(const G& g, const llwire::Header* h) {
+  const int32_t* c = reinterpret_cast<const int32_t*>(h + 1);
+  int64_t sum = 0;
+  for (int e = 0; e < g.el; ++e) {
+    if (c[e] < 0 || c[e] > g.M) return false;
+    sum += c[e];
+  }
+  return sum == h->rows && (g.op == kD || h->rows <= g.A.rpd);
+}
+
 // One block: every writer's header (== epoch, and the hash this rank's own send of the
 // epoch computed, which its token carries; no error), then every (writer, QP) data word
 // holds the rows the header implies on that QP, and no more. Combine also checks the
@@ -428,6 +440,10 @@ __global__ void RecvWait(G g, const int32_t* token) {
       ok = 0;
     } else if (h->error != 0) {
       if (w != g.rank) Record(g, wire::kErrPeerFailed, w, llwire::kKindHeader, 0, 0, 1);
+      ok = 0;
+    } else if (!CountsFit(g, h)) {
+      // counts that would index past a slot block: never read them
+      Record(g, wire::kErrMismatch, w, llwire::kKindRows, 0, 0, static_cast<uint64_t>(h->rows));
       ok = 0;
     } else if (g.op == kC) {
       const int32_t* counts = Local(g, g.A.counts);

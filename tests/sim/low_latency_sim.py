@@ -363,6 +363,10 @@ class Sim:
                 if w != r:
                     self.record(r, code="peer_failed", peer=w)
                 return None
+            cnt = np.asarray(hd["counts"])
+            if np.any(cnt < 0) or np.any(cnt > self.M) or int(cnt.sum()) != hd["rows"]:
+                self.record(r, code="bad_counts", peer=w)  # CountsFit in the kernels
+                return None
             if check_rows is not None and check_rows[w] != hd["rows"]:
                 self.record(r, code="rows_mismatch", peer=w, expected=int(check_rows[w]),
                             seen=hd["rows"])
