@@ -113,23 +113,26 @@ def _align(v: int, a: int = _ALIGN) -> int:
 def low_latency_layout(num_ranks: int, max_tokens_per_rank: int, row_bytes: int, topk: int,
                        num_experts: int) -> dict:
     """Offsets and size in bytes of the low-latency area for these shapes (the formulas of
-    LowLatencyLayout in kernels/cuda/low_latency_kernels.h): header, slots
-    [E_local][R][M] rows, their source tokens, counts [E_local][R], two position scratches
-    [M * K], expert offsets [E], combine stage [R][M * min(K, E_local)] rows."""
+    LowLatencyLayout in kernels/cuda/low_latency_kernels.h): header, then two halves each
+    of slots [E_local][R][M] rows, their source tokens and counts [E_local][R], two
+    position scratches [M * K], expert offsets [E], and two halves of the combine stage
+    [R][M * min(K, E_local)] rows. Offsets are of half 0; *_half is the size of one half."""
     R, M, K, E = int(num_ranks), int(max_tokens_per_rank), int(topk), int(num_experts)
     el = E // R
     stride = _align(int(row_bytes), 16)
     rows_per_dest = M * min(K, el)
     n_slots = el * R * M
     lay = {"header": _LL_HEADER_BYTES, "stride": stride, "rows_per_dest": rows_per_dest,
-           "slots": _LL_HEADER_BYTES}
-    lay["slot_tok"] = lay["slots"] + _align(n_slots * stride)
-    lay["counts"] = lay["slot_tok"] + _align(n_slots * 4)
-    lay["pos"] = lay["counts"] + _align(el * R * 4)
+           "slots_half": _align(n_slots * stride), "tok_half": _align(n_slots * 4),
+           "counts_half": _align(el * R * 4),
+           "cstage_half": _align(R * rows_per_dest * stride), "slots": _LL_HEADER_BYTES}
+    lay["slot_tok"] = lay["slots"] + 2 * lay["slots_half"]
+    lay["counts"] = lay["slot_tok"] + 2 * lay["tok_half"]
+    lay["pos"] = lay["counts"] + 2 * lay["counts_half"]
     lay["pos_combine"] = lay["pos"] + _align(M * K * 4)
     lay["offsets"] = lay["pos_combine"] + _align(M * K * 4)
     lay["cstage"] = lay["offsets"] + _align(E * 4)
-    lay["bytes"] = lay["cstage"] + _align(R * rows_per_dest * stride)
+    lay["bytes"] = lay["cstage"] + 2 * lay["cstage_half"]
     return lay
 
 

@@ -60,6 +60,19 @@ JEP_HD int64_t ll_stage_row(const int32_t* per_expert, int stride, int e, int64_
   return off + p;
 }
 
+// Epoch n of an op kind uses data half n % 2 (two send halves may be in flight).
+JEP_HD int ll_half(uint64_t n) { return static_cast<int>(n & 1u); }
+
+// A send half hands its epoch to the receive half as 31 bits in an int32 XLA buffer; the
+// receive half recovers the full epoch from its own send counter `seq` (the latest epoch
+// sent, never more than a few ahead of the one received).
+constexpr uint32_t kLLEpochMask = 0x7fffffffu;
+JEP_HD int32_t ll_epoch_low(uint64_t n) { return static_cast<int32_t>(n & kLLEpochMask); }
+JEP_HD uint64_t ll_epoch_from_low(uint64_t seq, int32_t low) {
+  const uint32_t back = (static_cast<uint32_t>(seq) - static_cast<uint32_t>(low)) & kLLEpochMask;
+  return seq - back;
+}
+
 // 64-bit tag of one low-latency call: a rank writes it before each arrival signal and the
 // receiver compares it with its own, so calls with other shapes (or another call site)
 // never mix. Never 0 (an empty word) nor -1 (kSiteFailed).

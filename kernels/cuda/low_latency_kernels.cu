@@ -95,15 +95,22 @@ __device__ bool ll_arrivals(const LowLatencyArgs& a, const uint64_t* arrive, con
   return out;
 }
 
-// Block-wide: waits credit[p] >= n - 1 from every peer p (it finished reading our previous
-// epoch's writes into its buffer).
+// Block-wide: waits credit[p] >= n - 2 from every peer p (it finished reading the last
+// epoch that used this half of its buffer, so epoch n may overwrite it).
 __device__ void ll_credits(const LowLatencyArgs& a, const uint64_t* credit, uint64_t n, int op) {
-  for (int p = threadIdx.x; p < a.L.R; p += blockDim.x) ll_wait(a, &credit[p], n - 1, p, op);
+  if (n > 2)
+    for (int p = threadIdx.x; p < a.L.R; p += blockDim.x) ll_wait(a, &credit[p], n - 2, p, op);
   __syncthreads();
 }
 
-// Last block of a kernel (counter `done`, reset by the op's plan kernel): after every
-// block's memory work, `signal` runs once. Thread 0 of each block calls it.
+// The epoch a receive half works on: the one its send half handed over, or (harness) the
+// last one sent.
+__device__ __forceinline__ uint64_t ll_recv_epoch(const LowLatencyArgs& a, uint64_t seq) {
+  return a.epoch_in == nullptr ? seq : ll_epoch_from_low(seq, *a.epoch_in);
+}
+
+// Last block of a kernel: after every block's memory work, `signal` runs once, and the
+// counter `done` is zero again for the next launch. Thread 0 of each block calls it.
 template <typename F>
 __device__ void ll_last_block(uint32_t* done, F signal) {
   __syncthreads();
@@ -112,6 +119,7 @@ __device__ void ll_last_block(uint32_t* done, F signal) {
     if (atomicAdd(done, 1u) == gridDim.x - 1) {
       peer::fence_data();
       signal();
+      *done = 0;
     }
   }
 }
@@ -132,11 +140,11 @@ __global__ void ll_dispatch_plan(LowLatencyArgs a) {
     any_bad = 0;
     epoch = h->seq_dispatch + 1;
     h->seq_dispatch = epoch;
-    h->done_dispatch = 0;
-    h->done_dispatch_recv = 0;
-    h->my_tag_dispatch = a.tag;
+    h->my_tag_dispatch[ll_half(epoch)] = a.tag;
+    if (a.epoch_out != nullptr) *a.epoch_out = ll_epoch_low(epoch);
   }
   __syncthreads();
+  const int half = ll_half(epoch);
   for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
     const int32_t g = a.topk_idx[i];
     bool bad = g < -1 || g >= E;
@@ -149,7 +157,7 @@ __global__ void ll_dispatch_plan(LowLatencyArgs a) {
     pos[i] = -1;
   }
   __syncthreads();
-  ll_credits(a, h->credit_dispatch, epoch, kOpLLDispatchCredit);
+  ll_credits(a, h->credit_dispatch[half], epoch, kOpLLDispatchCredit);
   const bool skip = ll_failed();
   for (int g = threadIdx.x; g < E; g += blockDim.x) {
     int c = 0;
@@ -165,7 +173,8 @@ __global__ void ll_dispatch_plan(LowLatencyArgs a) {
     if (a.expert_count != nullptr) a.expert_count[g] = any_bad ? 0 : c;
     if (skip) continue;
     const int r = g / el, e = g % el;
-    int32_t* counts = reinterpret_cast<int32_t*>(ll_at(a, r, a.L.counts_off));
+    int32_t* counts =
+        reinterpret_cast<int32_t*>(ll_at(a, r, a.L.counts_off + half * a.L.counts_half));
     counts[e * R + a.me] = c < a.M ? c : a.M;
   }
 }
@@ -178,6 +187,11 @@ __global__ void ll_dispatch_push(LowLatencyArgs a) {
   const int32_t* pos = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.pos_off));
   const int lane = threadIdx.x % 32;
   const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
+  LowLatencyHeader* h = ll_header(a, a.me);
+  const uint64_t n = h->seq_dispatch;  // set by this epoch's plan kernel
+  const int half = ll_half(n);
+  const size_t slots_off = a.L.slots_off + half * a.L.slots_half;
+  const size_t tok_off = a.L.tok_off + half * a.L.tok_half;
   const bool skip = ll_failed();
   for (int i = warp; i < n_slots && !skip; i += gridDim.x * kWarps) {
     const int p = pos[i];
@@ -185,19 +199,17 @@ __global__ void ll_dispatch_push(LowLatencyArgs a) {
     const int32_t g = a.topk_idx[i];
     const int r = g / el, e = g % el;
     const int64_t slot = ll_slot(e, a.me, p, R, a.L.M);
-    warp_copy_row<true>(ll_at(a, r, a.L.slots_off + slot * a.L.stride),
+    warp_copy_row<true>(ll_at(a, r, slots_off + slot * a.L.stride),
                         static_cast<const char*>(a.x) + static_cast<size_t>(i / a.K) * a.row_bytes,
                         a.row_bytes, lane);
-    if (lane == 0) reinterpret_cast<int32_t*>(ll_at(a, r, a.L.tok_off))[slot] = i / a.K;
+    if (lane == 0) reinterpret_cast<int32_t*>(ll_at(a, r, tok_off))[slot] = i / a.K;
   }
-  LowLatencyHeader* h = ll_header(a, a.me);
   ll_last_block(&h->done_dispatch, [&] {
-    const uint64_t n = h->seq_dispatch;
     const int64_t tag = ll_failed() ? kSiteFailed : a.tag;
     for (int r = 0; r < R; ++r) {
       LowLatencyHeader* o = ll_header(a, r);
-      store_volatile(&o->tag_dispatch[a.me], tag);
-      peer::signal(&o->arrive_dispatch[a.me], n);
+      store_volatile(&o->tag_dispatch[half][a.me], tag);
+      peer::signal(&o->arrive_dispatch[half][a.me], n);
     }
   });
 }
@@ -205,14 +217,18 @@ __global__ void ll_dispatch_push(LowLatencyArgs a) {
 // Owner: a warp per output row (e, i) of the [E_local, R * M] blocks; then credits.
 __global__ void ll_dispatch_recv(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
-  const uint64_t n = h->seq_dispatch;
+  const uint64_t n = ll_recv_epoch(a, h->seq_dispatch);
+  const int half = ll_half(n);
   ll_check_rank(a);
-  const bool skip = ll_arrivals(a, h->arrive_dispatch, h->tag_dispatch, n,
-                                h->my_tag_dispatch, kOpLLDispatch);
+  const bool skip = ll_arrivals(a, h->arrive_dispatch[half], h->tag_dispatch[half], n,
+                                h->my_tag_dispatch[half], kOpLLDispatch);
   const int el = a.L.experts_per_rank(), R = a.L.R;
   const int64_t RM = static_cast<int64_t>(R) * a.M;
-  const int32_t* counts = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.counts_off));
-  const int32_t* tok = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.tok_off));
+  const int32_t* counts = reinterpret_cast<const int32_t*>(
+      ll_at(a, a.me, a.L.counts_off + half * a.L.counts_half));
+  const int32_t* tok =
+      reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.tok_off + half * a.L.tok_half));
+  const size_t slots_off = a.L.slots_off + half * a.L.slots_half;
   auto count = [&](int e, int s) {
     const int32_t c = skip ? 0 : peer::load_cg_s32(&counts[e * R + s]);
     return c < 0 ? 0 : (c > a.M ? a.M : c);
@@ -248,15 +264,14 @@ __global__ void ll_dispatch_recv(LowLatencyArgs a) {
       continue;
     }
     const int64_t slot = ll_slot(e, s, static_cast<int>(i - first), R, a.L.M);
-    warp_copy_row<false>(dst, ll_at(a, a.me, a.L.slots_off + slot * a.L.stride), a.row_bytes,
-                         lane);
+    warp_copy_row<false>(dst, ll_at(a, a.me, slots_off + slot * a.L.stride), a.row_bytes, lane);
     if (lane == 0) {
       a.src_rank[w] = s;
       a.src_index[w] = peer::load_cg_s32(&tok[slot]);
     }
   }
   ll_last_block(&h->done_dispatch_recv, [&] {
-    for (int s = 0; s < R; ++s) peer::signal(&ll_header(a, s)->credit_dispatch[a.me], n);
+    for (int s = 0; s < R; ++s) peer::signal(&ll_header(a, s)->credit_dispatch[half][a.me], n);
   });
 }
 
@@ -269,12 +284,11 @@ __global__ void ll_combine_plan(LowLatencyArgs a) {
   if (threadIdx.x == 0) {
     epoch = h->seq_combine + 1;
     h->seq_combine = epoch;
-    h->done_combine = 0;
-    h->done_combine_recv = 0;
-    h->my_tag_combine = a.tag;
+    h->my_tag_combine[ll_half(epoch)] = a.tag;
+    if (a.epoch_out != nullptr) *a.epoch_out = ll_epoch_low(epoch);
   }
   __syncthreads();
-  ll_credits(a, h->credit_combine, epoch, kOpLLCombineCredit);
+  ll_credits(a, h->credit_combine[ll_half(epoch)], epoch, kOpLLCombineCredit);
 }
 
 // Owner: a warp per row (e, i) of y; rows of source d go to d's cstage[me], expert after
@@ -284,6 +298,10 @@ __global__ void ll_combine_push(LowLatencyArgs a) {
   const int64_t RM = static_cast<int64_t>(R) * a.M;
   const int lane = threadIdx.x % 32;
   const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
+  LowLatencyHeader* h = ll_header(a, a.me);
+  const uint64_t n = h->seq_combine;  // set by this epoch's plan kernel
+  const int half = ll_half(n);
+  const size_t cstage_off = a.L.cstage_off + half * a.L.cstage_half;
   const bool skip = ll_failed();
   for (int64_t w = warp; w < el * RM && !skip; w += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int e = static_cast<int>(w / RM);
@@ -304,19 +322,17 @@ __global__ void ll_combine_push(LowLatencyArgs a) {
       if (lane == 0) ll_report(a, kErrBadHandle, e, d, static_cast<int32_t>(off), 1);
       continue;
     }
-    const size_t at = a.L.cstage_off +
-                      (static_cast<size_t>(a.me) * a.L.rows_per_dest + off) * a.L.stride;
+    const size_t at =
+        cstage_off + (static_cast<size_t>(a.me) * a.L.rows_per_dest + off) * a.L.stride;
     warp_copy_row<true>(ll_at(a, d, at), static_cast<const char*>(a.y) + w * a.row_bytes,
                         a.row_bytes, lane);
   }
-  LowLatencyHeader* h = ll_header(a, a.me);
   ll_last_block(&h->done_combine, [&] {
-    const uint64_t n = h->seq_combine;
     const int64_t tag = ll_failed() ? kSiteFailed : a.tag;
     for (int d = 0; d < R; ++d) {
       LowLatencyHeader* o = ll_header(a, d);
-      store_volatile(&o->tag_combine[a.me], tag);
-      peer::signal(&o->arrive_combine[a.me], n);
+      store_volatile(&o->tag_combine[half][a.me], tag);
+      peer::signal(&o->arrive_combine[half][a.me], n);
     }
   });
 }
@@ -350,10 +366,12 @@ __global__ void ll_combine_recv_plan(LowLatencyArgs a) {
 // credits every owner.
 __global__ void ll_combine_recv(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
-  const uint64_t n = h->seq_combine;
+  const uint64_t n = ll_recv_epoch(a, h->seq_combine);
+  const int half = ll_half(n);
   ll_check_rank(a);
-  const bool skip = ll_arrivals(a, h->arrive_combine, h->tag_combine, n, h->my_tag_combine,
-                                kOpLLCombine);
+  const bool skip = ll_arrivals(a, h->arrive_combine[half], h->tag_combine[half], n,
+                                h->my_tag_combine[half], kOpLLCombine);
+  const size_t cstage_off = a.L.cstage_off + half * a.L.cstage_half;
   const int el = a.L.experts_per_rank();
   const int32_t* pos = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.pos_c_off));
   const int32_t* offsets = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.offsets_off));
@@ -369,9 +387,9 @@ __global__ void ll_combine_recv(LowLatencyArgs a) {
         const int p = pos[i];
         if (g < 0 || p < 0) continue;
         const int64_t row = offsets[g] + p;
-        const char* src = ll_at(a, a.me, a.L.cstage_off +
-                                             (static_cast<size_t>(g / el) * a.L.rows_per_dest +
-                                              row) * a.L.stride);
+        const char* src = ll_at(
+            a, a.me,
+            cstage_off + (static_cast<size_t>(g / el) * a.L.rows_per_dest + row) * a.L.stride);
         float v;
         switch (a.kind) {
           case FloatKind::kF32: v = peer::load_cg_f32(reinterpret_cast<const float*>(src) + x); break;
@@ -385,7 +403,8 @@ __global__ void ll_combine_recv(LowLatencyArgs a) {
     }
   }
   ll_last_block(&h->done_combine_recv, [&] {
-    for (int r = 0; r < a.L.R; ++r) peer::signal(&ll_header(a, r)->credit_combine[a.me], n);
+    for (int r = 0; r < a.L.R; ++r)
+      peer::signal(&ll_header(a, r)->credit_combine[half][a.me], n);
   });
 }
 

@@ -4,36 +4,41 @@
 // One rank's buffer (LowLatencyLayout): the low-latency area of its intranode buffer on
 // real ranks (jax_ep.cuda.setup(..., max_tokens_per_rank=M, num_experts=E), sized once,
 // M and the row size being the largest a call may use), or one harness allocation per
-// virtual rank:
-//   header   epochs, last-block counters, and per peer: arrival flags and call tags
-//            (written by sources / owners before their data signal) and credits
-//            (written by owners / sources when they finished reading)
-//   slots    [E_local][R][M] rows: source s's rows for local expert e, in token order
-//   slot_tok [E_local][R][M] int32: their source tokens
-//   counts   [E_local][R] int32: rows source s sent for local expert e
+// virtual rank. Data regions come in two halves; epoch n of an op kind uses half n % 2,
+// so two send halves of one kind may be in flight at once (the FP8 dispatch's values and
+// scales):
+//   header   epochs, last-block counters, and per half and peer: arrival flags and call
+//            tags (written by sources / owners before their data signal) and credits
+//            (written by owners / sources when they finished reading that half)
+//   slots    [2][E_local][R][M] rows: source s's rows for local expert e, in token order
+//   slot_tok [2][E_local][R][M] int32: their source tokens
+//   counts   [2][E_local][R] int32: rows source s sent for local expert e
 //   pos      [M * K] int32 scratch: each (token, slot)'s row among this rank's tokens
 //            that pick the same expert (-1: none or past M); pos_c the same for combine
 //   offsets  [E] int32 scratch: where expert g's rows start in its owner's combine stage
-//   cstage   [R][rows_per_dest] rows: combine rows returned by each expert owner
+//   cstage   [2][R][rows_per_dest] rows: combine rows returned by each expert owner
 // Index math shared with the host simulator: kernels/common/low_latency_math.h.
 //
-// Protocol, epochs n = 1, 2, ... per op kind, the same on every rank:
-//   dispatch  plan (source s): n = ++seq, own tag; positions; waits credit_d[r] >= n - 1
-//             from every owner r (r finished reading epoch n - 1, so no slot of r is
-//             overwritten unread); counts into each owner.
+// Protocol, epochs n = 1, 2, ... per op kind, the same on every rank; h = n % 2:
+//   dispatch  plan (source s): n = ++seq, own tag for h; positions; waits
+//             credit_d[h][r] >= n - 2 from every owner r (r finished reading the last
+//             epoch that used half h, so no slot is overwritten unread); counts into each
+//             owner's half h; hands n to the receive half (in its staging output).
 //             push: each (token, slot) row into its owner's slot; the last block writes
-//             tag_d[s] then arrive_d[s] = n (release, after a system fence) on every owner.
-//             recv (owner r): waits arrive_d[s] >= n for all s (bounded), requires == n
-//             and every tag equal to its own, packs the slots into the XLA outputs (rows
-//             of source s at first_row[e, s], zero past the count); the last block then
-//             writes credit_d[r] = n on every source.
-//   combine   send (owner r): n = ++seq, own tag; waits credit_c[d] >= n - 1 from every
-//             source d (d finished reading epoch n - 1 of its stage); each row of y into
-//             its source's cstage[r]; the last block writes tag_c[r] then arrive_c[r] = n
-//             on every source.
-//             recv (source s): positions of its own routing, waits arrive_c[r] >= n for
+//             tag_d[h][s] then arrive_d[h][s] = n (release, after a system fence) on every
+//             owner.
+//             recv (owner r, epoch n from its send half): waits arrive_d[h][s] >= n for all
+//             s (bounded), requires == n and every tag equal to its own, packs the slots
+//             into the XLA outputs (rows of source s at first_row[e, s], zero past the
+//             count); the last block then writes credit_d[h][r] = n on every source.
+//   combine   send (owner r): n = ++seq, own tag; waits credit_c[h][d] >= n - 2 from
+//             every source d; each row of y into its source's cstage[h][r]; the last block
+//             writes tag_c[h][r] then arrive_c[h][r] = n on every source.
+//             recv (source s): positions of its own routing, waits arrive_c[h][r] >= n for
 //             all r with the same checks, sums each token's rows k ascending (float32,
 //             rounded product, then add), casts; the last block credits every owner.
+// A third send half of one kind before the first's receive half would wait for a credit
+// that only that receive half gives: it times out with an error instead of overwriting.
 // Errors go to a sticky device record (g_ll_error, mirrored to the host). After a
 // protocol error (timeout, tag or epoch mismatch, a peer's failure, rank mismatch) the
 // kernels keep the epochs, credits and signals going but move no data and send
@@ -55,20 +60,20 @@
 namespace jax_ep {
 
 struct alignas(128) LowLatencyHeader {
-  uint64_t seq_dispatch;
+  uint64_t seq_dispatch;       // this rank's last epoch per op kind (send halves)
   uint64_t seq_combine;
-  uint32_t done_dispatch;      // last-block counters: dispatch push, dispatch recv,
-  uint32_t done_dispatch_recv; // combine push, combine recv
-  uint32_t done_combine;
+  uint32_t done_dispatch;      // last-block counters (dispatch push, dispatch recv,
+  uint32_t done_dispatch_recv; // combine push, combine recv); the last block re-zeroes
+  uint32_t done_combine;       // its counter for the next launch
   uint32_t done_combine_recv;
-  int64_t my_tag_dispatch;     // this rank's tag of its current call per op kind
-  int64_t my_tag_combine;
-  uint64_t arrive_dispatch[kMaxRanks];  // written by source s: epoch n's rows are here
-  uint64_t arrive_combine[kMaxRanks];   // written by owner r: epoch n's stage rows are here
-  uint64_t credit_dispatch[kMaxRanks];  // written by owner r: it read epoch n's slots
-  uint64_t credit_combine[kMaxRanks];   // written by source d: it read epoch n's stage
-  int64_t tag_dispatch[kMaxRanks];      // written by source s before arrive_dispatch[s]
-  int64_t tag_combine[kMaxRanks];       // written by owner r before arrive_combine[r]
+  int64_t my_tag_dispatch[2];  // this rank's tag of the epoch in each half
+  int64_t my_tag_combine[2];
+  uint64_t arrive_dispatch[2][kMaxRanks];  // by source s: epoch n's rows are in half n % 2
+  uint64_t arrive_combine[2][kMaxRanks];   // by owner r: epoch n's stage rows are there
+  uint64_t credit_dispatch[2][kMaxRanks];  // by owner r: it read epoch n's slots
+  uint64_t credit_combine[2][kMaxRanks];   // by source d: it read epoch n's stage
+  int64_t tag_dispatch[2][kMaxRanks];      // by source s before arrive_dispatch[h][s]
+  int64_t tag_combine[2][kMaxRanks];       // by owner r before arrive_combine[h][r]
 };
 // Fixed, so the host sizes the area without the struct (jax_ep.cuda.buffer_bytes).
 constexpr size_t kLowLatencyHeaderBytes = 4096;
@@ -82,7 +87,9 @@ struct LowLatencyLayout {
   int R, E, M, K;
   size_t row_bytes, stride;
   int64_t rows_per_dest;
+  // Offsets of half 0; half 1 of a region starts *_half bytes later.
   size_t slots_off, tok_off, counts_off, pos_off, pos_c_off, offsets_off, cstage_off, bytes;
+  size_t slots_half, tok_half, counts_half, cstage_half;
 
   JEP_HDX int experts_per_rank() const { return E / R; }
   JEP_HDX static LowLatencyLayout Make(int R, int M, size_t row_bytes, int K, int E) {
@@ -96,15 +103,18 @@ struct LowLatencyLayout {
     const size_t el = static_cast<size_t>(E / R);
     l.rows_per_dest = ll_rows_per_dest(M, K, E / R);
     const size_t slots = el * R * M;
+    l.slots_half = AlignUp(slots * l.stride, kAreaAlign);
+    l.tok_half = AlignUp(slots * 4, kAreaAlign);
+    l.counts_half = AlignUp(el * R * 4, kAreaAlign);
+    l.cstage_half = AlignUp(static_cast<size_t>(R) * l.rows_per_dest * l.stride, kAreaAlign);
     l.slots_off = kLowLatencyHeaderBytes;
-    l.tok_off = l.slots_off + AlignUp(slots * l.stride, kAreaAlign);
-    l.counts_off = l.tok_off + AlignUp(slots * 4, kAreaAlign);
-    l.pos_off = l.counts_off + AlignUp(el * R * 4, kAreaAlign);
+    l.tok_off = l.slots_off + 2 * l.slots_half;
+    l.counts_off = l.tok_off + 2 * l.tok_half;
+    l.pos_off = l.counts_off + 2 * l.counts_half;
     l.pos_c_off = l.pos_off + AlignUp(static_cast<size_t>(M) * K * 4, kAreaAlign);
     l.offsets_off = l.pos_c_off + AlignUp(static_cast<size_t>(M) * K * 4, kAreaAlign);
     l.cstage_off = l.offsets_off + AlignUp(static_cast<size_t>(E) * 4, kAreaAlign);
-    l.bytes = l.cstage_off +
-              AlignUp(static_cast<size_t>(R) * l.rows_per_dest * l.stride, kAreaAlign);
+    l.bytes = l.cstage_off + 2 * l.cstage_half;
     return l;
   }
 };
@@ -126,6 +136,8 @@ struct LowLatencyArgs {
   const int32_t* group_in;  // checked against expect_group / me; null in the harness
   int expect_group;
   int32_t* expert_count;    // dispatch plan: tokens per expert [E] (null: not wanted)
+  int32_t* epoch_out;       // send plan: the epoch handed to the receive half (null: none)
+  const int32_t* epoch_in;  // receive half: that epoch (null: the last one sent, harness)
   // dispatch
   const void* x;
   const int32_t* topk_idx;

@@ -7,15 +7,18 @@ How it corresponds to kernels/cuda/low_latency_kernels.{h,cu} (real-rank path):
 
 | kernels                                        | simulator                               |
 | ---------------------------------------------- | --------------------------------------- |
-| LowLatencyHeader: seq, arrive, credit, tag     | `Buffer.seq/arrive/credit/tag/my_tag`   |
-| slots [E_local][R][M], slot_tok, counts        | `Buffer.slots`, `Buffer.counts`         |
-| cstage [R][rows_per_dest]                      | `Buffer.cstage`                         |
-| ll_dispatch_plan: ++seq, credit wait, counts   | `_dispatch_send` up to the pushes       |
+| LowLatencyHeader: seq, per half h = n % 2:     | `Buffer.seq`, `Buffer.arrive/credit/    |
+|   arrive, credit, tag, my_tag                  |   tag/my_tag[kind][h]`                  |
+| slots [2][E_local][R][M], slot_tok, counts     | `Buffer.slots`, `Buffer.counts`, keyed  |
+| cstage [2][R][rows_per_dest]                   | `Buffer.cstage`    by half first        |
+| ll_dispatch_plan: ++seq, credit >= n - 2 wait, | `_dispatch_send` up to the pushes       |
+|   counts, epoch into the staging output        |   (returns n to the receive half)       |
 | ll_dispatch_push: rows, then tag + arrive      | `_dispatch_send` rows, then the signals |
-| ll_dispatch_recv: arrive wait, tag check,      | `_dispatch_recv`                        |
-|   pack, last block credits every source        |                                         |
-| ll_combine_plan / push / recv_plan / recv      | `_combine_send`, `_combine_recv`        |
-| ll_slot / ll_stage_row (low_latency_math.h)    | `slot_index`, `stage_row` below         |
+| ll_dispatch_recv: arrive wait, == n and tag    | `_dispatch_recv(n)`                     |
+|   checks, pack, last block credits sources     |                                         |
+| ll_combine_plan / push / recv_plan / recv      | `_combine_send`, `_combine_recv(n)`     |
+| ll_slot, ll_stage_row, ll_half,                | `slot_index`, `stage_row`, `half`,      |
+|   ll_epoch_from_low (low_latency_math.h)       |   `epoch_from_low` below                |
 | JAX_EP_TIMEOUT_S, globaltimer                  | `timeout` in scheduler steps            |
 | sticky error record (first error wins)         | `Rank.error`                            |
 
@@ -29,7 +32,13 @@ the area sized at setup. A run where every rank blocks for good raises `Hang`.
 
 Planted mistakes (`plant=`) switch single pieces of the protocol off, so tests can show
 each is caught: "no_dispatch_credit", "no_combine_credit", "credit_before_read",
-"flag_before_data", "stale_epoch", "no_timeout", "no_config_check".
+"flag_before_data", "stale_epoch", "no_timeout", "no_config_check", "single_half" (one
+data half with the double-buffered credit rule n - 2), "latest_epoch" (a receive half
+takes the last epoch sent instead of the one its send half handed over).
+
+Programs are lists of `Call`s (the send half, then the receive half) or of ("send", Call)
+/ ("recv", Call) pairs, so send halves can be in flight together and receive halves can
+come in another order, as in a real program.
 """
 from __future__ import annotations
 
@@ -39,7 +48,9 @@ import random
 import numpy as np
 
 PLANTS = ("no_dispatch_credit", "no_combine_credit", "credit_before_read",
-          "flag_before_data", "stale_epoch", "no_timeout", "no_config_check")
+          "flag_before_data", "stale_epoch", "no_timeout", "no_config_check", "single_half",
+          "latest_epoch")
+EPOCH_MASK = 0x7fffffff
 FAILED = "failed"  # tag a rank with a protocol error sends in place of its own
 
 # Error codes, as kernels/cuda/intranode_buffer.h names them.
@@ -63,6 +74,16 @@ def stage_row(e, p, row_count_col):
     """Row in an owner's stage region for one source: the source's rows of experts before
     e, then p. row_count_col[e2] = rows of that source for local expert e2."""
     return int(sum(row_count_col[:e])) + p
+
+
+def half(n):
+    """Data half epoch n uses."""
+    return n % 2
+
+
+def epoch_from_low(seq, low):
+    """Full epoch from the 31 bits a send half hands over, given the latest epoch sent."""
+    return seq - ((seq - low) & EPOCH_MASK)
 
 
 def positions(idx, E, M):
@@ -112,13 +133,13 @@ class Buffer:
 
     def __init__(self, R):
         self.seq = {"d": 0, "c": 0}
-        self.arrive = {"d": [0] * R, "c": [0] * R}
-        self.credit = {"d": [0] * R, "c": [0] * R}
-        self.tag = {"d": [None] * R, "c": [None] * R}
-        self.my_tag = {"d": None, "c": None}
-        self.slots = {}   # slot -> Cell(value=(row, token))
-        self.counts = {}  # (e, s) -> Cell(value=count)
-        self.cstage = {}  # (r, row) -> Cell(value=row)
+        self.arrive = {k: [[0] * R for _ in range(2)] for k in "dc"}
+        self.credit = {k: [[0] * R for _ in range(2)] for k in "dc"}
+        self.tag = {k: [[None] * R for _ in range(2)] for k in "dc"}
+        self.my_tag = {k: [None, None] for k in "dc"}
+        self.slots = {}   # (half, slot) -> Cell(value=(row, token))
+        self.counts = {}  # (half, e, s) -> Cell(value=count)
+        self.cstage = {}  # (half, r, row) -> Cell(value=row)
 
 
 @dataclasses.dataclass
@@ -157,7 +178,8 @@ class Rank:
     def __init__(self, me, setup):
         self.me = me
         self.error = None  # sticky: (code, details)
-        self.results = []
+        self.results = []  # in the order of the receive halves
+        self.by_call = {}  # id(call) -> its result
 
     def record(self, code, *details):
         if self.error is None:
@@ -177,20 +199,29 @@ class World:
         self.timeout = None if "no_timeout" in self.plant else timeout
         self.rng = random.Random(seed)
         self.hang_limit = hang_limit
+        self.epochs = {}  # (rank, id(call)) -> low 31 bits its send half handed over
         self.bufs = [Buffer(setup.R) for _ in range(setup.R)]
         self.ranks = [Rank(r, setup) for r in range(setup.R)]
-        # consumed[kind][reader][writer]: last epoch `reader` finished reading writer's region
-        self.consumed = {k: [[0] * setup.R for _ in range(setup.R)] for k in ("d", "c")}
+        # consumed[kind][h][reader][writer]: last epoch `reader` finished reading in
+        # writer's region of half h
+        self.consumed = {k: [[[0] * setup.R for _ in range(setup.R)] for _ in range(2)]
+                         for k in "dc"}
         self.findings = []
 
     # --- checks ---------------------------------------------------------------------
     def _find(self, what):
         self.findings.append(what)
 
+    def _half(self, n):
+        return 0 if "single_half" in self.plant else half(n)
+
     def _write(self, kind, reader, writer, epoch, cells, key, cell):
-        if self.consumed[kind][reader][writer] < epoch - 1:
+        h = key[0]
+        last = max([e for e in range(epoch - 1, 0, -1) if self._half(e) == h][:1] or [0])
+        if self.consumed[kind][h][reader][writer] < last:
             self._find(f"overwrote unread: rank {writer} wrote epoch {epoch} into rank "
-                       f"{reader}'s {kind} region before {reader} read epoch {epoch - 1}")
+                       f"{reader}'s {kind} region (half {h}) before {reader} read epoch "
+                       f"{last}")
         cells[key] = cell
 
     def _read(self, cells, key, reader, epoch, writer, tag, what):
@@ -228,9 +259,11 @@ class World:
         me, buf = rank.me, self.bufs[rank.me]
         M = call.M or S.M
         n = buf.seq["d"] = buf.seq["d"] + 1
+        h = self._half(n)
+        self.epochs[(me, id(call))] = n & EPOCH_MASK
         x, idx = call.x, call.idx
         tag = self._tag(call, ("d", x.shape[0], x.shape[1], idx.shape[1], M))
-        buf.my_tag["d"] = tag
+        buf.my_tag["d"][h] = tag
         pos, cnt, bad = positions(idx, S.E, M)
         for t, k, g in bad:
             rank.record(ERR_BAD_ID, t, k, g)
@@ -240,7 +273,7 @@ class World:
         # Credits: no owner's slots are touched before it read the previous epoch.
         if "no_dispatch_credit" not in self.plant:
             for r in self.rng.sample(range(R), R):
-                yield from self._wait(rank, lambda r=r: buf.credit["d"][r] >= n - 1, r,
+                yield from self._wait(rank, lambda r=r: buf.credit["d"][h][r] >= n - 2, r,
                                       "dispatch credit", n)
         moving = not rank.failed()
         send_tag = tag if moving else FAILED
@@ -263,7 +296,7 @@ class World:
                 r = target
                 ob = self.bufs[r]
                 for e in range(S.el):
-                    self._write("d", r, me, n, ob.counts, (e, me),
+                    self._write("d", r, me, n, ob.counts, (h, e, me),
                                 Cell(n, me, tag, int(cnt[r * S.el + e])))
             elif op == "row":
                 t, k = target
@@ -274,26 +307,27 @@ class World:
                     self._find(f"row past the area: p={p} >= M={S.M}")
                     continue
                 ob = self.bufs[r]
-                self._write("d", r, me, n, ob.slots, slot_index(e, me, p, R, S.M),
+                self._write("d", r, me, n, ob.slots, (h, slot_index(e, me, p, R, S.M)),
                             Cell(n, me, tag, (x[t].copy(), t)))
             else:
                 ob = self.bufs[target]
-                ob.tag["d"][me] = send_tag
+                ob.tag["d"][h][me] = send_tag
                 yield "step"
-                ob.arrive["d"][me] = n
+                ob.arrive["d"][h][me] = n
             yield "step"
 
     def _dispatch_recv(self, rank, call):
         S, R, el = self.s, self.s.R, self.s.el
         me, buf = rank.me, self.bufs[rank.me]
         M = call.M or S.M
-        n = buf.seq["d"]
+        n = self._recv_epoch(rank, "d", call)
+        h = self._half(n)
         H = call.x.shape[1]
         need = 1 if "stale_epoch" in self.plant else n
         for s in self.rng.sample(range(R), R):
-            yield from self._wait(rank, lambda s=s: buf.arrive["d"][s] >= need, s,
+            yield from self._wait(rank, lambda s=s: buf.arrive["d"][h][s] >= need, s,
                                   "dispatch arrival", n)
-        self._check_tags(rank, "d")
+        self._check_arrivals(rank, "d", h, n)
         recv = np.zeros((el, R * M, H), call.x.dtype)
         src_rank = np.full((el, R * M), -1, np.int32)
         src_index = np.full((el, R * M), -1, np.int32)
@@ -304,16 +338,16 @@ class World:
         if credit_early:
             yield from self._credit(rank, "d", n)
         if not rank.failed():
-            tag = buf.my_tag["d"]
+            tag = buf.my_tag["d"][h]
             for e in range(el):
                 total = 0
                 for s in range(R):
-                    c = self._read(buf.counts, (e, s), me, n, s, tag, "count")
+                    c = self._read(buf.counts, (h, e, s), me, n, s, tag, "count")
                     c = 0 if c is None else min(int(c), M)
                     first[e, s], rows[e, s] = total, c
                     for p in range(c):
-                        v = self._read(buf.slots, slot_index(e, s, p, R, S.M), me, n, s, tag,
-                                       "slot")
+                        v = self._read(buf.slots, (h, slot_index(e, s, p, R, S.M)), me, n, s,
+                                       tag, "slot")
                         if v is not None:
                             recv[e, total + p] = _fit(v[0], H)
                             src_rank[e, total + p], src_index[e, total + p] = s, v[1]
@@ -322,26 +356,44 @@ class World:
                 count[e] = total
         if not credit_early:
             yield from self._credit(rank, "d", n)
-        rank.results.append(dict(recv=recv, count=count, src_rank=src_rank,
-                                 src_index=src_index, first_row=first, row_count=rows))
+        res = dict(recv=recv, count=count, src_rank=src_rank, src_index=src_index,
+                   first_row=first, row_count=rows)
+        rank.results.append(res)
+        rank.by_call[id(call)] = res
 
-    def _check_tags(self, rank, kind):
+    def _recv_epoch(self, rank, kind, call):
+        """The epoch a receive half works on: handed over by its send half."""
+        seq = self.bufs[rank.me].seq[kind]
+        if "latest_epoch" in self.plant:
+            return seq
+        return epoch_from_low(seq, self.epochs.pop((rank.me, id(call))))
+
+    def _check_arrivals(self, rank, kind, h, n):
+        """After the waits: every peer's arrival is exactly epoch n, with this call's tag."""
         buf = self.bufs[rank.me]
-        if rank.failed() or "no_config_check" in self.plant:
+        if rank.failed():
             return
         for p in range(self.s.R):
-            got = buf.tag[kind][p]
-            if got == FAILED:
+            got = buf.arrive[kind][h][p]
+            if got != n and "stale_epoch" not in self.plant:
+                rank.record(ERR_CALL_SITE, p, kind, got, n)
+                return
+            tag = buf.tag[kind][h][p]
+            if "no_config_check" in self.plant:
+                continue
+            if tag == FAILED:
                 rank.record(ERR_PEER_FAILED, p, kind)
-            elif got != buf.my_tag[kind]:
-                rank.record(ERR_CALL_SITE, p, kind, got, buf.my_tag[kind])
+            elif tag != buf.my_tag[kind][h]:
+                rank.record(ERR_CALL_SITE, p, kind, tag, buf.my_tag[kind][h])
 
     def _credit(self, rank, kind, n):
         """The reader is done with epoch n of every writer's region: credit each writer."""
+        h = self._half(n)
         for p in range(self.s.R):
-            self.consumed[kind][rank.me][p] = max(self.consumed[kind][rank.me][p], n)
+            c = self.consumed[kind][h][rank.me]
+            c[p] = max(c[p], n)
         for p in self.rng.sample(range(self.s.R), self.s.R):
-            self.bufs[p].credit[kind][rank.me] = n
+            self.bufs[p].credit[kind][h][rank.me] = n
             yield "step"
 
     # --- combine --------------------------------------------------------------------
@@ -350,9 +402,11 @@ class World:
         me, buf = rank.me, self.bufs[rank.me]
         M = call.M or S.M
         n = buf.seq["c"] = buf.seq["c"] + 1
+        h = self._half(n)
+        self.epochs[(me, id(call))] = n & EPOCH_MASK
         y = call.y
         tag = self._tag(call, ("c", y.shape[-1], M))
-        buf.my_tag["c"] = tag
+        buf.my_tag["c"][h] = tag
         fr, rc = call.first_row, call.row_count
         ok = bool(np.all(fr >= 0) and np.all(rc >= 0) and np.all(fr + rc <= R * M))
         if ok:
@@ -362,7 +416,7 @@ class World:
         yield "step"
         if "no_combine_credit" not in self.plant:
             for d in self.rng.sample(range(R), R):
-                yield from self._wait(rank, lambda d=d: buf.credit["c"][d] >= n - 1, d,
+                yield from self._wait(rank, lambda d=d: buf.credit["c"][h][d] >= n - 2, d,
                                       "combine credit", n)
         moving = not rank.failed() and ok
         send_tag = tag if not rank.failed() else FAILED
@@ -377,15 +431,15 @@ class World:
         ops = signals + writes if "flag_before_data" in self.plant else writes + signals
         for d, e, p in ops:
             if e is None:
-                self.bufs[d].tag["c"][me] = send_tag
+                self.bufs[d].tag["c"][h][me] = send_tag
                 yield "step"
-                self.bufs[d].arrive["c"][me] = n
+                self.bufs[d].arrive["c"][h][me] = n
             else:
                 row = stage_row(e, p, rc[:, d])
                 if row >= S.rows_per_dest:
                     self._find(f"stage row past the area: {row} >= {S.rows_per_dest}")
                     continue
-                self._write("c", d, me, n, self.bufs[d].cstage, (me, row),
+                self._write("c", d, me, n, self.bufs[d].cstage, (h, me, row),
                             Cell(n, me, tag, y[e, fr[e, d] + p].copy()))
             yield "step"
 
@@ -393,21 +447,22 @@ class World:
         S, R, el = self.s, self.s.R, self.s.el
         me, buf = rank.me, self.bufs[rank.me]
         M = call.M or S.M
-        n = buf.seq["c"]
+        n = self._recv_epoch(rank, "c", call)
+        h = self._half(n)
         idx, w = call.idx, call.w
         H = call.y.shape[-1]
         pos, cnt, bad = positions(idx, S.E, M)
         need = 1 if "stale_epoch" in self.plant else n
         for r in self.rng.sample(range(R), R):
-            yield from self._wait(rank, lambda r=r: buf.arrive["c"][r] >= need, r,
+            yield from self._wait(rank, lambda r=r: buf.arrive["c"][h][r] >= need, r,
                                   "combine arrival", n)
-        self._check_tags(rank, "c")
+        self._check_arrivals(rank, "c", h, n)
         out = np.zeros((idx.shape[0], H), call.y.dtype)
         credit_early = "credit_before_read" in self.plant
         if credit_early:
             yield from self._credit(rank, "c", n)
         if not rank.failed():
-            tag = buf.my_tag["c"]
+            tag = buf.my_tag["c"][h]
             # Where each expert's rows start in its owner's stage region for this rank.
             start = np.zeros(S.E, np.int64)
             for r in range(R):
@@ -419,8 +474,8 @@ class World:
                     g, p = int(idx[t, k]), int(pos[t, k])
                     if g < 0 or p < 0:
                         continue
-                    v = self._read(buf.cstage, (g // el, int(start[g]) + p), me, n, g // el,
-                                   tag, "stage row")
+                    v = self._read(buf.cstage, (h, g // el, int(start[g]) + p), me, n,
+                                   g // el, tag, "stage row")
                     if v is not None:
                         acc = acc + np.float32(w[t, k]) * _fit(v, H).astype(np.float32)
                 out[t] = acc.astype(call.y.dtype)
@@ -428,18 +483,20 @@ class World:
         if not credit_early:
             yield from self._credit(rank, "c", n)
         rank.results.append(dict(out=out))
+        rank.by_call[id(call)] = rank.results[-1]
 
     # --- driver ---------------------------------------------------------------------
     def _program(self, rank, calls):
-        for call in calls:
-            if call.kind == "dispatch":
-                yield from self._dispatch_send(rank, call)
-                yield from self._dispatch_recv(rank, call)
-            elif call.kind == "combine":
-                yield from self._combine_send(rank, call)
-                yield from self._combine_recv(rank, call)
-            else:
-                raise ValueError(f"unknown call kind {call.kind!r}")
+        halves = {("send", "dispatch"): self._dispatch_send,
+                  ("recv", "dispatch"): self._dispatch_recv,
+                  ("send", "combine"): self._combine_send,
+                  ("recv", "combine"): self._combine_recv}
+        for item in calls:
+            ops = [("send", item), ("recv", item)] if isinstance(item, Call) else [item]
+            for op, call in ops:
+                if (op, call.kind) not in halves:
+                    raise ValueError(f"unknown half {op!r} of call kind {call.kind!r}")
+                yield from halves[(op, call.kind)](rank, call)
 
     def run(self, programs):
         """programs[r]: rank r's list of Calls (None: the rank never runs). Interleaves the

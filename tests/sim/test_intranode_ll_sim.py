@@ -74,15 +74,16 @@ def routing(rng, kind, Tn=T):
 
 
 def make_calls(seed, kinds, dtype=np.float32, Tn=T, order="paired", loop=False):
-    """Programs of repeated dispatches and combines, plus the model's results per call.
-    order "paired": D0 C0 D1 C1 ...; "batched": D0 D1 ... C0 C1 ... (back-to-back calls
-    of one kind, where only the credits keep a fast rank from reusing a slot; in "paired"
-    programs the other op kind's waits already order them). loop: every iteration has the
-    same call sites, as one compiled call in a scan over decode steps (then only the
-    epochs tell calls apart)."""
+    """Programs of repeated dispatches and combines, plus the model's results per call:
+    (programs, want) with want[i] = (model, outs, dispatch Calls, combine Calls).
+    order: "paired" D0 C0 D1 C1 ...; "batched" D0 D1 ... C0 C1 ...; "overlapped": two
+    send halves of one kind in flight, then their receive halves (as the FP8 dispatch's
+    values and scales); "swapped": the same with the receive halves in reverse order.
+    Without two sends in flight, the other calls' waits already order every rank, so only
+    the overlapped orders need the credits. loop: every iteration has the same call
+    sites, as one compiled call in a scan over decode steps (only epochs tell calls
+    apart)."""
     rng = np.random.default_rng(seed)
-    programs = [[] for _ in range(R)]
-    combines = [[] for _ in range(R)]
     want = []
     for i, kind in enumerate(kinds):
         x = rng.standard_normal((R, Tn, H)).astype(dtype)
@@ -91,49 +92,75 @@ def make_calls(seed, kinds, dtype=np.float32, Tn=T, order="paired", loop=False):
         ys = [rng.standard_normal((E // R, R * M, H)).astype(dtype) for _ in range(R)]
         model = np_dispatch(x, idx, E, M)
         outs = np_combine(ys, idx, w, model)
-        for r in range(R):
-            site = 1 if loop else 2 * i + 1
-            programs[r].append(S.Call("dispatch", x=x[r], idx=idx[r], site=site))
-            c = S.Call("combine", y=ys[r], idx=idx[r], w=w[r], first_row=model[r]["first_row"],
-                       row_count=model[r]["row_count"], site=site + 1)
-            (programs if order == "paired" else combines)[r].append(c)
-        want.append((model, outs))
+        site = 1 if loop else 2 * i + 1
+        ds = [S.Call("dispatch", x=x[r], idx=idx[r], site=site) for r in range(R)]
+        cs = [S.Call("combine", y=ys[r], idx=idx[r], w=w[r], first_row=model[r]["first_row"],
+                     row_count=model[r]["row_count"], site=site + 1) for r in range(R)]
+        want.append((model, outs, ds, cs))
+    programs = []
     for r in range(R):
-        programs[r] += combines[r]
-    return programs, want, order
+        d = [wt[2][r] for wt in want]
+        c = [wt[3][r] for wt in want]
+        if order == "paired":
+            prog = [x for pair in zip(d, c) for x in pair]
+        elif order == "batched":
+            prog = d + c
+        elif order in ("overlapped", "swapped"):
+            prog = []
+            for calls in (d, c):
+                for j in range(0, len(calls), 2):
+                    two = calls[j:j + 2]
+                    prog += [("send", k) for k in two]
+                    prog += [("recv", k) for k in (two[::-1] if order == "swapped" else two)]
+        else:
+            raise ValueError(order)
+        programs.append(prog)
+    return programs, want
 
 
-def check(world, want, order="paired"):
+def check(world, want):
     assert world.findings == [], world.findings[:3]
-    n = len(want)
     for rk in world.ranks:
         assert rk.error is None, rk.error
-        assert len(rk.results) == 2 * n
-        for i, (model, outs) in enumerate(want):
-            di, ci = (2 * i, 2 * i + 1) if order == "paired" else (i, n + i)
-            got = rk.results[di]
+        assert len(rk.results) == 2 * len(want)
+        for i, (model, outs, ds, cs) in enumerate(want):
+            got = rk.by_call[id(ds[rk.me])]
             for key, v in model[rk.me].items():
                 np.testing.assert_array_equal(got[key].view(np.uint8) if key == "recv"
                                               else got[key],
                                               v.view(np.uint8) if key == "recv" else v,
                                               err_msg=f"rank {rk.me} call {i} {key}")
-            np.testing.assert_array_equal(rk.results[ci]["out"].view(np.uint8),
+            np.testing.assert_array_equal(rk.by_call[id(cs[rk.me])]["out"].view(np.uint8),
                                           outs[rk.me].view(np.uint8))
 
 
 # --- correct protocol -----------------------------------------------------------------
 
-@pytest.mark.parametrize("order", ["paired", "batched"])
+@pytest.mark.parametrize("order", ["paired", "batched", "overlapped", "swapped"])
 @pytest.mark.parametrize("seed", range(3))
 def test_repeated_calls_match_model_in_random_orders(seed, order):
-    programs, want, _ = make_calls(seed, ["random", "skewed", "masked", "random"], order=order,
-                                   loop=seed % 2 == 1)
-    check(S.simulate(SETUP, programs, seed=seed), want, order)
+    programs, want = make_calls(seed, ["random", "skewed", "masked", "random"], order=order,
+                                loop=seed % 2 == 1)
+    check(S.simulate(SETUP, programs, seed=seed), want)
+
+
+def test_a_third_send_in_flight_times_out_instead_of_overwriting():
+    """Two data halves: a third send half of one kind before the first receive half waits
+    for a credit only that receive half gives, and is reported, not overwriting."""
+    programs, _ = make_calls(8, ["random"] * 3)
+    programs = [[("send", c) for c in p[0::2][:3]] + [("recv", c) for c in p[0::2][:3]]
+                for p in programs]
+    w = S.simulate(SETUP, programs, seed=8, timeout=200)
+    assert w.findings == []
+    assert all(rk.error is not None and rk.error[0] in (S.ERR_TIMEOUT, S.ERR_PEER_FAILED)
+               for rk in w.ranks)
+    assert any(rk.error[2] == "dispatch credit" for rk in w.ranks
+               if rk.error[0] == S.ERR_TIMEOUT)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_fewer_tokens_and_half_precision(dtype):
-    programs, want, _ = make_calls(7, ["random", "random"], dtype=dtype, Tn=2)
+    programs, want = make_calls(7, ["random", "random"], dtype=dtype, Tn=2)
     check(S.simulate(SETUP, programs, seed=7), want)
 
 
@@ -148,12 +175,15 @@ def test_index_math_is_the_compiled_one():
     col = np.array([3, 0, 2, 5], np.int32)
     for e in range(4):
         assert ext.cuda_ll_stage_row(e, 1, list(col)) == S.stage_row(e, 1, col)
+    for seq, n in [(1, 1), (5, 4), (2**31 + 3, 2**31 + 1), (2**40, 2**40 - 2)]:
+        low = n & S.EPOCH_MASK
+        assert ext.cuda_ll_epoch_from_low(seq, low) == S.epoch_from_low(seq, low) == n
 
 
 # --- faults the protocol reports ------------------------------------------------------
 
 def test_absent_rank_times_out_everywhere_without_hang():
-    programs, _, _ = make_calls(3, ["random", "random"])
+    programs, _ = make_calls(3, ["random", "random"])
     programs[2] = None  # never runs
     w = S.simulate(SETUP, programs, seed=3, timeout=200)
     assert w.findings == []
@@ -165,7 +195,7 @@ def test_absent_rank_times_out_everywhere_without_hang():
 
 
 def test_a_rank_with_other_shapes_errors_instead_of_mixing():
-    programs, _, _ = make_calls(4, ["random"])
+    programs, _ = make_calls(4, ["random"])
     c = programs[1][0]
     programs[1][0] = S.Call("dispatch", x=c.x[:, :H // 2].copy(), idx=c.idx, site=c.site)
     w = S.simulate(SETUP, programs, seed=4)
@@ -176,7 +206,7 @@ def test_a_rank_with_other_shapes_errors_instead_of_mixing():
 
 
 def test_a_skipped_call_is_a_site_mismatch():
-    programs, _, _ = make_calls(5, ["random", "random"])
+    programs, _ = make_calls(5, ["random", "random"])
     programs[3] = programs[3][2:]  # rank 3 runs call 2 while the others run call 1
     w = S.simulate(SETUP, programs, seed=5, timeout=300)
     assert w.findings == []
@@ -185,7 +215,7 @@ def test_a_skipped_call_is_a_site_mismatch():
 
 
 def test_bad_id_is_reported_and_others_finish():
-    programs, _, _ = make_calls(6, ["random"])
+    programs, _ = make_calls(6, ["random"])
     idx = programs[0][0].idx.copy()
     idx[1, 0] = E + 2
     programs[0][0] = S.Call("dispatch", x=programs[0][0].x, idx=idx, site=1)
@@ -197,42 +227,39 @@ def test_bad_id_is_reported_and_others_finish():
 
 # --- planted mistakes, each caught ----------------------------------------------------
 
-def _planted(plant, seeds=range(6), **kw):
+def _planted(plant, seeds=range(6), order="overlapped", **kw):
     """(findings, wrong results) over several interleavings with `plant` switched on."""
     caught = []
     for seed in seeds:
-        programs, want, order = make_calls(seed, ["random", "skewed", "random"],
-                                           order="batched", loop=True)
+        programs, want = make_calls(seed, ["random", "skewed", "random", "random"],
+                                    order=order, loop=True)
         try:
             w = S.simulate(SETUP, programs, seed=seed, plant=(plant,), **kw)
         except S.Hang as h:
             caught.append(f"hang: {h}")
             continue
         try:
-            check(w, want, order)
+            check(w, want)
         except AssertionError as a:
             caught.append(str(a)[:300])
     return caught
 
 
 @pytest.mark.parametrize("plant", ["no_dispatch_credit", "no_combine_credit",
-                                   "credit_before_read", "flag_before_data", "stale_epoch"])
+                                   "credit_before_read", "flag_before_data", "stale_epoch",
+                                   "single_half"])
 def test_planted_ordering_mistake_is_caught(plant):
     caught = _planted(plant)
     assert caught, f"{plant} went unnoticed"
 
 
-def test_planted_stale_epoch_reads_the_previous_call():
-    programs, _, _ = make_calls(0, ["random"] * 3, order="batched", loop=True)
-    stale = []
-    for seed in range(6):
-        w = S.simulate(SETUP, programs, seed=seed, plant=("stale_epoch",))
-        stale += [f for f in w.findings if f.startswith("read before written/stale")]
-    assert stale
+def test_planted_latest_epoch_mixes_up_calls_received_out_of_order():
+    caught = _planted("latest_epoch", order="swapped")
+    assert caught
 
 
 def test_planted_missing_credit_is_an_unread_overwrite():
-    programs, _, _ = make_calls(1, ["skewed", "skewed", "skewed"], order="batched")
+    programs, _ = make_calls(1, ["skewed"] * 4, order="overlapped")
     hits = []
     for seed in range(6):
         w = S.simulate(SETUP, programs, seed=seed, plant=("no_dispatch_credit",))
@@ -241,14 +268,14 @@ def test_planted_missing_credit_is_an_unread_overwrite():
 
 
 def test_planted_wait_without_timeout_hangs():
-    programs, _, _ = make_calls(2, ["random"])
+    programs, _ = make_calls(2, ["random"])
     programs[1] = None
     with pytest.raises(S.Hang):
         S.simulate(SETUP, programs, seed=2, plant=("no_timeout",), hang_limit=3000)
 
 
 def test_planted_missing_config_check_mixes_shapes():
-    programs, _, _ = make_calls(4, ["random"])
+    programs, _ = make_calls(4, ["random"])
     c = programs[1][0]
     programs[1][0] = S.Call("dispatch", x=c.x[:, :H // 2].copy(), idx=c.idx, site=c.site)
     w = S.simulate(SETUP, programs, seed=4, plant=("no_config_check",))

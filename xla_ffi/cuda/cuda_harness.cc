@@ -304,6 +304,10 @@ nb::dict LowLatencyAreaLayout(int num_ranks, int max_tokens, uint64_t row_bytes,
   d["offsets"] = l.offsets_off;
   d["cstage"] = l.cstage_off;
   d["bytes"] = l.bytes;
+  d["slots_half"] = l.slots_half;
+  d["tok_half"] = l.tok_half;
+  d["counts_half"] = l.counts_half;
+  d["cstage_half"] = l.cstage_half;
   return d;
 }
 
@@ -332,6 +336,8 @@ void DefineCudaBindings(void* module) {
         nb::arg("max_tokens"), "Owner's slot index (kernels/common/low_latency_math.h).");
   m.def("cuda_ll_stage_row", &LowLatencyStageRow, nb::arg("e"), nb::arg("p"),
         nb::arg("per_expert"), "Stage row (kernels/common/low_latency_math.h).");
+  m.def("cuda_ll_epoch_from_low", &ll_epoch_from_low, nb::arg("seq"), nb::arg("low"),
+        "Full epoch from its low 31 bits (kernels/common/low_latency_math.h).");
   m.def("cuda_ll_call_tag", &ll_call_tag, nb::arg("call_site"), nb::arg("kind"), nb::arg("S"),
         nb::arg("K"), nb::arg("M"), nb::arg("row_bytes"), nb::arg("E"),
         "Tag of a low-latency call (kernels/common/low_latency_math.h).");

@@ -4,9 +4,10 @@
 // the lowering is shared): each GPU is one rank of the group jax_ep.cuda.setup wired, and
 // the kernels work in the low-latency area of the group's buffers (setup(...,
 // max_tokens_per_rank=M, num_experts=E)). The send halves push rows straight into the
-// peers' areas, so their staging outputs (stage_x, stage_idx; the combine stage) are
-// placeholders nothing writes; dispatch_send's tokens-per-expert output is real and
-// combine_send's status is 0 (a foreign handle goes to the device record). Shapes are
+// peers' areas, so their staging outputs are placeholders: stage_x and the combine stage
+// are never written, stage_idx[0, 0] and combine's status carry the send's epoch to the
+// receive half (31 bits), and dispatch_send's tokens per expert are real (a foreign
+// handle goes to the device record, not to status). Shapes are
 // checked on the host against the area; nothing allocates or synchronizes, so these
 // targets are command-buffer (CUDA graph) compatible. Value errors (ids, handles, a
 // missing peer, a peer with other shapes) go to the sticky device record that
@@ -345,6 +346,7 @@ ffi::Error RankDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   if (id.size() != 2) return Invalid("topk_idx must be [S, K], got " + Dims(id));
   const int64_t S = xd[0], H = xd[1], K = id[1];
   std::string err = ExpectShape("topk_idx", id, {S, K});
+  if (err.empty() && S * K < 1) err = "x and topk_idx need at least one token and one slot";
   if (err.empty()) err = ExpectShape("stage_x", stage_x->dimensions(), {S, H});
   if (err.empty()) err = ExpectShape("stage_idx", stage_idx->dimensions(), {S, K});
   if (err.empty()) err = ExpectShape("expert_count", expert_count->dimensions(), {num_experts});
@@ -364,6 +366,7 @@ ffi::Error RankDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   a.x = x.untyped_data();
   a.topk_idx = topk_idx.typed_data();
   a.expert_count = expert_count->typed_data();
+  a.epoch_out = stage_idx->typed_data();
   return LaunchRank({kLLDispatchPlan, kLLDispatchPush}, a, stream);
 }
 
@@ -384,6 +387,8 @@ ffi::Error RankDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   if (R < 1 || E % R != 0) return Invalid("num_experts must be a positive multiple of num_ranks");
   const int64_t el = E / R;
   std::string err = ExpectShape("expert_count", expert_count.dimensions(), {E});
+  if (err.empty() && stage_idx.element_count() < 1)
+    err = "staged topk_idx must hold the send half's epoch (at least one entry)";
   if (err.empty()) err = ExpectShape("recv_x", recv_x->dimensions(), {el, R * M, H});
   if (err.empty()) err = ExpectShape("recv_count", recv_count->dimensions(), {el});
   if (err.empty()) err = ExpectShape("src_rank", src_rank->dimensions(), {el, R * M});
@@ -402,6 +407,7 @@ ffi::Error RankDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   a.H = H;
   a.rank_in = rank_buf.typed_data();
   a.group_in = group_buf.typed_data();
+  a.epoch_in = stage_idx.typed_data();
   a.recv_x = recv_x->untyped_data();
   a.recv_count = recv_count->typed_data();
   a.src_rank = src_rank->typed_data();
@@ -438,8 +444,7 @@ ffi::Error RankCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
   a.y = y.untyped_data();
   a.first_row = const_cast<int32_t*>(first_row.typed_data());
   a.row_count = const_cast<int32_t*>(row_count.typed_data());
-  const cudaError_t ce = cudaMemsetAsync(status->typed_data(), 0, sizeof(int32_t), stream);
-  if (ce != cudaSuccess) return CudaFailed("status", ce);
+  a.epoch_out = status->typed_data();
   return LaunchRank({kLLCombinePlan, kLLCombinePush}, a, stream);
 }
 
@@ -475,6 +480,7 @@ ffi::Error RankCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
   a.kind = kind;
   a.rank_in = rank_buf.typed_data();
   a.group_in = group_buf.typed_data();
+  a.epoch_in = status.typed_data();
   a.topk_idx = topk_idx.typed_data();
   a.topk_w = topk_weights.typed_data();
   a.out = out->untyped_data();
