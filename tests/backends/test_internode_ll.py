@@ -282,3 +282,34 @@ def test_bootstrap_allocates_the_area_and_sizes_the_symmetric_heap(monkeypatch):
     with pytest.raises(ValueError, match="missing"):
         rt._ll_limits(dict(hidden=1), 1)
     monkeypatch.setattr(rt, "_state", None)
+
+
+def test_global_view_partitions_into_internode_ll_calls(forced, tmp_path):
+    """jax_ep.sharded_low_latency under jit with a mesh: XLA runs the partitioning when it
+    compiles and there is no CUDA compiler here, so the host compile partitions the step
+    and stops at the internode targets (CUDA handlers only); its dumped HLO is checked."""
+    import re
+
+    import jax_ep.sharded_low_latency as sll
+
+    def step(x, idx, w):
+        recv_x, count, h = sll.dispatch(x, idx, num_experts=E, mesh_axis="ep",
+                                        max_tokens_per_rank=M, backend="internode")
+        return sll.combine(recv_x * 2, idx, w, h, backend="internode")
+
+    with jax.set_mesh(ep_mesh(R)):
+        lowered = jax.jit(step).trace(*_inputs()).lower()
+        with pytest.raises(Exception, match=r"jax_ep_internode_ll_\w+ on a platform Host"):
+            lowered.compile({"xla_dump_to": str(tmp_path)})
+    (path,) = tmp_path.glob("*jit_step*cpu_after_optimizations.txt")
+    calls = {}
+    for line in path.read_text().splitlines():
+        m = re.search(r'custom_call_target="(jax_ep_\w+)"', line)
+        if m:
+            attrs = dict((k, int(v)) for k, v in re.findall(r"(\w+) = (-?\d+) : i64", line))
+            calls.setdefault(m.group(1), []).append(attrs)
+    assert sorted((k, len(v)) for k, v in calls.items()) == [
+        ("jax_ep_internode_ll_combine_recv", 1), ("jax_ep_internode_ll_combine_send", 1),
+        ("jax_ep_internode_ll_dispatch_recv", 1), ("jax_ep_internode_ll_dispatch_send", 1)]
+    for (a,) in calls.values():
+        assert {k: a[k] for k in BASE} == BASE
