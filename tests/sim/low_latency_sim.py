@@ -64,6 +64,7 @@ class Mistakes:
     no_credit: bool = False           # epoch-parity buffers, but no credit wait
     wrong_row_order: bool = False     # the owner lays out an expert's rows source-descending
     no_timeout: bool = False          # waits never give up
+    credit_before_reset: bool = False  # the reader returns the credit, then resets its words
 
 
 @dataclasses.dataclass
@@ -394,13 +395,22 @@ class Sim:
         """Reset buffer b's data words, mark the epoch read, return the credits."""
         mem = self.mem[r]
         b = self.buf(n)
+        mem.finished.add((op, n))
+        if self.m.credit_before_reset:
+            for w in range(self.R):
+                yield ("put", Op(r, w, CONTROL_QP, (op, n), (), ("credit", op, b, r), "set", n))
+            yield ("sleep", 1)  # the reset is a later step: writers may run in between
         for k in [k for k in mem.words if k[0] == "dsig" and k[1] == op and k[2] == b]:
+            later = [c for c in mem.contrib[k] if c != (op, n)]
+            if later:
+                self.violate(f"rank {r} reset word {k} after epoch {n} holding increments of "
+                             f"{sorted(set(later))} (they are lost)")
             mem.words[k] = 0
             mem.contrib[k] = []
             mem.writers[k] = set()
-        mem.finished.add((op, n))
-        for w in range(self.R):
-            yield ("put", Op(r, w, CONTROL_QP, (op, n), (), ("credit", op, b, r), "set", n))
+        if not self.m.credit_before_reset:
+            for w in range(self.R):
+                yield ("put", Op(r, w, CONTROL_QP, (op, n), (), ("credit", op, b, r), "set", n))
 
     def dispatch_recv(self, r, token, H):
         """Generator: the receive half of the send's token (epoch, hash) on rank r;

@@ -409,3 +409,38 @@ def test_planted_missing_timeout_hangs_and_is_reported():
     assert res.hang and any(v.startswith("hang") for v in res.violations)
     ok = _one_dispatch(4, 8, 3, 2, 2, mutate=skip)
     assert not ok.hang and _caught(ok)
+
+
+@pytest.mark.parametrize("mistake", [False, True])
+def test_planted_credit_before_reset_loses_increments(mistake):
+    """The reader must reset its data words before it returns the credit: otherwise a
+    fast writer's next rows into that buffer land in a word about to be reset."""
+    R, E, M, K, H = 4, 4, 4, 2, 2
+    hits = 0
+    for seed in range(6):
+        steps = _slow_reader_steps(R, E, M, K, H, seed, True)
+        res = Sim(R, E, M, H, seed=seed, timeout=3000,
+                  mistakes=Mistakes(credit_before_reset=mistake)).simulate(steps)
+        hits += any("they are lost" in v for v in res.violations)
+        if not mistake:
+            assert res.violations == [] and res.errors == [None] * R
+    assert (hits > 0) == mistake
+
+
+def test_third_send_in_flight_times_out_instead_of_overwriting():
+    """Three sends before the first receive: the third waits for a credit only a receive
+    queued behind it could give; every rank ends in a credit timeout, nothing is
+    overwritten and nothing hangs."""
+    R, E, M, K, H = 4, 8, 3, 2, 2
+    rng = np.random.default_rng(0)
+    data = [(routing(rng, R, E, M, K, T=M),
+             [rng.standard_normal((M, H)).astype(np.float32) for _ in range(R)])
+            for _ in range(3)]
+    steps = [[{"do": "dispatch_send", "x": data[i][1][r], "idx": data[i][0][r],
+               "name": f"d{i}"} for i in range(3)]
+             + [{"do": "dispatch_recv", "name": f"d{i}"} for i in range(3)]
+             for r in range(R)]
+    res = Sim(R, E, M, H, seed=0, timeout=1000).simulate(steps)
+    assert not res.hang and res.violations == []
+    for r in range(R):
+        assert res.errors[r]["code"] == "timeout" and res.errors[r]["kind"] == "credit"
