@@ -1,0 +1,351 @@
+"""The low-latency mode's CUDA real-rank path of the ffi backend, checked without a GPU:
+the program lowered for the cuda platform (the custom calls the CUDA handlers decode,
+their operands and attributes, compute between the halves), the low-latency area's
+sizes in jax_ep.cuda.setup / buffer_bytes, argument errors, and source-level facts of
+the handlers (command-buffer trait, no host sync). Nothing here runs a GPU kernel; the
+protocol is run by tests/sim/test_intranode_ll_sim.py."""
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import ep_mesh
+from jax_ep import _ext
+from jax_ep import cuda as jcuda
+from jax_ep import low_latency as ll
+from jax_ep._common import Cfg
+from jax_ep.backends import ffi as ffi_backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+R, T, M, H, K, E = 4, 6, 8, 16, 3, 8
+NAMES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+needs_bindings = pytest.mark.skipif(
+    _ext.ext is None or not hasattr(_ext.ext, "cuda_ll_layout"),
+    reason="no CUDA host functions in this build (nvcc missing)")
+
+
+def _read(*parts):
+    with open(os.path.join(ROOT, *parts)) as f:
+        return f.read()
+
+
+def _inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((R * T, H)).astype(np.float32)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(R * T)]).astype(np.int32)
+    w = rng.random((R * T, K)).astype(np.float32)
+    return x, idx, w
+
+
+def _lower_cuda(f, *args):
+    g = jax.jit(jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+    return g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _calls(text):
+    """[(target, line index, result name, operand names, attrs dict)] of the jax_ep_ll_*
+    custom calls in a lowered module."""
+    out = []
+    for i, line in enumerate(text.splitlines()):
+        m = re.search(r"(%[\w#:]+) = stablehlo\.custom_call @(jax_ep_ll_\w+)\(([^)]*)\)", line)
+        if not m:
+            continue
+        attrs = dict(re.findall(r"(\w+) = (-?\d+) : i64",
+                                line.split("mhlo.backend_config = {", 1)[1].split("}")[0]))
+        result = m.group(1).split(":")[0]
+        operands = [o.strip() for o in m.group(3).split(",") if o.strip()]
+        out.append((m.group(2), i, result, operands, attrs, line))
+    return out
+
+
+def _handler_bindings():
+    """{target: (number of Args, number of Rets, [attr names])} of the real-rank CUDA
+    handlers, read from their XLA_FFI_DEFINE_HANDLER bindings."""
+    src = _read("xla_ffi", "cuda", "low_latency_handlers.cc")
+    regs = dict(re.findall(r'add\("(jax_ep_ll_\w+)", reinterpret_cast<void\*>\((\w+)\)\)', src))
+    out = {}
+    for target, sym in regs.items():
+        if "harness" in target:
+            continue
+        body = src.split(f"XLA_FFI_DEFINE_HANDLER({sym},", 1)[1].split(";", 1)[0]
+        out[target] = (body.count(".Arg<"), body.count(".Ret<"),
+                       re.findall(r'\.Attr<int64_t>\("(\w+)"\)', body),
+                       "JEP_LL_CMD_BUFFER" in body)
+    return out
+
+
+# ----------------------------------------------------------------------------- lowering
+
+def _split_program(x, idx, w, a):
+    kw = dict(num_experts=E, axis_name="ep", max_tokens_per_rank=M, backend="ffi")
+    st = ll.dispatch_send(x, idx, **kw)
+    a = jnp.tanh(a @ a)  # independent of the dispatch
+    recv, _, h = ll.dispatch_recv(st)
+    cst = ll.combine_send(recv * 2.0, idx, w, h, backend="ffi")
+    b = jnp.sin(a @ a)  # independent of the combine
+    return ll.combine_recv(cst), b
+
+
+def test_cuda_lowering_has_both_halves_with_compute_between():
+    x, idx, w = _inputs()
+    text = _lower_cuda(_split_program, x, idx, w, np.ones((R * 32, 32), np.float32))
+    calls = _calls(text)
+    assert [c[0] for c in calls] == [f"jax_ep_ll_{n}" for n in NAMES]
+    lines = text.splitlines()
+    pos = {c[0][len("jax_ep_ll_"):]: c for c in calls}
+    dots = [i for i, line in enumerate(lines) if "stablehlo.dot_general" in line]
+    assert len(dots) == 2
+    for (send, recv), dot in zip((("dispatch_send", "dispatch_recv"),
+                                  ("combine_send", "combine_recv")), dots):
+        s, r = pos[send], pos[recv]
+        assert s[1] < dot < r[1], (send, dot)
+        # The compute reads nothing the send produced, so it may run while rows fly ...
+        assert f"{s[2]}#" not in lines[dot]
+        # ... and the receive half takes the send half's results (the epoch travels in
+        # them on CUDA).
+        assert f"{s[2]}#0" in r[3] and f"{s[2]}#1" in r[3]
+    # Every call carries its own call site (XLA cannot merge two of them).
+    sites = [int(c[4]["call_site"]) for c in calls]
+    assert len(set(sites)) == len(sites)
+
+
+def test_cuda_lowering_matches_the_cuda_handlers_bindings():
+    """What the lowered calls pass is what the real-rank CUDA handlers decode: operand
+    and result counts and the int64 attributes, for each of the four targets."""
+    x, idx, w = _inputs(1)
+    text = _lower_cuda(_split_program, x, idx, w, np.ones((R * 32, 32), np.float32))
+    binding = _handler_bindings()
+    assert set(binding) == {f"jax_ep_ll_{n}" for n in NAMES}
+    for target, _, result, operands, attrs, line in _calls(text):
+        n_args, n_rets, names, cmd_buffer = binding[target]
+        assert len(operands) == n_args, (target, operands)
+        n_results = int(re.match(r"%\w+:(\d+)", line.strip()).group(1)) \
+            if re.match(r"%\w+:\d+ =", line.strip()) else 1
+        assert n_results == n_rets, (target, line)
+        assert sorted(attrs) == sorted(names), (target, attrs, names)
+        assert "mhlo.backend_config = {" in line  # typed FFI attributes, as the handlers'
+        assert "api_version" not in line or "api_version = 4" in line
+        assert cmd_buffer, f"{target} is not registered command-buffer compatible"
+    assert int(_calls(text)[0][4]["num_ranks"]) == R
+    assert int(_calls(text)[0][4]["max_tokens"]) == M
+
+
+def test_fused_ops_and_gradients_lower_for_cuda_in_pairs():
+    x, idx, w = _inputs(2)
+    kw = dict(num_experts=E, axis_name="ep", max_tokens_per_rank=M, backend="ffi")
+
+    def f(x, idx, w):
+        def loss(x, w):
+            recv, _, h = ll.dispatch(x, idx, **kw)
+            return jnp.sum(ll.combine(jnp.tanh(recv), idx, w, h, backend="ffi") ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    text = _lower_cuda(f, x, idx, w)
+    names = [c[0] for c in _calls(text)]
+    for op in ("dispatch", "combine"):
+        assert names.count(f"jax_ep_ll_{op}_send") == names.count(f"jax_ep_ll_{op}_recv")
+    # forward: 1 + 1; backward: d x (combine), d y (dispatch), d w (combine)
+    assert names.count("jax_ep_ll_dispatch_send") == 2
+    assert names.count("jax_ep_ll_combine_send") == 3
+
+
+def test_fp8_split_dispatch_has_two_sends_in_flight():
+    """The FP8 dispatch_send stages values and scales as two send halves before any
+    receive half: the reason the CUDA area has two data halves (n % 2)."""
+    x, idx, _ = _inputs(3)
+    x = np.tile(x, (1, 8))  # H = 128
+
+    def f(x, idx):
+        st = ll.dispatch_send(x, idx, num_experts=E, axis_name="ep", max_tokens_per_rank=M,
+                              fp8=True, backend="ffi")
+        (q, s), cnt, h = ll.dispatch_recv(st)
+        return q.astype(jnp.float32)[None], s[None]
+
+    names = [c[0] for c in _calls(_lower_cuda(f, x, idx))]
+    assert names == ["jax_ep_ll_dispatch_send"] * 2 + ["jax_ep_ll_dispatch_recv"] * 2
+    src = _read("kernels", "cuda", "low_latency_kernels.h")
+    assert "l.bytes = l.cstage_off + 2 * l.cstage_half" in src
+    assert "l.tok_off = l.slots_off + 2 * l.slots_half" in src
+
+
+# ----------------------------------------------------------------------------- handlers
+
+def test_real_rank_handlers_never_allocate_or_sync():
+    src = _read("xla_ffi", "cuda", "low_latency_handlers.cc")
+    real = src.split("// ------------------------------ real ranks", 1)[1]
+    real = real.split("}  // namespace\n", 1)[0]
+    for banned in ("cudaMalloc", "cudaFree", "Synchronize", "cudaMemcpy(", "cudaMemset(",
+                   "cudaHostAlloc", "std::lock_guard"):
+        assert banned not in real, banned
+    for fn in ("RankDispatchSendImpl", "RankDispatchRecvImpl", "RankCombineSendImpl",
+               "RankCombineRecvImpl"):
+        assert f"ffi::Error {fn}(" in real
+    # The harness allocates lazily: it must not claim command-buffer compatibility.
+    harness = src.split("XLA_FFI_DEFINE_HANDLER(kDispatchSend,", 1)[1].split(";", 1)[0]
+    assert "CMD_BUFFER" not in harness
+
+
+@pytest.mark.skipif(_ext.ext is None or "CUDA" not in _ext.ext.registrations(),
+                    reason="this build has no CUDA handlers")
+def test_cuda_registers_the_cpu_target_names():
+    regs = _ext.ext.registrations()
+    targets = {f"jax_ep_ll_{n}" for n in NAMES}
+    assert targets <= set(regs["CUDA"]) and targets <= set(regs["cpu"])
+    harness = {f"jax_ep_ll_harness_{n}" for n in NAMES}
+    assert harness <= set(regs["CUDA"])
+
+
+# ----------------------------------------------------------------------------- sizes
+
+def test_buffer_bytes_low_latency_area():
+    kw = dict(max_tokens_per_rank=128, num_experts=256)
+    big = jcuda.buffer_bytes(8, 4096, 7168, 8, jnp.bfloat16, **kw)
+    one = jcuda.buffer_bytes(8, 1, 7168, 8, jnp.bfloat16, **kw)
+    none = jcuda.buffer_bytes(8, None, 7168, 8, jnp.bfloat16, **kw)
+    # Fixed by (R, M, H, K, E): the normal mode's token count changes nothing.
+    assert big["low_latency"] == one["low_latency"] == none["low_latency"]
+    assert none["dispatch"] == none["combine"] == none["gather"] == 0
+    row = 7168 * 2
+    el = 256 // 8
+    slots = el * 8 * 128 * row              # E * M rows of H
+    stage = 8 * 128 * min(8, el) * row       # R * M * min(K, E_local) rows
+    assert 2 * (slots + stage) <= big["low_latency"] <= 2 * (slots + stage) + (1 << 20)
+    assert big["low_latency"] % 256 == 0
+    assert "low_latency" not in jcuda.buffer_bytes(8, 4096, 7168, 8)
+    # More tokens per rank, more experts or wider rows: a larger area.
+    for other in (dict(max_tokens_per_rank=256, num_experts=256),
+                  dict(max_tokens_per_rank=128, num_experts=512)):
+        assert jcuda.buffer_bytes(8, None, 7168, 8, **other)["low_latency"] > big["low_latency"]
+    assert (jcuda.buffer_bytes(8, None, 7168, 8, jnp.float32, **kw)["low_latency"]
+            > big["low_latency"])
+
+
+@needs_bindings
+def test_low_latency_layout_matches_the_kernels_header():
+    for args in [(8, 128, 7168 * 2, 8, 256), (2, 5, 3, 1, 6), (4, 8, 16 * 4, 3, 8),
+                 (32, 1, 2, 9, 32), (1, 3, 130, 2, 4)]:
+        assert jcuda.low_latency_layout(*args) == dict(_ext.ext.cuda_ll_layout(*args)), args
+
+
+class _FakeGpu:
+    platform = "gpu"
+    process_index = 0
+
+    def __init__(self, i):
+        self.id = self.local_hardware_id = i
+
+
+class _FakeMesh:
+    def __init__(self, n):
+        self.axis_names = ("ep",)
+        self.devices = np.array([_FakeGpu(i) for i in range(n)], dtype=object)
+
+
+class _FakeExt:
+    def __init__(self):
+        self.alloc, self.domains = [], []
+
+    def cuda_alloc_buffer(self, ordinal, areas):
+        self.alloc.append((ordinal, list(areas)))
+        return 0x1000 * (ordinal + 1), b""
+
+    def cuda_enable_peer_access(self, a, b):
+        return True
+
+    def cuda_set_domain(self, ordinal, rank, group, R, peers, areas, ll_shape):
+        self.domains.append((ordinal, rank, R, list(areas), list(ll_shape)))
+
+
+@pytest.fixture
+def fake_setup(monkeypatch):
+    ext = _FakeExt()
+    monkeypatch.setattr(jcuda, "_bindings", lambda: ext)
+    monkeypatch.setattr(jcuda, "_ll_area", None)
+    return ext
+
+
+def test_setup_allocates_the_area_when_asked(fake_setup):
+    sizes = jcuda.setup(_FakeMesh(4), "ep", num_tokens=None, hidden=64, topk=2,
+                        dtype=jnp.float32, max_tokens_per_rank=16, num_experts=8)
+    want = jcuda.buffer_bytes(4, None, 64, 2, jnp.float32, max_tokens_per_rank=16,
+                              num_experts=8)["low_latency"]
+    assert sizes["low_latency"] == want > 0
+    assert [a[1] for a in fake_setup.alloc] == [[0, 0, 0, want]] * 4
+    assert [d[1] for d in fake_setup.domains] == [0, 1, 2, 3]
+    assert all(d[4] == [16, 2, 8, 64 * 4] for d in fake_setup.domains)
+    assert jcuda.low_latency_area() == dict(num_ranks=4, max_tokens_per_rank=16, topk=2,
+                                            num_experts=8, row_bytes=256, bytes=want)
+
+
+def test_setup_without_the_option_keeps_three_areas(fake_setup):
+    sizes = jcuda.setup(_FakeMesh(2), "ep", num_tokens=8, hidden=16, topk=2)
+    assert set(sizes) == {"dispatch", "combine", "gather"}
+    assert all(len(a[1]) == 3 for a in fake_setup.alloc)
+    assert all(d[4] == [] for d in fake_setup.domains)
+    assert jcuda.low_latency_area() is None
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_tokens_per_rank=8), "needs num_experts"),
+    (dict(max_tokens_per_rank=8, num_experts=6), "multiple of the 4 ranks"),
+    (dict(max_tokens_per_rank=0, num_experts=8), "max_tokens_per_rank must be >= 1"),
+    (dict(max_tokens_per_rank=8, num_experts=2048), "at most 1024"),
+    (dict(), "num_tokens=None reserves no normal-mode buffers"),
+])
+def test_setup_argument_errors(fake_setup, kw, match):
+    with pytest.raises(ValueError, match=match):
+        jcuda.setup(_FakeMesh(4), "ep", num_tokens=None, hidden=16, topk=2, **kw)
+    assert fake_setup.alloc == []
+
+
+def test_buffer_bytes_argument_errors():
+    with pytest.raises(ValueError, match="needs num_experts"):
+        jcuda.buffer_bytes(4, None, 16, 2, max_tokens_per_rank=8)
+    with pytest.raises(ValueError, match="multiple"):
+        jcuda.buffer_bytes(4, None, 16, 2, max_tokens_per_rank=8, num_experts=10)
+
+
+# ----------------------------------------------------------------------------- ffi checks
+
+def _cfg(Mn=M, En=E):
+    return Cfg(En, R, Mn, "ep", "ffi")
+
+
+def test_gpu_without_area_names_the_setup_option(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jcuda, "_ll_area", None)
+    x, idx = jnp.zeros((M, H), jnp.bfloat16), jnp.zeros((M, K), jnp.int32)
+    with pytest.raises(ValueError, match=r"jax_ep\.cuda\.setup\(.*max_tokens_per_rank=M, "
+                                         r"num_experts=E\)"):
+        ffi_backend.ll_dispatch_send(x, idx, _cfg())
+    y = jnp.zeros((E // R, R * M, H), jnp.bfloat16)
+    fr = jnp.zeros((E // R, R), jnp.int32)
+    with pytest.raises(ValueError, match="low-latency area"):
+        ffi_backend.ll_combine_send(y, fr, fr, M * K, _cfg())
+
+
+def test_gpu_area_too_small_names_what_does_not_fit(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jcuda, "_ll_area", dict(num_ranks=R, max_tokens_per_rank=M, topk=K,
+                                                num_experts=E, row_bytes=H * 2, bytes=1))
+    ok = (jnp.zeros((M, H), jnp.bfloat16), jnp.zeros((M, K), jnp.int32))
+    cases = [(ok, _cfg(Mn=2 * M), "max_tokens_per_rank=16 exceeds the area's 8"),
+             (ok, _cfg(En=2 * E), "num_experts=16, the area's 8"),
+             ((ok[0].astype(jnp.float32), ok[1]), _cfg(), "rows of 64 bytes exceed"),
+             ((ok[0], jnp.zeros((M, K + 1), jnp.int32)), _cfg(), "topk=4 exceeds")]
+    for (x, idx), cfg, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ffi_backend.ll_dispatch_send(x, idx, cfg)
+
+
+def test_other_accelerators_are_not_implemented(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with pytest.raises(NotImplementedError, match="ll_"):
+        ffi_backend.ll_dispatch_send(jnp.zeros((M, H)), jnp.zeros((M, K), jnp.int32), _cfg())
