@@ -15,6 +15,11 @@ Mode "hierarchical" (kernels/internode/hierarchical_kernels.cu) calls
 and results plus a `gpus_per_node` attribute (its combine also takes the handle's
 src_index[C]); `internode_mode` says which runs.
 
+The low-latency mode (`jax_ep.low_latency`) calls `jax_ep_internode_ll_dispatch_send` /
+`_recv` and `jax_ep_internode_ll_combine_send` / `_recv` (kernels/internode/
+low_latency_kernels.cu): direct per-expert puts into a symmetric area that
+`nvshmem_bootstrap.initialize(low_latency=...)` allocates; see docs/low_latency.md.
+
 The kernels' handle is (counts[R, R], send_slot[T, R]), where send_slot is a token's
 position among the rows this rank sends each receiver. The contract's `send_row` (the row
 it occupies there, -1 where not sent or dropped) is derived from them here; both go in

@@ -444,3 +444,22 @@ def test_third_send_in_flight_times_out_instead_of_overwriting():
     assert not res.hang and res.violations == []
     for r in range(R):
         assert res.errors[r]["code"] == "timeout" and res.errors[r]["kind"] == "credit"
+
+
+@pytest.mark.parametrize("P,Q", [(1, 1), (2, 1), (2, 2), (2, 4), (4, 2), (1, 3)])
+def test_sender_qp_choice_and_reader_counts_agree(P, Q):
+    """The kernels' sender puts row j on row_qp(reader, j); the reader waits for
+    rows_on_qp(rows, reader, q) on each QP (both from low_latency_wire.h): they must agree
+    for every stream length and reader, and every QP must be used once rows >= QPs."""
+    from low_latency_sim import row_qp, rows_on_qp
+    for reader in range(9):
+        for rows in (0, 1, 2, 3, P * Q, P * Q + 1, 37):
+            per_qp = np.zeros(P * Q, np.int64)
+            for j in range(rows):
+                q = row_qp(reader, j, P, Q)
+                assert 0 <= q < P * Q
+                per_qp[q] += 1
+            want = [rows_on_qp(rows, reader, q, P, Q) for q in range(P * Q)]
+            assert per_qp.tolist() == want, (reader, rows)
+            if rows >= P * Q:
+                assert per_qp.min() >= 1
