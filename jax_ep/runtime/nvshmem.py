@@ -30,6 +30,11 @@ Memory: XLA preallocates a fraction of GPU memory (XLA_PYTHON_CLIENT_MEM_FRACTIO
 by default) before this runs; the symmetric heap must fit in the rest. `initialize`
 checks this from the device's memory stats and refuses with the fraction to set.
 
+Low-latency mode: `initialize(low_latency=dict(max_tokens_per_rank=M, hidden=H, topk=K,
+num_experts=E))` also allocates the internode low-latency area (`ll_area_bytes_for`), a
+second symmetric allocation made right after NVSHMEM starts; without the normal mode's
+limits the heap halves are made as small as they go.
+
 Exit: nothing collective runs at exit (a barrier there hangs if a peer died); call
 `finalize()` explicitly, on every process, to stop NVSHMEM earlier.
 """
@@ -331,6 +336,10 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
     import jax
 
     with _lock:
+        if heap_bytes is None and low_latency is not None and (max_tokens, hidden,
+                                                                 topk) == (None,) * 3:
+            # only the low-latency mode: the normal mode's halves at their smallest
+            max_tokens, hidden, topk = 1, 1, 1
         if heap_bytes is None:
             if None in (max_tokens, hidden, topk):
                 raise ValueError("give heap_bytes, or max_tokens, hidden and topk "

@@ -313,3 +313,18 @@ def test_global_view_partitions_into_internode_ll_calls(forced, tmp_path):
         ("jax_ep_internode_ll_dispatch_recv", 1), ("jax_ep_internode_ll_dispatch_send", 1)]
     for (a,) in calls.values():
         assert {k: a[k] for k in BASE} == BASE
+
+
+def test_bootstrap_for_the_low_latency_mode_only(monkeypatch):
+    from jax_ep.runtime import nvshmem as rt
+    monkeypatch.setattr(rt, "_state", None)
+    monkeypatch.setattr(rt, "_check_one_process_per_gpu", lambda: None)
+    fake = _FakeRuntime()
+    lim = dict(max_tokens_per_rank=8, hidden=64, topk=2, num_experts=4, dtype="float32")
+    st = rt.initialize(num_ranks=2, runtime=fake, client=_FakeClient(), environ={},
+                       low_latency=lim)
+    assert st.heap_bytes == rt.heap_bytes_for(num_ranks=2, max_tokens=1, hidden=1, topk=1)
+    assert fake.calls[1] == ("ll_init", 1, 8, 256, 2, 4)
+    monkeypatch.setattr(rt, "_state", None)
+    with pytest.raises(ValueError, match="give heap_bytes"):
+        rt.initialize(num_ranks=2, runtime=fake, client=_FakeClient(), environ={})
