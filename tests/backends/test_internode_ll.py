@@ -328,3 +328,23 @@ def test_bootstrap_for_the_low_latency_mode_only(monkeypatch):
     monkeypatch.setattr(rt, "_state", None)
     with pytest.raises(ValueError, match="give heap_bytes"):
         rt.initialize(num_ranks=2, runtime=fake, client=_FakeClient(), environ={})
+
+
+def test_hot_path_has_no_host_sync_or_allocation():
+    """The per-call host code of the four targets never waits for the device nor
+    allocates (the area is allocated once at start), and each handler is declared
+    command-buffer compatible."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2]
+    src = (root / "kernels" / "internode" / "low_latency_kernels.cu").read_text()
+    for fn in ("std::string DispatchSend(", "std::string DispatchRecv(",
+               "std::string CombineSend(", "std::string CombineRecv(", "std::string MakeG("):
+        body = src[src.index(fn):]
+        body = body[:body.index("\n}\n")]
+        for bad in ("Synchronize", "cudaMemcpy", "cudaMalloc", "nvshmem_malloc",
+                    "nvshmem_barrier"):
+            assert bad not in body, (fn, bad)
+    handlers = (root / "xla_ffi" / "internode" / "low_latency_handlers.cc").read_text()
+    assert handlers.count("{ffi::Traits::kCmdBufferCompatible}") == 4
+    for name in ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"):
+        assert f'"jax_ep_internode_ll_{name}"' in handlers
