@@ -124,10 +124,11 @@ stage_tests() {
   local rc=0 r
   timeout -k 3 64 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/runtime/test_cuda.py \
     --junitxml="$WORK/s2.xml" || rc=1
-  # The low-latency kernels' harness test (its own file), in the time left.
-  echo "== low-latency harness (tests/test_low_latency.py -k cuda_harness)"
+  # The low-latency kernels' harness test and the one-rank real-rank path, in the time left.
+  echo "== low-latency harness and real rank (-k 'cuda_harness or real_rank')"
   timeout -k 2 18 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_low_latency.py \
-    -k cuda_harness --junitxml="$WORK/s2_low_latency.xml"
+    tests/runtime/test_cuda_low_latency.py -k "cuda_harness or real_rank" \
+    --junitxml="$WORK/s2_low_latency.xml"
   r=$?
   [ "$r" = 0 ] || [ "$r" = 5 ] || rc=1  # 5: no such test in this tree
   return $rc
@@ -201,7 +202,7 @@ export -f stage_build stage_tests stage_multiprocess stage_internode stage_sanit
 describe() {
   case "$1" in
     1) echo "$PY -m pip install --no-build-isolation --no-deps --no-index -e . (JAX_EP_CUDA=ON), then build_info()" ;;
-    2) echo "$PY -m pytest -m gpu tests/runtime/test_cuda.py; tests/test_low_latency.py -k cuda_harness" ;;
+    2) echo "$PY -m pytest -m gpu tests/runtime/test_cuda.py; tests/test_low_latency.py tests/runtime/test_cuda_low_latency.py -k 'cuda_harness or real_rank'" ;;
     3) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k 'not internode' (CUDA MPS started if available)" ;;
     4) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k internode (skipped without NVSHMEM)" ;;
     5) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PY scripts/gpu_sanitize_run.py" ;;

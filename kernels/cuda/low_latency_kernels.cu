@@ -147,11 +147,14 @@ __global__ void ll_dispatch_plan(LowLatencyArgs a) {
   const int half = ll_half(epoch);
   for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
     const int32_t g = a.topk_idx[i];
-    bool bad = g < -1 || g >= E;
+    const bool outside = g < -1 || g >= E;
+    bool repeated = false;
     const int t = i / a.K, k = i % a.K;
-    for (int j = 0; j < k && !bad; ++j) bad = g >= 0 && a.topk_idx[t * a.K + j] == g;
-    if (bad) {
-      ll_report(a, kErrBadTopkId, t, k, g, E);
+    for (int j = 0; j < k && !outside && g >= 0; ++j)
+      repeated = repeated || a.topk_idx[t * a.K + j] == g;
+    if (outside || repeated) {
+      // d = -1: the id repeats an earlier slot of its token (DescribeError says so).
+      ll_report(a, kErrBadTopkId, t, k, g, outside ? E : -1);
       any_bad = 1;
     }
     pos[i] = -1;

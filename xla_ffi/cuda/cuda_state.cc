@@ -126,8 +126,13 @@ std::string DescribeError(const ErrorRecord& e, int ordinal) {
   s << "jax_ep: ";
   switch (e.code) {
     case kErrBadTopkId:
-      s << "topk_idx[" << e.a << ", " << e.b << "] = " << e.c << " is outside [-1, " << e.d
-        << ") (num_experts=" << e.d << ")";
+      if (e.d < 0)  // low-latency mode: an id repeated within one token
+        s << "jax_ep.low_latency: topk_idx[" << e.a << ", " << e.b << "] = " << e.c
+          << " names an expert an earlier slot of token " << e.a << " names (duplicate ids "
+          << "in one token's top-k)";
+      else
+        s << "topk_idx[" << e.a << ", " << e.b << "] = " << e.c << " is outside [-1, " << e.d
+          << ") (num_experts=" << e.d << ")";
       break;
     case kErrTimeout:
       s << "timed out in " << OpName(e.b) << " waiting for rank " << e.a << " (epoch " << e.c
