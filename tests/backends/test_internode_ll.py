@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_ep
 from jax_ep import _ext, low_latency as ll, nvshmem_bootstrap, ops
 from jax_ep.backends import internode
 from jax_ep.network.transport import TransportConfig
@@ -225,7 +224,7 @@ def test_area_does_not_depend_on_tokens_and_has_the_expected_big_terms():
                                             topk=8, num_experts=256)
     row = 7168 * 2
     recv = 2 * 256 * 128 * (row + 16)               # two buffers of E * M dispatch rows
-    back = 3 * 32 * 128 * min(8, 8) * row           # staging + two buffers of R * M * min(K, E_local)
+    back = 3 * 32 * 128 * min(8, 8) * row           # stage + 2 x R * M * min(K, E_local)
     stage = 128 * 8 * (row + 16)                    # M * K staged tokens
     assert recv + back + stage < a < recv + back + stage + 2**20
 

@@ -86,7 +86,8 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   if (!RowDtype(x.element_type(), &d))
     return Invalid("x must have a 1, 2 or 4-byte element type (float32, bfloat16, float16, "
                    "float8, scales), got another");
-  if (x.dimensions().size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(x.dimensions()));
+  if (x.dimensions().size() != 2)
+    return Invalid("x must be [tokens, hidden], got " + Dims(x.dimensions()));
   d.S = static_cast<int>(x.dimensions()[0]);
   d.H = x.dimensions()[1];
   if (idx.dimensions().size() != 2 || idx.dimensions()[0] != d.S)
@@ -169,10 +170,12 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
   if (e.failure()) return e;
   if (!FloatKindOf(out->element_type(), &d.elem) || !RowDtype(out->element_type(), &d))
     return Invalid("out must be float32, bfloat16 or float16");
-  if (idx.dimensions().size() != 2) return Invalid("topk_idx must be [tokens, k], got " + Dims(idx.dimensions()));
+  if (idx.dimensions().size() != 2)
+    return Invalid("topk_idx must be [tokens, k], got " + Dims(idx.dimensions()));
   d.S = static_cast<int>(idx.dimensions()[0]);
   d.K = static_cast<int>(idx.dimensions()[1]);
-  if (out->dimensions().size() != 2) return Invalid("out must be [tokens, hidden], got " + Dims(out->dimensions()));
+  if (out->dimensions().size() != 2)
+    return Invalid("out must be [tokens, hidden], got " + Dims(out->dimensions()));
   d.H = out->dimensions()[1];
   JEP_LL_EXPECT("token", token, 2);
   JEP_LL_EXPECT("topk_weights", w, d.S, d.K);
