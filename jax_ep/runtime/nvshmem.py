@@ -97,6 +97,8 @@ class ExtensionRuntime:
                                int(num_qps), bool(use_qp_api), bool(adopt))
 
     def finalize(self):
+        if hasattr(self._ext, "ll_internode_finalize"):
+            self._ext.ll_internode_finalize()  # the low-latency area, if allocated
         self._ext.nvshmem_finalize()
 
     def ll_init(self, world, max_tokens, row_bytes, topk, num_experts):

@@ -675,6 +675,14 @@ std::string Init(int num_ranks, int max_tokens, int64_t row_bytes, int topk, int
 
 Limits GetLimits() { return g_ll.lim; }
 
+std::string Finalize() {
+  if (!g_ll.lim.initialized) return {};
+  const std::string e = CudaErr(cudaDeviceSynchronize(), "finalize");
+  nvshmem_free(g_ll.area);
+  g_ll = State{};
+  return e;
+}
+
 std::string DispatchSend(cudaStream_t stream, const CallDims& d, const void* x,
                          const int32_t* topk_idx, int32_t* token) {
   G g;

@@ -65,6 +65,8 @@ struct Limits {
 // routing and E experts over the num_ranks PEs. "" on success.
 std::string Init(int num_ranks, int max_tokens, int64_t row_bytes, int topk, int num_experts);
 Limits GetLimits();
+// Collective: frees the area (before internode::Finalize stops NVSHMEM). "" on success.
+std::string Finalize();
 
 // One call's shape. S staged tokens (S <= M * K), K' = topk of the staged routing.
 struct CallDims {

@@ -77,6 +77,11 @@ void AddLowLatencyWireBindings(nb::module_& m) {
         ll_internode::Init(num_ranks, max_tokens, row_bytes, topk, num_experts);
     if (!e.empty()) throw std::runtime_error(e);
   });
+  // Collective: frees the area; jax_ep.nvshmem_bootstrap.finalize calls it first.
+  m.def("ll_internode_finalize", []() {
+    const std::string e = ll_internode::Finalize();
+    if (!e.empty()) throw std::runtime_error(e);
+  });
   m.def("ll_internode_info", []() {
     nb::dict d;
     const ll_internode::Limits l = ll_internode::GetLimits();
