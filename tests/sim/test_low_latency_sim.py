@@ -463,3 +463,39 @@ def test_sender_qp_choice_and_reader_counts_agree(P, Q):
             assert per_qp.tolist() == want, (reader, rows)
             if rows >= P * Q:
                 assert per_qp.min() >= 1
+
+
+def _one_combine(mutate, R=4, E=8, M=4, K=2, H=2, seed=6):
+    rng = np.random.default_rng(seed)
+    xs, idxs, ws = round_data(rng, R, E, M, K, H)
+    d = model_dispatch(xs, idxs, E, M)
+    el, rpd = E // R, M * min(K, E // R)
+    steps = []
+    for r in range(R):
+        count = np.array([[[s for s, _ in d[r]["rows"][e]].count(s) for s in range(R)]
+                          for e in range(el)], np.int32)
+        first = (np.cumsum(count, 1) - count).astype(np.int32)
+        steps.append([{"do": "combine_send", "y": d[r]["recv_x"], "first_row": first,
+                       "row_count": count, "rows_per_dest": rpd, "name": "c"},
+                      {"do": "combine_recv", "name": "c", "idx": idxs[r], "w": ws[r],
+                       "rows_per_dest": rpd}])
+    mutate(steps)
+    return Sim(R, E, M, H, seed=seed, timeout=2000).simulate(steps)
+
+
+def test_combine_owner_skipping_times_out_on_every_source():
+    res = _one_combine(lambda st: st[1].clear())
+    assert not res.hang
+    for r in (0, 2, 3):
+        assert (res.errors[r]["code"], res.errors[r]["peer"]) == ("timeout", 1), res.errors[r]
+
+
+def test_combine_with_a_bad_handle_fails_every_rank():
+    def bad(st):
+        st[0][0]["row_count"] = st[0][0]["row_count"].copy()
+        st[0][0]["row_count"][0, 0] = 99  # more rows than M
+    res = _one_combine(bad)
+    assert res.errors[0]["code"] == "bad_handle"
+    for r in (1, 2, 3):
+        assert res.errors[r] == {"code": "peer_failed", "peer": 0, "rank": r}
+    assert res.violations == []
