@@ -180,6 +180,9 @@ __global__ void ll_dispatch_plan(LowLatencyArgs a) {
         reinterpret_cast<int32_t*>(ll_at(a, r, a.L.counts_off + half * a.L.counts_half));
     counts[e * R + a.me] = c < a.M ? c : a.M;
   }
+  // The push kernel's arrival signal covers these counts too: make them visible to the
+  // owners before it (the signal's own fence orders only the push kernel's writes).
+  peer::fence_data();
 }
 
 // A warp per (token, slot): the token's row into its expert's slot on the owner. The
