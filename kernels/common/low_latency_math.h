@@ -74,8 +74,9 @@ JEP_HD uint64_t ll_epoch_from_low(uint64_t seq, int32_t low) {
 }
 
 // 64-bit tag of one low-latency call: a rank writes it before each arrival signal and the
-// receiver compares it with its own, so calls with other shapes (or another call site)
-// never mix. Never 0 (an empty word) nor -1 (kSiteFailed).
+// receiver compares it with its own, so calls with other shapes, dtype (folded into
+// `kind` by the caller) or call site never mix. Never 0 (an empty word) nor -1
+// (kSiteFailed).
 JEP_HD uint64_t ll_mix(uint64_t h, uint64_t v) {
   h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
   h *= 0xff51afd7ed558ccdull;

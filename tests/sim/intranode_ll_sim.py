@@ -262,7 +262,7 @@ class World:
         h = self._half(n)
         self.epochs[(me, id(call))] = n & EPOCH_MASK
         x, idx = call.x, call.idx
-        tag = self._tag(call, ("d", x.shape[0], x.shape[1], idx.shape[1], M))
+        tag = self._tag(call, ("d", x.shape[0], x.shape[1], idx.shape[1], M, x.dtype.str))
         buf.my_tag["d"][h] = tag
         pos, cnt, bad = positions(idx, S.E, M)
         for t, k, g in bad:
@@ -405,7 +405,7 @@ class World:
         h = self._half(n)
         self.epochs[(me, id(call))] = n & EPOCH_MASK
         y = call.y
-        tag = self._tag(call, ("c", y.shape[-1], M))
+        tag = self._tag(call, ("c", y.shape[-1], M, y.dtype.str))
         buf.my_tag["c"][h] = tag
         fr, rc = call.first_row, call.row_count
         ok = bool(np.all(fr >= 0) and np.all(rc >= 0) and np.all(fr + rc <= R * M))

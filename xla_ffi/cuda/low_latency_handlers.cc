@@ -325,6 +325,10 @@ LowLatencyArgs RankArgs(const CudaDomain& d, int ordinal) {
   return a;
 }
 
+// The op kind and the rows' element type, folded into a call tag: ranks whose calls
+// differ only in dtype (bfloat16 and float16 rows have the same size) never mix.
+int TagKind(int op, ffi::DataType t) { return op | (static_cast<int>(t) << 4); }
+
 ffi::Error LaunchRank(std::initializer_list<int> phases, const LowLatencyArgs& a,
                       cudaStream_t stream) {
   for (int phase : phases) {
@@ -362,7 +366,8 @@ ffi::Error RankDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   a.S = static_cast<int>(S);
   a.K = static_cast<int>(K);
   a.H = H;
-  a.tag = ll_call_tag(call_site, 0, S, K, max_tokens, static_cast<int64_t>(rb), num_experts);
+  a.tag = ll_call_tag(call_site, TagKind(0, x.element_type()), S, K, max_tokens,
+                      static_cast<int64_t>(rb), num_experts);
   a.x = x.untyped_data();
   a.topk_idx = topk_idx.typed_data();
   a.expert_count = expert_count->typed_data();
@@ -440,7 +445,8 @@ ffi::Error RankCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
   a.M = static_cast<int>(M);
   a.row_bytes = rb;
   a.H = H;
-  a.tag = ll_call_tag(call_site, 1, rows_per_dest, 0, M, static_cast<int64_t>(rb), el * R);
+  a.tag = ll_call_tag(call_site, TagKind(1, y.element_type()), rows_per_dest, 0, M,
+                      static_cast<int64_t>(rb), el * R);
   a.y = y.untyped_data();
   a.first_row = const_cast<int32_t*>(first_row.typed_data());
   a.row_count = const_cast<int32_t*>(row_count.typed_data());
