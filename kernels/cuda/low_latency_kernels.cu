@@ -65,11 +65,16 @@ __device__ void ll_check_rank(const LowLatencyArgs& a) {
 
 // Block-wide: waits for every peer's arrival of epoch n, then checks the epoch is exactly
 // n and each peer's tag is `mine`. Every block of a kernel reads the same flags and tags,
-// so all decide alike. Returns true when this block must move no data.
+// so all decide alike. Returns true when this block must move no data. With `bad_owners`
+// (combine), an owner that sent kLLTagBadHandle is reported and gets its bit set there:
+// its rows count as zero.
 __device__ bool ll_arrivals(const LowLatencyArgs& a, const uint64_t* arrive, const int64_t* tags,
-                            uint64_t n, int64_t mine, int op) {
+                            uint64_t n, int64_t mine, int op, uint32_t* bad_owners = nullptr) {
   __shared__ int bad;
-  if (threadIdx.x == 0) bad = 0;
+  if (threadIdx.x == 0) {
+    bad = 0;
+    if (bad_owners != nullptr) *bad_owners = 0;
+  }
   __syncthreads();
   for (int s = threadIdx.x; s < a.L.R; s += blockDim.x) {
     if (!ll_wait(a, &arrive[s], n, s, op)) {
@@ -84,6 +89,9 @@ __device__ bool ll_arrivals(const LowLatencyArgs& a, const uint64_t* arrive, con
     } else if (tag == kSiteFailed) {
       ll_report(a, kErrPeerFailed, s, op, 0, 0);
       bad = 1;
+    } else if (tag == kLLTagBadHandle && bad_owners != nullptr) {
+      ll_report(a, kErrBadHandle, s, -1, 0, op);
+      atomicOr(bad_owners, 1u << s);
     } else if (tag != mine) {
       ll_report(a, kErrCallSite, s, op, static_cast<int32_t>(tag), static_cast<int32_t>(mine));
       bad = 1;
@@ -283,17 +291,39 @@ __global__ void ll_dispatch_recv(LowLatencyArgs a) {
 
 // -------------------------------- combine --------------------------------
 
-// One block: the epoch, then every source's credit (it read our previous stage rows).
+// One block: the epoch, the handle's check (every entry inside y, at most rows_per_dest
+// rows per source), then every source's credit (it read our previous stage rows).
 __global__ void ll_combine_plan(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
+  const int el = a.L.experts_per_rank(), R = a.L.R;
+  const int64_t RM = static_cast<int64_t>(R) * a.M;
   __shared__ uint64_t epoch;
+  __shared__ int bad;
   if (threadIdx.x == 0) {
     epoch = h->seq_combine + 1;
     h->seq_combine = epoch;
     h->my_tag_combine[ll_half(epoch)] = a.tag;
     if (a.epoch_out != nullptr) *a.epoch_out = ll_epoch_low(epoch);
+    bad = 0;
   }
   __syncthreads();
+  for (int i = threadIdx.x; i < el * R; i += blockDim.x) {
+    const int32_t f = a.first_row[i], c = a.row_count[i];
+    if (f < 0 || c < 0 || f + c > RM) {
+      ll_report(a, kErrBadHandle, i / R, i % R, f < 0 || f > RM ? f : c, kOpLLCombine);
+      bad = 1;
+    }
+  }
+  for (int d = threadIdx.x; d < R; d += blockDim.x) {
+    int64_t rows = 0;
+    for (int e = 0; e < el; ++e) rows += a.row_count[e * R + d] > 0 ? a.row_count[e * R + d] : 0;
+    if (rows > a.L.rows_per_dest) {
+      ll_report(a, kErrBadHandle, -1, d, static_cast<int32_t>(rows), kOpLLCombine);
+      bad = 1;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) h->combine_bad_handle[ll_half(epoch)] = bad;
   ll_credits(a, h->credit_combine[ll_half(epoch)], epoch, kOpLLCombineCredit);
 }
 
@@ -308,33 +338,26 @@ __global__ void ll_combine_push(LowLatencyArgs a) {
   const uint64_t n = h->seq_combine;  // set by this epoch's plan kernel
   const int half = ll_half(n);
   const size_t cstage_off = a.L.cstage_off + half * a.L.cstage_half;
-  const bool skip = ll_failed();
+  const bool bad_handle = h->combine_bad_handle[half] != 0;  // checked by the plan kernel
+  const bool skip = ll_failed() || bad_handle;
   for (int64_t w = warp; w < el * RM && !skip; w += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int e = static_cast<int>(w / RM);
     const int64_t i = w % RM;
     int d = 0;
     for (; d < R; ++d) {
       const int32_t f = a.first_row[e * R + d], c = a.row_count[e * R + d];
-      if (f < 0 || c < 0 || f + c > RM) {
-        if (lane == 0) ll_report(a, kErrBadHandle, e, d, f, 1);
-        d = R;
-        break;
-      }
       if (i >= f && i < f + c) break;
     }
     if (d == R) continue;  // row past the counts
     const int64_t off = ll_stage_row(a.row_count + d, R, e, i - a.first_row[e * R + d]);
-    if (off >= a.L.rows_per_dest) {
-      if (lane == 0) ll_report(a, kErrBadHandle, e, d, static_cast<int32_t>(off), 1);
-      continue;
-    }
+    if (off >= a.L.rows_per_dest) continue;  // excluded by the plan's check
     const size_t at =
         cstage_off + (static_cast<size_t>(a.me) * a.L.rows_per_dest + off) * a.L.stride;
     warp_copy_row<true>(ll_at(a, d, at), static_cast<const char*>(a.y) + w * a.row_bytes,
                         a.row_bytes, lane);
   }
   ll_last_block(&h->done_combine, [&] {
-    const int64_t tag = ll_failed() ? kSiteFailed : a.tag;
+    const int64_t tag = ll_failed() ? kSiteFailed : (bad_handle ? kLLTagBadHandle : a.tag);
     for (int d = 0; d < R; ++d) {
       LowLatencyHeader* o = ll_header(a, d);
       store_volatile(&o->tag_combine[half][a.me], tag);
@@ -375,8 +398,9 @@ __global__ void ll_combine_recv(LowLatencyArgs a) {
   const uint64_t n = ll_recv_epoch(a, h->seq_combine);
   const int half = ll_half(n);
   ll_check_rank(a);
+  __shared__ uint32_t bad_owners;  // owners whose handle was foreign: their rows are zero
   const bool skip = ll_arrivals(a, h->arrive_combine[half], h->tag_combine[half], n,
-                                h->my_tag_combine[half], kOpLLCombine);
+                                h->my_tag_combine[half], kOpLLCombine, &bad_owners);
   const size_t cstage_off = a.L.cstage_off + half * a.L.cstage_half;
   const int el = a.L.experts_per_rank();
   const int32_t* pos = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.pos_c_off));
@@ -391,7 +415,7 @@ __global__ void ll_combine_recv(LowLatencyArgs a) {
         const int i = t * a.K + k;
         const int32_t g = a.topk_idx[i];
         const int p = pos[i];
-        if (g < 0 || p < 0) continue;
+        if (g < 0 || p < 0 || (bad_owners >> (g / el)) & 1u) continue;
         const int64_t row = offsets[g] + p;
         const char* src = ll_at(
             a, a.me,

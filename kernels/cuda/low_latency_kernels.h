@@ -31,9 +31,11 @@
 //             s (bounded), requires == n and every tag equal to its own, packs the slots
 //             into the XLA outputs (rows of source s at first_row[e, s], zero past the
 //             count); the last block then writes credit_d[h][r] = n on every source.
-//   combine   send (owner r): n = ++seq, own tag; waits credit_c[h][d] >= n - 2 from
-//             every source d; each row of y into its source's cstage[h][r]; the last block
-//             writes tag_c[h][r] then arrive_c[h][r] = n on every source.
+//   combine   send (owner r): n = ++seq, own tag; checks the handle (first_row/row_count
+//             inside y, at most rows_per_dest rows per source); waits credit_c[h][d] >=
+//             n - 2 from every source d; each row of y into its source's cstage[h][r]; the
+//             last block writes tag_c[h][r] (kLLTagBadHandle for a foreign handle, whose
+//             rows are not sent) then arrive_c[h][r] = n on every source.
 //             recv (source s): positions of its own routing, waits arrive_c[h][r] >= n for
 //             all r with the same checks, sums each token's rows k ascending (float32,
 //             rounded product, then add), casts; the last block credits every owner.
@@ -74,7 +76,11 @@ struct alignas(128) LowLatencyHeader {
   uint64_t credit_combine[2][kMaxRanks];   // by source d: it read epoch n's stage
   int64_t tag_dispatch[2][kMaxRanks];      // by source s before arrive_dispatch[h][s]
   int64_t tag_combine[2][kMaxRanks];       // by owner r before arrive_combine[h][r]
+  int32_t combine_bad_handle[2];           // combine plan: this epoch's handle is foreign
 };
+// Tag an owner sends when its combine's handle does not fit y: it moved no rows, and its
+// sources count them as zero and report the handle (no protocol error: the next call runs).
+constexpr int64_t kLLTagBadHandle = -2;
 // Fixed, so the host sizes the area without the struct (jax_ep.cuda.buffer_bytes).
 constexpr size_t kLowLatencyHeaderBytes = 4096;
 static_assert(sizeof(LowLatencyHeader) <= kLowLatencyHeaderBytes, "low-latency header too large");

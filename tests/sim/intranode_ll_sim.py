@@ -34,7 +34,9 @@ Planted mistakes (`plant=`) switch single pieces of the protocol off, so tests c
 each is caught: "no_dispatch_credit", "no_combine_credit", "credit_before_read",
 "flag_before_data", "stale_epoch", "no_timeout", "no_config_check", "single_half" (one
 data half with the double-buffered credit rule n - 2), "latest_epoch" (a receive half
-takes the last epoch sent instead of the one its send half handed over).
+takes the last epoch sent instead of the one its send half handed over),
+"silent_bad_handle" (an owner with a foreign combine handle sends no rows but its normal
+tag, so its sources read rows nobody wrote).
 
 Programs are lists of `Call`s (the send half, then the receive half) or of ("send", Call)
 / ("recv", Call) pairs, so send halves can be in flight together and receive halves can
@@ -49,9 +51,10 @@ import numpy as np
 
 PLANTS = ("no_dispatch_credit", "no_combine_credit", "credit_before_read",
           "flag_before_data", "stale_epoch", "no_timeout", "no_config_check", "single_half",
-          "latest_epoch")
+          "latest_epoch", "silent_bad_handle")
 EPOCH_MASK = 0x7fffffff
 FAILED = "failed"  # tag a rank with a protocol error sends in place of its own
+BAD_HANDLE = "bad_handle"  # tag of an owner whose combine handle does not fit y
 
 # Error codes, as kernels/cuda/intranode_buffer.h names them.
 ERR_BAD_ID, ERR_TIMEOUT, ERR_BAD_HANDLE, ERR_CALL_SITE, ERR_PEER_FAILED = (
@@ -369,10 +372,12 @@ class World:
         return epoch_from_low(seq, self.epochs.pop((rank.me, id(call))))
 
     def _check_arrivals(self, rank, kind, h, n):
-        """After the waits: every peer's arrival is exactly epoch n, with this call's tag."""
+        """After the waits: every peer's arrival is exactly epoch n, with this call's tag.
+        Returns the owners that sent BAD_HANDLE (combine): their rows count as zero."""
         buf = self.bufs[rank.me]
+        bad_owners = set()
         if rank.failed():
-            return
+            return bad_owners
         for p in range(self.s.R):
             got = buf.arrive[kind][h][p]
             if got != n and "stale_epoch" not in self.plant:
@@ -383,8 +388,12 @@ class World:
                 continue
             if tag == FAILED:
                 rank.record(ERR_PEER_FAILED, p, kind)
+            elif tag == BAD_HANDLE and kind == "c":
+                rank.record(ERR_BAD_HANDLE, p)
+                bad_owners.add(p)
             elif tag != buf.my_tag[kind][h]:
                 rank.record(ERR_CALL_SITE, p, kind, tag, buf.my_tag[kind][h])
+        return bad_owners
 
     def _credit(self, rank, kind, n):
         """The reader is done with epoch n of every writer's region: credit each writer."""
@@ -419,7 +428,8 @@ class World:
                 yield from self._wait(rank, lambda d=d: buf.credit["c"][h][d] >= n - 2, d,
                                       "combine credit", n)
         moving = not rank.failed() and ok
-        send_tag = tag if not rank.failed() else FAILED
+        silent = "silent_bad_handle" in self.plant
+        send_tag = FAILED if rank.failed() else (tag if ok or silent else BAD_HANDLE)
         writes = []
         if moving:
             for d in range(R):
@@ -456,7 +466,7 @@ class World:
         for r in self.rng.sample(range(R), R):
             yield from self._wait(rank, lambda r=r: buf.arrive["c"][h][r] >= need, r,
                                   "combine arrival", n)
-        self._check_arrivals(rank, "c", h, n)
+        bad_owners = self._check_arrivals(rank, "c", h, n)
         out = np.zeros((idx.shape[0], H), call.y.dtype)
         credit_early = "credit_before_read" in self.plant
         if credit_early:
@@ -472,7 +482,7 @@ class World:
                 acc = np.zeros(H, np.float32)
                 for k in range(idx.shape[1]):
                     g, p = int(idx[t, k]), int(pos[t, k])
-                    if g < 0 or p < 0:
+                    if g < 0 or p < 0 or g // el in bad_owners:
                         continue
                     v = self._read(buf.cstage, (h, g // el, int(start[g]) + p), me, n,
                                    g // el, tag, "stage row")

@@ -40,7 +40,8 @@ def np_dispatch(x, idx, E_, M_):
     return res
 
 
-def np_combine(ys, idx, w, model):
+def np_combine(ys, idx, w, model, zero_owners=()):
+    """Per source rank out[T, H]; rows of `zero_owners` count as zero (skipped)."""
     Rn, Tn, Kn = idx.shape
     el = ys[0].shape[0]
     outs = []
@@ -53,6 +54,8 @@ def np_combine(ys, idx, w, model):
                 if g < 0:
                     continue
                 r, e = g // el, g % el
+                if r in zero_owners:
+                    continue
                 j = sum(g in idx[s, u] for u in range(t))
                 row = model[r]["first_row"][e, s] + j
                 acc = acc + np.float32(w[s, t, k]) * ys[r][e, row].astype(np.float32)
@@ -214,6 +217,36 @@ def test_a_skipped_call_is_a_site_mismatch():
     assert w.ranks[3].error[0] in (S.ERR_CALL_SITE, S.ERR_PEER_FAILED, S.ERR_TIMEOUT)
 
 
+def _foreign_handle_programs():
+    """Rank 1's first combine gets a handle that does not fit its y."""
+    programs, want = make_calls(10, ["random", "random"])
+    model, _, ds, cs = want[0]
+    bad = cs[1]
+    rc = bad.row_count.copy()
+    rc[0, 0] = R * M + 1  # a row count beyond y: not this dispatch's handle
+    programs[1] = [x if x is not bad else S.Call("combine", y=bad.y, idx=bad.idx, w=bad.w,
+                                                 first_row=bad.first_row, row_count=rc,
+                                                 site=bad.site)
+                   for x in programs[1]]
+    return programs, want, model, cs
+
+
+def test_foreign_combine_handle_counts_as_zero_everywhere_and_is_not_sticky():
+    programs, want, model, cs = _foreign_handle_programs()
+    w = S.simulate(SETUP, programs, seed=10)
+    assert w.findings == []
+    assert all(rk.error[0] == S.ERR_BAD_HANDLE for rk in w.ranks)
+    idx = np.stack([c.idx for c in cs])
+    wts = np.stack([c.w for c in cs])
+    zeroed = np_combine([c.y for c in cs], idx, wts, model, zero_owners=(1,))
+    for rk in w.ranks:
+        got = rk.results[1]["out"]
+        np.testing.assert_array_equal(got.view(np.uint8), zeroed[rk.me].view(np.uint8))
+        for key, v in want[1][0][rk.me].items():  # the next call is exact again
+            np.testing.assert_array_equal(rk.results[2][key], v)
+        np.testing.assert_array_equal(rk.results[3]["out"], want[1][1][rk.me])
+
+
 def test_bad_id_is_reported_and_others_finish():
     programs, _ = make_calls(6, ["random"])
     idx = programs[0][0].idx.copy()
@@ -280,6 +313,12 @@ def test_planted_missing_config_check_mixes_shapes():
     programs[1][0] = S.Call("dispatch", x=c.x[:, :H // 2].copy(), idx=c.idx, site=c.site)
     w = S.simulate(SETUP, programs, seed=4, plant=("no_config_check",))
     assert any(f.startswith("mixed configs") for f in w.findings)
+
+
+def test_planted_silent_bad_handle_reads_unwritten_rows():
+    programs, _, _, _ = _foreign_handle_programs()
+    w = S.simulate(SETUP, programs, seed=10, plant=("silent_bad_handle",))
+    assert any(f.startswith("read before written/stale") for f in w.findings)
 
 
 def test_unknown_plant_is_rejected():

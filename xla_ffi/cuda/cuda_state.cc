@@ -139,8 +139,18 @@ std::string DescribeError(const ErrorRecord& e, int ordinal) {
         << "); a peer did not take part in the call (raise JAX_EP_TIMEOUT_S if it is slow)";
       break;
     case kErrBadHandle:
-      s << OpName(e.d) << ": handle.src_rank/src_index or send_row out of range (entry " << e.a
-        << ", rank " << e.b << ", value " << e.c << "); the handle does not belong to this call";
+      if (e.d == 9 && e.b < 0)  // a source of a low-latency combine, told by owner e.a
+        s << "low-latency combine: rank " << e.a << " was given a handle.first_row/row_count "
+          << "that does not fit its y and sent no rows (they count as zero); the handle "
+          << "does not belong to this call";
+      else if (e.d == 9)
+        s << "low-latency combine: handle.first_row/row_count do not fit y (local expert "
+          << e.a << " (-1: all), source rank " << e.b << ", value " << e.c
+          << "); the handle does not belong to this call";
+      else
+        s << OpName(e.d) << ": handle.src_rank/src_index or send_row out of range (entry "
+          << e.a << ", rank " << e.b << ", value " << e.c
+          << "); the handle does not belong to this call";
       break;
     case kErrRankMismatch:
       s << "the rank/group passed to the op (rank " << e.a << ", group " << e.c
