@@ -202,6 +202,26 @@ def test_cuda_registers_the_cpu_target_names():
     assert harness <= set(regs["CUDA"])
 
 
+@needs_bindings
+@pytest.mark.parametrize("record, text", [
+    ((2, 1, 3, 10, 5, 0), "timed out in low-latency dispatch (waiting for an owner's credit) "
+                          "waiting for rank 3 (epoch 5)"),
+    ((2, 0, 1, 9, 7, 0), "timed out in low-latency combine waiting for rank 1 (epoch 7)"),
+    ((5, 2, 0, 8, 11, 12), "low-latency dispatch: rank 0 is in another EP call"),
+    ((6, 2, 3, 9, 0, 0), "low-latency combine: rank 3 had an error and moved no data"),
+    ((1, 0, 4, 1, 2, -1), "topk_idx[4, 1] = 2 names an expert an earlier slot of token 4"),
+    ((1, 0, 4, 1, 9, 8), "topk_idx[4, 1] = 9 is outside [-1, 8)"),
+    ((3, 1, 2, -1, 0, 9), "low-latency combine: rank 2 was given a handle.first_row/row_count"),
+    ((3, 1, 0, 1, 99, 9), "low-latency combine: handle.first_row/row_count do not fit y"),
+])
+def test_device_errors_read_as_the_low_latency_mode(record, text):
+    """What jax_ep.cuda.check_errors() says for the records the low-latency kernels write
+    (code, rank, a, b, c, d as in kernels/cuda/low_latency_kernels.cu)."""
+    msg = _ext.ext.cuda_describe_error(*record)
+    assert text in msg, msg
+    assert msg.endswith(f"[GPU 0, rank {record[1]}]")
+
+
 # ----------------------------------------------------------------------------- sizes
 
 def test_buffer_bytes_low_latency_area():

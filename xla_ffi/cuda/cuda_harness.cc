@@ -317,6 +317,18 @@ int64_t LowLatencyStageRow(int e, int64_t p, std::vector<int32_t> per_expert) {
   return ll_stage_row(per_expert.data(), 1, e, p);
 }
 
+// The text check_errors() gives for a device error record (for tests of the messages).
+std::string DescribeRecord(int code, int rank, int a, int b, int c, int d, int ordinal) {
+  ErrorRecord e{};
+  e.code = code;
+  e.rank = rank;
+  e.a = a;
+  e.b = b;
+  e.c = c;
+  e.d = d;
+  return DescribeError(e, ordinal);
+}
+
 }  // namespace
 
 void DefineCudaBindings(void* module) {
@@ -329,6 +341,9 @@ void DefineCudaBindings(void* module) {
   m.def("cuda_set_domain", &SetDomain, nb::arg("ordinal"), nb::arg("rank"), nb::arg("group"),
         nb::arg("num_ranks"), nb::arg("peers"), nb::arg("area_bytes"),
         nb::arg("ll_shape") = std::vector<int64_t>{});
+  m.def("cuda_describe_error", &DescribeRecord, nb::arg("code"), nb::arg("rank"), nb::arg("a"),
+        nb::arg("b"), nb::arg("c"), nb::arg("d"), nb::arg("ordinal") = 0,
+        "The message check_errors() gives for a device error record.");
   m.def("cuda_ll_layout", &LowLatencyAreaLayout, nb::arg("num_ranks"), nb::arg("max_tokens"),
         nb::arg("row_bytes"), nb::arg("topk"), nb::arg("num_experts"),
         "Offsets and bytes of the low-latency area (kernels/cuda/low_latency_kernels.h).");
