@@ -1,5 +1,5 @@
 """Pieces every benchmark (`jax_ep.bench`, `bench_layer`, `bench_low_latency`) uses: the
-CPU device count and the host memcpy floor."""
+CPU device count, the host memcpy floor and a device copy floor."""
 from __future__ import annotations
 
 import os
@@ -59,3 +59,26 @@ def measure_memcpy(total_bytes: int, repeats: int = 5, threads=None) -> dict:
             "method": "numpy.copyto of uint8 buffers, 1 thread and one per CPU core; "
                       "bytes copied (counted once) per second; the faster is used",
             "bytes": int(total_bytes)}
+
+
+def measure_device_copy(total_bytes: int, repeats: int = 5) -> dict:
+    """Copy bandwidth of one device of JAX's default backend (for GPUs, where the host's
+    memcpy is the wrong floor): a jitted reversal of a float32 array, which must read and
+    write every byte; GB/s counts each copied byte once."""
+    import jax
+    import jax.numpy as jnp
+
+    dev = jax.devices()[0]
+    n = max(total_bytes // 4, 1 << 18)
+    x = jax.device_put(jnp.ones((n,), jnp.float32), dev)
+    f = jax.jit(lambda a: a[::-1])
+    jax.block_until_ready(f(x))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        times.append(time.perf_counter() - t0)
+    gbps = 4 * n / statistics.median(times) / 1e9
+    return {"GBps": gbps, "method": f"jitted reversal of a float32 array on {dev.platform} "
+                                    "device 0; bytes copied (counted once) per second",
+            "bytes": int(4 * n)}

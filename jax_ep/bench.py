@@ -55,7 +55,7 @@ import statistics
 import sys
 import time
 
-from jax_ep._bench_util import measure_memcpy, set_host_device_count
+from jax_ep._bench_util import measure_device_copy, measure_memcpy, set_host_device_count
 
 OPS = ("dispatch", "combine", "roundtrip", "roundtrip_fwd_bwd")
 # Multiples of rows * row_bytes that each op must move.
@@ -104,29 +104,6 @@ def op_bytes(rows: int, hidden: int, itemsize: int) -> dict:
     """Bytes each op must move for `rows` kept rows of `hidden` elements."""
     row_bytes = hidden * itemsize
     return {op: OP_ROW_FACTOR[op] * rows * row_bytes for op in OPS}
-
-
-def measure_device_copy(total_bytes: int, repeats: int = 5) -> dict:
-    """Copy bandwidth of one device of JAX's default backend (for GPUs, where the host's
-    memcpy is the wrong floor): a jitted reversal of a float32 array, which must read and
-    write every byte; GB/s counts each copied byte once."""
-    import jax
-    import jax.numpy as jnp
-
-    dev = jax.devices()[0]
-    n = max(total_bytes // 4, 1 << 18)
-    x = jax.device_put(jnp.ones((n,), jnp.float32), dev)
-    f = jax.jit(lambda a: a[::-1])
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    gbps = 4 * n / statistics.median(times) / 1e9
-    return {"GBps": gbps, "method": f"jitted reversal of a float32 array on {dev.platform} "
-                                    "device 0; bytes copied (counted once) per second",
-            "bytes": int(4 * n)}
 
 
 # ----------------------------------------------------------------------------- programs

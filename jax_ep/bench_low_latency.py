@@ -19,6 +19,11 @@ bytes copied per second, the faster of one thread and one per core):
                 row of its fixed [E_local, R * M, H] blocks (the rows, then zeros past the
                 counts), combine moves the rows; roundtrip adds both.
 The CPU target is the roundtrip within 3x its output floor.
+
+On a GPU machine with fewer GPUs than `--ranks` (or with `--virtual-ranks`), the ranks run
+on one GPU through the CUDA low-latency harness (`jax_ep.low_latency.harness_dispatch` /
+`harness_combine`: every rank's buffer on that GPU, each phase launched for every rank),
+backend `ffi` only; the floors then use that GPU's device-to-device copy bandwidth.
 """
 from __future__ import annotations
 
@@ -51,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--input-sets", type=int, default=2)
     p.add_argument("--memcpy-mib", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--virtual-ranks", action="store_true",
+                   help="GPU only: run the R ranks on one GPU through the CUDA harness")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
     if args.experts % args.ranks:
@@ -97,6 +104,37 @@ def _programs(mesh, backend, *, E, M):
             "combine": sm(f_combine), "roundtrip": sm(f_roundtrip)}
 
 
+def _harness_programs(*, E, M):
+    """The same ops through the CUDA virtual-rank harness, on inputs stacked per rank
+    ([R, T, ...]); combine takes the dispatch outputs in the order `_programs` uses."""
+    import jax
+
+    from jax_ep import fp8
+    from jax_ep import low_latency as ll
+
+    kw = dict(num_experts=E, max_tokens_per_rank=M)
+
+    def f_dispatch(x, idx):
+        return ll.harness_dispatch(x, idx, **kw)
+
+    def f_dispatch_fp8(x, idx):
+        # Rows move as bytes: the FP8 values and their scales as two dispatches.
+        q, s = fp8.quantize(x, block=ll.FP8_BLOCK)
+        rq, cnt = ll.harness_dispatch(q, idx, **kw)[:2]
+        return rq, ll.harness_dispatch(s, idx, **kw)[0], cnt
+
+    def f_combine(y, idx, w, src_rank, src_index, first, count):
+        del src_rank, src_index  # the harness keeps them in its buffers
+        return ll.harness_combine(y, idx, w, first, count, **kw)
+
+    def f_roundtrip(x, idx, w):
+        recv, _, _, _, first, count = ll.harness_dispatch(x, idx, **kw)
+        return ll.harness_combine(recv, idx, w, first, count, **kw)
+
+    return {"dispatch": jax.jit(f_dispatch), "dispatch_fp8": jax.jit(f_dispatch_fp8),
+            "combine": jax.jit(f_combine), "roundtrip": jax.jit(f_roundtrip)}
+
+
 def _inputs(R, T, H, K, E, dtype, n_sets, seed):
     import numpy as np
 
@@ -130,7 +168,8 @@ def _time(fn, arg_sets, warmup, repeats):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from jax_ep._bench_util import measure_memcpy, set_host_device_count
+    from jax_ep._bench_util import (measure_device_copy, measure_memcpy,
+                                    set_host_device_count)
 
     set_host_device_count(args.ranks)
     import jax
@@ -140,11 +179,25 @@ def main(argv=None) -> dict:
 
     R, T, H, K, E = args.ranks, args.tokens, args.hidden, args.topk, args.experts
     M, el = T, E // R
-    if len(jax.devices()) < R:
-        raise SystemExit(f"jax_ep.bench --mode low_latency: {len(jax.devices())} devices "
-                         f"for --ranks {R}")
-    mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:R])
+    platform = jax.default_backend()
+    virtual = args.virtual_ranks
+    if virtual and platform != "gpu":
+        raise SystemExit(
+            "jax_ep.bench --mode low_latency: --virtual-ranks runs the ranks on one GPU "
+            f"through the CUDA harness, but JAX's default backend is {platform!r}; on CPU, "
+            f"--ranks {R} already gives {R} virtual devices: drop --virtual-ranks")
+    if not virtual and len(jax.devices()) < R:
+        if platform != "gpu":
+            raise SystemExit(f"jax_ep.bench --mode low_latency: {len(jax.devices())} "
+                             f"devices for --ranks {R}")
+        virtual = True
+        print(f"jax_ep.bench --mode low_latency: {len(jax.devices())} GPU(s) for --ranks "
+              f"{R}: running virtual ranks on GPU 0 (--virtual-ranks)", file=sys.stderr)
+    if virtual and not jax_ep.cuda.available():
+        raise SystemExit("jax_ep.bench --mode low_latency: --virtual-ranks needs a build "
+                         f"with the CUDA backend (built: {jax_ep.build_info()})")
+    mesh = None if virtual else jax.make_mesh(
+        (R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:R])
     dtype = jnp.dtype(args.dtype)
     itemsize = DTYPE_BYTES[args.dtype]
     row = H * itemsize
@@ -158,7 +211,9 @@ def main(argv=None) -> dict:
         "combine": (rows * row, rows * row),
         "roundtrip": (2 * rows * row, recv_bytes + rows * row),
     }
-    memcpy = measure_memcpy(args.memcpy_mib << 20)
+    # Host memcpy on CPU; on a GPU the device's own copy bandwidth.
+    memcpy = (measure_memcpy if platform == "cpu" else measure_device_copy)(
+        args.memcpy_mib << 20)
     results = []
     skipped = {}
     for b in [b.strip() for b in args.backends.split(",") if b.strip()]:
@@ -167,9 +222,17 @@ def main(argv=None) -> dict:
         except (NotImplementedError, ValueError) as e:
             skipped[b] = str(e)
             continue
-        progs = _programs(mesh, backend, E=E, M=M)
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep"))
-        put = [tuple(jax.device_put(a, sharding) for a in s) for s in sets]
+        if virtual and backend != "ffi":
+            skipped[backend] = "the CUDA harness runs the ffi (CUDA intranode) kernels only"
+            continue
+        if virtual:
+            progs = _harness_programs(E=E, M=M)
+            put = [tuple(jnp.asarray(a.reshape((R, T) + a.shape[1:])) for a in s)
+                   for s in sets]
+        else:
+            progs = _programs(mesh, backend, E=E, M=M)
+            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep"))
+            put = [tuple(jax.device_put(a, sharding) for a in s) for s in sets]
         for op in args.ops:
             if op == "combine":
                 comb = []
@@ -199,7 +262,7 @@ def main(argv=None) -> dict:
     report = {"config": {"ranks": R, "tokens_per_rank": T, "max_tokens_per_rank": M,
                          "hidden": H, "topk": K, "experts": E, "dtype": args.dtype,
                          "repeats": args.repeats, "warmup": args.warmup,
-                         "platform": jax.default_backend()},
+                         "platform": platform, "virtual_ranks": bool(virtual)},
               "memcpy": memcpy, "results": results}
     if skipped:
         report["skipped_backends"] = skipped

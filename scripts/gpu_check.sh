@@ -188,11 +188,15 @@ stage_sanitizer() {
 stage_bench() {
   local rc=0
   echo "== python -m jax_ep.bench --virtual-ranks (8 ranks on this GPU through the harness)"
-  timeout -k 2 30 "$PY" -m jax_ep.bench --virtual-ranks --ranks 8 --tokens 4096 --hidden 7168 \
+  timeout -k 2 26 "$PY" -m jax_ep.bench --virtual-ranks --ranks 8 --tokens 4096 --hidden 7168 \
     --topk 8 --experts 256 --dtype bfloat16 --repeats 3 --warmup 1 --input-sets 1 --no-progress \
     --json "$WORK/s6_bench.json" || rc=1
+  echo "== python -m jax_ep.bench --mode low_latency --virtual-ranks (decode shape, bf16 + fp8)"
+  timeout -k 2 16 "$PY" -m jax_ep.bench --mode low_latency --virtual-ranks --ranks 8 \
+    --tokens 128 --hidden 7168 --topk 8 --experts 256 --repeats 5 --warmup 1 \
+    --input-sets 1 --json "$WORK/s6_low_latency.json" || rc=1
   echo "== scripts/cuda_harness_bench.py (phase by phase, then concurrent streams)"
-  timeout -k 2 24 "$PY" scripts/cuda_harness_bench.py --iters 10 --concurrent \
+  timeout -k 2 16 "$PY" scripts/cuda_harness_bench.py --iters 10 --concurrent \
     --json "$WORK/s6_harness.json" || rc=1
   return $rc
 }
@@ -206,7 +210,7 @@ describe() {
     3) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k 'not internode' (CUDA MPS started if available)" ;;
     4) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k internode (skipped without NVSHMEM)" ;;
     5) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PY scripts/gpu_sanitize_run.py" ;;
-    6) echo "$PY -m jax_ep.bench --virtual-ranks ...; $PY scripts/cuda_harness_bench.py --concurrent" ;;
+    6) echo "$PY -m jax_ep.bench --virtual-ranks ...; $PY -m jax_ep.bench --mode low_latency --virtual-ranks ...; $PY scripts/cuda_harness_bench.py --concurrent" ;;
   esac
 }
 
