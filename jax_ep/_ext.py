@@ -14,10 +14,21 @@ else:
     _IMPORT_ERROR = None
 
 
-_GRAPH_SAFE = ("jax_ep_layout", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_gather",
-               # internode: no host sync either; errors go to a sticky record
-               "jax_ep_internode_dispatch", "jax_ep_internode_combine",
-               "jax_ep_internode_gather")
+# CUDA targets whose handlers never allocate or wait for the host (errors go to a sticky
+# device record), so XLA may capture them in CUDA graphs. The handlers declare the same
+# trait in C++; tests/test_registrations.py keeps the two lists equal.
+_GRAPH_SAFE = (
+    # intranode, normal and low-latency modes (real ranks; not the harness)
+    "jax_ep_layout", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_gather",
+    "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv",
+    "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv",
+    # internode: direct, hierarchical and low-latency
+    "jax_ep_internode_dispatch", "jax_ep_internode_combine", "jax_ep_internode_gather",
+    "jax_ep_internode_hier_dispatch", "jax_ep_internode_hier_combine",
+    "jax_ep_internode_hier_gather",
+    "jax_ep_internode_ll_dispatch_send", "jax_ep_internode_ll_dispatch_recv",
+    "jax_ep_internode_ll_combine_send", "jax_ep_internode_ll_combine_recv",
+)
 
 
 def _gpu_platform_present() -> bool:
