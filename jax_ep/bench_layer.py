@@ -19,7 +19,7 @@ peak = argument + output + temp - alias bytes. For the MoE, the run also reports
 top-k slots dropped on its routing (`aux["dropped"]`, the layer's own router at its
 initial weights on random normal tokens).
 
-Targets (issue 16): MoE fwd_bwd median <= 1.5x the dense one, peak memory <= 2x; the
+Targets: MoE fwd_bwd median <= 1.5x the dense one, peak memory <= 2x; the
 JSON's "targets" holds both ratios per capacity factor.
 """
 from __future__ import annotations

@@ -501,7 +501,7 @@ def test_global_view_cpu_handle_is_unchanged():
     assert len(jax.tree.leaves(h)) == 6
 
 
-# --------------------------------------------- ordering, reports, errors, packaging (issue 11)
+# --------------------------------------------- ordering, reports, errors, packaging
 
 def test_internode_calls_carry_distinct_call_sites(internode_forced):
     def f(x, idx, w):
