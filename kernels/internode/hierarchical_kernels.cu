@@ -49,6 +49,7 @@
 #include "kernels/common/dtype_convert.h"
 #include "kernels/common/layout_math.h"
 #include "kernels/common/striping_plan.h"
+#include "kernels/internode/device_copy.cuh"
 #include "kernels/internode/hierarchical_kernels.h"
 #include "kernels/internode/hierarchical_layout.h"
 #include "kernels/internode/internode_kernels.h"
@@ -207,19 +208,7 @@ __device__ __forceinline__ bool WarpWaitSig(const Geo& g, uint64_t* w, uint64_t 
   return __shfl_sync(kFull, ok, 0) != 0;
 }
 
-__device__ __forceinline__ void CopyBytes(char* dst, const char* src, int64_t n, int tid,
-                                          int stride) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
-  if ((a % 16) == 0 && (n % 16) == 0) {
-    for (int64_t i = tid; i < n / 16; i += stride)
-      reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
-  } else if ((a % 4) == 0 && (n % 4) == 0) {
-    for (int64_t i = tid; i < n / 4; i += stride)
-      reinterpret_cast<int32_t*>(dst)[i] = reinterpret_cast<const int32_t*>(src)[i];
-  } else {
-    for (int64_t i = tid; i < n; i += stride) dst[i] = src[i];
-  }
-}
+using devcopy::CopyBytes;
 
 // Row counts from a count matrix with row stride `cs`: first row of source s at d, and
 // the rows of s that d keeps under the capacity.

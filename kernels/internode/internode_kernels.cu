@@ -38,6 +38,7 @@
 #include <string>
 
 #include "kernels/common/dtype_convert.h"
+#include "kernels/internode/device_copy.cuh"
 #include "kernels/internode/internode_kernels.h"
 #include "kernels/internode/internode_layout.h"
 #include "kernels/common/layout_math.h"
@@ -185,24 +186,8 @@ __device__ bool WaitWord(const Geometry& g, uint64_t* w, uint64_t expect, int pe
   return true;
 }
 
-// Copies n bytes with the widest access both pointers allow; threads [tid, stride).
-__device__ __forceinline__ void CopyBytes(char* dst, const char* src, int64_t n, int tid,
-                                          int stride) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
-  if ((a % 16) == 0 && (n % 16) == 0) {
-    for (int64_t i = tid; i < n / 16; i += stride)
-      reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
-  } else if ((a % 4) == 0 && (n % 4) == 0) {
-    for (int64_t i = tid; i < n / 4; i += stride)
-      reinterpret_cast<int32_t*>(dst)[i] = reinterpret_cast<const int32_t*>(src)[i];
-  } else {
-    for (int64_t i = tid; i < n; i += stride) dst[i] = src[i];
-  }
-}
-
-__device__ __forceinline__ void ZeroBytes(char* dst, int64_t n, int tid, int stride) {
-  for (int64_t i = tid; i < n; i += stride) dst[i] = 0;
-}
+using devcopy::CopyBytes;
+using devcopy::ZeroBytes;
 
 __device__ __forceinline__ int Parity() { return static_cast<int>(g_call_counter & 1ull); }
 

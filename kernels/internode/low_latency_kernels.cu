@@ -9,6 +9,7 @@
 
 #include "kernels/common/low_latency_math.h"
 #include "kernels/common/striping_plan.h"
+#include "kernels/internode/device_copy.cuh"
 #include "kernels/internode/hierarchical_kernels.h"
 #include "kernels/internode/internode_kernels.h"
 #include "kernels/internode/low_latency_wire.h"
@@ -126,23 +127,8 @@ __device__ __forceinline__ int32_t* Local(const G& g, int64_t off) {
   return reinterpret_cast<int32_t*>(g.area + off);
 }
 
-__device__ __forceinline__ void CopyBytes(char* dst, const char* src, int64_t n, int tid,
-                                          int stride) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
-  if ((a % 16) == 0 && (n % 16) == 0) {
-    for (int64_t i = tid; i < n / 16; i += stride)
-      reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
-  } else if ((a % 2) == 0 && (n % 2) == 0) {
-    for (int64_t i = tid; i < n / 2; i += stride)
-      reinterpret_cast<uint16_t*>(dst)[i] = reinterpret_cast<const uint16_t*>(src)[i];
-  } else {
-    for (int64_t i = tid; i < n; i += stride) dst[i] = src[i];
-  }
-}
-
-__device__ __forceinline__ void ZeroBytes(char* dst, int64_t n, int tid, int stride) {
-  for (int64_t i = tid; i < n; i += stride) dst[i] = 0;
-}
+using devcopy::CopyBytes;
+using devcopy::ZeroBytes;
 
 // Notes this rank's first bad input (bad[0] = 1, then three values).
 __device__ __forceinline__ void NoteBad(const G& g, int32_t a, int32_t b, int32_t c) {
