@@ -12,10 +12,7 @@ runs one worker process (BACKEND "ffi" on the GPU, "reference" on CPU).
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import time
 
 T, M, H, K = 6, 8, 128, 3
 STEPS = 3
@@ -132,6 +129,7 @@ import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_ep import _ext  # noqa: E402
+from mp_launch import free_port, run_workers, worker_env  # noqa: E402
 
 
 def _gpus():
@@ -147,41 +145,11 @@ needs_gpu = pytest.mark.skipif(
     reason="no NVIDIA GPU visible to JAX here; run it on a GPU machine")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, nproc, backend):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(JAX_EP_TIMEOUT_S="30", XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               PYTHONUNBUFFERED="1")
-    procs, logs = [], []
-    for pid in range(nproc):
-        log = open(tmp_path / f"proc{pid}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), str(pid), str(nproc), str(port),
-             str(tmp_path), backend], env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    hung = [i for i, p in enumerate(procs) if p.poll() is None]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    text = []
-    for pid, log in enumerate(logs):
-        log.seek(0)
-        text.append(f"--- process {pid} (rc {procs[pid].returncode}) ---\n{log.read()[-3000:]}")
-        log.close()
-    return procs, hung, "\n".join(text)
+    port = free_port()
+    argvs = [[sys.executable, os.path.abspath(__file__), str(pid), str(nproc), str(port),
+              str(tmp_path), backend] for pid in range(nproc)]
+    return run_workers(tmp_path, argvs, worker_env("30"), LAUNCH_TIMEOUT_S)
 
 
 def _oracle(nproc, step):

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -26,6 +23,7 @@ from jax_ep import _ext
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import mp_cuda_worker as W  # noqa: E402
+from mp_launch import free_port, run_workers, worker_env  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 90
 
@@ -46,48 +44,18 @@ pytestmark = [pytest.mark.slow]
 gpu = pytest.mark.gpu
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, nproc, backend, mode, timeout_s="30", internode_mode=None):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(JAX_EP_TIMEOUT_S=timeout_s, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               PYTHONUNBUFFERED="1")
+    port = free_port()
+    env = worker_env(timeout_s)
     if backend == "internode":
         env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one node: peer-to-peer only
         if internode_mode:
             env["JAX_EP_INTERNODE_MODE"] = internode_mode
         if internode_mode == "hierarchical":
             env["JAX_EP_GPUS_PER_NODE"] = "2"  # virtual nodes of 2 PEs on the one GPU
-    procs, logs = [], []
-    for pid in range(nproc):
-        log = open(tmp_path / f"proc{pid}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "mp_cuda_worker.py"), str(pid), str(nproc),
-             str(port), str(tmp_path), backend, mode],
-            env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    hung = [i for i, p in enumerate(procs) if p.poll() is None]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    text = []
-    for pid, log in enumerate(logs):
-        log.seek(0)
-        text.append(f"--- process {pid} (rc {procs[pid].returncode}) ---\n{log.read()[-3000:]}")
-        log.close()
-    return procs, hung, "\n".join(text)
+    argvs = [[sys.executable, os.path.join(HERE, "mp_cuda_worker.py"), str(pid), str(nproc),
+              str(port), str(tmp_path), backend, mode] for pid in range(nproc)]
+    return run_workers(tmp_path, argvs, env, LAUNCH_TIMEOUT_S)
 
 
 def _cpu_oracle(nproc):
