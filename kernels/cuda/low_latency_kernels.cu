@@ -8,6 +8,10 @@
 namespace jax_ep {
 
 __device__ ErrorRecord g_ll_error;
+// Set by every protocol error, also when the record above already holds an earlier bad id
+// or foreign handle (first error wins there): otherwise a later timeout would go unseen
+// and a send would write into halves whose reader never gave its credit.
+__device__ int32_t g_ll_failed;
 
 namespace {
 
@@ -23,12 +27,13 @@ __device__ __forceinline__ char* ll_at(const LowLatencyArgs& a, int r, size_t of
 
 __device__ __forceinline__ void ll_report(const LowLatencyArgs& a, int32_t code, int32_t p,
                                           int32_t q, int32_t u, int32_t v) {
+  if (IsProtocolError(code)) atomicExch(&g_ll_failed, 1);
   record_error(&g_ll_error, a.host_err, code, a.me, p, q, u, v);
 }
 
-// A protocol error is recorded on this GPU: move no data, end waits at once.
+// A protocol error happened on this GPU: move no data, end waits at once.
 __device__ __forceinline__ bool ll_failed() {
-  return IsProtocolError(*reinterpret_cast<const volatile int32_t*>(&g_ll_error.code));
+  return *reinterpret_cast<const volatile int32_t*>(&g_ll_failed) != 0;
 }
 
 __device__ __forceinline__ void store_volatile(int64_t* p, int64_t v) {
@@ -118,9 +123,13 @@ __device__ __forceinline__ uint64_t ll_recv_epoch(const LowLatencyArgs& a, uint6
 }
 
 // Last block of a kernel: after every block's memory work, `signal` runs once, and the
-// counter `done` is zero again for the next launch. Thread 0 of each block calls it.
+// counter `done` is zero again for the next launch. Every thread of every block calls it.
 template <typename F>
 __device__ void ll_last_block(uint32_t* done, F signal) {
+  // Each thread fences its own peer writes (and orders its reads before the credit): a
+  // fence by thread 0 alone covers other threads' NVLink stores only through the barrier's
+  // cumulativity, which CUDA's __threadfence_system() does not promise.
+  peer::fence_data();
   __syncthreads();
   if (threadIdx.x == 0) {
     peer::fence_data();
@@ -291,8 +300,9 @@ __global__ void ll_dispatch_recv(LowLatencyArgs a) {
 
 // -------------------------------- combine --------------------------------
 
-// One block: the epoch, the handle's check (every entry inside y, at most rows_per_dest
-// rows per source), then every source's credit (it read our previous stage rows).
+// One block: the epoch, the handle's check (every entry inside y, at most the call's
+// rows_per_dest rows per source), then every source's credit (it read our previous stage
+// rows).
 __global__ void ll_combine_plan(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
   const int el = a.L.experts_per_rank(), R = a.L.R;
@@ -308,16 +318,20 @@ __global__ void ll_combine_plan(LowLatencyArgs a) {
   }
   __syncthreads();
   for (int i = threadIdx.x; i < el * R; i += blockDim.x) {
-    const int32_t f = a.first_row[i], c = a.row_count[i];
+    const int64_t f = a.first_row[i], c = a.row_count[i];  // a foreign f + c may pass 2^31
     if (f < 0 || c < 0 || f + c > RM) {
-      ll_report(a, kErrBadHandle, i / R, i % R, f < 0 || f > RM ? f : c, kOpLLCombine);
+      ll_report(a, kErrBadHandle, i / R, i % R,
+                static_cast<int32_t>(f < 0 || f > RM ? f : c), kOpLLCombine);
       bad = 1;
     }
   }
+  // The call's rows per source, as the CPU checks them (never above the area's).
+  const int64_t cap = a.rows_per_dest > 0 && a.rows_per_dest < a.L.rows_per_dest
+                          ? a.rows_per_dest : a.L.rows_per_dest;
   for (int d = threadIdx.x; d < R; d += blockDim.x) {
     int64_t rows = 0;
     for (int e = 0; e < el; ++e) rows += a.row_count[e * R + d] > 0 ? a.row_count[e * R + d] : 0;
-    if (rows > a.L.rows_per_dest) {
+    if (rows > cap) {
       ll_report(a, kErrBadHandle, -1, d, static_cast<int32_t>(rows), kOpLLCombine);
       bad = 1;
     }
@@ -345,7 +359,7 @@ __global__ void ll_combine_push(LowLatencyArgs a) {
     const int64_t i = w % RM;
     int d = 0;
     for (; d < R; ++d) {
-      const int32_t f = a.first_row[e * R + d], c = a.row_count[e * R + d];
+      const int64_t f = a.first_row[e * R + d], c = a.row_count[e * R + d];
       if (i >= f && i < f + c) break;
     }
     if (d == R) continue;  // row past the counts
@@ -380,6 +394,12 @@ __global__ void ll_combine_recv_plan(LowLatencyArgs a) {
     int c = 0;
     for (int i = 0; i < n_slots; ++i) {
       if (a.topk_idx[i] != g) continue;
+      // A repeat of g in its token got no row in the dispatch (ll_dispatch_plan): counting
+      // it here would shift every later row of g and the offsets of the experts after it.
+      const int t = i / a.K, k = i % a.K;
+      bool dup = false;
+      for (int j = 0; j < k; ++j) dup = dup || a.topk_idx[t * a.K + j] == g;
+      if (dup) continue;
       pos[i] = c < a.M ? c : -1;
       ++c;
     }
@@ -463,7 +483,12 @@ cudaError_t LaunchLowLatencyPhase(int phase, const LowLatencyArgs& a, cudaStream
 }
 
 cudaError_t ReadLowLatencyError(ErrorRecord* out, bool clear) {
-  return ReadErrorSymbol(g_ll_error, out, clear);
+  cudaError_t e = ReadErrorSymbol(g_ll_error, out, clear);
+  if (e == cudaSuccess && clear) {
+    const int32_t zero = 0;
+    e = cudaMemcpyToSymbol(g_ll_failed, &zero, sizeof(zero));
+  }
+  return e;
 }
 
 cudaError_t ClearLowLatencyHeader(void* header) {

@@ -138,6 +138,7 @@ struct LowLatencyArgs {
   ErrorRecord* host_err;
   int64_t timeout_ns;
   int64_t tag;       // ll_call_tag of this call (send halves)
+  int64_t rows_per_dest;  // combine send: this call's rows per source (0: the area's)
   const int32_t* rank_in;   // real ranks: XLA's rank/group scalars (receive halves),
   const int32_t* group_in;  // checked against expect_group / me; null in the harness
   int expect_group;

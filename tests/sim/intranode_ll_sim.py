@@ -36,7 +36,15 @@ each is caught: "no_dispatch_credit", "no_combine_credit", "credit_before_read",
 data half with the double-buffered credit rule n - 2), "latest_epoch" (a receive half
 takes the last epoch sent instead of the one its send half handed over),
 "silent_bad_handle" (an owner with a foreign combine handle sends no rows but its normal
-tag, so its sources read rows nobody wrote).
+tag, so its sources read rows nobody wrote), "masked_failure" (whether the rank failed is
+read from the first recorded error only, so a timeout after an earlier bad id or foreign
+handle goes unseen and the send writes without its credit), "combine_counts_repeats" (the
+combine's receive half numbers a repeated id of a token, which the dispatch left unused,
+so later rows of that expert and the experts after it are read from the wrong stage row).
+
+Protocol errors set `Rank.protocol_failed` (g_ll_failed in the kernels) even when the
+sticky record already holds an earlier value error: the record keeps the first error, the
+flag decides whether data moves.
 
 Programs are lists of `Call`s (the send half, then the receive half) or of ("send", Call)
 / ("recv", Call) pairs, so send halves can be in flight together and receive halves can
@@ -51,7 +59,7 @@ import numpy as np
 
 PLANTS = ("no_dispatch_credit", "no_combine_credit", "credit_before_read",
           "flag_before_data", "stale_epoch", "no_timeout", "no_config_check", "single_half",
-          "latest_epoch", "silent_bad_handle")
+          "latest_epoch", "silent_bad_handle", "masked_failure", "combine_counts_repeats")
 EPOCH_MASK = 0x7fffffff
 FAILED = "failed"  # tag a rank with a protocol error sends in place of its own
 BAD_HANDLE = "bad_handle"  # tag of an owner whose combine handle does not fit y
@@ -89,10 +97,11 @@ def epoch_from_low(seq, low):
     return seq - ((seq - low) & EPOCH_MASK)
 
 
-def positions(idx, E, M):
+def positions(idx, E, M, skip_repeats=True):
     """Each (token, slot)'s row among this rank's tokens that name the same expert
     (-1: unused, a bad id, a repeat in the token, or past M), and per-expert counts
-    capped at M. idx[S, K] int32."""
+    capped at M. idx[S, K] int32. skip_repeats=False numbers repeats too (a planted
+    mistake of the combine's receive half)."""
     S, K = idx.shape
     pos = np.full((S, K), -1, np.int64)
     cnt = np.zeros(E, np.int64)
@@ -103,7 +112,7 @@ def positions(idx, E, M):
             if g < -1 or g >= E:
                 bad.append((t, k, g))
                 continue
-            if g < 0 or g in idx[t, :k]:
+            if g < 0 or (skip_repeats and g in idx[t, :k]):
                 if g >= 0:
                     bad.append((t, k, g))
                 continue
@@ -158,6 +167,8 @@ class Call:
     row_count: np.ndarray | None = None
     M: int | None = None        # this call's max_tokens (default: setup's)
     site: int = 0               # call-site id (same on every rank of a correct program)
+    rows_per_dest: int | None = None  # combine: M * min(K, E_local) of the call (default:
+    #                                   the area's)
 
 
 @dataclasses.dataclass
@@ -180,16 +191,22 @@ class Setup:
 class Rank:
     def __init__(self, me, setup):
         self.me = me
-        self.error = None  # sticky: (code, details)
+        self.error = None  # sticky: (code, details), the first error recorded
+        self.protocol_failed = False  # any protocol error so far (g_ll_failed)
+        self.masked = False  # planted "masked_failure": failed() from the first error only
         self.results = []  # in the order of the receive halves
         self.by_call = {}  # id(call) -> its result
 
     def record(self, code, *details):
         if self.error is None:
             self.error = (code,) + details
+        if code in PROTOCOL_ERRORS:
+            self.protocol_failed = True
 
     def failed(self):
-        return self.error is not None and self.error[0] in PROTOCOL_ERRORS
+        if self.masked:
+            return self.error is not None and self.error[0] in PROTOCOL_ERRORS
+        return self.protocol_failed
 
 
 class World:
@@ -205,6 +222,8 @@ class World:
         self.epochs = {}  # (rank, id(call)) -> low 31 bits its send half handed over
         self.bufs = [Buffer(setup.R) for _ in range(setup.R)]
         self.ranks = [Rank(r, setup) for r in range(setup.R)]
+        for rk in self.ranks:
+            rk.masked = "masked_failure" in self.plant
         # consumed[kind][h][reader][writer]: last epoch `reader` finished reading in
         # writer's region of half h
         self.consumed = {k: [[[0] * setup.R for _ in range(setup.R)] for _ in range(2)]
@@ -382,7 +401,7 @@ class World:
             got = buf.arrive[kind][h][p]
             if got != n and "stale_epoch" not in self.plant:
                 rank.record(ERR_CALL_SITE, p, kind, got, n)
-                return
+                return bad_owners
             tag = buf.tag[kind][h][p]
             if "no_config_check" in self.plant:
                 continue
@@ -417,9 +436,12 @@ class World:
         tag = self._tag(call, ("c", y.shape[-1], M, y.dtype.str))
         buf.my_tag["c"][h] = tag
         fr, rc = call.first_row, call.row_count
-        ok = bool(np.all(fr >= 0) and np.all(rc >= 0) and np.all(fr + rc <= R * M))
+        # In int64, as the kernel: a foreign first_row + row_count may pass 2^31.
+        fr64, rc64 = fr.astype(np.int64), rc.astype(np.int64)
+        ok = bool(np.all(fr64 >= 0) and np.all(rc64 >= 0) and np.all(fr64 + rc64 <= R * M))
+        cap = min(call.rows_per_dest or S.rows_per_dest, S.rows_per_dest)
         if ok:
-            ok = all(int(rc[:, d].sum()) <= S.rows_per_dest for d in range(R))
+            ok = all(int(rc64[:, d].sum()) <= cap for d in range(R))
         if not ok:
             rank.record(ERR_BAD_HANDLE, me)
         yield "step"
@@ -461,7 +483,8 @@ class World:
         h = self._half(n)
         idx, w = call.idx, call.w
         H = call.y.shape[-1]
-        pos, cnt, bad = positions(idx, S.E, M)
+        pos, cnt, bad = positions(idx, S.E, M,
+                                  skip_repeats="combine_counts_repeats" not in self.plant)
         need = 1 if "stale_epoch" in self.plant else n
         for r in self.rng.sample(range(R), R):
             yield from self._wait(rank, lambda r=r: buf.arrive["c"][h][r] >= need, r,

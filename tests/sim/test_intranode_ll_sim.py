@@ -324,3 +324,103 @@ def test_planted_silent_bad_handle_reads_unwritten_rows():
 def test_unknown_plant_is_rejected():
     with pytest.raises(ValueError, match="unknown planted"):
         S.World(SETUP, plant=("nope",))
+
+
+# --- a repeated id, a value error before a timeout, an overflowing handle ---------------
+
+def _repeated_id_programs(seed=11):
+    """Rank 0's token 1 names one expert twice: the dispatch leaves the repeat unused (and
+    reports it), the combine skips it too. Returns (programs, model, outs) where the model
+    is that of the routing without the repeat."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    idx = routing(rng, "random")
+    # Token 1 of rank 0 names g in slots 0 and 1; a later token also names g, so a repeat
+    # counted by mistake shifts that token's row.
+    g = 1
+    idx[0, 1, :] = [g, (g + 1) % E, -1]
+    idx[0, 3, :] = [(g + 2) % E, g, -1]
+    clean = idx.copy()
+    dup = idx.copy()
+    dup[0, 1, 2] = g  # the repeat
+    w = rng.random((R, T, K)).astype(np.float32)
+    ys = [rng.standard_normal((E // R, R * M, H)).astype(np.float32) for _ in range(R)]
+    model = np_dispatch(x, clean, E, M)
+    outs = np_combine(ys, clean, w, model)
+    programs = [[S.Call("dispatch", x=x[r], idx=dup[r], site=1),
+                 S.Call("combine", y=ys[r], idx=dup[r], w=w[r],
+                        first_row=model[r]["first_row"], row_count=model[r]["row_count"],
+                        site=2)] for r in range(R)]
+    return programs, model, outs
+
+
+def test_repeated_id_is_reported_and_left_out_of_dispatch_and_combine():
+    programs, model, outs = _repeated_id_programs()
+    w = S.simulate(SETUP, programs, seed=11)
+    assert w.findings == []
+    assert w.ranks[0].error[:4] == (S.ERR_BAD_ID, 1, 2, 1)
+    assert all(rk.error is None for rk in w.ranks[1:])
+    for rk in w.ranks:
+        for key, v in model[rk.me].items():
+            np.testing.assert_array_equal(rk.results[0][key], v, err_msg=key)
+        np.testing.assert_array_equal(rk.results[1]["out"].view(np.uint8),
+                                      outs[rk.me].view(np.uint8))
+
+
+def test_planted_combine_counting_repeats_reads_other_rows():
+    programs, model, outs = _repeated_id_programs()
+    w = S.simulate(SETUP, programs, seed=11, plant=("combine_counts_repeats",))
+    wrong = w.findings != [] or not np.array_equal(w.ranks[0].results[1]["out"], outs[0])
+    assert wrong
+
+
+def _value_error_then_third_send(plant=()):
+    """Rank 0's first dispatch has a bad id (a value error, recorded first), then every
+    rank sends a third dispatch before any receive half: the credit wait times out."""
+    programs, _ = make_calls(8, ["random"] * 3)
+    idx = programs[0][0].idx.copy()
+    idx[0, 0] = E + 5
+    programs[0][0] = S.Call("dispatch", x=programs[0][0].x, idx=idx, site=programs[0][0].site)
+    programs = [[("send", c) for c in p[0::2][:3]] + [("recv", c) for c in p[0::2][:3]]
+                for p in programs]
+    return S.simulate(SETUP, programs, seed=8, timeout=200, plant=plant)
+
+
+def test_timeout_after_a_value_error_still_stops_the_send():
+    w = _value_error_then_third_send()
+    assert w.findings == []
+    assert w.ranks[0].error[0] == S.ERR_BAD_ID  # the record keeps the first error
+    assert all(rk.protocol_failed for rk in w.ranks)
+
+
+def test_planted_masked_failure_overwrites_unread_slots():
+    w = _value_error_then_third_send(plant=("masked_failure",))
+    assert any(f.startswith("overwrote unread") for f in w.findings)
+
+
+@pytest.mark.parametrize("first,count", [(2**31 - 1, 1), (2**31 - 2, 2**31 - 1)])
+def test_handle_whose_end_passes_int32_is_foreign(first, count):
+    """first_row + row_count above 2^31 wraps in int32; the check runs in int64."""
+    programs, want = make_calls(12, ["random"])
+    bad = programs[2][1]
+    fr, rc = bad.first_row.copy(), bad.row_count.copy()
+    fr[0, 1], rc[0, 1] = first, count
+    programs[2][1] = S.Call("combine", y=bad.y, idx=bad.idx, w=bad.w, first_row=fr,
+                            row_count=rc, site=bad.site)
+    w = S.simulate(SETUP, programs, seed=12)
+    assert w.findings == []
+    assert all(rk.error[0] == S.ERR_BAD_HANDLE for rk in w.ranks)
+
+
+def test_handle_above_the_calls_rows_per_source_is_foreign():
+    """The owner checks rows per source against the call's M * min(K, E_local), as the
+    CPU does, not only against the area's."""
+    programs, want = make_calls(13, ["skewed"])
+    c = programs[0][1]
+    most = int(c.row_count.sum(axis=0).max())
+    assert most > 1
+    programs[0][1] = S.Call("combine", y=c.y, idx=c.idx, w=c.w, first_row=c.first_row,
+                            row_count=c.row_count, site=c.site, rows_per_dest=most - 1)
+    w = S.simulate(SETUP, programs, seed=13)
+    assert w.findings == []
+    assert all(rk.error[0] == S.ERR_BAD_HANDLE for rk in w.ranks)

@@ -447,6 +447,7 @@ ffi::Error RankCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
   a.H = H;
   a.tag = ll_call_tag(call_site, TagKind(1, y.element_type()), rows_per_dest, 0, M,
                       static_cast<int64_t>(rb), el * R);
+  a.rows_per_dest = rows_per_dest;
   a.y = y.untyped_data();
   a.first_row = const_cast<int32_t*>(first_row.typed_data());
   a.row_count = const_cast<int32_t*>(row_count.typed_data());
