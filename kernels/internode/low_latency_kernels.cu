@@ -101,7 +101,14 @@ __device__ bool WaitWord(const G& g, uint64_t* w, uint64_t expect, int peer, int
     }
     v = Tr::fetch(w);
   }
+  // acquire: the header or rows the word guards are read after it
+  __threadfence_system();
   return true;
+}
+
+// The epoch of a call from its token (low 32 bits, widened against this PE's counter).
+__device__ __forceinline__ unsigned long long TokenEpoch(int op, const int32_t* token) {
+  return llwire::widen_epoch(g_ll_epoch[op], static_cast<uint32_t>(token[0]));
 }
 
 __device__ __forceinline__ uint64_t* Dsig(const G& g, int op, int b, int w, int q) {
@@ -122,6 +129,9 @@ __device__ __forceinline__ llwire::Header* Hstage(const G& g, int op, int reader
 }
 __device__ __forceinline__ int32_t* HdrCounts(llwire::Header* h) {
   return reinterpret_cast<int32_t*>(h + 1);
+}
+__device__ __forceinline__ const int32_t* HdrCounts(const llwire::Header* h) {
+  return reinterpret_cast<const int32_t*>(h + 1);
 }
 __device__ __forceinline__ int32_t* Local(const G& g, int64_t off) {
   return reinterpret_cast<int32_t*>(g.area + off);
@@ -246,7 +256,7 @@ __device__ void PutHeaders(const G& g, int op, int b, unsigned long long n) {
 // CTA q: credits, headers (CTA 0), then every (token, slot) row the plan puts on QP q,
 // straight into its owner's slot.
 __global__ void DispatchSendKernel(G g, const int32_t* idx, const int32_t* token) {
-  const unsigned long long n = static_cast<unsigned long long>(token[0]);
+  const unsigned long long n = TokenEpoch(kD, token);
   const int b = static_cast<int>(n & 1ull);
   if (!WaitCredits(g, kD, b, n)) return;
   PutHeaders(g, kD, b, n);
@@ -290,7 +300,8 @@ __global__ void CombinePlan(G g, const int32_t* first_row, const int32_t* row_co
   const int64_t RM = static_cast<int64_t>(g.R) * g.M;
   for (int i = threadIdx.x; i < g.el * g.R; i += blockDim.x) {
     const int32_t f = first_row[i], c = row_count[i];
-    if (f < 0 || c < 0 || c > g.M || f + c > RM) NoteBad(g, i / g.R, i % g.R, c);
+    if (f < 0 || c < 0 || c > g.M || static_cast<int64_t>(f) + c > RM)  // no int32 wrap
+      NoteBad(g, i / g.R, i % g.R, c);
   }
   __syncthreads();
   for (int d = threadIdx.x; d < g.R; d += blockDim.x) {
@@ -326,7 +337,7 @@ __global__ void CombinePack(G g, const char* y, const int32_t* first_row,
     const int64_t i = w % RM;
     for (int d = 0; d < g.R; ++d) {
       const int32_t f = first_row[e * g.R + d], c = row_count[e * g.R + d];
-      if (i < f || i >= f + c) continue;
+      if (i < f || i >= static_cast<int64_t>(f) + c) continue;
       const int64_t j = offsets[e * g.R + d] + (i - f);
       CopyBytes(g.area + g.A.cstage + (static_cast<int64_t>(d) * g.A.rpd + j) * g.A.cs,
                 y + w * g.row_bytes, g.row_bytes, lane, 32);
@@ -338,7 +349,7 @@ __global__ void CombinePack(G g, const char* y, const int32_t* first_row,
 // CTA q: credits, headers (CTA 0), then row j of the stream to each source on QP
 // row_qp(source, j), into crecv[b][this owner][j] there.
 __global__ void CombineSendKernel(G g, const int32_t* token) {
-  const unsigned long long n = static_cast<unsigned long long>(token[0]);
+  const unsigned long long n = TokenEpoch(kC, token);
   const int b = static_cast<int>(n & 1ull);
   if (!WaitCredits(g, kC, b, n)) return;
   PutHeaders(g, kC, b, n);
@@ -407,7 +418,7 @@ __device__ bool CountsFit(const G& g, const llwire::Header* h) {
 // holds the rows the header implies on that QP, and no more. Combine also checks the
 // owner's row count against its own routing.
 __global__ void RecvWait(G g, const int32_t* token) {
-  const unsigned long long n = static_cast<unsigned long long>(token[0]);
+  const unsigned long long n = TokenEpoch(g.op, token);
   const uint32_t hash = static_cast<uint32_t>(token[1]);
   const int b = static_cast<int>(n & 1ull);
   __shared__ int ok;
@@ -429,16 +440,20 @@ __global__ void RecvWait(G g, const int32_t* token) {
       ok = 0;
     } else if (!CountsFit(g, h)) {
       // counts that would index past a slot block: never read them
-      Record(g, wire::kErrMismatch, w, llwire::kKindRows, 0, 0, static_cast<uint64_t>(h->rows));
+      Record(g, wire::kErrMismatch, w, llwire::kKindCounts, 0, 0, static_cast<uint64_t>(h->rows));
       ok = 0;
     } else if (g.op == kC) {
+      // every expert's count, not only the total: equal totals with other per-expert
+      // counts would put rows at the wrong offsets
       const int32_t* counts = Local(g, g.A.counts);
-      int64_t want = 0;
-      for (int e = 0; e < g.el; ++e) want += counts[w * g.el + e];
-      if (want != h->rows) {
-        Record(g, wire::kErrMismatch, w, llwire::kKindRows, 0, static_cast<uint64_t>(want),
-               static_cast<uint64_t>(h->rows));
-        ok = 0;
+      const int32_t* hc = HdrCounts(h);
+      for (int e = 0; e < g.el; ++e) {
+        if (hc[e] != counts[w * g.el + e]) {
+          Record(g, wire::kErrMismatch, w, llwire::kKindRows, e,
+                 static_cast<uint64_t>(counts[w * g.el + e]), static_cast<uint64_t>(hc[e]));
+          ok = 0;
+          break;
+        }
       }
     }
   }
@@ -458,7 +473,7 @@ __global__ void RecvWait(G g, const int32_t* token) {
 // A warp per output row (e, i) of recv_x[E_local, R*M, H]; block 0 also writes the
 // counts. A failed call leaves every output empty.
 __global__ void DispatchUnpack(G g, const int32_t* token, DispatchRecvOut out) {
-  const int b = static_cast<int>(static_cast<unsigned long long>(token[0]) & 1ull);
+  const int b = static_cast<int>(TokenEpoch(kD, token) & 1ull);
   const bool failed = Failed(g);
   const int64_t RM = static_cast<int64_t>(g.R) * g.M;
   if (blockIdx.x == 0) {
@@ -504,7 +519,7 @@ __global__ void DispatchUnpack(G g, const int32_t* token, DispatchRecvOut out) {
 // rounded to float32 before the add (low_latency_math.h), then one cast.
 __global__ void CombineReduce(G g, const int32_t* idx, const float* w, const int32_t* token,
                               char* out) {
-  const int b = static_cast<int>(static_cast<unsigned long long>(token[0]) & 1ull);
+  const int b = static_cast<int>(TokenEpoch(kC, token) & 1ull);
   const bool failed = Failed(g);
   const int32_t* pos = Local(g, g.A.pos);
   const int32_t* offsets = Local(g, g.A.offsets);
@@ -530,7 +545,7 @@ __global__ void CombineReduce(G g, const int32_t* idx, const float* w, const int
 // One block, after the outputs are written: reset buffer b's data words, then return the
 // credit (SET epoch) to every writer. A failed rank stays silent.
 __global__ void RecvFinish(G g, const int32_t* token) {
-  const unsigned long long n = static_cast<unsigned long long>(token[0]);
+  const unsigned long long n = TokenEpoch(g.op, token);
   const int b = static_cast<int>(n & 1ull);
   __shared__ int skip;
   if (threadIdx.x == 0) skip = Failed(g) ? 1 : 0;
@@ -542,7 +557,9 @@ __global__ void RecvFinish(G g, const int32_t* token) {
   __syncthreads();
   for (int w = threadIdx.x; w < g.R; w += blockDim.x)
     Tr::signal(Credit(g, g.op, b, g.rank), n, SignalOp::kSet, w, llwire::kControlQp);
-  Tr::quiet();
+  __syncthreads();
+  // nvshmem_quiet covers every QP to every PE: one thread is enough
+  if (threadIdx.x == 0) Tr::quiet();
 }
 
 std::string CudaErr(cudaError_t e, const char* what) {
@@ -744,8 +761,11 @@ std::string PendingError() {
     case wire::kErrMismatch:
       if (kind == llwire::kKindRows)
         m += "rank " + std::to_string(peer) + " returns " + std::to_string(seen) +
-             " rows but this rank's routing expects " + std::to_string(expected) +
-             "; pass the dispatch's topk_idx and handle";
+             " rows of its local expert " + std::to_string(qp) + " but this rank's routing "
+             "expects " + std::to_string(expected) + "; pass the dispatch's topk_idx and handle";
+      else if (kind == llwire::kKindCounts)
+        m += "rank " + std::to_string(peer) + " sent a header whose counts (" +
+             std::to_string(seen) + " rows) do not fit the blocks";
       else
         m += "rank " + std::to_string(peer) + " is in another call: this rank epoch " +
              std::to_string(static_cast<unsigned long long>(r->my_seq)) + " config hash " +

@@ -20,11 +20,15 @@
 //   3. rows: row j (0-based, in the stream order of w -> p) goes on QP
 //      row_qp(p, j) = qp_for(p, j % NQ, j) as a put-with-signal ADD 1 into word
 //      dsig[op][b][w][qp] on p. One word per (writer, QP): no word is written from two QPs.
-//   4. p waits (bounded) for hsig[op][b][w] == n, checks the header (seq, hash, error),
-//      then waits for dsig[op][b][w][q] == rows_on_qp(rows, p, q) for every q, and
-//      fails on a word holding more.
+//   4. p waits (bounded) for hsig[op][b][w] == n, checks the header (seq, hash, error,
+//      counts inside the blocks; combine: each count equal to the routing's), then waits
+//      for dsig[op][b][w][q] == rows_on_qp(rows, p, q) for every q, and fails on a word
+//      holding more.
 //   5. p reads the rows, resets the dsig words of buffer b, then signals SET n into
 //      credit word (op, b, p) on every writer (control QP).
+// The puts read the writer's stages (hstage, dstage, cstage) when the NIC gets to them:
+// every send kernel ends in nvshmem_quiet, so the next call's plan and pack may rewrite
+// the stages.
 // The header word is never reset: it holds the last epoch, and n != n - 2.
 #pragma once
 
@@ -57,7 +61,9 @@ enum Kind : int {
   kKindHeader = 32,   // header word of (op, buffer, writer)
   kKindData = 33,     // data word of (op, buffer, writer, QP)
   kKindCredit = 34,   // credit of (op, buffer) from a reader
-  kKindRows = 35,     // combine: the owner's row count differs from the routing's
+  kKindRows = 35,     // combine: the owner's count for one of its experts differs from
+                      // the routing's (qp field: that local expert)
+  kKindCounts = 36,   // a header whose counts do not fit the blocks
 };
 
 // The call's configuration as exchanged (hashed) in the header.
@@ -120,6 +126,13 @@ JEP_LL_HD int64_t rows_on_qp(int64_t rows, int32_t reader, int32_t qp, int32_t n
                              int32_t qps_per_port) {
   const int32_t c = wire::channel_of_qp(reader, qp, num_ports, qps_per_port);
   return wire::chunks_on_channel(rows, c, num_ports * qps_per_port);
+}
+
+// The token is int32[2], so it carries the low 32 bits of the epoch. The receive half
+// widens them against the op's counter on its PE, which is at most one call ahead (two
+// calls of an op in flight), so epochs past 2^31 (days of decoding) stay exact.
+JEP_LL_HD uint64_t widen_epoch(uint64_t latest, uint32_t low) {
+  return latest - static_cast<uint32_t>(static_cast<uint32_t>(latest) - low);
 }
 
 // Word indices within the signal regions.

@@ -11,9 +11,15 @@ rules are kernels/internode/low_latency_wire.h.
 |                                                | `reorder=True` any pending operation of a   |
 |                                                | QP may land next (puts delayed, reordered)  |
 | put_signal_warp (data, then its signal)        | one operation: the data lands, then the     |
-|                                                | signal, atomically                          |
+|                                                | signal, atomically; the data is read from   |
+|                                                | the writer's stage when it lands            |
+| the stages (hstage, dstage, cstage), written   | `Sim.stage[r]`, tagged with the epoch that  |
+| by plan and pack before the credit wait        | packed them                                 |
+| nvshmem_quiet at the end of a send kernel      | a "quiet" step: waits until every operation |
+|                                                | the rank issued has landed                  |
 | signal (credit)                                | an operation with no data                   |
 | epoch n per op, buffer n & 1, token (n, hash)  | `Sim.epoch`, `buf()`, the send's token      |
+| token int32: low 32 bits, widen_epoch          | the same, through the bindings              |
 | row_qp, rows_on_qp, config_hash                | the same functions through the bindings     |
 | JAX_EP_TIMEOUT_S                               | `timeout` in scheduler steps                |
 | sticky error record, first error wins          | `Sim.errors`; a failed rank stays silent    |
@@ -21,7 +27,8 @@ rules are kernels/internode/low_latency_wire.h.
 Checks made on every event (they land in `Result.violations`): a reader reads only what
 the epoch it completes wrote (no read before the data landed, no stale header or row);
 a write never replaces rows or headers whose reader has not finished their epoch (no slot
-reuse before the reader is done); a signal word is written from one QP only; a reader
+reuse before the reader is done); a put reads a stage no later call rewrote (no send
+buffer reused before quiet); a signal word is written from one QP only; a reader
 accepts a data word only if every increment in it came from the epoch it completes; no
 signal lands in a word after its reader finished that epoch. A run where every rank
 waits on a word no one will write, with no timeout, is reported as a hang.
@@ -54,6 +61,16 @@ def config_hash(cfg):
     return _ext.ll_config_hash([int(v) for v in cfg])
 
 
+def widen_epoch(latest, low):
+    return _ext.ll_widen_epoch(int(latest), int(low) & 0xFFFFFFFF)
+
+
+def token_word(n):
+    """The epoch as the int32 token word holds it."""
+    low = n & 0xFFFFFFFF
+    return low - (1 << 32) if low >= 1 << 31 else low
+
+
 @dataclasses.dataclass(frozen=True)
 class Mistakes:
     """Planted mistakes: each test plants one and expects the simulator to report it."""
@@ -65,12 +82,16 @@ class Mistakes:
     wrong_row_order: bool = False     # the owner lays out an expert's rows source-descending
     no_timeout: bool = False          # waits never give up
     credit_before_reset: bool = False  # the reader returns the credit, then resets its words
+    no_quiet: bool = False            # a send returns before its puts complete (no nvshmem_quiet)
+    narrow_token: bool = False        # the receive takes the int32 token as the epoch (sign-extended)
+    total_rows_only: bool = False     # combine checks each owner's total, not each expert's count
 
 
 @dataclasses.dataclass
 class Op:
-    """One pending operation on a QP: writes (key -> value) tagged `tag`, then an
-    optional signal (`how` "set"/"add" of `value` into `word`)."""
+    """One pending operation on a QP: writes (key -> stage key of the writer, read when
+    the operation lands) tagged `tag`, then an optional signal (`how` "set"/"add" of
+    `value` into `word`)."""
     src: int
     dst: int
     qp: int
@@ -105,10 +126,13 @@ class Result:
 
 class Sim:
     def __init__(self, R, E, M, H, *, num_ports=2, qps_per_port=2, seed=0, timeout=5000,
-                 reorder=True, policy="random", mistakes: Mistakes = Mistakes()):
+                 reorder=True, policy="random", mistakes: Mistakes = Mistakes(),
+                 first_epoch=0):
         """policy: "random" picks uniformly among runnable ranks and nonempty QPs;
         "lazy" runs ranks first and delivers only when none can run (operations land as
-        late as possible, which exposes reads that do not wait long enough)."""
+        late as possible, which exposes reads that do not wait long enough).
+        first_epoch: every op's counter starts there, as after that many finished calls
+        (credits given for them), to run epochs across 2^31 and 2^32."""
         if E % R:
             raise ValueError("E must be a multiple of R")
         self.R, self.E, self.M, self.H = R, E, M, H
@@ -127,7 +151,13 @@ class Sim:
         self.violations = []
         self.port_rows = defaultdict(int)
         self.errors = [None] * R
-        self.epoch = [[0, 0] for _ in range(R)]
+        self.epoch = [[first_epoch, first_epoch] for _ in range(R)]
+        self.stage = [{} for _ in range(R)]  # stage key -> (value, tag of the packing call)
+        for mem in self.mem:
+            for op in (OP_D, OP_C):
+                for b in (0, 1):
+                    for p in range(R):
+                        mem.words[("credit", op, b, p)] = first_epoch
         self.clock = 0
         self.events = 0
 
@@ -158,13 +188,17 @@ class Sim:
         if not q:
             del self.queues[key]
         mem = self.mem[op.dst]
-        for k, v in op.writes:
+        for k, sk in op.writes:
+            v, stag = self.stage[op.src][sk]
+            if stag != op.tag and self.errors[op.src] is None:
+                self.violate(f"{op.tag} from rank {op.src}: its stage {sk} was rewritten by "
+                             f"{stag} before the put landed (send buffer reused before quiet)")
             old = mem.vals.get(k)
             if old is not None and old[1] != op.tag and old[1] not in mem.finished \
                     and self.errors[op.dst] is None:
                 self.violate(f"{op.tag} from rank {op.src} overwrote {k} on rank {op.dst} "
                              f"before it finished reading {old[1]} (slot reused early)")
-            mem.vals[k] = (v, op.tag)
+            mem.vals[k] = (v, stag)
             if k[0] == "drecv" or k[0] == "crecv":
                 self.port_rows[(op.src, op.dst, op.qp % self.P)] += 1
         if op.word is not None:
@@ -198,7 +232,8 @@ class Sim:
             if not runnable and not keys:
                 finite = [s["since"] + (self.timeout if s["req"][0] == "wait" else s["req"][1])
                           for s in state.values()
-                          if not (s["req"][0] == "wait" and self.m.no_timeout)]
+                          if s["req"][0] != "quiet"
+                          and not (s["req"][0] == "wait" and self.m.no_timeout)]
                 if not finite:
                     self.violate(f"hang: ranks {sorted(state)} wait forever on words no one "
                                  "writes (no timeout)")
@@ -228,6 +263,8 @@ class Sim:
             if req[1]():
                 return True
             return not self.m.no_timeout and self.clock - s["since"] > self.timeout
+        if req[0] == "quiet":  # unbounded, like nvshmem_quiet: operations always land
+            return req[1]()
         return self.clock - s["since"] >= req[1]  # sleep
 
     def _advance(self, r, state, val):
@@ -268,19 +305,35 @@ class Sim:
                 return False
         return True
 
-    def _headers(self, r, op, b, n, hdrs):
+    def _pack_headers(self, r, op, n, hdrs):
+        for p in range(self.R):
+            self.stage[r][("hstage", op, p)] = (hdrs[p], (op, n))
+
+    def _headers(self, r, op, b, n):
         for i in range(1, self.R + 1):
             p = (r + i) % self.R
-            yield ("put", Op(r, p, CONTROL_QP, (op, n), ((("hdr", op, b, r), hdrs[p]),),
+            yield ("put", Op(r, p, CONTROL_QP, (op, n), ((("hdr", op, b, r), ("hstage", op, p)),),
                              ("hsig", op, b, r), "set", n))
 
-    def _row(self, r, p, q, tag, key, value, op, b):
+    def _quiet(self, r):
+        """The send kernel's nvshmem_quiet: every operation this rank issued has landed."""
+        if self.m.no_quiet:
+            return
+        yield ("quiet", lambda: not any(k[0] == r for k in self.queues))
+
+    def _epoch_of(self, r, op, token):
+        """The receive half's epoch from its int32 token word."""
+        if self.m.narrow_token:
+            return token[0] % (1 << 64)  # int32 sign-extended to 64 bits
+        return widen_epoch(self.epoch[r][op], token[0])
+
+    def _row(self, r, p, q, tag, key, stage_key, op, b):
         word = ("dsig", op, b, r, 0 if self.m.shared_signal_word else q)
         if self.m.signal_before_data:
             yield ("put", Op(r, p, q, tag, (), word, "add", 1))
-            yield ("put", Op(r, p, q, tag, ((key, value),)))
+            yield ("put", Op(r, p, q, tag, ((key, stage_key),)))
         else:
-            yield ("put", Op(r, p, q, tag, ((key, value),), word, "add", 1))
+            yield ("put", Op(r, p, q, tag, ((key, stage_key),), word, "add", 1))
 
     @staticmethod
     def positions(idx, E, M):
@@ -308,8 +361,9 @@ class Sim:
         n = self.epoch[r][OP_D]
         S, K = idx.shape
         h = self._cfg(OP_D, S, K, x.shape[1], 0, site)
+        token = (token_word(n), h)
         if self.errors[r] is not None:
-            return n, h  # a failed rank stays silent
+            return token  # a failed rank stays silent
         b = self.buf(n)
         pos, counts, bad = self.positions(idx, self.E, self.M)
         el = self.el
@@ -319,13 +373,18 @@ class Sim:
         offsets = np.zeros(self.E, np.int64)
         for g in range(self.E):
             offsets[g] = counts[(g // el) * el:g].sum()
+        # plan and pack write the stages before the credit wait
+        self._pack_headers(r, OP_D, n, hdrs)
+        for t in range(S):
+            self.stage[r][("dstage", t)] = ((x[t].copy(), t), (OP_D, n))
         ok = yield from self._credits(r, OP_D, b, n)
         if not ok:
-            return n, h
-        yield from self._headers(r, OP_D, b, n, hdrs)
+            return token
+        yield from self._headers(r, OP_D, b, n)
         if bad is not None:
+            yield from self._quiet(r)
             self.record(r, code="bad_id", token=bad[0], slot=bad[1], value=bad[2])
-            return n, h
+            return token
         order = [(t, k) for t in range(S) for k in range(K) if pos[t, k] >= 0]
         self.rng.shuffle(order)  # warps of the QP's CTAs issue in any order
         for t, k in order:
@@ -334,13 +393,15 @@ class Sim:
             j = int(offsets[g] + pos[t, k])
             q = row_qp(p, j, self.P, self.Q)
             key = ("drecv", b, e, r, int(pos[t, k]))
-            yield from self._row(r, p, q, (OP_D, n), key, (x[t].copy(), t), OP_D, b)
-        return n, h
+            yield from self._row(r, p, q, (OP_D, n), key, ("dstage", t), OP_D, b)
+        yield from self._quiet(r)
+        return token
 
-    def _recv_headers(self, r, op, token, check_rows=None):
+    def _recv_headers(self, r, op, token, check_counts=None, rpd=None):
         """Waits for every writer's header (epoch n and the hash of this rank's own send,
-        both in its token) and data words; the headers, or None if the call failed."""
-        n, hash_ = token
+        both in its token) and data words; the headers, or None if the call failed.
+        check_counts[w]: the per-expert counts writer w must send (combine)."""
+        n, hash_ = self._epoch_of(r, op, token), token[1]
         mem = self.mem[r]
         b = self.buf(n)
         if self.errors[r] is not None:
@@ -365,13 +426,20 @@ class Sim:
                     self.record(r, code="peer_failed", peer=w)
                 return None
             cnt = np.asarray(hd["counts"])
-            if np.any(cnt < 0) or np.any(cnt > self.M) or int(cnt.sum()) != hd["rows"]:
+            if np.any(cnt < 0) or np.any(cnt > self.M) or int(cnt.sum()) != hd["rows"] \
+                    or (rpd is not None and hd["rows"] > rpd):
                 self.record(r, code="bad_counts", peer=w)  # CountsFit in the kernels
                 return None
-            if check_rows is not None and check_rows[w] != hd["rows"]:
-                self.record(r, code="rows_mismatch", peer=w, expected=int(check_rows[w]),
-                            seen=hd["rows"])
-                return None
+            if check_counts is not None:
+                want = np.asarray(check_counts[w])
+                if self.m.total_rows_only:
+                    want, cnt = want.sum(keepdims=True), cnt.sum(keepdims=True)
+                diff = np.flatnonzero(want != cnt)
+                if diff.size:
+                    e = int(diff[0])
+                    self.record(r, code="rows_mismatch", peer=w, expert=e,
+                                expected=int(want[e]), seen=int(cnt[e]))
+                    return None
             hdrs[w] = hd
         for w in range(self.R):
             for q in range(self.NQ):
@@ -416,7 +484,7 @@ class Sim:
         """Generator: the receive half of the send's token (epoch, hash) on rank r;
         returns (recv_x, recv_count, src_rank, src_index, first_row, row_count)."""
         el, R, M = self.el, self.R, self.M
-        n = token[0]
+        n = self._epoch_of(r, OP_D, token)
         recv_x = np.zeros((el, R * M, H), np.float32)
         src_rank = np.full((el, R * M), -1, np.int32)
         src_index = np.full((el, R * M), -1, np.int32)
@@ -447,8 +515,9 @@ class Sim:
         self.epoch[r][OP_C] += 1
         n = self.epoch[r][OP_C]
         h = self._cfg(OP_C, 0, 0, y.shape[-1], rows_per_dest, site)
+        token = (token_word(n), h)
         if self.errors[r] is not None:
-            return n, h
+            return token
         b = self.buf(n)
         el, R = self.el, self.R
         streams, hdrs = {}, {}
@@ -463,30 +532,37 @@ class Sim:
                            counts=row_count[:, d].copy())
         for d in range(R):
             hdrs[d]["error"] = bad
+        self._pack_headers(r, OP_C, n, hdrs)
+        for d in range(R):
+            for j, (e, i) in enumerate(streams[d] if not bad else []):
+                self.stage[r][("cstage", d, j)] = (y[e, i].copy(), (OP_C, n))
         ok = yield from self._credits(r, OP_C, b, n)
         if not ok:
-            return n, h
-        yield from self._headers(r, OP_C, b, n, hdrs)
+            return token
+        yield from self._headers(r, OP_C, b, n)
         if bad:
+            yield from self._quiet(r)
             self.record(r, code="bad_handle")
-            return n, h
+            return token
         order = [(d, j) for d in range(R) for j in range(len(streams[d]))]
         self.rng.shuffle(order)
         for d, j in order:
-            e, i = streams[d][j]
             q = row_qp(d, j, self.P, self.Q)
-            yield from self._row(r, d, q, (OP_C, n), ("crecv", b, r, j), y[e, i].copy(), OP_C, b)
-        return n, h
+            yield from self._row(r, d, q, (OP_C, n), ("crecv", b, r, j), ("cstage", d, j),
+                                 OP_C, b)
+        yield from self._quiet(r)
+        return token
 
-    def combine_recv(self, r, token, idx, w, H):
+    def combine_recv(self, r, token, idx, w, H, rows_per_dest=None):
         """Generator: the source's receive half; returns out[S, H] float32."""
         el = self.el
-        n = token[0]
+        n = self._epoch_of(r, OP_C, token)
         S, K = idx.shape
         out = np.zeros((S, H), np.float32)
         pos, counts, _ = self.positions(idx, self.E, self.M)
-        expect = [int(counts[p * el:(p + 1) * el].sum()) for p in range(self.R)]
-        hdrs = yield from self._recv_headers(r, OP_C, token, check_rows=expect)
+        expect = [counts[p * el:(p + 1) * el] for p in range(self.R)]
+        hdrs = yield from self._recv_headers(r, OP_C, token, check_counts=expect,
+                                             rpd=rows_per_dest)
         if hdrs is None:
             return out
         b = self.buf(n)
@@ -530,7 +606,8 @@ class Sim:
                 outs.append(None)
             elif do == "combine_recv":
                 token, H = tokens.pop(st["name"])
-                outs.append((yield from self.combine_recv(r, token, st["idx"], st["w"], H)))
+                outs.append((yield from self.combine_recv(r, token, st["idx"], st["w"], H,
+                                                          st.get("rows_per_dest"))))
             else:
                 raise ValueError(f"unknown step {do!r}")
 

@@ -84,7 +84,8 @@ def round_data(rng, R, E, M, K, H):
 
 
 def run_rounds(R, E, M, K, H, *, P=2, Q=2, rounds=3, seed=0, mistakes=Mistakes(),
-               depth2=False, reorder=True, slow=None, policy="random"):
+               depth2=False, reorder=True, slow=None, policy="random", first_epoch=0,
+               timeout=5000):
     """`rounds` dispatch + combine rounds on every rank (with `depth2`, two dispatch sends
     before their receives, as the FP8 dispatch does); y = 2 * recv_x + rank. `slow`:
     (rank, steps) sleeps before each of that rank's receives. Returns (Result, model
@@ -133,7 +134,7 @@ def run_rounds(R, E, M, K, H, *, P=2, Q=2, rounds=3, seed=0, mistakes=Mistakes()
             i += len(group)
         steps.append(st)
     sim = Sim(R, E, M, H, num_ports=P, qps_per_port=Q, seed=seed, reorder=reorder,
-              policy=policy, mistakes=mistakes)
+              policy=policy, mistakes=mistakes, first_epoch=first_epoch, timeout=timeout)
     return sim.simulate(steps), want_d, want_c, depth2
 
 
@@ -499,3 +500,96 @@ def test_combine_with_a_bad_handle_fails_every_rank():
     for r in (1, 2, 3):
         assert res.errors[r] == {"code": "peer_failed", "peer": 0, "rank": r}
     assert res.violations == []
+
+
+@pytest.mark.parametrize("first_epoch", [2**31 - 3, 2**32 - 3])
+@pytest.mark.parametrize("mistake", [False, True])
+def test_epochs_past_the_int32_token(first_epoch, mistake):
+    """The token is int32: past 2^31 calls of an op (days of decoding) its epoch word is
+    negative, past 2^32 it wraps. The receive half widens it against its PE's counter
+    (widen_epoch, through the bindings); taking the int32 as the epoch waits for a header
+    no one sends."""
+    R, E, M, K, H = 4, 8, 3, 2, 2
+    res, want_d, want_c, _ = run_rounds(R, E, M, K, H, rounds=3, seed=1, depth2=True,
+                                        first_epoch=first_epoch, timeout=1500,
+                                        mistakes=Mistakes(narrow_token=mistake))
+    assert not res.hang and res.violations == []
+    if mistake:
+        assert all(e is not None and e["code"] == "timeout" for e in res.errors), res.errors
+    else:
+        assert res.errors == [None] * R
+        check_exact(res, want_d, want_c, R)
+
+
+def test_widen_epoch_recovers_the_epoch_from_its_low_bits():
+    from low_latency_sim import token_word, widen_epoch
+    for n in (1, 2, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 1, 2**32, 2**32 + 5, 3 * 2**32 + 7):
+        for ahead in (0, 1):  # the counter is at n, or one call further (two in flight)
+            assert widen_epoch(n + ahead, token_word(n)) == n, (n, ahead)
+
+
+@pytest.mark.parametrize("mistake", [False, True])
+def test_planted_missing_quiet_reuses_the_send_stage(mistake):
+    """The puts read the stages when they land. A send that returns before its puts
+    complete lets the next call's plan and pack rewrite the rows and headers still in
+    flight (two sends back to back, as in the FP8 dispatch)."""
+    hits = 0
+    for seed in range(4):
+        res, want_d, want_c, _ = run_rounds(4, 8, 4, 2, 2, rounds=4, seed=seed, depth2=True,
+                                            policy="lazy",
+                                            mistakes=Mistakes(no_quiet=mistake))
+        hits += any("send buffer reused before quiet" in v for v in res.violations)
+        if not mistake:
+            assert res.violations == [] and res.errors == [None] * 4
+            check_exact(res, want_d, want_c, 4)
+    assert (hits > 0) == mistake
+
+
+def _swap_one_expert_within_its_owner(idx, el):
+    """A copy of idx[S, K] where one slot names the other local expert of the same owner
+    (not already in that token): every owner's total is kept, one expert's count moves."""
+    idx = idx.copy()
+    for t in range(idx.shape[0]):
+        for k in range(idx.shape[1]):
+            g = int(idx[t, k])
+            if g < 0:
+                continue
+            for g2 in range((g // el) * el, (g // el + 1) * el):
+                if g2 != g and g2 not in idx[t]:
+                    idx[t, k] = g2
+                    return idx
+    raise AssertionError("no slot to move")
+
+
+@pytest.mark.parametrize("mistake", [False, True])
+def test_combine_with_other_per_expert_counts_is_an_error(mistake):
+    """A source whose combine routing keeps each owner's total but moves a row between two
+    experts of one owner: checking totals only reads rows at the wrong offsets without an
+    error; the per-expert check in the header fails the call on that source."""
+    R, E, M, K, H = 4, 8, 4, 2, 2
+    el = E // R
+    rng = np.random.default_rng(7)
+    xs, idxs, ws = round_data(rng, R, E, M, K, H)
+    idxs[2] = routing(np.random.default_rng(8), 1, E, M, K, T=M)[0]
+    d = model_dispatch(xs, idxs, E, M)
+    other = _swap_one_expert_within_its_owner(idxs[2], el)
+    steps = []
+    for r in range(R):
+        count = np.array([[[s for s, _ in d[r]["rows"][e]].count(s) for s in range(R)]
+                          for e in range(el)], np.int32)
+        first = (np.cumsum(count, 1) - count).astype(np.int32)
+        steps.append([{"do": "combine_send", "y": d[r]["recv_x"], "first_row": first,
+                       "row_count": count, "rows_per_dest": M * min(K, el), "name": "c"},
+                      {"do": "combine_recv", "name": "c", "idx": other if r == 2 else idxs[r],
+                       "w": ws[r], "rows_per_dest": M * min(K, el)}])
+    res = Sim(R, E, M, H, seed=1, mistakes=Mistakes(total_rows_only=mistake)).simulate(steps)
+    assert res.violations == [] and [res.errors[r] for r in (0, 1, 3)] == [None] * 3
+    if mistake:
+        # not caught: rank 2 returns a sum of the wrong rows, silently
+        assert res.errors[2] is None
+        want = model_combine([d[r]["recv_x"] for r in range(R)],
+                             [other if r == 2 else idxs[r] for r in range(R)], ws, d, E)[2]
+        assert not np.array_equal(res.outputs[2][1], want)
+    else:
+        err = res.errors[2]
+        assert err["code"] == "rows_mismatch" and err["expected"] != err["seen"], err

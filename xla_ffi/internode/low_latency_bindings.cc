@@ -28,7 +28,8 @@ void AddLowLatencyWireBindings(nb::module_& m) {
     d["ops"] = nb::make_tuple(int(llwire::kOpDispatch), int(llwire::kOpCombine));
     d["err_op_base"] = llwire::kErrOpBase;
     d["kinds"] = nb::make_tuple(int(llwire::kKindHeader), int(llwire::kKindData),
-                                int(llwire::kKindCredit), int(llwire::kKindRows));
+                                int(llwire::kKindCredit), int(llwire::kKindRows),
+                                int(llwire::kKindCounts));
     d["num_cfg_fields"] = int(llwire::kNumCfgFields);
     d["header_fixed_bytes"] = static_cast<int>(sizeof(llwire::Header));
     return d;
@@ -44,6 +45,9 @@ void AddLowLatencyWireBindings(nb::module_& m) {
   });
   m.def("ll_rows_on_qp", [](int64_t rows, int reader, int qp, int num_ports, int qps_per_port) {
     return llwire::rows_on_qp(rows, reader, qp, num_ports, qps_per_port);
+  });
+  m.def("ll_widen_epoch", [](uint64_t latest, uint32_t low) {
+    return llwire::widen_epoch(latest, low);
   });
   m.def("ll_area_layout", [](int64_t R, int64_t M, int64_t row_bytes, int64_t K, int64_t E) {
     const llwire::Area a = llwire::area_layout(R, M, row_bytes, K, E);
