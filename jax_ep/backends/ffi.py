@@ -84,20 +84,24 @@ def gather(g, handle: DispatchHandle, cfg: Cfg):
 # (xla_ffi/cuda/low_latency_handlers.cc) register the same names and operands, so one
 # lowering serves both. On CUDA the send halves push rows straight into the peers'
 # low-latency areas (jax_ep.cuda.setup(..., max_tokens_per_rank=M, num_experts=E)); their
-# staging outputs are placeholders nothing writes. Signatures as in
-# backends/reference.py's low-latency section (cfg.capacity = M).
+# staging outputs are placeholders nothing writes, so on GPUs they have zero rows (x
+# [0, H], combine stage [R, 0, H]: no XLA buffer of staged rows); the CUDA handlers accept
+# the CPU's full shapes too. Signatures as in backends/reference.py's low-latency section
+# (cfg.capacity = M).
 # ============================================================================
 
 _SETUP_HINT = ("call jax_ep.cuda.setup(mesh, axis_name, ..., max_tokens_per_rank=M, "
                "num_experts=E) (its low-latency option) before jitting")
 
 
-def _ll_platform_check(cfg: Cfg, topk: int | None = None, row_bytes: int | None = None):
+def _ll_platform_check(cfg: Cfg, topk: int | None = None,
+                       row_bytes: int | None = None) -> bool:
     """On GPUs the call needs the low-latency area of jax_ep.cuda.setup, large enough for
-    it (the handlers check again, per GPU); CPU needs nothing."""
+    it (the handlers check again, per GPU); CPU needs nothing. Returns whether the CUDA
+    real-rank handlers run (their staging outputs are then zero-row placeholders)."""
     platform = jax.default_backend()
     if platform == "cpu":
-        return
+        return False
     if platform != "gpu":
         raise NotImplementedError(
             f"jax_ep.low_latency with backend='ffi' on {platform!r}: only CPU and CUDA "
@@ -125,6 +129,7 @@ def _ll_platform_check(cfg: Cfg, topk: int | None = None, row_bytes: int | None 
         raise ValueError("jax_ep.low_latency: the low-latency area of jax_ep.cuda.setup does "
                          "not fit this call: " + "; ".join(problems) + f"; {_SETUP_HINT} "
                          "with the largest shapes")
+    return True
 
 
 def _ll_attrs(cfg: Cfg):
@@ -134,13 +139,14 @@ def _ll_attrs(cfg: Cfg):
 
 def ll_dispatch_send(x, topk_idx, cfg: Cfg):
     """Stages x[S, H] and topk_idx[S, K]; also returns tokens per expert int32[E]. (On
-    CUDA: pushes the rows into the owners' areas; the staged copies are placeholders.)"""
+    CUDA: pushes the rows into the owners' areas; the staged x is a [0, H] placeholder and
+    the staged topk_idx carries the epoch.)"""
     S, H = x.shape
     K = topk_idx.shape[1]
-    _ll_platform_check(cfg, topk=K, row_bytes=H * jnp.dtype(x.dtype).itemsize)
+    gpu = _ll_platform_check(cfg, topk=K, row_bytes=H * jnp.dtype(x.dtype).itemsize)
     x, topk_idx = unify_varying(x, topk_idx)
     return tuple(ep_call("jax_ep_ll_dispatch_send",
-                         (like(x, (S, H), x.dtype), like(x, (S, K), jnp.int32),
+                         (like(x, (0 if gpu else S, H), x.dtype), like(x, (S, K), jnp.int32),
                           like(x, (cfg.num_experts,), jnp.int32)))(
         x, topk_idx, num_experts=np.int64(cfg.num_experts), **_ll_attrs(cfg)))
 
@@ -164,12 +170,13 @@ def ll_dispatch_recv(sent, cfg: Cfg):
 def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):
     """Stages each source rank's rows of y[E_local, R*M, H]: [R, rows_per_dest, H], plus a
     status scalar the receive half reports. (On CUDA: pushes the rows into the sources'
-    stages; the stage output is a placeholder and status is 0.)"""
-    _ll_platform_check(cfg, row_bytes=y.shape[-1] * jnp.dtype(y.dtype).itemsize)
+    stages; the stage output is an [R, 0, H] placeholder and status carries the epoch.)"""
+    gpu = _ll_platform_check(cfg, row_bytes=y.shape[-1] * jnp.dtype(y.dtype).itemsize)
     y, first_row, row_count = unify_varying(y, first_row, row_count)
     R, H = cfg.num_ranks, y.shape[-1]
+    rows = 0 if gpu else rows_per_dest
     return tuple(ep_call("jax_ep_ll_combine_send",
-                         (like(y, (R, rows_per_dest, H), y.dtype), like(y, (), jnp.int32)))(
+                         (like(y, (R, rows, H), y.dtype), like(y, (), jnp.int32)))(
         y, first_row, row_count, rows_per_dest=np.int64(rows_per_dest), **_ll_attrs(cfg)))
 
 

@@ -175,6 +175,50 @@ def test_fp8_split_dispatch_has_two_sends_in_flight():
     assert "l.tok_off = l.slots_off + 2 * l.slots_half" in src
 
 
+def _fitting_gpu_area(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jcuda, "_ll_area", dict(num_ranks=R, max_tokens_per_rank=M, topk=K,
+                                                num_experts=E, row_bytes=H * 4, bytes=1))
+
+
+def _ffi_halves(x, idx, w):
+    """Dispatch and combine through the ffi backend's four halves (what jax_ep.low_latency
+    calls per shard), the combine on the dispatch's handle."""
+    cfg = _cfg()
+    recv, _, _, _, fr, rc = ffi_backend.ll_dispatch_recv(
+        ffi_backend.ll_dispatch_send(x, idx, cfg), cfg)
+    sent = ffi_backend.ll_combine_send(recv, fr, rc, M * min(K, E // R), cfg)
+    return ffi_backend.ll_combine_recv(sent, idx, w, cfg)
+
+
+def _result_types(line):
+    """The tensor types after the '->' of a custom call line."""
+    return re.findall(r"tensor<([^>]*)>", line.rsplit("->", 1)[1])
+
+
+def test_gpu_send_halves_stage_no_rows(monkeypatch):
+    """On GPUs the send halves push rows into the peers' areas: their staging outputs are
+    zero-row placeholders ([0, H] and [R, 0, H]), not XLA buffers of every staged row
+    (R * M * min(K, E_local) rows of H per combine, 117 MB at the EP8 decode shape). The
+    receive halves still get H and the dtype from them, and the epoch from stage_idx and
+    status."""
+    x, idx, w = _inputs(4)
+    cpu = {c[0]: _result_types(c[5]) for c in _calls(_lower_cuda(_ffi_halves, x, idx, w))}
+    _fitting_gpu_area(monkeypatch)
+    gpu = {c[0]: _result_types(c[5]) for c in _calls(_lower_cuda(_ffi_halves, x, idx, w))}
+    rows = M * min(K, E // R)
+    assert cpu["jax_ep_ll_dispatch_send"][0] == f"{T}x{H}xf32"
+    assert gpu["jax_ep_ll_dispatch_send"] == [f"0x{H}xf32", f"{T}x{K}xi32", f"{E}xi32"]
+    assert cpu["jax_ep_ll_combine_send"] == [f"{R}x{rows}x{H}xf32", "i32"]
+    assert gpu["jax_ep_ll_combine_send"] == [f"{R}x0x{H}xf32", "i32"]
+    # Everything else is the same lowering: the receive halves' results and all operands.
+    for name in ("jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_recv"):
+        assert gpu[name] == cpu[name], name
+    src = _read("xla_ffi", "cuda", "low_latency_handlers.cc")
+    assert "HasShape(stage_x->dimensions(), {0, H})" in src
+    assert "HasShape(stage->dimensions(), {R, 0, H})" in src
+
+
 # ----------------------------------------------------------------------------- handlers
 
 def test_real_rank_handlers_never_allocate_or_sync():

@@ -5,9 +5,10 @@
 // the kernels work in the low-latency area of the group's buffers (setup(...,
 // max_tokens_per_rank=M, num_experts=E)). The send halves push rows straight into the
 // peers' areas, so their staging outputs are placeholders: stage_x and the combine stage
-// are never written, stage_idx[0, 0] and combine's status carry the send's epoch to the
-// receive half (31 bits), and dispatch_send's tokens per expert are real (a foreign
-// handle goes to the device record, not to status). Shapes are
+// are never written (jax_ep lowers them with zero rows on GPUs, [0, H] and [R, 0, H]; the
+// CPU's full shapes are accepted too), stage_idx[0, 0] and combine's status carry the
+// send's epoch to the receive half (31 bits), and dispatch_send's tokens per expert are
+// real (a foreign handle goes to the device record, not to status). Shapes are
 // checked on the host against the area; nothing allocates or synchronizes, so these
 // targets are command-buffer (CUDA graph) compatible. Value errors (ids, handles, a
 // missing peer, a peer with other shapes) go to the sticky device record that
@@ -351,7 +352,9 @@ ffi::Error RankDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   const int64_t S = xd[0], H = xd[1], K = id[1];
   std::string err = ExpectShape("topk_idx", id, {S, K});
   if (err.empty() && S * K < 1) err = "x and topk_idx need at least one token and one slot";
-  if (err.empty()) err = ExpectShape("stage_x", stage_x->dimensions(), {S, H});
+  // Never written here: the zero-row placeholder, or the CPU's [S, H].
+  if (err.empty() && !HasShape(stage_x->dimensions(), {0, H}))
+    err = ExpectShape("stage_x", stage_x->dimensions(), {S, H});
   if (err.empty()) err = ExpectShape("stage_idx", stage_idx->dimensions(), {S, K});
   if (err.empty()) err = ExpectShape("expert_count", expert_count->dimensions(), {num_experts});
   if (!err.empty()) return Invalid(err);
@@ -433,7 +436,10 @@ ffi::Error RankCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
   std::string err = ExpectShape("y", yd, {el, R * M, H});
   if (err.empty()) err = ExpectShape("handle.first_row", first_row.dimensions(), {el, R});
   if (err.empty()) err = ExpectShape("handle.row_count", row_count.dimensions(), {el, R});
-  if (err.empty()) err = ExpectShape("stage", stage->dimensions(), {R, rows_per_dest, H});
+  // Never written here: the zero-row placeholder, or the CPU's [R, rows_per_dest, H].
+  if (err.empty() && !HasShape(stage->dimensions(), {R, 0, H}))
+    err = ExpectShape("stage", stage->dimensions(), {R, rows_per_dest, H});
+  if (err.empty() && rows_per_dest < 1) err = "rows_per_dest must be >= 1";
   if (err.empty()) err = ExpectShape("status", status->dimensions(), {});
   if (!err.empty()) return Invalid(err);
   CudaDomain d;
@@ -465,6 +471,7 @@ ffi::Error RankCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
   auto id = topk_idx.dimensions();
   if (sd.size() != 3) return Invalid("stage must be [R, rows, H], got " + Dims(sd));
   if (id.size() != 2) return Invalid("topk_idx must be [S, K], got " + Dims(id));
+  // rpd: 0 for the zero-row placeholder (the send half checked the call's rows then).
   const int64_t R = num_ranks, rpd = sd[1], H = sd[2], S = id[0], K = id[1];
   std::string err = ExpectShape("stage", sd, {R, rpd, H});
   if (err.empty()) err = ExpectShape("topk_weights", topk_weights.dimensions(), {S, K});
