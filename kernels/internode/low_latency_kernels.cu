@@ -303,6 +303,20 @@ __global__ void CombinePlan(G g, const int32_t* first_row, const int32_t* row_co
     if (f < 0 || c < 0 || c > g.M || static_cast<int64_t>(f) + c > RM)  // no int32 wrap
       NoteBad(g, i / g.R, i % g.R, c);
   }
+  // The dispatch lays each expert's sources out back to back (first_row = running sum
+  // of row_count); overlapping or gapped ranges would leave stage rows unwritten and
+  // send stale ones.
+  for (int e = threadIdx.x; e < g.el; e += blockDim.x) {
+    int64_t at = 0;
+    for (int s = 0; s < g.R; ++s) {
+      const int32_t f = first_row[e * g.R + s], c = row_count[e * g.R + s];
+      if (f != at) {
+        NoteBad(g, e, s, f);
+        break;
+      }
+      at += c < 0 ? 0 : c;
+    }
+  }
   __syncthreads();
   for (int d = threadIdx.x; d < g.R; d += blockDim.x) {
     llwire::Header* h = Hstage(g, kC, d);
@@ -784,8 +798,9 @@ std::string PendingError() {
              std::to_string(static_cast<long long>(seen)) + " is outside [-1, " +
              std::to_string(expected) + ") or repeats an expert of that token";
       else
-        m += "the handle's row counts do not fit the blocks (local expert " +
-             std::to_string(peer) + ", source " + std::to_string(qp) + ")";
+        m += "the handle's first_row / row_count do not describe a dispatch's blocks "
+             "(local expert " + std::to_string(peer) + ", source " + std::to_string(qp) +
+             "); pass the handle of the dispatch whose rows y holds";
       break;
     case wire::kErrExtraSignal:
       m += "rank " + std::to_string(peer) + " sent " + std::to_string(seen) + " rows on QP " +

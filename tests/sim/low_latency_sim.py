@@ -85,6 +85,7 @@ class Mistakes:
     no_quiet: bool = False            # a send returns before its puts complete (no nvshmem_quiet)
     narrow_token: bool = False        # the receive takes the int32 token as the epoch (sign-extended)
     total_rows_only: bool = False     # combine checks each owner's total, not each expert's count
+    no_layout_check: bool = False     # combine_send accepts a handle whose ranges overlap
 
 
 @dataclasses.dataclass
@@ -189,10 +190,19 @@ class Sim:
             del self.queues[key]
         mem = self.mem[op.dst]
         for k, sk in op.writes:
+            if sk not in self.stage[op.src]:
+                self.violate(f"{op.tag} from rank {op.src} put its stage {sk}, which no call "
+                             "wrote (an unwritten stage row sent)")
+                continue
             v, stag = self.stage[op.src][sk]
             if stag != op.tag and self.errors[op.src] is None:
-                self.violate(f"{op.tag} from rank {op.src}: its stage {sk} was rewritten by "
-                             f"{stag} before the put landed (send buffer reused before quiet)")
+                if stag[1] > op.tag[1]:
+                    self.violate(f"{op.tag} from rank {op.src}: its stage {sk} was rewritten "
+                                 f"by {stag} before the put landed (send buffer reused before "
+                                 "quiet)")
+                else:
+                    self.violate(f"{op.tag} from rank {op.src} put its stage {sk}, last "
+                                 f"written by {stag} (an unwritten stage row sent)")
             old = mem.vals.get(k)
             if old is not None and old[1] != op.tag and old[1] not in mem.finished \
                     and self.errors[op.dst] is None:
@@ -521,8 +531,10 @@ class Sim:
         b = self.buf(n)
         el, R = self.el, self.R
         streams, hdrs = {}, {}
-        bad = bool(np.any((first_row < 0) | (row_count < 0) | (row_count > self.M)
-                          | (first_row + row_count > R * self.M)))
+        f64, c64 = first_row.astype(np.int64), row_count.astype(np.int64)
+        bad = bool(np.any((f64 < 0) | (c64 < 0) | (c64 > self.M) | (f64 + c64 > R * self.M)))
+        if not self.m.no_layout_check:  # ranges back to back, as the dispatch lays them out
+            bad = bad or bool(np.any(f64 != np.cumsum(np.maximum(c64, 0), 1) - np.maximum(c64, 0)))
         for d in range(R):
             rows = [] if bad else [(e, int(first_row[e, d]) + i) for e in range(el)
                                    for i in range(int(row_count[e, d]))]
@@ -533,9 +545,15 @@ class Sim:
         for d in range(R):
             hdrs[d]["error"] = bad
         self._pack_headers(r, OP_C, n, hdrs)
-        for d in range(R):
-            for j, (e, i) in enumerate(streams[d] if not bad else []):
-                self.stage[r][("cstage", d, j)] = (y[e, i].copy(), (OP_C, n))
+        if not bad:  # CombinePack: each row of y to the first source whose range holds it
+            for e in range(el):
+                for i in range(R * self.M):
+                    for d in range(R):
+                        f, c = int(first_row[e, d]), int(row_count[e, d])
+                        if f <= i < f + c:
+                            j = sum(int(row_count[e2, d]) for e2 in range(e)) + i - f
+                            self.stage[r][("cstage", d, j)] = (y[e, i].copy(), (OP_C, n))
+                            break
         ok = yield from self._credits(r, OP_C, b, n)
         if not ok:
             return token

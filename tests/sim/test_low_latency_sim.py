@@ -593,3 +593,41 @@ def test_combine_with_other_per_expert_counts_is_an_error(mistake):
     else:
         err = res.errors[2]
         assert err["code"] == "rows_mismatch" and err["expected"] != err["seen"], err
+
+
+@pytest.mark.parametrize("mistake", [False, True])
+def test_combine_handle_with_overlapping_ranges(mistake):
+    """A handle whose first_row does not lay the sources back to back (here source 1's
+    range of every expert starts where source 0's does): the owner's pack leaves stage
+    rows unwritten and would send stale ones. The layout check fails the call on every
+    rank instead."""
+    def overlap(st):
+        fr = st[0][0]["first_row"].copy()
+        fr[:, 1] = fr[:, 0]
+        st[0][0]["first_row"] = fr
+    rng = np.random.default_rng(6)
+    R, E, M, K, H = 4, 8, 4, 2, 2
+    xs, idxs, ws = round_data(rng, R, E, M, K, H)
+    idxs = routing(np.random.default_rng(9), R, E, M, K, T=M)
+    for s in (0, 1):  # owner 0's expert 0 gets a row from sources 0 and 1
+        idxs[s][0] = [0] + [-1] * (K - 1)
+    d = model_dispatch(xs, idxs, E, M)
+    el, rpd = E // R, M * min(K, E // R)
+    steps = []
+    for r in range(R):
+        count = np.array([[[s for s, _ in d[r]["rows"][e]].count(s) for s in range(R)]
+                          for e in range(el)], np.int32)
+        first = (np.cumsum(count, 1) - count).astype(np.int32)
+        steps.append([{"do": "combine_send", "y": d[r]["recv_x"], "first_row": first,
+                       "row_count": count, "rows_per_dest": rpd, "name": "c"},
+                      {"do": "combine_recv", "name": "c", "idx": idxs[r], "w": ws[r],
+                       "rows_per_dest": rpd}])
+    overlap(steps)
+    res = Sim(R, E, M, H, seed=2, mistakes=Mistakes(no_layout_check=mistake)).simulate(steps)
+    if mistake:
+        assert any("unwritten stage row" in v for v in res.violations), res.violations
+    else:
+        assert res.violations == []
+        assert res.errors[0]["code"] == "bad_handle"
+        for r in (1, 2, 3):
+            assert res.errors[r] == {"code": "peer_failed", "peer": 0, "rank": r}
