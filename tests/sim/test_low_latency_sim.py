@@ -631,3 +631,31 @@ def test_combine_handle_with_overlapping_ranges(mistake):
         assert res.errors[0]["code"] == "bad_handle"
         for r in (1, 2, 3):
             assert res.errors[r] == {"code": "peer_failed", "peer": 0, "rank": r}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_two_sends_in_flight_received_in_reverse_order(seed):
+    """Two dispatch sends, then their receives in reverse order: each receive completes
+    the epoch of its own token (widened against the counter, one call ahead or level)."""
+    R, E, M, K, H = 4, 8, 3, 2, 2
+    rng = np.random.default_rng(seed)
+    data = [(routing(rng, R, E, M, K, T=M),
+             [rng.standard_normal((M, H)).astype(np.float32) for _ in range(R)])
+            for _ in range(4)]
+    want = [model_dispatch(xs, idxs, E, M) for idxs, xs in data]
+    steps = []
+    for r in range(R):
+        st = []
+        for a, b in ((0, 1), (2, 3)):
+            st += [{"do": "dispatch_send", "x": data[i][1][r], "idx": data[i][0][r],
+                    "name": f"d{i}"} for i in (a, b)]
+            st += [{"do": "dispatch_recv", "name": f"d{i}"} for i in (b, a)]
+        steps.append(st)
+    res = Sim(R, E, M, H, seed=seed, first_epoch=2**32 - 2).simulate(steps)
+    assert res.violations == [] and res.errors == [None] * R and not res.hang
+    for r in range(R):
+        got = [o for o in res.outputs[r] if o is not None]
+        for o, i in zip(got, (1, 0, 3, 2)):
+            np.testing.assert_array_equal(o[0].view(np.uint32),
+                                          want[i][r]["recv_x"].view(np.uint32))
+            np.testing.assert_array_equal(o[3], want[i][r]["src_index"])
