@@ -21,6 +21,8 @@ How it corresponds to kernels/cuda/low_latency_kernels.{h,cu} (real-rank path):
 |   ll_epoch_from_low (low_latency_math.h)       |   `epoch_from_low` below                |
 | JAX_EP_TIMEOUT_S, globaltimer                  | `timeout` in scheduler steps            |
 | sticky error record (first error wins)         | `Rank.error`                            |
+| g_ll_failed (set by every protocol error)      | `Rank.protocol_failed`                  |
+| handler's FitsArea error (host, no launch)     | ERR_AREA; the rank's program stops      |
 
 Every memory cell remembers who wrote it, for which epoch and call configuration, and
 every region remembers the last epoch its reader finished. The checks made on every
@@ -64,9 +66,11 @@ EPOCH_MASK = 0x7fffffff
 FAILED = "failed"  # tag a rank with a protocol error sends in place of its own
 BAD_HANDLE = "bad_handle"  # tag of an owner whose combine handle does not fit y
 
-# Error codes, as kernels/cuda/intranode_buffer.h names them.
-ERR_BAD_ID, ERR_TIMEOUT, ERR_BAD_HANDLE, ERR_CALL_SITE, ERR_PEER_FAILED = (
-    "bad_topk_id", "timeout", "bad_handle", "config_mismatch", "peer_failed")
+# Error codes, as kernels/cuda/intranode_buffer.h names them; ERR_AREA is the handler's
+# host-side error for a call beyond the area (it launches nothing and XLA stops the
+# rank's program there).
+ERR_BAD_ID, ERR_TIMEOUT, ERR_BAD_HANDLE, ERR_CALL_SITE, ERR_PEER_FAILED, ERR_AREA = (
+    "bad_topk_id", "timeout", "bad_handle", "config_mismatch", "peer_failed", "area")
 PROTOCOL_ERRORS = (ERR_TIMEOUT, ERR_CALL_SITE, ERR_PEER_FAILED)
 
 
@@ -193,6 +197,7 @@ class Rank:
         self.me = me
         self.error = None  # sticky: (code, details), the first error recorded
         self.protocol_failed = False  # any protocol error so far (g_ll_failed)
+        self.stopped = False  # a handler returned an error: the program ends there
         self.masked = False  # planted "masked_failure": failed() from the first error only
         self.results = []  # in the order of the receive halves
         self.by_call = {}  # id(call) -> its result
@@ -280,6 +285,11 @@ class World:
         S, R = self.s, self.s.R
         me, buf = rank.me, self.bufs[rank.me]
         M = call.M or S.M
+        if M > S.M or call.x.shape[1] > S.H or call.idx.size > S.M * S.K:
+            # FitsArea in the handler: an error before any kernel, no epoch taken.
+            rank.record(ERR_AREA, me, "dispatch does not fit the area sized at setup")
+            rank.stopped = True
+            return
         n = buf.seq["d"] = buf.seq["d"] + 1
         h = self._half(n)
         self.epochs[(me, id(call))] = n & EPOCH_MASK
@@ -289,8 +299,6 @@ class World:
         pos, cnt, bad = positions(idx, S.E, M)
         for t, k, g in bad:
             rank.record(ERR_BAD_ID, t, k, g)
-        if M > S.M or x.shape[1] > S.H or idx.size > S.M * S.K:
-            rank.record(ERR_CALL_SITE, me, "does not fit the area sized at setup")
         yield "step"
         # Credits: no owner's slots are touched before it read the previous epoch.
         if "no_dispatch_credit" not in self.plant:
@@ -429,6 +437,10 @@ class World:
         S, R, el = self.s, self.s.R, self.s.el
         me, buf = rank.me, self.bufs[rank.me]
         M = call.M or S.M
+        if M > S.M or call.y.shape[-1] > S.H or (call.rows_per_dest or 0) > S.rows_per_dest:
+            rank.record(ERR_AREA, me, "combine does not fit the area sized at setup")
+            rank.stopped = True
+            return
         n = buf.seq["c"] = buf.seq["c"] + 1
         h = self._half(n)
         self.epochs[(me, id(call))] = n & EPOCH_MASK
@@ -530,6 +542,8 @@ class World:
                 if (op, call.kind) not in halves:
                     raise ValueError(f"unknown half {op!r} of call kind {call.kind!r}")
                 yield from halves[(op, call.kind)](rank, call)
+                if rank.stopped:
+                    return
 
     def run(self, programs):
         """programs[r]: rank r's list of Calls (None: the rank never runs). Interleaves the

@@ -424,3 +424,21 @@ def test_handle_above_the_calls_rows_per_source_is_foreign():
     w = S.simulate(SETUP, programs, seed=13)
     assert w.findings == []
     assert all(rk.error[0] == S.ERR_BAD_HANDLE for rk in w.ranks)
+
+
+def test_a_call_beyond_the_area_stops_that_rank_and_its_peers_time_out():
+    """The handler rejects a call the area cannot hold before launching anything, and XLA
+    stops that rank's program: it takes no epoch and signals nothing, so its peers end in
+    bounded timeouts (not a hang), and nothing is read or overwritten."""
+    programs, _ = make_calls(14, ["random", "random"])
+    c = programs[2][0]
+    wide = np.concatenate([c.x, c.x], axis=1)  # rows wider than setup's H
+    programs[2][0] = S.Call("dispatch", x=wide, idx=c.idx, site=c.site)
+    w = S.simulate(SETUP, programs, seed=14, timeout=200)
+    assert w.findings == []
+    assert w.ranks[2].error[0] == S.ERR_AREA and w.ranks[2].results == []
+    assert w.bufs[2].seq == {"d": 0, "c": 0}
+    for rk in w.ranks:
+        if rk.me != 2:
+            assert rk.error[0] in (S.ERR_TIMEOUT, S.ERR_PEER_FAILED), rk.error
+    assert any(rk.error[0] == S.ERR_TIMEOUT for rk in w.ranks if rk.me != 2)

@@ -476,6 +476,8 @@ ffi::Error RankCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
   std::string err = ExpectShape("stage", sd, {R, rpd, H});
   if (err.empty()) err = ExpectShape("topk_weights", topk_weights.dimensions(), {S, K});
   if (err.empty()) err = ExpectShape("out", out->dimensions(), {S, H});
+  if (err.empty() && status.element_count() < 1)
+    err = "status must hold the send half's epoch (one entry)";
   FloatKind kind;
   if (err.empty() && !FloatKindOf(stage.element_type(), &kind))
     err = "y must be float32, bfloat16 or float16";
