@@ -303,20 +303,6 @@ __global__ void CombinePlan(G g, const int32_t* first_row, const int32_t* row_co
     if (f < 0 || c < 0 || c > g.M || static_cast<int64_t>(f) + c > RM)  // no int32 wrap
       NoteBad(g, i / g.R, i % g.R, c);
   }
-  // The dispatch lays each expert's sources out back to back (first_row = running sum
-  // of row_count); overlapping or gapped ranges would leave stage rows unwritten and
-  // send stale ones.
-  for (int e = threadIdx.x; e < g.el; e += blockDim.x) {
-    int64_t at = 0;
-    for (int s = 0; s < g.R; ++s) {
-      const int32_t f = first_row[e * g.R + s], c = row_count[e * g.R + s];
-      if (f != at) {
-        NoteBad(g, e, s, f);
-        break;
-      }
-      at += c < 0 ? 0 : c;
-    }
-  }
   __syncthreads();
   for (int d = threadIdx.x; d < g.R; d += blockDim.x) {
     llwire::Header* h = Hstage(g, kC, d);
@@ -337,8 +323,10 @@ __global__ void CombinePlan(G g, const int32_t* first_row, const int32_t* row_co
   for (int d = threadIdx.x; d < g.R; d += blockDim.x) Hstage(g, kC, d)->error = bad[0];
 }
 
-// A warp per row (e, i) of y: into the stage of the source it belongs to, at its stream
-// index (experts in order, then the row's place among that source's rows).
+// A warp per stage row (e, d, r), r < M: row first_row[e, d] + r of y's block e, if
+// r < row_count[e, d], into the stage of source d at its stream index (experts in order,
+// then r). Every stage row of the stream is written exactly once whatever the handle's
+// ranges, as the CPU kernel copies them (LowLatencyCombineStageCpu).
 __global__ void CombinePack(G g, const char* y, const int32_t* first_row,
                             const int32_t* row_count) {
   if (Local(g, g.A.bad)[0] != 0) return;
@@ -348,15 +336,13 @@ __global__ void CombinePack(G g, const char* y, const int32_t* first_row,
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t w = blockIdx.x * kWarps + (threadIdx.x >> 5); w < g.el * RM; w += warps) {
     const int e = static_cast<int>(w / RM);
-    const int64_t i = w % RM;
-    for (int d = 0; d < g.R; ++d) {
-      const int32_t f = first_row[e * g.R + d], c = row_count[e * g.R + d];
-      if (i < f || i >= static_cast<int64_t>(f) + c) continue;
-      const int64_t j = offsets[e * g.R + d] + (i - f);
-      CopyBytes(g.area + g.A.cstage + (static_cast<int64_t>(d) * g.A.rpd + j) * g.A.cs,
-                y + w * g.row_bytes, g.row_bytes, lane, 32);
-      break;
-    }
+    const int d = static_cast<int>((w % RM) / g.M);
+    const int r = static_cast<int>(w % g.M);
+    if (r >= row_count[e * g.R + d]) continue;
+    const int64_t i = static_cast<int64_t>(first_row[e * g.R + d]) + r;
+    const int64_t j = offsets[e * g.R + d] + r;
+    CopyBytes(g.area + g.A.cstage + (static_cast<int64_t>(d) * g.A.rpd + j) * g.A.cs,
+              y + (static_cast<int64_t>(e) * RM + i) * g.row_bytes, g.row_bytes, lane, 32);
   }
 }
 
@@ -798,9 +784,8 @@ std::string PendingError() {
              std::to_string(static_cast<long long>(seen)) + " is outside [-1, " +
              std::to_string(expected) + ") or repeats an expert of that token";
       else
-        m += "the handle's first_row / row_count do not describe a dispatch's blocks "
-             "(local expert " + std::to_string(peer) + ", source " + std::to_string(qp) +
-             "); pass the handle of the dispatch whose rows y holds";
+        m += "the handle's row counts do not fit the blocks (local expert " +
+             std::to_string(peer) + ", source " + std::to_string(qp) + ")";
       break;
     case wire::kErrExtraSignal:
       m += "rank " + std::to_string(peer) + " sent " + std::to_string(seen) + " rows on QP " +

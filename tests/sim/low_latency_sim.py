@@ -85,7 +85,8 @@ class Mistakes:
     no_quiet: bool = False            # a send returns before its puts complete (no nvshmem_quiet)
     narrow_token: bool = False        # the receive takes the int32 token as the epoch (sign-extended)
     total_rows_only: bool = False     # combine checks each owner's total, not each expert's count
-    no_layout_check: bool = False     # combine_send accepts a handle whose ranges overlap
+    pack_first_match: bool = False    # combine pack: each y row to the first source whose range
+                                      # holds it (stage rows of overlapping ranges left unwritten)
 
 
 @dataclasses.dataclass
@@ -533,8 +534,6 @@ class Sim:
         streams, hdrs = {}, {}
         f64, c64 = first_row.astype(np.int64), row_count.astype(np.int64)
         bad = bool(np.any((f64 < 0) | (c64 < 0) | (c64 > self.M) | (f64 + c64 > R * self.M)))
-        if not self.m.no_layout_check:  # ranges back to back, as the dispatch lays them out
-            bad = bad or bool(np.any(f64 != np.cumsum(np.maximum(c64, 0), 1) - np.maximum(c64, 0)))
         for d in range(R):
             rows = [] if bad else [(e, int(first_row[e, d]) + i) for e in range(el)
                                    for i in range(int(row_count[e, d]))]
@@ -545,7 +544,9 @@ class Sim:
         for d in range(R):
             hdrs[d]["error"] = bad
         self._pack_headers(r, OP_C, n, hdrs)
-        if not bad:  # CombinePack: each row of y to the first source whose range holds it
+        if bad:
+            pass
+        elif self.m.pack_first_match:
             for e in range(el):
                 for i in range(R * self.M):
                     for d in range(R):
@@ -554,6 +555,10 @@ class Sim:
                             j = sum(int(row_count[e2, d]) for e2 in range(e)) + i - f
                             self.stage[r][("cstage", d, j)] = (y[e, i].copy(), (OP_C, n))
                             break
+        else:  # CombinePack: stage row j of source d is y[e, first_row[e, d] + r]
+            for d in range(R):
+                for j, (e, i) in enumerate(streams[d]):
+                    self.stage[r][("cstage", d, j)] = (y[e, i].copy(), (OP_C, n))
         ok = yield from self._credits(r, OP_C, b, n)
         if not ok:
             return token
