@@ -14,8 +14,10 @@
 //              j (owner's experts in order, then position) the striping plan puts on QP q
 //              goes straight into the owner's slot drecv[b][expert][source][position],
 //              as a put-with-signal ADD 1 on QP q into word (dispatch, b, source, q)
-//     token -- int32[2] (n, hash): the epoch the receive half completes and this call's
-//              config hash, which every writer's header must carry
+//     token -- int32[2] (n, hash): the epoch the receive half completes (its low 32 bits,
+//              widened by the receive against this PE's counter, llwire::widen_epoch)
+//              and this call's config hash, which every writer's header must carry;
+//              the send ends in nvshmem_quiet, so the next call may rewrite the stages
 //   dispatch_recv (every rank as an owner): waits (bounded) for every source's header
 //     word == n, checks seq, hash and error flag, waits for every (source, QP) data word
 //     to hold that QP's rows; writes recv_x[E_local, R*M, H] (rows of source s for expert
@@ -26,7 +28,7 @@
 //     source, expert after expert, into the stage, then, after the source's credit, each
 //     row j of the stream to source s on QP row_qp(s, j) into crecv[b][owner][j] at s.
 //   combine_recv (every rank as a source): waits for every owner's header and rows, checks
-//     the owner's row count equals what its own routing implies, sums each token's rows
+//     the owner's count for each of its experts equals what its own routing implies, sums each token's rows
 //     k ascending (float32 product rounded, then added, kernels/common/low_latency_math.h),
 //     casts; resets and returns the credit.
 //
