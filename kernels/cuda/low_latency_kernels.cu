@@ -116,8 +116,8 @@ __device__ void ll_credits(const LowLatencyArgs& a, const uint64_t* credit, uint
   __syncthreads();
 }
 
-// The epoch a receive half works on: the one its send half handed over, or (harness) the
-// last one sent.
+// The epoch a receive half works on: the one its send half handed over (or, with no
+// hand-over, the last one sent).
 __device__ __forceinline__ uint64_t ll_recv_epoch(const LowLatencyArgs& a, uint64_t seq) {
   return a.epoch_in == nullptr ? seq : ll_epoch_from_low(seq, *a.epoch_in);
 }

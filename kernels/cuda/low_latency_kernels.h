@@ -47,7 +47,8 @@
 // kSiteFailed as their tag, so peers record kErrPeerFailed instead of waiting; waits end
 // at once while such an error is recorded; jax_ep.cuda.reset() clears it. The harness
 // launches each phase for every virtual rank before the next phase of any, so its waits
-// and credits are always already met.
+// and credits are always already met; its send halves hand each rank's epoch over in
+// their token output, as the real ranks' do in theirs.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -144,7 +145,7 @@ struct LowLatencyArgs {
   int expect_group;
   int32_t* expert_count;    // dispatch plan: tokens per expert [E] (null: not wanted)
   int32_t* epoch_out;       // send plan: the epoch handed to the receive half (null: none)
-  const int32_t* epoch_in;  // receive half: that epoch (null: the last one sent, harness)
+  const int32_t* epoch_in;  // receive half: that epoch (null: the last one sent)
   // dispatch
   const void* x;
   const int32_t* topk_idx;

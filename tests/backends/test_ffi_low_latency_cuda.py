@@ -236,6 +236,25 @@ def test_real_rank_handlers_never_allocate_or_sync():
     assert "CMD_BUFFER" not in harness
 
 
+def test_every_receive_half_gets_its_send_halfs_epoch():
+    """A receive half that took the last epoch sent would mix up two pairs XLA interleaves
+    (send, send, recv, recv: the simulator's planted "latest_epoch"). Real ranks hand the
+    epoch over in stage_idx / status, the harness in its token, one entry per rank."""
+    src = _read("xla_ffi", "cuda", "low_latency_handlers.cc")
+    impls = {name: src.split(f"ffi::Error {name}(", 1)[1].split("\n}\n", 1)[0]
+             for name in ("DispatchSendImpl", "DispatchRecvImpl", "CombineSendImpl",
+                          "CombineRecvImpl", "RankDispatchSendImpl", "RankDispatchRecvImpl",
+                          "RankCombineSendImpl", "RankCombineRecvImpl")}
+    for name, body in impls.items():
+        field = "epoch_out" if "Send" in name else "epoch_in"
+        assert re.search(rf"\.{field} = \w+(\.|->)typed_data\(\)", body), name
+    for name in ("DispatchSendImpl", "CombineSendImpl"):
+        assert "b.epoch_out = token->typed_data() + r;" in impls[name]
+    for name in ("DispatchRecvImpl", "CombineRecvImpl"):
+        assert "b.epoch_in = token.typed_data() + r;" in impls[name]
+        assert 'ExpectShape("token", token.dimensions(), {R})' in impls[name]
+
+
 @pytest.mark.skipif(_ext.ext is None or "CUDA" not in _ext.ext.registrations(),
                     reason="this build has no CUDA handlers")
 def test_cuda_registers_the_cpu_target_names():

@@ -16,7 +16,8 @@
 //
 // Harness, jax_ep_ll_harness_*: R virtual ranks whose buffers share one allocation on
 // this GPU, every phase launched for each rank before the next phase of any; a small
-// token array orders the halves. The buffer is allocated on first use (and grown), which
+// token array orders the halves and carries each rank's epoch (token[r]), so two pairs
+// XLA interleaves (send, send, recv, recv) still receive their own epochs. The buffer is allocated on first use (and grown), which
 // synchronizes: these targets are not command-buffer compatible.
 #include "xla_ffi/cuda/low_latency_handlers.h"
 
@@ -131,13 +132,12 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   a.K = static_cast<int>(K);
   a.H = H;
   if (ffi::Error e = Buffers(stream, ordinal, static_cast<int>(R), &a); e.failure()) return e;
-  cudaError_t ce = cudaMemsetAsync(token->typed_data(), 0, R * sizeof(int32_t), stream);
-  if (ce != cudaSuccess) return CudaFailed("token", ce);
   return Launch({kLLDispatchPlan, kLLDispatchPush}, static_cast<int>(R), stream, [&](int r) {
     LowLatencyArgs b = a;
     b.me = r;
     b.x = static_cast<const char*>(x.untyped_data()) + r * S * rb;
     b.topk_idx = topk_idx.typed_data() + r * S * K;
+    b.epoch_out = token->typed_data() + r;
     return b;
   });
 }
@@ -161,6 +161,7 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ff
   if (err.empty()) err = ExpectShape("src_index", src_index->dimensions(), {R, el, R * M});
   if (err.empty()) err = ExpectShape("first_row", first_row->dimensions(), {R, el, R});
   if (err.empty()) err = ExpectShape("row_count", row_count->dimensions(), {R, el, R});
+  if (err.empty()) err = ExpectShape("token", token.dimensions(), {R});
   if (!err.empty()) return Invalid(err);
   LowLatencyArgs a{};
   const size_t rb = static_cast<size_t>(H) * ffi::ByteWidth(recv_x->element_type());
@@ -174,6 +175,7 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ff
   return Launch({kLLDispatchRecv}, static_cast<int>(R), stream, [&](int r) {
     LowLatencyArgs b = a;
     b.me = r;
+    b.epoch_in = token.typed_data() + r;
     b.recv_x = static_cast<char*>(recv_x->untyped_data()) + r * blk * rb;
     b.recv_count = recv_count->typed_data() + r * el;
     b.src_rank = src_rank->typed_data() + r * blk;
@@ -208,12 +210,11 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   a.row_bytes = a.L.row_bytes;
   a.H = H;
   if (ffi::Error e = Buffers(stream, ordinal, static_cast<int>(R), &a); e.failure()) return e;
-  cudaError_t ce = cudaMemsetAsync(token->typed_data(), 0, R * sizeof(int32_t), stream);
-  if (ce != cudaSuccess) return CudaFailed("token", ce);
   const int64_t blk = el * R * M;
   return Launch({kLLCombinePlan, kLLCombinePush}, static_cast<int>(R), stream, [&](int r) {
     LowLatencyArgs b = a;
     b.me = r;
+    b.epoch_out = token->typed_data() + r;
     b.y = static_cast<const char*>(y.untyped_data()) + r * blk * rb;
     b.first_row = const_cast<int32_t*>(first_row.typed_data()) + r * el * R;
     b.row_count = const_cast<int32_t*>(row_count.typed_data()) + r * el * R;
@@ -233,6 +234,7 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi
   std::string err = CheckConfig(R, num_experts, max_tokens, topk_max);
   if (err.empty()) err = ExpectShape("topk_weights", topk_w.dimensions(), {R, S, K});
   if (err.empty()) err = ExpectShape("out", od, {R, S, H});
+  if (err.empty()) err = ExpectShape("token", token.dimensions(), {R});
   if (err.empty() && S * K > max_tokens * topk_max)
     err = "slots S * K exceed max_tokens * topk (the buffers' size)";
   FloatKind kind;
@@ -253,6 +255,7 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi
   return Launch({kLLCombineRecvPlan, kLLCombineRecv}, static_cast<int>(R), stream, [&](int r) {
     LowLatencyArgs b = a;
     b.me = r;
+    b.epoch_in = token.typed_data() + r;
     b.topk_idx = topk_idx.typed_data() + r * S * K;
     b.topk_w = topk_w.typed_data() + r * S * K;
     b.out = static_cast<char*>(out->untyped_data()) + r * S * rb;
