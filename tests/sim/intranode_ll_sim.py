@@ -445,7 +445,9 @@ class World:
         h = self._half(n)
         self.epochs[(me, id(call))] = n & EPOCH_MASK
         y = call.y
-        tag = self._tag(call, ("c", y.shape[-1], M, y.dtype.str))
+        # As ll_call_tag in the handler: rows per source, M, row size and dtype.
+        tag = self._tag(call, ("c", call.rows_per_dest or S.rows_per_dest, y.shape[-1], M,
+                               y.dtype.str))
         buf.my_tag["c"][h] = tag
         fr, rc = call.first_row, call.row_count
         # In int64, as the kernel: a foreign first_row + row_count may pass 2^31.

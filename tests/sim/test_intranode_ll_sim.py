@@ -442,3 +442,20 @@ def test_a_call_beyond_the_area_stops_that_rank_and_its_peers_time_out():
         if rk.me != 2:
             assert rk.error[0] in (S.ERR_TIMEOUT, S.ERR_PEER_FAILED), rk.error
     assert any(rk.error[0] == S.ERR_TIMEOUT for rk in w.ranks if rk.me != 2)
+
+
+def test_a_combine_with_other_rows_per_source_is_a_mismatch():
+    """rows_per_dest (M * min(K, E_local) of the dispatch that made the handle) is part of
+    the combine's call tag, as in the handler: an owner whose call was built for another K
+    is reported, its rows never mixed in."""
+    programs, _ = make_calls(15, ["random"])
+    c = programs[3][1]
+    assert int(c.row_count.sum(axis=0).max()) <= M  # the handle fits the smaller call
+    programs[3][1] = S.Call("combine", y=c.y, idx=c.idx, w=c.w, first_row=c.first_row,
+                            row_count=c.row_count, site=c.site,
+                            rows_per_dest=SETUP.rows_per_dest - M)
+    w = S.simulate(SETUP, programs, seed=15)
+    assert w.findings == []
+    assert all(rk.error is not None and rk.error[0] in (S.ERR_CALL_SITE, S.ERR_PEER_FAILED)
+               for rk in w.ranks)
+    assert any(rk.error[0] == S.ERR_CALL_SITE for rk in w.ranks)
