@@ -91,7 +91,7 @@ __device__ void Record(const G& g, int32_t code, int peer, int kind, int qp, uin
 __device__ bool WaitWord(const G& g, uint64_t* w, uint64_t expect, int peer, int kind, int qp) {
   const uint64_t start = NowNs();
   uint64_t v = Tr::fetch(w);
-  for (int spin = 0; v < expect; ++spin) {
+  for (unsigned spin = 0; v < expect; ++spin) {  // unsigned: wraps, never overflows
     if ((spin & 1023) == 0) {
       if (Failed(g)) return false;
       if (static_cast<int64_t>(NowNs() - start) > g.timeout_ns) {
