@@ -17,8 +17,9 @@
 // Harness, jax_ep_ll_harness_*: R virtual ranks whose buffers share one allocation on
 // this GPU, every phase launched for each rank before the next phase of any; a small
 // token array orders the halves and carries each rank's epoch (token[r]), so two pairs
-// XLA interleaves (send, send, recv, recv) still receive their own epochs. The buffer is allocated on first use (and grown), which
-// synchronizes: these targets are not command-buffer compatible.
+// XLA interleaves (send, send, recv, recv) still receive their own epochs. The buffer is
+// allocated on first use (and grown), which synchronizes: these targets are not
+// command-buffer compatible.
 #include "xla_ffi/cuda/low_latency_handlers.h"
 
 #include <cuda_runtime_api.h>
