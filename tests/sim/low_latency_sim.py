@@ -347,8 +347,10 @@ class Sim:
             yield ("put", Op(r, p, q, tag, ((key, stage_key),), word, "add", 1))
 
     @staticmethod
-    def positions(idx, E, M):
-        """pos[S, K] (-1: unused or past M), counts[E] (at most M), bad (t, k, id) or None."""
+    def positions(idx, E, M, strict=True):
+        """pos[S, K] (-1: unused or past M), counts[E] (at most M), bad (t, k, id) or None.
+        strict=False is the combine receive's plan (CombineRecvPlan): ids outside [0, E)
+        get no position, a repeated id gets one per slot, nothing is reported."""
         S, K = idx.shape
         pos = np.full((S, K), -1, np.int64)
         c = np.zeros(E, np.int64)
@@ -356,8 +358,10 @@ class Sim:
         for t in range(S):
             for k in range(K):
                 g = int(idx[t, k])
-                if g < -1 or g >= E or (g >= 0 and g in idx[t, :k]):
+                if strict and (g < -1 or g >= E or (g >= 0 and g in idx[t, :k])):
                     bad = bad or (t, k, g)
+                    continue
+                if g >= E:
                     continue
                 if g < 0:
                     continue
@@ -582,7 +586,7 @@ class Sim:
         n = self._epoch_of(r, OP_C, token)
         S, K = idx.shape
         out = np.zeros((S, H), np.float32)
-        pos, counts, _ = self.positions(idx, self.E, self.M)
+        pos, counts, _ = self.positions(idx, self.E, self.M, strict=False)
         expect = [counts[p * el:(p + 1) * el] for p in range(self.R)]
         hdrs = yield from self._recv_headers(r, OP_C, token, check_counts=expect,
                                              rpd=rows_per_dest)

@@ -686,3 +686,34 @@ def test_two_sends_in_flight_received_in_reverse_order(seed):
             np.testing.assert_array_equal(o[0].view(np.uint32),
                                           want[i][r]["recv_x"].view(np.uint32))
             np.testing.assert_array_equal(o[3], want[i][r]["src_index"])
+
+
+def test_combine_routing_with_a_repeated_id_is_an_error_there():
+    """combine_recv's plan (as CombineRecvPlan) gives a repeated id a position per slot:
+    that expert's count exceeds what its owner returns, so the source fails the call
+    instead of reading a row twice; the others are exact."""
+    R, E, M, K, H = 4, 8, 4, 2, 2
+    rng = np.random.default_rng(3)
+    xs, _, ws = round_data(rng, R, E, M, K, H)
+    idxs = routing(np.random.default_rng(4), R, E, M, K, T=M)
+    d = model_dispatch(xs, idxs, E, M)
+    el, rpd = E // R, M * min(K, E // R)
+    rep = idxs[1].copy()
+    t = int(np.flatnonzero(rep[:, 0] >= 0)[0])
+    rep[t, 1] = rep[t, 0]
+    steps = []
+    for r in range(R):
+        count = np.array([[[s for s, _ in d[r]["rows"][e]].count(s) for s in range(R)]
+                          for e in range(el)], np.int32)
+        first = (np.cumsum(count, 1) - count).astype(np.int32)
+        steps.append([{"do": "combine_send", "y": d[r]["recv_x"], "first_row": first,
+                       "row_count": count, "rows_per_dest": rpd, "name": "c"},
+                      {"do": "combine_recv", "name": "c", "idx": rep if r == 1 else idxs[r],
+                       "w": ws[r], "rows_per_dest": rpd}])
+    res = Sim(R, E, M, H, seed=0).simulate(steps)
+    assert res.violations == []
+    assert res.errors[1]["code"] == "rows_mismatch", res.errors[1]
+    want = model_combine([d[r]["recv_x"] for r in range(R)], idxs, ws, d, E)
+    for r in (0, 2, 3):
+        assert res.errors[r] is None
+        np.testing.assert_array_equal(res.outputs[r][1], want[r])
