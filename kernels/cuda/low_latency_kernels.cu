@@ -388,7 +388,18 @@ __global__ void ll_combine_recv_plan(LowLatencyArgs a) {
   int32_t* pos = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.pos_c_off));
   int32_t* offsets = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.offsets_off));
   __shared__ int32_t cnt[1024];
-  for (int i = threadIdx.x; i < n_slots; i += blockDim.x) pos[i] = -1;
+  for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
+    // Ids outside [-1, E) and repeats within a token are reported (as the CPU's combine
+    // does) and left unused, as the dispatch left them.
+    const int32_t g = a.topk_idx[i];
+    const bool outside = g < -1 || g >= E;
+    bool repeated = false;
+    const int t = i / a.K, k = i % a.K;
+    for (int j = 0; j < k && !outside && g >= 0; ++j)
+      repeated = repeated || a.topk_idx[t * a.K + j] == g;
+    if (outside || repeated) ll_report(a, kErrBadTopkId, t, k, g, outside ? E : -1);
+    pos[i] = -1;
+  }
   __syncthreads();
   for (int g = threadIdx.x; g < E; g += blockDim.x) {
     int c = 0;

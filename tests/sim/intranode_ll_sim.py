@@ -499,6 +499,8 @@ class World:
         H = call.y.shape[-1]
         pos, cnt, bad = positions(idx, S.E, M,
                                   skip_repeats="combine_counts_repeats" not in self.plant)
+        for t, k, g in bad:  # reported, left unused (the CPU's combine errors on them)
+            rank.record(ERR_BAD_ID, t, k, g)
         need = 1 if "stale_epoch" in self.plant else n
         for r in self.rng.sample(range(R), R):
             yield from self._wait(rank, lambda r=r: buf.arrive["c"][h][r] >= need, r,

@@ -459,3 +459,30 @@ def test_a_combine_with_other_rows_per_source_is_a_mismatch():
     assert all(rk.error is not None and rk.error[0] in (S.ERR_CALL_SITE, S.ERR_PEER_FAILED)
                for rk in w.ranks)
     assert any(rk.error[0] == S.ERR_CALL_SITE for rk in w.ranks)
+
+
+def test_combine_routing_with_a_repeated_id_is_reported_on_that_source():
+    """The CPU's combine rejects a repeated id; here the source reports it and leaves the
+    repeat out (the dispatch, with clean routing, gave it no row): every other output is
+    exact, and the token sums its first slot only."""
+    rng = np.random.default_rng(16)
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    idx = routing(rng, "random")
+    idx[2, 0, :] = [3, 5, -1]
+    w = rng.random((R, T, K)).astype(np.float32)
+    ys = [rng.standard_normal((E // R, R * M, H)).astype(np.float32) for _ in range(R)]
+    model = np_dispatch(x, idx, E, M)
+    outs = np_combine(ys, idx, w, model)
+    dup = idx.copy()
+    dup[2, 0, 2] = 5  # only in the combine's routing
+    programs = [[S.Call("dispatch", x=x[r], idx=idx[r], site=1),
+                 S.Call("combine", y=ys[r], idx=dup[r], w=w[r],
+                        first_row=model[r]["first_row"], row_count=model[r]["row_count"],
+                        site=2)] for r in range(R)]
+    w_ = S.simulate(SETUP, programs, seed=16)
+    assert w_.findings == []
+    assert w_.ranks[2].error[:4] == (S.ERR_BAD_ID, 0, 2, 5)
+    assert all(rk.error is None for rk in w_.ranks if rk.me != 2)
+    for rk in w_.ranks:
+        np.testing.assert_array_equal(rk.results[1]["out"].view(np.uint8),
+                                      outs[rk.me].view(np.uint8))
