@@ -314,8 +314,10 @@ def setup(mesh, axis_name, *, num_tokens: int | None, hidden: int, topk: int,
 def check_errors(clear: bool = True) -> None:
     """Waits for the GPUs this process used for EP work (no others) and raises
     RuntimeError with the errors their kernels recorded (bad topk ids, foreign handles,
-    timeouts, call-site mismatches, failed peers). Clears the records unless clear=False;
-    after a protocol error the buffers stay out of step until :func:`reset`."""
+    timeouts, call-site mismatches, failed peers); a protocol error that followed an
+    earlier bad id or foreign handle is named too. Clears the records, and with them the
+    kernels' failed state, unless clear=False; after a protocol error the buffers stay out
+    of step until :func:`reset`."""
     msgs = list(_bindings().cuda_check_errors(clear))
     if msgs:
         raise RuntimeError("; ".join(msgs))
@@ -327,7 +329,8 @@ def reset(timeout_ms: int = 300_000) -> list[int]:
     re-zeroes the protocol state of its buffer headers, the harness's too, and clears the
     error records. Collective: every process of the job calls it, after every EP program
     it launched has finished (kernels stuck on a missing peer end within
-    ``JAX_EP_TIMEOUT_S``). Returns the device ordinals reset."""
+    ``JAX_EP_TIMEOUT_S``). The kernels' failed state is cleared with the records.
+    Returns the device ordinals reset."""
     ext = _bindings()
     call = next(_reset_calls)
     client = _kv_client() if jax.process_count() > 1 else None

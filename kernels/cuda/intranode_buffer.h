@@ -30,7 +30,9 @@
 // programs differ) are reported instead of mixing their data. A rank that has recorded
 // a protocol error (timeout, call-site mismatch, rank mismatch, failed peer) keeps
 // signalling, so no peer is left behind, but moves no data and sends kSiteFailed in
-// place of its site: its peers record kErrPeerFailed and skip their work as well.
+// place of its site: its peers record kErrPeerFailed and skip their work as well. The
+// failed state is the first protocol error, kept apart from the first-error record, so
+// one that follows a recorded bad id or foreign handle counts too.
 #pragma once
 
 #include <cstddef>

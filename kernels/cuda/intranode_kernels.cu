@@ -6,8 +6,9 @@
 //
 // Failing safely (see intranode_buffer.h): every kernel keeps the protocol going (epochs,
 // requests, signals) whatever happened, so ranks never fall out of step; after a protocol
-// error it moves no data, writes empty outputs and tells its peers (kSiteFailed). Once a
-// timeout is recorded, waits return at once. jax_ep.cuda.reset() clears all of it.
+// error (also one after an earlier bad id or foreign handle) it moves no data, writes empty
+// outputs and tells its peers (kSiteFailed). Once a timeout is recorded, waits return at
+// once. jax_ep.cuda.reset() clears all of it.
 #include <climits>
 #include <cstdint>
 
@@ -18,19 +19,31 @@
 namespace jax_ep {
 namespace {
 
+// First error of any kind on this GPU: what check_errors() reports first.
 __device__ ErrorRecord g_intranode_error;
-// Non-zero once a timeout is recorded on this GPU: every later wait returns at once.
+// First protocol error on this GPU, kept beside the record above: that one's first error
+// may be an earlier bad id or foreign handle (which stop nothing), and a timeout behind it
+// must still stop every send, or a push whose credit wait timed out would write into
+// regions its receiver has not read. A non-zero code here is this GPU's failed state.
+__device__ ErrorRecord g_intranode_failed;
+// Non-zero once a timeout is recorded on this GPU: every later wait returns at once. Other
+// protocol errors leave waits running: a rank's counts and call sites sit in one header
+// slot per op kind, so a rank that stopped waiting for its credits would overwrite them
+// while a healthy peer still reads the last epoch's.
 __device__ int32_t g_intranode_stop;
 
 __device__ __forceinline__ void report(const CommonArgs& c, int32_t code, int32_t a, int32_t b,
                                        int32_t x, int32_t d) {
-  if (code == kErrTimeout) atomicExch(&g_intranode_stop, 1);
+  if (IsProtocolError(code)) {
+    record_error(&g_intranode_failed, nullptr, code, c.me, a, b, x, d);
+    if (code == kErrTimeout) atomicExch(&g_intranode_stop, 1);
+  }
   record_error(&g_intranode_error, c.host_err, code, c.me, a, b, x, d);
 }
 
 // Whether this GPU has a protocol error recorded: its kernels then move no data.
 __device__ __forceinline__ bool failed() {
-  return IsProtocolError(*reinterpret_cast<const volatile int32_t*>(&g_intranode_error.code));
+  return *reinterpret_cast<const volatile int32_t*>(&g_intranode_failed.code) != kErrNone;
 }
 
 // The call-site id this rank sends with a request or a data signal.
@@ -786,13 +799,23 @@ cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePre
   return cudaGetLastError();
 }
 
+// Clearing also clears the failed state (and the stop word): check_errors(clear=True) and
+// reset() both come through here.
 cudaError_t ReadIntranodeError(ErrorRecord* out, bool clear) {
   cudaError_t e = ReadErrorSymbol(g_intranode_error, out, clear);
+  if (e == cudaSuccess && clear) {
+    ErrorRecord failure{};
+    e = ReadErrorSymbol(g_intranode_failed, &failure, true);
+  }
   if (e == cudaSuccess && clear) {
     const int32_t zero = 0;
     e = cudaMemcpyToSymbol(g_intranode_stop, &zero, sizeof(zero));
   }
   return e;
+}
+
+cudaError_t ReadIntranodeFailure(ErrorRecord* out) {
+  return ReadErrorSymbol(g_intranode_failed, out, false);
 }
 
 }  // namespace jax_ep

@@ -367,6 +367,42 @@ def test_missing_peer_times_out_then_reset_recovers(monkeypatch):
 
 @gpu
 @needs_gpu
+@needs_bindings
+def test_timeout_after_a_bad_id_still_stops_the_ranks(monkeypatch):
+    """A bad id is the record's first error (first error wins) and stops nothing; a timeout
+    after it must still count as a failure: the ranks that ran move no data, and
+    check_errors names both errors."""
+    jcuda.reset()
+    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "1")
+    R, T, H, K, E = 3, 16, 32, 2, 6
+    x, idx, w, y = _inputs(R, T, H, K, E, jnp.float32, seed=17, C=R * T)
+    bad = idx.copy()
+    bad[2, 3, 1] = E + 5
+    first = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(bad), jnp.asarray(w),
+                                   num_experts=E, capacity=R * T, concurrent=True)
+    jax.block_until_ready(first.recv_x)
+    assert np.asarray(first.num_recv).sum() > 0  # a value error moves data on
+    d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
+                               num_experts=E, capacity=R * T, concurrent=True, absent_rank=1)
+    out = jcuda.harness_combine(jnp.asarray(y), d.send_row, concurrent=True, absent_rank=1)
+    jax.block_until_ready(out)
+    ran = [0, 2]
+    assert (np.asarray(d.num_recv)[ran] == 0).all()  # rank 2 received nothing from rank 0
+    assert (np.asarray(d.send_row)[ran] == -1).all() and not np.asarray(d.recv_x)[ran].any()
+    assert not np.asarray(out)[ran].any()
+    with pytest.raises(RuntimeError, match=r"(?s)topk_idx\[3, 1\] = 11 is outside.*"
+                                           r"timed out in .* waiting for rank 1"):
+        jcuda.check_errors()
+    jcuda.check_errors()  # cleared, the failed state with it
+    monkeypatch.delenv("JAX_EP_TIMEOUT_S")
+    jcuda.reset()
+    got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, R * T, True).items()}
+    assert_bitwise_equal(got, np_model(x, idx, w, y, E, R * T), what="after reset: ")
+    jcuda.check_errors()
+
+
+@gpu
+@needs_gpu
 def test_layout_kernel_matches_model():
     from jax_ep import ops
     rng = np.random.default_rng(0)

@@ -7,8 +7,9 @@
 // peer in another call) are found on the device and recorded in a sticky per-GPU record,
 // mirrored to mapped host memory; jax_ep.cuda.check_errors() reads and clears it. Bad
 // entries are treated as unused. After a protocol error (timeout, call-site or rank
-// mismatch, failed peer) the kernels keep signalling but move no data, until
-// jax_ep.cuda.reset(). A handler never returns early because of such an error: the
+// mismatch, failed peer; also one behind an earlier bad entry, which the record's
+// first-error-wins slot does not show) the kernels keep signalling but move no data,
+// until jax_ep.cuda.reset(). A handler never returns early because of such an error: the
 // host sees it late and at different calls on different ranks (and not at all when XLA
 // replays a captured graph), so a host-side skip would leave ranks out of step.
 #include "xla_ffi/cuda/cuda_handlers.h"

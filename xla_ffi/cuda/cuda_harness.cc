@@ -216,9 +216,15 @@ std::vector<std::string> CheckErrors(bool clear) {
     ErrorRecord rec{};
     Check(ReadLayoutError(&rec, clear), "reading the layout error record");
     if (rec.code != kErrNone) out.push_back(DescribeError(rec, i));
+    ErrorRecord failure{};  // read first: clearing the record below clears it too
+    Check(ReadIntranodeFailure(&failure), "reading the intranode failed state");
     rec = ErrorRecord{};
     Check(ReadIntranodeError(&rec, clear), "reading the intranode error record");
     if (rec.code != kErrNone) out.push_back(DescribeError(rec, i));
+    // A protocol error behind an earlier bad id or foreign handle: the one that emptied
+    // the outputs since.
+    if (failure.code != kErrNone && !IsProtocolError(rec.code))
+      out.push_back(DescribeError(failure, i));
     rec = ErrorRecord{};
     Check(ReadLowLatencyError(&rec, clear), "reading the low-latency error record");
     if (rec.code != kErrNone) out.push_back(DescribeError(rec, i));

@@ -3,6 +3,8 @@
 // mapped host mirror of the device error records, and how errors read as text.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -55,6 +57,12 @@ std::string PendingMirrorError();
 void ClearErrorMirror();
 
 std::string DescribeError(const ErrorRecord& e, int ordinal);
+
+// The current device's first intranode protocol error (kernels/cuda/intranode_kernels.cu),
+// kept beside the first-error record ReadIntranodeError reads: when that one holds an
+// earlier bad id or foreign handle, this tells the timeout or mismatch behind it.
+// Synchronous, never inside an FFI handler; ReadIntranodeError(clear=true) clears it.
+cudaError_t ReadIntranodeFailure(ErrorRecord* out);
 
 // JAX_EP_TIMEOUT_S (default 300 s), in nanoseconds, for the kernels' waits.
 int64_t KernelTimeoutNs();
