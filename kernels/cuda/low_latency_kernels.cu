@@ -143,6 +143,39 @@ __device__ void ll_last_block(uint32_t* done, F signal) {
 
 // ------------------------------- dispatch --------------------------------
 
+// Reports slot i's id if it is outside [-1, E) or repeats an earlier slot of its token
+// (d = -1 in the record: a repeat; DescribeError says so); true if it did.
+__device__ bool ll_report_bad_slot(const LowLatencyArgs& a, int i) {
+  const int32_t g = a.topk_idx[i];
+  const int E = a.L.E;
+  const bool outside = g < -1 || g >= E;
+  bool repeated = false;
+  const int t = i / a.K, k = i % a.K;
+  for (int j = 0; j < k && !outside && g >= 0; ++j)
+    repeated = repeated || a.topk_idx[t * a.K + j] == g;
+  if (outside || repeated) ll_report(a, kErrBadTopkId, t, k, g, outside ? E : -1);
+  return outside || repeated;
+}
+
+// Numbers expert g's rows among this rank's slots, token order, into pos (-1 past M) and
+// returns how many slots name g. A repeat of g within its token gets no row: the dispatch
+// plan and the combine receive plan number the rows alike, so the combine reads the rows
+// the dispatch sent.
+__device__ int ll_number_rows(const LowLatencyArgs& a, int g, int32_t* pos) {
+  const int n_slots = a.S * a.K;
+  int c = 0;
+  for (int i = 0; i < n_slots; ++i) {
+    if (a.topk_idx[i] != g) continue;
+    const int t = i / a.K, k = i % a.K;
+    bool dup = false;
+    for (int j = 0; j < k; ++j) dup = dup || a.topk_idx[t * a.K + j] == g;
+    if (dup) continue;
+    pos[i] = c < a.M ? c : -1;
+    ++c;
+  }
+  return c;
+}
+
 // One block. Numbers each (token, slot) among this rank's slots naming the same expert
 // (ids outside [-1, E) and repeats within a token are recorded and left unused), waits
 // for every owner's credit, then writes its counts into the owners.
@@ -163,33 +196,14 @@ __global__ void ll_dispatch_plan(LowLatencyArgs a) {
   __syncthreads();
   const int half = ll_half(epoch);
   for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
-    const int32_t g = a.topk_idx[i];
-    const bool outside = g < -1 || g >= E;
-    bool repeated = false;
-    const int t = i / a.K, k = i % a.K;
-    for (int j = 0; j < k && !outside && g >= 0; ++j)
-      repeated = repeated || a.topk_idx[t * a.K + j] == g;
-    if (outside || repeated) {
-      // d = -1: the id repeats an earlier slot of its token (DescribeError says so).
-      ll_report(a, kErrBadTopkId, t, k, g, outside ? E : -1);
-      any_bad = 1;
-    }
+    if (ll_report_bad_slot(a, i)) any_bad = 1;
     pos[i] = -1;
   }
   __syncthreads();
   ll_credits(a, h->credit_dispatch[half], epoch, kOpLLDispatchCredit);
   const bool skip = ll_failed();
   for (int g = threadIdx.x; g < E; g += blockDim.x) {
-    int c = 0;
-    for (int i = 0; i < n_slots; ++i) {
-      if (a.topk_idx[i] != g) continue;
-      const int t = i / a.K, k = i % a.K;
-      bool dup = false;
-      for (int j = 0; j < k; ++j) dup = dup || a.topk_idx[t * a.K + j] == g;
-      if (dup) continue;
-      pos[i] = c < a.M ? c : -1;
-      ++c;
-    }
+    const int c = ll_number_rows(a, g, pos);
     if (a.expert_count != nullptr) a.expert_count[g] = any_bad ? 0 : c;
     if (skip) continue;
     const int r = g / el, e = g % el;
@@ -387,34 +401,16 @@ __global__ void ll_combine_recv_plan(LowLatencyArgs a) {
   const int n_slots = a.S * a.K;
   int32_t* pos = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.pos_c_off));
   int32_t* offsets = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.offsets_off));
-  __shared__ int32_t cnt[1024];
+  __shared__ int32_t cnt[kLLMaxExperts];
   for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
-    // Ids outside [-1, E) and repeats within a token are reported (as the CPU's combine
-    // does) and left unused, as the dispatch left them.
-    const int32_t g = a.topk_idx[i];
-    const bool outside = g < -1 || g >= E;
-    bool repeated = false;
-    const int t = i / a.K, k = i % a.K;
-    for (int j = 0; j < k && !outside && g >= 0; ++j)
-      repeated = repeated || a.topk_idx[t * a.K + j] == g;
-    if (outside || repeated) ll_report(a, kErrBadTopkId, t, k, g, outside ? E : -1);
+    // Reported (as the CPU's combine does) and left unused, as the dispatch left them.
+    ll_report_bad_slot(a, i);
     pos[i] = -1;
   }
   __syncthreads();
   for (int g = threadIdx.x; g < E; g += blockDim.x) {
-    int c = 0;
-    for (int i = 0; i < n_slots; ++i) {
-      if (a.topk_idx[i] != g) continue;
-      // A repeat of g in its token got no row in the dispatch (ll_dispatch_plan): counting
-      // it here would shift every later row of g and the offsets of the experts after it.
-      const int t = i / a.K, k = i % a.K;
-      bool dup = false;
-      for (int j = 0; j < k; ++j) dup = dup || a.topk_idx[t * a.K + j] == g;
-      if (dup) continue;
-      pos[i] = c < a.M ? c : -1;
-      ++c;
-    }
-    if (g < 1024) cnt[g] = c < a.M ? c : a.M;
+    const int c = ll_number_rows(a, g, pos);
+    if (g < kLLMaxExperts) cnt[g] = c < a.M ? c : a.M;
   }
   __syncthreads();
   for (int r = threadIdx.x; r < a.L.R; r += blockDim.x)

@@ -82,6 +82,8 @@ struct alignas(128) LowLatencyHeader {
 // Tag an owner sends when its combine's handle does not fit y: it moved no rows, and its
 // sources count them as zero and report the handle (no protocol error: the next call runs).
 constexpr int64_t kLLTagBadHandle = -2;
+// The combine receive plan keeps per-expert counts in shared memory.
+constexpr int kLLMaxExperts = 1024;
 // Fixed, so the host sizes the area without the struct (jax_ep.cuda.buffer_bytes).
 constexpr size_t kLowLatencyHeaderBytes = 4096;
 static_assert(sizeof(LowLatencyHeader) <= kLowLatencyHeaderBytes, "low-latency header too large");

@@ -159,6 +159,30 @@ __device__ void RecordOwnBad(const G& g) {
          static_cast<uint64_t>(g.E), static_cast<uint64_t>(static_cast<int64_t>(bad[3])));
 }
 
+// Called by every thread of one block, after pos[] was set to -1: each slot's row among
+// this rank's slots naming the same expert (-1 past M: the reference drops those rows),
+// the capped rows per expert, and where each expert's rows start in its owner's stream.
+// The dispatch plan and the combine receive plan number the rows the same way.
+__device__ void PlanRows(const G& g, const int32_t* idx, int slots, int32_t* pos,
+                         int32_t* counts, int32_t* offsets) {
+  for (int e = threadIdx.x; e < g.E; e += blockDim.x) {
+    int c = 0;
+    for (int i = 0; i < slots; ++i) {
+      if (idx[i] != e) continue;
+      pos[i] = c < g.M ? c : -1;
+      ++c;
+    }
+    counts[e] = c < g.M ? c : g.M;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < g.E; e += blockDim.x) {
+    const int r = e / g.el;
+    int off = 0;
+    for (int f = r * g.el; f < e; ++f) off += counts[f];
+    offsets[e] = off;
+  }
+}
+
 // ---- send halves ------------------------------------------------------------------
 
 // One block: the epoch, positions and counts of this rank's routing, the headers.
@@ -188,22 +212,7 @@ __global__ void DispatchPlan(G g, const int32_t* idx, int32_t* token) {
       if (idx[t * g.K + j] == e) NoteBad(g, t, k, e);  // repeated id in one token
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < g.E; e += blockDim.x) {
-    int c = 0;
-    for (int i = 0; i < slots; ++i) {
-      if (idx[i] != e) continue;
-      pos[i] = c < g.M ? c : -1;  // rows past M are never sent (the reference drops them)
-      ++c;
-    }
-    counts[e] = c < g.M ? c : g.M;
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < g.E; e += blockDim.x) {
-    const int r = e / g.el;
-    int off = 0;
-    for (int f = r * g.el; f < e; ++f) off += counts[f];
-    offsets[e] = off;
-  }
+  PlanRows(g, idx, slots, pos, counts, offsets);
   for (int r = threadIdx.x; r < g.R; r += blockDim.x) {
     llwire::Header* h = Hstage(g, kD, r);
     int rows = 0;
@@ -383,22 +392,7 @@ __global__ void CombineRecvPlan(G g, const int32_t* idx) {
   const int slots = g.S * g.K;
   for (int i = threadIdx.x; i < slots; i += blockDim.x) pos[i] = -1;
   __syncthreads();
-  for (int e = threadIdx.x; e < g.E; e += blockDim.x) {
-    int c = 0;
-    for (int i = 0; i < slots; ++i) {
-      if (idx[i] != e) continue;
-      pos[i] = c < g.M ? c : -1;
-      ++c;
-    }
-    counts[e] = c < g.M ? c : g.M;
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < g.E; e += blockDim.x) {
-    const int r = e / g.el;
-    int off = 0;
-    for (int f = r * g.el; f < e; ++f) off += counts[f];
-    offsets[e] = off;
-  }
+  PlanRows(g, idx, slots, pos, counts, offsets);
 }
 
 // A header's counts index inside the blocks: each in [0, M], summing to its rows (at

@@ -90,7 +90,8 @@ ffi::Error Buffers(cudaStream_t stream, int ordinal, int R, LowLatencyArgs* a) {
 std::string CheckConfig(int64_t R, int64_t E, int64_t M, int64_t K) {
   if (R < 1 || E % R != 0) return "num_experts must be a positive multiple of the ranks";
   if (M < 1 || K < 1) return "max_tokens and topk must be >= 1";
-  if (E > 1024) return "num_experts above 1024 is not supported on GPU";
+  if (E > kLLMaxExperts)
+    return "num_experts above " + std::to_string(kLLMaxExperts) + " is not supported on GPU";
   return {};
 }
 
@@ -288,8 +289,8 @@ ffi::Error RankDomain(int ordinal, int64_t R, int64_t E, CudaDomain* d) {
   } else if (d->ll.num_experts != E) {
     s << "jax_ep.low_latency: num_experts=" << E << " but the low-latency area of GPU "
       << ordinal << " was set up for num_experts=" << d->ll.num_experts << "; " << kSetupHint;
-  } else if (E > 1024) {
-    s << "jax_ep.low_latency: num_experts above 1024 is not supported on GPU";
+  } else if (E > kLLMaxExperts) {
+    s << "jax_ep.low_latency: num_experts above " << kLLMaxExperts << " is not supported on GPU";
   }
   if (!s.str().empty()) return Invalid(s.str());
   return ffi::Error::Success();
