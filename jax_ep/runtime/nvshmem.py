@@ -356,7 +356,9 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
             raise ValueError(f"heap_bytes must be >= 1, got {heap_bytes}")
         ll = None
         if low_latency is not None:
-            ll = _ll_limits(low_latency, num_ranks or jax.process_count())
+            # Sized for every NVSHMEM process, as ll_init allocates it (the internode EP
+            # axis spans them all), whatever num_ranks sized the heap halves for.
+            ll = _ll_limits(low_latency, jax.process_count())
         if _state is not None:
             have = _state.low_latency
             if ll is not None and (have is None or any(

@@ -347,3 +347,20 @@ def test_hot_path_has_no_host_sync_or_allocation():
     assert handlers.count("{ffi::Traits::kCmdBufferCompatible}") == 4
     for name in ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"):
         assert f'"jax_ep_internode_ll_{name}"' in handlers
+
+
+def test_area_is_sized_for_every_process_as_it_is_allocated(monkeypatch):
+    """ll_init allocates the area for the NVSHMEM world (every process); the symmetric
+    size must count that area, not one sized for a num_ranks given for the heap halves."""
+    from jax_ep.runtime import nvshmem as rt
+    monkeypatch.setattr(rt, "_state", None)
+    monkeypatch.setattr(rt, "_check_one_process_per_gpu", lambda: None)
+    fake = _FakeRuntime()
+    lim = dict(max_tokens_per_rank=8, hidden=64, topk=2, num_experts=4)
+    st = rt.initialize(heap_bytes=8 << 20, num_ranks=4, runtime=fake, client=_FakeClient(),
+                       environ={}, low_latency=lim)
+    world = jax.process_count()
+    assert fake.calls[1][1] == world
+    assert st.low_latency["area_bytes"] == rt.ll_area_bytes_for(num_ranks=world, **lim)
+    assert st.low_latency["area_bytes"] != rt.ll_area_bytes_for(num_ranks=4, **lim)
+    monkeypatch.setattr(rt, "_state", None)
