@@ -1,8 +1,9 @@
 """The "ffi" backend: custom calls into the compiled kernels. The CPU transport
 (xla_ffi/cpu) and the CUDA intranode transport (xla_ffi/cuda) register the same target
 names (`jax_ep_layout`, `jax_ep_dispatch`, `jax_ep_combine`, `jax_ep_gather`, and the
-low-latency `jax_ep_ll_*`), so XLA picks the platform's handler. Functions run per shard, inside `shard_map`, with the
-signatures every backend module shares (cfg is a `jax_ep._common.Cfg`).
+low-latency `jax_ep_ll_*`), so XLA picks the platform's handler. Functions run per shard,
+inside `shard_map`, with the signatures every backend module shares (cfg is a
+`jax_ep._common.Cfg`).
 """
 from __future__ import annotations
 

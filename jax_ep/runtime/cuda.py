@@ -56,8 +56,9 @@ from jax_ep._common import axis_names as _axis_names
 from jax_ep.runtime.nvshmem import _kv_client
 
 __all__ = [
-    "available", "buffer_bytes", "low_latency_layout", "low_latency_area", "setup", "check_errors", "reset", "presets", "HarnessDispatch",
-    "harness_dispatch", "harness_combine", "harness_gather",
+    "available", "buffer_bytes", "low_latency_layout", "low_latency_area", "setup",
+    "check_errors", "reset", "presets", "HarnessDispatch", "harness_dispatch",
+    "harness_combine", "harness_gather",
 ]
 
 MAX_RANKS = 32  # ranks of one intranode group (kernels/cuda/intranode_buffer.h)
