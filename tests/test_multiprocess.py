@@ -3,57 +3,24 @@ backend 'auto' resolves to the reference there and must match the 1-process resu
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 import mp_worker
+from mp_launch import free_port, run_workers, worker_env
 from conftest import assert_bitwise_equal, ep_mesh
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 90
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, nproc=2):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["JAX_EP_TIMEOUT_S"] = "60"
-    procs = []
-    logs = []
-    for pid in range(nproc):
-        log = open(tmp_path / f"proc{pid}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "mp_worker.py"), str(pid), str(nproc),
-             str(port), str(tmp_path)], env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        timed_out = [p.pid for p in procs if p.poll() is None]
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    text = []
-    for pid, log in enumerate(logs):
-        log.seek(0)
-        text.append(f"--- process {pid} (rc {procs[pid].returncode}) ---\n{log.read()[-4000:]}")
-        log.close()
-    return procs, timed_out, "\n".join(text)
+    port = free_port()
+    argvs = [[sys.executable, os.path.join(HERE, "mp_worker.py"), str(pid), str(nproc),
+              str(port), str(tmp_path)] for pid in range(nproc)]
+    return run_workers(tmp_path, argvs, worker_env("60"), TIMEOUT_S, tail=4000)
 
 
 def _assemble(tmp_path, nproc=2):

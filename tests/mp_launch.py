@@ -1,4 +1,4 @@
-"""Starts the worker processes of a multi-process GPU test on this machine and collects
+"""Starts the worker processes of a multi-process test on this machine and collects
 them: every process is waited for up to one shared deadline, the ones still running are
 killed (reported as hung, never waited on forever), and the tail of each log is returned."""
 from __future__ import annotations
@@ -24,8 +24,9 @@ def worker_env(timeout_s: str = "30", **extra) -> dict:
     return env
 
 
-def run_workers(tmp_path, argvs, env, deadline_s: float):
-    """Runs one process per argv; returns (procs, hung pids, logs text)."""
+def run_workers(tmp_path, argvs, env, deadline_s: float, tail: int = 3000):
+    """Runs one process per argv; returns (procs, indices of the hung ones, the last
+    `tail` characters of each log)."""
     procs, logs = [], []
     for pid, argv in enumerate(argvs):
         log = open(tmp_path / f"proc{pid}.log", "w+")
@@ -45,6 +46,6 @@ def run_workers(tmp_path, argvs, env, deadline_s: float):
     text = []
     for pid, log in enumerate(logs):
         log.seek(0)
-        text.append(f"--- process {pid} (rc {procs[pid].returncode}) ---\n{log.read()[-3000:]}")
+        text.append(f"--- process {pid} (rc {procs[pid].returncode}) ---\n{log.read()[-tail:]}")
         log.close()
     return procs, hung, "\n".join(text)
