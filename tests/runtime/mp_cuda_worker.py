@@ -73,24 +73,32 @@ def shard_fn(E: int, C: int, backend: str):
     return f
 
 
-def main(argv):
-    pid, nproc, port, out_dir, backend, mode = (int(argv[1]), int(argv[2]), int(argv[3]),
-                                               argv[4], argv[5], argv[6])
+def start_distributed(pid, nproc, port, backend):
+    """jax.distributed for one worker: every process on GPU 0 (they share it), or, for the
+    reference backend, CPU devices with gloo collectives. Returns the jax module."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if backend == "reference":
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    t0 = time.monotonic()
     if backend == "reference":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc,
                                process_id=pid,
                                local_device_ids=None if backend == "reference" else [0],
                                initialization_timeout=60)
+    return jax
+
+
+def main(argv):
+    pid, nproc, port, out_dir, backend, mode = (int(argv[1]), int(argv[2]), int(argv[3]),
+                                               argv[4], argv[5], argv[6])
+    t0 = time.monotonic()
+    jax = start_distributed(pid, nproc, port, backend)
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     import jax_ep
 
     R, E, C = nproc, experts(nproc), CAPACITY

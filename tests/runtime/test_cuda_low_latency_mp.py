@@ -66,20 +66,13 @@ def shard_fn(E: int, backend: str):
 def main(argv):
     pid, nproc, port, out_dir, backend = (int(argv[1]), int(argv[2]), int(argv[3]), argv[4],
                                           argv[5])
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    if backend == "reference":
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
+    from mp_cuda_worker import start_distributed  # beside this file
+
+    jax = start_distributed(pid, nproc, port, backend)
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    if backend == "reference":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc,
-                               process_id=pid,
-                               local_device_ids=None if backend == "reference" else [0],
-                               initialization_timeout=60)
     import jax_ep
 
     R, E = nproc, experts(nproc)
