@@ -135,8 +135,16 @@ stage_tests() {
 }
 
 stage_multiprocess() {
-  "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/runtime/test_mp_cuda.py -k "not internode" \
-    --junitxml="$WORK/s3.xml"
+  local rc=0 r
+  timeout -k 3 48 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/runtime/test_mp_cuda.py \
+    -k "not internode" --junitxml="$WORK/s3.xml" || rc=1
+  # The low-latency mode with 2 and 4 processes sharing the GPU, in the time left.
+  echo "== low-latency processes sharing the GPU (tests/runtime/test_cuda_low_latency_mp.py)"
+  timeout -k 2 18 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu \
+    tests/runtime/test_cuda_low_latency_mp.py --junitxml="$WORK/s3_low_latency.xml"
+  r=$?
+  [ "$r" = 0 ] || [ "$r" = 5 ] || rc=1  # 5: no such test in this tree
+  return $rc
 }
 
 stage_internode() {
@@ -207,7 +215,7 @@ describe() {
   case "$1" in
     1) echo "$PY -m pip install --no-build-isolation --no-deps --no-index -e . (JAX_EP_CUDA=ON), then build_info()" ;;
     2) echo "$PY -m pytest -m gpu tests/runtime/test_cuda.py; tests/test_low_latency.py tests/runtime/test_cuda_low_latency.py -k 'cuda_harness or real_rank'" ;;
-    3) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k 'not internode' (CUDA MPS started if available)" ;;
+    3) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k 'not internode'; tests/runtime/test_cuda_low_latency_mp.py (CUDA MPS started if available)" ;;
     4) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k internode (skipped without NVSHMEM)" ;;
     5) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PY scripts/gpu_sanitize_run.py" ;;
     6) echo "$PY -m jax_ep.bench --virtual-ranks ...; $PY -m jax_ep.bench --mode low_latency --virtual-ranks ...; $PY scripts/cuda_harness_bench.py --concurrent" ;;
