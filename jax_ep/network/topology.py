@@ -23,7 +23,7 @@ import os
 from typing import Mapping, Sequence
 
 __all__ = ["Topology", "MODES", "MODE_ENV", "GPUS_PER_NODE_ENV", "from_local_ranks",
-           "detect", "choose_mode", "mode_from_env",
+           "detect", "choose_mode", "mode_from_env", "HIERARCHICAL_VERIFIED",
            "local_ranks_from_hosts"]
 
 MODES = ("direct", "hierarchical", "auto")
@@ -156,18 +156,29 @@ def detect(num_ranks: int, local_ranks: Sequence[int] | None = None,
     return Topology(num_ranks, num_ranks)
 
 
+# Whether a GPU run has verified the hierarchical kernels (README "verified on" table).
+# Until then "auto" never picks them; mode="hierarchical" still runs them on request.
+HIERARCHICAL_VERIFIED = False
+
+
 def choose_mode(requested: str | None, topo: Topology,
-                hierarchical_available: bool = True) -> str:
+                hierarchical_available: bool = True,
+                hierarchical_verified: bool | None = None) -> str:
     """"direct" or "hierarchical" for `requested` ("direct", "hierarchical", "auto" or
-    None = "auto") on `topo`. "auto" is hierarchical when there are several nodes with
-    several GPUs each (then a token crosses the network once per node, not per GPU) and
-    `hierarchical_available` (the build has its kernels), direct otherwise."""
+    None = "auto") on `topo`. "auto" is hierarchical only when the hierarchical kernels
+    have been verified on hardware (`hierarchical_verified`, default
+    HIERARCHICAL_VERIFIED), the build has them (`hierarchical_available`) and there are
+    several nodes with several GPUs each (then a token crosses the network once per node,
+    not per GPU); direct otherwise."""
     mode = "auto" if requested is None else str(requested).strip().lower()
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {requested!r}")
     if mode == "auto":
+        if hierarchical_verified is None:
+            hierarchical_verified = HIERARCHICAL_VERIFIED
         several = topo.num_nodes > 1 and topo.gpus_per_node > 1
-        return "hierarchical" if several and hierarchical_available else "direct"
+        pick = several and hierarchical_available and hierarchical_verified
+        return "hierarchical" if pick else "direct"
     return mode
 
 

@@ -50,6 +50,8 @@ def _dispatch_combine(capacity=None):
                                       ("auto", "4"), ("auto", "2")])
 @pytest.mark.parametrize("capacity", [None, 20])
 def test_dispatch_combine_lower_to_hierarchical_calls(monkeypatch, mode, gpn, capacity):
+    from jax_ep.network import topology
+    monkeypatch.setattr(topology, "HIERARCHICAL_VERIFIED", True)  # auto may pick it
     _fake_state(monkeypatch, mode, gpn)
     C = R * T if capacity is None else capacity
     hlo = _lower_cuda(_dispatch_combine(capacity), *_inputs())
@@ -71,7 +73,9 @@ def test_dispatch_combine_lower_to_hierarchical_calls(monkeypatch, mode, gpn, ca
     assert _tensor_shapes(c["_results"]) == [(T, H)]
 
 
-@pytest.mark.parametrize("mode,gpn", [("auto", "8"), ("auto", "1"), ("direct", "4")])
+# ("auto", "4"): direct until a GPU run has verified the hierarchical kernels
+@pytest.mark.parametrize("mode,gpn", [("auto", "8"), ("auto", "1"), ("auto", "4"),
+                                      ("direct", "4")])
 def test_direct_where_the_mode_or_topology_says_so(monkeypatch, mode, gpn):
     _fake_state(monkeypatch, mode, gpn)
     hlo = _lower_cuda(_dispatch_combine(), *_inputs())
@@ -185,10 +189,14 @@ def test_hierarchical_targets_are_registered_with_nvshmem():
         assert f"jax_ep_internode_{op}" in cuda and f"jax_ep_internode_hier_{op}" in cuda
 
 
-@pytest.mark.parametrize("mode,gpn,want", [("hierarchical", "4", 4), ("auto", "2", 2),
-                                          ("auto", "8", None), ("direct", "4", None)])
-def test_bootstrap_sizes_the_heap_for_the_mode_it_can_pick(monkeypatch, mode, gpn, want):
+@pytest.mark.parametrize("mode,gpn,verified,want", [
+    ("hierarchical", "4", False, 4), ("auto", "2", True, 2), ("auto", "2", False, None),
+    ("auto", "8", True, None), ("direct", "4", True, None)])
+def test_bootstrap_sizes_the_heap_for_the_mode_it_can_pick(monkeypatch, mode, gpn, verified,
+                                                           want):
+    from jax_ep.network import topology
     from jax_ep.runtime import nvshmem as rt
+    monkeypatch.setattr(topology, "HIERARCHICAL_VERIFIED", verified)
     monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", gpn)
     monkeypatch.delenv("JAX_EP_INTERNODE_MODE", raising=False)
     args = rt._hier_heap_args(R, TransportConfig(mode=mode, **TRANSPORT))

@@ -1,6 +1,7 @@
 """The internode mode (`TransportConfig.mode`, JAX_EP_INTERNODE_MODE) as the internode
-backend resolves it: "direct" and "hierarchical" as asked; "auto" is hierarchical with
-several nodes of several GPUs, direct otherwise. No kernel runs here (the lowered targets
+backend resolves it: "direct" and "hierarchical" as asked; "auto" is direct until a GPU
+run has verified the hierarchical kernels (topology.HIERARCHICAL_VERIFIED), then
+hierarchical with several nodes of several GPUs. No kernel runs here (the lowered targets
 are checked in test_internode_hier.py)."""
 from __future__ import annotations
 
@@ -40,12 +41,23 @@ def test_config_mode_validation_and_env_override():
 
 
 @pytest.mark.parametrize("mode,gpn,want", [
-    ("direct", "4", "direct"), ("auto", "4", "hierarchical"), ("auto", "2", "hierarchical"),
+    ("direct", "4", "direct"), ("auto", "4", "direct"), ("auto", "2", "direct"),
     ("auto", "8", "direct"), ("auto", "1", "direct"),
     ("hierarchical", "4", "hierarchical"), ("hierarchical", "8", "hierarchical"),
 ])
 def test_internode_mode(monkeypatch, mode, gpn, want):
+    # "auto" stays direct until a GPU run has verified the hierarchical kernels
     _fake_state(monkeypatch, mode)
+    monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", gpn)
+    assert internode.internode_mode(R) == want
+
+
+@pytest.mark.parametrize("gpn,want", [("4", "hierarchical"), ("2", "hierarchical"),
+                                      ("8", "direct"), ("1", "direct")])
+def test_auto_mode_once_hierarchical_is_verified(monkeypatch, gpn, want):
+    from jax_ep.network import topology
+    monkeypatch.setattr(topology, "HIERARCHICAL_VERIFIED", True)
+    _fake_state(monkeypatch, "auto")
     monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", gpn)
     assert internode.internode_mode(R) == want
 

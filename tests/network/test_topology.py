@@ -47,7 +47,13 @@ def test_detect_override_and_default():
 
 
 def test_choose_mode():
-    assert topology.choose_mode("auto", Topology(16, 8)) == "hierarchical"
+    # the hierarchical kernels have not run on a GPU yet: auto stays direct
+    assert topology.HIERARCHICAL_VERIFIED is False
+    assert topology.choose_mode("auto", Topology(16, 8)) == "direct"
+    assert topology.choose_mode(None, Topology(16, 8)) == "direct"
+    assert topology.choose_mode("auto", Topology(16, 8), hierarchical_verified=True) \
+        == "hierarchical"
+    assert topology.choose_mode("hierarchical", Topology(16, 8)) == "hierarchical"
     assert topology.choose_mode(None, Topology(8, 8)) == "direct"      # one node
     assert topology.choose_mode("auto", Topology(4, 1)) == "direct"    # one GPU per node
     assert topology.choose_mode("direct", Topology(16, 8)) == "direct"
@@ -72,8 +78,8 @@ def test_launcher_local_size_and_availability():
     assert topology.detect(16, environ={"LOCAL_WORLD_SIZE": "8",
                                         "JAX_EP_GPUS_PER_NODE": "4"}) == Topology(16, 4)
     # auto falls back to direct where the build has no hierarchical kernels
-    assert topology.choose_mode("auto", Topology(16, 8), hierarchical_available=False) \
-        == "direct"
+    assert topology.choose_mode("auto", Topology(16, 8), hierarchical_available=False,
+                                hierarchical_verified=True) == "direct"
     assert topology.choose_mode("hierarchical", Topology(16, 8),
                                 hierarchical_available=False) == "hierarchical"
 
