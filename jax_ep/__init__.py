@@ -4,7 +4,7 @@ Layout: `ops` (the per-shard contract) over `backends/` (reference, ffi, interno
 `sharded` (the global view); `flax` (the MoE layer); `runtime/` (CUDA and NVSHMEM
 start-up); `network/` (striping plan and planning model); `bench` (benchmarks).
 """
-from jax_ep import cuda, nvshmem_bootstrap, sharded
+from jax_ep import config, cuda, nvshmem_bootstrap, sharded
 from jax_ep._ext import build_info
 from jax_ep._types import DispatchHandle, DispatchLayout
 from jax_ep.network.transport import StripePlan, TransportConfig

@@ -31,6 +31,7 @@ import numpy as np
 
 from jax_ep import backends
 from jax_ep._common import Cfg, after, ep_size
+from jax_ep._scope import named
 from jax_ep.ops import _check_tokens, _static_int, resolve_backend
 
 __all__ = ["LowLatencyHandle", "DispatchSendState", "CombineSendState", "dispatch",
@@ -328,6 +329,7 @@ def _recv_result(outs, cfg, T, K):
 
 # ----------------------------------------------------------------------------- dispatch
 
+@named("jax_ep.low_latency.dispatch")
 def dispatch(x, topk_idx, *, num_experts: int, axis_name, max_tokens_per_rank: int,
              fp8: bool = False, round_scale: bool = False, backend=None):
     """Sends each (token, top-k slot) to its expert's block (inside shard_map).
@@ -356,6 +358,7 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name, max_tokens_per_rank: i
     return _recv_result(_dispatch(x, topk_idx, cfg), cfg, T, K)
 
 
+@named("jax_ep.low_latency.dispatch_send")
 def dispatch_send(x, topk_idx, *, num_experts: int, axis_name, max_tokens_per_rank: int,
                   fp8: bool = False, round_scale: bool = False,
                   backend=None) -> DispatchSendState:
@@ -374,6 +377,7 @@ def dispatch_send(x, topk_idx, *, num_experts: int, axis_name, max_tokens_per_ra
     return DispatchSendState(sent, topk_idx, cfg, x.shape[0], x.shape[1], bool(fp8))
 
 
+@named("jax_ep.low_latency.dispatch_recv")
 def dispatch_recv(state: DispatchSendState):
     """The second half of `dispatch`: waits for the rows; returns what `dispatch` does."""
     if not isinstance(state, DispatchSendState):
@@ -405,6 +409,7 @@ def _combine_cfg(y, topk_idx, topk_weights, handle, backend):
                resolve_backend(backend))
 
 
+@named("jax_ep.low_latency.combine")
 def combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, backend=None):
     """Weighted sum of each token's expert rows, back on its rank (inside shard_map).
 
@@ -421,6 +426,7 @@ def combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, backend=None
     return _combine(y, topk_idx, topk_weights, handle.first_row, handle.row_count, cfg)
 
 
+@named("jax_ep.low_latency.combine_send")
 def combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,
                  backend=None) -> CombineSendState:
     """The first half of `combine` (same arguments): sends each row back to its source;
@@ -431,6 +437,7 @@ def combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,
     return CombineSendState(sent, topk_idx, topk_weights, cfg, topk_idx.shape[0])
 
 
+@named("jax_ep.low_latency.combine_recv")
 def combine_recv(state: CombineSendState):
     """The second half of `combine`: waits for the rows and reduces; returns out[T, H]."""
     if not isinstance(state, CombineSendState):

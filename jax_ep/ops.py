@@ -23,6 +23,7 @@ import numpy as np
 
 from jax_ep import _cpu_pool, _ext, backends, fp8
 from jax_ep._common import FLOAT_DTYPES, Cfg, after, ep_size, unify_varying
+from jax_ep._scope import named
 from jax_ep._types import DispatchHandle, DispatchLayout
 from jax_ep.backends import reference
 from jax_ep.runtime import nvshmem
@@ -133,6 +134,7 @@ def _check_ids_reference(topk_idx, num_experts):
 
 # ----------------------------------------------------------------------------- layout
 
+@named("jax_ep.get_dispatch_layout")
 def get_dispatch_layout(topk_idx, *, num_experts: int, num_ranks: int,
                         backend=None) -> DispatchLayout:
     """Routing statistics of one rank's topk_idx[T, K] int32, no communication.
@@ -242,6 +244,7 @@ def _check_token_shapes(x, topk_idx, topk_weights):
                          f"got {topk_weights.shape}")
 
 
+@named("jax_ep.dispatch")
 def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity=None,
              backend=None):
     """Sends each token to the ranks that hold its top-k experts (inside shard_map).
@@ -380,6 +383,7 @@ def check_bias(bias, shape):
     return tuple(out)
 
 
+@named("jax_ep.combine")
 def combine(y, handle: DispatchHandle, *, bias=None, backend=None):
     """Sums expert outputs back onto the ranks their tokens came from (inside shard_map).
 
@@ -439,6 +443,7 @@ _cached = jax.custom_vjp(_cached_primal, nondiff_argnums=(2,))
 _cached.defvjp(_cached_fwd, _cached_bwd)
 
 
+@named("jax_ep.cached_dispatch")
 def cached_dispatch(x, handle: DispatchHandle, *, backend=None):
     """Dispatches another x through an existing handle: the same rows land in the same
     places, with no layout recomputed (DeepEP's `dispatch(x, handle=handle)`).

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax_ep import fp8, ops
 from jax_ep import sharded_low_latency as low_latency  # the mode's global view
 from jax_ep._partition import _context_mesh, _group_axes, _partitioned, _spec, _Spec
+from jax_ep._scope import named
 from jax_ep.backends import internode
 from jax_ep._types import HANDLE_ARRAYS, DispatchHandle, DispatchLayout, InternodeHandleParts
 
@@ -87,6 +88,7 @@ def _layout_op(spec: _Spec):
                         need_replication_factors=("k", "a", "e", "r"), s=S, t=T, a=R, e=E)
 
 
+@named("jax_ep.sharded.get_dispatch_layout")
 def get_dispatch_layout(topk_idx, *, num_experts: int, mesh_axis: str, batch_axes=None,
                         backend=None) -> DispatchLayout:
     """Global layout of topk_idx[N, K] int32: num_tokens_per_rank int32[S * R],
@@ -246,6 +248,7 @@ _dispatch = jax.custom_vjp(_dispatch_fwd_impl, nondiff_argnums=(3,))
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
+@named("jax_ep.sharded.dispatch")
 def dispatch(x, topk_idx, topk_weights, *, num_experts: int, mesh_axis: str, capacity=None,
              backend=None, batch_axes=None):
     """Global-view dispatch.
@@ -299,6 +302,7 @@ def _make_combine(bias_dtypes):
 _combine_for = functools.cache(_make_combine)
 
 
+@named("jax_ep.sharded.combine")
 def combine(y, handle: ShardedDispatchHandle, *, bias=None, backend=None):
     """Global-view combine: y [S * C, H] -> out [N, H] (y's dtype), sharded like x.
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax_ep import low_latency as ll
 from jax_ep import ops
 from jax_ep import _partition as _sh
+from jax_ep._scope import named
 from jax_ep.backends import reference
 
 __all__ = ["ShardedLowLatencyHandle", "dispatch", "combine"]
@@ -103,6 +104,7 @@ _dispatch, _combine = ll.make_differentiable(dispatch_rows, combine_rows)
 _fp8_dispatch = ll.make_fp8_dispatch(dispatch_rows)
 
 
+@named("jax_ep.sharded.low_latency.dispatch")
 def dispatch(x, topk_idx, *, num_experts: int, mesh_axis: str, max_tokens_per_rank: int,
              fp8: bool = False, round_scale: bool = False, backend=None, batch_axes=None):
     """Global-view low-latency dispatch.
@@ -131,6 +133,7 @@ def dispatch(x, topk_idx, *, num_experts: int, mesh_axis: str, max_tokens_per_ra
     return outs[0], outs[1], handle
 
 
+@named("jax_ep.sharded.low_latency.combine")
 def combine(y, topk_idx, topk_weights, handle: ShardedLowLatencyHandle, *, backend=None):
     """Global-view low-latency combine: y [S * E_local, R * M, H] -> out [N, H] in y's
     dtype, sharded like x (per shard as `jax_ep.low_latency.combine`)."""
