@@ -31,5 +31,75 @@ __device__ __forceinline__ void ZeroBytes(char* dst, int64_t n, int tid, int str
   for (int64_t i = tid; i < n; i += stride) dst[i] = 0;
 }
 
+// A failed call's float outputs: every byte 0xff is a NaN in float32, bfloat16 and
+// float16 alike (all exponent bits set, mantissa nonzero), so one fill serves each dtype
+// and a loss computed from them shows the failure at once.
+__device__ __forceinline__ void NanBytes(char* dst, int64_t n, int tid, int stride) {
+  for (int64_t i = tid; i < n; i += stride) dst[i] = static_cast<char>(0xff);
+}
+
+// Loads of memory a peer or the NIC wrote (landed rows, headers): global-level (.cg)
+// loads, never an L1 line that may predate the put. The signal poll before them is an
+// acquire (kernels/internode/transport_nvshmem.cuh).
+template <class V>
+__device__ __forceinline__ V LoadLanded(const V* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcg(p);
+#else
+  return *reinterpret_cast<const volatile V*>(p);
+#endif
+}
+
+__device__ __forceinline__ int4 LoadLandedInt4(const int4* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcg(p);
+#else
+  const volatile int* q = reinterpret_cast<const volatile int*>(p);
+  int4 v;
+  v.x = q[0];
+  v.y = q[1];
+  v.z = q[2];
+  v.w = q[3];
+  return v;
+#endif
+}
+
+// One element of a landed row (see LoadLanded), any of the three dtypes.
+template <typename E>
+__device__ __forceinline__ E LoadLandedElem(const E* p) {
+  static_assert(sizeof(E) == 4 || sizeof(E) == 2, "float32, bfloat16 or float16");
+  if constexpr (sizeof(E) == 4) {
+    const uint32_t b = LoadLanded(reinterpret_cast<const uint32_t*>(p));
+    E v;
+    __builtin_memcpy(&v, &b, 4);
+    return v;
+  } else {
+    const uint16_t b = LoadLanded(reinterpret_cast<const uint16_t*>(p));
+    E v;
+    __builtin_memcpy(&v, &b, 2);
+    return v;
+  }
+}
+
+// CopyBytes for a source that landed by a put (see LoadLanded).
+__device__ __forceinline__ void CopyLanded(char* dst, const char* src, int64_t n, int tid,
+                                           int stride) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  if ((a % 16) == 0 && (n % 16) == 0) {
+    for (int64_t i = tid; i < n / 16; i += stride)
+      reinterpret_cast<int4*>(dst)[i] = LoadLandedInt4(reinterpret_cast<const int4*>(src) + i);
+  } else if ((a % 4) == 0 && (n % 4) == 0) {
+    for (int64_t i = tid; i < n / 4; i += stride)
+      reinterpret_cast<int32_t*>(dst)[i] = LoadLanded(reinterpret_cast<const int32_t*>(src) + i);
+  } else if ((a % 2) == 0 && (n % 2) == 0) {
+    for (int64_t i = tid; i < n / 2; i += stride)
+      reinterpret_cast<uint16_t*>(dst)[i] =
+          LoadLanded(reinterpret_cast<const uint16_t*>(src) + i);
+  } else {
+    for (int64_t i = tid; i < n; i += stride)
+      dst[i] = static_cast<char>(LoadLanded(reinterpret_cast<const unsigned char*>(src) + i));
+  }
+}
+
 }  // namespace devcopy
 }  // namespace jax_ep

@@ -455,7 +455,7 @@ __device__ bool Forward(const Geo& g, FwdLane* f, uint32_t mask, const char* row
     char* dst = NvlReserve(g, *f, l);
     if (dst == nullptr) return false;
     if (row != nullptr) {
-      CopyBytes(dst, row, g.stride, Lane(), 32);
+      devcopy::CopyLanded(dst, row, g.stride, Lane(), 32);
       __syncwarp();
       if (Lane() == 0) reinterpret_cast<int32_t*>(dst + g.dmeta)[3] =
                            static_cast<int32_t>(base + slot);
@@ -596,8 +596,8 @@ __device__ void RailForwardRole(const Geo& g, const View& v, int n) {
                                                                   : kRdmaChunkRows;
     for (int64_t j = 0; j < nr; ++j) {
       const char* row = slot + j * g.stride;
-      const uint32_t mask =
-          static_cast<uint32_t>(reinterpret_cast<const int32_t*>(row + g.dmeta)[2]);
+      const uint32_t mask = static_cast<uint32_t>(
+          devcopy::LoadLanded(reinterpret_cast<const int32_t*>(row + g.dmeta) + 2));
       if (!Forward(g, &f, mask, row, nullptr, nullptr, nullptr, 0)) return;
     }
     __syncwarp();
@@ -735,20 +735,23 @@ __global__ void DispatchFinish(Geo g, Outs out, bool gather, int32_t* num_recv,
   const int64_t kept = kept_rows(total, g.C);
   const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t gstride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  // A failed call is never silently empty: float outputs NaN (every byte 0xff), every
+  // count -1, ids and sources -1.
   if (gtid == 0 && num_recv != nullptr) {
-    *num_recv = static_cast<int32_t>(kept);
-    *num_dropped = static_cast<int32_t>(total - kept);
+    *num_recv = failed ? -1 : static_cast<int32_t>(kept);
+    *num_dropped = failed ? -1 : static_cast<int32_t>(total - kept);
   }
   if (counts_out != nullptr)
     for (int64_t i = gtid; i < static_cast<int64_t>(g.R) * g.R; i += gstride)
-      counts_out[i] = failed ? 0 : v.counts[(i / g.R) * cs + i % g.R];
+      counts_out[i] = failed ? -1 : v.counts[(i / g.R) * cs + i % g.R];
   if (failed && !gather)
-    for (int64_t i = gtid; i < g.el; i += gstride) out.per_expert[i] = 0;
-  for (int64_t i = kept * g.prow + gtid; i < g.C * g.prow; i += gstride) out.x[i] = 0;
+    for (int64_t i = gtid; i < g.el; i += gstride) out.per_expert[i] = -1;
+  const char fill = failed ? static_cast<char>(0xff) : 0;
+  for (int64_t i = kept * g.prow + gtid; i < g.C * g.prow; i += gstride) out.x[i] = fill;
   if (gather) return;
   for (int64_t i = kept * g.K + gtid; i < static_cast<int64_t>(g.C) * g.K; i += gstride) {
     out.idx[i] = -1;
-    out.w[i] = 0.f;
+    out.w[i] = failed ? __int_as_float(0x7fc00000) : 0.f;
   }
   for (int64_t i = kept + gtid; i < g.C; i += gstride) out.src_rank[i] = out.src_index[i] = -1;
 }
@@ -982,9 +985,10 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
           pos[k] = o + 1;
         }
         const int32_t* meta = reinterpret_cast<const int32_t*>(row + g.cmeta);
-        if (meta[0] != t || meta[1] != d) {
+        const int32_t mt = devcopy::LoadLanded(meta), md = devcopy::LoadLanded(meta + 1);
+        if (mt != t || md != d) {
           Record(g, wire::kErrMismatch, d, kKindRow, t, static_cast<uint64_t>(t),
-                 static_cast<uint64_t>(static_cast<int64_t>(meta[0])));
+                 static_cast<uint64_t>(static_cast<int64_t>(mt)));
           n = -1;
           break;
         }
@@ -997,7 +1001,7 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
     if (n < 0) break;
     for (int x = tid; x < g.H; x += blockDim.x) {
       float acc = 0.f;
-      for (int i = 0; i < n; ++i) acc += ToF(reinterpret_cast<const E*>(ptrs[i])[x]);
+      for (int i = 0; i < n; ++i) acc += ToF(devcopy::LoadLandedElem(reinterpret_cast<const E*>(ptrs[i]) + x));
       out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc);
     }
     __syncthreads();
@@ -1029,9 +1033,9 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
     *HeadW(v, g, l, g.node) = 0;
     *TailW(v, g, l, g.node) = 0;
   }
-  if (Failed(g))
+  if (Failed(g))  // NaN, never plausible zeros
     for (int64_t i = tid; i < static_cast<int64_t>(g.T) * g.H; i += blockDim.x)
-      out[i] = FromF<E>(0.f);
+      out[i] = FromF<E>(__int_as_float(0x7fc00000));
 }
 
 // Block 0: the source; then warps [0, N): forwarders (n != this node), [N, N + np):
@@ -1049,7 +1053,7 @@ __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
   if (failed) {
     if (blockIdx.x == 0)
       for (int64_t i = threadIdx.x; i < static_cast<int64_t>(g.T) * g.H; i += blockDim.x)
-        out[i] = FromF<E>(0.f);
+        out[i] = FromF<E>(__int_as_float(0x7fc00000));
     return;
   }
   if (blockIdx.x == 0) {
@@ -1089,6 +1093,13 @@ std::string MakeGeo(const HierDims& hd, int op, FloatKind elem, Geo* g,
            std::to_string(kMaxGpusPerNode) + "], got " + std::to_string(G);
   if (d.num_ranks > kMaxRanks || d.num_ranks / G > kMaxNodes)
     return "jax_ep internode (hierarchical): at most 1024 ranks and 256 nodes";
+  if (rows_per_token_per_node(d.topk, G) > max_rows_per_token_per_node())
+    return "jax_ep internode (hierarchical): a token may have min(topk, gpus_per_node) = " +
+           std::to_string(rows_per_token_per_node(d.topk, G)) +
+           " rows per node but the combine's RDMA ring holds at most " +
+           std::to_string(max_rows_per_token_per_node()) +
+           " rows of one token past a credited chunk (kRdmaRingChunks, kRdmaChunkRows in "
+           "kernels/internode/hierarchical_layout.h); the ring would stall until the timeout";
   const int qps = d.num_ports * d.qps_per_port;
   if (d.num_ports < 1 || d.qps_per_port < 1 || qps > transport::kMaxQps || qps > kMaxQps)
     return "jax_ep internode (hierarchical): bad transport config (ports, QPs per port)";

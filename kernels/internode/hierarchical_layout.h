@@ -33,13 +33,47 @@
 namespace jax_ep {
 namespace hier {
 
-// Rows per RDMA chunk (one put-with-signal on one QP) and chunks per RDMA ring.
-constexpr int32_t kRdmaChunkRows = 8;
-constexpr int32_t kRdmaRingChunks = 8;
+// Rows per RDMA chunk (one put-with-signal on one QP) and chunks per RDMA ring. A build
+// may shrink them (-DJAX_EP_HIER_CHUNK_ROWS=..., the emulated GPU's small-ring tests) to
+// make the rings wrap and fill with few tokens.
+#ifndef JAX_EP_HIER_CHUNK_ROWS
+#define JAX_EP_HIER_CHUNK_ROWS 8
+#endif
+#ifndef JAX_EP_HIER_RING_CHUNKS
+#define JAX_EP_HIER_RING_CHUNKS 8
+#endif
+#ifndef JAX_EP_HIER_NVL_ROWS
+#define JAX_EP_HIER_NVL_ROWS 32
+#endif
+constexpr int32_t kRdmaChunkRows = JAX_EP_HIER_CHUNK_ROWS;
+constexpr int32_t kRdmaRingChunks = JAX_EP_HIER_RING_CHUNKS;
 // Rows per NVLink ring.
-constexpr int32_t kNvlRingRows = 32;
+constexpr int32_t kNvlRingRows = JAX_EP_HIER_NVL_ROWS;
 // Most GPUs per node (the node mask of a row is one 32-bit word).
 constexpr int32_t kMaxGpusPerNode = 32;
+
+// The combine's credit invariant. The source reads a token's rows from node k's RDMA
+// stream, sums them, and only then credits the chunks it has finished (its row pointers
+// stay in the ring until the sum). The forwarder may write chunk c once chunk
+// c - kRdmaRingChunks is credited, so the last row of a token is always put only if a
+// token's rows from one node span at most kRdmaRingChunks - 1 chunks past the credited
+// ones: at most (kRdmaRingChunks - 1) * kRdmaChunkRows + 1 rows per token per node (57
+// with the shipped rings). A token reaches each rank at most once, so it has at most
+// min(topk, G) rows per node; more would stall the ring until the timeout.
+JEP_HIER_HD int64_t max_rows_per_token_per_node() {
+  return static_cast<int64_t>(kRdmaRingChunks - 1) * kRdmaChunkRows + 1;
+}
+JEP_HIER_HD int64_t rows_per_token_per_node(int64_t topk, int64_t gpus_per_node) {
+  return topk < gpus_per_node ? topk : gpus_per_node;
+}
+// Every node size the mode accepts satisfies it with the shipped rings; a build with
+// smaller rings gets the checked error of MakeGeo (hierarchical_kernels.cu) instead.
+#if JAX_EP_HIER_CHUNK_ROWS == 8 && JAX_EP_HIER_RING_CHUNKS == 8
+static_assert(kMaxGpusPerNode <= (kRdmaRingChunks - 1) * kRdmaChunkRows + 1,
+              "a token's rows from one node must fit the RDMA ring past one chunk");
+#endif
+static_assert(kRdmaRingChunks >= 2 && kRdmaChunkRows >= 1 && kNvlRingRows >= 1,
+              "an RDMA ring needs two chunks (one read, one written)");
 // Most logical QPs per peer (as kernels/internode/transport.cuh's kMaxQps).
 constexpr int32_t kMaxQps = 64;
 // int32 metadata words after a row's payload: token index, source rank, node mask of

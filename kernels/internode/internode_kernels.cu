@@ -187,6 +187,9 @@ __device__ bool WaitWord(const Geometry& g, uint64_t* w, uint64_t expect, int pe
 }
 
 using devcopy::CopyBytes;
+using devcopy::CopyLanded;
+using devcopy::LoadLanded;
+using devcopy::NanBytes;
 using devcopy::ZeroBytes;
 
 __device__ __forceinline__ int Parity() { return static_cast<int>(g_call_counter & 1ull); }
@@ -322,7 +325,10 @@ __global__ void HeaderKernel(Geometry g, char* heap, int64_t half_bytes, HeapLay
     if (!WaitWord<T>(g, Word(h, g, wire::kSigHeader, s, wire::kControlQp), 1, s,
                      wire::kSigHeader, wire::kControlQp))
       continue;
-    const wire::Header& th = h.hdr[s];
+    // the header landed by a put: read it past L1, after the acquire of its signal
+    alignas(16) wire::Header th;
+    CopyLanded(reinterpret_cast<char*>(&th), reinterpret_cast<const char*>(h.hdr + s),
+               wire::kHeaderBytes, 0, 1);
     const uint64_t my_seq = g_call_counter;
     if (th.seq != my_seq || th.hash != g.hash || th.error != 0) {
       wire::ErrorRecord r{};
@@ -512,26 +518,38 @@ __global__ void SendKernel(Geometry g, const int32_t* counts_ext, const int64_t*
 __global__ void UnpackKernel(Geometry g, const int64_t* scratch, char* heap,
                              int64_t half_bytes, HeapLayout L, DispatchOut out) {
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
-  // A failed call (any rank) leaves every output in its empty state.
-  const int64_t total = Failed(g) ? 0 : scratch[3 * g.R];
+  // A failed call (any rank) is never silently empty: float outputs NaN, every count
+  // (num_recv, num_dropped, per expert, the handle's matrix) -1, ids and sources -1.
+  // Only then: a rank that receives no rows still keeps the count matrix its combine
+  // needs (the rows it sent).
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = Failed(g) ? 1 : 0;
+  __syncthreads();
+  const int64_t gtid = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x;
+  const int64_t gstride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t total = failed ? 0 : scratch[3 * g.R];
   const int64_t num_recv = kept_rows(total, g.C);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    *out.num_recv = static_cast<int32_t>(num_recv);
-    *out.num_dropped = static_cast<int32_t>(total - num_recv);
+  if (gtid == 0) {
+    *out.num_recv = failed ? -1 : static_cast<int32_t>(num_recv);
+    *out.num_dropped = failed ? -1 : static_cast<int32_t>(total - num_recv);
   }
-  for (int64_t i = threadIdx.x + static_cast<int64_t>(blockIdx.x) * blockDim.x;
-       i < static_cast<int64_t>(g.R) * g.R; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out.counts[i] = total == 0 ? 0 : h.counts[i];
+  for (int64_t i = gtid; i < static_cast<int64_t>(g.R) * g.R; i += gstride)
+    out.counts[i] = failed ? -1 : LoadLanded(h.counts + i);
+  if (failed)
+    for (int64_t i = gtid; i < g.el; i += gstride) out.recv_per_expert[i] = -1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int64_t i = blockIdx.x * kWarps + warp; i < g.C; i += gridDim.x * kWarps) {
     char* xo = static_cast<char*>(out.recv_x) + i * g.xrow;
     int32_t* io = out.recv_topk_idx + i * g.K;
     float* wo = out.recv_topk_weights + i * g.K;
     if (i >= num_recv) {
-      ZeroBytes(xo, g.xrow, lane, 32);
+      if (failed)
+        NanBytes(xo, g.xrow, lane, 32);
+      else
+        ZeroBytes(xo, g.xrow, lane, 32);
       for (int k = lane; k < g.K; k += 32) {
         io[k] = -1;
-        wo[k] = 0.f;
+        wo[k] = failed ? __int_as_float(0x7fc00000) : 0.f;
       }
       if (lane == 0) out.src_rank[i] = out.src_index[i] = -1;
       continue;
@@ -540,18 +558,18 @@ __global__ void UnpackKernel(Geometry g, const int64_t* scratch, char* heap,
     const char* row = s == g.rank
                           ? h.stage + (scratch[g.R + g.rank] + (i - scratch[2 * g.R + s])) * g.ds
                           : h.recv + i * g.ds;
-    CopyBytes(xo, row, g.xrow, lane, 32);
+    CopyLanded(xo, row, g.xrow, lane, 32);
     const int32_t* ids = reinterpret_cast<const int32_t*>(row + g.xmeta);
     const float* ws = reinterpret_cast<const float*>(ids + g.K);
     for (int k = lane; k < g.K; k += 32) {
-      const int32_t local = local_expert_id(ids[k], g.el, g.rank);
+      const int32_t local = local_expert_id(LoadLanded(ids + k), g.el, g.rank);
       io[k] = local;
-      wo[k] = local < 0 ? 0.f : ws[k];
+      wo[k] = local < 0 ? 0.f : LoadLanded(ws + k);
       if (local >= 0) atomicAdd(out.recv_per_expert + local, 1);
     }
     if (lane == 0) {
       out.src_rank[i] = s;
-      out.src_index[i] = ids[2 * g.K];
+      out.src_index[i] = LoadLanded(ids + 2 * g.K);
     }
   }
 }
@@ -606,8 +624,8 @@ __global__ void ReduceKernel(Geometry g, const E* y, const int32_t* counts,
   const int t = blockIdx.x;
   for (int x = threadIdx.x; x < g.H; x += blockDim.x) {
     float acc = 0.f;
-    if (failed) {
-      out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc);
+    if (failed) {  // a failed call's sums are NaN, never plausible zeros
+      out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(__int_as_float(0x7fc00000));
       continue;
     }
     for (int d = 0; d < g.R; ++d) {
@@ -618,7 +636,7 @@ __global__ void ReduceKernel(Geometry g, const E* y, const int32_t* counts,
       const E* row = d == g.rank
                          ? y + (base + j) * g.H
                          : reinterpret_cast<const E*>(h.back + (scratch[g.R + d] + j) * g.cs);
-      acc += ToF(row[x]);
+      acc += ToF(d == g.rank ? row[x] : devcopy::LoadLandedElem(row + x));
     }
     out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc);
   }
@@ -646,19 +664,23 @@ __global__ void GatherPackKernel(Geometry g, const char* src, const int32_t* sen
 __global__ void GatherUnpackKernel(Geometry g, const int32_t* counts, const int64_t* scratch,
                                    char* heap, int64_t half_bytes, HeapLayout L, char* out) {
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
-  const int64_t num_recv = Failed(g) ? 0 : kept_rows(scratch[3 * g.R], g.C);
+  const bool failed = Failed(g);
+  const int64_t num_recv = failed ? 0 : kept_rows(scratch[3 * g.R], g.C);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int64_t i = blockIdx.x * kWarps + warp; i < g.C; i += gridDim.x * kWarps) {
     char* o = out + i * g.yrow;
     if (i >= num_recv) {
-      ZeroBytes(o, g.yrow, lane, 32);
+      if (failed)
+        NanBytes(o, g.yrow, lane, 32);
+      else
+        ZeroBytes(o, g.yrow, lane, 32);
       continue;
     }
     const int s = SourceOfRow(g, scratch, i);
     const char* row =
         s == g.rank ? h.back + (scratch[g.R + g.rank] + (i - scratch[2 * g.R + s])) * g.cs
                     : h.cstage + i * g.cs;
-    CopyBytes(o, row, g.yrow, lane, 32);
+    CopyLanded(o, row, g.yrow, lane, 32);
   }
 }
 

@@ -138,6 +138,7 @@ __device__ __forceinline__ int32_t* Local(const G& g, int64_t off) {
 }
 
 using devcopy::CopyBytes;
+using devcopy::NanBytes;
 using devcopy::ZeroBytes;
 
 // Notes this rank's first bad input (bad[0] = 1, then three values).
@@ -465,7 +466,8 @@ __global__ void RecvWait(G g, const int32_t* token) {
 }
 
 // A warp per output row (e, i) of recv_x[E_local, R*M, H]; block 0 also writes the
-// counts. A failed call leaves every output empty.
+// counts. A failed call is never silently empty: every row NaN (bytes 0xff), every count
+// and first row -1, sources -1.
 __global__ void DispatchUnpack(G g, const int32_t* token, DispatchRecvOut out) {
   const int b = static_cast<int>(TokenEpoch(kD, token) & 1ull);
   const bool failed = Failed(g);
@@ -474,12 +476,12 @@ __global__ void DispatchUnpack(G g, const int32_t* token, DispatchRecvOut out) {
     for (int e = threadIdx.x; e < g.el; e += blockDim.x) {
       int32_t total = 0;
       for (int s = 0; s < g.R; ++s) {
-        const int32_t c = failed ? 0 : HdrCounts(Hdr(g, kD, b, s))[e];
-        out.first_row[e * g.R + s] = total;
-        out.row_count[e * g.R + s] = c;
+        const int32_t c = failed ? 0 : devcopy::LoadLanded(HdrCounts(Hdr(g, kD, b, s)) + e);
+        out.first_row[e * g.R + s] = failed ? -1 : total;
+        out.row_count[e * g.R + s] = failed ? -1 : c;
         total += c;
       }
-      out.recv_count[e] = total;
+      out.recv_count[e] = failed ? -1 : total;
     }
   }
   const int lane = threadIdx.x & 31;
@@ -490,21 +492,24 @@ __global__ void DispatchUnpack(G g, const int32_t* token, DispatchRecvOut out) {
     int s = 0;
     int64_t first = 0;
     for (; !failed && s < g.R; ++s) {
-      const int32_t c = HdrCounts(Hdr(g, kD, b, s))[e];
+      const int32_t c = devcopy::LoadLanded(HdrCounts(Hdr(g, kD, b, s)) + e);
       if (i < first + c) break;
       first += c;
     }
     char* dst = static_cast<char*>(out.recv_x) + w * g.row_bytes;
     if (failed || s == g.R) {
-      ZeroBytes(dst, g.row_bytes, lane, 32);
+      if (failed)
+        NanBytes(dst, g.row_bytes, lane, 32);
+      else
+        ZeroBytes(dst, g.row_bytes, lane, 32);
       if (lane == 0) out.src_rank[w] = out.src_index[w] = -1;
       continue;
     }
     const char* row = g.area + llwire::drecv_row(g.A, b, e, s, i - first);
-    CopyBytes(dst, row, g.row_bytes, lane, 32);
+    devcopy::CopyLanded(dst, row, g.row_bytes, lane, 32);
     if (lane == 0) {
       out.src_rank[w] = s;
-      out.src_index[w] = *reinterpret_cast<const int32_t*>(row + g.meta_off);
+      out.src_index[w] = devcopy::LoadLanded(reinterpret_cast<const int32_t*>(row + g.meta_off));
     }
   }
 }
@@ -531,7 +536,8 @@ __global__ void CombineReduce(G g, const int32_t* idx, const float* w, const int
         const char* row = g.area + llwire::crecv_row(g.A, b, e / g.el, offsets[e] + p);
         acc = ll_weighted_add(acc, w[i], ll_load(g.elem, row, x));
       }
-      ll_store(g.elem, dst, x, acc);
+      // a failed call's sums are NaN, never plausible zeros
+      ll_store(g.elem, dst, x, failed ? __int_as_float(0x7fc00000) : acc);
     }
   }
 }

@@ -19,7 +19,8 @@
 //   // A signal alone (one thread).
 //   static void signal(uint64_t* sig, uint64_t value, SignalOp op, int pe, int qp);
 //   // Current value of the local symmetric signal `*sig` (one thread; the kernels
-//   // poll it against a deadline, so no wait is unbounded).
+//   // poll it against a deadline, so no wait is unbounded). An acquire: whatever the
+//   // signal guards, read after it, is at least as new as the signal.
 //   static uint64_t fetch(uint64_t* sig);
 //   // A pointer through which this GPU can load/store `sym` on `pe` (NVLink / same
 //   // GPU), or nullptr when `pe` is reachable only by RDMA.

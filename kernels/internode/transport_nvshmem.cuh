@@ -76,8 +76,13 @@ struct Nvshmem {
   }
 
   // Current value of a local symmetric signal word (the kernels poll with a deadline).
+  // An acquire at system scope: the header or rows the word guards, read after it, are
+  // never older than the signal (nvshmem_signal_fetch alone is a volatile load, which
+  // orders nothing after it).
   static __device__ __forceinline__ uint64_t fetch(uint64_t* sig) {
-    return nvshmem_signal_fetch(sig);
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(sig) : "memory");
+    return v;
   }
 
   static __device__ __forceinline__ void* peer_ptr(void* sym, int pe) {
