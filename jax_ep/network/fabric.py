@@ -1,0 +1,528 @@
+"""Fabric discovery: which RDMA devices and ports this node has, how they are presented
+(separate ports, a bond, planes), and how many ports the striping plan can really use.
+
+    python -m jax_ep.network.fabric [--sysfs ROOT] [--gpu PCI_BUS_ID] [--json]
+
+Reads Linux sysfs (default root `/sys`; tests point `--sysfs` at a copy):
+
+- `class/infiniband/<dev>/ports/<n>/{link_layer,state,rate}` ("InfiniBand"/"Ethernet",
+  "4: ACTIVE", "400 Gb/sec (4X NDR)"), `ports/<n>/gid_attrs/ndevs/0` (the netdev a RoCE
+  port sends through: the bond for an mlx5 LAG), `sys_image_guid`;
+- `class/infiniband/<dev>/device` (a symlink to the PCI function), its `numa_node` and
+  `net/*` (the function's netdevs);
+- `class/net/<if>/bonding/{mode,xmit_hash_policy,slaves}` ("802.3ad 4", "layer3+4 1");
+- `bus/pci/devices/<gpu>` (the GPU's place in the PCI tree, for `--gpu`).
+
+Missing files are tolerated (fields become None); a layout it cannot classify is reported
+as `unknown` with the reason, never an exception.
+
+Classes (`Fabric.fabric_class`), for the devices NVSHMEM would select for the GPU:
+`ib-multiport` (two or more IB ports), `roce-multiport` (two or more RoCE ports, no
+bond), `roce-lag` (one bonded RoCE device over two or more members), `multi-plane`
+(several IB devices that are planes of one PCI function), `single-port`, `unknown`.
+
+Selection model: NVSHMEM takes the device(s) closest to the GPU in the PCI tree; with
+multi-port on, every active port of the closest devices (ties included), else the first.
+`NVSHMEM_HCA_LIST` set by jax-ep (`nvshmem_env_for`) fixes that list and its order on
+every node, so the model and NVSHMEM agree by construction.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+
+__all__ = ["Port", "Bond", "RdmaDevice", "Fabric", "FABRIC_CLASSES", "discover",
+           "parse_state", "parse_rate", "parse_bond_field", "nvshmem_env_for",
+           "plan_config_for", "qp_table", "handle_order_for_plan", "agree", "main"]
+
+FABRIC_CLASSES = ("ib-multiport", "roce-multiport", "roce-lag", "multi-plane",
+                  "single-port", "unknown")
+
+
+# --- parsing of the kernel's formats ---------------------------------------------------
+
+def parse_state(text: str | None) -> tuple[int | None, str | None]:
+    """'4: ACTIVE' -> (4, 'ACTIVE'); None or junk -> (None, None or the text)."""
+    if text is None:
+        return None, None
+    m = re.match(r"\s*(\d+)\s*:\s*(\S+)", text)
+    if not m:
+        t = text.strip()
+        return None, (t or None)
+    return int(m.group(1)), m.group(2)
+
+
+def parse_rate(text: str | None) -> float | None:
+    """'400 Gb/sec (4X NDR)' -> 400.0 (Gb/s); '2.5 Gb/sec (1X SDR)' -> 2.5; else None."""
+    if text is None:
+        return None
+    m = re.match(r"\s*([0-9.]+)\s*Gb/sec", text)
+    return float(m.group(1)) if m else None
+
+
+def parse_bond_field(text: str | None) -> tuple[str | None, int | None]:
+    """'802.3ad 4' -> ('802.3ad', 4); 'layer3+4 1' -> ('layer3+4', 1)."""
+    if text is None:
+        return None, None
+    parts = text.split()
+    if not parts:
+        return None, None
+    code = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+    return parts[0], code
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+# --- the model of a node -----------------------------------------------------------------
+
+@dataclasses.dataclass
+class Port:
+    num: int
+    link_layer: str | None  # "InfiniBand" | "Ethernet" | None (file missing)
+    state: str | None       # "ACTIVE", "DOWN", ...
+    state_code: int | None  # 4 = ACTIVE
+    rate_gbps: float | None
+    rate: str | None        # the kernel's text
+    netdev: str | None      # gid_attrs/ndevs/0 (RoCE)
+
+    @property
+    def active(self) -> bool:
+        return self.state_code == 4 or (self.state or "").upper() == "ACTIVE"
+
+
+@dataclasses.dataclass
+class Bond:
+    name: str
+    mode: str | None        # "802.3ad", "active-backup", ...
+    mode_code: int | None
+    hash_policy: str | None  # "layer3+4", ...
+    hash_code: int | None
+    slaves: list[str]
+
+
+@dataclasses.dataclass
+class RdmaDevice:
+    name: str
+    ports: list[Port]
+    netdevs: list[str]       # the PCI function's netdevs (device/net/*)
+    pci: str | None          # PCI address of the function ("0000:17:00.0")
+    pci_path: list[str]      # the chain of PCI addresses from the root down
+    numa_node: int | None
+    sys_image_guid: str | None
+    bond: Bond | None        # the bond a RoCE port sends through (mlx5 LAG)
+
+    @property
+    def link_layers(self) -> set:
+        return {p.link_layer for p in self.ports if p.link_layer}
+
+
+@dataclasses.dataclass
+class Fabric:
+    """What discovery says about this node (for one GPU, if given)."""
+
+    sysfs: str
+    gpu: str | None
+    devices: list[RdmaDevice]
+    selected: list[tuple[str, int]]  # (device, port) NVSHMEM would use, in a fixed order
+    fabric_class: str
+    usable_ports: int         # ports the plan can stripe over
+    reason: str               # why this class (or why unknown)
+    bond: Bond | None = None  # for roce-lag
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        head = {"class": d.pop("fabric_class"), "usable_ports": d.pop("usable_ports"),
+                "selected": [f"{n}:{p}" for n, p in self.selected], "reason": d.pop("reason")}
+        d.pop("selected")
+        return {**head, **d}
+
+    def summary(self) -> dict:
+        """What every process must agree on (see `agree`)."""
+        return {"class": self.fabric_class, "usable_ports": self.usable_ports,
+                "ports_per_device": [p for _, p in self.selected],
+                "num_selected": len(self.selected),
+                "bond_mode": self.bond.mode if self.bond else None}
+
+
+_PCI_RE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+
+
+def _pci_chain(sysfs: str, link: str) -> tuple[str | None, list[str]]:
+    """(address, [root .. address]) of the PCI function a sysfs link points to."""
+    try:
+        real = os.path.realpath(link)
+    except OSError:
+        return None, []
+    if not os.path.exists(real):
+        return None, []
+    chain = [c for c in real.split(os.sep) if _PCI_RE.match(c)]
+    return (chain[-1] if chain else None), chain
+
+
+def _read_bond(sysfs: str, ifname: str) -> Bond | None:
+    base = os.path.join(sysfs, "class", "net", ifname, "bonding")
+    if not os.path.isdir(base):
+        return None
+    mode, mcode = parse_bond_field(_read(os.path.join(base, "mode")))
+    pol, pcode = parse_bond_field(_read(os.path.join(base, "xmit_hash_policy")))
+    slaves = (_read(os.path.join(base, "slaves")) or "").split()
+    return Bond(ifname, mode, mcode, pol, pcode, slaves)
+
+
+def _read_device(sysfs: str, name: str) -> RdmaDevice:
+    base = os.path.join(sysfs, "class", "infiniband", name)
+    ports = []
+    for pn in _listdir(os.path.join(base, "ports")):
+        if not pn.isdigit():
+            continue
+        pb = os.path.join(base, "ports", pn)
+        code, state = parse_state(_read(os.path.join(pb, "state")))
+        rate = _read(os.path.join(pb, "rate"))
+        ports.append(Port(int(pn), _read(os.path.join(pb, "link_layer")), state, code,
+                          parse_rate(rate), rate,
+                          _read(os.path.join(pb, "gid_attrs", "ndevs", "0"))))
+    ports.sort(key=lambda p: p.num)
+    dev_link = os.path.join(base, "device")
+    pci, chain = _pci_chain(sysfs, dev_link)
+    numa = _read(os.path.join(dev_link, "numa_node"))
+    try:
+        numa_i = int(numa) if numa is not None else None
+    except ValueError:
+        numa_i = None
+    netdevs = _listdir(os.path.join(dev_link, "net"))
+    bond = None
+    for p in ports:
+        if p.netdev:
+            bond = _read_bond(sysfs, p.netdev)
+            if bond:
+                break
+    return RdmaDevice(name, ports, netdevs, pci, chain, numa_i,
+                      _read(os.path.join(base, "sys_image_guid")), bond)
+
+
+def _distance(a: list[str], b: list[str]) -> int:
+    """Hops between two PCI functions through their deepest common bridge."""
+    common = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        common += 1
+    if common == 0:
+        # different root complexes: farther than any shared-root path
+        return 1000 + len(a) + len(b)
+    return (len(a) - common) + (len(b) - common)
+
+
+def discover(sysfs: str = "/sys", gpu: str | None = None, multi_port: bool = True) -> Fabric:
+    """Read sysfs under `sysfs` and classify the node (for `gpu`, a PCI bus id, if given).
+
+    multi_port: NVSHMEM's multi-port setting the selection is modelled with (jax-ep turns
+    it on wherever there are several ports). Never raises on a strange layout: the
+    class is then "unknown" and `reason` says why.
+    """
+    ib_dir = os.path.join(sysfs, "class", "infiniband")
+    names = _listdir(ib_dir)
+    gpu_id = _normalize_pci(gpu) if gpu else None
+    if not names:
+        return Fabric(sysfs, gpu_id, [], [], "unknown", 0,
+                      f"no RDMA devices: {ib_dir} is missing or empty")
+    devices, problems = [], []
+    for n in names:
+        try:
+            devices.append(_read_device(sysfs, n))
+        except Exception as e:  # noqa: BLE001 - a strange tree is reported, not raised
+            problems.append(f"{n}: {type(e).__name__}: {e}")
+    fab = _classify(sysfs, gpu_id, devices, multi_port)
+    fab.warnings.extend(problems)
+    return fab
+
+
+def _normalize_pci(bus_id: str) -> str:
+    """'17:00.0', '0000:17:00.0' or '00000000:17:00.0' (nvidia-smi) -> '0000:17:00.0'."""
+    s = bus_id.strip().lower()
+    parts = s.split(":")
+    if len(parts) == 2:
+        s = "0000:" + s
+    elif len(parts) == 3:
+        s = parts[0][-4:].rjust(4, "0") + ":" + parts[1] + ":" + parts[2]
+    if not _PCI_RE.match(s):
+        raise ValueError(f"gpu must be a PCI bus id like 0000:18:00.0, got {bus_id!r}")
+    return s
+
+
+def _closest(sysfs: str, gpu: str | None, devices: list[RdmaDevice],
+             notes: list[str]) -> list[RdmaDevice]:
+    if gpu is None:
+        return devices
+    _, gchain = _pci_chain(sysfs, os.path.join(sysfs, "bus", "pci", "devices", gpu))
+    if not gchain:
+        notes.append(f"GPU {gpu} not found under {sysfs}/bus/pci/devices: every device "
+                     f"counted")
+        return devices
+    with_path = [d for d in devices if d.pci_path]
+    if not with_path:
+        notes.append("no RDMA device has a PCI path: every device counted")
+        return devices
+    dist = {d.name: _distance(gchain, d.pci_path) for d in with_path}
+    best = min(dist.values())
+    return [d for d in with_path if dist[d.name] == best]
+
+
+def _classify(sysfs, gpu, devices, multi_port) -> Fabric:
+    notes: list[str] = []
+    near = _closest(sysfs, gpu, devices, notes)
+    # ports NVSHMEM can use: active, with a known link layer
+    usable = [(d, p) for d in near for p in d.ports if p.active]
+    down = [f"{d.name}:{p.num}" for d in near for p in d.ports if not p.active]
+    if down:
+        notes.append(f"ports not ACTIVE (not counted): {', '.join(down)}")
+
+    def fab(cls, ports, why, bond=None):
+        sel = [(d.name, p.num) for d, p in ports]
+        return Fabric(sysfs, gpu, devices, sel, cls, len(sel) if cls != "roce-lag" else (
+            len(bond.slaves) if bond else 0), why, bond, notes)
+
+    if not usable:
+        return fab("unknown", [], "no ACTIVE port on the devices closest to the GPU"
+                   if near else "no device closest to the GPU")
+    layers = {p.link_layer for _, p in usable}
+    if None in layers:
+        return fab("unknown", [], "a selected port has no link_layer file (partial tree)")
+    if len(layers) > 1:
+        return fab("unknown", [], f"mixed link layers on the selected ports: "
+                                  f"{sorted(layers)}")
+    layer = layers.pop()
+    if layer == "Ethernet":
+        bonded = [(d, p) for d, p in usable if d.bond is not None]
+        if bonded:
+            d, p = bonded[0]
+            b = d.bond
+            if len(usable) > 1:
+                notes.append("a bonded device and other RoCE ports are both closest; "
+                             "only the bond is used")
+            if len(b.slaves) < 2:
+                return fab("single-port", [(d, p)],
+                           f"bond {b.name} has {len(b.slaves)} member(s)", b)
+            return fab("roce-lag", [(d, p)],
+                       f"{d.name} sends through bond {b.name} (mode {b.mode}, "
+                       f"xmit_hash_policy {b.hash_policy}) over {', '.join(b.slaves)}; "
+                       f"{len(b.slaves)} ports with per-QP LAG affinity, 1 without", b)
+        if len(usable) == 1:
+            return fab("single-port", usable, f"one RoCE port ({usable[0][0].name})")
+        if not multi_port:
+            return fab("single-port", usable[:1], "multi-port off: the first port only")
+        return fab("roce-multiport", usable,
+                   f"{len(usable)} RoCE ports on {len({d.name for d, _ in usable})} "
+                   f"device(s), no bond")
+    if layer == "InfiniBand":
+        # planes: several devices on one PCI function (or one sys_image_guid per function)
+        by_pci: dict = {}
+        for d, p in usable:
+            by_pci.setdefault(d.pci, []).append((d, p))
+        if any(k is not None and len({d.name for d, _ in v}) > 1 for k, v in by_pci.items()):
+            return fab("multi-plane", usable,
+                       f"{len(usable)} IB planes: several devices share one PCI function "
+                       f"(QPs are laid out per device, [plane 0 | plane 1 | ...])")
+        if len(usable) == 1:
+            return fab("single-port", usable, f"one IB port ({usable[0][0].name})")
+        if not multi_port:
+            return fab("single-port", usable[:1], "multi-port off: the first port only")
+        return fab("ib-multiport", usable,
+                   f"{len(usable)} IB ports on {len({d.name for d, _ in usable})} "
+                   f"device(s)")
+    return fab("unknown", [], f"unknown link layer {layer!r}")
+
+
+# --- what the bootstrap does with it ------------------------------------------------------
+
+def plan_config_for(fabric: Fabric, cfg, lag_affinity: str = "alternate"):
+    """(the TransportConfig to run, [loud messages]) for this fabric.
+
+    The plan's num_ports is what the wire can carry: the selected ports (multi-port),
+    the bond's members (roce-lag; each QP pinned to a member by LAG affinity), else 1.
+    """
+    import dataclasses as dc
+    msgs = []
+    if lag_affinity not in ("none", "alternate"):
+        raise ValueError(f"lag_affinity must be 'none' or 'alternate', got {lag_affinity!r}")
+    cls = fabric.fabric_class
+    if cls == "unknown":
+        msgs.append(f"jax_ep: fabric unknown ({fabric.reason}); the plan's "
+                    f"{cfg.num_ports} ports are an assumption, not checked")
+        return cfg, msgs
+    if cls == "roce-lag":
+        new = dc.replace(cfg, lag="bond", num_channels=None)
+        if lag_affinity == "none" and cfg.num_ports > 1:
+            msgs.append(
+                f"jax_ep: RoCE LAG {fabric.bond.name if fabric.bond else ''} without "
+                f"per-QP LAG affinity: GPU-initiated QPs bypass the bond's hash, so every "
+                f"QP may sit on ONE member (half the NIC). Fix: let jax_ep set the QPs' "
+                f"lag_tx_port_affinity (JAX_EP_LAG_AFFINITY=alternate)")
+        return new, msgs
+    ports = fabric.usable_ports
+    if cls == "single-port" and cfg.num_ports > 1:
+        msgs.append(f"jax_ep: this node has one usable port ({fabric.reason}); the plan's "
+                    f"{cfg.num_ports} ports would all land on it: running on one port")
+        return cfg.single_port(), msgs
+    if cls in ("ib-multiport", "roce-multiport", "multi-plane") and ports != cfg.num_ports:
+        msgs.append(f"jax_ep: the plan stripes over {cfg.num_ports} ports but NVSHMEM will "
+                    f"select {ports} ({', '.join(f'{n}:{p}' for n, p in fabric.selected)}); "
+                    f"QP q sits on port q % {ports}, so the plan's port of a QP is not "
+                    f"the wire's. Fix: JAX_EP_NUM_PORTS={ports}")
+    return cfg, msgs
+
+
+def nvshmem_env_for(fabric: Fabric, cfg) -> dict:
+    """NVSHMEM device selection matching the plan: multi-port on where the plan has several
+    ports on separate devices/ports, the device list in a fixed (sorted) order so every
+    node lays QPs out alike, PE mapping off. Empty for an unknown fabric (NVSHMEM's own
+    choice is left alone)."""
+    cls = fabric.fabric_class
+    if cls == "unknown" or not fabric.selected:
+        return {}
+    env = {"NVSHMEM_ENABLE_NIC_PE_MAPPING": "0"}
+    sel = sorted(fabric.selected)
+    if cls == "roce-lag":
+        env["NVSHMEM_HCA_LIST"] = ",".join(f"{n}:{p}" for n, p in sel[:1])
+        env["NVSHMEM_ENABLE_MULTI_PORT"] = "0"
+        env["NVSHMEM_IBGDA_ENABLE_MULTI_PORT"] = "0"
+        return env
+    n = cfg.num_ports if cls != "single-port" else 1
+    env["NVSHMEM_HCA_LIST"] = ",".join(f"{d}:{p}" for d, p in sel[:max(n, 1)])
+    multi = "1" if n > 1 else "0"
+    env["NVSHMEM_ENABLE_MULTI_PORT"] = multi
+    env["NVSHMEM_IBGDA_ENABLE_MULTI_PORT"] = multi
+    return env
+
+
+def qp_table(fabric: Fabric, cfg, handles, lag_affinity: str = "alternate",
+             affinity_applied: bool | None = None) -> list[dict]:
+    """The QP handle -> (device, port) table for the plan's logical QPs.
+
+    NVSHMEM's QP API places the i-th created QP on selected device i mod D (the devices
+    in NVSHMEM_HCA_LIST order, see `nvshmem_env_for`). Under a LAG the device is the bond
+    and the port is the member the QP's lag_tx_port_affinity pins it to (1-based), or
+    "firmware" when no affinity was applied. `handles[q]` is logical QP q's handle (None
+    when not created).
+    """
+    sel = sorted(fabric.selected)
+    out = []
+    for q in range(cfg.num_qps):
+        h = handles[q] if q < len(handles) else None
+        row = {"qp": q, "handle": h, "planned_port": q % cfg.num_ports}
+        if not sel:
+            row.update(device="unknown", port="unknown", wire_port=None)
+        elif fabric.fabric_class == "roce-lag":
+            members = max(fabric.usable_ports, 1)
+            applied = (lag_affinity == "alternate") if affinity_applied is None else \
+                affinity_applied
+            row.update(device=sel[0][0],
+                       port=(q % members) + 1 if applied else "firmware",
+                       member=(fabric.bond.slaves[q % members]
+                               if applied and fabric.bond else None),
+                       wire_port=(q % members) if applied else None)
+        else:
+            d, p = sel[q % len(sel)]
+            row.update(device=d, port=p, wire_port=q % len(sel))
+        row["on_plan"] = row["wire_port"] == row["planned_port"]
+        out.append(row)
+    return out
+
+
+def handle_order_for_plan(table: list[dict], num_ports: int) -> list[int] | None:
+    """A permutation `order` with table[order[q]]["wire_port"] == q % num_ports for every
+    logical QP q, so the stripe follows the real handle -> port table whatever order
+    NVSHMEM laid the QPs out in ([NIC 0 QPs | NIC 1 QPs | ...] included); None if the
+    table cannot carry the plan (unknown ports, or too few QPs on some port)."""
+    free: dict = {}
+    for i, row in enumerate(table):
+        wp = row.get("wire_port")
+        if wp is None:
+            return None
+        free.setdefault(wp, []).append(i)
+    order = []
+    for q in range(len(table)):
+        lst = free.get(q % num_ports)
+        if not lst:
+            return None
+        order.append(lst.pop(0))
+    return order
+
+
+def agree(summary: dict, client, rank: int, world: int, *, key_prefix: str,
+          timeout_ms: int) -> list[str]:
+    """Publishes this process's fabric summary through the JAX key-value store and reads
+    every other's. Returns [] when all agree, else one line per process that differs from
+    process 0 (the caller decides how loud to be)."""
+    mine = json.dumps(summary, sort_keys=True)
+    client.key_value_set(f"{key_prefix}/fabric/{rank}", mine)
+    ref = None
+    diffs = []
+    for r in range(world):
+        other = mine if r == rank else client.blocking_key_value_get(
+            f"{key_prefix}/fabric/{r}", timeout_ms)
+        if ref is None:
+            ref = other
+        elif other != ref:
+            diffs.append(f"process {r}: {other} (process 0: {ref})")
+    return diffs
+
+
+# --- CLI ------------------------------------------------------------------------------------
+
+def format_report(f: Fabric) -> str:
+    lines = [f"fabric: {f.fabric_class} ({f.reason})",
+             f"usable ports: {f.usable_ports}" + (f" (for GPU {f.gpu})" if f.gpu else ""),
+             "selected: " + (", ".join(f"{n}:{p}" for n, p in f.selected) or "none")]
+    if f.bond:
+        lines.append(f"bond {f.bond.name}: mode {f.bond.mode} ({f.bond.mode_code}), "
+                     f"xmit_hash_policy {f.bond.hash_policy}, members "
+                     f"{' '.join(f.bond.slaves)}")
+    for d in f.devices:
+        ports = "; ".join(f"port {p.num} {p.link_layer} {p.state} {p.rate}"
+                          + (f" via {p.netdev}" if p.netdev else "") for p in d.ports)
+        lines.append(f"  {d.name}: pci {d.pci} numa {d.numa_node} netdevs "
+                     f"{','.join(d.netdevs) or '-'}: {ports or 'no ports'}")
+    for w in f.warnings:
+        lines.append(f"note: {w}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jax_ep.network.fabric",
+                                 description="what RDMA fabric this node has (from sysfs)")
+    ap.add_argument("--sysfs", default="/sys", help="sysfs root (a copy, for tests)")
+    ap.add_argument("--gpu", default=None, help="PCI bus id of the GPU (e.g. 0000:18:00.0)")
+    ap.add_argument("--no-multi-port", action="store_true",
+                    help="model NVSHMEM with multi-port off")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        f = discover(a.sysfs, a.gpu, multi_port=not a.no_multi_port)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(f.to_json(), indent=1) if a.json else format_report(f))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

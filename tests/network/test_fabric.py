@@ -1,0 +1,195 @@
+"""Fabric discovery on sysfs fixture trees (tests/data/sysfs/*), the classification, the
+NVSHMEM settings and QP table derived from it, and the agreement across processes."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jax_ep.network import fabric as fb
+from jax_ep.network.transport import TransportConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DATA = os.path.join(ROOT, "tests", "data", "sysfs")
+GPU = "0000:13:00.0"
+
+
+def tree(name):
+    return os.path.join(DATA, name)
+
+
+def test_parsers_real_formats():
+    assert fb.parse_state("4: ACTIVE") == (4, "ACTIVE")
+    assert fb.parse_state("1: DOWN\n") == (1, "DOWN")
+    assert fb.parse_state(None) == (None, None)
+    assert fb.parse_state("weird") == (None, "weird")
+    assert fb.parse_rate("400 Gb/sec (4X NDR)") == 400.0
+    assert fb.parse_rate("2.5 Gb/sec (1X SDR)") == 2.5
+    assert fb.parse_rate("garbage") is None
+    assert fb.parse_bond_field("802.3ad 4") == ("802.3ad", 4)
+    assert fb.parse_bond_field("layer3+4 1") == ("layer3+4", 1)
+    assert fb.parse_bond_field("") == (None, None)
+
+
+@pytest.mark.parametrize("name,cls,ports,selected", [
+    ("ib_dualport", "ib-multiport", 2, [("mlx5_0", 1), ("mlx5_1", 1)]),
+    ("roce_two_devices", "roce-multiport", 2, [("mlx5_0", 1), ("mlx5_1", 1)]),
+    ("roce_bond", "roce-lag", 2, [("mlx5_bond_0", 1)]),
+    ("multi_plane", "multi-plane", 2, [("mlx5_0", 1), ("mlx5_1", 1)]),
+    ("single_port", "single-port", 1, [("mlx5_0", 1)]),
+    ("partial", "unknown", 0, []),
+])
+def test_classify_fixtures(name, cls, ports, selected):
+    f = fb.discover(tree(name), GPU)
+    assert f.fabric_class == cls, f.reason
+    assert f.usable_ports == ports
+    assert f.selected == selected
+
+
+def test_gpu_picks_the_closest_devices():
+    # without a GPU every device counts (4 IB ports); the far HCA is on another root
+    assert fb.discover(tree("ib_dualport")).usable_ports == 4
+    f = fb.discover(tree("ib_dualport"), "13:00.0")  # short bus id form
+    assert [n for n, _ in f.selected] == ["mlx5_0", "mlx5_1"]
+    far = fb.discover(tree("ib_dualport"), "0000:99:00.0")  # not in the tree
+    assert far.usable_ports == 4 and any("not found" in w for w in far.warnings)
+    with pytest.raises(ValueError, match="gpu"):
+        fb.discover(tree("ib_dualport"), "nonsense")
+
+
+def test_device_details():
+    f = fb.discover(tree("roce_bond"), GPU)
+    d = f.devices[0]
+    assert d.pci == "0000:14:00.0" and d.numa_node == 0 and d.netdevs == ["ens1f0np0"]
+    assert d.ports[0].rate_gbps == 200.0 and d.ports[0].netdev == "bond0"
+    assert f.bond.mode == "802.3ad" and f.bond.mode_code == 4
+    assert f.bond.hash_policy == "layer3+4" and f.bond.slaves == ["ens1f0np0", "ens1f1np1"]
+    assert "802.3ad" in f.reason and "layer3+4" in f.reason
+
+
+def test_multi_port_off_uses_one_port():
+    f = fb.discover(tree("ib_dualport"), GPU, multi_port=False)
+    assert f.fabric_class == "single-port" and f.selected == [("mlx5_0", 1)]
+
+
+def test_partial_and_empty_trees_do_not_crash(tmp_path):
+    f = fb.discover(tree("partial"))
+    assert f.fabric_class == "unknown" and "link_layer" in f.reason
+    assert any("not ACTIVE" in w for w in f.warnings)
+    e = fb.discover(str(tmp_path))
+    assert e.fabric_class == "unknown" and "no RDMA devices" in e.reason
+    # a port directory with junk files, a device with a dangling PCI link
+    junk = tmp_path / "class" / "infiniband" / "mlx5_9"
+    (junk / "ports" / "1").mkdir(parents=True)
+    (junk / "ports" / "1" / "state").write_bytes(b"\xff\xfe")
+    (junk / "ports" / "1" / "link_layer").write_text("Ethernet\n")
+    os.symlink("../../../devices/nowhere", junk / "device")
+    j = fb.discover(str(tmp_path), GPU)
+    assert j.fabric_class == "unknown"
+
+
+def test_mixed_layers_are_unknown(tmp_path):
+    shutil.copytree(tree("ib_dualport"), tmp_path / "t", symlinks=True)
+    (tmp_path / "t/class/infiniband/mlx5_1/ports/1/link_layer").write_text("Ethernet\n")
+    f = fb.discover(str(tmp_path / "t"), GPU)
+    assert f.fabric_class == "unknown" and "mixed" in f.reason
+
+
+def test_down_port_leaves_single_port(tmp_path):
+    shutil.copytree(tree("roce_two_devices"), tmp_path / "t", symlinks=True)
+    (tmp_path / "t/class/infiniband/mlx5_1/ports/1/state").write_text("1: DOWN\n")
+    f = fb.discover(str(tmp_path / "t"), GPU)
+    assert f.fabric_class == "single-port" and f.usable_ports == 1
+
+
+def test_cli_json_and_this_machine():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-m", "jax_ep.network.fabric", "--sysfs",
+                          tree("roce_bond"), "--gpu", GPU, "--json"], env=env,
+                         capture_output=True, text=True, check=True)
+    d = json.loads(out.stdout)
+    assert d["class"] == "roce-lag" and d["usable_ports"] == 2
+    assert d["selected"] == ["mlx5_bond_0:1"] and d["bond"]["mode"] == "802.3ad"
+    # the real /sys of a machine without RDMA: a clean "unknown", exit 0
+    out = subprocess.run([sys.executable, "-m", "jax_ep.network.fabric", "--sysfs",
+                          "/nonexistent-sysfs"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "unknown" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "jax_ep.network.fabric", "--gpu", "zz"],
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and "gpu" in out.stderr
+
+
+# --- what the bootstrap derives -----------------------------------------------------------
+
+def test_nvshmem_env_per_class():
+    cfg = TransportConfig(num_ports=2, qps_per_port=4)
+    ib = fb.nvshmem_env_for(fb.discover(tree("ib_dualport"), GPU), cfg)
+    assert ib["NVSHMEM_HCA_LIST"] == "mlx5_0:1,mlx5_1:1"
+    assert ib["NVSHMEM_ENABLE_MULTI_PORT"] == "1" and ib["NVSHMEM_ENABLE_NIC_PE_MAPPING"] == "0"
+    lag = fb.nvshmem_env_for(fb.discover(tree("roce_bond"), GPU), cfg)
+    assert lag["NVSHMEM_HCA_LIST"] == "mlx5_bond_0:1"
+    assert lag["NVSHMEM_ENABLE_MULTI_PORT"] == "0"
+    one = fb.nvshmem_env_for(fb.discover(tree("single_port"), GPU), cfg)
+    assert one["NVSHMEM_HCA_LIST"] == "mlx5_0:1" and one["NVSHMEM_ENABLE_MULTI_PORT"] == "0"
+    assert fb.nvshmem_env_for(fb.discover(tree("partial")), cfg) == {}
+
+
+def test_plan_config_for_classes():
+    cfg = TransportConfig(num_ports=2, qps_per_port=4)
+    c, msgs = fb.plan_config_for(fb.discover(tree("roce_bond"), GPU), cfg, "alternate")
+    assert c.lag == "bond" and c.num_ports == 2 and msgs == []
+    c, msgs = fb.plan_config_for(fb.discover(tree("roce_bond"), GPU), cfg, "none")
+    assert len(msgs) == 1 and "ONE member" in msgs[0] and "lag_tx_port_affinity" in msgs[0]
+    c, msgs = fb.plan_config_for(fb.discover(tree("single_port"), GPU), cfg)
+    assert c.num_ports == 1 and "one usable port" in msgs[0]
+    c, msgs = fb.plan_config_for(fb.discover(tree("ib_dualport")), cfg)  # 4 ports, plan 2
+    assert "JAX_EP_NUM_PORTS=4" in msgs[0]
+    c, msgs = fb.plan_config_for(fb.discover(tree("ib_dualport"), GPU), cfg)
+    assert c == cfg and msgs == []
+    with pytest.raises(ValueError, match="lag_affinity"):
+        fb.plan_config_for(fb.discover(tree("ib_dualport"), GPU), cfg, "maybe")
+
+
+def test_qp_table_and_handle_order():
+    cfg = TransportConfig(num_ports=2, qps_per_port=2)
+    t = fb.qp_table(fb.discover(tree("ib_dualport"), GPU), cfg, [10, 11, 12, 13])
+    assert [(r["handle"], r["device"], r["wire_port"]) for r in t] == [
+        (10, "mlx5_0", 0), (11, "mlx5_1", 1), (12, "mlx5_0", 0), (13, "mlx5_1", 1)]
+    assert all(r["on_plan"] for r in t)
+    lag = fb.qp_table(fb.discover(tree("roce_bond"), GPU), cfg, [1, 2, 3, 4])
+    assert [r["member"] for r in lag] == ["ens1f0np0", "ens1f1np1"] * 2
+    none = fb.qp_table(fb.discover(tree("roce_bond"), GPU), cfg, [1, 2, 3, 4], "none")
+    assert all(r["port"] == "firmware" and not r["on_plan"] for r in none)
+    # a [NIC 0 QPs | NIC 1 QPs] layout: the permutation puts logical QP q on port q % 2
+    laid = [{"wire_port": p} for p in (0, 0, 1, 1)]
+    order = fb.handle_order_for_plan(laid, 2)
+    assert order == [0, 2, 1, 3]
+    assert [laid[i]["wire_port"] for i in order] == [0, 1, 0, 1]
+    assert fb.handle_order_for_plan([{"wire_port": 0}] * 4, 2) is None
+    assert fb.handle_order_for_plan([{"wire_port": None}] * 2, 2) is None
+
+
+class _KV:
+    def __init__(self, preset=None):
+        self.d = dict(preset or {})
+
+    def key_value_set(self, k, v):
+        self.d[k] = v
+
+    def blocking_key_value_get(self, k, timeout_ms):
+        return self.d[k]
+
+
+def test_agree_across_processes():
+    s = fb.discover(tree("roce_bond"), GPU).summary()
+    other = dict(s, **{"class": "single-port", "usable_ports": 1})
+    kv = _KV({"p/fabric/0": json.dumps(s, sort_keys=True),
+              "p/fabric/2": json.dumps(s, sort_keys=True)})
+    assert fb.agree(s, kv, 1, 3, key_prefix="p", timeout_ms=10) == []
+    kv = _KV({"p/fabric/0": json.dumps(s, sort_keys=True),
+              "p/fabric/2": json.dumps(other, sort_keys=True)})
+    diffs = fb.agree(s, kv, 1, 3, key_prefix="p", timeout_ms=10)
+    assert len(diffs) == 1 and diffs[0].startswith("process 2") and "single-port" in diffs[0]
