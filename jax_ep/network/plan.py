@@ -97,6 +97,9 @@ class PlanInputs:
     chunk_bytes: int = 65536
     nvlink_gbs: float = 450.0
     hit_prob: float | None = None  # measured P(token -> a given rank), overrides uniform
+    # the node's fabric class (jax_ep.network.fabric), None: not modelled
+    fabric: str | None = None
+    lag_affinity: str = "alternate"  # roce-lag: "alternate" (per-QP member) or "none"
 
 
 def _scenario(name, port_bytes, port_rate_bytes_s, total_bytes, note):
@@ -111,6 +114,49 @@ def _scenario(name, port_bytes, port_rate_bytes_s, total_bytes, note):
         "gpu_gbs": (total_bytes / t / 1e9) if t > 0 else 0.0,
         "note": note,
     }
+
+
+FABRICS = ("ib-multiport", "roce-multiport", "roce-lag", "multi-plane", "single-port")
+
+
+def _fabric_scenarios(inp, cfg, striped_ports, rate, rdma_total):
+    """What the wire does on this fabric class: (summary, scenarios first in the list).
+
+    On a RoCE LAG the GPU's QPs bypass the bond's hash: without per-QP LAG affinity
+    every QP is modelled on ONE member; with it (alternate), QP q is on member q % P and
+    the striping holds. Separate ports (IB or RoCE, multi-plane) pin QPs round-robin."""
+    if inp.fabric not in FABRICS:
+        raise ValueError(f"fabric must be one of {FABRICS}, got {inp.fabric!r}")
+    if inp.lag_affinity not in ("none", "alternate"):
+        raise ValueError(f"lag_affinity must be 'none' or 'alternate', got "
+                         f"{inp.lag_affinity!r}")
+    P = inp.ports
+    one = [float(rdma_total)] + [0.0] * (P - 1)
+    scen = []
+    if inp.fabric == "roce-lag":
+        scen.append(_scenario(
+            f"roce-lag, affinity alternate: {cfg.num_qps} QPs/peer on {P} members",
+            striped_ports, rate, rdma_total, "QP q pinned to member q % P by "
+            "lag_tx_port_affinity; members differ by at most one chunk per peer"))
+        scen.append(_scenario(
+            "roce-lag, no affinity: every QP on one member", one, rate, rdma_total,
+            "GPU-initiated QPs bypass the bond's hash; NVSHMEM sets no affinity and one "
+            "UDP source port"))
+        chosen = scen[0] if inp.lag_affinity == "alternate" else scen[1]
+        used = P if inp.lag_affinity == "alternate" else 1
+    elif inp.fabric == "single-port":
+        scen.append(_scenario("single-port: one port carries everything", [float(
+            rdma_total)], rate, rdma_total, "nothing to stripe over"))
+        chosen, used = scen[0], 1
+    else:
+        scen.append(_scenario(f"{inp.fabric}: {cfg.num_qps} QPs/peer pinned round-robin",
+                              striped_ports, rate, rdma_total,
+                              "one device per port (or plane); NVSHMEM multi-port on, "
+                              "the device list fixed by jax-ep"))
+        chosen, used = scen[0], P
+    summary = {"class": inp.fabric, "lag_affinity": inp.lag_affinity,
+               "ports_used": used, "scenario": chosen["name"], "time_us": chosen["time_us"]}
+    return summary, scen
 
 
 def model(inp: PlanInputs) -> dict:
@@ -145,6 +191,10 @@ def model(inp: PlanInputs) -> dict:
     striped_ports = cfg.stripe(sizes).port_bytes.sum(axis=0) if peer_ids else np.zeros(P)
 
     scenarios = []
+    fabric = None
+    if inp.fabric is not None:
+        fabric, fab_scen = _fabric_scenarios(inp, cfg, striped_ports, rate, rdma_total)
+        scenarios.extend(fab_scen)
     if inp.lag == "affinity":
         scenarios.append(_scenario(
             f"striped, {cfg.num_qps} QPs/peer pinned round-robin", striped_ports, rate,
@@ -185,6 +235,7 @@ def model(inp: PlanInputs) -> dict:
         "nvlink_time_us": nvlink_time_us,
         "ideal_rdma_time_us": rdma_total / (rate * P) * 1e6 if P else 0.0,
         "scenarios": scenarios,
+        "fabric": fabric,
         "striped_efficiency": eff_striped,
         "hash_efficiency_one_pair": {str(q): hash_efficiency(q, P) for q in (1, 2, 4, 8, 16, 32)},
         "qps_per_peer_for_95pct_one_pair": qps_for_efficiency(P, 0.95, 1),
@@ -207,6 +258,12 @@ def format_report(m: dict) -> str:
         f"NVLink bytes per GPU           {m['nvlink_bytes_per_gpu'] / 1e6:.3f} MB "
         f"({m['nvlink_time_us']:.1f} us at {i['nvlink_gbs']:g} GB/s)",
         f"ideal RDMA time (all ports)    {m['ideal_rdma_time_us']:.1f} us",
+    ]
+    if m.get("fabric"):
+        f = m["fabric"]
+        lines.append(f"fabric {f['class']} (lag affinity {f['lag_affinity']}): "
+                     f"{f['ports_used']} port(s) used, {f['time_us']:.1f} us")
+    lines += [
         "",
         f"{'scenario':48s} {'port MB (busiest first)':28s} {'time us':>9s} {'GB/s/GPU':>9s}",
     ]
@@ -301,6 +358,111 @@ def check_wire(cfg: TransportConfig, ranks: int, stream_bytes: int, *, qp_api: b
             "losses": losses}
 
 
+LOG_KEYS = ("src", "dst", "qp", "port", "bytes")
+
+
+def check_wire_log(cfg: TransportConfig, records) -> dict:
+    """Compares a transport log with the plan; cannot pass on a mismatch.
+
+    records: iterable of {"src", "dst", "qp", "port", "bytes"} (and optionally "call",
+    to keep the streams of several calls apart): the bytes a put carried, the logical QP
+    handle it went through and the port that handle is on (from an emulated run's
+    transport log, or the recorded QP handle -> (device, port) table on hardware). For
+    each (call, src, dst) stream the bytes per QP and per port must equal
+    `cfg.stripe` of the stream's total (chunks rounded to 16 bytes, as the kernels do),
+    and every record's port must be its QP's planned port (q % num_ports).
+    """
+    import dataclasses as dc
+
+    wire_cfg = dc.replace(cfg, chunk_bytes=(cfg.chunk_bytes + 15) // 16 * 16,
+                          num_channels=None)
+    streams: dict = {}
+    bad = []
+    n = 0
+    for i, r in enumerate(records):
+        n += 1
+        if not isinstance(r, dict):
+            raise ValueError(f"log record {i} must be an object with keys {LOG_KEYS}, "
+                             f"got {r!r}")
+        missing = [k for k in LOG_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"log record {i} lacks {missing}: {r}")
+        try:
+            src, dst, qp, nbytes = (int(r[k]) for k in ("src", "dst", "qp", "bytes"))
+        except (TypeError, ValueError):
+            raise ValueError(f"log record {i}: src, dst, qp and bytes must be integers: "
+                             f"{r}") from None
+        if nbytes < 0 or dst < 0 or src < 0:
+            raise ValueError(f"log record {i}: negative src, dst or bytes: {r}")
+        port = r["port"]
+        if not 0 <= qp < wire_cfg.num_qps:
+            bad.append(f"record {i}: QP {qp} is not one of the plan's {wire_cfg.num_qps}")
+            continue
+        if port != qp % wire_cfg.num_ports:
+            bad.append(f"record {i}: src {src} dst {dst} QP {qp} went out on port {port}, "
+                       f"the plan binds QP {qp} to port {qp % wire_cfg.num_ports}")
+        s = streams.setdefault((r.get("call", 0), src, dst), {"qp": {}, "port": {}})
+        s["qp"][qp] = s["qp"].get(qp, 0) + nbytes
+        s["port"][port] = s["port"].get(port, 0) + nbytes
+    for (call, src, dst), s in sorted(streams.items(), key=lambda kv: str(kv[0])):
+        total = sum(s["qp"].values())
+        sizes = np.zeros(dst + 1, np.int64)
+        sizes[dst] = total
+        plan = wire_cfg.stripe(sizes)
+        want_qp = plan.qp_bytes[dst]
+        want_port = plan.port_bytes[dst]
+        for q in range(wire_cfg.num_qps):
+            got = s["qp"].get(q, 0)
+            if got != int(want_qp[q]):
+                bad.append(f"call {call} src {src} dst {dst}: QP {q} carried {got} bytes, "
+                           f"the plan {int(want_qp[q])} (stream of {total} bytes)")
+        for p in range(wire_cfg.num_ports):
+            got = s["port"].get(p, 0)
+            if got != int(want_port[p]):
+                bad.append(f"call {call} src {src} dst {dst}: port {p} carried {got} bytes, "
+                           f"the plan {int(want_port[p])}")
+    return {"ok": not bad and n > 0, "records": n, "streams": len(streams),
+            "ports": wire_cfg.num_ports, "qps_per_port": wire_cfg.qps_per_port,
+            "chunk_bytes": wire_cfg.chunk_bytes, "disagreements": bad[:50],
+            "num_disagreements": len(bad) + (0 if n else 1),
+            **({} if n else {"empty": "the log has no records"})}
+
+
+def _load_log(path: str) -> list:
+    """A JSON list of records, or JSON lines (one record per line)."""
+    with open(path) as f:
+        text = f.read()
+    t = text.strip()
+    if t.startswith("["):
+        return json.loads(t)
+    if t.startswith("{") and '"records"' in t.split("\n", 1)[0]:
+        return json.loads(t)["records"]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _check_log_main(args: dict) -> int:
+    qps = args["qps_per_port"] or max(1, args["qps_per_peer"] // max(args["ports"], 1))
+    try:
+        cfg = TransportConfig(num_ports=args["ports"], qps_per_port=qps,
+                              chunk_bytes=args["chunk_bytes"])
+        r = check_wire_log(cfg, _load_log(args["log"]))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args["json"]:
+        print(json.dumps(r, indent=1))
+    else:
+        print(f"check-wire (log {args['log']}): {r['records']} records, {r['streams']} "
+              f"streams, {r['ports']} ports x {r['qps_per_port']} QPs, chunks of "
+              f"{r['chunk_bytes']} B: " + ("the wire agrees with the plan" if r["ok"] else
+                                            f"{r['num_disagreements']} DISAGREEMENTS"))
+        for line in r["disagreements"]:
+            print("  " + line)
+        if r.get("empty"):
+            print("  " + r["empty"])
+    return 0 if r["ok"] else 1
+
+
 def _check_wire_main(args: dict) -> int:
     from jax_ep.network.transport import _ext
     ext = _ext()
@@ -354,10 +516,24 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hit-prob", type=float, default=None,
                     help="measured P(token -> a given rank); default: uniform top-k routing")
     ap.add_argument("--json", action="store_true", help="print the model as JSON")
-    w = ap.add_argument_group("--check-wire: replay the compiled path's QP choice")
+    f = ap.add_argument_group("the node's fabric (jax_ep.network.fabric)")
+    f.add_argument("--fabric", choices=list(FABRICS), default=None,
+                   help="model what the wire does on this fabric class")
+    f.add_argument("--lag-affinity", choices=["none", "alternate"], default="alternate",
+                   help="roce-lag: per-QP member affinity (alternate) or none (one member)")
+    f.add_argument("--from-sysfs", default=None, metavar="ROOT",
+                   help="discover the fabric class, ports and port rate from sysfs")
+    f.add_argument("--gpu", default=None, help="with --from-sysfs: the GPU's PCI bus id")
+    w = ap.add_argument_group("--check-wire: the wire (a transport log) against the plan")
     w.add_argument("--check-wire", action="store_true",
-                   help="compare the kernels' QP for every (peer, channel, chunk) with the "
-                        "plan; exit 1 on any disagreement")
+                   help="compare the bytes per QP handle and per port of a transport log "
+                        "(--log) with the plan; exit 1 on any disagreement")
+    w.add_argument("--log", default=None,
+                   help="transport log: JSON list or JSON lines of {src, dst, qp, port, "
+                        "bytes[, call]} records")
+    w.add_argument("--check-schedule", action="store_true",
+                   help="replay the compiled kernels' QP choice and waits for every (peer, "
+                        "channel, chunk) against the plan (the schedule, not the wire)")
     w.add_argument("--ranks", type=int, default=None, help="default: nodes * gpus-per-node")
     w.add_argument("--qps-per-port", type=int, default=None,
                    help="default: qps-per-peer // ports")
@@ -368,7 +544,25 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-_CHECK_WIRE_ONLY = ("check_wire", "ranks", "qps_per_port", "stream_bytes", "path")
+_CHECK_WIRE_ONLY = ("check_wire", "ranks", "qps_per_port", "stream_bytes", "path", "log",
+                    "check_schedule", "from_sysfs", "gpu")
+
+
+def _apply_sysfs(args: dict) -> str | None:
+    """--from-sysfs: the fabric class, ports and port rate from discovery; an error
+    message if the fabric is unknown."""
+    from jax_ep.network import fabric as fb
+
+    f = fb.discover(args["from_sysfs"], args["gpu"])
+    if f.fabric_class == "unknown":
+        return f"--from-sysfs {args['from_sysfs']}: fabric unknown ({f.reason})"
+    args["fabric"] = f.fabric_class
+    args["ports"] = max(f.usable_ports, 1)
+    rates = [p.rate_gbps for d in f.devices for p in d.ports
+             if (d.name, p.num) in f.selected and p.rate_gbps]
+    if rates:
+        args["port_gbps"] = min(rates)
+    return None
 
 
 def main(argv=None) -> int:
@@ -379,7 +573,22 @@ def main(argv=None) -> int:
         return modes.main(argv[1:], prog="python -m jax_ep.plan modes")
     args = vars(_parser().parse_args(argv))
     if args["check_wire"]:
+        if not args["log"]:
+            print("error: --check-wire compares a transport log with the plan: give --log "
+                  "FILE (records {src, dst, qp, port, bytes}); --check-schedule replays the "
+                  "compiled QP choice instead", file=sys.stderr)
+            return 2
+        return _check_log_main(args)
+    if args["check_schedule"]:
         return _check_wire_main(args)
+    if args["from_sysfs"]:
+        try:
+            why = _apply_sysfs(args)
+        except ValueError as e:
+            why = str(e)
+        if why:
+            print(f"error: {why}", file=sys.stderr)
+            return 2
     for k in _CHECK_WIRE_ONLY:
         args.pop(k)
     as_json = args.pop("json")

@@ -158,10 +158,118 @@ def test_check_wire_catches_a_wrong_qp_choice_and_a_wrong_wait():
 def test_check_wire_command(capsys):
     from jax_ep.network.plan import main
 
-    assert main(["--check-wire", "--ranks", "6", "--ports", "2", "--qps-per-port", "2",
+    assert main(["--check-schedule", "--ranks", "6", "--ports", "2", "--qps-per-port", "2",
                  "--chunk-bytes", "4096", "--path", "qp_api"]) == 0
     assert "agrees with the plan" in capsys.readouterr().out
-    assert main(["--check-wire", "--ranks", "6", "--ports", "2", "--qps-per-port", "2",
+    assert main(["--check-schedule", "--ranks", "6", "--ports", "2", "--qps-per-port", "2",
                  "--path", "fallback"]) == 0
     out = capsys.readouterr().out
     assert "fallback loses: no striping across ports" in out
+
+
+# --- --check-wire: a transport log against the plan ------------------------------------
+
+def _log_from_plan(cfg, streams, call=0):
+    """The records a correct transport would log: chunk j of the stream to dst on
+    the plan's QP (cfg.qp_for), at that QP's port."""
+    recs = []
+    for src, dst, nbytes in streams:
+        j = 0
+        while j * cfg.chunk_bytes < nbytes:
+            qp, port = cfg.qp_for(dst, j % cfg.num_channels, j)
+            size = min(cfg.chunk_bytes, nbytes - j * cfg.chunk_bytes)
+            recs.append({"src": src, "dst": dst, "qp": qp, "port": port, "bytes": size,
+                         "call": call})
+            j += 1
+    return recs
+
+
+def test_check_wire_log_passes_on_the_plan_and_fails_on_any_mismatch():
+    from jax_ep.network.plan import check_wire_log
+    from jax_ep.network.transport import TransportConfig
+
+    cfg = TransportConfig(num_ports=2, qps_per_port=2, chunk_bytes=64)
+    streams = [(0, 1, 64 * 9 + 5), (0, 3, 64 * 4), (2, 1, 17), (1, 0, 0)]
+    good = _log_from_plan(cfg, streams)
+    assert check_wire_log(cfg, good)["ok"]
+    # one chunk on another QP of the same port: per-QP bytes differ
+    bad = [dict(r) for r in good]
+    bad[0]["qp"] = (bad[0]["qp"] + 2) % 4
+    r = check_wire_log(cfg, bad)
+    assert not r["ok"] and any("QP" in d and "carried" in d for d in r["disagreements"])
+    # one chunk counted on the wrong port (its handle sits on the other port)
+    bad = [dict(r) for r in good]
+    bad[1]["port"] = 1 - bad[1]["port"]
+    r = check_wire_log(cfg, bad)
+    assert not r["ok"] and any("went out on port" in d for d in r["disagreements"])
+    # one chunk missing, and one chunk more
+    assert not check_wire_log(cfg, good[1:])["ok"]
+    extra = good + [dict(good[0])]
+    assert not check_wire_log(cfg, extra)["ok"]
+    # a QP the plan does not have
+    assert not check_wire_log(cfg, good + [{"src": 0, "dst": 1, "qp": 9, "port": 1,
+                                            "bytes": 0}])["ok"]
+    # every handle on port 0 (NVSHMEM selected one device): caught
+    one_port = [dict(r, port=0) for r in good]
+    assert not check_wire_log(cfg, one_port)["ok"]
+    # an empty log proves nothing
+    assert not check_wire_log(cfg, [])["ok"]
+    # two calls to the same pair are separate streams
+    two = _log_from_plan(cfg, streams, 0) + _log_from_plan(cfg, streams, 1)
+    assert check_wire_log(cfg, two)["ok"]
+    with pytest.raises(ValueError, match="lacks"):
+        check_wire_log(cfg, [{"src": 0}])
+
+
+def test_check_wire_log_command(tmp_path, capsys):
+    from jax_ep.network.plan import main
+    from jax_ep.network.transport import TransportConfig
+
+    cfg = TransportConfig(num_ports=2, qps_per_port=2, chunk_bytes=64)
+    good = _log_from_plan(cfg, [(0, 1, 1000), (1, 0, 700)])
+    f = tmp_path / "log.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in good))
+    args = ["--check-wire", "--ports", "2", "--qps-per-port", "2", "--chunk-bytes", "64"]
+    assert main(args + ["--log", str(f)]) == 0
+    assert "agrees" in capsys.readouterr().out
+    good[2]["bytes"] += 64  # one chunk more on one QP
+    f.write_text(json.dumps(good))
+    assert main(args + ["--log", str(f)]) == 1
+    assert "DISAGREEMENTS" in capsys.readouterr().out
+    assert main(args) == 2 and "--log" in capsys.readouterr().err
+
+
+def test_fabric_model_lag_one_member_vs_alternate():
+    base = _tiny(nodes=2, gpus_per_node=2, ports=2, qps_per_peer=4, tokens=200,
+                 hidden=64, topk=2, experts=4)
+    none = plan.model(plan.PlanInputs(**{**base.__dict__, "fabric": "roce-lag",
+                                         "lag_affinity": "none"}))
+    alt = plan.model(plan.PlanInputs(**{**base.__dict__, "fabric": "roce-lag",
+                                        "lag_affinity": "alternate"}))
+    assert none["fabric"]["ports_used"] == 1 and alt["fabric"]["ports_used"] == 2
+    total = none["rdma_bytes_per_gpu"]
+    one = [s for s in none["scenarios"] if "no affinity" in s["name"]][0]
+    assert one["port_bytes"] == [float(total), 0.0]
+    assert none["fabric"]["time_us"] == pytest.approx(2 * alt["fabric"]["time_us"], rel=0.02)
+    single = plan.model(plan.PlanInputs(**{**base.__dict__, "fabric": "single-port"}))
+    assert single["fabric"]["ports_used"] == 1
+    with pytest.raises(ValueError, match="fabric"):
+        plan.model(plan.PlanInputs(**{**base.__dict__, "fabric": "token-ring"}))
+
+
+def test_plan_from_sysfs(capsys):
+    import os
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                        "sysfs")
+    assert plan.main(["--from-sysfs", os.path.join(root, "roce_bond"), "--gpu",
+                      "0000:13:00.0", "--lag-affinity", "none", "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["fabric"]["class"] == "roce-lag" and m["fabric"]["ports_used"] == 1
+    assert m["inputs"]["ports"] == 2 and m["inputs"]["port_gbps"] == 200.0
+    assert plan.main(["--from-sysfs", os.path.join(root, "single_port"), "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["fabric"]["class"] == "single-port" and m["inputs"]["ports"] == 1
+    assert m["inputs"]["port_gbps"] == 400.0
+    assert plan.main(["--from-sysfs", os.path.join(root, "partial")]) == 2
+    assert "unknown" in capsys.readouterr().err
