@@ -133,6 +133,10 @@ class ModeInputs:
     chunk_bytes: int = 65536
     nvlink_gbs: float = 450.0
     seed: int = 0
+    # the node's fabric class (jax_ep.network.fabric); on "roce-lag" without per-QP
+    # affinity (lag_affinity="none") every QP is modelled on one member
+    fabric: str | None = None
+    lag_affinity: str = "alternate"
 
 
 def _port_bytes(stream_bytes: np.ndarray, peers: list[int], P: int, qps_per_peer: int,
@@ -142,6 +146,8 @@ def _port_bytes(stream_bytes: np.ndarray, peers: list[int], P: int, qps_per_peer
     from jax_ep.network.transport import TransportConfig
 
     total = float(np.sum(stream_bytes))
+    if lag == "one-member":  # a LAG whose QPs all sit on one member
+        return np.array([total] + [0.0] * (P - 1))
     if lag == "affinity":
         cfg = TransportConfig(num_ports=P, qps_per_port=max(1, qps_per_peer // P),
                               chunk_bytes=chunk_bytes)
@@ -165,6 +171,11 @@ def model(inp: ModeInputs) -> dict:
             raise ValueError(f"{f} must be >= 1")
     if inp.lag not in ("hash", "affinity"):
         raise ValueError("lag must be 'hash' or 'affinity'")
+    if inp.lag_affinity not in ("none", "alternate"):
+        raise ValueError("lag_affinity must be 'none' or 'alternate'")
+    # GPU-initiated QPs on a RoCE LAG are pinned by affinity, never hashed by the bond
+    lag = inp.lag if inp.fabric != "roce-lag" else (
+        "affinity" if inp.lag_affinity == "alternate" else "one-member")
     topo = Topology(inp.nodes * inp.gpus_per_node, inp.gpus_per_node)
     rng = np.random.default_rng(inp.seed)
     idx = sample_routing(rng, inp.tokens, inp.experts, inp.topk, inp.nodes, inp.routing,
@@ -188,8 +199,8 @@ def model(inp: ModeInputs) -> dict:
     def mode_entry(name, disp_streams, comb_streams, peers, nvlink_rows, note, exact=True):
         disp_b = np.asarray(disp_streams, dtype=np.int64)
         comb_b = np.asarray(comb_streams, dtype=np.int64)
-        ports = _port_bytes(disp_b, peers, P, inp.qps_per_peer, inp.lag, inp.chunk_bytes)
-        cports = _port_bytes(comb_b, peers, P, inp.qps_per_peer, inp.lag, inp.chunk_bytes)
+        ports = _port_bytes(disp_b, peers, P, inp.qps_per_peer, lag, inp.chunk_bytes)
+        cports = _port_bytes(comb_b, peers, P, inp.qps_per_peer, lag, inp.chunk_bytes)
         t_d = ports[0] / rate if len(peers) else 0.0
         t_c = cports[0] / rate if len(peers) else 0.0
         return {
@@ -246,7 +257,10 @@ def format_report(results: list[dict]) -> str:
         lines.append(
             f"## {i['nodes']} nodes x {i['gpus_per_node']} GPUs, routing={i['routing']}"
             f" (<= {i['max_nodes']} nodes), {i['ports']} x {i['port_gbps']:g} Gb/s, "
-            f"lag={i['lag']}, {i['qps_per_peer']} QPs/peer, {i['tokens']} tokens, "
+            f"lag={i['lag']}"
+            + (f", fabric={i['fabric']} (lag affinity {i['lag_affinity']})"
+               if i.get("fabric") else "")
+            + f", {i['qps_per_peer']} QPs/peer, {i['tokens']} tokens, "
             f"H={i['hidden']}, top-{i['topk']} of {i['experts']}")
         lines.append(f"{'mode':44s} {'peers':>5s} {'disp MB':>9s} {'comb MB':>9s} "
                      f"{'disp port MB (busiest first)':30s} {'disp us':>8s} {'comb us':>8s}")
@@ -284,6 +298,11 @@ def parser(prog: str = "python -m jax_ep.plan modes") -> argparse.ArgumentParser
     ap.add_argument("--experts", type=int, default=d.experts)
     ap.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes)
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--fabric", default=None,
+                    choices=["ib-multiport", "roce-multiport", "roce-lag", "multi-plane",
+                             "single-port"], help="the node's fabric class")
+    ap.add_argument("--lag-affinity", choices=["none", "alternate"], default="alternate",
+                    help="roce-lag: per-QP member affinity, or none (one member)")
     ap.add_argument("--json", action="store_true", help="print the model as JSON")
     return ap
 
@@ -303,7 +322,8 @@ def main(argv=None, prog: str = "python -m jax_ep.plan modes") -> int:
                             port_gbps=a.port_gbps, lag=lag, qps_per_peer=a.qps_per_peer,
                             tokens=a.tokens, hidden=a.hidden, topk=a.topk,
                             experts=a.experts, routing=routing, max_nodes=a.max_nodes,
-                            chunk_bytes=a.chunk_bytes, seed=a.seed)))
+                            chunk_bytes=a.chunk_bytes, seed=a.seed, fabric=a.fabric,
+                            lag_affinity=a.lag_affinity)))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

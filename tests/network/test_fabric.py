@@ -193,3 +193,21 @@ def test_agree_across_processes():
               "p/fabric/2": json.dumps(other, sort_keys=True)})
     diffs = fb.agree(s, kv, 1, 3, key_prefix="p", timeout_ms=10)
     assert len(diffs) == 1 and diffs[0].startswith("process 2") and "single-port" in diffs[0]
+
+
+def test_modes_model_on_a_lag():
+    from jax_ep.network import modes
+
+    base = dict(nodes=2, gpus_per_node=2, ports=2, qps_per_peer=4, tokens=64, hidden=64,
+                topk=2, experts=8, routing="uniform", lag="hash", chunk_bytes=256)
+    none = modes.model(modes.ModeInputs(**base, fabric="roce-lag", lag_affinity="none"))
+    alt = modes.model(modes.ModeInputs(**base, fabric="roce-lag", lag_affinity="alternate"))
+    for a, b in zip(none["modes"], alt["modes"]):
+        assert a["dispatch_port_bytes"][1] == 0.0  # one member carries everything
+        assert b["dispatch_port_bytes"][1] > 0.0
+        assert a["dispatch_port_bytes"][0] == pytest.approx(sum(b["dispatch_port_bytes"]))
+    # no fabric: the old "hash" model is unchanged
+    plain = modes.model(modes.ModeInputs(**base))
+    assert plain["modes"][0]["dispatch_port_bytes"] != none["modes"][0]["dispatch_port_bytes"]
+    with pytest.raises(ValueError, match="lag_affinity"):
+        modes.model(modes.ModeInputs(**base, fabric="roce-lag", lag_affinity="x"))
