@@ -78,8 +78,10 @@ def transport_report(config=None, num_peers: int | None = None) -> dict:
     (NVSHMEM, "major.minor.patch", None when unknown), qp_api_available, qp_path
     ("qp_api" | "fallback" | "not started"), ports, qps_per_port, qps_planned,
     qps_created (explicit handles), qp_map (logical QP -> handle, port the plan assigns
-    it, and the NIC port NVSHMEM bound it to: "unknown", since NVSHMEM does not report
-    it), nvshmem_env (the NVSHMEM settings in force), notes.
+    it, the device and NIC port it is on from the fabric table the bootstrap recorded
+    (jax_ep.network.fabric.recorded_qp_table; under a RoCE LAG the member its LAG
+    affinity pins it to), and whether that is the plan's port), fabric (the node's class
+    and selected ports), nvshmem_env (the NVSHMEM settings in force), notes.
     """
     from jax_ep.network.transport import TransportConfig
 
@@ -99,10 +101,18 @@ def transport_report(config=None, num_peers: int | None = None) -> dict:
         path = "not started"
     else:
         path = "qp_api" if (st.qp_api and handles) else "fallback"
+    from jax_ep.network import fabric as _fabric  # the recorded QP -> (device, port) table
+    table = _fabric.recorded_qp_table(cfg, handles) if st is not None else None
     qp_map = []
     for q in range(cfg.num_qps):
-        qp_map.append({"qp": q, "handle": handles[q] if q < len(handles) else None,
-                       "planned_port": q % cfg.num_ports, "nic_port": "unknown"})
+        row = {"qp": q, "handle": handles[q] if q < len(handles) else None,
+               "planned_port": q % cfg.num_ports, "nic_port": "unknown"}
+        if table:
+            t = table[q]
+            row.update(device=t["device"], nic_port=t["port"], on_plan=t["on_plan"],
+                       **{k: t[k] for k in ("member", "qpns", "udp_sports") if k in t})
+        qp_map.append(row)
+    fab = _fabric.state() if st is not None else None
     notes = []
     if path == "fallback":
         notes.append("no explicit QP handles: NVSHMEM picks the QP of each put; the "
@@ -122,6 +132,10 @@ def transport_report(config=None, num_peers: int | None = None) -> dict:
         "qps_planned": cfg.num_qps,
         "qps_created": len(handles),
         "qp_map": qp_map,
+        "fabric": ({"class": fab.fabric.fabric_class, "reason": fab.fabric.reason,
+                    "selected": [f"{d}:{p}" for d, p in fab.fabric.selected],
+                    "lag_affinity": fab.lag_affinity, "shim_armed": fab.shim_armed,
+                    "messages": list(fab.messages)} if fab is not None else None),
         "nvshmem_env": dict(st.env) if st is not None else cfg.nvshmem_env(),
         "notes": notes,
     }

@@ -526,3 +526,221 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --- at NVSHMEM start (called from jax_ep.runtime.nvshmem.initialize) ------------------------
+
+@dataclasses.dataclass
+class FabricSetup:
+    """What the bootstrap decided from discovery: the config to run, the NVSHMEM device
+    selection, whether the LAG shim is armed, and the loud messages said."""
+
+    fabric: Fabric
+    config: object            # TransportConfig
+    env: dict                 # NVSHMEM_* device selection (merged into the library's)
+    lag_affinity: str         # "alternate" | "none"
+    shim_armed: bool = False
+    messages: list = dataclasses.field(default_factory=list)
+    shim_table: list | None = None  # the shim's per-RC-QP record after NVSHMEM started
+    world: int = 1
+
+
+_setup: FabricSetup | None = None
+_said: set = set()
+
+
+def _say(msg: str) -> None:
+    """Once per process, on stderr and as a warning: where the plan cannot be on the
+    wire, the reason and the fix."""
+    if msg in _said:
+        return
+    _said.add(msg)
+    print(msg, file=sys.stderr, flush=True)
+    import warnings as _w
+    _w.warn(msg, stacklevel=3)
+
+
+def _gpu_bus_id() -> str | None:
+    """This process's GPU as a PCI bus id, where JAX or the environment says it."""
+    env = os.environ.get("JAX_EP_GPU_PCI_BUS_ID")
+    if env:
+        return env
+    try:
+        import jax
+        d = jax.local_devices()[0]
+    except Exception:  # noqa: BLE001 - no backend, no GPU
+        return None
+    for attr in ("pci_bus_id", "bus_id"):
+        v = getattr(d, attr, None)
+        if isinstance(v, str) and v:
+            return v
+    return None
+
+
+def setup_for_bootstrap(cfg, environ, rank: int, world: int, client, *, key_prefix: str,
+                        timeout_ms: int, sysfs: str | None = None,
+                        gpu: str | None = None) -> FabricSetup:
+    """Discovery, the config the wire can carry, NVSHMEM's device selection, agreement
+    across processes and (RoCE) the LAG shim, before NVSHMEM starts.
+
+    JAX_EP_FABRIC=off skips all of it (NVSHMEM's own selection, the plan unchecked);
+    JAX_EP_SYSFS points discovery at another sysfs root; JAX_EP_LAG_AFFINITY=none leaves
+    the QPs' LAG affinity alone. Processes that classify their nodes differently are an
+    error (their plans would differ), naming each process.
+    """
+    global _setup
+    off = (environ.get("JAX_EP_FABRIC") or "").strip().lower() in ("off", "0", "none")
+    lag_aff = (environ.get("JAX_EP_LAG_AFFINITY") or "alternate").strip().lower()
+    if lag_aff not in ("alternate", "none"):
+        raise ValueError(f"JAX_EP_LAG_AFFINITY must be 'alternate' or 'none', got {lag_aff!r}")
+    root = sysfs or environ.get("JAX_EP_SYSFS") or "/sys"
+    if off:
+        f = Fabric(root, None, [], [], "unknown", 0, "discovery off (JAX_EP_FABRIC=off)")
+    else:
+        try:
+            f = discover(root, gpu if gpu is not None else _gpu_bus_id())
+        except ValueError as e:  # an odd bus id from the runtime: count every device
+            f = discover(root, None)
+            f.warnings.append(str(e))
+    new_cfg, msgs = plan_config_for(f, cfg, lag_aff)
+    if off or not f.devices:
+        msgs = []  # nothing to check against: no RDMA here (one node) or discovery off
+    env = nvshmem_env_for(f, new_cfg) if not off else {}
+    if env and environ.get("NVSHMEM_HCA_PE_MAPPING"):
+        # the user's mapping wins; NVSHMEM refuses it together with an HCA list
+        env = {k: v for k, v in env.items()
+               if k not in ("NVSHMEM_HCA_LIST", "NVSHMEM_ENABLE_NIC_PE_MAPPING")}
+        msgs.append("jax_ep: NVSHMEM_HCA_PE_MAPPING is set, so jax_ep sets no "
+                    "NVSHMEM_HCA_LIST: the device order on every node is the user's")
+    if world > 1 and not off and client is not None and hasattr(
+            client, "blocking_key_value_get_bytes"):
+        diffs = _agree_bytes(f.summary(), client, rank, world, key_prefix, timeout_ms)
+        if diffs:
+            raise RuntimeError(
+                "jax_ep: the processes see different fabrics, so their striping plans "
+                "would differ: " + "; ".join(diffs) + ". Fix the nodes' NIC setup, or set "
+                "the same JAX_EP_NUM_PORTS everywhere and JAX_EP_FABRIC=off")
+    armed = False
+    if f.fabric_class in ("roce-lag", "roce-multiport") and not off:
+        armed, why = _arm_shim(f, new_cfg, lag_aff, world)
+        if why:
+            msgs.append(why)
+    for m in msgs:
+        _say(m)
+    _setup = FabricSetup(f, new_cfg, env, lag_aff, armed, msgs, None, world)
+    return _setup
+
+
+def _agree_bytes(summary, client, rank, world, key_prefix, timeout_ms) -> list[str]:
+    class _Str:  # the bytes store through agree's string interface
+        def key_value_set(self, k, v):
+            client.key_value_set_bytes(k, v.encode())
+
+        def blocking_key_value_get(self, k, t):
+            return bytes(client.blocking_key_value_get_bytes(k, t)).decode()
+
+    return agree(summary, _Str(), rank, world, key_prefix=key_prefix, timeout_ms=timeout_ms)
+
+
+def _arm_shim(f: Fabric, cfg, lag_aff: str, world: int) -> tuple[bool, str | None]:
+    """Loads and configures the DevX shim before NVSHMEM starts (RoCE only)."""
+    from jax_ep.network import lag_affinity as la
+
+    lag = f.fabric_class == "roce-lag"
+    members = f.usable_ports if (lag and lag_aff == "alternate") else 0
+    try:
+        shim = la.load_shim()
+    except OSError as e:
+        shim, err = None, str(e)
+    else:
+        err = "not built (libjax_ep_lag_shim.so next to the extension)"
+    if shim is None:
+        if lag and lag_aff == "alternate":
+            return False, (
+                f"jax_ep: cannot set the LAG TX affinity of the QPs on {f.selected[0][0]}: "
+                f"the DevX shim is {err}. Every QP may sit on ONE bond member: the model "
+                f"(python -m jax_ep.plan --fabric roce-lag --lag-affinity none) doubles the "
+                f"busiest port's time. Fix: rebuild jax_ep (make build) so the shim is "
+                f"installed")
+        return False, None
+    # NVSHMEM 3.8 (ibgda.cpp, ibgda_setup_rc_endpoints) creates a QP slot's RC QPs to the
+    # other PEs one after another (none to itself), and nvshmemx_qp_create makes one slot
+    # per handle: a group of world - 1 QPs shares a slot, so the member alternates slot
+    # by slot, i.e. handle by handle.
+    shim.configure(members=members, group=max(world - 1, 1), sport_base=la.ROCE_SPORT_MIN,
+                   init2rtr_affinity=True)
+    return True, None
+
+
+def after_nvshmem_start() -> None:
+    """Reads what the shim did once NVSHMEM created its QPs; says so loudly where the
+    LAG affinity did not reach them."""
+    s = _setup
+    if s is None or not s.shim_armed:
+        return
+    from jax_ep.network import lag_affinity as la
+
+    shim = la.load_shim()
+    if shim is None:
+        return
+    shim.disable()  # only the QPs NVSHMEM created at start
+    s.shim_table = shim.table()
+    if s.fabric.fabric_class != "roce-lag" or s.lag_affinity != "alternate":
+        return
+    dev = s.fabric.selected[0][0] if s.fabric.selected else "?"
+    if not s.shim_table:
+        _say(f"jax_ep: the DevX shim saw no RC QP being created on {dev}: NVSHMEM bound "
+             f"libmlx5 before the shim was loaded (or does not use DevX), so the QPs' LAG "
+             f"affinity is the firmware's and may put every QP on ONE member. Fix: import "
+             f"jax_ep before anything loads libmlx5, or LD_PRELOAD=libjax_ep_lag_shim.so")
+        return
+    failed = [r for r in s.shim_table if r["rts2rts_status"] not in (0,) or not (
+        r["patched"] & 1)]
+    if failed:
+        _say(f"jax_ep: the LAG affinity did not reach {len(failed)} of "
+             f"{len(s.shim_table)} RC QPs on {dev} (first: qpn {failed[0]['qpn']:#x}, "
+             f"RTS2RTS status {failed[0]['rts2rts_status']}): those QPs use the member "
+             f"the firmware chooses")
+
+
+def state() -> FabricSetup | None:
+    return _setup
+
+
+def recorded_qp_table(cfg, handles) -> list[dict] | None:
+    """The QP handle -> (device, port) table of the running transport (None before the
+    bootstrap ran discovery)."""
+    s = _setup
+    if s is None:
+        return None
+    applied = None
+    if s.fabric.fabric_class == "roce-lag":
+        applied = bool(s.shim_table) and s.lag_affinity == "alternate"
+    table = qp_table(s.fabric, cfg, handles, s.lag_affinity, applied)
+    if applied:
+        _members_from_shim(table, s.shim_table, s.world, s.fabric)
+    return table
+
+
+def _members_from_shim(table: list[dict], shim_table: list[dict], world: int,
+                       fabric: Fabric) -> None:
+    """Replaces the modelled member of each handle with the one the shim gave its QPs.
+
+    The handles' QPs are the last ones NVSHMEM created, world - 1 per handle in handle
+    order (NVSHMEM 3.8's nvshmemx_qp_create); every QP of a handle must have the same
+    member, else the handle's row says "mixed"."""
+    per = max(world - 1, 1)
+    base = len(shim_table) - per * len(table)
+    members = fabric.usable_ports
+    for q, row in enumerate(table):
+        recs = shim_table[base + q * per: base + (q + 1) * per] if base >= 0 else []
+        affs = {r["affinity"] for r in recs}
+        if len(affs) != 1 or 0 in affs:
+            row.update(port="mixed" if recs else "unknown", wire_port=None, member=None,
+                       on_plan=False)
+            continue
+        a = affs.pop()
+        row.update(port=a, wire_port=a - 1, on_plan=(a - 1) == row["planned_port"],
+                   member=(fabric.bond.slaves[a - 1] if fabric.bond and a <= members
+                           else None),
+                   qpns=[r["qpn"] for r in recs], udp_sports=[r["udp_sport"] for r in recs])

@@ -385,6 +385,15 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
         rank, world = jax.process_index(), jax.process_count()
         rt = runtime if runtime is not None else ExtensionRuntime()
         environ = os.environ if environ is None else environ
+        # the fabric: device selection, plan ports, agreement, LAG shim (network/fabric.py)
+        from jax_ep.network import fabric as _fabric
+        try:
+            fab = _fabric.setup_for_bootstrap(cfg, environ, rank, world, client,
+                                              key_prefix=f"{KEY_PREFIX}/{_generation}",
+                                              timeout_ms=int(timeout_s * 1000))
+        except RuntimeError as e:
+            raise NvshmemBootstrapError(str(e)) from None
+        cfg = fab.config
         qp_api = bool(getattr(rt, "qp_api_available", lambda: True)())
         if not qp_api:
             _say_fallback(cfg)
@@ -407,7 +416,7 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
                     + " ".join(missing))
             env = {k: environ.get(k) for k in wanted}
         else:
-            env = _apply_env(cfg.nvshmem_env(), sym_bytes, environ)
+            env = _apply_env({**cfg.nvshmem_env(), **fab.env}, sym_bytes, environ)
         if runtime is None:
             why = heap_headroom_error(sym_bytes, _bytes_limit(), environ)
             if why:
@@ -429,6 +438,7 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
                     f"process {rank} did not receive the NVSHMEM unique id from process 0 "
                     f"within {timeout_s:g} s: {e}") from None
         rt.init(rank, world, uid, heap_bytes, cfg.num_qps, qp_api, adopt)
+        _fabric.after_nvshmem_start()  # what the LAG shim did to NVSHMEM's QPs
         if ll is not None:  # collective, every process in the same order
             rt.ll_init(world, ll["max_tokens_per_rank"], ll["row_bytes"], ll["topk"],
                        ll["num_experts"])

@@ -211,3 +211,129 @@ def test_modes_model_on_a_lag():
     assert plain["modes"][0]["dispatch_port_bytes"] != none["modes"][0]["dispatch_port_bytes"]
     with pytest.raises(ValueError, match="lag_affinity"):
         modes.model(modes.ModeInputs(**base, fabric="roce-lag", lag_affinity="x"))
+
+
+# --- at NVSHMEM start ----------------------------------------------------------------------
+
+class _BytesKV:
+    def __init__(self, preset=None):
+        self.d = dict(preset or {})
+
+    def key_value_set_bytes(self, k, v):
+        self.d[k] = v
+
+    def blocking_key_value_get_bytes(self, k, timeout_ms):
+        return self.d[k]
+
+
+def test_setup_for_bootstrap_lag_without_shim_says_so(monkeypatch):
+    from jax_ep.network import lag_affinity as la
+
+    monkeypatch.setattr(la, "_shim", None)
+    monkeypatch.setattr(la, "shim_path", lambda: None)
+    monkeypatch.setattr(fb, "_said", set())
+    cfg = TransportConfig(num_ports=2, qps_per_port=2)
+    with pytest.warns(UserWarning, match="cannot set the LAG TX affinity"):
+        s = fb.setup_for_bootstrap(cfg, {"JAX_EP_SYSFS": tree("roce_bond")}, 0, 1, None,
+                                   key_prefix="k", timeout_ms=10, gpu=GPU)
+    assert s.config.lag == "bond" and not s.shim_armed
+    assert s.env["NVSHMEM_HCA_LIST"] == "mlx5_bond_0:1"
+    # no shim table: the recorded table says the firmware picks the member
+    t = fb.recorded_qp_table(s.config, [0, 1, 2, 3])
+    assert all(r["port"] == "firmware" and not r["on_plan"] for r in t)
+
+
+def test_setup_for_bootstrap_arms_the_shim_and_reads_members(monkeypatch):
+    from jax_ep.network import lag_affinity as la
+
+    class FakeShim:
+        def __init__(self):
+            self.cfg = None
+
+        def configure(self, **kw):
+            self.cfg = kw
+
+        def disable(self):
+            pass
+
+        def table(self):  # 2 default slots + 4 handles, world 3: 2 QPs per slot
+            aff = [1, 1, 2, 2] + [1, 1, 2, 2, 1, 1, 2, 2]
+            return [{"qpn": 0x10 + i, "affinity": a, "udp_sport": 0xC000 + i, "patched": 7,
+                     "rts2rts_status": 0} for i, a in enumerate(aff)]
+
+    shim = FakeShim()
+    monkeypatch.setattr(la, "load_shim", lambda path=None: shim)
+    cfg = TransportConfig(num_ports=2, qps_per_port=2)
+    s = fb.setup_for_bootstrap(cfg, {"JAX_EP_SYSFS": tree("roce_bond")}, 0, 1, None,
+                               key_prefix="k", timeout_ms=10, gpu=GPU)
+    assert s.shim_armed and shim.cfg["members"] == 2 and shim.cfg["sport_base"] == 0xC000
+    s.world = 3
+    fb.after_nvshmem_start()
+    t = fb.recorded_qp_table(s.config, [100, 101, 102, 103])
+    assert [r["member"] for r in t] == ["ens1f0np0", "ens1f1np1"] * 2
+    assert all(r["on_plan"] for r in t)
+    assert t[1]["qpns"] == [0x16, 0x17] and t[1]["udp_sports"] == [0xC006, 0xC007]
+    # a handle whose QPs got different members is reported, not hidden
+    s.shim_table = s.shim_table[:-1] + [dict(s.shim_table[-1], affinity=1)]
+    t = fb.recorded_qp_table(s.config, [100, 101, 102, 103])
+    assert t[3]["port"] == "mixed" and not t[3]["on_plan"]
+
+
+def test_setup_for_bootstrap_disagreement_is_an_error(monkeypatch):
+    monkeypatch.setattr(fb, "_said", set())
+    cfg = TransportConfig(num_ports=2, qps_per_port=2)
+    other = fb.discover(tree("single_port"), GPU).summary()
+    kv = _BytesKV({"k/fabric/1": json.dumps(other, sort_keys=True).encode()})
+    with pytest.raises(RuntimeError, match="different fabrics.*process 1"):
+        fb.setup_for_bootstrap(cfg, {"JAX_EP_SYSFS": tree("ib_dualport")}, 0, 2, kv,
+                               key_prefix="k", timeout_ms=10, gpu=GPU)
+    same = fb.discover(tree("ib_dualport"), GPU).summary()
+    kv = _BytesKV({"k/fabric/1": json.dumps(same, sort_keys=True).encode()})
+    s = fb.setup_for_bootstrap(cfg, {"JAX_EP_SYSFS": tree("ib_dualport")}, 0, 2, kv,
+                               key_prefix="k", timeout_ms=10, gpu=GPU)
+    assert s.env["NVSHMEM_HCA_LIST"] == "mlx5_0:1,mlx5_1:1"
+    off = fb.setup_for_bootstrap(cfg, {"JAX_EP_SYSFS": tree("ib_dualport"),
+                                       "JAX_EP_FABRIC": "off"}, 0, 2, kv, key_prefix="k",
+                                 timeout_ms=10)
+    assert off.env == {} and off.config == cfg
+    with pytest.raises(ValueError, match="JAX_EP_LAG_AFFINITY"):
+        fb.setup_for_bootstrap(cfg, {"JAX_EP_LAG_AFFINITY": "x"}, 0, 1, None,
+                               key_prefix="k", timeout_ms=10)
+
+
+def test_bootstrap_sets_device_selection_and_report_has_the_table(monkeypatch):
+    from jax_ep.backends import internode
+    from jax_ep.runtime import nvshmem as nb
+
+    class Rt:
+        def unique_id(self):
+            return b"\0" * 128
+
+        def init(self, *a):
+            self.args = a
+
+        def finalize(self):
+            pass
+
+    class Client:
+        def key_value_set_bytes(self, k, v):
+            pass
+
+        def wait_at_barrier(self, k, t):
+            pass
+
+    monkeypatch.setattr(nb, "_state", None)
+    monkeypatch.setattr(nb, "_check_one_process_per_gpu", lambda: None)
+    env = {"JAX_EP_SYSFS": tree("ib_dualport"), "JAX_EP_GPU_PCI_BUS_ID": GPU}
+    monkeypatch.setenv("JAX_EP_GPU_PCI_BUS_ID", GPU)
+    st = nb.initialize(heap_bytes=64 << 20, num_ranks=1, runtime=Rt(), client=Client(),
+                       environ=env, config=TransportConfig(num_ports=2, qps_per_port=2))
+    assert env["NVSHMEM_HCA_LIST"] == "mlx5_0:1,mlx5_1:1"
+    assert env["NVSHMEM_ENABLE_NIC_PE_MAPPING"] == "0"
+    assert st.env["NVSHMEM_ENABLE_MULTI_PORT"] == "1"
+    rep = internode.transport_report()
+    assert rep["fabric"]["class"] == "ib-multiport"
+    assert [m["nic_port"] for m in rep["qp_map"]] == [1, 1, 1, 1]
+    assert [m["device"] for m in rep["qp_map"]] == ["mlx5_0", "mlx5_1"] * 2
+    assert all(m["on_plan"] for m in rep["qp_map"])
+    monkeypatch.setattr(nb, "_state", None)
