@@ -278,3 +278,23 @@ def test_shim_leaves_non_rc_qps_alone(built):
     assert r["table"] == []
     assert [e["opcode"] for e in r["log"]] == [0x502, 0x503, 0x504] * 4
     assert all(e["lag_tx_port_affinity"] == 0 for e in r["log"])
+
+
+def test_installed_shim_exports_the_versioned_names():
+    p = la.shim_path()
+    if p is None:
+        pytest.skip("the shim is not built in this install (make build)")
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm")
+    syms = subprocess.run([nm, "-D", "--defined-only", p], capture_output=True, text=True,
+                          check=True).stdout
+    assert "mlx5dv_devx_obj_create@@MLX5_1.7" in syms
+    assert "mlx5dv_devx_obj_modify@@MLX5_1.7" in syms
+    exported = [l.split()[-1] for l in syms.splitlines() if " T " in l]
+    assert all(s.startswith(("mlx5dv_devx_obj_", "jax_ep_lag_")) for s in exported), exported
+    cmd = _nvshmem_like(la.OP_INIT2RTR)
+    ref = bytearray(cmd)
+    la.patch_modify_cmd(ref, 2, 0xC009)
+    la.Shim(p).patch(cmd, 2, 0xC009, True)
+    assert cmd == ref
