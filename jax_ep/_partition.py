@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ep import ops
+from jax_ep import _stream, ops
 from jax_ep._common import Cfg
 
 
@@ -120,13 +120,16 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
     """A custom_partitioning op whose every operand and result is sharded on dim 0 over
     the token axes; `body` is the per-shard function, `abstract` gives global shapes."""
     op = custom_partitioning(abstract)
+    # On GPU the op sits in a collective-stream region; the body, traced by the
+    # partitioner inside it, emits plain EP calls (jax_ep._stream).
+    partition_body = _stream.partitioned_body(body)
 
     def out_shardings(mesh):
         outs = _shardings(mesh, spec, n_out)
         return outs[0] if n_out == 1 else outs
 
     def partition(mesh, arg_shapes, result_shape):
-        return mesh, body, out_shardings(mesh), _shardings(mesh, spec, n_in)
+        return mesh, partition_body, out_shardings(mesh), _shardings(mesh, spec, n_in)
 
     def infer(mesh, arg_shapes, result_shape):
         return out_shardings(mesh)
@@ -148,7 +151,8 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
         # Pin operands to the token sharding (one reshard if they arrive otherwise); this
         # also hands the partitioner the concrete mesh.
         sharding = NamedSharding(mesh, P(spec.token_axes))
-        return op(*[jax.lax.with_sharding_constraint(a, sharding) for a in args])
+        return _stream.region(op)(*[jax.lax.with_sharding_constraint(a, sharding)
+                                    for a in args])
 
     # vmap over a leading batch axis: one exchange per batch element, in order.
     batched_call = jax.custom_batching.custom_vmap(call)

@@ -12,11 +12,19 @@ stream.
 The region form is `jax.experimental.compute_on.compute_on2` in JAX 0.10 and
 `compute_on(f, *, compute_type, out_memory_spaces)` in later JAX; with neither (older
 JAX), the call is returned unwrapped. See `jax_ep.config` for the setting.
+
+The global view (`jax_ep.sharded`) puts the region around its `custom_partitioning` op
+instead: the region's call survives SPMD partitioning with its annotation and holds the
+partitioned body (the EP call and its few per-shard index computations). Inside the
+body, traced by the partitioner, the calls are left plain: a region there would mark
+its results with `annotate_device_placement` custom calls, which XLA converts only
+before partitioning, and the compile would fail.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import warnings
 
 import jax
@@ -76,17 +84,48 @@ def active() -> bool:
     return True
 
 
+_partition_body = threading.local()
+
+
+def partitioned_body(body):
+    """Marks `body` (a global-view op's per-shard function, traced by the partitioner
+    inside the region `region` put around the op): EP calls traced in it stay plain."""
+
+    @functools.wraps(body)
+    def wrapped(*args):
+        before = getattr(_partition_body, "on", False)
+        _partition_body.on = True
+        try:
+            return body(*args)
+        finally:
+            _partition_body.on = before
+
+    return wrapped
+
+
+def region(fn):
+    """`fn` (arrays -> array or tuple of arrays), run inside a collective-stream region
+    when `active()` at trace time; otherwise `fn` itself."""
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        if not active():
+            return fn(*args)
+        return region_compute_on()(fn, compute_type=COMPUTE_TYPE,
+                                   out_memory_spaces=_device_space())(*args)
+
+    return wrapped
+
+
 def on_collective_stream(call):
     """`call(*arrays, **static_attrs)` (an ffi_call), run inside a collective-stream
-    region when `active()` at trace time; otherwise `call` itself."""
+    region when `active()` at trace time (and not in a partitioned body); otherwise
+    `call` itself."""
 
     @functools.wraps(call)
     def wrapped(*args, **attrs):
-        if not active():
+        if getattr(_partition_body, "on", False):
             return call(*args, **attrs)
-        region = region_compute_on()(
-            lambda *a: call(*a, **attrs), compute_type=COMPUTE_TYPE,
-            out_memory_spaces=_device_space())
-        return region(*args)
+        return region(lambda *a: call(*a, **attrs))(*args)
 
     return wrapped

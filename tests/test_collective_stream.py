@@ -1,0 +1,291 @@
+"""The communicating EP custom calls run on XLA's collective stream (jax_ep.config
+.collective_stream): in programs exported for CUDA on this CPU host, every EP call of
+the per-shard ops (normal, cached, low-latency; forward and backward) sits in a region
+whose call carries `_xla_stream_annotation = "collective"`, and the expert matmuls do
+not; the global view's op sits in such a region and keeps it through SPMD partitioning.
+With the setting off (or "auto" off a GPU, or a JAX without the region form) the calls
+are plain; results are the same either way."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_ep
+import jax_ep.low_latency as ll
+import jax_ep.sharded as sh
+from jax_ep import _stream, config, ops
+from conftest import ep_mesh
+
+R, T, H, K, E, M = 4, 6, 8, 2, 8, 8
+EP_CALL = re.compile(r"stablehlo\.custom_call @(jax_ep_(?!layout)\w+|CustomSPMDPartitioning)\(")
+FUNC = re.compile(r"^\s*func\.func (?:public |private )?@([\w.$-]+)\(")
+CALL = re.compile(r"(?<![\w.])(?:func\.)?call @([\w.$-]+)\(")
+STREAM_ATTR = '_xla_stream_annotation = "collective"'
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
+
+
+# ----------------------------------------------------------------------------- checker
+
+def _functions(text: str) -> dict:
+    """{function name: [its lines]} of a StableHLO module's text."""
+    funcs, name = {}, None
+    for line in text.splitlines():
+        m = FUNC.match(line)
+        if m:
+            name = m.group(1)
+            funcs[name] = []
+        elif name is not None:
+            funcs[name].append(line)
+    return funcs
+
+
+def region_report(text: str) -> dict:
+    """Where the EP calls and the matmuls of a module are: {'ep_in', 'ep_out', 'dot_in',
+    'dot_out'} counts, 'in' meaning inside a function reached only through calls that
+    carry the collective-stream annotation."""
+    funcs = _functions(text)
+    sites = {}  # callee -> [annotated?] per call site
+    calls = {}  # caller -> callees
+    for caller, lines in funcs.items():
+        for line in lines:
+            for callee in CALL.findall(line):
+                sites.setdefault(callee, []).append(STREAM_ATTR in line)
+                calls.setdefault(caller, set()).add(callee)
+    stream = {f for f, s in sites.items() if s and all(s)}
+    todo = list(stream)
+    while todo:  # what a stream function calls runs in its region too
+        for callee in calls.get(todo.pop(), ()):
+            if callee not in stream:
+                stream.add(callee)
+                todo.append(callee)
+    out = dict(ep_in=0, ep_out=0, dot_in=0, dot_out=0)
+    for name, lines in funcs.items():
+        where = "in" if name in stream else "out"
+        for line in lines:
+            out[f"ep_{where}"] += bool(EP_CALL.search(line))
+            out[f"dot_{where}"] += "stablehlo.dot_general" in line
+    return out
+
+
+def _export_cuda(f, *args) -> str:
+    g = jax.jit(jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+    targets = ["jax_ep_dispatch", "jax_ep_combine", "jax_ep_gather"] + [
+        f"jax_ep_ll_{a}_{b}" for a in ("dispatch", "combine") for b in ("send", "recv")]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+    exp = jax.export.export(g, platforms=["cuda"], disabled_checks=checks)(*args)
+    return exp.mlir_module()
+
+
+def _inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((R * T, H)).astype(np.float32)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(R * T)]).astype(np.int32)
+    w = rng.random((R * T, K)).astype(np.float32)
+    return x, idx, w
+
+
+# ----------------------------------------------------------------------------- programs
+
+def _normal(x, idx, w):
+    """Dispatch, an expert matmul, combine, a cached dispatch; value and gradients."""
+    kw = dict(backend="ffi")
+
+    def loss(x, w):
+        rx, _, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                       capacity=R * T, **kw)
+        y = (rx @ jnp.eye(H, dtype=rx.dtype) * 0.5) * jnp.sum(rw, 1, keepdims=True)
+        again = ops.cached_dispatch(jnp.tanh(x), h, **kw)
+        return jnp.sum(jax_ep.combine(y + again, h, **kw) ** 2)
+
+    v, (gx, gw) = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+    return gx * v, gw
+
+
+def _low_latency(x, idx, w):
+    """Fused and split low-latency ops around expert matmuls, with gradients."""
+    kw = dict(num_experts=E, axis_name="ep", max_tokens_per_rank=M, backend="ffi")
+
+    def loss(x, w):
+        recv, _, h = ll.dispatch(x, idx, **kw)
+        y = jnp.tanh(recv @ jnp.eye(H, dtype=recv.dtype))
+        return jnp.sum(ll.combine(y, idx, w, h, backend="ffi") ** 2)
+
+    gx, gw = jax.grad(loss, argnums=(0, 1))(x, w)
+    st = ll.dispatch_send(x, idx, **kw)
+    recv, _, h = ll.dispatch_recv(st)
+    out = ll.combine_recv(ll.combine_send(recv @ jnp.eye(H), idx, w, h, backend="ffi"))
+    return gx + out, gw
+
+
+PROGRAMS = {"normal": (_normal, 7), "low_latency": (_low_latency, 14)}
+
+
+# ----------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("program", list(PROGRAMS))
+def test_cuda_export_puts_every_ep_call_in_a_collective_region(program):
+    f, n_calls = PROGRAMS[program]
+    with config.override(collective_stream=True):
+        text = _export_cuda(f, *_inputs())
+    rep = region_report(text)
+    assert rep["ep_out"] == 0, rep
+    assert rep["ep_in"] == n_calls, rep
+    assert rep["dot_out"] >= 2 and rep["dot_in"] == 0, rep  # the matmuls stay outside
+    # Each region holds one EP call and nothing that computes.
+    for name, lines in _functions(text).items():
+        if any(EP_CALL.search(ln) for ln in lines):
+            ops = [ln for ln in lines if re.search(r"= (stablehlo|chlo|func)\.", ln)]
+            assert len(ops) == 1, (name, ops)
+
+
+@pytest.mark.parametrize("setting", [False, "auto"])
+def test_plain_calls_when_off_or_auto_off_a_gpu(setting):
+    assert jax.default_backend() == "cpu"
+    with config.override(collective_stream=setting):
+        text = _export_cuda(_normal, *_inputs())
+    rep = region_report(text)
+    assert rep["ep_in"] == 0 and rep["ep_out"] == 7, rep
+    assert STREAM_ATTR not in text
+
+
+def test_the_checker_sees_a_call_outside_its_region():
+    with config.override(collective_stream=True):
+        text = _export_cuda(_normal, *_inputs())
+    # Drop the annotation from one region's call site: its EP call is then outside.
+    broken = text.replace(STREAM_ATTR, '_xla_stream_annotation = "0"', 1)
+    assert region_report(broken)["ep_out"] == 1
+    # A matmul moved into a region is seen too.
+    region = next(n for n, lines in _functions(text).items()
+                  if any(EP_CALL.search(ln) for ln in lines))
+    planted = text.replace(f"func.func private @{region}(",
+                           f"func.func private @{region}(", 1)
+    dot = next(ln for ln in text.splitlines() if "stablehlo.dot_general" in ln)
+    lines = planted.splitlines()
+    start = next(i for i, ln in enumerate(lines) if f"@{region}(" in ln and "func.func" in ln)
+    lines.insert(start + 1, dot)
+    assert region_report("\n".join(lines))["dot_in"] == 1
+
+
+@pytest.mark.parametrize("program", list(PROGRAMS))
+def test_results_equal_with_and_without_the_region(program):
+    """The region changes where the calls run, not what they compute (CPU runs it)."""
+    f = PROGRAMS[program][0]
+    args = _inputs(3)
+
+    def run(setting):
+        with config.override(collective_stream=setting):
+            g = jax.jit(jax.shard_map(lambda *a: f(*a), mesh=ep_mesh(R), in_specs=P("ep"),
+                                      out_specs=P("ep")))
+            return [np.asarray(o) for o in g(*args)]
+
+    for a, b in zip(run(False), run(True)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_global_view_op_sits_in_a_region_before_partitioning():
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,))
+    x, idx, w = (np.concatenate([a, a]) for a in _inputs(4))
+
+    def f(x, idx, w):
+        def loss(x):
+            rx, _, _, h = sh.dispatch(x, idx, w, num_experts=2 * E, mesh_axis="expert",
+                                      backend="ffi")
+            return jnp.sum(sh.combine(rx @ jnp.eye(H), h, backend="ffi"))
+        return jax.value_and_grad(loss)(x)
+
+    with jax.set_mesh(mesh), config.override(collective_stream=True):
+        xs = jax.device_put(x, NamedSharding(mesh, P("expert")))
+        text = jax.jit(f).trace(xs, idx, w).lower(lowering_platforms=("cuda",)).as_text()
+    rep = region_report(text)
+    assert rep["ep_out"] == 0 and rep["ep_in"] >= 3, rep  # dispatch, combine, transposes
+    assert rep["dot_out"] >= 2 and rep["dot_in"] == 0, rep
+
+
+_GLOBAL_SCRIPT = textwrap.dedent("""
+    import glob, re, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import jax_ep, jax_ep.sharded as sh
+    E, K, H = 16, 3, 8
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((64, H)), jnp.float32)
+    idx = jnp.asarray(rng.integers(-1, E, (64, K)).astype(np.int32))
+    w = jnp.asarray(rng.random((64, K)), jnp.float32)
+    def make(backend):
+        def f(x):
+            rx, _, _, h = sh.dispatch(x, idx, w, num_experts=E, mesh_axis="expert",
+                                      backend=backend)
+            return sh.combine(rx * 3.0, h, backend=backend)
+        return jax.jit(f)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("expert")))
+        ref = make("reference")(xs)
+        jax_ep.config.update("collective_stream", True)
+        out = make("ffi")(xs)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(out))
+    # The partitioned program: each EP call inside a computation called with the
+    # annotation.
+    path = [p for p in glob.glob(sys.argv[1] + "/*jit_f*after_spmd-partitioning*")]
+    text = open(path[-1]).read()
+    comps = re.split(r"\\n(?=\\S)", text)
+    annotated = set(re.findall(r'call\\([^)]*\\), to_apply=%([\\w.-]+)[^\\n]*'
+                               r'_xla_stream_annotation="collective"', text))
+    homes = [c.split(" ", 1)[0].lstrip("%") for c in comps
+             if "custom_call_target=\\"jax_ep_" in c]
+    print("HOMES", homes, "ANNOTATED", sorted(annotated))
+    assert homes and all(h in annotated for h in homes), (homes, annotated)
+""")
+
+
+def test_global_view_region_survives_partitioning_and_compiles(tmp_path):
+    """Compiled on CPU with the setting forced on: the partitioned program keeps each EP
+    call in an annotated region, compiles (no placement annotation left behind) and
+    equals the reference."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+               f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=spmd-partitioning",
+               JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _GLOBAL_SCRIPT, str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_fallback_without_the_region_form(monkeypatch):
+    """A JAX without the region form: the calls stay plain, with a warning when the
+    setting asks for the stream explicitly."""
+    monkeypatch.setattr(_stream, "region_compute_on", lambda: None)
+    _stream._warn_unavailable.cache_clear()
+    with config.override(collective_stream=True), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        text = _export_cuda(_normal, *_inputs())
+    assert region_report(text)["ep_in"] == 0
+    assert any("no region form of compute_on" in str(m.message) for m in w)
+
+
+def test_region_form_is_found_on_this_jax():
+    fn = _stream.region_compute_on()
+    assert fn is not None, jax.__version__
+    assert fn.__name__ in ("compute_on2", "compute_on")
+
+
+def test_setting_is_checked_and_restored():
+    before = config.collective_stream
+    with pytest.raises(ValueError, match="collective_stream"):
+        config.update("collective_stream", "sometimes")
+    with pytest.raises(AttributeError, match="no setting"):
+        config.update("collective_steam", True)
+    with config.override(collective_stream="off"):
+        assert config.collective_stream is False
+    assert config.collective_stream == before
+    assert config._collective_stream_value("ON", "x") is True
