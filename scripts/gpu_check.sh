@@ -26,6 +26,11 @@
 # Environment: OUT (default /tmp/jax_ep_gpu_check), PYTHON (default python3),
 # JAX_EP_BUILD_LOCK (a lock file to hold while building, e.g. /tmp/jaxep.build.lock),
 # JAX_EP_GPU_CHECK_MPS=0 (do not start CUDA MPS).
+#
+# Not part of this one-GPU check: the per-port proof needs two nodes with RDMA NICs. On
+# each node, around the internode benchmark (docs/internode.md, "Proof on hardware"):
+#   python -m jax_ep.network.fabric --gpu <GPU bus id>          # class, selected ports
+#   python -m jax_ep.network.portcheck --gpu <GPU bus id> --tolerance 0.1 -- <benchmark>
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
