@@ -23,9 +23,14 @@ shape that follows the routing instead of the worst case:
 All of it is pure JAX (one sort, gathers, scatter-adds, matmuls, `lax.scan`/`lax.cond`),
 differentiable in every float argument (reverse mode), the same on every platform. Work
 follows the routed pairs: each expert computes `ceil(pairs / tile)` tiles, whatever
-`cap` is. (`jax.lax.ragged_dot` on the sorted pairs is the obvious alternative; XLA:CPU
-computes it as every group over every row, about E_local times the work, measured in
-docs/performance.md, so it is not used.)
+`cap` is.
+
+`grouped_swiglu(..., matmul="ragged_dot")` is the GPU choice: the kept pairs packed
+expert after expert (`packed_pairs`, `[E_local * cap]` rows) and three
+`jax.lax.ragged_dot`s, with no data-dependent loop (a `lax.cond` per tile makes XLA:GPU
+read its predicate back to the host each time). XLA:CPU computes a ragged dot as every
+group over every row, about E_local times the work (docs/performance.md), so "tiles" is
+the CPU default (`default_expert_matmul`).
 
 Capacity. `cap` is static. `expert_capacity(num_slots, num_local_experts, factor)` is
 `ceil(factor * num_slots / E_local)` rounded up to a multiple of 8: `factor` times the mean
@@ -43,7 +48,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["Groups", "expert_capacity", "group_by_expert", "gather_blocks",
-           "swiglu_blocks", "scatter_blocks", "grouped_swiglu"]
+           "swiglu_blocks", "scatter_blocks", "grouped_swiglu", "packed_pairs",
+           "default_expert_matmul", "EXPERT_MATMULS"]
 
 
 class Groups(NamedTuple):
@@ -394,8 +400,61 @@ def _fused_bwd(tile, res, dy):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+EXPERT_MATMULS = ("tiles", "ragged_dot")
+
+
+def default_expert_matmul(platform: str | None = None) -> str:
+    """The grouped-matmul choice for `platform` (default: JAX's default backend): "tiles"
+    on CPU, "ragged_dot" elsewhere (GPU), where a data-dependent loop would read its
+    predicate back to the host once per tile."""
+    platform = jax.default_backend() if platform is None else platform
+    return "tiles" if platform == "cpu" else "ragged_dot"
+
+
+def check_expert_matmul(expert_matmul) -> str:
+    """`expert_matmul` resolved: None/"auto" -> `default_expert_matmul()`; else one of
+    EXPERT_MATMULS."""
+    if expert_matmul is None or expert_matmul == "auto":
+        return default_expert_matmul()
+    if expert_matmul not in EXPERT_MATMULS:
+        raise ValueError(f"expert_matmul must be None, 'auto' or one of {EXPERT_MATMULS}, "
+                         f"got {expert_matmul!r}")
+    return expert_matmul
+
+
+def packed_pairs(groups: Groups, num_rows: int):
+    """The kept pairs of `groups`, expert after expert with no gap: (rows int32[M],
+    weights float32[M], sizes int32[E_local]) with M = E_local * cap; expert e's pairs
+    are `sizes[e]` consecutive entries; the unused tail holds row `num_rows` (empty) and
+    weight 0."""
+    el, cap = groups.rows.shape
+    sizes = jnp.minimum(groups.counts, cap).astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    place = jnp.arange(cap, dtype=jnp.int32)
+    m = el * cap
+    dest = jnp.where(place[None, :] < sizes[:, None], starts[:, None] + place[None, :], m)
+    dest = dest.reshape(-1)
+    rows = jnp.full((m,), num_rows, jnp.int32).at[dest].set(groups.rows.reshape(-1),
+                                                            mode="drop")
+    weights = jnp.zeros((m,), jnp.float32).at[dest].set(groups.weights.reshape(-1),
+                                                         mode="drop")
+    return rows, weights, sizes
+
+
+def _ragged_swiglu(x, rows, weights, sizes, w_gate, w_up, w_down):
+    """y float32[C, H]: the SwiGLU of each packed pair (`packed_pairs`) as three
+    `jax.lax.ragged_dot`s over the experts' consecutive groups, scaled by the pair's
+    weight and added onto its row. No loop: one grouped matmul per weight."""
+    xs = jnp.take(x, rows, axis=0, mode="fill", fill_value=0)           # [M, H]
+    g = jax.lax.ragged_dot(xs, w_gate, sizes)
+    u = jax.lax.ragged_dot(xs, w_up, sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, sizes)          # [M, H]
+    vals = out.astype(jnp.float32) * weights[:, None]
+    return jnp.zeros(x.shape, jnp.float32).at[rows].add(vals, mode="drop")
+
+
 def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity: int,
-                   tile: int = 128):
+                   tile: int = 128, matmul: str = "tiles"):
     """The experts' part of an MoE layer on one rank.
 
     x[C, H] (received rows), topk_idx[C, K] int32 local ids (-1: elsewhere),
@@ -403,18 +462,29 @@ def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity:
     `capacity` static places per expert. Returns (y float32[C, H], groups): y[i] =
     sum over the kept pairs (i, k) of topk_weights[i, k] * SwiGLU_{topk_idx[i, k]}(x[i]).
 
-    One loop over (expert, tile of `tile` places) computes only tiles holding a kept
-    pair, gathering its rows from x and adding its weighted outputs onto y in place (no
-    `[E_local, capacity, H]` copies); the backward is the same loop. The activations
-    x @ gate and x @ up of the places ([E_local, capacity, F] each) are kept for it.
+    matmul="tiles": one loop over (expert, tile of `tile` places) computes only tiles
+    holding a kept pair, gathering its rows from x and adding its weighted outputs onto
+    y in place (no `[E_local, capacity, H]` copies); the backward is the same loop. The
+    activations x @ gate and x @ up of the places ([E_local, capacity, F] each) are kept
+    for it. Suits CPU.
+    matmul="ragged_dot": the kept pairs packed expert after expert (`packed_pairs`) and
+    three `jax.lax.ragged_dot`s; no data-dependent loop (for GPU, where XLA lowers it to
+    grouped GEMMs). Its rows are `E_local * capacity`; the same numbers to float32
+    rounding. `matmul=None` picks by platform (`default_expert_matmul`).
     """
+    matmul = check_expert_matmul(matmul)
     if x.ndim != 2:
         raise ValueError(f"x must be [C, H], got shape {x.shape}")
     _check_blocks(jnp.zeros((w_gate.shape[0], 0, x.shape[1]), x.dtype), w_gate, w_up,
                   w_down)
     groups = group_by_expert(topk_idx, topk_weights, w_gate.shape[0], capacity)
-    used = jnp.minimum(groups.counts, capacity)
     dt = x.dtype
+    if matmul == "ragged_dot":
+        rows, weights, sizes = packed_pairs(groups, x.shape[0])
+        y = _ragged_swiglu(x, rows, weights, sizes, *(w.astype(dt) for w in
+                                                      (w_gate, w_up, w_down)))
+        return y, groups
+    used = jnp.minimum(groups.counts, capacity)
     tile = max(1, min(int(tile), capacity))
     rows, weights = groups.rows, groups.weights
     pad = -capacity % tile

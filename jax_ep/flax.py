@@ -29,8 +29,22 @@ tokens per shard; `T * top_k / E_local` is an expert's mean load), rounded up to
 multiple of 8; it bounds the memory of the saved activations (`[E_local, cap, F]` twice)
 and the drops: an expert's pairs past `cap` (in received order: source rank, then token)
 get no output and are counted in `aux["dropped"]`. `capacity_factor=None` sizes the
-places for every received row (`cap` = C) and never drops. The grouping is a pure function of the received ids, so the `reference` and
-`ffi` backends (which receive the same rows bit for bit) compute the same numbers.
+places for every received row (`cap` = C) and never drops. The grouping is a pure
+function of the received ids, so the `reference` and `ffi` backends (which receive the
+same rows bit for bit) compute the same numbers.
+
+Receive capacity. With `capacity_factor` set, a rank receives at most `E_local * cap`
+rows by default (`receive_capacity`; never above the worst case `R * T`): a received
+row holds at least one pair, so more rows than the experts have places means the
+experts drop pairs anyway. The receive buffers then follow what the experts can use (at
+R = 64, top-8, factor 2: 16 T rows instead of 64 T). Rows past it are dropped at
+receive (the last in source rank, token order) and counted in `aux["dropped_rows"]`.
+`capacity_factor=None` keeps `R * T` rows (never drops).
+
+Expert matmuls. `expert_matmul="tiles"` runs the loop over tiles above (the CPU
+default); `"ragged_dot"` packs the kept pairs expert after expert and runs three
+`jax.lax.ragged_dot`s with no data-dependent loop (the GPU default; see
+`jax_ep.experts.grouped_swiglu`).
 """
 from __future__ import annotations
 
@@ -44,7 +58,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import experts, fp8, ops
 
-__all__ = ["MoE", "RoutingBias", "SwiGLU", "route", "load_balance_loss"]
+__all__ = ["MoE", "RoutingBias", "SwiGLU", "route", "load_balance_loss",
+           "sequence_balance_loss", "receive_capacity"]
 
 
 class RoutingBias(nnx.Variable):
@@ -76,7 +91,8 @@ def _maybe_partitioned(init, spec, mesh_axis):
 
 
 def route(logits, top_k: int, *, score: str = "softmax", bias=None, n_groups=None,
-          topk_groups=None, norm_topk_prob: bool = True):
+          topk_groups=None, norm_topk_prob: bool = True, group_score: str = "top2_sum",
+          routed_scaling_factor: float = 1.0):
     """Top-k routing of router logits [N, E] (float32).
 
     Returns (topk_idx int32[N, K], topk_weights float32[N, K], probs float32[N, E]):
@@ -84,9 +100,11 @@ def route(logits, top_k: int, *, score: str = "softmax", bias=None, n_groups=Non
     divided by their sum), used by the load-balance loss. `bias` [E] shifts the scores
     used to *select* experts only; the weights are the unbiased scores of the selected
     experts, renormalized to sum to 1 when `norm_topk_prob`. With `n_groups`, the experts
-    are split into `n_groups` contiguous groups, each group scored by the sum of its two
-    best (biased) scores (its best one when a group has a single expert), and only the
-    `topk_groups` best groups are eligible.
+    are split into `n_groups` contiguous groups, each group scored by `group_score`:
+    "top2_sum", the sum of its two best (biased) scores (its best one when a group has a
+    single expert; DeepSeek-V3), or "max", its best score (DeepSeek-V2); only the
+    `topk_groups` best groups are eligible. The weights are finally multiplied by
+    `routed_scaling_factor` (DeepSeek-V3: 2.5; the shared experts are not scaled).
     """
     N, E = logits.shape
     logits = logits.astype(jnp.float32)
@@ -98,13 +116,17 @@ def route(logits, top_k: int, *, score: str = "softmax", bias=None, n_groups=Non
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     else:
         raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
     sel = scores if bias is None else scores + bias.astype(jnp.float32)
     if n_groups is not None and n_groups > 1:
         per = E // n_groups
         g = sel.reshape(N, n_groups, per)
-        best = jax.lax.top_k(g, min(2, per))[0]
-        group_score = jnp.sum(best, axis=-1)  # [N, G]
-        _, top_groups = jax.lax.top_k(group_score, topk_groups)
+        if group_score == "max":
+            gs = jnp.max(g, axis=-1)  # [N, G]
+        else:
+            gs = jnp.sum(jax.lax.top_k(g, min(2, per))[0], axis=-1)
+        _, top_groups = jax.lax.top_k(gs, topk_groups)
         allowed = jnp.any(top_groups[:, :, None] == jnp.arange(n_groups)[None, None, :],
                           axis=1)  # [N, G]
         allowed = jnp.repeat(allowed, per, axis=1)
@@ -113,7 +135,31 @@ def route(logits, top_k: int, *, score: str = "softmax", bias=None, n_groups=Non
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
     return idx.astype(jnp.int32), weights.astype(jnp.float32), probs
+
+
+GROUP_SCORES = ("top2_sum", "max")
+AUX_LOSSES = ("batch", "sequence")
+
+
+def receive_capacity(tokens_per_shard: int, num_ranks: int, num_experts: int,
+                     top_k: int, capacity_factor: float | None) -> int:
+    """Rows a rank receives per dispatch by default (a pure function of the static
+    sizes): `R * T` (the worst case, never drops) when `capacity_factor` is None; else
+    `E_local * cap` with `cap = experts.expert_capacity(T * K, E_local, capacity_factor)`,
+    the places of all local experts together, at most `R * T`."""
+    T, R = int(tokens_per_shard), int(num_ranks)
+    if T < 1 or R < 1 or num_experts % R:
+        raise ValueError(f"need tokens_per_shard >= 1 and num_experts={num_experts} a "
+                         f"multiple of num_ranks={R}, got tokens_per_shard={T}")
+    full = R * T
+    if capacity_factor is None:
+        return full
+    el = num_experts // R
+    return min(full, el * experts.expert_capacity(T * top_k, el, capacity_factor,
+                                                  limit=full))
 
 
 def _counts(topk_idx, num_experts):
@@ -127,6 +173,18 @@ def load_balance_loss(probs, topk_idx, num_experts: int):
     """E * sum_e f_e * p_e, with f_e the fraction of top-k slots sent to expert e and p_e
     the mean routing probability of e; 1.0 when routing is uniform."""
     return _load_balance(probs, _counts(topk_idx, num_experts), topk_idx.size)
+
+
+def sequence_balance_loss(probs, topk_idx, num_experts: int):
+    """DeepSeek-V3's sequence-wise balance loss: `load_balance_loss` of each sequence,
+    averaged over the sequences. probs float32[B, S, E], topk_idx int32[B, S, K]; per
+    sequence, E * sum_e f_e * P_e with f_e the fraction of the sequence's top-k slots
+    sent to e and P_e the mean over its tokens of e's normalized score (1.0 uniform)."""
+    B, S, K = topk_idx.shape
+    hit = topk_idx[..., None] == jnp.arange(num_experts, dtype=topk_idx.dtype)
+    f = jnp.sum(hit, axis=(1, 2), dtype=jnp.float32) / (S * K)          # [B, E]
+    p = jnp.mean(probs, axis=1)                                         # [B, E]
+    return num_experts * jnp.mean(jnp.sum(f * p, axis=-1))
 
 
 def _load_balance(probs, counts, num_slots):
@@ -166,22 +224,41 @@ class MoE(nnx.Module):
       data_axes: the other mesh axes the tokens are split over; default every other axis
         of the mesh in context, in mesh order.
       backend: 'reference', 'ffi' or None/'auto' (see `jax_ep.dispatch`).
-      capacity: rows each rank can receive per call. None: `R * T` (T tokens per shard;
-        never drops). An int: that many rows. A float f: `ceil(f * T * min(K, R))`, capped
-        at `R * T` (f = 1.0 fits perfectly balanced routing).
+      capacity: rows each rank can receive per call. None: `receive_capacity(...)`, i.e.
+        `R * T` (T tokens per shard; never drops) when `capacity_factor` is None, else
+        the places of the local experts together, `E_local * cap`, at most `R * T`. An
+        int: that many rows. A float f: `ceil(f * T * min(K, R))`, capped at `R * T`
+        (f = 1.0 fits perfectly balanced routing).
       capacity_factor: places per local expert, as a multiple of an expert's mean load
         `T * top_k / E_local` (rounded up to a multiple of 8, at most the received rows).
         Pairs past an expert's places are dropped and counted in `aux["dropped"]`. Only
         places holding pairs are computed, so the factor sets memory (the saved
         activations, `[E_local, cap, F]` twice) and drops, not the work. None: never
-        drop (places for every received row). Default 2.0.
-      score: 'softmax' or 'sigmoid' router scores.
+        drop (places for every received row, and `R * T` received rows). Default 2.0.
+      expert_matmul: "tiles" (a loop over 128-row tiles that skips empty ones; the CPU
+        default), "ragged_dot" (`jax.lax.ragged_dot` on the packed pairs, no per-tile
+        loop; the GPU default) or None/"auto" (by JAX's default backend at trace time).
+      score: 'softmax' (default; Mixtral, DeepSeek-V2) or 'sigmoid' (DeepSeek-V3)
+        router scores.
       n_groups, topk_groups: group-limited routing (both or neither).
+      group_score: how a group is scored for group-limited routing: "top2_sum" (default;
+        DeepSeek-V3, the sum of its two best biased scores) or "max" (DeepSeek-V2, its
+        best score; V2 has no routing bias).
+      routed_scaling_factor: multiplies the routed experts' top-k weights (after
+        `norm_topk_prob`), not the shared experts. Default 1.0 (Mixtral, DeepSeek-V2's
+        own checkpoints set theirs); DeepSeek-V3 uses 2.5. Folding it into `w_down`
+        instead gives the same outputs but not the same optimizer steps.
+      aux_loss: which balance loss `aux["load_balance_loss"]` is: "batch" (default; the
+        Switch/GShard form over every token of the batch) or "sequence" (DeepSeek-V3's
+        sequence-wise complementary loss: the same form per sequence of x[B, S, H],
+        averaged over the B sequences; a 2-D x is one sequence). Both are always in
+        `aux` as "batch_balance_loss" and "sequence_balance_loss".
       routing_bias: add a `RoutingBias` [E] used for expert selection only (aux-loss-free
         balancing; update it with `update_routing_bias`).
       shared_experts: number of always-on experts, run as one dense SwiGLU of width
         `shared_experts * ffn_hidden` on every token and added to the output.
-      norm_topk_prob: renormalize the selected experts' weights to sum to 1.
+      norm_topk_prob: renormalize the selected experts' weights to sum to 1 (default
+        True, as DeepSeek-V3; Mixtral too; DeepSeek-V2 does not).
       dtype: compute dtype of the tokens and expert matmuls (router math is float32).
       param_dtype: parameter dtype.
       dispatch_dtype: None (tokens travel in `dtype`) or "fp8": tokens are quantized to
@@ -204,16 +281,21 @@ class MoE(nnx.Module):
     (int32[E], top-k slots routed to each expert over the whole batch), `dropped`
     (int32 scalar: top-k slots, i.e. (token, expert) pairs, that got no expert output,
     whether their row did not fit in `capacity` or their expert's places were full; over
-    all EP groups) and `dropped_rows` (int32 scalar: rows that did not fit in
-    `capacity`).
+    all EP groups), `dropped_rows` (int32 scalar: rows that did not fit in `capacity`,
+    dropped at receive) and `dropped_at_experts` (int32 scalar: slots of received rows
+    past their expert's places); `dropped` counts the slots of both.
+    `batch_balance_loss` and `sequence_balance_loss` (scalars) are the two balance
+    losses `aux_loss` chooses between.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, *,
                  mesh_axis: str = "expert", data_axes: Sequence[str] | None = None,
                  backend: str | None = None, capacity: int | float | None = None,
-                 capacity_factor: float | None = 2.0,
+                 capacity_factor: float | None = 2.0, expert_matmul: str | None = None,
                  score: str = "softmax", n_groups: int | None = None,
-                 topk_groups: int | None = None, routing_bias: bool = False,
+                 topk_groups: int | None = None, group_score: str = "top2_sum",
+                 routed_scaling_factor: float = 1.0, aux_loss: str = "batch",
+                 routing_bias: bool = False,
                  shared_experts: int = 0, norm_topk_prob: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                  dispatch_dtype: str | None = None, mode: str = "normal",
@@ -239,6 +321,22 @@ class MoE(nnx.Module):
                 raise ValueError(f"topk_groups={topk_groups} groups of "
                                  f"{num_experts // n_groups} experts cannot hold "
                                  f"top_k={top_k} experts")
+        if group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score must be one of {GROUP_SCORES}, got "
+                             f"{group_score!r}")
+        if aux_loss not in AUX_LOSSES:
+            raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {aux_loss!r}")
+        if (isinstance(routed_scaling_factor, bool)
+                or not isinstance(routed_scaling_factor, (int, float))
+                or not routed_scaling_factor > 0):
+            raise ValueError(f"routed_scaling_factor must be a positive number, got "
+                             f"{routed_scaling_factor!r}")
+        if expert_matmul not in (None, "auto", *experts.EXPERT_MATMULS):
+            raise ValueError(f"expert_matmul must be None, 'auto' or one of "
+                             f"{experts.EXPERT_MATMULS}, got {expert_matmul!r}")
+        self.expert_matmul = expert_matmul
+        self.group_score, self.aux_loss = group_score, aux_loss
+        self.routed_scaling_factor = float(routed_scaling_factor)
         ops.resolve_backend(backend)  # validates the name early
         if capacity is not None and not isinstance(capacity, (int, float)):
             raise TypeError(f"capacity must be None, an int or a float, got {capacity!r}")
@@ -306,9 +404,12 @@ class MoE(nnx.Module):
         return mesh, data_axes
 
     def _capacity(self, tokens_per_shard, R):
+        """Rows each rank receives, or None for the worst case `R * T`."""
         c = self.capacity
         if c is None:
-            return None
+            c = receive_capacity(tokens_per_shard, R, self.num_experts, self.top_k,
+                                 self.capacity_factor)
+            return None if c == R * tokens_per_shard else c
         if isinstance(c, float):
             c = math.ceil(c * tokens_per_shard * min(self.top_k, R))
         return max(1, min(int(c), R * tokens_per_shard))
@@ -328,9 +429,14 @@ class MoE(nnx.Module):
         topk_idx, topk_w, probs = route(logits, K, score=self.score, bias=bias,
                                         n_groups=self.n_groups,
                                         topk_groups=self.topk_groups,
-                                        norm_topk_prob=self.norm_topk_prob)
+                                        norm_topk_prob=self.norm_topk_prob,
+                                        group_score=self.group_score,
+                                        routed_scaling_factor=self.routed_scaling_factor)
         tokens_per_expert = _counts(topk_idx, E)
         lb = _load_balance(probs, tokens_per_expert, topk_idx.size)
+        seqs = shape[0] if len(shape) == 3 else 1
+        seq_lb = sequence_balance_loss(probs.reshape(seqs, -1, E),
+                                       topk_idx.reshape(seqs, -1, K), E)
         z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
         # Expert path, per shard.
@@ -353,14 +459,15 @@ class MoE(nnx.Module):
         tok = P(tok_axes)
         wspec = P(self.mesh_axis)
         dtype = self.dtype
+        matmul = experts.check_expert_matmul(self.expert_matmul)
 
         def shard_fn(xs, idx, w, wg, wu, wd):
-            y, computed, dropped_rows = _experts_per_shard(
+            y, counts = _experts_per_shard(
                 xs, idx, w, wg.astype(dtype), wu.astype(dtype), wd.astype(dtype),
                 num_experts=E, axis_name=self.mesh_axis, capacity=C,
                 expert_capacity=cap, backend=self.backend,
-                dispatch_dtype=self.dispatch_dtype)
-            return y, jax.lax.psum(jnp.stack([computed, dropped_rows]), tok_axes)
+                dispatch_dtype=self.dispatch_dtype, expert_matmul=matmul)
+            return y, jax.lax.psum(counts, tok_axes)
 
         if self.mode == "low_latency":  # see the low-latency section at the end
             shard_fn = _low_latency_shard_fn(self, tok_axes, dtype)
@@ -380,25 +487,30 @@ class MoE(nnx.Module):
             y = jax.sharding.reshard(y, jax.typeof(x2).sharding.spec)
         if self.shared is not None:
             y = y + self.shared(x2).astype(y.dtype)
-        aux = {"load_balance_loss": lb, "router_z_loss": z,
-               "tokens_per_expert": tokens_per_expert, "dropped": dropped,
-               "dropped_rows": counts[1]}
+        aux = {"load_balance_loss": seq_lb if self.aux_loss == "sequence" else lb,
+               "batch_balance_loss": lb, "sequence_balance_loss": seq_lb,
+               "router_z_loss": z, "tokens_per_expert": tokens_per_expert,
+               "dropped": dropped, "dropped_rows": counts[1],
+               "dropped_at_experts": counts[2]}
         return y.reshape(shape).astype(x.dtype), aux
 
 
 def _experts_per_shard(x, topk_idx, topk_w, w_gate, w_up, w_down, *, num_experts,
-                       axis_name, capacity, expert_capacity, backend, dispatch_dtype=None):
+                       axis_name, capacity, expert_capacity, backend, dispatch_dtype=None,
+                       expert_matmul="tiles"):
     """Dispatch, grouped SwiGLU over the local experts, combine (inside shard_map).
-    Returns (y[T, H], int32 pairs computed here, int32 rows this rank dropped)."""
+    Returns (y[T, H], int32[3]: pairs computed here, rows this rank dropped at receive,
+    pairs of received rows past their expert's places)."""
     dispatch = _dispatch_fp8 if dispatch_dtype == "fp8" else ops.dispatch
     recv_x, recv_idx, recv_w, handle = dispatch(
         x, topk_idx, topk_w, num_experts=num_experts, axis_name=axis_name,
         capacity=capacity, backend=backend)
     y, groups = experts.grouped_swiglu(recv_x, recv_idx, recv_w, w_gate, w_up, w_down,
-                                       capacity=expert_capacity)
+                                       capacity=expert_capacity, matmul=expert_matmul)
     y = ops.combine(y.astype(x.dtype), handle, backend=backend)
     computed = jnp.sum(jnp.minimum(groups.counts, expert_capacity), dtype=jnp.int32)
-    return y, computed, handle.num_dropped.astype(jnp.int32)
+    return y, jnp.stack([computed, handle.num_dropped.astype(jnp.int32),
+                         groups.dropped.astype(jnp.int32)])
 
 
 # ----------------------------------------------------------------------------- FP8 dispatch
@@ -464,7 +576,8 @@ def _check_mode(mode, max_tokens_per_rank, dispatch_dtype=None):
 
 def _low_latency_shard_fn(moe, tok_axes, dtype):
     """The per-shard expert path of the low-latency mode, with `shard_fn`'s signature:
-    (y[T, H], psum over the token axes of [slots computed, rows dropped (always 0)])."""
+    (y[T, H], psum over the token axes of [slots computed, rows dropped, slots dropped
+    at the experts] (the drops always 0))."""
     from jax_ep import low_latency
 
     def shard_fn(xs, idx, w, wg, wu, wd):
@@ -475,6 +588,7 @@ def _low_latency_shard_fn(moe, tok_axes, dtype):
                                    wd.astype(dtype), counts=count)
         y = low_latency.combine(yb.astype(xs.dtype), idx, w, handle, backend=moe.backend)
         computed = jnp.sum(count, dtype=jnp.int32)  # every routed slot has a row
-        return y, jax.lax.psum(jnp.stack([computed, jnp.zeros((), jnp.int32)]), tok_axes)
+        zero = jnp.zeros((), jnp.int32)
+        return y, jax.lax.psum(jnp.stack([computed, zero, zero]), tok_axes)
 
     return shard_fn

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import experts
-from jax_ep.flax import MoE, RoutingBias, route
+from jax_ep.flax import MoE, RoutingBias, receive_capacity, route
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AUTO = jax.sharding.AxisType.Auto
@@ -41,29 +41,42 @@ def _np_swiglu(x, wg, wu, wd):
     return ((g / (1 + np.exp(-g))) * (x @ wu)) @ wd
 
 
-def _np_moe(moe, x, idx, w, group_tokens=None, cap=None):
+def _np_moe(moe, x, idx, w, group_tokens=None, cap=None, recv=None, el=None):
     """Dense NumPy oracle: y[t] = sum_k w[t,k] * SwiGLU_{idx[t,k]}(x[t]). With `cap`,
     each EP group (`group_tokens` consecutive tokens) keeps only the first `cap` tokens
-    naming each expert (in token order, which is the received order); returns (y,
-    slots dropped) then."""
+    naming each expert (in token order, which is the received order); with `recv` too,
+    each rank (experts `el` at a time) first keeps only the first `recv` tokens naming
+    any of its experts. Returns (y, slots dropped, rows dropped at receive, slots
+    dropped at the experts) then."""
     x = np.asarray(x, np.float64).reshape(-1, moe.hidden)
     idx, w = np.asarray(idx), np.asarray(w)
     wg, wu, wd = (np.asarray(v[...], np.float64) for v in (moe.w_gate, moe.w_up,
                                                           moe.w_down))
     y = np.zeros_like(x)
-    seen, dropped = {}, 0
+    seen, rows, dropped, dropped_rows, at_experts = {}, {}, 0, 0, 0
     for t in range(x.shape[0]):
+        kept_row = {}
         for e, c in zip(idx[t], w[t]):
             if e < 0:
                 continue
+            if recv is not None:
+                r = (t // group_tokens, int(e) // el)
+                if r not in kept_row:
+                    rows[r] = rows.get(r, 0) + 1
+                    kept_row[r] = rows[r] <= recv
+                    dropped_rows += not kept_row[r]
+                if not kept_row[r]:
+                    dropped += 1
+                    continue
             if cap is not None:
                 key = (t // group_tokens, int(e))
                 seen[key] = seen.get(key, 0) + 1
                 if seen[key] > cap:
                     dropped += 1
+                    at_experts += 1
                     continue
             y[t] += c * _np_swiglu(x[t], wg[e], wu[e], wd[e])
-    return y if cap is None else (y, dropped)
+    return y if cap is None else (y, dropped, dropped_rows, at_experts)
 
 
 def _loss_and_grads(moe, x):
@@ -187,20 +200,25 @@ def test_capacity_drops(mesh, backend):
 @pytest.mark.parametrize("cf", [0.5, 2.0])
 def test_expert_capacity_drops_match_numpy(mesh, cf):
     """Per-expert capacity: each expert keeps its first `cap` pairs in received order
-    (source rank, then token); the rest are dropped and counted as slots."""
+    (source rank, then token); the rest are dropped and counted as slots. The default
+    receive capacity is the rank's places, `E_local * cap` rows (16 of 32 at cf=0.5)."""
     x = _x((4, 16, 16), seed=11)
     with jax.set_mesh(mesh):
         moe = MoE(16, 24, 8, 3, capacity_factor=cf, rngs=nnx.Rngs(3))
         y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
     R, T, K, el = 4, 8, 3, 2
     cap = experts.expert_capacity(T * K, el, cf, limit=R * T)
+    recv = receive_capacity(T, R, 8, K, cf)
+    assert recv == min(R * T, el * cap)
     idx, w, _ = route(x.reshape(-1, 16) @ moe.router[...], K)
-    want, dropped = _np_moe(moe, x, idx, w, group_tokens=R * T, cap=cap)
+    want, dropped, rows, at_experts = _np_moe(moe, x, idx, w, group_tokens=R * T,
+                                              cap=cap, recv=recv, el=el)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want, rtol=2e-4, atol=2e-5)
     assert int(aux["dropped"]) == dropped
-    assert int(aux["dropped_rows"]) == 0
+    assert int(aux["dropped_rows"]) == rows
+    assert int(aux["dropped_at_experts"]) == at_experts
     if cf < 1:
-        assert dropped > 0  # the case covers drops
+        assert rows > 0 and at_experts > 0  # the case covers both kinds of drops
     if cf >= 2:
         assert dropped == 0
 
