@@ -621,7 +621,7 @@ def setup_for_bootstrap(cfg, environ, rank: int, world: int, client, *, key_pref
                 "would differ: " + "; ".join(diffs) + ". Fix the nodes' NIC setup, or set "
                 "the same JAX_EP_NUM_PORTS everywhere and JAX_EP_FABRIC=off")
     armed = False
-    if f.fabric_class in ("roce-lag", "roce-multiport") and not off:
+    if f.fabric_class != "unknown" and not off and f.selected:
         armed, why = _arm_shim(f, new_cfg, lag_aff, world)
         if why:
             msgs.append(why)
@@ -643,15 +643,19 @@ def _agree_bytes(summary, client, rank, world, key_prefix, timeout_ms) -> list[s
 
 
 def _arm_shim(f: Fabric, cfg, lag_aff: str, world: int) -> tuple[bool, str | None]:
-    """Loads and configures the DevX shim before NVSHMEM starts (RoCE only)."""
+    """Loads and configures the DevX shim before NVSHMEM starts: on a LAG it pins QPs to
+    members, on RoCE it gives each QP its own UDP source port, everywhere it records
+    which device each QP was created on."""
     from jax_ep.network import lag_affinity as la
 
     lag = f.fabric_class == "roce-lag"
+    roce = f.fabric_class in ("roce-lag", "roce-multiport") or (
+        f.fabric_class == "single-port" and f.bond is not None)
     members = f.usable_ports if (lag and lag_aff == "alternate") else 0
     try:
         shim = la.load_shim()
-    except OSError as e:
-        shim, err = None, str(e)
+    except (OSError, AttributeError) as e:  # unloadable, or an older build's shim
+        shim, err = None, f"not usable ({e})"
     else:
         err = "not built (libjax_ep_lag_shim.so next to the extension)"
     if shim is None:
@@ -667,8 +671,8 @@ def _arm_shim(f: Fabric, cfg, lag_aff: str, world: int) -> tuple[bool, str | Non
     # other PEs one after another (none to itself), and nvshmemx_qp_create makes one slot
     # per handle: a group of world - 1 QPs shares a slot, so the member alternates slot
     # by slot, i.e. handle by handle.
-    shim.configure(members=members, group=max(world - 1, 1), sport_base=la.ROCE_SPORT_MIN,
-                   init2rtr_affinity=True)
+    shim.configure(members=members, group=max(world - 1, 1),
+                   sport_base=la.ROCE_SPORT_MIN if roce else 0, init2rtr_affinity=True)
     return True, None
 
 
@@ -685,6 +689,16 @@ def after_nvshmem_start() -> None:
         return
     shim.disable()  # only the QPs NVSHMEM created at start
     s.shim_table = shim.table()
+    want = sorted({d for d, _ in s.fabric.selected})
+    used = sorted({r["device"] for r in s.shim_table if r.get("device")})
+    need = 1 if s.fabric.fabric_class == "roce-lag" else s.config.num_ports
+    if used and all(not u.startswith("ctx:") for u in used) and (
+            len(used) < min(len(want), need) or not set(used) <= set(want)):
+        _say(f"jax_ep: NVSHMEM created its RC QPs on {len(used)} device(s) "
+             f"({', '.join(used)}), the plan stripes over {s.config.num_ports} port(s) on "
+             f"{', '.join(want)}: QPs the plan puts on other ports share these. Fix: check "
+             f"NVSHMEM_HCA_LIST / NVSHMEM_ENABLE_MULTI_PORT in the environment (a user value "
+             f"is kept), or set JAX_EP_NUM_PORTS={max(len(used), 1)}")
     if s.fabric.fabric_class != "roce-lag" or s.lag_affinity != "alternate":
         return
     dev = s.fabric.selected[0][0] if s.fabric.selected else "?"
@@ -717,23 +731,47 @@ def recorded_qp_table(cfg, handles) -> list[dict] | None:
     if s.fabric.fabric_class == "roce-lag":
         applied = bool(s.shim_table) and s.lag_affinity == "alternate"
     table = qp_table(s.fabric, cfg, handles, s.lag_affinity, applied)
-    if applied:
-        _members_from_shim(table, s.shim_table, s.world, s.fabric)
+    if s.shim_table and s.world > 1:
+        _from_shim(table, s.shim_table, s.world, s.fabric, applied)
     return table
 
 
-def _members_from_shim(table: list[dict], shim_table: list[dict], world: int,
-                       fabric: Fabric) -> None:
-    """Replaces the modelled member of each handle with the one the shim gave its QPs.
-
-    The handles' QPs are the last ones NVSHMEM created, world - 1 per handle in handle
-    order (NVSHMEM 3.8's nvshmemx_qp_create); every QP of a handle must have the same
-    member, else the handle's row says "mixed"."""
+def _handle_records(table, shim_table, world):
+    """The shim's records of each handle's QPs: the handles' QPs are the last ones
+    NVSHMEM created, world - 1 per handle in handle order (NVSHMEM 3.8's
+    nvshmemx_qp_create: one slot per handle, its QPs to the other PEs in a row)."""
     per = max(world - 1, 1)
     base = len(shim_table) - per * len(table)
+    return [shim_table[base + q * per: base + (q + 1) * per] if base >= 0 else []
+            for q in range(len(table))]
+
+
+def _from_shim(table: list[dict], shim_table: list[dict], world: int, fabric: Fabric,
+               lag_applied: bool | None) -> None:
+    """Replaces the modelled device (and, on a LAG, member) of each handle with what the
+    shim recorded for its QPs; a handle whose QPs differ says "mixed"."""
+    sel = sorted(fabric.selected)
+    names = [d for d, _ in sel]
+    recs_of = _handle_records(table, shim_table, world)
+    if fabric.fabric_class != "roce-lag":
+        for row, recs in zip(table, recs_of):
+            devs = {r.get("device") for r in recs}
+            if len(devs) != 1 or None in devs:
+                row.update(device="mixed" if recs else "unknown", port="unknown",
+                           wire_port=None, on_plan=False)
+                continue
+            d = devs.pop()
+            if d.startswith("ctx:"):
+                continue  # no device name: keep the model
+            i = names.index(d) if d in names else None
+            row.update(device=d, port=sel[i][1] if i is not None else "unknown",
+                       wire_port=i, on_plan=i == row["planned_port"],
+                       qpns=[r["qpn"] for r in recs])
+        return
+    if not lag_applied:
+        return
     members = fabric.usable_ports
-    for q, row in enumerate(table):
-        recs = shim_table[base + q * per: base + (q + 1) * per] if base >= 0 else []
+    for q, (row, recs) in enumerate(zip(table, recs_of)):
         affs = {r["affinity"] for r in recs}
         if len(affs) != 1 or 0 in affs:
             row.update(port="mixed" if recs else "unknown", wire_port=None, member=None,

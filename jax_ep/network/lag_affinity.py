@@ -232,6 +232,7 @@ class Shim:
         self.lib.jax_ep_lag_rts2rts.restype = c.c_size_t
         self.lib.jax_ep_lag_configure.argtypes = [c.c_int] * 4
         self.lib.jax_ep_lag_table.argtypes = [c.c_void_p] * 5 + [c.c_int]
+        self.lib.jax_ep_lag_device.argtypes = [c.c_int, c.c_char_p, c.c_int]
 
     def patch(self, cmd: bytearray, affinity: int, sport: int, init2rtr_affinity: bool) -> int:
         import ctypes
@@ -260,8 +261,9 @@ class Shim:
 
     def table(self, max_qps: int = 1 << 16) -> list[dict]:
         """Per RC QP seen since configure, in creation order: qpn, affinity, udp_sport,
-        patched (1 RST2INIT affinity, 2 INIT2RTR sport, 4 INIT2RTR affinity) and the
-        status of the RTS2RTS re-apply (-1 not issued, 0 ok)."""
+        patched (1 RST2INIT affinity, 2 INIT2RTR sport, 4 INIT2RTR affinity), the
+        status of the RTS2RTS re-apply (-1 not issued, 0 ok) and the RDMA device the QP
+        was created on ("ctx:<address>" where libibverbs' name is not available)."""
         import ctypes
 
         n = self.lib.jax_ep_lag_table(None, None, None, None, None, 0)
@@ -269,7 +271,12 @@ class Shim:
         arrs = [(ctypes.c_uint32 * n)()] + [(ctypes.c_int32 * n)() for _ in range(4)]
         self.lib.jax_ep_lag_table(*[ctypes.addressof(a) for a in arrs], n)
         keys = ("qpn", "affinity", "udp_sport", "patched", "rts2rts_status")
-        return [{k: int(a[i]) for k, a in zip(keys, arrs)} for i in range(n)]
+        out = [{k: int(a[i]) for k, a in zip(keys, arrs)} for i in range(n)]
+        buf = ctypes.create_string_buffer(64)
+        for i, row in enumerate(out):
+            k = self.lib.jax_ep_lag_device(i, buf, 64)
+            row["device"] = buf.value.decode(errors="replace") if k >= 0 else None
+        return out
 
 
 _shim: Shim | None = None

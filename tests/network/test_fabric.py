@@ -337,3 +337,47 @@ def test_bootstrap_sets_device_selection_and_report_has_the_table(monkeypatch):
     assert [m["device"] for m in rep["qp_map"]] == ["mlx5_0", "mlx5_1"] * 2
     assert all(m["on_plan"] for m in rep["qp_map"])
     monkeypatch.setattr(nb, "_state", None)
+
+
+def test_recorded_devices_decide_the_table_and_missing_devices_are_said(monkeypatch):
+    from jax_ep.network import lag_affinity as la
+
+    class RecordingShim:
+        def __init__(self, devices):
+            self.devices = devices
+            self.cfg = None
+
+        def configure(self, **kw):
+            self.cfg = kw
+
+        def disable(self):
+            pass
+
+        def table(self):
+            return [{"qpn": i, "affinity": 0, "udp_sport": 0, "patched": 0,
+                     "rts2rts_status": -1, "device": d} for i, d in enumerate(self.devices)]
+
+    cfg = TransportConfig(num_ports=2, qps_per_port=2)
+    # world 3: 2 QPs per handle; 2 default slots, then 4 handles laid out
+    # [NIC 0 | NIC 0 | NIC 1 | NIC 1] instead of round-robin
+    devs = ["mlx5_0"] * 2 + ["mlx5_1"] * 2 + ["mlx5_0"] * 4 + ["mlx5_1"] * 4
+    shim = RecordingShim(devs)
+    monkeypatch.setattr(la, "load_shim", lambda path=None: shim)
+    monkeypatch.setattr(fb, "_said", set())
+    s = fb.setup_for_bootstrap(cfg, {"JAX_EP_SYSFS": tree("ib_dualport")}, 0, 1, None,
+                               key_prefix="k", timeout_ms=10, gpu=GPU)
+    assert s.shim_armed and shim.cfg["members"] == 0 and shim.cfg["sport_base"] == 0
+    s.world = 3
+    fb.after_nvshmem_start()
+    t = fb.recorded_qp_table(s.config, [0, 3, 6, 9])
+    assert [r["device"] for r in t] == ["mlx5_0", "mlx5_0", "mlx5_1", "mlx5_1"]
+    assert [r["on_plan"] for r in t] == [True, False, False, True]
+    order = fb.handle_order_for_plan(t, 2)
+    assert [t[i]["wire_port"] for i in order] == [0, 1, 0, 1]
+    # NVSHMEM used one device only: said loudly
+    shim.devices = ["mlx5_0"] * 12
+    monkeypatch.setattr(fb, "_said", set())
+    fb.setup_for_bootstrap(cfg, {"JAX_EP_SYSFS": tree("ib_dualport")}, 0, 1, None,
+                           key_prefix="k", timeout_ms=10, gpu=GPU).world = 3
+    with pytest.warns(UserWarning, match="1 device.*JAX_EP_NUM_PORTS=1"):
+        fb.after_nvshmem_start()

@@ -186,11 +186,13 @@ FAKE_TRANSPORT = textwrap.dedent(r"""
     extern "C" void* mlx5dv_devx_obj_create(void*, const void*, size_t, void*, size_t);
     extern "C" int mlx5dv_devx_obj_modify(void*, const void*, size_t, void*, size_t);
     static void op(uint8_t* c, int o) { std::memset(c, 0, 272); c[0] = o >> 8; c[1] = o & 0xff; }
-    extern "C" int fake_transport_run(int nqps, int st) {
+    struct FakeCtx { void* device; };
+    static FakeCtx g_ctx[4];
+    extern "C" int fake_transport_run(int nqps, int st, int ndev) {
       void* objs[64]; uint8_t cmd[272], out[16];
       for (int i = 0; i < nqps; ++i) {
         op(cmd, 0x500); cmd[24 + 1] = (uint8_t)st;   // qpc.st
-        objs[i] = mlx5dv_devx_obj_create(nullptr, cmd, sizeof(cmd), out, sizeof(out));
+        objs[i] = mlx5dv_devx_obj_create(&g_ctx[i % ndev], cmd, sizeof(cmd), out, sizeof(out));
       }
       for (int i = 0; i < nqps; ++i) {
         op(cmd, 0x502); mlx5dv_devx_obj_modify(objs[i], cmd, sizeof(cmd), out, sizeof(out));
@@ -219,11 +221,13 @@ def test_c_patch_equals_python(built):
 RUN = textwrap.dedent(r"""
     import ctypes, json, sys
     from jax_ep.network import lag_affinity as la
-    tmp, load_shim_first, st = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+    tmp, load_shim_first, st, ndev = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4])
+    members = int(sys.argv[5])
     shim = la.Shim(tmp + "/libjax_ep_lag_shim.so") if load_shim_first else None
-    if shim: shim.configure(members=2, group=2, sport_base=0xC000, init2rtr_affinity=True)
+    if shim: shim.configure(members=members, group=2, sport_base=0xC000 if members else 0,
+                            init2rtr_affinity=True)
     tr = ctypes.CDLL(tmp + "/libfake_transport.so")  # RTLD_LOCAL, like NVSHMEM's dlopen
-    tr.fake_transport_run(4, st)
+    tr.fake_transport_run(4, st, ndev)
     m = ctypes.CDLL("libmlx5.so.1")
     log = []
     for i in range(m.fake_log_count()):
@@ -233,10 +237,11 @@ RUN = textwrap.dedent(r"""
 """)
 
 
-def _run(built, shim_first, st=0):
+def _run(built, shim_first, st=0, ndev=1, members=2):
     env = dict(os.environ, LD_LIBRARY_PATH=built, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", RUN, built, "1" if shim_first else "0",
-                          str(st)], env=env, capture_output=True, text=True, check=True)
+                          str(st), str(ndev), str(members)], env=env, capture_output=True,
+                         text=True, check=True)
     import json
     return json.loads(out.stdout)
 
@@ -298,3 +303,15 @@ def test_installed_shim_exports_the_versioned_names():
     la.patch_modify_cmd(ref, 2, 0xC009)
     la.Shim(p).patch(cmd, 2, 0xC009, True)
     assert cmd == ref
+
+
+@needs_cxx
+def test_shim_records_devices_only(built):
+    # members 0, no source port: nothing changes on the wire, the devices are recorded
+    r = _run(built, True, ndev=2, members=0)
+    assert [e["opcode"] for e in r["log"]] == [0x502, 0x503, 0x504] * 4
+    assert all(e["lag_tx_port_affinity"] == 0 for e in r["log"])
+    assert all(e["udp_sport"] == 0xC000 for e in r["log"] if e["opcode"] == 0x503)
+    devs = [t["device"] for t in r["table"]]
+    assert len(set(devs)) == 2 and devs[0] == devs[2] != devs[1] == devs[3]
+    assert all(t["patched"] == 0 and t["rts2rts_status"] == -1 for t in r["table"])

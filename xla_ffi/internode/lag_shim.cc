@@ -11,13 +11,17 @@
 //   - RST2INIT carries the affinity in its qpc, INIT2RTR the UDP source port in its
 //     primary address path (and, if init2rtr_affinity, the affinity with its mask bit);
 //   - after a successful RTR2RTS the shim issues RTS2RTS with the affinity (and the
-//     mask bit), which some firmware needs to honour it; its status is recorded.
+//     mask bit), which some firmware needs to honour it; its status is recorded;
+//   - each RC QP's device (ibv_get_device_name of the context it was created on) is
+//     recorded, so the QP -> device table is what NVSHMEM did, not a model of it.
+// members == 0 and sport_base == 0 only record.
 // jax_ep_lag_table returns what was done per QP. The field offsets are those of
 // jax_ep/network/lag_affinity.py (tests compare both on synthetic PRM buffers).
 #include <dlfcn.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -68,6 +72,8 @@ void SetBits(uint8_t* buf, size_t bit, size_t width, uint64_t value) {
 
 struct QpRecord {
   void* obj;
+  void* context;
+  char device[64];
   uint32_t qpn;
   int affinity;
   int sport;
@@ -103,6 +109,29 @@ bool Resolve() {
   g_create = reinterpret_cast<CreateFn>(c);
   g_modify = reinterpret_cast<ModifyFn>(m);
   return g_create != nullptr && g_modify != nullptr;
+}
+
+// The RDMA device name of a verbs context, or "ctx:<address>" where libibverbs is not
+// loaded (the context's first member is its ibv_device).
+void DeviceName(void* context, char* out, size_t cap) {
+  using NameFn = const char* (*)(void*);
+  static NameFn name_fn = nullptr;
+  static bool looked = false;
+  if (!looked) {
+    looked = true;
+    void* h = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (h != nullptr) name_fn = reinterpret_cast<NameFn>(dlsym(h, "ibv_get_device_name"));
+  }
+  const char* name = nullptr;
+  if (name_fn != nullptr && context != nullptr) {
+    void* device = *static_cast<void**>(context);
+    if (device != nullptr) name = name_fn(device);
+  }
+  if (name != nullptr) {
+    std::snprintf(out, cap, "%s", name);
+  } else {
+    std::snprintf(out, cap, "ctx:%p", context);
+  }
 }
 
 QpRecord* Find(void* obj) {
@@ -205,6 +234,15 @@ __attribute__((visibility("default"))) int jax_ep_lag_table(uint32_t* qpn, int32
   return n;
 }
 
+// Copies the device name of record `i` into `buf` (NUL-terminated); returns its length,
+// or -1 if there is no such record.
+__attribute__((visibility("default"))) int jax_ep_lag_device(int i, char* buf, int cap) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  if (i < 0 || i >= static_cast<int>(g_qps.size()) || buf == nullptr || cap < 1) return -1;
+  std::snprintf(buf, static_cast<size_t>(cap), "%s", g_qps[static_cast<size_t>(i)].device);
+  return static_cast<int>(std::strlen(buf));
+}
+
 // 1 when the real libmlx5 entry points were found (0 before the first call or without it).
 __attribute__((visibility("default"))) int jax_ep_lag_resolved() {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
@@ -225,6 +263,8 @@ __attribute__((visibility("default"))) void* mlx5dv_devx_obj_create(void* contex
     int k = static_cast<int>(g_qps.size());
     QpRecord r{};
     r.obj = obj;
+    r.context = context;
+    DeviceName(context, r.device, sizeof(r.device));
     r.qpn = static_cast<uint32_t>(GetBits(static_cast<const uint8_t*>(out), kOutQpnBit, 24));
     r.affinity = g_cfg.members > 0 ? (k / g_cfg.group) % g_cfg.members + 1 : 0;
     r.sport = g_cfg.sport_base != 0 ? 0xC000 + (g_cfg.sport_base - 0xC000 + k) % 0x4000 : 0;
