@@ -321,6 +321,12 @@ def _classify(sysfs, gpu, devices, multi_port) -> Fabric:
             if len(b.slaves) < 2:
                 return fab("single-port", [(d, p)],
                            f"bond {b.name} has {len(b.slaves)} member(s)", b)
+            if b.mode in ("active-backup", "broadcast") or b.mode_code in (1, 3):
+                # an mlx5 LAG in active-backup sends on the active member only
+                return fab("single-port", [(d, p)],
+                           f"bond {b.name} is in mode {b.mode}: one member carries the "
+                           f"traffic; fix: bond mode 802.3ad (or balance-xor) so both "
+                           f"members are active", b)
             return fab("roce-lag", [(d, p)],
                        f"{d.name} sends through bond {b.name} (mode {b.mode}, "
                        f"xmit_hash_policy {b.hash_policy}) over {', '.join(b.slaves)}; "

@@ -381,3 +381,11 @@ def test_recorded_devices_decide_the_table_and_missing_devices_are_said(monkeypa
                            key_prefix="k", timeout_ms=10, gpu=GPU).world = 3
     with pytest.warns(UserWarning, match="1 device.*JAX_EP_NUM_PORTS=1"):
         fb.after_nvshmem_start()
+
+
+def test_active_backup_bond_is_one_port(tmp_path):
+    shutil.copytree(tree("roce_bond"), tmp_path / "t", symlinks=True)
+    (tmp_path / "t/class/net/bond0/bonding/mode").write_text("active-backup 1\n")
+    f = fb.discover(str(tmp_path / "t"), GPU)
+    assert f.fabric_class == "single-port" and f.usable_ports == 1
+    assert "802.3ad" in f.reason  # the fix names the bond setting
