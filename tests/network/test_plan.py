@@ -273,3 +273,16 @@ def test_plan_from_sysfs(capsys):
     assert m["inputs"]["port_gbps"] == 400.0
     assert plan.main(["--from-sysfs", os.path.join(root, "partial")]) == 2
     assert "unknown" in capsys.readouterr().err
+
+
+def test_check_wire_log_skips_control_puts():
+    from jax_ep.network.plan import check_wire_log
+    from jax_ep.network.transport import TransportConfig
+
+    cfg = TransportConfig(num_ports=2, qps_per_port=2, chunk_bytes=64)
+    data = [dict(r, sig_op=5) for r in _log_from_plan(cfg, [(0, 1, 64 * 5 + 3)])]
+    header = {"src": 0, "dst": 1, "qp": 0, "port": 0, "bytes": 64, "sig_op": 0}
+    r = check_wire_log(cfg, data + [header])
+    assert r["ok"] and r["control_records"] == 1 and r["records"] == len(data)
+    # the same header counted as data would break QP 0's bytes: the check sees it
+    assert not check_wire_log(cfg, data + [dict(header, sig_op=5)])["ok"]
