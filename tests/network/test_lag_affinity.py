@@ -161,8 +161,11 @@ FAKE_MLX5 = textwrap.dedent(r"""
     #include <vector>
     static std::vector<std::vector<uint8_t>> g_log;
     static uint32_t g_next = 0x100;
-    static void set_qpn(uint8_t* out, uint32_t q) { out[9] = q >> 16; out[10] = q >> 8; out[11] = q; }
-    extern "C" void* mlx5dv_devx_obj_create(void*, const void* in, size_t inlen, void* out, size_t outlen) {
+    static void set_qpn(uint8_t* out, uint32_t q) {
+      out[9] = q >> 16; out[10] = q >> 8; out[11] = q;
+    }
+    extern "C" void* mlx5dv_devx_obj_create(void*, const void* in, size_t inlen, void* out,
+                                            size_t outlen) {
       if (outlen >= 16) set_qpn(static_cast<uint8_t*>(out), g_next++);
       return std::malloc(8);
     }
@@ -221,8 +224,8 @@ def test_c_patch_equals_python(built):
 RUN = textwrap.dedent(r"""
     import ctypes, json, sys
     from jax_ep.network import lag_affinity as la
-    tmp, load_shim_first, st, ndev = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4])
-    members = int(sys.argv[5])
+    tmp, load_shim_first = sys.argv[1], sys.argv[2] == "1"
+    st, ndev, members = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     shim = la.Shim(tmp + "/libjax_ep_lag_shim.so") if load_shim_first else None
     if shim: shim.configure(members=members, group=2, sport_base=0xC000 if members else 0,
                             init2rtr_affinity=True)
