@@ -388,11 +388,15 @@ def plan_config_for(fabric: Fabric, cfg, lag_affinity: str = "alternate"):
         msgs.append(f"jax_ep: this node has one usable port ({fabric.reason}); the plan's "
                     f"{cfg.num_ports} ports would all land on it: running on one port")
         return cfg.single_port(), msgs
-    if cls in ("ib-multiport", "roce-multiport", "multi-plane") and ports != cfg.num_ports:
-        msgs.append(f"jax_ep: the plan stripes over {cfg.num_ports} ports but NVSHMEM will "
-                    f"select {ports} ({', '.join(f'{n}:{p}' for n, p in fabric.selected)}); "
-                    f"QP q sits on port q % {ports}, so the plan's port of a QP is not "
-                    f"the wire's. Fix: JAX_EP_NUM_PORTS={ports}")
+    sel = ", ".join(f"{n}:{p}" for n, p in fabric.selected)
+    if cls in ("ib-multiport", "roce-multiport", "multi-plane") and ports < cfg.num_ports:
+        msgs.append(f"jax_ep: the plan stripes over {cfg.num_ports} ports but this node "
+                    f"has {ports} ({sel}); QP q sits on port q % {ports}, so the plan's "
+                    f"port of a QP is not the wire's. Fix: JAX_EP_NUM_PORTS={ports}")
+    elif cls in ("ib-multiport", "roce-multiport", "multi-plane") and ports > cfg.num_ports:
+        msgs.append(f"jax_ep: the plan uses {cfg.num_ports} of the {ports} ports closest to "
+                    f"the GPU ({sel}; NVSHMEM_HCA_LIST names the first {cfg.num_ports}); "
+                    f"JAX_EP_NUM_PORTS={ports} would use them all")
     return cfg, msgs
 
 

@@ -389,3 +389,12 @@ def test_active_backup_bond_is_one_port(tmp_path):
     f = fb.discover(str(tmp_path / "t"), GPU)
     assert f.fabric_class == "single-port" and f.usable_ports == 1
     assert "802.3ad" in f.reason  # the fix names the bond setting
+
+
+def test_plan_with_more_ports_than_the_node(tmp_path):
+    cfg = TransportConfig(num_ports=4, qps_per_port=1)
+    c, msgs = fb.plan_config_for(fb.discover(tree("ib_dualport"), GPU), cfg)
+    assert c == cfg and "this node has 2" in msgs[0] and "JAX_EP_NUM_PORTS=2" in msgs[0]
+    # a plan of 2 on 4 ports: the HCA list names the first two, so the plan holds
+    env = fb.nvshmem_env_for(fb.discover(tree("ib_dualport")), TransportConfig(num_ports=2))
+    assert env["NVSHMEM_HCA_LIST"] == "mlx5_0:1,mlx5_1:1"
