@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _cpu_pool, _ext, backends, fp8
+from jax_ep import _cpu_pool, _ext, _value_check, backends, fp8
 from jax_ep._common import FLOAT_DTYPES, Cfg, after, ep_size, unify_varying
 from jax_ep._scope import named
 from jax_ep._types import DispatchHandle, DispatchLayout
-from jax_ep.backends import reference
 from jax_ep.runtime import nvshmem
 
 # "internode" (NVSHMEM, one process per GPU; see docs/internode.md) is also what "ffi" and
@@ -126,10 +125,11 @@ def resolve_backend(backend) -> str:
     return backend
 
 
-def _check_ids_reference(topk_idx, num_experts):
-    """The reference backend's host-side id check, for callers that run it before
-    partitioning (the global view)."""
-    reference.check_ids(topk_idx, num_experts)
+def _check_ids_reference(topk_idx, spec):
+    """The global view's agreed id check (the reference backend's, and ffi's across EP
+    groups; see jax_ep/_value_check.py): global topk_idx[N, K] made to depend on the
+    check every shard agrees on, run before the partitioned op."""
+    return _value_check.checked_global(topk_idx, spec)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -150,6 +150,11 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, num_ranks: int,
 
 
 def _layout_impl(topk_idx, num_experts, num_ranks, backend, check_ids=True):
+    if check_ids and backend != "internode":
+        # No exchange follows in the op, but the program's next collective does: inside
+        # shard_map every shard agrees on the check first, so all raise or none does
+        # (the ffi kernel's own check would stop one shard alone).
+        topk_idx = _value_check.checked(topk_idx, num_experts)
     cfg = Cfg(num_experts, num_ranks, backend=backend, check_ids=check_ids)
     return backends.get(backend).layout(topk_idx, cfg)
 

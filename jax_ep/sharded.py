@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_ep import fp8, ops
+from jax_ep import _value_check, fp8, ops
 from jax_ep import sharded_low_latency as low_latency  # the mode's global view
 from jax_ep._partition import _context_mesh, _group_axes, _partitioned, _spec, _Spec
 from jax_ep._scope import named
@@ -97,8 +97,9 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, mesh_axis: str, batch_axe
     num_experts = ops._static_int("num_experts", num_experts, 1)
     ops._check_routing(topk_idx, None, None, num_experts, 1)
     spec = _spec(topk_idx.shape[0], num_experts, mesh_axis, None, backend, batch_axes)
-    if spec.backend == "reference":
-        ops._check_ids_reference(topk_idx, num_experts)
+    if spec.backend != "internode":
+        # Every shard agrees before any raises (the ffi kernel's check stops one alone).
+        topk_idx = ops._check_ids_reference(topk_idx, spec)
     return DispatchLayout(*_layout_op(spec)(topk_idx))
 
 
@@ -274,8 +275,8 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, mesh_axis: str, cap
     num_experts = ops._static_int("num_experts", num_experts, 1)
     ops._check_routing(topk_idx, topk_weights, x.shape[0], num_experts, 1)
     spec = _spec(x.shape[0], num_experts, mesh_axis, capacity, backend, batch_axes)
-    if spec.backend == "reference":
-        ops._check_ids_reference(topk_idx, num_experts)
+    if _value_check.global_check_needed(spec):
+        topk_idx = ops._check_ids_reference(topk_idx, spec)
     recv_x, recv_idx, recv_w, handle = _dispatch(x, topk_idx, topk_weights, spec)
     if block is not None:
         recv_x = fp8.unpack(recv_x, block=block)

@@ -21,7 +21,7 @@ from jax_ep import low_latency as ll
 from jax_ep import ops
 from jax_ep import _partition as _sh
 from jax_ep._scope import named
-from jax_ep.backends import reference
+from jax_ep._value_check import checked_global, global_check_needed
 
 __all__ = ["ShardedLowLatencyHandle", "dispatch", "combine"]
 
@@ -123,8 +123,9 @@ def dispatch(x, topk_idx, *, num_experts: int, mesh_axis: str, max_tokens_per_ra
     E, M = ll.check_dispatch_args(x, topk_idx, num_experts, 1, max_tokens_per_rank, fp8)
     spec = _sh._spec(x.shape[0], E, mesh_axis, M, backend, batch_axes)
     ll._check_T(spec.tokens_per_shard, M)
-    if spec.backend == "reference":
-        reference.check_ll_ids(topk_idx, E)
+    if global_check_needed(spec):
+        # Agreed by every shard before the partitioned op (jax_ep/_value_check.py).
+        topk_idx = checked_global(topk_idx, spec, repeats=True, where="jax_ep.low_latency")
     outs = (_fp8_dispatch(x, topk_idx, spec, bool(round_scale)) if fp8
             else _dispatch(x, topk_idx, spec))
     handle = ShardedLowLatencyHandle(outs[2], outs[3], outs[4], outs[5], E, spec.num_ranks,
@@ -150,4 +151,6 @@ def combine(y, topk_idx, topk_weights, handle: ShardedLowLatencyHandle, *, backe
     if int(mesh.shape[handle.mesh_axis]) != handle.num_ranks:
         raise ValueError("the mesh in context does not match the handle's mesh")
     spec = dataclasses.replace(spec, backend=ops.resolve_backend(backend))
+    if global_check_needed(spec):
+        topk_idx = checked_global(topk_idx, spec, repeats=True, where="jax_ep.low_latency")
     return _combine(y, topk_idx, topk_weights, handle.first_row, handle.row_count, spec)

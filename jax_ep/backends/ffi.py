@@ -13,6 +13,7 @@ import numpy as np
 
 from jax_ep._common import Cfg, ep_call, ep_coords, like, next_call_site, unify_varying
 from jax_ep._types import DispatchHandle, DispatchLayout
+from jax_ep._value_check import across_groups, checked
 
 
 def layout(topk_idx, cfg: Cfg) -> DispatchLayout:
@@ -32,6 +33,10 @@ def layout(topk_idx, cfg: Cfg) -> DispatchLayout:
 def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     """x[T, H], topk_idx[T, K] int32, topk_weights[T, K] float32 -> (recv_x[C, H],
     recv_topk_idx[C, K], recv_topk_weights[C, K], DispatchHandle)."""
+    if cfg.check_ids and across_groups(cfg.axis_name, cfg.group_axes):
+        # The kernel's id error reaches its own EP group only (jax_ep/_value_check.py).
+        topk_idx = checked(topk_idx, cfg.num_experts, axis_name=cfg.axis_name,
+                           groups=cfg.group_axes)
     rank, group = ep_coords(cfg.axis_name, cfg.group_axes)
     # The group id only separates rendezvous; results vary like the data and the rank.
     x, topk_idx, topk_weights, rank = unify_varying(x, topk_idx, topk_weights, rank)
@@ -145,6 +150,10 @@ def ll_dispatch_send(x, topk_idx, cfg: Cfg):
     S, H = x.shape
     K = topk_idx.shape[1]
     gpu = _ll_platform_check(cfg, topk=K, row_bytes=H * jnp.dtype(x.dtype).itemsize)
+    if cfg.check_ids and across_groups(cfg.axis_name, cfg.group_axes):
+        # The kernel's id error reaches its own EP group only (jax_ep/_value_check.py).
+        topk_idx = checked(topk_idx, cfg.num_experts, axis_name=cfg.axis_name,
+                           groups=cfg.group_axes, repeats=True, where="jax_ep.low_latency")
     x, topk_idx = unify_varying(x, topk_idx)
     return tuple(ep_call("jax_ep_ll_dispatch_send",
                          (like(x, (0 if gpu else S, H), x.dtype), like(x, (S, K), jnp.int32),
@@ -183,6 +192,12 @@ def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):
 
 def ll_combine_recv(sent, topk_idx, topk_weights, cfg: Cfg):
     stage, status = sent
+    if cfg.check_ids and across_groups(cfg.axis_name, cfg.group_axes):
+        # As in ll_dispatch_send; after this rank's part of the exchange, which the
+        # kernel below completes on every rank of the group before reporting.
+        topk_idx = checked(topk_idx, cfg.num_experts, axis_name=cfg.axis_name,
+                           groups=cfg.group_axes, repeats=True, where="jax_ep.low_latency",
+                           wait_for=(status,))
     rank, group = ep_coords(cfg.axis_name, cfg.group_axes)
     stage, status, topk_idx, topk_weights, rank = unify_varying(stage, status, topk_idx,
                                                                 topk_weights, rank)

@@ -12,26 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep._common import Cfg, axis_names
+from jax_ep._value_check import checked, neutralized
 from jax_ep._types import DispatchHandle, DispatchLayout
-
-
-def check_ids(topk_idx, num_experts):
-    """Value check on the host: raises if an id is outside [-1, E) (the ffi backends
-    check inside their kernels). A host round trip per call: the reference is the oracle,
-    not the fast path."""
-    if topk_idx.size == 0:
-        return
-    bad = (topk_idx < -1) | (topk_idx >= num_experts)
-    flat = jnp.argmax(bad.reshape(-1))
-    value = topk_idx.reshape(-1)[flat]
-
-    def _raise(any_bad, pos, val):
-        if bool(any_bad):
-            k = topk_idx.shape[1]
-            raise ValueError(f"jax_ep: topk_idx[{int(pos) // k}, {int(pos) % k}] = {int(val)}"
-                             f" is outside [-1, {num_experts}) (num_experts={num_experts})")
-
-    jax.debug.callback(_raise, jnp.any(bad), flat, value)
 
 
 def _owner(topk_idx, experts_per_rank):
@@ -46,8 +28,6 @@ def is_token_in_rank(topk_idx, num_experts, num_ranks):
 
 def layout(topk_idx, cfg: Cfg) -> DispatchLayout:
     num_experts, num_ranks = cfg.num_experts, cfg.num_ranks
-    if cfg.check_ids:
-        check_ids(topk_idx, num_experts)
     in_rank = is_token_in_rank(topk_idx, num_experts, num_ranks)
     valid = topk_idx >= 0
     per_expert = jnp.zeros((num_experts,), jnp.int32).at[
@@ -74,7 +54,8 @@ def _a2a(v, axis_name):
 def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     num_experts, R, C, axis_name = cfg.num_experts, cfg.num_ranks, cfg.capacity, cfg.axis_name
     if cfg.check_ids:
-        check_ids(topk_idx, num_experts)
+        # Agreed on every rank before the first all_to_all (jax_ep/_value_check.py).
+        topk_idx = checked(topk_idx, num_experts, axis_name=axis_name, groups=cfg.group_axes)
     rank = jax.lax.axis_index(axis_names(axis_name))
     T, H = x.shape
     K = topk_idx.shape[1]
@@ -176,38 +157,6 @@ def gather(g, handle: DispatchHandle, cfg: Cfg):
 from jax_ep._common import unify_varying  # noqa: E402 - low-latency section only
 
 
-def check_ll_ids(topk_idx, num_experts, exchanged=None):
-    """Host value check of the low-latency routing: ids in [-1, E) and no expert twice
-    in one token's top-k (each expert gets one row per token). `exchanged`, arrays the
-    op's collectives produced, make the check run after them: a rank that raised before
-    joining the collective would leave its peers waiting there."""
-    if topk_idx.size == 0:
-        return
-    K = topk_idx.shape[1]
-    bad = (topk_idx < -1) | (topk_idx >= num_experts)
-    flat = jnp.argmax(bad.reshape(-1))
-    eq = (topk_idx[:, :, None] == topk_idx[:, None, :]) & (topk_idx[:, :, None] >= 0)
-    dup = eq & ~jnp.eye(K, dtype=bool)[None]
-    tok = jnp.argmax(jnp.any(dup, axis=(1, 2)))
-    val = jnp.max(jnp.where(dup[tok], topk_idx[tok][:, None], -1))
-
-    def _raise(any_dup, t, v):
-        if bool(any_dup):
-            raise ValueError(f"jax_ep.low_latency: topk_idx[{int(t)}] names expert {int(v)} "
-                             "more than once (duplicate ids in one token's top-k)")
-
-    def _check(any_bad, pos, bad_val, any_dup, t, v, *_):
-        if bool(any_bad):
-            raise ValueError(f"jax_ep: topk_idx[{int(pos) // K}, {int(pos) % K}] = "
-                             f"{int(bad_val)} is outside [-1, {num_experts}) "
-                             f"(num_experts={num_experts})")
-        _raise(any_dup, t, v)
-
-    extra = tuple(a.reshape(-1)[:1] for a in (exchanged or ()))
-    jax.debug.callback(_check, jnp.any(bad), flat, topk_idx.reshape(-1)[flat], jnp.any(dup),
-                       tok, val, *extra)
-
-
 def ll_slot_positions(topk_idx, num_experts):
     """(pos[S, K], count[E]) int32: pos is the slot's row among this rank's tokens that
     pick the same expert (token order), count the tokens per expert; 0 in -1 slots."""
@@ -222,6 +171,10 @@ def ll_slot_positions(topk_idx, num_experts):
 def ll_dispatch_send(x, topk_idx, cfg: Cfg):
     E, R, M = cfg.num_experts, cfg.num_ranks, cfg.capacity
     el = E // R
+    if cfg.check_ids:
+        # Agreed on every rank before the all_to_all (jax_ep/_value_check.py).
+        topk_idx = checked(topk_idx, E, axis_name=cfg.axis_name, groups=cfg.group_axes,
+                           repeats=True, where="jax_ep.low_latency")
     S, H = x.shape
     K = topk_idx.shape[1]
     pos, count = ll_slot_positions(topk_idx, E)
@@ -236,8 +189,6 @@ def ll_dispatch_send(x, topk_idx, cfg: Cfg):
     recv_x = _a2a(send_x.reshape(R, el, M, H), cfg.axis_name)
     recv_tok = _a2a(send_tok.reshape(R, el, M), cfg.axis_name)
     recv_cnt = _a2a(jnp.minimum(count, M).reshape(R, el), cfg.axis_name)
-    if cfg.check_ids:
-        check_ll_ids(topk_idx, E, exchanged=(recv_x, recv_tok, recv_cnt))
     return jax.lax.bitcast_convert_type(recv_x, x.dtype), recv_tok, recv_cnt
 
 
@@ -284,6 +235,13 @@ def ll_combine_recv(sent, topk_idx, topk_weights, cfg: Cfg):
     (back,) = sent
     el = cfg.experts_per_rank
     M = cfg.capacity
+    if cfg.check_ids:
+        # The ids come after the exchange here: the agreement waits for it (so no rank
+        # can be left in it), every rank raises after it, and rejected ids read no row.
+        ids = checked(topk_idx, cfg.num_experts, axis_name=cfg.axis_name,
+                      groups=cfg.group_axes, repeats=True, where="jax_ep.low_latency",
+                      wait_for=(back,))
+        topk_idx = neutralized(ids, cfg.num_experts, repeats=True)
     pos, _ = ll_slot_positions(topk_idx, cfg.num_experts)
     valid = (topk_idx >= 0) & (pos < M)  # rows past M were never sent
     g = jnp.where(valid, topk_idx, 0)
