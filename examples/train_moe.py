@@ -178,7 +178,8 @@ def lm_loss(model, tokens, a):
     lb = sum(x["load_balance_loss"] for x in auxes) / len(auxes)
     z = sum(x["router_z_loss"] for x in auxes) / len(auxes)
     load = jnp.stack([x["tokens_per_expert"] for x in auxes])  # [layers, E]
-    dropped = sum(x["dropped"] for x in auxes)
+    # [top-k slots dropped, rows of them dropped at receive], over the layers
+    dropped = sum(jnp.stack([x["dropped"], x["dropped_rows"]]) for x in auxes)
     return ce + a.aux_coef * lb + a.z_coef * z, (ce, lb, load, dropped)
 
 
@@ -206,7 +207,7 @@ def make_steps(a, mesh):
             for blk, l in zip(model.blocks, load):
                 blk.moe.update_routing_bias(l)
         return {"loss": ce, "total_loss": loss, "lb_loss": lb, "load": load,
-                "dropped": dropped}
+                "dropped": dropped[0], "dropped_rows": dropped[1]}
 
     @nnx.jit
     def eval_step(model, tokens):
@@ -394,6 +395,7 @@ def main(a):
                    "mean_expert_load": float(load.mean()),
                    "load_balance_loss": float(m["lb_loss"]),
                    "dropped": int(m["dropped"]),
+                   "dropped_rows": int(m["dropped_rows"]),
                    "expert_load": load.tolist()}
             if step % a.eval_every == 0 or step == a.steps:
                 rec["eval_loss"] = float(np.mean([float(eval_step(model, put(b)))
@@ -421,13 +423,14 @@ def main(a):
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     slots = len(records) * a.layers * a.batch * a.seq * a.top_k
     dropped = sum(r.get("dropped", 0) for r in records)
+    dropped_rows = sum(r.get("dropped_rows", 0) for r in records)
     print(f"trained steps {start + 1}..{end} in {wall:.0f}s; over steps "
           f"{records[0]['step']}..{records[-1]['step']}: "
           f"mean loss first {k}: {first:.3f}, last {k}: {last:.3f} "
           f"({100 * last / first:.0f}% of first)"
           + (f"; held-out loss {evals[-1]:.3f}" if evals else "")
           + f"; {(end - start) / wall:.2f} steps/s; dropped {dropped} of {slots} top-k "
-          f"slots ({100 * dropped / slots:.2f}%)")
+          f"slots ({100 * dropped / slots:.2f}%; {dropped_rows} rows dropped at receive)")
     print(f"metrics: {os.path.abspath(metrics_path)}")
     print(f"plots:   {os.path.abspath(os.path.join(a.out, 'loss.png'))}")
     print(f"         {os.path.abspath(os.path.join(a.out, 'expert_load.png'))}")
