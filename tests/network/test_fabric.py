@@ -398,3 +398,28 @@ def test_plan_with_more_ports_than_the_node(tmp_path):
     # a plan of 2 on 4 ports: the HCA list names the first two, so the plan holds
     env = fb.nvshmem_env_for(fb.discover(tree("ib_dualport")), TransportConfig(num_ports=2))
     assert env["NVSHMEM_HCA_LIST"] == "mlx5_0:1,mlx5_1:1"
+
+
+def test_lag_shim_that_saw_nothing_is_said(monkeypatch):
+    from jax_ep.network import lag_affinity as la
+
+    class EmptyShim:
+        def configure(self, **kw):
+            pass
+
+        def disable(self):
+            pass
+
+        def table(self):
+            return []
+
+    monkeypatch.setattr(la, "load_shim", lambda path=None: EmptyShim())
+    monkeypatch.setattr(fb, "_said", set())
+    cfg = TransportConfig(num_ports=2, qps_per_port=2)
+    s = fb.setup_for_bootstrap(cfg, {"JAX_EP_SYSFS": tree("roce_bond")}, 0, 1, None,
+                               key_prefix="k", timeout_ms=10, gpu=GPU)
+    s.world = 2
+    with pytest.warns(UserWarning, match="saw no RC QP.*ONE member"):
+        fb.after_nvshmem_start()
+    t = fb.recorded_qp_table(s.config, [0, 1, 2, 3])
+    assert all(r["port"] == "firmware" for r in t)

@@ -226,6 +226,8 @@ RUN = textwrap.dedent(r"""
     from jax_ep.network import lag_affinity as la
     tmp, load_shim_first = sys.argv[1], sys.argv[2] == "1"
     st, ndev, members = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    if sys.argv[6] == "1":  # libmlx5 already in the global scope before the shim
+        ctypes.CDLL("libmlx5.so.1", mode=ctypes.RTLD_GLOBAL)
     shim = la.Shim(tmp + "/libjax_ep_lag_shim.so") if load_shim_first else None
     if shim: shim.configure(members=members, group=2, sport_base=0xC000 if members else 0,
                             init2rtr_affinity=True)
@@ -240,10 +242,11 @@ RUN = textwrap.dedent(r"""
 """)
 
 
-def _run(built, shim_first, st=0, ndev=1, members=2):
+def _run(built, shim_first, st=0, ndev=1, members=2, mlx5_global_first=False):
     env = dict(os.environ, LD_LIBRARY_PATH=built, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", RUN, built, "1" if shim_first else "0",
-                          str(st), str(ndev), str(members)], env=env, capture_output=True,
+                          str(st), str(ndev), str(members),
+                          "1" if mlx5_global_first else "0"], env=env, capture_output=True,
                          text=True, check=True)
     import json
     return json.loads(out.stdout)
@@ -318,3 +321,12 @@ def test_shim_records_devices_only(built):
     devs = [t["device"] for t in r["table"]]
     assert len(set(devs)) == 2 and devs[0] == devs[2] != devs[1] == devs[3]
     assert all(t["patched"] == 0 and t["rts2rts_status"] == -1 for t in r["table"])
+
+
+@needs_cxx
+def test_libmlx5_bound_first_is_visible_in_the_table(built):
+    # libmlx5 global before the shim: the transport binds to it, the shim sees no QP
+    # (the bootstrap then says the affinity did not reach the QPs)
+    r = _run(built, True, mlx5_global_first=True)
+    assert r["table"] == []
+    assert all(e["lag_tx_port_affinity"] == 0 for e in r["log"])
