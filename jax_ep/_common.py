@@ -19,88 +19,133 @@ from jax_ep import _stream
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # Call-site ids. Every rank must give the same EP call the same id (the kernels compare
-# them to catch ranks in different calls), and one program must not reuse an id for two
-# calls (the CPU rendezvous meets on it). A process-wide counter breaks the first rule as
-# soon as one process traces an extra EP function (an evaluation on rank 0 only), so the
-# id is derived from what every process shares for the same program point: the function
-# being traced (its name, source line and input types; that is what JAX caches a traced
-# function by), the op's position among the EP calls traced in it, and the op's static
-# configuration.
+# them to catch ranks in different calls), and the EP calls of one traced function get
+# distinct ids (the CPU rendezvous meets on them). A process-wide counter breaks the first
+# rule as soon as one process traces an extra EP function (an evaluation on rank 0 only),
+# so the id is derived from what every process shares for the same program point:
+#  - the scope: the innermost user function JAX itself called to trace it (a jit,
+#    shard_map, checkpoint or scan body). JAX caches a traced body by function and
+#    types, so a body reused from an earlier trace keeps ids that depend on the body
+#    alone. Module methods Flax calls inside it are sub-scopes, numbered in order of
+#    appearance, so the layers of one model differ;
+#  - the op's position among the EP calls of that scope;
+#  - the op's kind and operand types (the body JAX traces it in) and `static`.
 _SITE_SPACE = (1 << 31) - 1  # ids in [1, 2^31): the internode header carries 32 bits
-_site_positions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_site_info: dict[int, str] = {}
 _SITE_INFO_MAX = 4096
+_site_info: dict[int, str] = {}
+_scopes: dict[int, dict] = {}  # id(frame) -> {"frame", "calls", "children", "path", "used"}
+_trace_scopes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trace -> scope
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_JAX_DIRS = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}")
+_LIB_DIRS = _JAX_DIRS + (f"{os.sep}flax{os.sep}",)
 
 
-def _tracing_frame():
-    """The innermost function being traced (jit, shard_map body, checkpoint, ...): its
-    trace object, or None outside tracing."""
+def _where(frame) -> str:
+    return os.path.abspath(frame.f_code.co_filename)
+
+
+def _is_lib(path: str) -> bool:
+    return path.startswith(_HERE) or any(d in path for d in _LIB_DIRS)
+
+
+def _code_key(frame) -> str:
+    c = frame.f_code
+    return f"{getattr(c, 'co_qualname', c.co_name)}@{os.path.basename(c.co_filename)}:" \
+           f"{c.co_firstlineno}"
+
+
+def _scope_of_caller():
+    """The scope state of the EP call being traced (see above), or None outside one."""
+    frames = []
+    f = sys._getframe(2)
+    while f is not None:
+        frames.append(f)
+        f = f.f_back
+    frames.reverse()  # outermost first
+    live = {id(f) for f in frames}
+    for k in [k for k in _scopes if k not in live]:  # scopes whose trace has finished
+        del _scopes[k]
+    scope = None
+    for caller, fr in zip(frames, frames[1:]):
+        path, cpath = _where(fr), _where(caller)
+        if _is_lib(path) or not _is_lib(cpath):
+            continue
+        st = _scopes.get(id(fr))
+        if st is None or st["frame"] is not fr:
+            if any(d in cpath for d in _JAX_DIRS) or scope is None:
+                spath = (_code_key(fr),)  # a body JAX traced (and may cache): a root
+            else:
+                spath = scope["path"] + ((_code_key(fr), scope["children"]),)
+                scope["children"] += 1
+            st = {"frame": fr, "calls": 0, "children": 0, "path": spath, "used": set()}
+            _scopes[id(fr)] = st
+        scope = st
+    return scope
+
+
+def _innermost_trace():
+    """The innermost function JAX is tracing (its trace object), None outside tracing."""
     from jax._src import core
     try:
         stack = core.unsafe_get_trace_stack(core.trace_ctx.trace)
-    except Exception:  # noqa: BLE001 - a JAX without these internals: no shared frame
+    except Exception:  # noqa: BLE001 - a JAX without these internals
         return None
-    frames = [t for t in stack if hasattr(t, "frame")]
-    return frames[-1] if frames else None
+    traces = [t for t in stack if hasattr(t, "frame")]
+    return traces[-1] if traces else None
 
 
-def _function_key(trace) -> str:
+def _op_key(trace) -> str:
+    """The function JAX is tracing the op in (jax_ep's own custom_vjp body: the op kind,
+    or the body a backward pass is traced into) and its operand types."""
     if trace is None:
         return "<eager>"
     frame = trace.frame
-    info = getattr(frame, "debug_info", None)
-    src = str(getattr(info, "func_src_info", None) or "?")
-    # the directory may differ between hosts; the file's name and line do not
-    name, _, where = src.rpartition(" at ")
+    src = str(getattr(getattr(frame, "debug_info", None), "func_src_info", None) or "?")
+    name, _, where = src.rpartition(" at ")  # the directory may differ between hosts
     src = f"{name} at {os.path.basename(where)}" if name else os.path.basename(src)
     avals = ",".join(str(getattr(v, "aval", "?")) for v in getattr(frame, "invars", ()))
     return f"{src}({avals})"
 
 
-def _user_location() -> str:
-    """file:line of the nearest caller outside jax_ep and jax (for messages only)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    f = sys._getframe(2)
-    while f is not None:
-        fn = os.path.abspath(f.f_code.co_filename)
-        if not fn.startswith(here) and f"{os.sep}jax{os.sep}" not in fn and \
-                f"{os.sep}jaxlib{os.sep}" not in fn and "flax" not in fn:
-            return f"{os.path.basename(fn)}:{f.f_lineno}"
-        f = f.f_back
-    return "?"
-
-
 def next_call_site(*static) -> int:
     """The call-site id of the EP call being traced: the same on every process for the
-    same program point, distinct for the EP calls of one traced function. `static`: the
-    call's static configuration (target name, Cfg, shapes), hashed into the id; its repr
-    must not depend on the process."""
-    trace = _tracing_frame()
-    fkey = _function_key(trace)
-    if trace is None:
-        pos, used = 0, set()  # an eager call is a program of its own
+    same program point, distinct for the EP calls of one traced function (see above).
+    `static`: more of the call's static configuration to hash in; its repr must not
+    depend on the process."""
+    scope = _scope_of_caller()
+    trace = _innermost_trace()
+    op = _op_key(trace)
+    if scope is None and trace is not None:
+        # No user function on the stack (a backward pass JAX traces after the forward
+        # function returned): the body JAX is tracing the calls into is the scope.
+        scope = _trace_scopes.get(trace)
+        if scope is None:
+            scope = {"calls": 0, "path": (op,), "used": set()}
+            _trace_scopes[trace] = scope
+    if scope is None:  # an eager call: a program of its own
+        spath, pos, used = ("<eager>",), 0, set()
     else:
-        state = _site_positions.setdefault(trace, {"n": 0, "used": set()})
-        pos, used = state["n"], state["used"]
-        state["n"] += 1
+        spath, pos, used = scope["path"], scope["calls"], scope["used"]
+        scope["calls"] += 1
     salt = 0
     while True:
-        text = repr((fkey, pos, tuple(repr(s) for s in static), salt)).encode()
+        text = repr((spath, pos, op, tuple(repr(s) for s in static), salt)).encode()
         site = 1 + int.from_bytes(hashlib.sha256(text).digest()[:8], "little") % (
             _SITE_SPACE - 1)
-        if site not in used:  # never two calls of one function with one id
+        if site not in used:  # never one id for two calls of one scope
             break
         salt += 1
     used.add(site)
     if len(_site_info) >= _SITE_INFO_MAX:
         _site_info.pop(next(iter(_site_info)))
-    _site_info[site] = (f"EP call #{pos} of {fkey.split('(')[0]} "
-                        f"(called from {_user_location()})")
+    where = " > ".join(p.split("(")[0] if isinstance(p, str) else f"{p[0]}[{p[1]}]"
+                       for p in spath)
+    _site_info[site] = f"EP call #{pos} of {where} ({op.split('(')[0]})"
     return site
 
 
 def call_site_info(site: int) -> str | None:
-    """Where the EP call with this call-site id was traced in this process, or None."""
+    """Where this process traced the EP call with this call-site id, or None."""
     return _site_info.get(int(site))
 
 
