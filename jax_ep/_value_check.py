@@ -63,14 +63,16 @@ def _agree(verdict, axes):
 
 def _message(v, num_experts: int, where: str, grouped: bool, global_rows):
     code, rank, group, t, k, value, other = (int(a) for a in v)
-    at = f"rank {rank}" + (f" of EP group {group}" if grouped else "")
+    # grouped None: a check of the whole array, not of one rank's.
+    at = "" if grouped is None else (
+        f"on rank {rank}" + (f" of EP group {group}" if grouped else "") + ": ")
     tail = ""
     if global_rows is not None:
         tail = f" (row {global_rows(rank, group, t)} of the global topk_idx)"
     if code == OUT_OF_RANGE:
-        return (f"jax_ep: on {at}: topk_idx[{t}, {k}] = {value} is outside "
+        return (f"jax_ep: {at}topk_idx[{t}, {k}] = {value} is outside "
                 f"[-1, {num_experts}) (num_experts={num_experts}){tail}")
-    return (f"jax_ep: on {at}: {where}: topk_idx[{t}] names expert {value} more than once "
+    return (f"jax_ep: {at}{where}: topk_idx[{t}] names expert {value} more than once "
             f"(duplicate ids in one token's top-k: topk_idx[{t}, {other}] and "
             f"topk_idx[{t}, {k}]){tail}")
 
@@ -127,7 +129,9 @@ def checked(topk_idx, num_experts: int, *, axis_name=None, groups=None, repeats=
     verdict = local_verdict(topk_idx, num_experts, repeats)
     if axis_name is None:
         axes = _manual_axes()
-        rank = jax.lax.axis_index(axes).astype(jnp.int32) if axes else jnp.int32(0)
+        if not axes:
+            return _whole(topk_idx, num_experts, repeats, where)
+        rank = jax.lax.axis_index(axes).astype(jnp.int32)
         group = jnp.int32(0)
         grouped = False
     else:
@@ -141,6 +145,26 @@ def checked(topk_idx, num_experts: int, *, axis_name=None, groups=None, repeats=
     verdict = _agree(verdict, axes)
     return _depend(_raise_if_bad(verdict, num_experts, where, grouped, wait_for=wait_for),
                    topk_idx)
+
+
+def _whole(topk_idx, num_experts, repeats, where):
+    """The check of an array outside shard_map (the layout under plain jit). With a
+    mesh of several devices in context it runs replicated on each of them inside a
+    shard_map, so every device raises (a callback of a partitioned program runs on one
+    device, and the others would wait for it in their next collective); with none, on
+    the program's one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is not None and not mesh.empty and mesh.size > 1 and not _manual_axes():
+        from jax.sharding import PartitionSpec as P
+
+        def body(idx):
+            v = local_verdict(idx, num_experts, repeats)
+            # Every device holds the whole array: all reach the same verdict.
+            return _depend(_raise_if_bad(v, num_experts, where, None), idx)
+
+        return jax.shard_map(body, in_specs=P(), out_specs=P(), check_vma=False)(topk_idx)
+    v = local_verdict(topk_idx, num_experts, repeats)
+    return _depend(_raise_if_bad(v, num_experts, where, None), topk_idx)
 
 
 def neutralized(topk_idx, num_experts: int, repeats=False):

@@ -134,7 +134,20 @@ def global_ll(mesh, backend):
     return jax.jit(f)
 
 
-# (name, builder, kwargs, kind, which index argument is spoiled, global view)
+def jit_layout(mesh, backend):
+    """get_dispatch_layout on the global array under plain jit (no shard_map), the mesh
+    in context."""
+    import jax
+    import jax_ep
+
+    def f(x, i, w):
+        return jax_ep.get_dispatch_layout(i, num_experts=E, num_ranks=R,
+                                          backend=backend).num_tokens_per_expert
+    return jax.jit(f)
+
+
+# (name, builder, kwargs, kind, which index argument is spoiled, whole array checked:
+# the error names the global row, not a rank)
 CASES = {
     "shard": [
         ("dispatch", per_shard_dispatch, {}, "range", "idx", False),
@@ -151,11 +164,13 @@ CASES = {
         ("sharded_layout", global_layout, {}, "range", "idx", True),
         ("sharded_ll_repeat", global_ll, {}, "repeat", "idx", True),
         ("sharded_ll_combine_range", global_ll, {}, "range", "combine_idx", True),
+        ("jit_layout", jit_layout, {}, "range", "idx", "whole"),
     ],
 }
 # Across processes: the reference backend only (the CPU ffi transport is one process).
 CASES["multiprocess"] = [CASES["shard"][0], CASES["shard"][1], CASES["shard"][3],
-                         CASES["shard"][5], CASES["global"][0], CASES["global"][2]]
+                         CASES["shard"][5], CASES["global"][0], CASES["global"][2],
+                         CASES["global"][4]]
 
 
 # ----------------------------------------------------------------------------- running
@@ -189,7 +204,7 @@ def run_group(group, backends, mesh, log):
         return jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
 
     x, idx, w = _inputs()
-    for name, builder, kw, kind, which, _ in CASES[group]:
+    for name, builder, kw, kind, which, view in CASES[group]:
         for backend in backends:
             fn = builder(mesh, backend, **kw)
             ll = builder in (per_shard_ll, global_ll)
@@ -206,6 +221,8 @@ def run_group(group, backends, mesh, log):
                 bad = _spoil(idx, ranks, kind)
                 value = int(idx[ranks[0] * T + 3, 0])
                 pattern = _pattern(kind, ranks[0], value=value)
+                if view == "whole":
+                    pattern = rf"jax_ep: topk_idx\[{ranks[0] * T + 3}, 1\] = 21 is outside"
                 t0 = time.monotonic()
                 try:
                     call(bad) if which == "idx" else call(idx, bad)
