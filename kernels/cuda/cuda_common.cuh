@@ -102,10 +102,6 @@ __device__ __forceinline__ void warp_zero_row(void* dst, size_t n, int lane) {
 }
 
 // Lanes below `lane` in the warp.
-__device__ __forceinline__ unsigned lanemask_lt() {
-  unsigned m;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
-}
+__device__ __forceinline__ unsigned lanemask_lt() { return peer::lanemask_lt(); }
 
 }  // namespace jax_ep

@@ -14,23 +14,24 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/common/layout_math.h"
 
 namespace jax_ep {
 namespace {
 
 // First error of any kind on this GPU: what check_errors() reports first.
-__device__ ErrorRecord g_intranode_error;
+JEP_DEVICE_GLOBAL ErrorRecord g_intranode_error;
 // First protocol error on this GPU, kept beside the record above: that one's first error
 // may be an earlier bad id or foreign handle (which stop nothing), and a timeout behind it
 // must still stop every send, or a push whose credit wait timed out would write into
 // regions its receiver has not read. A non-zero code here is this GPU's failed state.
-__device__ ErrorRecord g_intranode_failed;
+JEP_DEVICE_GLOBAL ErrorRecord g_intranode_failed;
 // Non-zero once a timeout is recorded on this GPU: every later wait returns at once. Other
 // protocol errors leave waits running: a rank's counts and call sites sit in one header
 // slot per op kind, so a rank that stopped waiting for its credits would overwrite them
 // while a healthy peer still reads the last epoch's.
-__device__ int32_t g_intranode_stop;
+JEP_DEVICE_GLOBAL int32_t g_intranode_stop;
 
 __device__ __forceinline__ void report(const CommonArgs& c, int32_t code, int32_t a, int32_t b,
                                        int32_t x, int32_t d) {
@@ -260,7 +261,7 @@ __global__ void dispatch_push_kernel(DispatchArgs a) {
 }
 
 __global__ void dispatch_finish_kernel(DispatchArgs a, bool smem_hist) {
-  extern __shared__ int32_t s_hist[];
+  JEP_DYNAMIC_SMEM(int32_t, s_hist);
   __shared__ uint64_t s_n;
   __shared__ int32_t s_base[kMaxRanks + 1];
   __shared__ int32_t s_cnt[kMaxRanks];
@@ -522,7 +523,7 @@ struct Elems<FloatKind::kF16> : Elems16<FloatKind::kF16> {};
 template <FloatKind kKind>
 __global__ void combine_finish_kernel(CombineArgs a) {
   using E = Elems<kKind>;
-  extern __shared__ int32_t s_j[];  // [warps per block][kMaxRanks]: staged row per rank
+  JEP_DYNAMIC_SMEM(int32_t, s_j);  // [warps per block][kMaxRanks]: staged row per rank
   __shared__ uint64_t s_n;
   __shared__ int32_t s_lo[kMaxRanks], s_cnt[kMaxRanks];
   __shared__ bool s_fail;
@@ -732,15 +733,15 @@ cudaError_t LaunchDispatchPhase(int phase, const DispatchArgs& a, const Intranod
   if (a.c.num_ranks < 1 || a.c.num_ranks > kMaxRanks) return cudaErrorInvalidValue;
   switch (phase) {
     case kPhasePlan:
-      dispatch_plan_kernel<<<1, kPlanThreads, 0, stream>>>(a);
+      JEP_LAUNCH(dispatch_plan_kernel, 1, kPlanThreads, 0, stream)(a);
       break;
     case kPhasePush:
-      dispatch_push_kernel<<<p.push_blocks, p.threads, 0, stream>>>(a);
+      JEP_LAUNCH(dispatch_push_kernel, p.push_blocks, p.threads, 0, stream)(a);
       break;
     case kPhaseFinish: {
       const bool smem_hist = a.experts_per_rank <= kMaxSmemLocalExperts;
       const size_t smem = smem_hist ? sizeof(int32_t) * a.experts_per_rank : 0;
-      dispatch_finish_kernel<<<p.recv_blocks, p.threads, smem, stream>>>(a, smem_hist);
+      JEP_LAUNCH(dispatch_finish_kernel, p.recv_blocks, p.threads, smem, stream)(a, smem_hist);
       break;
     }
     default:
@@ -754,22 +755,22 @@ cudaError_t LaunchCombinePhase(int phase, const CombineArgs& a, const IntranodeP
   if (a.c.num_ranks < 1 || a.c.num_ranks > kMaxRanks) return cudaErrorInvalidValue;
   switch (phase) {
     case kPhasePlan:
-      combine_plan_kernel<<<1, kPlanThreads, 0, stream>>>(a);
+      JEP_LAUNCH(combine_plan_kernel, 1, kPlanThreads, 0, stream)(a);
       break;
     case kPhasePush:
-      combine_push_kernel<<<p.push_blocks, p.threads, 0, stream>>>(a);
+      JEP_LAUNCH(combine_push_kernel, p.push_blocks, p.threads, 0, stream)(a);
       break;
     case kPhaseFinish: {
       const size_t smem = sizeof(int32_t) * kMaxRanks * (p.threads / 32);
       switch (a.kind) {
         case FloatKind::kF32:
-          combine_finish_kernel<FloatKind::kF32><<<p.recv_blocks, p.threads, smem, stream>>>(a);
+          JEP_LAUNCH(combine_finish_kernel<FloatKind::kF32>, p.recv_blocks, p.threads, smem, stream)(a);
           break;
         case FloatKind::kBF16:
-          combine_finish_kernel<FloatKind::kBF16><<<p.recv_blocks, p.threads, smem, stream>>>(a);
+          JEP_LAUNCH(combine_finish_kernel<FloatKind::kBF16>, p.recv_blocks, p.threads, smem, stream)(a);
           break;
         case FloatKind::kF16:
-          combine_finish_kernel<FloatKind::kF16><<<p.recv_blocks, p.threads, smem, stream>>>(a);
+          JEP_LAUNCH(combine_finish_kernel<FloatKind::kF16>, p.recv_blocks, p.threads, smem, stream)(a);
           break;
       }
       break;
@@ -785,13 +786,13 @@ cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePre
   if (a.c.num_ranks < 1 || a.c.num_ranks > kMaxRanks) return cudaErrorInvalidValue;
   switch (phase) {
     case kPhasePlan:
-      gather_plan_kernel<<<1, kPlanThreads, 0, stream>>>(a);
+      JEP_LAUNCH(gather_plan_kernel, 1, kPlanThreads, 0, stream)(a);
       break;
     case kPhasePush:
-      gather_push_kernel<<<p.push_blocks, p.threads, 0, stream>>>(a);
+      JEP_LAUNCH(gather_push_kernel, p.push_blocks, p.threads, 0, stream)(a);
       break;
     case kPhaseFinish:
-      gather_finish_kernel<<<p.recv_blocks, p.threads, 0, stream>>>(a);
+      JEP_LAUNCH(gather_finish_kernel, p.recv_blocks, p.threads, 0, stream)(a);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -4,12 +4,13 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/common/layout_math.h"
 
 namespace jax_ep {
 namespace {
 
-__device__ ErrorRecord g_layout_error;
+JEP_DEVICE_GLOBAL ErrorRecord g_layout_error;
 
 // One block per `tokens_per_block` tokens. Counts go to shared memory first (ranks
 // always, experts when E fits), then one global atomic per non-zero counter.
@@ -17,7 +18,7 @@ __global__ void layout_kernel(const int32_t* __restrict__ topk_idx, int T, int K
                               int tokens_per_block, bool smem_experts,
                               int32_t* __restrict__ per_rank, int32_t* __restrict__ per_expert,
                               bool* __restrict__ in_rank, ErrorRecord* host_err) {
-  extern __shared__ int32_t s_counts[];  // [R] ranks, then [E] experts if smem_experts
+  JEP_DYNAMIC_SMEM(int32_t, s_counts);  // [R] ranks, then [E] experts if smem_experts
   int32_t* s_rank = s_counts;
   int32_t* s_expert = s_counts + R;
   const int el = E / R;
@@ -70,7 +71,7 @@ cudaError_t LaunchLayout(cudaStream_t stream, const int32_t* topk_idx, int T, in
   const bool smem_experts = E <= p.max_smem_experts;
   const int blocks = (T + p.tokens_per_block - 1) / p.tokens_per_block;
   const size_t smem = sizeof(int32_t) * (R + (smem_experts ? E : 0));
-  layout_kernel<<<blocks, p.threads, smem, stream>>>(topk_idx, T, K, E, R, p.tokens_per_block,
+  JEP_LAUNCH(layout_kernel, blocks, p.threads, smem, stream)(topk_idx, T, K, E, R, p.tokens_per_block,
                                                      smem_experts, tokens_per_rank,
                                                      tokens_per_expert, is_token_in_rank, host_err);
   return cudaGetLastError();

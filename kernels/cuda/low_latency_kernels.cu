@@ -3,15 +3,16 @@
 
 #include "kernels/common/low_latency_math.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/peer_transport.cuh"
 
 namespace jax_ep {
 
-__device__ ErrorRecord g_ll_error;
+JEP_DEVICE_GLOBAL ErrorRecord g_ll_error;
 // Set by every protocol error, also when the record above already holds an earlier bad id
 // or foreign handle (first error wins there): otherwise a later timeout would go unseen
 // and a send would write into halves whose reader never gave its credit.
-__device__ int32_t g_ll_failed;
+JEP_DEVICE_GLOBAL int32_t g_ll_failed;
 
 namespace {
 
@@ -475,15 +476,15 @@ int Blocks(int64_t warps_of_work) {
 cudaError_t LaunchLowLatencyPhase(int phase, const LowLatencyArgs& a, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(a.L.experts_per_rank()) * a.L.R * a.M;
   switch (phase) {
-    case kLLDispatchPlan: ll_dispatch_plan<<<1, kThreads, 0, stream>>>(a); break;
+    case kLLDispatchPlan: JEP_LAUNCH(ll_dispatch_plan, 1, kThreads, 0, stream)(a); break;
     case kLLDispatchPush:
-      ll_dispatch_push<<<Blocks(static_cast<int64_t>(a.S) * a.K), kThreads, 0, stream>>>(a);
+      JEP_LAUNCH(ll_dispatch_push, Blocks(static_cast<int64_t>(a.S) * a.K), kThreads, 0, stream)(a);
       break;
-    case kLLDispatchRecv: ll_dispatch_recv<<<Blocks(rows), kThreads, 0, stream>>>(a); break;
-    case kLLCombinePlan: ll_combine_plan<<<1, kThreads, 0, stream>>>(a); break;
-    case kLLCombinePush: ll_combine_push<<<Blocks(rows), kThreads, 0, stream>>>(a); break;
-    case kLLCombineRecvPlan: ll_combine_recv_plan<<<1, kThreads, 0, stream>>>(a); break;
-    case kLLCombineRecv: ll_combine_recv<<<Blocks(a.S), kThreads, 0, stream>>>(a); break;
+    case kLLDispatchRecv: JEP_LAUNCH(ll_dispatch_recv, Blocks(rows), kThreads, 0, stream)(a); break;
+    case kLLCombinePlan: JEP_LAUNCH(ll_combine_plan, 1, kThreads, 0, stream)(a); break;
+    case kLLCombinePush: JEP_LAUNCH(ll_combine_push, Blocks(rows), kThreads, 0, stream)(a); break;
+    case kLLCombineRecvPlan: JEP_LAUNCH(ll_combine_recv_plan, 1, kThreads, 0, stream)(a); break;
+    case kLLCombineRecv: JEP_LAUNCH(ll_combine_recv, Blocks(a.S), kThreads, 0, stream)(a); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();

@@ -25,6 +25,12 @@ __device__ __forceinline__ RankHeader* header(const PeerTable& t, int r) {
 
 __device__ __forceinline__ void fence_data() { __threadfence_system(); }
 
+// ---- every inline PTX statement of the intranode kernels, one helper each ----
+// The emulated GPU (kernels/emu/emu_ptx.h) defines the same helpers with the same meaning.
+#if defined(JAX_EP_EMU)
+#include "kernels/emu/emu_ptx.h"
+#else
+// Release store at system scope: the writes before it (fenced) are visible first.
 __device__ __forceinline__ void signal(uint64_t* flag, uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
@@ -35,31 +41,10 @@ __device__ __forceinline__ uint64_t load_acquire(const uint64_t* flag) {
   return v;
 }
 
-__device__ __forceinline__ int32_t load_volatile(const int32_t* p) {
-  return *reinterpret_cast<const volatile int32_t*>(p);
-}
-
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
-}
-
-// Spins until *flag >= value. Returns false on timeout, or at once when `stop` (if given)
-// reads non-zero: a timeout already recorded on this GPU means a peer is gone, and
-// waiting the full timeout again in every queued kernel would only delay the error.
-// The caller records an error and carries on, so a missing peer never hangs the GPU.
-__device__ __forceinline__ bool wait_geq(const uint64_t* flag, uint64_t value, int64_t timeout_ns,
-                                         const int32_t* stop = nullptr) {
-  if (load_acquire(flag) >= value) return true;
-  const uint64_t start = global_timer_ns();
-  while (load_acquire(flag) < value) {
-    if (stop != nullptr && *reinterpret_cast<const volatile int32_t*>(stop) != 0) return false;
-    if (timeout_ns > 0 && global_timer_ns() - start > static_cast<uint64_t>(timeout_ns))
-      return false;
-    __nanosleep(64);
-  }
-  return true;
 }
 
 // 16-byte load that bypasses L1 (data written by peers during this kernel's lifetime).
@@ -84,6 +69,42 @@ __device__ __forceinline__ uint32_t load_cg4(const void* p) {
   asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
+// Lanes below this thread's lane in its warp.
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+// A plain store into memory a peer reads (its buffer through a peer pointer). Ordered
+// before a later signal only by fence_data(); the emulated GPU buffers it until then.
+template <typename T>
+__device__ __forceinline__ void store(T* p, T v) {
+  *p = v;
+}
+__device__ __forceinline__ void store16(void* p, uint4 v) { *static_cast<uint4*>(p) = v; }
+#endif
+
+__device__ __forceinline__ int32_t load_volatile(const int32_t* p) {
+  return *reinterpret_cast<const volatile int32_t*>(p);
+}
+
+// Spins until *flag >= value. Returns false on timeout, or at once when `stop` (if given)
+// reads non-zero: a timeout already recorded on this GPU means a peer is gone, and
+// waiting the full timeout again in every queued kernel would only delay the error.
+// The caller records an error and carries on, so a missing peer never hangs the GPU.
+__device__ __forceinline__ bool wait_geq(const uint64_t* flag, uint64_t value, int64_t timeout_ns,
+                                         const int32_t* stop = nullptr) {
+  if (load_acquire(flag) >= value) return true;
+  const uint64_t start = global_timer_ns();
+  while (load_acquire(flag) < value) {
+    if (stop != nullptr && *reinterpret_cast<const volatile int32_t*>(stop) != 0) return false;
+    if (timeout_ns > 0 && global_timer_ns() - start > static_cast<uint64_t>(timeout_ns))
+      return false;
+    __nanosleep(64);
+  }
+  return true;
+}
+
 __device__ __forceinline__ int32_t load_cg_s32(const int32_t* p) {
   return static_cast<int32_t>(load_cg4(p));
 }

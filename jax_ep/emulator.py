@@ -1,0 +1,223 @@
+"""The CUDA kernels on the emulated GPU: R virtual GPUs on the CPU running the unchanged
+kernel sources and the CUDA backend's own handlers (module `_jax_ep_emu`, kernels/emu).
+
+    emu = Emulator(num_ranks=4, seed=3)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    out = emu.dispatch(x, topk_idx, topk_w, num_experts=E, capacity=C)   # per-rank lists
+
+Inputs and outputs carry a leading rank axis (x[R, T, H], ...). Every call runs the same
+handler on every virtual GPU (rank r on GPU r), in one scheduler run, and returns NumPy
+arrays plus each rank's handler error and the device error records. Seeds fix the
+interleaving; docs/emulator.md describes the model and its limits.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any, Sequence
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    np.dtype(np.float32): "f32",
+    np.dtype(ml_dtypes.bfloat16): "bf16",
+    np.dtype(np.float16): "f16",
+    np.dtype(np.int32): "s32",
+    np.dtype(np.bool_): "pred",
+    np.dtype(np.uint8): "u8",
+    np.dtype(np.int8): "s8",
+    np.dtype(ml_dtypes.float8_e4m3fn): "f8e4m3fn",
+    np.dtype(ml_dtypes.float8_e5m2): "f8e5m2",
+}
+
+
+def module():
+    """The emulated module: from $JAX_EP_EMU_MODULE_DIR when set (a scratch or sanitizer
+    build), else the one built with the package."""
+    d = os.environ.get("JAX_EP_EMU_MODULE_DIR")
+    if d:
+        if d not in sys.path:
+            sys.path.insert(0, d)
+        return importlib.import_module("_jax_ep_emu")
+    try:
+        return importlib.import_module("jax_ep._jax_ep_emu")
+    except ImportError as e:  # pragma: no cover - depends on the build
+        raise NotImplementedError(
+            "jax_ep was built without the emulated GPU (cmake -DJAX_EP_EMU=ON)") from e
+
+
+def _code(dt) -> str:
+    dt = np.dtype(dt)
+    if dt not in _DTYPES:
+        raise ValueError(f"dtype {dt} is not supported by the emulated GPU's buffers")
+    return _DTYPES[dt]
+
+
+class EmuError(RuntimeError):
+    """The emulator itself found a fault (deadlock, hang, a bad warp collective)."""
+
+
+class Emulator:
+    """R virtual GPUs, one EP group (rank r on virtual GPU r).
+
+    seed: scheduler and store-buffer seed; resident_blocks: blocks one virtual GPU runs at
+    once; timeout_s: the kernels' own timeout, in virtual seconds; weak_stores: stores into
+    peers' buffers become visible late (fences and release stores drain them).
+    """
+
+    def __init__(self, num_ranks: int, *, seed: int = 1, resident_blocks: int = 8,
+                 timeout_s: float = 0.05, weak_stores: bool = True, group: int = 0):
+        if not 1 <= num_ranks <= 32:
+            raise ValueError(f"num_ranks must be in [1, 32], got {num_ranks}")
+        self.m = module()
+        self.R = num_ranks
+        self.group = group
+        self.seed = seed
+        self.m.configure(num_devices=max(num_ranks, 1), seed=seed,
+                         resident_blocks=resident_blocks, timeout_s=timeout_s,
+                         weak_stores=weak_stores)
+        self.m.cuda_reset()
+
+    # ---- group set-up (jax_ep.cuda.setup's work) ----
+    def setup(self, *, tokens: int, capacity: int, row_bytes: int, topk: int,
+              ll_shape: Sequence[int] | None = None):
+        """Buffers for intranode calls up to these shapes; ll_shape = (max_tokens, topk,
+        num_experts, row_bytes) adds a low-latency area."""
+        a = self.m.cuda_area_bytes(self.R, tokens, capacity, row_bytes, topk)
+        areas = [a["dispatch"], a["combine"], a["gather"]]
+        ll = []
+        if ll_shape is not None:
+            M, K, E, rb = ll_shape
+            areas.append(self.m.cuda_ll_layout(self.R, M, rb, K, E)["bytes"])
+            ll = [M, K, E, rb]
+        self.m.setup_group(self.R, self.group, areas, ll)
+
+    # ---- calls ----
+    def run(self, op: str, inputs: Sequence[Sequence[np.ndarray]],
+            outputs: Sequence[Sequence[tuple]], attrs: dict, *, skip: Sequence[int] = (),
+            per_rank_attrs: Sequence[dict] | None = None):
+        """One handler call per rank (ranks in `skip` make none), then one scheduler run.
+
+        inputs[r]: arrays; outputs[r]: (shape, dtype). Returns (outs, errors): outs[r] a
+        list of arrays (None for a skipped rank), errors[r] the handler's error or "".
+        """
+        ids = {}
+        for r in range(self.R):
+            if r in skip:
+                continue
+            ins = [(np.ascontiguousarray(a).tobytes(), list(np.shape(a)), _code(np.asarray(a).dtype))
+                   for a in inputs[r]]
+            outs = [(list(s), _code(d)) for s, d in outputs[r]]
+            at = dict(attrs)
+            if per_rank_attrs is not None:
+                at.update(per_rank_attrs[r])
+            ids[r] = self.m.enqueue(op, r, ins, outs, {k: int(v) for k, v in at.items()})
+        faults = self.m.synchronize()
+        if faults:
+            raise EmuError(f"emulated GPU (seed {self.seed}): " + "; ".join(faults))
+        res, errs = [], []
+        for r in range(self.R):
+            if r not in ids:
+                res.append(None)
+                errs.append("")
+                continue
+            err, blobs = self.m.result(ids[r])
+            arrs = [np.frombuffer(b, dtype=np.dtype(d)).reshape(s).copy()
+                    for b, (s, d) in zip(blobs, outputs[r])]
+            res.append(arrs)
+            errs.append(err)
+        return res, errs
+
+    def check_errors(self, clear: bool = True) -> list[str]:
+        """The device error records of every virtual GPU (jax_ep.cuda.check_errors' text)."""
+        return list(self.m.cuda_check_errors(clear))
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.m.counters())
+
+    def reset_counters(self):
+        self.m.reset_counters()
+
+    def _scalars(self, r):
+        return [np.array([r], np.int32), np.array([self.group], np.int32)]
+
+    # ---- ops ----
+    def layout(self, topk_idx, *, num_experts: int, num_ranks: int | None = None):
+        """topk_idx[R, T, K] -> dict of per_rank[R, Rl], per_expert[R, E], in_rank[R, T, Rl]."""
+        Rl = num_ranks or self.R
+        T = topk_idx.shape[1]
+        outs = [[((Rl,), np.int32), ((num_experts,), np.int32), ((T, Rl), np.bool_)]] * self.R
+        res, errs = self.run("layout", [[topk_idx[r]] for r in range(self.R)], outs,
+                             dict(num_experts=num_experts, num_ranks=Rl))
+        _raise(errs)
+        return dict(per_rank=np.stack([o[0] for o in res]),
+                    per_expert=np.stack([o[1] for o in res]),
+                    in_rank=np.stack([o[2] for o in res]))
+
+    def dispatch(self, x, topk_idx, topk_w, *, num_experts: int, capacity: int,
+                 call_sites: Sequence[int] | None = None, skip: Sequence[int] = ()):
+        """x[R, T, H], topk_idx/topk_w[R, T, K] -> dict of per-rank outputs (leading R)."""
+        R = self.R
+        T, H = x.shape[1], x.shape[2]
+        K = topk_idx.shape[2]
+        C, el = capacity, num_experts // R
+        outs = [[((C, H), x.dtype), ((C, K), np.int32), ((C, K), np.float32), ((), np.int32),
+                 ((), np.int32), ((el,), np.int32), ((C,), np.int32), ((C,), np.int32),
+                 ((T, R), np.int32)]] * R
+        ins = [[x[r], topk_idx[r], topk_w[r], *self._scalars(r)] for r in range(R)]
+        res, errs = self.run("dispatch", ins, outs,
+                             dict(num_experts=num_experts, num_ranks=R, capacity=C, call_site=1),
+                             skip=skip, per_rank_attrs=_sites(call_sites, R))
+        _raise(errs)
+        names = ("recv_x", "recv_idx", "recv_w", "num_recv", "num_dropped", "per_expert",
+                 "src_rank", "src_index", "send_row")
+        return _stack(res, names)
+
+    def combine(self, y, send_row, *, call_sites=None, skip=()):
+        """y[R, C, H], send_row[R, T, R] -> out[R, T, H]."""
+        R = self.R
+        T, H = send_row.shape[1], y.shape[2]
+        outs = [[((T, H), y.dtype)]] * R
+        ins = [[y[r], send_row[r], *self._scalars(r)] for r in range(R)]
+        res, errs = self.run("combine", ins, outs, dict(num_ranks=R, call_site=2), skip=skip,
+                             per_rank_attrs=_sites(call_sites, R))
+        _raise(errs)
+        return _stack(res, ("out",))["out"]
+
+    def gather(self, g, src_rank, src_index, *, call_sites=None, skip=()):
+        """g[R, T, H], src_rank/src_index[R, C] -> out[R, C, H]."""
+        R = self.R
+        C, H = src_rank.shape[1], g.shape[2]
+        outs = [[((C, H), g.dtype)]] * R
+        ins = [[g[r], src_rank[r], src_index[r], *self._scalars(r)] for r in range(R)]
+        res, errs = self.run("gather", ins, outs, dict(num_ranks=R, call_site=3), skip=skip,
+                             per_rank_attrs=_sites(call_sites, R))
+        _raise(errs)
+        return _stack(res, ("out",))["out"]
+
+
+def _sites(call_sites, R):
+    if call_sites is None:
+        return None
+    if len(call_sites) != R:
+        raise ValueError(f"call_sites must list one id per rank ({R}), got {len(call_sites)}")
+    return [dict(call_site=int(c)) for c in call_sites]
+
+
+def _raise(errs):
+    bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
+    if bad:
+        raise ValueError("; ".join(bad))
+
+
+def _stack(res, names) -> dict[str, Any]:
+    out = {}
+    for i, n in enumerate(names):
+        vals = [None if o is None else o[i] for o in res]
+        if any(v is None for v in vals):
+            out[n] = vals
+        else:
+            out[n] = np.stack(vals)
+    return out

@@ -1,0 +1,18 @@
+// The few spellings that differ between the CUDA build (nvcc) and the emulated GPU
+// (kernels/emu, the same sources compiled as C++ and run on the CPU):
+//   JEP_LAUNCH(kernel, grid, block, smem, stream)(args...)   a kernel launch (<<<>>>)
+//   JEP_DYNAMIC_SMEM(T, name);                               extern __shared__ T name[]
+//   JEP_DEVICE_GLOBAL T name;                                a __device__ variable (the
+//                                                            emulator keeps one per GPU)
+#pragma once
+
+#if defined(JAX_EP_EMU)
+#include "kernels/emu/emu_cuda.h"
+#define JEP_LAUNCH(kernel, grid, block, smem, stream) JEP_EMU_LAUNCH(kernel, grid, block, smem, stream)
+#define JEP_DYNAMIC_SMEM(T, name) JEP_EMU_DYNAMIC_SMEM(T, name)
+#define JEP_DEVICE_GLOBAL JEP_EMU_DEVICE_GLOBAL
+#else
+#define JEP_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#define JEP_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
+#define JEP_DEVICE_GLOBAL __device__
+#endif

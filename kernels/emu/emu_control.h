@@ -1,0 +1,51 @@
+// Host-side control of the emulated GPU: configuration, peer memory, faults and counters.
+// Used by the emulated module's driver code (xla_ffi/emu) and by tests.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kernels/emu/emu_cuda.h"
+
+namespace emu {
+
+struct Config {
+  int num_devices = 8;          // virtual GPUs (cudaGetDeviceCount)
+  uint64_t seed = 1;            // scheduler, store-buffer drains
+  int resident_blocks = 8;      // blocks of one virtual GPU that run at once
+  double quantum_ns = 100.0;    // virtual time one round of every live thread takes
+  double min_sleep_ns = 500.0;  // __nanosleep never sleeps less (the clock's granularity)
+  double stay_prob = 0.9;       // chance the next step stays in the block that ran last
+  double drain_prob = 0.25;     // chance a step drains part of one pending store buffer
+  bool weak_stores = true;      // buffer stores to peer memory (store_bytes / store helpers)
+  double max_virtual_ns = 60e9; // a run past this virtual time is reported as a hang
+};
+
+// Resets every virtual GPU (memory stays allocated; streams, errors, counters cleared).
+void configure(const Config& c);
+const Config& config();
+
+// Marks [p, p + n) as memory that other virtual GPUs read: stores into it through the
+// store helpers are buffered (weak visibility). Allocations are separate, so AddressSanitizer
+// puts redzones between the virtual GPUs' buffers.
+void mark_peer_memory(void* p, size_t n);
+void unmark_peer_memory(void* p);
+
+// Faults found by the emulator itself (deadlock, hang, a collective naming an exited lane):
+// returned and cleared. Empty: none.
+std::vector<std::string> take_faults();
+
+// Counters since the last reset: "kernel:<name>:launches|blocks|warps", "copy_bytes:<width>",
+// "fences:block|gpu|system", "polls", "atomics", "release_stores", "peer_stores", "steps",
+// "virtual_ns".
+std::map<std::string, uint64_t> counters();
+void reset_counters();
+void add_counter(const std::string& name, uint64_t v);
+
+// The virtual GPU the calling host code addresses (cudaSetDevice) and its default stream.
+int current_device();
+
+}  // namespace emu

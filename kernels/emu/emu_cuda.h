@@ -1,0 +1,460 @@
+// The emulated GPU: what the CUDA sources of kernels/cuda and kernels/internode need to
+// compile as plain C++ (g++/clang) and run on the CPU. Every CUDA thread is a fiber; one
+// seeded scheduler on the calling host thread runs all blocks of all virtual GPUs
+// (kernels/emu/emu_runtime.cc). See kernels/emu/README.md and docs/emulator.md.
+//
+// Included through the replacement headers in kernels/emu/include (cuda_runtime_api.h,
+// cuda_runtime.h, cuda_bf16.h, cuda_fp16.h), which the emulated build puts ahead of the
+// system ones. JAX_EP_EMU is defined for every emulated translation unit.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#ifndef JAX_EP_EMU
+#define JAX_EP_EMU 1
+#endif
+
+// ---------------------------------------------------------------------------------------
+// Qualifiers. `__shared__` variables are thread_local function statics: the scheduler runs
+// every fiber on one host thread and swaps that thread's TLS block of this module per
+// block, so each block sees its own copy. Device globals (JEP_DEVICE_GLOBAL) sit in
+// per-declaration sections that kernels/emu/emu.ld gathers into one range, swapped per
+// virtual GPU, so each virtual GPU has its own copy of every one.
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __shared__ static thread_local __attribute__((aligned(16)))
+#define JEP_EMU_STR2(x) #x
+#define JEP_EMU_STR(x) JEP_EMU_STR2(x)
+#define JEP_EMU_DEVICE_GLOBAL \
+  __attribute__((section("jep_emu_dev" JEP_EMU_STR(__COUNTER__)), aligned(16)))
+#define __constant__ JEP_EMU_DEVICE_GLOBAL
+
+namespace emu {
+
+// ---------------------------------------------------------------------------------------
+// Vector types and dims.
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
+};
+using uint3 = dim3;
+
+}  // namespace emu
+
+using emu::dim3;
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) int4 { int x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(8) int2 { int x, y; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) ulonglong2 { unsigned long long x, y; };
+struct alignas(16) longlong2 { long long x, y; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
+inline int2 make_int2(int x, int y) { return int2{x, y}; }
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+
+// ---------------------------------------------------------------------------------------
+// Runtime API types (the subset the host launchers and xla_ffi/cuda use).
+enum cudaError_t : int {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInitializationError = 3,
+  cudaErrorLaunchFailure = 4,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
+  cudaErrorPeerAccessAlreadyEnabled = 704,
+  cudaErrorPeerAccessNotEnabled = 705,
+  cudaErrorCooperativeLaunchTooLarge = 720,
+  cudaErrorNotSupported = 801,
+  cudaErrorUnknown = 999,
+};
+using cudaError = cudaError_t;
+enum cudaMemcpyKind : int {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+namespace emu {
+struct Stream;
+struct Event;
+}  // namespace emu
+using cudaStream_t = emu::Stream*;
+using cudaEvent_t = emu::Event*;
+struct cudaIpcMemHandle_t {
+  char reserved[64];
+};
+constexpr unsigned cudaStreamDefault = 0, cudaStreamNonBlocking = 1;
+constexpr unsigned cudaEventDefault = 0, cudaEventDisableTiming = 2;
+constexpr unsigned cudaHostAllocDefault = 0, cudaHostAllocPortable = 1, cudaHostAllocMapped = 2;
+constexpr unsigned cudaIpcMemLazyEnablePeerAccess = 1;
+enum cudaLaunchAttributeID : int { cudaLaunchAttributeCooperative = 2 };
+struct cudaLaunchAttributeValue {
+  int cooperative;
+};
+struct cudaLaunchAttribute {
+  cudaLaunchAttributeID id;
+  cudaLaunchAttributeValue val;
+};
+struct cudaLaunchConfig_t {
+  dim3 gridDim;
+  dim3 blockDim;
+  size_t dynamicSmemBytes = 0;
+  cudaStream_t stream = nullptr;
+  cudaLaunchAttribute* attrs = nullptr;
+  unsigned numAttrs = 0;
+};
+
+cudaError_t cudaGetLastError();
+cudaError_t cudaPeekAtLastError();
+const char* cudaGetErrorString(cudaError_t e);
+const char* cudaGetErrorName(cudaError_t e);
+cudaError_t cudaGetDeviceCount(int* n);
+cudaError_t cudaGetDevice(int* d);
+cudaError_t cudaSetDevice(int d);
+cudaError_t cudaDeviceSynchronize();
+cudaError_t cudaDeviceCanAccessPeer(int* can, int d, int peer);
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags);
+cudaError_t cudaMalloc(void** p, size_t bytes);
+template <typename T>
+inline cudaError_t cudaMalloc(T** p, size_t bytes) {
+  return cudaMalloc(reinterpret_cast<void**>(p), bytes);
+}
+cudaError_t cudaFree(void* p);
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned flags);
+cudaError_t cudaMallocHost(void** p, size_t bytes);
+cudaError_t cudaFreeHost(void* p);
+cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned flags);
+cudaError_t cudaMemset(void* p, int v, size_t n);
+cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s = nullptr);
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
+                            cudaStream_t s = nullptr);
+cudaError_t cudaStreamCreate(cudaStream_t* s);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags);
+cudaError_t cudaStreamDestroy(cudaStream_t s);
+cudaError_t cudaStreamSynchronize(cudaStream_t s);
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags = 0);
+cudaError_t cudaEventCreate(cudaEvent_t* e);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags);
+cudaError_t cudaEventDestroy(cudaEvent_t e);
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = nullptr);
+cudaError_t cudaEventSynchronize(cudaEvent_t e);
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* h, void* p);
+cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t h, unsigned flags);
+cudaError_t cudaIpcCloseMemHandle(void* p);
+
+namespace emu {
+// Host side of the symbol calls: the virtual GPU's copy of a device global.
+cudaError_t symbol_copy(void* dst, const void* src, size_t n, bool to_symbol, const void* symbol);
+void* symbol_address(const void* symbol);
+}  // namespace emu
+
+template <typename T>
+inline cudaError_t cudaMemcpyFromSymbol(void* dst, const T& symbol, size_t n, size_t offset = 0,
+                                        cudaMemcpyKind = cudaMemcpyDeviceToHost) {
+  return emu::symbol_copy(dst, reinterpret_cast<const char*>(&symbol) + offset, n, false, &symbol);
+}
+template <typename T>
+inline cudaError_t cudaMemcpyToSymbol(const T& symbol, const void* src, size_t n, size_t offset = 0,
+                                      cudaMemcpyKind = cudaMemcpyHostToDevice) {
+  return emu::symbol_copy(const_cast<char*>(reinterpret_cast<const char*>(&symbol)) + offset, src,
+                          n, true, &symbol);
+}
+template <typename T>
+inline cudaError_t cudaGetSymbolAddress(void** p, const T& symbol) {
+  *p = emu::symbol_address(&symbol);
+  return cudaSuccess;
+}
+
+// ---------------------------------------------------------------------------------------
+// Device side: the current fiber's identity and the yield points.
+namespace emu {
+
+struct FiberCtx {
+  dim3 tid, bid, bdim, gdim;
+  int lane, warp;
+};
+// The running fiber's context (null on the host).
+extern FiberCtx* g_ctx;
+
+enum YieldKind : int {
+  kYieldBarrier = 0, kYieldWarp, kYieldAtomic, kYieldFence, kYieldPoll, kYieldSleep,
+  kYieldStore, kNumYieldKinds
+};
+enum FenceScope : int { kFenceBlock = 0, kFenceGpu = 1, kFenceSystem = 2 };
+enum WarpOp : int { kWarpSync = 0, kWarpBallot, kWarpAny, kWarpAll, kWarpShfl, kWarpShflXor,
+                    kWarpShflDown, kWarpShflUp };
+
+void yield(int kind);
+void syncthreads();
+// Lanes of `mask` meet; returns this lane's result (the value is up to 8 bytes).
+uint64_t warp_collective(int op, unsigned mask, uint64_t value, int arg, int width);
+unsigned activemask();
+void fence(int scope);
+void nanosleep_ns(unsigned ns);
+uint64_t global_timer_ns();
+long long clock_ticks();
+char* dynamic_smem();
+// Counted, yields; a poll that finds nothing new advances the virtual clock.
+void note_poll();
+void note_copy(int width, size_t bytes);
+// Stores to memory other virtual GPUs read (peer buffers): through a per-thread store
+// buffer that drains at random later points, in order; fences and release stores drain it.
+void store_bytes(void* dst, const void* src, size_t n);
+void release_store64(uint64_t* p, uint64_t v);
+// Host: a fault the emulator found in a kernel (an exited lane in a collective's mask...).
+void fault(const char* what);
+
+template <typename T>
+inline uint64_t to_bits(T v) {
+  static_assert(sizeof(T) <= 8, "warp collectives move up to 8 bytes");
+  uint64_t b = 0;
+  std::memcpy(&b, &v, sizeof(T));
+  return b;
+}
+template <typename T>
+inline T from_bits(uint64_t b) {
+  T v;
+  std::memcpy(&v, &b, sizeof(T));
+  return v;
+}
+
+// A kernel launch: the argument tuple is copied once, as CUDA copies kernel parameters.
+struct LaunchSpec {
+  dim3 grid, block;
+  size_t smem = 0;
+  cudaStream_t stream = nullptr;
+  const char* name = "";
+  bool cooperative = false;
+  std::function<void()> body;
+};
+cudaError_t enqueue_kernel(LaunchSpec spec);
+
+template <typename... P>
+struct Launcher {
+  void (*kernel)(P...);
+  dim3 grid, block;
+  size_t smem;
+  cudaStream_t stream;
+  const char* name;
+  bool cooperative = false;
+  template <typename... A>
+  void operator()(A&&... args) const {
+    LaunchSpec s;
+    s.grid = grid;
+    s.block = block;
+    s.smem = smem;
+    s.stream = stream;
+    s.name = name;
+    s.cooperative = cooperative;
+    auto tup = std::make_shared<std::tuple<std::decay_t<P>...>>(std::forward<A>(args)...);
+    auto* k = kernel;
+    s.body = [k, tup]() { std::apply(k, *tup); };
+    enqueue_kernel(std::move(s));
+  }
+};
+template <typename... P>
+inline Launcher<P...> make_launcher(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                                    cudaStream_t stream, const char* name) {
+  return Launcher<P...>{kernel, grid, block, smem, stream, name};
+}
+
+}  // namespace emu
+
+// Kernel-launch helper for the emulated build (kernels/cuda/launch.cuh maps it to <<<>>>).
+#define JEP_EMU_LAUNCH(kernel, grid, block, smem, stream) \
+  ::emu::make_launcher(kernel, dim3(grid), dim3(block), smem, stream, #kernel)
+
+template <typename... P, typename... A>
+inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* cfg, void (*kernel)(P...),
+                                      A&&... args) {
+  auto l = emu::make_launcher(kernel, cfg->gridDim, cfg->blockDim, cfg->dynamicSmemBytes,
+                              cfg->stream, "cudaLaunchKernelEx");
+  for (unsigned i = 0; i < cfg->numAttrs; ++i)
+    if (cfg->attrs[i].id == cudaLaunchAttributeCooperative && cfg->attrs[i].val.cooperative)
+      l.cooperative = true;
+  l(std::forward<A>(args)...);
+  return cudaGetLastError();
+}
+
+// Built-in variables.
+#define threadIdx (::emu::g_ctx->tid)
+#define blockIdx (::emu::g_ctx->bid)
+#define blockDim (::emu::g_ctx->bdim)
+#define gridDim (::emu::g_ctx->gdim)
+constexpr int warpSize = 32;
+
+// Dynamic shared memory: `JEP_DYNAMIC_SMEM(int32_t, s)` (kernels/cuda/launch.cuh).
+#define JEP_EMU_DYNAMIC_SMEM(T, name) T* const name = reinterpret_cast<T*>(::emu::dynamic_smem())
+
+// ---------------------------------------------------------------------------------------
+// Device builtins.
+inline void __syncthreads() { emu::syncthreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  emu::warp_collective(emu::kWarpSync, mask, 0, 0, 32);
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+  return static_cast<unsigned>(emu::warp_collective(emu::kWarpBallot, mask, pred != 0, 0, 32));
+}
+inline int __any_sync(unsigned mask, int pred) {
+  return static_cast<int>(emu::warp_collective(emu::kWarpAny, mask, pred != 0, 0, 32));
+}
+inline int __all_sync(unsigned mask, int pred) {
+  return static_cast<int>(emu::warp_collective(emu::kWarpAll, mask, pred != 0, 0, 32));
+}
+inline unsigned __activemask() { return emu::activemask(); }
+template <typename T>
+inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  return emu::from_bits<T>(emu::warp_collective(emu::kWarpShfl, mask, emu::to_bits(v), src, width));
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lm, int width = 32) {
+  return emu::from_bits<T>(emu::warp_collective(emu::kWarpShflXor, mask, emu::to_bits(v), lm, width));
+}
+template <typename T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) {
+  return emu::from_bits<T>(
+      emu::warp_collective(emu::kWarpShflDown, mask, emu::to_bits(v), static_cast<int>(d), width));
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) {
+  return emu::from_bits<T>(
+      emu::warp_collective(emu::kWarpShflUp, mask, emu::to_bits(v), static_cast<int>(d), width));
+}
+inline void __threadfence_block() { emu::fence(emu::kFenceBlock); }
+inline void __threadfence() { emu::fence(emu::kFenceGpu); }
+inline void __threadfence_system() { emu::fence(emu::kFenceSystem); }
+inline void __nanosleep(unsigned ns) { emu::nanosleep_ns(ns); }
+inline long long clock64() { return emu::clock_ticks(); }
+
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
+inline int __ffs(int v) { return __builtin_ffs(v); }
+inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
+inline int __ffsll(long long v) { return __builtin_ffsll(v); }
+inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz(static_cast<unsigned>(v)); }
+inline int __clzll(long long v) { return v == 0 ? 64 : __builtin_clzll(static_cast<unsigned long long>(v)); }
+inline unsigned __brev(unsigned v) {
+  unsigned r = 0;
+  for (int i = 0; i < 32; ++i) r |= ((v >> i) & 1u) << (31 - i);
+  return r;
+}
+inline float __int_as_float(int v) { return emu::from_bits<float>(static_cast<uint32_t>(v)); }
+inline int __float_as_int(float f) { return static_cast<int>(static_cast<uint32_t>(emu::to_bits(f))); }
+inline float __uint_as_float(unsigned v) { return emu::from_bits<float>(v); }
+inline unsigned __float_as_uint(float f) { return static_cast<unsigned>(emu::to_bits(f)); }
+inline double __longlong_as_double(long long v) { return emu::from_bits<double>(static_cast<uint64_t>(v)); }
+inline long long __double_as_longlong(double d) { return static_cast<long long>(emu::to_bits(d)); }
+template <typename T>
+inline T __ldg(const T* p) { return *p; }
+template <typename T>
+inline T __ldcg(const T* p) {
+  emu::note_poll();
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+// Integer min/max as CUDA's device library provides them.
+#define JEP_EMU_MINMAX(T)                                  \
+  inline T min(T a, T b) { return b < a ? b : a; }         \
+  inline T max(T a, T b) { return a < b ? b : a; }
+JEP_EMU_MINMAX(int)
+JEP_EMU_MINMAX(unsigned)
+JEP_EMU_MINMAX(long)
+JEP_EMU_MINMAX(unsigned long)
+JEP_EMU_MINMAX(long long)
+JEP_EMU_MINMAX(unsigned long long)
+JEP_EMU_MINMAX(float)
+JEP_EMU_MINMAX(double)
+#undef JEP_EMU_MINMAX
+
+// Atomics: one atomic step of the scheduler (no other fiber runs in between).
+template <typename T, typename U>
+inline T atomicAdd(T* p, U v) {
+  emu::yield(emu::kYieldAtomic);
+  const T old = *p;
+  *p = static_cast<T>(old + static_cast<T>(v));
+  return old;
+}
+template <typename T, typename U>
+inline T atomicSub(T* p, U v) {
+  emu::yield(emu::kYieldAtomic);
+  const T old = *p;
+  *p = static_cast<T>(old - static_cast<T>(v));
+  return old;
+}
+template <typename T, typename U>
+inline T atomicExch(T* p, U v) {
+  emu::yield(emu::kYieldAtomic);
+  const T old = *p;
+  *p = static_cast<T>(v);
+  return old;
+}
+template <typename T, typename U, typename V>
+inline T atomicCAS(T* p, U cmp, V v) {
+  emu::yield(emu::kYieldAtomic);
+  const T old = *p;
+  if (old == static_cast<T>(cmp)) *p = static_cast<T>(v);
+  return old;
+}
+template <typename T, typename U>
+inline T atomicOr(T* p, U v) {
+  emu::yield(emu::kYieldAtomic);
+  const T old = *p;
+  *p = static_cast<T>(old | static_cast<T>(v));
+  return old;
+}
+template <typename T, typename U>
+inline T atomicAnd(T* p, U v) {
+  emu::yield(emu::kYieldAtomic);
+  const T old = *p;
+  *p = static_cast<T>(old & static_cast<T>(v));
+  return old;
+}
+template <typename T, typename U>
+inline T atomicMax(T* p, U v) {
+  emu::yield(emu::kYieldAtomic);
+  const T old = *p;
+  if (old < static_cast<T>(v)) *p = static_cast<T>(v);
+  return old;
+}
+template <typename T, typename U>
+inline T atomicMin(T* p, U v) {
+  emu::yield(emu::kYieldAtomic);
+  const T old = *p;
+  if (static_cast<T>(v) < old) *p = static_cast<T>(v);
+  return old;
+}
+
+// 16-bit float types (storage and the bit casts the kernels use).
+struct __half {
+  unsigned short x;
+};
+struct __nv_bfloat16 {
+  unsigned short x;
+};
+inline __half __ushort_as_half(unsigned short v) { return __half{v}; }
+inline unsigned short __half_as_ushort(__half h) { return h.x; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short v) { return __nv_bfloat16{v}; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.x; }

@@ -1,0 +1,40 @@
+// Host definitions of the PTX helpers of kernels/cuda/peer_transport.cuh, with the same
+// meaning on the emulated GPU. Included by that header inside namespace jax_ep::peer.
+//   signal        release store: drains this thread's pending peer stores first
+//   load_acquire  a poll: the scheduler may run other threads before it reads
+//   load_cg*/nc   plain reads of what has become visible (drained)
+//   store*        peer stores: buffered per thread until a fence or release drains them
+//   global_timer  the virtual clock
+
+inline void signal(uint64_t* flag, uint64_t value) { ::emu::release_store64(flag, value); }
+
+inline uint64_t load_acquire(const uint64_t* flag) {
+  ::emu::note_poll();
+  return *reinterpret_cast<const volatile uint64_t*>(flag);
+}
+
+inline uint64_t global_timer_ns() { return ::emu::global_timer_ns(); }
+
+inline uint4 load_cg16(const void* p) {
+  uint4 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+inline uint4 load_nc16(const void* p) {
+  uint4 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+inline uint32_t load_cg4(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline unsigned lanemask_lt() { return (1u << ::emu::g_ctx->lane) - 1u; }
+
+template <typename T>
+inline void store(T* p, T v) {
+  ::emu::store_bytes(p, &v, sizeof(T));
+}
+inline void store16(void* p, uint4 v) { ::emu::store_bytes(p, &v, 16); }

@@ -1,0 +1,1214 @@
+// The emulated GPU's runtime: virtual GPUs with streams and events, a deterministic seeded
+// scheduler that runs every CUDA thread as a fiber on the calling host thread, warp
+// collectives with lane semantics, co-residency limits, a virtual clock, per-thread store
+// buffers for peer memory (weak visibility) and counters. Model: docs/emulator.md.
+#include <link.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/emu/emu_control.h"
+#include "kernels/emu/emu_cuda.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define JEP_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define JEP_EMU_ASAN 1
+#endif
+#endif
+#if defined(JEP_EMU_ASAN)
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+extern "C" {
+extern char __jep_emu_device_begin[], __jep_emu_device_end[];
+}
+
+// ---------------------------------------------------------------------------------------
+// Context switch: saves the callee-saved registers on the old stack, stores its stack
+// pointer, loads the new one. A new fiber's stack starts with six register slots (r12 =
+// argument, r13 = entry) and the trampoline as return address.
+#if defined(__x86_64__)
+asm(R"(
+.text
+.globl jep_emu_switch
+.hidden jep_emu_switch
+.type jep_emu_switch,@function
+jep_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size jep_emu_switch,.-jep_emu_switch
+.globl jep_emu_trampoline
+.hidden jep_emu_trampoline
+.type jep_emu_trampoline,@function
+jep_emu_trampoline:
+  movq %r12, %rdi
+  callq *%r13
+  ud2
+.size jep_emu_trampoline,.-jep_emu_trampoline
+)");
+extern "C" void jep_emu_switch(void** save_sp, void* new_sp);
+extern "C" void jep_emu_trampoline();
+#else
+#error "the emulated GPU's context switch is written for x86-64"
+#endif
+
+namespace emu {
+
+FiberCtx* g_ctx = nullptr;
+
+namespace {
+
+struct Kernel;
+struct Block;
+struct Device;
+
+struct Pending {
+  char* dst;
+  uint32_t n;
+  alignas(16) unsigned char data[16];
+};
+struct StoreBuf {
+  Kernel* kernel;
+  std::deque<Pending> q;
+  size_t dirty_pos = SIZE_MAX;
+};
+
+enum class FState { kNew, kRunnable, kBlocked, kSleeping, kDone };
+
+struct Fiber {
+  FiberCtx ctx;
+  Block* blk = nullptr;
+  void* sp = nullptr;
+  char* stack = nullptr;
+  FState state = FState::kNew;
+  uint64_t result = 0;
+  double wake = 0;
+  StoreBuf* sbuf = nullptr;
+  void* asan_fake = nullptr;
+};
+
+struct Coll {
+  int op;
+  unsigned mask;
+  unsigned arrived = 0;
+  uint64_t val[32];
+  int arg[32];
+  int width = 32;
+};
+struct WarpState {
+  unsigned exited = 0;
+  unsigned present = 0;  // lanes that exist (a partial last warp)
+  std::vector<Coll> colls;
+};
+
+struct Block {
+  Kernel* k;
+  Device* dev;
+  dim3 bid;
+  std::vector<Fiber> fibers;
+  std::vector<Fiber*> runnable;
+  std::vector<Fiber*> at_barrier;
+  std::vector<WarpState> warps;
+  int live = 0;
+  std::vector<unsigned char> smem_image;  // the __shared__ section while not loaded
+  std::vector<unsigned char> dyn_smem;
+  size_t ready_pos = SIZE_MAX;
+};
+
+struct Kernel {
+  LaunchSpec spec;
+  Device* dev;
+  Stream* stream;
+  uint64_t total_blocks = 0, next_block = 0, done_blocks = 0;
+  std::vector<StoreBuf*> bufs;
+};
+
+struct Op {
+  enum Kind { kKernel, kMemset, kMemcpy, kRecord, kWait } kind;
+  std::shared_ptr<Kernel> kernel;
+  void* dst = nullptr;
+  const void* src = nullptr;
+  size_t n = 0;
+  int value = 0;
+  Event* ev = nullptr;
+  uint64_t ticket = 0;
+};
+
+}  // namespace
+
+struct Stream {
+  Device* dev;
+  std::deque<Op> ops;
+  bool head_started = false;
+};
+struct Event {
+  uint64_t recorded = 0, completed = 0;
+};
+
+namespace {
+
+struct Device {
+  int id;
+  std::vector<Stream*> streams;  // streams[0]: the default stream
+  int resident = 0;
+  std::vector<unsigned char> globals;  // the device-global section while not loaded
+};
+
+// ---------------------------------------------------------------------------------------
+struct State {
+  Config cfg;
+  std::vector<Device*> devices;
+  std::mt19937_64 rng{1};
+  int current = 0;  // host's current device
+  cudaError_t last_error = cudaSuccess;
+  double now_ns = 0;
+  uint64_t live_fibers = 0;
+  std::vector<Block*> ready;     // blocks with runnable fibers
+  std::vector<Fiber*> sleepers;  // a heap on wake time
+  std::vector<StoreBuf*> dirty;  // store buffers with pending stores
+  Block* loaded_block = nullptr;      // whose __shared__ copy is in the TLS block (null: host)
+  bool loaded_block_dead = false;     // it finished: nothing to save
+  std::vector<unsigned char> host_tls;
+  Device* loaded_device = nullptr;
+  Block* last_block = nullptr;
+  Fiber* cur = nullptr;
+  void* host_sp = nullptr;
+  const void* host_stack_bottom = nullptr;
+  size_t host_stack_size = 0;
+  std::vector<char*> stack_pool;
+  std::vector<std::pair<char*, size_t>> peer_mem;
+  std::vector<std::string> faults;
+  std::map<std::string, uint64_t> counters;
+  uint64_t hot[8] = {};  // atomics, fences block/gpu/system, polls, release stores, peer stores
+  std::vector<unsigned char> device_pristine;
+  bool in_scheduler = false;
+};
+
+State& S() {
+  static State* s = new State();
+  return *s;
+}
+
+#if defined(JEP_EMU_ASAN)
+constexpr size_t kStackBytes = 256 * 1024;
+#else
+constexpr size_t kStackBytes = 32 * 1024;
+#endif
+const size_t kPage = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+
+// This module's TLS block on the scheduler thread: every __shared__ variable lives there.
+thread_local volatile char g_tls_anchor;
+struct TlsBlock {
+  char* base = nullptr;
+  size_t size = 0;
+};
+int FindTls(struct dl_phdr_info* info, size_t, void* data) {
+  auto* out = static_cast<TlsBlock*>(data);
+  const auto self = reinterpret_cast<uintptr_t>(&FindTls);
+  bool mine = false;
+  size_t tls = 0;
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const ElfW(Phdr)& p = info->dlpi_phdr[i];
+    const uintptr_t lo = info->dlpi_addr + p.p_vaddr;
+    if (p.p_type == PT_LOAD && self >= lo && self < lo + p.p_memsz) mine = true;
+    if (p.p_type == PT_TLS) tls = p.p_memsz;
+  }
+  if (!mine) return 0;
+  out->base = static_cast<char*>(info->dlpi_tls_data);
+  out->size = tls;
+  return 1;
+}
+// Not itself thread_local: the block it describes is swapped with every block's copy.
+TlsBlock& Tls() {
+  static TlsBlock t;
+  static std::thread::id owner;
+  if (t.base == nullptr || owner != std::this_thread::get_id()) {
+    g_tls_anchor = 1;  // makes sure this thread's block exists
+    t = TlsBlock{};
+    dl_iterate_phdr(FindTls, &t);
+    if (t.base == nullptr) throw std::runtime_error("emu: cannot find this module's TLS block");
+    owner = std::this_thread::get_id();
+  }
+  return t;
+}
+size_t SharedBytes() { return Tls().size; }
+char* SharedBase() { return Tls().base; }
+size_t DeviceBytes() { return static_cast<size_t>(__jep_emu_device_end - __jep_emu_device_begin); }
+
+// Stacks come in chunks (one mapping each: the kernel limits the number of mappings, and a
+// guard page per stack would split them); a canary at each stack's low end catches an
+// overflow when its fiber next yields.
+constexpr size_t kStacksPerChunk = 256;
+constexpr uint64_t kCanary = 0x6a65705f63616e61ull;
+
+char* TakeStack() {
+  State& s = S();
+  if (s.stack_pool.empty()) {
+    void* m = mmap(nullptr, kStackBytes * kStacksPerChunk, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) throw std::runtime_error("emu: cannot map fiber stacks");
+    for (size_t i = 0; i < kStacksPerChunk; ++i)
+      s.stack_pool.push_back(static_cast<char*>(m) + i * kStackBytes);
+  }
+  char* p = s.stack_pool.back();
+  s.stack_pool.pop_back();
+  std::memcpy(p, &kCanary, sizeof(kCanary));
+  return p;
+}
+
+void CheckCanary(const char* stack, const char* kernel) {
+  uint64_t c;
+  std::memcpy(&c, stack, sizeof(c));
+  if (c != kCanary) {
+    std::fprintf(stderr, "emu: a thread of kernel %s overflowed its %zu-byte fiber stack\n",
+                 kernel, kStackBytes);
+    std::abort();
+  }
+}
+
+void Count(const std::string& k, uint64_t v = 1) { S().counters[k] += v; }
+enum Hot { kHotAtomics, kHotFenceBlock, kHotFenceGpu, kHotFenceSystem, kHotPolls, kHotRelease,
+           kHotPeerStores, kNumHot };
+const char* const kHotNames[kNumHot] = {"atomics", "fences:block", "fences:gpu", "fences:system",
+                                        "polls", "release_stores", "peer_stores"};
+
+void Fault(const std::string& what) {
+  State& s = S();
+  if (s.faults.size() < 64) s.faults.push_back(what);
+}
+
+Device* Dev(int i) {
+  State& s = S();
+  if (i < 0 || i >= static_cast<int>(s.devices.size())) return nullptr;
+  return s.devices[i];
+}
+
+Stream* Resolve(cudaStream_t st) {
+  if (st != nullptr) return st;
+  Device* d = Dev(S().current);
+  return d != nullptr ? d->streams[0] : nullptr;
+}
+
+// ---- section swapping ----
+void LoadDevice(Device* d) {
+  State& s = S();
+  if (s.loaded_device == d) return;
+  const size_t n = DeviceBytes();
+  if (n > 0) {
+    if (s.loaded_device != nullptr) std::memcpy(s.loaded_device->globals.data(), __jep_emu_device_begin, n);
+    std::memcpy(__jep_emu_device_begin, d->globals.data(), n);
+  }
+  s.loaded_device = d;
+}
+// b == nullptr: the host's own TLS contents (saved when the scheduler starts).
+void LoadBlock(Block* b) {
+  State& s = S();
+  if (!s.loaded_block_dead && s.loaded_block == b) return;
+  const size_t n = SharedBytes();
+  char* base = SharedBase();
+  std::vector<unsigned char>& from = s.loaded_block != nullptr ? s.loaded_block->smem_image : s.host_tls;
+  std::vector<unsigned char>& to = b != nullptr ? b->smem_image : s.host_tls;
+  if (n > 0) {
+    if (!s.loaded_block_dead) std::memcpy(from.data(), base, n);
+    std::memcpy(base, to.data(), n);
+  }
+  s.loaded_block = b;
+  s.loaded_block_dead = false;
+}
+
+// ---- ready sets ----
+void ReadyAdd(Block* b) {
+  State& s = S();
+  if (b->ready_pos != SIZE_MAX) return;
+  b->ready_pos = s.ready.size();
+  s.ready.push_back(b);
+}
+void ReadyRemove(Block* b) {
+  State& s = S();
+  if (b->ready_pos == SIZE_MAX) return;
+  Block* last = s.ready.back();
+  s.ready[b->ready_pos] = last;
+  last->ready_pos = b->ready_pos;
+  s.ready.pop_back();
+  b->ready_pos = SIZE_MAX;
+}
+void MakeRunnable(Fiber* f) {
+  if (f->state != FState::kNew) f->state = FState::kRunnable;
+  f->blk->runnable.push_back(f);
+  ReadyAdd(f->blk);
+}
+
+bool SleepLess(const Fiber* a, const Fiber* b) { return a->wake > b->wake; }
+
+// ---- store buffers ----
+bool IsPeer(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  for (auto& r : S().peer_mem)
+    if (c >= r.first && c < r.first + r.second) return true;
+  return false;
+}
+void DirtyAdd(StoreBuf* b) {
+  State& s = S();
+  if (b->dirty_pos != SIZE_MAX) return;
+  b->dirty_pos = s.dirty.size();
+  s.dirty.push_back(b);
+}
+void DirtyRemove(StoreBuf* b) {
+  State& s = S();
+  if (b->dirty_pos == SIZE_MAX) return;
+  StoreBuf* last = s.dirty.back();
+  s.dirty[b->dirty_pos] = last;
+  last->dirty_pos = b->dirty_pos;
+  s.dirty.pop_back();
+  b->dirty_pos = SIZE_MAX;
+}
+void Drain(StoreBuf* b, size_t n) {
+  while (n-- > 0 && !b->q.empty()) {
+    Pending& p = b->q.front();
+    std::memcpy(p.dst, p.data, p.n);
+    b->q.pop_front();
+  }
+  if (b->q.empty()) DirtyRemove(b);
+}
+
+// ---- fibers ----
+void SwitchToHost(Fiber* f, bool dying) {
+  State& s = S();
+#if defined(JEP_EMU_ASAN)
+  __sanitizer_start_switch_fiber(dying ? nullptr : &f->asan_fake, s.host_stack_bottom,
+                                 s.host_stack_size);
+#endif
+  jep_emu_switch(&f->sp, s.host_sp);
+#if defined(JEP_EMU_ASAN)
+  __sanitizer_finish_switch_fiber(f->asan_fake, nullptr, nullptr);
+#endif
+  (void)dying;
+}
+
+void FiberExit(Fiber* f);
+
+void FiberMain(Fiber* f) {
+#if defined(JEP_EMU_ASAN)
+  __sanitizer_finish_switch_fiber(nullptr, &S().host_stack_bottom, &S().host_stack_size);
+#endif
+  f->blk->k->spec.body();
+  FiberExit(f);
+  SwitchToHost(f, true);
+  std::abort();  // a finished fiber is never resumed
+}
+
+void CheckColls(Block* b, int w);
+
+void FiberExit(Fiber* f) {
+  State& s = S();
+  Block* b = f->blk;
+  f->state = FState::kDone;
+  --b->live;
+  --s.live_fibers;
+  const int lane = f->ctx.lane, w = f->ctx.warp;
+  b->warps[w].exited |= 1u << lane;
+  if (f->sbuf != nullptr) {
+    b->k->bufs.push_back(f->sbuf);
+    f->sbuf = nullptr;
+  }
+  // A barrier waits for the threads that have not exited.
+  if (!b->at_barrier.empty() && static_cast<int>(b->at_barrier.size()) == b->live) {
+    for (Fiber* g : b->at_barrier) MakeRunnable(g);
+    b->at_barrier.clear();
+  }
+  CheckColls(b, w);
+}
+
+// Runs f until it yields. Called on the host stack.
+void RunFiber(Fiber* f) {
+  State& s = S();
+  LoadDevice(f->blk->dev);
+  LoadBlock(f->blk);
+  if (f->state == FState::kNew) {
+    f->stack = TakeStack();
+    char* top = f->stack + kStackBytes;  // 16-byte aligned (page aligned)
+    void** sp = reinterpret_cast<void**>(top - 64);
+    // [0] mxcsr|fpucw, [1] r15, [2] r14, [3] r13 = entry, [4] r12 = arg, [5] rbx, [6] rbp,
+    // [7] return address
+    uint32_t csr[2];
+    asm volatile("stmxcsr %0" : "=m"(csr[0]));
+    asm volatile("fnstcw %0" : "=m"(csr[1]));
+    std::memcpy(&sp[0], csr, 8);
+    sp[1] = nullptr;
+    sp[2] = nullptr;
+    sp[3] = reinterpret_cast<void*>(&FiberMain);
+    sp[4] = f;
+    sp[5] = nullptr;
+    sp[6] = nullptr;
+    sp[7] = reinterpret_cast<void*>(&jep_emu_trampoline);
+    f->sp = sp;
+  }
+  f->state = FState::kRunnable;
+  s.cur = f;
+  g_ctx = &f->ctx;
+#if defined(JEP_EMU_ASAN)
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, f->stack, kStackBytes);
+#endif
+  jep_emu_switch(&s.host_sp, f->sp);
+#if defined(JEP_EMU_ASAN)
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  g_ctx = nullptr;
+  s.cur = nullptr;
+  CheckCanary(f->stack, f->blk->k->spec.name);
+  if (f->state == FState::kDone) {
+    s.stack_pool.push_back(f->stack);
+    f->stack = nullptr;
+  }
+}
+
+// The running fiber gives the scheduler a turn; `keep` says it stays runnable.
+void Suspend(bool keep) {
+  State& s = S();
+  Fiber* f = s.cur;
+  if (keep) MakeRunnable(f);
+  SwitchToHost(f, false);
+}
+
+// ---- warp collectives ----
+void CheckColls(Block* b, int w) {
+  WarpState& ws = b->warps[w];
+  for (size_t i = 0; i < ws.colls.size();) {
+    Coll& c = ws.colls[i];
+    const unsigned need = c.mask & ws.present & ~ws.exited;
+    if ((c.arrived & need) != need || c.arrived == 0) {
+      ++i;
+      continue;
+    }
+    if ((c.mask & ws.present & ws.exited) != 0) {
+      char buf[160];
+      std::snprintf(buf, sizeof(buf),
+                    "kernel %s: a warp collective's mask 0x%08x names lanes that have exited (0x%08x)",
+                    b->k->spec.name, c.mask, c.mask & ws.exited);
+      Fault(buf);
+    }
+    uint64_t ballot = 0;
+    for (int l = 0; l < 32; ++l)
+      if ((c.arrived >> l) & 1u && c.val[l] != 0) ballot |= 1ull << l;
+    for (int l = 0; l < 32; ++l) {
+      if (!((c.arrived >> l) & 1u)) continue;
+      Fiber& f = b->fibers[w * 32 + l];
+      uint64_t r = 0;
+      const int width = c.width, seg = l & ~(width - 1);
+      auto from = [&](int src) { return ((c.arrived >> src) & 1u) ? c.val[src] : c.val[l]; };
+      switch (c.op) {
+        case kWarpSync: break;
+        case kWarpBallot: r = ballot; break;
+        case kWarpAny: r = ballot != 0; break;
+        case kWarpAll: r = ballot == (c.arrived & 0xffffffffull); break;
+        case kWarpShfl: r = from(seg + (c.arg[l] & (width - 1))); break;
+        case kWarpShflXor: {
+          const int src = l ^ c.arg[l];
+          r = (src >= seg && src < seg + width) ? from(src) : c.val[l];
+          break;
+        }
+        case kWarpShflDown: {
+          const int src = l + c.arg[l];
+          r = src < seg + width ? from(src) : c.val[l];
+          break;
+        }
+        case kWarpShflUp: {
+          const int src = l - c.arg[l];
+          r = src >= seg ? from(src) : c.val[l];
+          break;
+        }
+      }
+      f.result = r;
+      MakeRunnable(&f);
+    }
+    ws.colls.erase(ws.colls.begin() + static_cast<long>(i));
+  }
+}
+
+// ---- scheduling ----
+void StartBlock(Kernel* k) {
+  State& s = S();
+  const uint64_t idx = k->next_block++;
+  auto* b = new Block();
+  b->k = k;
+  b->dev = k->dev;
+  const dim3 g = k->spec.grid, bd = k->spec.block;
+  b->bid = dim3(static_cast<unsigned>(idx % g.x), static_cast<unsigned>((idx / g.x) % g.y),
+                static_cast<unsigned>(idx / (static_cast<uint64_t>(g.x) * g.y)));
+  const int n = static_cast<int>(bd.x * bd.y * bd.z);
+  b->fibers.resize(n);
+  b->warps.resize((n + 31) / 32);
+  for (int w = 0; w < static_cast<int>(b->warps.size()); ++w) {
+    const int lanes = std::min(32, n - 32 * w);
+    b->warps[w].present = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1);
+  }
+  // Shared memory starts with garbage, as on a GPU: a kernel that reads it before writing
+  // it gets a seeded pattern.
+  const unsigned char fill = static_cast<unsigned char>(0x80 | (s.rng() & 0x7f));
+  b->smem_image.assign(SharedBytes(), fill);
+  b->dyn_smem.assign(k->spec.smem + 16, fill);
+  for (int i = 0; i < n; ++i) {
+    Fiber& f = b->fibers[i];
+    f.blk = b;
+    f.ctx.tid = dim3(static_cast<unsigned>(i % bd.x), static_cast<unsigned>((i / bd.x) % bd.y),
+                     static_cast<unsigned>(i / (bd.x * bd.y)));
+    f.ctx.bid = b->bid;
+    f.ctx.bdim = bd;
+    f.ctx.gdim = g;
+    f.ctx.lane = i & 31;
+    f.ctx.warp = i >> 5;
+    MakeRunnable(&f);
+  }
+  b->live = n;
+  s.live_fibers += n;
+  k->dev->resident++;
+  Count(std::string("kernel:") + k->spec.name + ":blocks");
+  Count(std::string("kernel:") + k->spec.name + ":warps", b->warps.size());
+}
+
+void FinishKernel(Kernel* k) {
+  for (StoreBuf* b : k->bufs) {
+    Drain(b, SIZE_MAX);
+    delete b;
+  }
+  k->bufs.clear();
+  Stream* st = k->stream;
+  st->ops.pop_front();
+  st->head_started = false;
+}
+
+void FinishBlock(Block* b) {
+  State& s = S();
+  ReadyRemove(b);
+  if (s.loaded_block == b) {
+    s.loaded_block = nullptr;  // its memory may hold the next block
+    s.loaded_block_dead = true;
+  }
+  if (s.last_block == b) s.last_block = nullptr;
+  Kernel* k = b->k;
+  k->dev->resident--;
+  k->done_blocks++;
+  delete b;
+  if (k->done_blocks == k->total_blocks) FinishKernel(k);
+}
+
+// Executes stream heads that need no fibers; starts kernels; admits blocks.
+bool Advance() {
+  State& s = S();
+  bool progress = false;
+  for (Device* d : s.devices) {
+    for (Stream* st : d->streams) {
+      while (!st->ops.empty()) {
+        Op& op = st->ops.front();
+        if (op.kind == Op::kKernel) {
+          if (!st->head_started) {
+            st->head_started = true;
+            progress = true;
+            Count(std::string("kernel:") + op.kernel->spec.name + ":launches");
+          }
+          break;
+        }
+        if (op.kind == Op::kWait && op.ev->completed < op.ticket) break;
+        switch (op.kind) {
+          case Op::kMemset: std::memset(op.dst, op.value, op.n); break;
+          case Op::kMemcpy: std::memmove(op.dst, op.src, op.n); break;
+          case Op::kRecord: op.ev->completed = std::max(op.ev->completed, op.ticket); break;
+          default: break;
+        }
+        st->ops.pop_front();
+        progress = true;
+      }
+    }
+    // Blocks of started kernels, oldest stream first, while the GPU has room.
+    for (Stream* st : d->streams) {
+      if (st->ops.empty() || !st->head_started) continue;
+      Kernel* k = st->ops.front().kernel.get();
+      while (k->next_block < k->total_blocks && d->resident < s.cfg.resident_blocks) {
+        StartBlock(k);
+        progress = true;
+      }
+    }
+  }
+  return progress;
+}
+
+Block* PickBlock() {
+  State& s = S();
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  if (s.last_block != nullptr && !s.last_block->runnable.empty() && u(s.rng) < s.cfg.stay_prob)
+    return s.last_block;
+  return s.ready[s.rng() % s.ready.size()];
+}
+
+void WakeSleepers() {
+  State& s = S();
+  while (!s.sleepers.empty() && s.sleepers.front()->wake <= s.now_ns) {
+    std::pop_heap(s.sleepers.begin(), s.sleepers.end(), SleepLess);
+    Fiber* f = s.sleepers.back();
+    s.sleepers.pop_back();
+    MakeRunnable(f);
+  }
+}
+
+// Everything left on the GPUs is abandoned (a deadlock or a hang): the process keeps
+// running and the tests see the fault.
+void AbandonAll(const std::string& why) {
+  State& s = S();
+  Fault(why);
+  std::vector<Block*> blocks;
+  for (Device* d : s.devices)
+    for (Stream* st : d->streams) {
+      st->ops.clear();
+      st->head_started = false;
+      d->resident = 0;
+    }
+  s.ready.clear();
+  s.sleepers.clear();
+  s.last_block = nullptr;
+  s.live_fibers = 0;
+  s.last_error = cudaErrorLaunchFailure;
+  // Blocks and their stacks leak on purpose: fibers stopped mid-kernel own them.
+}
+
+std::string Describe() {
+  State& s = S();
+  std::string out;
+  for (Device* d : s.devices)
+    for (Stream* st : d->streams)
+      if (!st->ops.empty() && st->ops.front().kind == Op::kKernel)
+        out += " gpu" + std::to_string(d->id) + ":" + st->ops.front().kernel->spec.name;
+  return out;
+}
+
+bool Busy(const std::function<bool()>& done) { return !done(); }
+
+// Runs the virtual GPUs until `done()` holds.
+void RunUntil(const std::function<bool()>& done) {
+  State& s = S();
+  if (s.in_scheduler) throw std::logic_error("emu: the scheduler is not reentrant");
+  s.in_scheduler = true;
+  s.host_tls.resize(SharedBytes());
+  s.loaded_block = nullptr;  // the host's values are in place
+  s.loaded_block_dead = false;
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  uint64_t steps = 0;
+  for (;;) {
+    Advance();
+    if (!Busy(done)) break;
+    WakeSleepers();
+    if (s.ready.empty()) {
+      if (!s.sleepers.empty()) {
+        s.now_ns = std::max(s.now_ns, s.sleepers.front()->wake);
+        continue;
+      }
+      if (Advance()) continue;
+      AbandonAll("deadlock: no thread can run (blocked at a barrier, a warp collective, or "
+                 "an event) in" + Describe());
+      break;
+    }
+    if (s.now_ns > s.cfg.max_virtual_ns) {
+      AbandonAll("hang: the kernels ran past the emulator's virtual time limit in" + Describe());
+      break;
+    }
+    Block* b = PickBlock();
+    const size_t i = s.rng() % b->runnable.size();
+    Fiber* f = b->runnable[i];
+    b->runnable[i] = b->runnable.back();
+    b->runnable.pop_back();
+    if (b->runnable.empty()) ReadyRemove(b);
+    s.last_block = b;
+    RunFiber(f);
+    ++steps;
+    s.now_ns += s.cfg.quantum_ns / static_cast<double>(std::max<uint64_t>(1, s.live_fibers));
+    if (!s.dirty.empty() && u(s.rng) < s.cfg.drain_prob) {
+      StoreBuf* sb = s.dirty[s.rng() % s.dirty.size()];
+      Drain(sb, 1 + s.rng() % (sb->q.size()));
+    }
+    if (b->live == 0) FinishBlock(b);
+  }
+  LoadBlock(nullptr);  // the host's own thread_local values back
+  Count("steps", steps);
+  s.in_scheduler = false;
+}
+
+bool StreamIdle(Stream* st) { return st->ops.empty(); }
+bool DeviceIdle(Device* d) {
+  for (Stream* st : d->streams)
+    if (!st->ops.empty()) return false;
+  return true;
+}
+void SyncDevice(Device* d) {
+  RunUntil([d] { return DeviceIdle(d); });
+}
+
+void ResetAll(const Config& c) {
+  State& s = S();
+  for (Device* d : s.devices) {
+    for (Stream* st : d->streams) {
+      st->ops.clear();
+      st->head_started = false;
+    }
+  }
+  if (s.device_pristine.empty() && DeviceBytes() > 0 && s.loaded_device == nullptr)
+    s.device_pristine.assign(__jep_emu_device_begin, __jep_emu_device_end);
+  if (s.loaded_device != nullptr) {
+    s.loaded_device = nullptr;
+  }
+  s.cfg = c;
+  s.rng.seed(c.seed);
+  while (static_cast<int>(s.devices.size()) < c.num_devices) {
+    auto* d = new Device();
+    d->id = static_cast<int>(s.devices.size());
+    d->streams.push_back(new Stream{d, {}, false});
+    s.devices.push_back(d);
+  }
+  for (Device* d : s.devices) {
+    d->resident = 0;
+    d->globals = s.device_pristine;
+    d->globals.resize(DeviceBytes());
+  }
+  if (DeviceBytes() > 0) std::memcpy(__jep_emu_device_begin, s.device_pristine.data(), DeviceBytes());
+  s.ready.clear();
+  s.sleepers.clear();
+  s.dirty.clear();
+  s.loaded_block = nullptr;
+  s.last_block = nullptr;
+  s.live_fibers = 0;
+  s.now_ns = 0;
+  s.current = 0;
+  s.last_error = cudaSuccess;
+  s.faults.clear();
+  s.counters.clear();
+  for (uint64_t& h : s.hot) h = 0;
+}
+
+void EnsureInit() {
+  if (S().devices.empty()) ResetAll(Config{});
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Device-side entry points.
+void yield(int kind) {
+  State& s = S();
+  if (s.cur == nullptr) return;  // host code calling a device helper
+  if (kind == kYieldAtomic) s.hot[kHotAtomics]++;
+  Suspend(true);
+}
+
+void syncthreads() {
+  State& s = S();
+  Fiber* f = s.cur;
+  if (f == nullptr) return;
+  Block* b = f->blk;
+  f->state = FState::kBlocked;
+  b->at_barrier.push_back(f);
+  if (static_cast<int>(b->at_barrier.size()) == b->live) {
+    for (Fiber* g : b->at_barrier) MakeRunnable(g);
+    b->at_barrier.clear();
+  }
+  SwitchToHost(f, false);
+}
+
+uint64_t warp_collective(int op, unsigned mask, uint64_t value, int arg, int width) {
+  State& s = S();
+  Fiber* f = s.cur;
+  if (f == nullptr) return value;
+  Block* b = f->blk;
+  const int lane = f->ctx.lane, w = f->ctx.warp;
+  if (!((mask >> lane) & 1u)) {
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), "kernel %s: lane %d calls a warp collective whose mask 0x%08x leaves it out",
+                  b->k->spec.name, lane, mask);
+    Fault(buf);
+  }
+  if (width <= 0 || width > 32 || (width & (width - 1)) != 0) width = 32;
+  WarpState& ws = b->warps[w];
+  Coll* c = nullptr;
+  for (Coll& x : ws.colls)
+    if (x.mask == mask && x.op == op && !((x.arrived >> lane) & 1u)) {
+      c = &x;
+      break;
+    }
+  if (c == nullptr) {
+    ws.colls.push_back(Coll{op, mask});
+    c = &ws.colls.back();
+  }
+  c->arrived |= 1u << lane;
+  c->val[lane] = value;
+  c->arg[lane] = arg;
+  c->width = width;
+  f->state = FState::kBlocked;
+  CheckColls(b, w);
+  SwitchToHost(f, false);
+  return f->result;
+}
+
+unsigned activemask() {
+  State& s = S();
+  Fiber* f = s.cur;
+  if (f == nullptr) return 1;
+  const WarpState& ws = f->blk->warps[f->ctx.warp];
+  return ws.present & ~ws.exited;
+}
+
+void fence(int scope) {
+  State& s = S();
+  s.hot[kHotFenceBlock + (scope < 0 || scope > 2 ? 1 : scope)]++;
+  // A fence only orders this thread's own stores: it drains its buffer and needs no turn.
+  Fiber* f = s.cur;
+  if (f != nullptr && scope >= kFenceGpu && f->sbuf != nullptr) Drain(f->sbuf, SIZE_MAX);
+}
+
+void nanosleep_ns(unsigned ns) {
+  State& s = S();
+  Fiber* f = s.cur;
+  if (f == nullptr) return;
+  f->wake = s.now_ns + std::max<double>(ns, s.cfg.min_sleep_ns);
+  f->state = FState::kSleeping;
+  s.sleepers.push_back(f);
+  std::push_heap(s.sleepers.begin(), s.sleepers.end(), SleepLess);
+  SwitchToHost(f, false);
+}
+
+uint64_t global_timer_ns() { return static_cast<uint64_t>(S().now_ns) + 1000000000ull; }
+long long clock_ticks() { return static_cast<long long>(S().now_ns * 1.98); }
+
+char* dynamic_smem() {
+  Fiber* f = S().cur;
+  return f == nullptr ? nullptr : reinterpret_cast<char*>(f->blk->dyn_smem.data());
+}
+
+void note_poll() {
+  S().hot[kHotPolls]++;
+  yield(kYieldPoll);
+}
+
+void note_copy(int width, size_t bytes) { Count("copy_bytes:" + std::to_string(width), bytes); }
+
+void store_bytes(void* dst, const void* src, size_t n) {
+  State& s = S();
+  Fiber* f = s.cur;
+  if (f == nullptr || !s.cfg.weak_stores || !IsPeer(dst)) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  s.hot[kHotPeerStores]++;
+  if (f->sbuf == nullptr) {
+    f->sbuf = new StoreBuf();
+    f->sbuf->kernel = f->blk->k;
+  }
+  char* d = static_cast<char*>(dst);
+  const unsigned char* c = static_cast<const unsigned char*>(src);
+  while (n > 0) {
+    const uint32_t m = static_cast<uint32_t>(std::min<size_t>(n, 16));
+    Pending p;
+    p.dst = d;
+    p.n = m;
+    std::memcpy(p.data, c, m);
+    f->sbuf->q.push_back(p);
+    d += m;
+    c += m;
+    n -= m;
+  }
+  DirtyAdd(f->sbuf);
+}
+
+void release_store64(uint64_t* p, uint64_t v) {
+  State& s = S();
+  s.hot[kHotRelease]++;
+  Fiber* f = s.cur;
+  if (f != nullptr && f->sbuf != nullptr) Drain(f->sbuf, SIZE_MAX);
+  if (f != nullptr) Suspend(true);
+  *reinterpret_cast<volatile uint64_t*>(p) = v;
+}
+
+void fault(const char* what) { Fault(what); }
+
+cudaError_t enqueue_kernel(LaunchSpec spec) {
+  EnsureInit();
+  State& s = S();
+  Stream* st = Resolve(spec.stream);
+  if (st == nullptr) return s.last_error = cudaErrorInvalidResourceHandle;
+  const uint64_t blocks = static_cast<uint64_t>(spec.grid.x) * spec.grid.y * spec.grid.z;
+  const uint64_t threads = static_cast<uint64_t>(spec.block.x) * spec.block.y * spec.block.z;
+  if (blocks == 0 || threads == 0 || threads > 1024) return s.last_error = cudaErrorInvalidConfiguration;
+  if (spec.cooperative && blocks > static_cast<uint64_t>(s.cfg.resident_blocks))
+    return s.last_error = cudaErrorCooperativeLaunchTooLarge;
+  auto k = std::make_shared<Kernel>();
+  k->dev = st->dev;
+  k->stream = st;
+  k->total_blocks = blocks;
+  k->spec = std::move(spec);
+  Op op;
+  op.kind = Op::kKernel;
+  op.kernel = k;
+  st->ops.push_back(std::move(op));
+  return cudaSuccess;
+}
+
+// ---------------------------------------------------------------------------------------
+// Control.
+void configure(const Config& c) {
+  State& s = S();
+  if (s.in_scheduler) throw std::logic_error("emu: configure inside a kernel");
+  ResetAll(c);
+}
+const Config& config() {
+  EnsureInit();
+  return S().cfg;
+}
+void mark_peer_memory(void* p, size_t n) { S().peer_mem.emplace_back(static_cast<char*>(p), n); }
+void unmark_peer_memory(void* p) {
+  auto& v = S().peer_mem;
+  v.erase(std::remove_if(v.begin(), v.end(), [p](auto& r) { return r.first == p; }), v.end());
+}
+std::vector<std::string> take_faults() {
+  std::vector<std::string> out;
+  out.swap(S().faults);
+  return out;
+}
+std::map<std::string, uint64_t> counters() {
+  auto c = S().counters;
+  for (int i = 0; i < kNumHot; ++i)
+    if (S().hot[i] != 0) c[kHotNames[i]] += S().hot[i];
+  c["virtual_ns"] = static_cast<uint64_t>(S().now_ns);
+  return c;
+}
+void reset_counters() {
+  S().counters.clear();
+  for (uint64_t& h : S().hot) h = 0;
+}
+void add_counter(const std::string& name, uint64_t v) { Count(name, v); }
+int current_device() { return S().current; }
+
+cudaError_t symbol_copy(void* dst, const void* src, size_t n, bool to_symbol, const void* symbol) {
+  EnsureInit();
+  State& s = S();
+  Device* d = Dev(s.current);
+  if (d == nullptr) return cudaErrorInvalidDevice;
+  SyncDevice(d);
+  LoadDevice(d);
+  std::memcpy(dst, src, n);
+  (void)to_symbol;
+  (void)symbol;
+  return cudaSuccess;
+}
+void* symbol_address(const void* symbol) { return const_cast<void*>(symbol); }
+
+}  // namespace emu
+
+// ---------------------------------------------------------------------------------------
+// Runtime API.
+using emu::S;
+
+namespace {
+cudaError_t Ret(cudaError_t e) {
+  if (e != cudaSuccess) S().last_error = e;
+  return e;
+}
+}  // namespace
+
+cudaError_t cudaGetLastError() {
+  emu::EnsureInit();
+  const cudaError_t e = S().last_error;
+  S().last_error = cudaSuccess;
+  return e;
+}
+cudaError_t cudaPeekAtLastError() { return S().last_error; }
+const char* cudaGetErrorName(cudaError_t e) { return cudaGetErrorString(e); }
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error (emulated GPU)";
+    case cudaErrorInvalidValue: return "invalid argument (emulated GPU)";
+    case cudaErrorMemoryAllocation: return "out of memory (emulated GPU)";
+    case cudaErrorLaunchFailure: return "unspecified launch failure: the emulator abandoned a deadlocked or hung kernel";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument (emulated GPU)";
+    case cudaErrorInvalidDevice: return "invalid device ordinal (emulated GPU)";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle (emulated GPU)";
+    case cudaErrorCooperativeLaunchTooLarge: return "too many blocks in cooperative launch (emulated GPU's resident_blocks)";
+    case cudaErrorNotSupported: return "operation not supported (emulated GPU)";
+    default: return "unknown error (emulated GPU)";
+  }
+}
+cudaError_t cudaGetDeviceCount(int* n) {
+  emu::EnsureInit();
+  *n = static_cast<int>(S().devices.size());
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* d) {
+  emu::EnsureInit();
+  *d = S().current;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int d) {
+  emu::EnsureInit();
+  if (emu::Dev(d) == nullptr) return Ret(cudaErrorInvalidDevice);
+  S().current = d;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize() {
+  emu::EnsureInit();
+  emu::Device* d = emu::Dev(S().current);
+  emu::SyncDevice(d);
+  return S().last_error == cudaErrorLaunchFailure ? cudaErrorLaunchFailure : cudaSuccess;
+}
+cudaError_t cudaDeviceCanAccessPeer(int* can, int, int) {
+  *can = 1;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceEnablePeerAccess(int, unsigned) { return cudaSuccess; }
+cudaError_t cudaMalloc(void** p, size_t bytes) {
+  emu::EnsureInit();
+  // Separate allocations (AddressSanitizer redzones between them), 256-byte aligned as
+  // cudaMalloc's are.
+  *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
+  return *p == nullptr ? Ret(cudaErrorMemoryAllocation) : cudaSuccess;
+}
+cudaError_t cudaFree(void* p) {
+  emu::unmark_peer_memory(p);
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) { return cudaMalloc(p, bytes); }
+cudaError_t cudaMallocHost(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+cudaError_t cudaFreeHost(void* p) { return cudaFree(p); }
+cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned) {
+  *dev = host;
+  return cudaSuccess;
+}
+cudaError_t cudaMemset(void* p, int v, size_t n) {
+  emu::EnsureInit();
+  emu::SyncDevice(emu::Dev(S().current));
+  std::memset(p, v, n);
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s) {
+  emu::EnsureInit();
+  emu::Stream* st = emu::Resolve(s);
+  emu::Op op;
+  op.kind = emu::Op::kMemset;
+  op.dst = p;
+  op.value = v;
+  op.n = n;
+  st->ops.push_back(op);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
+  emu::EnsureInit();
+  emu::SyncDevice(emu::Dev(S().current));
+  std::memmove(dst, src, n);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind, cudaStream_t s) {
+  emu::EnsureInit();
+  emu::Stream* st = emu::Resolve(s);
+  emu::Op op;
+  op.kind = emu::Op::kMemcpy;
+  op.dst = dst;
+  op.src = src;
+  op.n = n;
+  st->ops.push_back(op);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  emu::EnsureInit();
+  emu::Device* d = emu::Dev(S().current);
+  auto* st = new emu::Stream{d, {}, false};
+  d->streams.push_back(st);
+  *s = st;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  if (s == nullptr) return cudaSuccess;
+  emu::SyncDevice(s->dev);
+  auto& v = s->dev->streams;
+  v.erase(std::remove(v.begin(), v.end(), s), v.end());
+  delete s;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  emu::EnsureInit();
+  emu::Stream* st = emu::Resolve(s);
+  emu::RunUntil([st] { return st->ops.empty(); });
+  return S().last_error == cudaErrorLaunchFailure ? cudaErrorLaunchFailure : cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  emu::EnsureInit();
+  emu::Stream* st = emu::Resolve(s);
+  emu::Op op;
+  op.kind = emu::Op::kWait;
+  op.ev = e;
+  op.ticket = e->recorded;
+  st->ops.push_back(op);
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  *e = new emu::Event();
+  return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete e;
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  emu::EnsureInit();
+  emu::Stream* st = emu::Resolve(s);
+  emu::Op op;
+  op.kind = emu::Op::kRecord;
+  op.ev = e;
+  op.ticket = ++e->recorded;
+  st->ops.push_back(op);
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  emu::RunUntil([e] { return e->completed >= e->recorded; });
+  return cudaSuccess;
+}
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* h, void* p) {
+  // One process holds every virtual GPU: the handle is the pointer itself.
+  std::memset(h, 0, sizeof(*h));
+  std::memcpy(h->reserved, &p, sizeof(p));
+  return cudaSuccess;
+}
+cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t h, unsigned) {
+  std::memcpy(p, h.reserved, sizeof(*p));
+  return cudaSuccess;
+}
+cudaError_t cudaIpcCloseMemHandle(void*) { return cudaSuccess; }

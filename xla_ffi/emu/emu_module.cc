@@ -1,0 +1,234 @@
+// _jax_ep_emu: the CUDA backend's handlers and kernels compiled for the emulated GPU
+// (kernels/emu). Python drives R virtual GPUs through it (jax_ep/emulator.py): set up a
+// group, enqueue one handler call per rank, synchronize, read the outputs back.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels/emu/emu_control.h"
+#include "xla_ffi/emu/emu_call.h"
+
+namespace nb = nanobind;
+
+namespace jax_ep {
+namespace emu_driver {
+
+std::vector<uint64_t> SetupGroup(int num_ranks, int group, std::vector<uint64_t> area_bytes,
+                                 std::vector<int64_t> ll_shape);
+void BindCudaHostFunctions(void* module);
+
+std::vector<Invoker>& Invokers() {
+  static std::vector<Invoker> v;
+  return v;
+}
+RegisterInvoker::RegisterInvoker(Invoker f) { Invokers().push_back(std::move(f)); }
+
+int64_t CallArgs::attr(const std::string& k) const {
+  auto it = attrs.find(k);
+  if (it == attrs.end()) throw std::invalid_argument("jax_ep emu: op " + op + " needs attribute " + k);
+  return it->second;
+}
+xla::ffi::Span<const int64_t> CallArgs::array_attr(const std::string& k) const {
+  auto it = array_attrs.find(k);
+  if (it == array_attrs.end()) return {};
+  return xla::ffi::Span<const int64_t>(it->second.data(), it->second.size());
+}
+
+namespace {
+
+struct DType {
+  const char* name;
+  XLA_FFI_DataType id;
+  size_t bytes;
+};
+constexpr DType kDTypes[] = {
+    {"f32", XLA_FFI_DataType_F32, 4},   {"bf16", XLA_FFI_DataType_BF16, 2},
+    {"f16", XLA_FFI_DataType_F16, 2},   {"s32", XLA_FFI_DataType_S32, 4},
+    {"pred", XLA_FFI_DataType_PRED, 1}, {"u8", XLA_FFI_DataType_U8, 1},
+    {"s8", XLA_FFI_DataType_S8, 1},     {"f8e4m3fn", XLA_FFI_DataType_F8E4M3FN, 1},
+    {"f8e5m2", XLA_FFI_DataType_F8E5M2, 1},
+};
+const DType& FindDType(const std::string& n) {
+  for (const DType& d : kDTypes)
+    if (n == d.name) return d;
+  throw std::invalid_argument("jax_ep emu: unknown dtype " + n);
+}
+
+// One buffer on a virtual GPU (a separate allocation).
+struct DevBuf {
+  std::vector<int64_t> dims;
+  XLA_FFI_Buffer b{};
+  size_t bytes = 0;
+  int dev = 0;
+  DevBuf(int d, const DType& t, std::vector<int64_t> shape, const std::string* init) : dims(std::move(shape)), dev(d) {
+    size_t n = 1;
+    for (int64_t x : dims) {
+      if (x < 0) throw std::invalid_argument("jax_ep emu: negative dimension");
+      n *= static_cast<size_t>(x);
+    }
+    bytes = n * t.bytes;
+    if (init != nullptr && init->size() != bytes)
+      throw std::invalid_argument("jax_ep emu: an input has " + std::to_string(init->size()) +
+                                  " bytes, its shape needs " + std::to_string(bytes));
+    void* p = nullptr;
+    cudaSetDevice(d);
+    cudaMalloc(&p, bytes);
+    // Outputs start as garbage, as XLA's do: a kernel that leaves one unwritten shows.
+    if (init != nullptr) cudaMemcpy(p, init->data(), bytes, cudaMemcpyHostToDevice);
+    else cudaMemset(p, 0xA5, bytes);
+    b.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+    b.dtype = t.id;
+    b.data = p;
+    b.rank = static_cast<int64_t>(dims.size());
+    b.dims = dims.data();
+  }
+  ~DevBuf() { cudaFree(b.data); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+};
+
+struct Call {
+  CallArgs args;
+  std::vector<std::unique_ptr<DevBuf>> in, out;
+  std::string error;
+};
+std::map<int64_t, std::unique_ptr<Call>>& Calls() {
+  static std::map<int64_t, std::unique_ptr<Call>> c;
+  return c;
+}
+int64_t g_next_call = 1;
+double g_timeout_s = 0.05;
+std::vector<cudaStream_t> g_streams;
+
+void Configure(int num_devices, uint64_t seed, int resident_blocks, double timeout_s,
+               bool weak_stores, double quantum_ns, double drain_prob, double stay_prob) {
+  if (num_devices < 1 || num_devices > 64) throw std::invalid_argument("jax_ep emu: num_devices must be in [1, 64]");
+  if (resident_blocks < 1) throw std::invalid_argument("jax_ep emu: resident_blocks must be >= 1");
+  if (!(timeout_s > 0)) throw std::invalid_argument("jax_ep emu: timeout_s must be > 0");
+  Calls().clear();
+  emu::Config c;
+  c.num_devices = num_devices;
+  c.seed = seed;
+  c.resident_blocks = resident_blocks;
+  c.weak_stores = weak_stores;
+  c.quantum_ns = quantum_ns;
+  c.drain_prob = drain_prob;
+  c.stay_prob = stay_prob;
+  c.max_virtual_ns = std::max(60e9, timeout_s * 1e9 * 50);
+  emu::configure(c);
+  g_timeout_s = timeout_s;
+  g_streams.clear();
+  for (int d = 0; d < num_devices; ++d) {
+    cudaSetDevice(d);
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    g_streams.push_back(s);
+  }
+  cudaSetDevice(0);
+}
+
+using InSpec = std::tuple<nb::bytes, std::vector<int64_t>, std::string>;
+using OutSpec = std::pair<std::vector<int64_t>, std::string>;
+
+int64_t Enqueue(const std::string& op, int ordinal, std::vector<InSpec> inputs,
+                std::vector<OutSpec> outputs, std::map<std::string, int64_t> attrs,
+                std::map<std::string, std::vector<int64_t>> array_attrs) {
+  if (ordinal < 0 || ordinal >= static_cast<int>(g_streams.size()))
+    throw std::invalid_argument("jax_ep emu: ordinal outside the configured virtual GPUs");
+  auto c = std::make_unique<Call>();
+  for (auto& [data, shape, dt] : inputs) {
+    const std::string s(data.c_str(), data.size());
+    c->in.push_back(std::make_unique<DevBuf>(ordinal, FindDType(dt), shape, &s));
+  }
+  for (auto& [shape, dt] : outputs)
+    c->out.push_back(std::make_unique<DevBuf>(ordinal, FindDType(dt), shape, nullptr));
+  CallArgs& a = c->args;
+  a.op = op;
+  a.ordinal = ordinal;
+  a.stream = g_streams[ordinal];
+  for (auto& b : c->in) a.in.push_back(&b->b);
+  for (auto& b : c->out) a.out.push_back(&b->b);
+  a.attrs = std::move(attrs);
+  a.array_attrs = std::move(array_attrs);
+  const std::string t = std::to_string(g_timeout_s);
+  setenv("JAX_EP_TIMEOUT_S", t.c_str(), 1);
+  cudaSetDevice(ordinal);
+  bool known = false;
+  for (const Invoker& f : Invokers()) {
+    c->error = f(a, &known);
+    if (known) break;
+  }
+  cudaSetDevice(0);
+  if (!known) throw std::invalid_argument("jax_ep emu: unknown op " + op);
+  const int64_t id = g_next_call++;
+  Calls()[id] = std::move(c);
+  return id;
+}
+
+// Runs every virtual GPU until all streams are empty; returns the emulator's own faults.
+std::vector<std::string> Synchronize() {
+  for (size_t d = 0; d < g_streams.size(); ++d) {
+    cudaSetDevice(static_cast<int>(d));
+    cudaDeviceSynchronize();
+  }
+  cudaSetDevice(0);
+  cudaGetLastError();
+  return emu::take_faults();
+}
+
+std::pair<std::string, std::vector<nb::bytes>> Result(int64_t id) {
+  auto it = Calls().find(id);
+  if (it == Calls().end()) throw std::invalid_argument("jax_ep emu: no such call");
+  std::unique_ptr<Call> c = std::move(it->second);
+  Calls().erase(it);
+  std::vector<nb::bytes> outs;
+  for (auto& b : c->out) {
+    std::string s(b->bytes, '\0');
+    cudaSetDevice(b->dev);
+    cudaMemcpy(s.data(), b->b.data, b->bytes, cudaMemcpyDeviceToHost);
+    outs.emplace_back(s.data(), s.size());
+  }
+  cudaSetDevice(0);
+  return {c->error, outs};
+}
+
+}  // namespace
+}  // namespace emu_driver
+}  // namespace jax_ep
+
+NB_MODULE(_jax_ep_emu, m) {
+  using namespace jax_ep::emu_driver;
+  m.doc() = "The CUDA kernels and handlers of jax_ep, compiled for the emulated GPU.";
+  m.def("configure", &Configure, nb::arg("num_devices") = 8, nb::arg("seed") = 1,
+        nb::arg("resident_blocks") = 8, nb::arg("timeout_s") = 0.05,
+        nb::arg("weak_stores") = true, nb::arg("quantum_ns") = 100.0,
+        nb::arg("drain_prob") = 0.25, nb::arg("stay_prob") = 0.9,
+        "Resets the virtual GPUs: count, scheduler seed, co-residency limit, the kernels' "
+        "timeout in virtual seconds, weak visibility of peer stores.");
+  m.def("setup_group", &SetupGroup, nb::arg("num_ranks"), nb::arg("group"),
+        nb::arg("area_bytes"), nb::arg("ll_shape") = std::vector<int64_t>{},
+        "Allocates a communication buffer on each of the first num_ranks virtual GPUs and "
+        "registers them as one EP group (jax_ep.cuda.setup's work).");
+  m.def("enqueue", &Enqueue, nb::arg("op"), nb::arg("ordinal"), nb::arg("inputs"),
+        nb::arg("outputs"), nb::arg("attrs"),
+        nb::arg("array_attrs") = std::map<std::string, std::vector<int64_t>>{},
+        "Runs one handler on a virtual GPU's stream: inputs are (bytes, shape, dtype), "
+        "outputs (shape, dtype). Returns a call id for result().");
+  m.def("synchronize", &Synchronize, "Runs the virtual GPUs until idle; returns emulator faults.");
+  m.def("result", &Result, nb::arg("call"), "(handler error or '', output bytes) of a call.");
+  m.def("counters", [] { return emu::counters(); }, "What the kernels did since the last reset.");
+  m.def("reset_counters", [] { emu::reset_counters(); });
+  BindCudaHostFunctions(m.ptr());
+}
