@@ -463,6 +463,13 @@ def parse_args(argv=None):
     p.add_argument("--layer", action="store_true",
                    help="benchmark the Flax MoE layer against a dense SwiGLU instead "
                         "(`--layer -h` lists its flags; see jax_ep/bench_layer.py)")
+    p.add_argument("--mode", choices=("normal", "low_latency"), default="normal",
+                   help="'low_latency': time the low-latency (decode) mode instead, "
+                        "fused and split send/receive (`--mode low_latency -h` lists its "
+                        "flags; see jax_ep/bench_low_latency.py); default: normal")
+    p.add_argument("--fp8", action="store_true",
+                   help="time dispatch of bf16 rows against FP8 pairs (values + one "
+                        "float32 scale per 128) instead (`--fp8 -h` lists its flags)")
     args = p.parse_args(argv)
     base = QUICK if args.quick else FULL
     for k in ("tokens", "hidden", "repeats", "warmup", "input_sets", "memcpy_mib"):
@@ -487,13 +494,17 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     # `--mode low_latency`: the low-latency mode at the decode shape
     # (jax_ep/bench_low_latency.py).
+    argv = [a for x in argv for a in (x.split("=", 1) if x.startswith("--mode=") else [x])]
     if "--mode" in argv:
         i = argv.index("--mode")
         mode = argv[i + 1] if i + 1 < len(argv) else ""
-        if mode != "low_latency":
-            raise SystemExit(f"jax_ep.bench: --mode must be 'low_latency', got {mode!r}")
-        from jax_ep import bench_low_latency
-        return bench_low_latency.main(argv[:i] + argv[i + 2:])
+        if mode not in ("normal", "low_latency"):
+            raise SystemExit(f"jax_ep.bench: --mode must be 'normal' or 'low_latency', "
+                             f"got {mode!r}")
+        argv = argv[:i] + argv[i + 2:]
+        if mode == "low_latency":
+            from jax_ep import bench_low_latency
+            return bench_low_latency.main(argv)
     if "--layer" in argv:
         from jax_ep import bench_layer
         return bench_layer.main([x for x in argv if x != "--layer"])

@@ -504,9 +504,21 @@ def _check_wire_main(args: dict) -> int:
     return 0 if r["ok"] else 1
 
 
+SUBCOMMANDS = """subcommands:
+  modes       the direct vs hierarchical internode model over node counts and ports
+              (python -m jax_ep.plan modes --help)
+
+Without a subcommand: the striping plan and time model of one configuration (the
+options above); --check-wire / --check-schedule compare the plan with a transport log
+or with the compiled kernels' QP choice."""
+
+
 def _parser() -> argparse.ArgumentParser:
     d = PlanInputs()
-    ap = argparse.ArgumentParser(prog="python -m jax_ep.plan", description=MODEL_LABEL)
+    ap = argparse.ArgumentParser(prog="python -m jax_ep.plan", description=MODEL_LABEL,
+                                 usage="%(prog)s [modes ...] [options]",
+                                 epilog=SUBCOMMANDS,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=d.nodes)
     ap.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
     ap.add_argument("--ports", type=int, default=d.ports)
