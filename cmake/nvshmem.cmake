@@ -1,7 +1,8 @@
 # NVSHMEM (internode transport), from the nvidia-nvshmem-cu13 wheel (the `cuda` extra).
 # Included by cmake/cuda.cmake once the CUDA backend is on. The wheel has no CMake
 # config, so its headers and libraries are declared here as imported targets.
-# Sets JAX_EP_HAVE_NVSHMEM and links the internode library into the extension.
+# Sets JAX_EP_HAVE_NVSHMEM and builds the internode library into its own module,
+# _jax_ep_nvshmem (the only one that needs libnvshmem_host.so.3).
 set(JAX_EP_NVSHMEM "AUTO" CACHE STRING "Build the NVSHMEM internode backend: AUTO, ON or OFF")
 set_property(CACHE JAX_EP_NVSHMEM PROPERTY STRINGS AUTO ON OFF)
 set(JAX_EP_NVSHMEM_ROOT "$ENV{JAX_EP_NVSHMEM_ROOT}" CACHE PATH
@@ -82,16 +83,30 @@ target_link_libraries(jax_ep_internode PUBLIC
   jax_ep_nvshmem_device jax_ep_nvshmem_host CUDA::cudart_static ${CMAKE_DL_LIBS})
 
 set(JAX_EP_HAVE_NVSHMEM ON)
-target_link_libraries(_jax_ep_ext PRIVATE jax_ep_internode)
-target_sources(_jax_ep_ext PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/internode/nvshmem_bindings.cc")
-# libnvshmem_host.so.3 is found next to the extension's package in site-packages
-# (nvidia/nvshmem/lib) or, for in-place builds, where it was found at build time.
-set_property(TARGET _jax_ep_ext APPEND PROPERTY INSTALL_RPATH
-             "$ORIGIN/../nvidia/nvshmem/lib" "${_nvshmem_lib}")
-set_property(TARGET _jax_ep_ext APPEND PROPERTY BUILD_RPATH "${_nvshmem_lib}")
+# Everything that needs libnvshmem_host.so.3 goes into a second module, _jax_ep_nvshmem,
+# which jax_ep/_ext.py loads when the internode backend is first used: _jax_ep_ext keeps
+# no NEEDED libnvshmem_host, so `import jax_ep` works where NVSHMEM is not installed.
+nanobind_add_module(_jax_ep_nvshmem NB_STATIC
+                    "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/internode/nvshmem_module.cc"
+                    "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/internode/nvshmem_bindings.cc"
+                    "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/internode/low_latency_bindings.cc")
+target_include_directories(_jax_ep_nvshmem PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
+target_include_directories(_jax_ep_nvshmem SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}")
+target_compile_options(_jax_ep_nvshmem PRIVATE ${JAX_EP_WARNINGS})
+target_compile_definitions(_jax_ep_nvshmem PRIVATE JAX_EP_WITH_CUDA JAX_EP_WITH_NVSHMEM)
+target_link_libraries(_jax_ep_nvshmem PRIVATE jax_ep_internode)
+# RUNPATH relative to the installed package: site-packages/jax_ep/ -> site-packages/
+# nvidia/nvshmem/lib, where the nvidia-nvshmem-cu13 wheel puts libnvshmem_host.so.3. An
+# NVSHMEM given by JAX_EP_NVSHMEM_ROOT (not the wheel) is found where it was at build time.
+set_property(TARGET _jax_ep_nvshmem PROPERTY INSTALL_RPATH "$ORIGIN/../nvidia/nvshmem/lib")
+if(JAX_EP_NVSHMEM_ROOT)
+  set_property(TARGET _jax_ep_nvshmem APPEND PROPERTY INSTALL_RPATH "${_nvshmem_lib}")
+endif()
+set_property(TARGET _jax_ep_nvshmem APPEND PROPERTY BUILD_RPATH "${_nvshmem_lib}")
 # The static NVSHMEM device library (and the internode library around it) must not
-# export its symbols from the extension: jaxlib's Mosaic GPU links the same library,
+# export its symbols from the module: jaxlib's Mosaic GPU links the same library,
 # and two default-visibility copies in one process would interpose on each other.
-target_link_options(_jax_ep_ext PRIVATE
+target_link_options(_jax_ep_nvshmem PRIVATE
   "LINKER:--exclude-libs,libnvshmem_device.a:libjax_ep_internode.a")
-message(STATUS "jax_ep: NVSHMEM internode backend ON (${_nvshmem_root})")
+install(TARGETS _jax_ep_nvshmem LIBRARY DESTINATION jax_ep)
+message(STATUS "jax_ep: NVSHMEM internode backend ON (${_nvshmem_root}), module _jax_ep_nvshmem")

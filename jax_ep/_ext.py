@@ -58,6 +58,67 @@ def registered_platforms() -> frozenset[str]:
     return frozenset(platforms)
 
 
+# The NVSHMEM module (_jax_ep_nvshmem: the internode backend's runtime and handlers) needs
+# libnvshmem_host.so.3, so it is loaded only when the internode backend is first used
+# (nvshmem_bootstrap.initialize), never by `import jax_ep`.
+_nvshmem = None
+_nvshmem_error: str | None = None
+
+
+def nvshmem_built() -> bool:
+    """Whether this build has the NVSHMEM module (without loading it)."""
+    import importlib.util
+    if importlib.util.find_spec("jax_ep._jax_ep_nvshmem") is not None:
+        return True
+    # a build from before the module split has the functions in the main extension
+    return ext is not None and hasattr(ext, "nvshmem_init")
+
+
+def nvshmem_ext(load: bool = True):
+    """The module with the NVSHMEM runtime calls (nvshmem_init, internode_error, ...):
+    `jax_ep._jax_ep_nvshmem`, loaded on first use (load=False: only if already loaded);
+    None where the build has none or it cannot load (`nvshmem_import_error()` says why)."""
+    global _nvshmem, _nvshmem_error
+    if _nvshmem is not None or not load:
+        return _nvshmem
+    if _nvshmem_error is not None:
+        return None
+    try:
+        from jax_ep import _jax_ep_nvshmem as mod  # type: ignore[attr-defined]
+    except ImportError as e:
+        if ext is not None and hasattr(ext, "nvshmem_init"):
+            mod = ext  # a build from before the module split
+        else:
+            _nvshmem_error = str(e)
+            return None
+    _nvshmem = mod
+    return _nvshmem
+
+
+def nvshmem_import_error() -> str | None:
+    """Why `nvshmem_ext()` returned None (a missing libnvshmem_host.so.3, no module in
+    this build), or None."""
+    if _nvshmem is None and _nvshmem_error is None and not nvshmem_built():
+        return "this jax_ep build has no NVSHMEM module (_jax_ep_nvshmem)"
+    return _nvshmem_error
+
+
+@functools.cache
+def register_nvshmem_targets() -> bool:
+    """Registers the internode FFI targets of the NVSHMEM module with XLA (once); False
+    where there is no GPU platform or no loadable module."""
+    mod = nvshmem_ext()
+    if mod is None or mod is ext or not _gpu_platform_present():
+        return False  # (a pre-split build registers them with the main extension)
+    from jaxlib import xla_client
+    for name, capsule in mod.registrations().get("CUDA", {}).items():
+        kwargs = {}
+        if name in _GRAPH_SAFE:
+            kwargs["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA", **kwargs)
+    return True
+
+
 def require_ext():
     if ext is None:
         raise ImportError(
@@ -68,17 +129,21 @@ def require_ext():
 
 def build_info() -> dict:
     """What this build contains: {'cpu', 'cuda', 'nvshmem', 'nvshmem_qp_api': bool,
-    'cuda_archs': [str], 'jax': version string}."""
+    'cuda_archs': [str], 'jax': version string}. 'nvshmem': the NVSHMEM module is built
+    (it may still fail to load where libnvshmem_host.so.3 is missing: then
+    'nvshmem_qp_api' is False and `nvshmem_import_error()` says why)."""
     info = {"cpu": False, "cuda": False, "nvshmem": False, "nvshmem_qp_api": False,
             "cuda_archs": []}
     if ext is not None:
         raw = dict(ext.build_info())
         info["cpu"] = bool(raw["cpu"])
         info["cuda"] = bool(raw["cuda"])
-        info["nvshmem"] = bool(raw["nvshmem"])
+        info["nvshmem"] = bool(raw["nvshmem"]) or nvshmem_built()
         info["cuda_archs"] = [a for a in str(raw["cuda_archs"]).split(",") if a]
-        # internode: whether NVSHMEM's QP API (explicit QP per planned QP) is usable here;
-        # jax_ep.backends.internode.transport_report() has the details.
-        info["nvshmem_qp_api"] = bool(getattr(ext, "nvshmem_qp_api_available", lambda: False)())
+        # internode: whether NVSHMEM's QP API (explicit QP per planned QP) is usable here
+        # (loads the NVSHMEM module where built); transport_report() has the details.
+        mod = nvshmem_ext() if info["nvshmem"] else None
+        info["nvshmem_qp_api"] = bool(getattr(mod, "nvshmem_qp_api_available",
+                                              lambda: False)())
     info["jax"] = jax.__version__
     return info

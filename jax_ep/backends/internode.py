@@ -51,11 +51,9 @@ class InternodeError(RuntimeError):
 
 
 def _ext():
-    try:
-        from jax_ep import _jax_ep_ext as ext  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return ext
+    """The NVSHMEM module (jax_ep._ext.nvshmem_ext), None where not built or loadable."""
+    from jax_ep import _ext as ext_mod
+    return ext_mod.nvshmem_ext()
 
 
 def check_errors() -> None:

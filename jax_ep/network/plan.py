@@ -476,8 +476,10 @@ def _check_wire_main(args: dict) -> int:
     ext = _ext()
     path = args["path"]
     if path == "auto":
-        avail = bool(ext is not None and getattr(ext, "nvshmem_qp_api_available", None)
-                     and ext.nvshmem_qp_api_available())
+        from jax_ep import _ext as _ext_mod
+        nv = _ext_mod.nvshmem_ext()  # the NVSHMEM module, where built and loadable
+        avail = bool(nv is not None and getattr(nv, "nvshmem_qp_api_available", None)
+                     and nv.nvshmem_qp_api_available())
         path = "qp_api" if avail else "fallback"
     qps = args["qps_per_port"] or max(1, args["qps_per_peer"] // max(args["ports"], 1))
     cfg = TransportConfig(num_ports=args["ports"], qps_per_port=qps,

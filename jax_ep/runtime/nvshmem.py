@@ -79,14 +79,14 @@ class ExtensionRuntime:
     """NVSHMEM through the compiled extension (built with NVSHMEM)."""
 
     def __init__(self):
-        try:
-            from jax_ep import _jax_ep_ext as ext  # type: ignore[attr-defined]
-        except ImportError as e:
-            raise NvshmemBootstrapError(f"the jax_ep extension is not built: {e}") from None
-        if not hasattr(ext, "nvshmem_init"):
+        from jax_ep import _ext
+        ext = _ext.nvshmem_ext()  # loads _jax_ep_nvshmem (libnvshmem_host.so.3) now
+        if ext is None or not hasattr(ext, "nvshmem_init"):
             raise NvshmemBootstrapError(
-                "this jax_ep build has no NVSHMEM support: install the `cuda` extra "
-                "(nvidia-nvshmem-cu13) where nvcc is available and rebuild")
+                "this jax_ep build has no usable NVSHMEM support "
+                f"({_ext.nvshmem_import_error()}): install the `cuda` extra "
+                "(nvidia-nvshmem-cu13 3.8.x) where nvcc is available and rebuild")
+        _ext.register_nvshmem_targets()
         self._ext = ext
 
     def unique_id(self) -> bytes:

@@ -184,7 +184,7 @@ def test_heap_holds_both_modes():
 def test_hierarchical_targets_are_registered_with_nvshmem():
     if not jax_ep.build_info().get("nvshmem"):
         pytest.skip("this build has no NVSHMEM backend")
-    cuda = set(_ext.ext.registrations()["CUDA"])
+    cuda = set(_ext.nvshmem_ext().registrations()["CUDA"])  # the NVSHMEM module's
     for op in ("dispatch", "combine", "gather"):
         assert f"jax_ep_internode_{op}" in cuda and f"jax_ep_internode_hier_{op}" in cuda
 
