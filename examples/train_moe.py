@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--check-every", type=int, default=10,
+                   help="jax_ep.check_errors() every N steps (GPU kernels record errors "
+                        "on the device) and before every checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/train_moe")
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt")
@@ -82,6 +85,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import jax_ep  # noqa: E402
 from jax_ep.flax import MoE  # noqa: E402
 
 VOCAB = 256
@@ -408,7 +412,12 @@ def main(a):
             if "eval_loss" in rec:
                 post["eval"] = f"{rec['eval_loss']:.3f}"
             bar.set_postfix(post, refresh=False)
-            if step % a.ckpt_every == 0 or step == end:
+            saving = step % a.ckpt_every == 0 or step == end
+            if saving or step % a.check_every == 0:
+                # a failed EP call on a GPU is NaN/-1 on the device and an error here;
+                # never checkpoint a state it touched
+                jax_ep.check_errors(step=step)
+            if saving:
                 save_checkpoint(mgr, step, model, opt)
     bar.close()
     mgr.close()

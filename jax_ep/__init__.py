@@ -6,6 +6,7 @@ start-up); `network/` (striping plan and planning model); `bench` (benchmarks).
 """
 from jax_ep import config, cuda, nvshmem_bootstrap, sharded
 from jax_ep._ext import build_info
+from jax_ep.runtime.errors import EPError, check_errors
 from jax_ep._types import DispatchHandle, DispatchLayout
 from jax_ep.network.transport import StripePlan, TransportConfig
 from jax_ep.ops import combine, dispatch, get_dispatch_layout, resolve_backend
@@ -13,9 +14,11 @@ from jax_ep.ops import combine, dispatch, get_dispatch_layout, resolve_backend
 __all__ = [
     "DispatchHandle",
     "DispatchLayout",
+    "EPError",
     "StripePlan",
     "TransportConfig",
     "build_info",
+    "check_errors",
     "combine",
     "dispatch",
     "get_dispatch_layout",
