@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep._common import axis_names, ep_coords
+from jax_ep._common import axis_names, ep_coords, group_axes
 
 OK, OUT_OF_RANGE, REPEATED = 0, 1, 2
 _FIELDS = 7  # code, rank, group, token, slot, value, earlier slot
@@ -100,7 +100,7 @@ def _raise_if_bad(verdict, num_experts, where, grouped, global_rows=None, wait_f
     of each is its operand, a dependency XLA cannot drop)."""
     cb = _raiser(num_experts, where, grouped, global_rows)
     spec = jax.ShapeDtypeStruct((), jnp.int32)
-    waited = tuple(a.reshape(-1)[:1] for a in wait_for)
+    waited = tuple(a.reshape(-1)[:1] for a in wait_for if a.size)
 
     def fail(v, *w):
         # Under vmap the cond becomes a select and this runs for every call; the callback
@@ -126,17 +126,16 @@ def checked(topk_idx, num_experts: int, *, axis_name=None, groups=None, repeats=
     complete on this rank before it may raise (a check that comes after the exchange)."""
     if topk_idx.size == 0:
         return topk_idx
+    if axis_name is None and not _manual_axes():
+        return _whole(topk_idx, num_experts, repeats, where)
     verdict = local_verdict(topk_idx, num_experts, repeats)
     if axis_name is None:
         axes = _manual_axes()
-        if not axes:
-            return _whole(topk_idx, num_experts, repeats, where)
         rank = jax.lax.axis_index(axes).astype(jnp.int32)
         group = jnp.int32(0)
         grouped = False
     else:
         if groups is None:
-            from jax_ep._common import group_axes
             groups = group_axes(axis_name)
         rank, group = ep_coords(axis_name, groups)
         axes = tuple(a for a, _ in groups) + axis_names(axis_name)
@@ -179,13 +178,15 @@ def neutralized(topk_idx, num_experts: int, repeats=False):
 
 
 def across_groups(axis_name, groups) -> bool:
-    """Whether the manual mesh axes other than the EP axis (`groups`, ((name, size),
-    ...); None: those in context) make several EP groups. The ffi transports agree on a
-    value error within one EP group only; with several, the other groups would go on
-    into the program's next collective across groups (a data-parallel psum) and wait
-    there, so the ffi backend runs the agreed check first then."""
+    """Whether the ffi backend runs the agreed check before its kernel: on CPU, where
+    the mesh axes other than the EP axis (`groups`, ((name, size), ...); None: those in
+    context) make several EP groups. The CPU kernels raise a value error on every rank
+    of their EP group only; the other groups would go on into the program's next
+    collective across groups (a data-parallel psum) and wait there. (On GPUs the kernels
+    record the error and treat the id as unused: no rank stops.)"""
+    if jax.default_backend() != "cpu":
+        return False
     if groups is None:
-        from jax_ep._common import group_axes
         groups = group_axes(axis_name)
     return any(int(size) > 1 for _, size in groups)
 

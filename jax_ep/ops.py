@@ -150,10 +150,11 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, num_ranks: int,
 
 
 def _layout_impl(topk_idx, num_experts, num_ranks, backend, check_ids=True):
-    if check_ids and backend != "internode":
+    if check_ids and (backend == "reference"
+                      or (backend == "ffi" and jax.default_backend() == "cpu")):
         # No exchange follows in the op, but the program's next collective does: inside
         # shard_map every shard agrees on the check first, so all raise or none does
-        # (the ffi kernel's own check would stop one shard alone).
+        # (the CPU kernel's own check would stop one shard alone).
         topk_idx = _value_check.checked(topk_idx, num_experts)
     cfg = Cfg(num_experts, num_ranks, backend=backend, check_ids=check_ids)
     return backends.get(backend).layout(topk_idx, cfg)

@@ -97,8 +97,9 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, mesh_axis: str, batch_axe
     num_experts = ops._static_int("num_experts", num_experts, 1)
     ops._check_routing(topk_idx, None, None, num_experts, 1)
     spec = _spec(topk_idx.shape[0], num_experts, mesh_axis, None, backend, batch_axes)
-    if spec.backend != "internode":
-        # Every shard agrees before any raises (the ffi kernel's check stops one alone).
+    if spec.backend == "reference" or (spec.backend == "ffi"
+                                       and jax.default_backend() == "cpu"):
+        # Every shard agrees before any raises (the CPU kernel's check stops one alone).
         topk_idx = ops._check_ids_reference(topk_idx, spec)
     return DispatchLayout(*_layout_op(spec)(topk_idx))
 
