@@ -21,6 +21,20 @@ initial weights on random normal tokens).
 
 Targets: MoE fwd_bwd median <= 1.5x the dense one, peak memory <= 2x; the
 JSON's "targets" holds both ratios per capacity factor.
+
+`--profile` (with the first capacity factor) times the pieces of the MoE's fwd_bwd as
+programs of their own on the same mesh and tokens, round robin with the whole layer and
+the dense one, and reports each as a share of the layer's time (shares of one run hold
+under a steady load, where absolute times do not):
+
+  router    x @ router, softmax, top-k, the balance and z losses; forward and backward
+  exchange  dispatch, then combine of the received rows, forward and backward
+  group     the sort of the received (row, slot) pairs by expert (`group_by_expert`)
+  experts   `grouped_swiglu` forward and backward on the received rows (the grouping,
+            the gathers of each tile's rows, the matmuls, the scatter-adds)
+  matmuls   the same SwiGLU matmuls, forward and backward, as one batched einsum over
+            `[E_local, pairs / E_local, H]` blocks (what the experts' work costs with no
+            routing at all; a floor for `experts`)
 """
 from __future__ import annotations
 
@@ -64,6 +78,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true",
                    help="accepted for symmetry with the exchange benchmark (no bar here)")
+    p.add_argument("--profile", action="store_true",
+                   help="time the MoE's pieces (router, exchange, grouping sort, expert "
+                        "loop, bare matmuls) as shares of the layer (first capacity factor)")
+    p.add_argument("--expert-matmul", default=None, choices=("tiles", "ragged_dot"),
+                   help="the MoE's expert_matmul (default: by platform)")
     a = p.parse_args(argv)
     base = dict(DEFAULTS, **(QUICK if a.quick else {}))
     for k in ("tokens", "hidden", "ffn", "experts", "topk", "repeats", "warmup"):
@@ -178,6 +197,7 @@ def run(a) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jax_ep
+    from jax_ep import experts
     from jax_ep.flax import MoE, SwiGLU
 
     n = a.data * a.expert
@@ -205,7 +225,8 @@ def run(a) -> dict:
                 m = SwiGLU(a.hidden, a.topk * a.ffn, dtype=dtype, rngs=nnx.Rngs(a.seed))
             else:
                 m = MoE(a.hidden, a.ffn, a.experts, a.topk, backend=a.backend,
-                        capacity_factor=cf, dtype=dtype, rngs=nnx.Rngs(a.seed))
+                        capacity_factor=cf, dtype=dtype, expert_matmul=a.expert_matmul,
+                        rngs=nnx.Rngs(a.seed))
             state, fwd, fwd_bwd = _programs(m, has_aux=(kind == "moe"))
             memory[name] = {}
             for prog, args in (("fwd", [(state, x) for x in xs]),
@@ -246,6 +267,7 @@ def run(a) -> dict:
               "topk": a.topk, "mesh": {"data": a.data, "expert": a.expert},
               "capacity_factors": a.capacity_factors, "dtype": a.dtype,
               "backend": resolve_backend(a.backend), "repeats": a.repeats,
+              "expert_matmul": experts.check_expert_matmul(a.expert_matmul),
               "warmup": a.warmup, "input_sets": a.input_sets,
               "platform": jax.default_backend(), "device_kind": devices[0].device_kind,
               "num_devices": len(devices), "jax": jax.__version__,
@@ -255,6 +277,126 @@ def run(a) -> dict:
             "memory_method": "XLA compiled memory_analysis() per device: peak = argument "
                              "+ output + temp - alias bytes",
             "targets": targets}
+
+
+def profile(a) -> dict:
+    """The pieces of the MoE's fwd_bwd (module docstring) timed round robin with the
+    whole layer and the dense one; {"config", "pieces": {name: timing}, "shares"}."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_ep import experts, ops
+    from jax_ep.flax import MoE, SwiGLU, _counts, _load_balance, route
+
+    n = a.data * a.expert
+    mesh = jax.make_mesh((a.data, a.expert), ("data", "expert"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:n])
+    dtype = jnp.dtype(a.dtype)
+    cf = a.capacity_factors[0]
+    tok_axes = ("data", "expert")
+    tok, wspec = P(tok_axes), P("expert")
+    rng = np.random.default_rng(a.seed)
+    put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+    x = put(rng.standard_normal((a.tokens, a.hidden)).astype(dtype), tok)
+    ct = put(rng.standard_normal((a.tokens, a.hidden)).astype(np.float32), tok)
+    E, K, R = a.experts, a.topk, a.expert
+    with jax.set_mesh(mesh):
+        moe = MoE(a.hidden, a.ffn, E, K, backend=a.backend, capacity_factor=cf,
+                  dtype=dtype, expert_matmul=a.expert_matmul, rngs=nnx.Rngs(a.seed))
+        dense = SwiGLU(a.hidden, K * a.ffn, dtype=dtype, rngs=nnx.Rngs(a.seed))
+    T = a.tokens // n
+    C = moe._capacity(T, R)
+    cap = experts.expert_capacity(T * K, E // R, cf, limit=C or R * T) if cf else (C or
+                                                                                 R * T)
+    matmul = experts.check_expert_matmul(a.expert_matmul)
+    router = moe.router[...]
+    wg, wu, wd = (put(np.asarray(v[...]).astype(dtype), wspec)
+                  for v in (moe.w_gate, moe.w_up, moe.w_down))
+    idx, w, _ = jax.jit(lambda x: route(x.astype(jnp.float32) @ router, K))(x)
+
+    def grad_sum(f, argnums):
+        return jax.jit(jax.grad(lambda *v: jnp.sum(f(*v)), argnums=argnums))
+
+    def router_loss(r, x):
+        logits = x.astype(jnp.float32) @ r
+        i, ww, probs = route(logits, K)
+        lb = _load_balance(probs, _counts(i, E), i.size)
+        z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        return jnp.sum(ww * ct[:, :K]) + lb + z
+
+    def smap(f, in_specs, out_specs):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def exchange(x, w):
+        def per_shard(x, i, w):
+            rx, _, rw, h = ops.dispatch(x, i, w, num_experts=E, axis_name="expert",
+                                        capacity=C, backend=a.backend)
+            return ops.combine((rx * jnp.sum(rw, 1, keepdims=True).astype(rx.dtype)), h,
+                               backend=a.backend).astype(jnp.float32)
+        return smap(per_shard, (tok, tok, tok), tok)(x, idx, w) * ct
+
+    recv = jax.jit(smap(lambda x, i, w: ops.dispatch(
+        x, i, w, num_experts=E, axis_name="expert", capacity=C, backend=a.backend)[:3],
+        (tok, tok, tok), (tok, tok, tok)))(x, idx, w)
+    rx, ridx, rw = recv
+    ct_r = put(rng.standard_normal(rx.shape).astype(np.float32), tok)
+
+    def group(i, w):
+        g = smap(lambda i, w: experts.group_by_expert(i, w, E // R, cap)[:2],
+                 (tok, tok), (tok, tok))(i, w)
+        return g
+
+    def expert_loop(rx, rw, wg, wu, wd):
+        y = smap(lambda x, i, w, a_, b_, c_: experts.grouped_swiglu(
+            x, i, w, a_, b_, c_, capacity=cap, matmul=matmul)[0],
+            (tok, tok, tok, wspec, wspec, wspec), tok)(rx, ridx, rw, wg, wu, wd)
+        return y * ct_r
+
+    pairs = T * K // (E // R)  # pairs per local expert at balanced routing
+    xb = put(rng.standard_normal((n * (E // R), pairs, a.hidden)).astype(dtype), tok)
+
+    def matmuls(xb, wg, wu, wd):
+        return smap(lambda xb, a_, b_, c_: experts.swiglu_blocks(xb, a_, b_, c_),
+                    (tok, wspec, wspec, wspec), tok)(xb, wg, wu, wd).astype(jnp.float32)
+
+    layer_state, _, layer_fb = _programs(moe, True)
+    dense_state, _, dense_fb = _programs(dense, False)
+    progs = {
+        "layer": (layer_fb, [(layer_state, x, ct)]),
+        "dense": (dense_fb, [(dense_state, x, ct)]),
+        "router": (jax.jit(jax.grad(router_loss, argnums=(0, 1))), [(router, x)]),
+        "exchange": (grad_sum(exchange, (0, 1)), [(x, w)]),
+        "group": (jax.jit(group), [(ridx, rw)]),
+        "experts": (grad_sum(expert_loop, (0, 1, 2, 3, 4)), [(rx, rw, wg, wu, wd)]),
+        "matmuls": (grad_sum(matmuls, (0, 1, 2, 3)), [(xb, wg, wu, wd)]),
+    }
+    with jax.set_mesh(mesh):
+        compiled = {}
+        for k, (f, args) in progs.items():
+            compiled[k] = (f.lower(*args[0]).compile(), args)
+            print(f"  compiled {k}", file=sys.stderr, flush=True)
+        timing = _time_round_robin(compiled, a.warmup, a.repeats)
+    layer = timing["layer"]["median_s"]
+    shares = {k: v["median_s"] / layer for k, v in timing.items()}
+    return {"config": {"tokens": a.tokens, "hidden": a.hidden, "ffn": a.ffn,
+                       "experts": E, "topk": K, "mesh": {"data": a.data, "expert": R},
+                       "capacity_factor": cf, "receive_rows": C or R * T,
+                       "expert_capacity": cap, "expert_matmul": matmul,
+                       "dtype": a.dtype, "repeats": a.repeats, "warmup": a.warmup,
+                       "backend": ops.resolve_backend(a.backend)},
+            "pieces": timing, "shares_of_layer": shares}
+
+
+def format_profile(report) -> str:
+    lines = [f"{'piece':<10} {'median ms':>10} {'min ms':>9} {'share of layer':>15}"]
+    for k, v in report["pieces"].items():
+        lines.append(f"{k:<10} {v['median_s'] * 1e3:>10.1f} {v['min_s'] * 1e3:>9.1f} "
+                     f"{report['shares_of_layer'][k]:>15.2f}")
+    return "\n".join(lines)
 
 
 def format_table(report) -> str:
@@ -282,6 +424,14 @@ def main(argv=None) -> dict:
     from jax_ep._bench_util import set_host_device_count
 
     set_host_device_count(a.data * a.expert)
+    if a.profile:
+        report = profile(a)
+        print(format_profile(report))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(report, f, indent=1)
+            print(f"wrote {a.json}")
+        return report
     report = run(a)
     print(format_table(report))
     print("targets: " + json.dumps({k: {"fwd_bwd_x_dense": round(v["time_over_dense"]

@@ -245,9 +245,10 @@ class MoE(nnx.Module):
         DeepSeek-V3, the sum of its two best biased scores) or "max" (DeepSeek-V2, its
         best score; V2 has no routing bias).
       routed_scaling_factor: multiplies the routed experts' top-k weights (after
-        `norm_topk_prob`), not the shared experts. Default 1.0 (Mixtral, DeepSeek-V2's
-        own checkpoints set theirs); DeepSeek-V3 uses 2.5. Folding it into `w_down`
-        instead gives the same outputs but not the same optimizer steps.
+        `norm_topk_prob`), not the shared experts. Default 1.0 (no scaling, as
+        Mixtral); DeepSeek-V3 uses 2.5 (DeepSeek-V2 checkpoints carry theirs in their
+        config). Folding it into `w_down` instead gives the same outputs but not the same
+        optimizer steps.
       aux_loss: which balance loss `aux["load_balance_loss"]` is: "batch" (default; the
         Switch/GShard form over every token of the batch) or "sequence" (DeepSeek-V3's
         sequence-wise complementary loss: the same form per sequence of x[B, S, H],

@@ -207,3 +207,19 @@ def test_layer_benchmark_smoke(tmp_path, capsys):
     assert "x dense" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--layer", "--capacity-factors", "zero"])
+
+
+def test_layer_profile_smoke():
+    """`python -m jax_ep.bench --layer --profile`, small: every piece timed, shares of the
+    layer's fwd_bwd."""
+    from jax_ep import bench
+
+    report = bench.main(["--layer", "--quick", "--profile", "--data", "2", "--expert", "2",
+                         "--capacity-factors", "1.0", "--repeats", "1", "--warmup", "0"])
+    assert set(report["pieces"]) == {"layer", "dense", "router", "exchange", "group",
+                                     "experts", "matmuls"}
+    assert report["shares_of_layer"]["layer"] == 1.0
+    for k, v in report["pieces"].items():
+        assert v["median_s"] > 0 and report["shares_of_layer"][k] > 0, k
+    assert report["config"]["receive_rows"] == 128  # 2 * 64: the worst case here
+    assert report["config"]["expert_matmul"] == "tiles"
