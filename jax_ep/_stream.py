@@ -52,9 +52,19 @@ def region_compute_on():
             params = inspect.signature(fn).parameters
         except (TypeError, ValueError):
             continue
-        if "compute_type" in params and "out_memory_spaces" in params:
+        # The region form takes keyword-only arguments; the older context manager of the
+        # same name takes compute_type positionally.
+        ct = params.get("compute_type")
+        if ct is not None and ct.kind is inspect.Parameter.KEYWORD_ONLY:
             return fn
     return None
+
+
+def _region_kwargs(fn) -> dict:
+    kw = {"compute_type": COMPUTE_TYPE}
+    if "out_memory_spaces" in inspect.signature(fn).parameters:
+        kw["out_memory_spaces"] = _device_space()
+    return kw
 
 
 def _device_space():
@@ -111,8 +121,8 @@ def region(fn):
     def wrapped(*args):
         if not active():
             return fn(*args)
-        return region_compute_on()(fn, compute_type=COMPUTE_TYPE,
-                                   out_memory_spaces=_device_space())(*args)
+        form = region_compute_on()
+        return form(fn, **_region_kwargs(form))(*args)
 
     return wrapped
 

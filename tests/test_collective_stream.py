@@ -289,3 +289,33 @@ def test_setting_is_checked_and_restored():
         assert config.collective_stream is False
     assert config.collective_stream == before
     assert config._collective_stream_value("ON", "x") is True
+
+
+def test_region_form_detection_across_jax_versions(monkeypatch):
+    """JAX 0.10 names the region form compute_on2 (beside the older context manager);
+    later JAX names it compute_on; older JAX has only the context manager."""
+    import contextlib
+    import types
+
+    import jax.experimental
+
+    def region(f=None, *, compute_type, out_memory_spaces, compiler_options=None):
+        return f
+
+    @contextlib.contextmanager
+    def context_manager(compute_type):
+        yield
+
+    cases = {"jax_0_10": (dict(compute_on=context_manager, compute_on2=region), region),
+             "later": (dict(compute_on=region), region),
+             "older": (dict(compute_on=context_manager), None)}
+    for name, (attrs, want) in cases.items():
+        fake = types.ModuleType("jax.experimental.compute_on")
+        fake.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, "jax.experimental.compute_on", fake)
+        monkeypatch.setattr(jax.experimental, "compute_on", fake, raising=False)
+        _stream.region_compute_on.cache_clear()
+        assert _stream.region_compute_on() is want, name
+    monkeypatch.undo()
+    _stream.region_compute_on.cache_clear()
+    assert _stream.region_compute_on() is not None
