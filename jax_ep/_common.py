@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _stream
+from jax_ep import _order, _stream
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -241,15 +241,16 @@ def ep_call(target: str, results, *, vmap_method: str = "sequential"):
 
     Ordering: every call carries a unique `call_site` attribute, so XLA cannot merge
     (CSE) two of them; calls with a data dependency run in order, and independent calls
-    that jax-ep itself emits are chained with `after`. The calls are deliberately not
-    marked side-effecting: JAX refuses side-effecting calls under `jax.checkpoint`
-    (remat), which MoE training needs. XLA compiles one program for every rank, so an
+    that jax-ep itself emits are chained with `after`; every call is also chained after
+    the last EP call traced before it in the same trace (`jax_ep._order`). The calls
+    are deliberately not marked side-effecting: JAX refuses side-effecting calls under
+    `jax.checkpoint` (remat), which MoE training needs. XLA compiles one program for every rank, so an
     unused call is dropped on all ranks alike and ranks never disagree on the order.
     Stream: on GPU each call runs in a region on XLA's collective stream
     (`jax_ep._stream`, setting `jax_ep.config.collective_stream`).
     """
-    return _stream.on_collective_stream(
-        jax.ffi.ffi_call(target, results, vmap_method=vmap_method))
+    return _order.ordered(_stream.on_collective_stream(
+        jax.ffi.ffi_call(target, results, vmap_method=vmap_method)))
 
 
 def after(first, value):

@@ -62,6 +62,17 @@ def chained(hlo: str, first: str, operand: str) -> bool:
     return False
 
 
+def _root(hlo: str, operand: str) -> str:
+    """`operand` followed back through optimization barriers (output i is input i)."""
+    base, _, idx = operand.partition("#")
+    for line in hlo.splitlines():
+        m = _LINE.match(line)
+        if m and m.group(1).split(":")[0] == base and "optimization_barrier" in m.group(2):
+            ins = m.group(2).split("optimization_barrier")[1].split(":")[0].split(",")
+            return _root(hlo, ins[int(idx or 0)].strip())
+    return operand
+
+
 def check_ordered(hlo: str) -> list[str]:
     """Problems found: EP calls without a call-site id or sharing one (mergeable), and
     combines in the transpose of one dispatch that are not chained."""
@@ -74,7 +85,7 @@ def check_ordered(hlo: str) -> list[str]:
     # Combines reading the same handle array after the forward one: dispatch's transpose.
     by_handle = {}
     for c in combines:
-        by_handle.setdefault(c["operands"][1], []).append(c)
+        by_handle.setdefault(_root(hlo, c["operands"][1]), []).append(c)
     for group in by_handle.values():
         for a, b in zip(group[1:], group[2:]):
             if not chained(hlo, a["name"], b["operands"][0]):
