@@ -319,3 +319,89 @@ def test_region_form_detection_across_jax_versions(monkeypatch):
     monkeypatch.undo()
     _stream.region_compute_on.cache_clear()
     assert _stream.region_compute_on() is not None
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def async_ep_calls(hlo: str) -> dict:
+    """{EP target: whether it runs inside an async pair} of compiled HLO text: the call
+    sits in a computation reached from an async-start / call-start instruction."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.-]+) ", line)
+        if m and line.rstrip().endswith("{"):
+            name = m.group(1)
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    called = lambda ln: re.findall(r"=%([\w.-]+)", ln)  # calls=, to_apply=, body=, ...
+    inside, todo = set(), []
+    for lines in comps.values():
+        for ln in lines:
+            if re.search(r"\b(async|call)-start\(", ln):
+                todo += called(ln)
+    while todo:
+        c = todo.pop()
+        if c in inside or c not in comps:
+            continue
+        inside.add(c)
+        for ln in comps[c]:
+            todo += called(ln)
+    out = {}
+    for c, lines in comps.items():
+        for ln in lines:
+            t = re.search(r'custom_call_target="(jax_ep_(?!layout)\w+)"', ln)
+            if t:
+                out[t.group(1)] = out.get(t.group(1), False) or c in inside
+    return out
+
+
+def test_the_async_reader_needs_a_start():
+    plain = ('ENTRY %main (p: f32[4]) -> f32[4] {\n'
+             '  %c = f32[4]{0} custom-call(%p), custom_call_target="jax_ep_combine"\n}\n')
+    assert async_ep_calls(plain) == {"jax_ep_combine": False}
+    wrapped = ('%wrapped (p: f32[4]) -> f32[4] {\n'
+               '  %c = f32[4]{0} custom-call(%p), custom_call_target="jax_ep_combine"\n}\n'
+               'ENTRY %main (p: f32[4]) -> f32[4] {\n'
+               '  %s = ((f32[4]), f32[4]) call-start(%p), to_apply=%wrapped\n'
+               '  ROOT %d = f32[4]{0} call-done(%s)\n}\n')
+    assert async_ep_calls(wrapped) == {"jax_ep_combine": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(), reason="needs a GPU")
+def test_on_a_gpu_the_calls_run_async_and_agree():
+    """The first GPU check of this setting: compiled by XLA:GPU with the default ("auto"
+    = on), each EP call sits in an async pair, and the results equal those with it off."""
+    import jax_ep.cuda as jcuda
+
+    mesh = jax.make_mesh((1,), ("ep",), devices=_gpus()[:1])
+    jcuda.setup(mesh, "ep", num_tokens=T, hidden=H, topk=K, dtype=jnp.float32)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    w = rng.random((T, K)).astype(np.float32)
+
+    def f(x, idx, w):
+        rx, _, rw, h = ops.dispatch(x, idx, w, num_experts=E, axis_name="ep", backend="ffi")
+        y = (rx @ jnp.eye(H, dtype=rx.dtype)) * jnp.sum(rw, 1, keepdims=True)
+        return ops.combine(y, h, backend="ffi")
+
+    def build():
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+    assert config.collective_stream == "auto" and _stream.active()
+    compiled = build().lower(x, idx, w).compile()
+    where = async_ep_calls(compiled.as_text())
+    on = np.asarray(compiled(x, idx, w))
+    with config.override(collective_stream=False):
+        off = np.asarray(build()(x, idx, w))
+    np.testing.assert_array_equal(on, off)
+    assert where and all(where.values()), where
