@@ -67,6 +67,9 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRanks = 1024;
 constexpr int kMaxNodes = 256;
+// The combine source's float32 sums of one token live in shared memory (H floats, beside
+// about 16 KiB of its static shared state, within the 227 KiB an sm_90 block may have).
+constexpr int64_t kMaxHidden = 200 * 1024 / sizeof(float);
 constexpr unsigned kFull = 0xffffffffu;
 // Wait kinds of this mode in the shared error record (beside wire::SigKind).
 constexpr int kKindCredit = 16;  // RDMA ring credit from the stream's reader
@@ -136,20 +139,10 @@ __device__ __forceinline__ char* NvlRing(const View& v, const Geo& g, int gl, in
   return v.nvl + (static_cast<int64_t>(gl) * g.N + n) * g.nvl_ring_bytes;
 }
 
-__device__ __forceinline__ uint64_t NowNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+__device__ __forceinline__ uint64_t NowNs() { return peer::global_timer_ns(); }
 // NVLink ring positions: written by one GPU's stores, read by another's loads.
-__device__ __forceinline__ uint64_t LoadAcq(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void StoreRel(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+__device__ __forceinline__ uint64_t LoadAcq(const uint64_t* p) { return peer::load_acquire(p); }
+__device__ __forceinline__ void StoreRel(uint64_t* p, uint64_t v) { peer::signal(p, v); }
 
 __device__ __forceinline__ bool Failed(const Geo& g) {
   return *reinterpret_cast<volatile const int32_t*>(&g.err->code) != wire::kErrNone;
@@ -923,10 +916,16 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
 }
 
 // The source (one block): per token, its rows in ascending rank order, summed in
-// float32; credits back as the RDMA chunks are consumed; then the closing waits.
+// float32; then the closing waits. A token is read in pieces: a piece ends before the
+// first row of a new RDMA chunk when it already holds rows, its rows are added to the
+// float32 sums `acc[H]` (in rank order, so the sum is the same as in one piece), and the
+// chunks it finished are credited at once. So the source never holds rows of more than
+// one chunk per node while it waits, and the forwarder can always put the chunk it waits
+// for, however many rows of one token a node sends (a credit only at the end of each
+// token stalls once a token's rows from one node span the ring).
 template <typename E>
 __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
-                           const int32_t* send_slot, E* out) {
+                           const int32_t* send_slot, E* out, float* acc) {
   __shared__ int sbase[kMaxRanks];      // min(first row of this rank at d, C)
   __shared__ int pos[kMaxNodes];        // rows read from node k's stream
   __shared__ int nrows[kMaxNodes];      // rows in node k's stream
@@ -934,6 +933,8 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
   __shared__ unsigned long long nvl_head[kMaxGpusPerNode];
   __shared__ const char* ptrs[kMaxRanks];
   __shared__ int nptr;
+  __shared__ int cursor;  // the first rank of the token's next piece
+  __shared__ int last;    // 1: this piece ends the token
   const int tid = threadIdx.x;
   for (int d = tid; d < g.R; d += blockDim.x) {
     const int64_t b = BaseOf(counts, g.R, g.rank, d);
@@ -947,77 +948,99 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
     credited[k] = 0;
   }
   for (int l = tid; l < g.G; l += blockDim.x) nvl_head[l] = 0;
+  if (tid == 0) nptr = 0;
   __syncthreads();
-  for (int t = 0; t < g.T; ++t) {
-    if (tid == 0) {
-      int n = 0;
-      for (int d = 0; d < g.R && n >= 0; ++d) {
-        const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
-        if (j < 0 || static_cast<int64_t>(sbase[d]) + j >= g.C) continue;
-        const int k = d / g.G;
-        const char* row;
-        if (k == g.node) {
-          const int l = d % g.G;
-          const unsigned long long hd = nvl_head[l];
-          uint64_t* tw = TailW(v, g, l, g.node);
-          if (!WaitAtLeast(g, [tw] { return LoadAcq(tw); }, hd + 1, d, kKindNvl,
-                           l * g.N + g.node)) {
-            n = -1;
-            break;
-          }
-          row = NvlRing(v, g, l, g.node) + nvl_slot(static_cast<int64_t>(hd)) * g.stride;
-          nvl_head[l] = hd + 1;
-        } else {
-          const int o = pos[k];
-          const int64_t c = o / kRdmaChunkRows;
-          const int peer = k * g.G + g.local;
-          if (o % kRdmaChunkRows == 0) {
-            const int q = ChunkQp(g, g.rank, c);
-            uint64_t* w = DataWord(v, g, k, q);
-            if (!WaitAtLeast(g, [w] { return Tr::fetch(w); },
-                             static_cast<uint64_t>(c / g.nq + 1), peer, wire::kSigCombine,
-                             q)) {
+  for (int t = 0; t < g.T && nptr >= 0; ++t) {
+    for (int x = tid; x < g.H; x += blockDim.x) acc[x] = 0.f;
+    if (tid == 0) cursor = 0;
+    __syncthreads();
+    for (;;) {
+      if (tid == 0) {
+        int n = 0, d = cursor;
+        last = 1;
+        for (; d < g.R && n >= 0; ++d) {
+          const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
+          if (j < 0 || static_cast<int64_t>(sbase[d]) + j >= g.C) continue;
+          const int k = d / g.G;
+          const char* row;
+          if (k == g.node) {
+            const int l = d % g.G;
+            const unsigned long long hd = nvl_head[l];
+            uint64_t* tw = TailW(v, g, l, g.node);
+            if (!WaitAtLeast(g, [tw] { return LoadAcq(tw); }, hd + 1, d, kKindNvl,
+                             l * g.N + g.node)) {
               n = -1;
               break;
             }
+            row = NvlRing(v, g, l, g.node) + nvl_slot(static_cast<int64_t>(hd)) * g.stride;
+            nvl_head[l] = hd + 1;
+          } else {
+            const int o = pos[k];
+            const int64_t c = o / kRdmaChunkRows;
+            const int peer = k * g.G + g.local;
+            if (o % kRdmaChunkRows == 0) {
+              if (n > 0) {  // sum and credit what this piece holds before waiting
+                last = 0;
+                break;
+              }
+              const int q = ChunkQp(g, g.rank, c);
+              uint64_t* w = DataWord(v, g, k, q);
+              if (!WaitAtLeast(g, [w] { return Tr::fetch(w); },
+                               static_cast<uint64_t>(c / g.nq + 1), peer, wire::kSigCombine,
+                               q)) {
+                n = -1;
+                break;
+              }
+            }
+            row = RecvSlot(v, g, k, c) + (o % kRdmaChunkRows) * g.stride;
+            pos[k] = o + 1;
           }
-          row = RecvSlot(v, g, k, c) + (o % kRdmaChunkRows) * g.stride;
-          pos[k] = o + 1;
+          const int32_t* meta = reinterpret_cast<const int32_t*>(row + g.cmeta);
+          const int32_t mt = devcopy::LoadLanded(meta), md = devcopy::LoadLanded(meta + 1);
+          if (mt != t || md != d) {
+            Record(g, wire::kErrMismatch, d, kKindRow, t, static_cast<uint64_t>(t),
+                   static_cast<uint64_t>(static_cast<int64_t>(mt)));
+            n = -1;
+            break;
+          }
+          ptrs[n++] = row;
         }
-        const int32_t* meta = reinterpret_cast<const int32_t*>(row + g.cmeta);
-        const int32_t mt = devcopy::LoadLanded(meta), md = devcopy::LoadLanded(meta + 1);
-        if (mt != t || md != d) {
-          Record(g, wire::kErrMismatch, d, kKindRow, t, static_cast<uint64_t>(t),
-                 static_cast<uint64_t>(static_cast<int64_t>(mt)));
-          n = -1;
-          break;
-        }
-        ptrs[n++] = row;
+        nptr = n;
+        cursor = d;
       }
-      nptr = n;
+      __syncthreads();
+      const int n = nptr;
+      if (n < 0) break;
+      for (int x = tid; x < g.H; x += blockDim.x) {
+        float a = acc[x];
+        for (int i = 0; i < n; ++i)
+          a += ToF(devcopy::LoadLandedElem(reinterpret_cast<const E*>(ptrs[i]) + x));
+        acc[x] = a;
+      }
+      __syncthreads();
+      if (tid == 0) {
+        // every chunk whose rows are summed is free (the last, partial one once the
+        // stream is read to its end)
+        for (int k = 0; k < g.N; ++k) {
+          if (k == g.node) continue;
+          const int done = pos[k] == nrows[k] ? (pos[k] + kRdmaChunkRows - 1) / kRdmaChunkRows
+                                              : pos[k] / kRdmaChunkRows;
+          if (done > credited[k]) {
+            Tr::signal(v.credit + g.node, static_cast<uint64_t>(done), SignalOp::kSet,
+                       k * g.G + g.local, wire::kControlQp);
+            credited[k] = done;
+          }
+        }
+      }
+      const int end = last;
+      __syncthreads();
+      if (end) break;
     }
-    __syncthreads();
-    const int n = nptr;
-    if (n < 0) break;
-    for (int x = tid; x < g.H; x += blockDim.x) {
-      float acc = 0.f;
-      for (int i = 0; i < n; ++i) acc += ToF(devcopy::LoadLandedElem(reinterpret_cast<const E*>(ptrs[i]) + x));
-      out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc);
-    }
-    __syncthreads();
-    if (tid == 0) {
+    if (nptr < 0) break;
+    for (int x = tid; x < g.H; x += blockDim.x)
+      out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc[x]);
+    if (tid == 0)
       for (int l = 0; l < g.G; ++l) StoreRel(HeadW(v, g, l, g.node), nvl_head[l]);
-      for (int k = 0; k < g.N; ++k) {
-        if (k == g.node) continue;
-        const int done = pos[k] == nrows[k] ? (pos[k] + kRdmaChunkRows - 1) / kRdmaChunkRows
-                                            : pos[k] / kRdmaChunkRows;
-        if (done > credited[k]) {
-          Tr::signal(v.credit + g.node, static_cast<uint64_t>(done), SignalOp::kSet,
-                     k * g.G + g.local, wire::kControlQp);
-          credited[k] = done;
-        }
-      }
-    }
     __syncthreads();
   }
   // Closing waits of every node's stream (also with T == 0: the forwarders still close).
@@ -1057,7 +1080,8 @@ __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
     return;
   }
   if (blockIdx.x == 0) {
-    SourceRole<E>(g, v, counts, send_slot, out);
+    JEP_DYNAMIC_SMEM(float, acc);  // [H] the source's float32 sums of one token
+    SourceRole<E>(g, v, counts, send_slot, out, acc);
   } else {
     const int gw = (blockIdx.x - 1) * kWarps + (threadIdx.x >> 5);
     if (gw < g.N) {
@@ -1093,13 +1117,10 @@ std::string MakeGeo(const HierDims& hd, int op, FloatKind elem, Geo* g,
            std::to_string(kMaxGpusPerNode) + "], got " + std::to_string(G);
   if (d.num_ranks > kMaxRanks || d.num_ranks / G > kMaxNodes)
     return "jax_ep internode (hierarchical): at most 1024 ranks and 256 nodes";
-  if (rows_per_token_per_node(d.topk, G) > max_rows_per_token_per_node())
-    return "jax_ep internode (hierarchical): a token may have min(topk, gpus_per_node) = " +
-           std::to_string(rows_per_token_per_node(d.topk, G)) +
-           " rows per node but the combine's RDMA ring holds at most " +
-           std::to_string(max_rows_per_token_per_node()) +
-           " rows of one token past a credited chunk (kRdmaRingChunks, kRdmaChunkRows in "
-           "kernels/internode/hierarchical_layout.h); the ring would stall until the timeout";
+  if (static_cast<int64_t>(d.hidden) > kMaxHidden)
+    return "jax_ep internode (hierarchical): hidden " + std::to_string(d.hidden) +
+           " is more than the combine's float32 sums fit in shared memory (" +
+           std::to_string(kMaxHidden) + ")";
   const int qps = d.num_ports * d.qps_per_port;
   if (d.num_ports < 1 || d.qps_per_port < 1 || qps > transport::kMaxQps || qps > kMaxQps)
     return "jax_ep internode (hierarchical): bad transport config (ports, QPs per port)";
@@ -1158,20 +1179,26 @@ std::string MakeGeo(const HierDims& hd, int op, FloatKind elem, Geo* g,
   return {};
 }
 
-// A launch whose blocks all run at once (the roles wait on one another).
+// A launch whose blocks all run at once (the roles wait on one another), with `smem`
+// bytes of dynamic shared memory per block.
 template <typename... Args, typename... Act>
-std::string LaunchCoop(void (*kernel)(Args...), int blocks, cudaStream_t stream,
+std::string LaunchCoop(void (*kernel)(Args...), int blocks, size_t smem, cudaStream_t stream,
                        Act&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
+#if !defined(JAX_EP_EMU)
+  if (smem > 48 * 1024) {
+    const std::string e = CudaErr(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem)), "shared memory size");
+    if (!e.empty()) return e;
+  }
+#endif
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  // Positional: the emulated GPU spells blockDim/gridDim as macros, so no member names.
+  // Fields: gridDim, blockDim, dynamicSmemBytes, stream, attrs, numAttrs.
+  cudaLaunchConfig_t cfg = {dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream,
+                            attr, 1};
   return CudaErr(cudaLaunchKernelEx(&cfg, kernel, std::forward<Act>(args)...),
                  "cooperative launch");
 }
@@ -1189,18 +1216,18 @@ std::string RunDispatchPattern(cudaStream_t stream, const Geo& g, const char* pa
                 "clear expert counts");
   if (e.empty()) e = CudaErr(cudaMemsetAsync(rt.bad, 0, sizeof(int32_t) * 4, stream), "clear");
   if (!e.empty()) return e;
-  CountKernel<<<g.R + g.N, kThreads, 0, stream>>>(g, topk_idx, send_slot_in, send_slot_out);
-  ExchangeKernel<<<1, kThreads, 0, stream>>>(g, true);
+  JEP_LAUNCH(CountKernel, g.R + g.N, kThreads, 0, stream)(g, topk_idx, send_slot_in, send_slot_out);
+  JEP_LAUNCH(ExchangeKernel, 1, kThreads, 0, stream)(g, true);
   const int nw = g.G * g.N < 32 ? g.G * g.N : 32;
   const int warps = 2 * g.N + nw;
-  e = LaunchCoop(DispatchMain, (warps + kWarps - 1) / kWarps, stream, g, payload, topk_idx,
+  e = LaunchCoop(DispatchMain, (warps + kWarps - 1) / kWarps, 0, stream, g, payload, topk_idx,
                  topk_w, send_slot_in, out, nw, gather);
   if (!e.empty()) return e;
   const int64_t work = static_cast<int64_t>(g.C) * g.prow;
   const int64_t blocks = (work + kThreads - 1) / kThreads;
-  DispatchFinish<<<blocks < 1 ? 1 : (blocks > 1024 ? 1024 : blocks), kThreads, 0, stream>>>(
+  JEP_LAUNCH(DispatchFinish, blocks < 1 ? 1 : (blocks > 1024 ? 1024 : blocks), kThreads, 0, stream)(
       g, out, gather, num_recv, num_dropped, counts_out);
-  AdvanceKernel<<<1, 1, 0, stream>>>(g.counter);
+  JEP_LAUNCH(AdvanceKernel, 1, 1, 0, stream)(g.counter);
   return CudaErr(cudaGetLastError(), gather ? "gather launch" : "dispatch launch");
 }
 
@@ -1242,26 +1269,27 @@ std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, cons
   e = CudaErr(cudaMemsetAsync(rt.bad, 0, sizeof(int32_t) * 4, stream), "clear");
   if (!e.empty()) return e;
   // Header only (no rows): seq, configuration and error flag, as every call.
-  ExchangeKernel<<<1, kThreads, 0, stream>>>(g, false);
+  JEP_LAUNCH(ExchangeKernel, 1, kThreads, 0, stream)(g, false);
   const int np = (g.R + 31) / 32;
   const int blocks = 1 + (g.N + np + kWarps - 1) / kWarps;
+  const size_t acc_bytes = sizeof(float) * static_cast<size_t>(g.H);  // the source's sums
   const char* yc = static_cast<const char*>(y);
   switch (elem) {
     case FloatKind::kF32:
-      e = LaunchCoop(CombineMain<float>, blocks, stream, g, yc, counts, send_slot, src_index,
+      e = LaunchCoop(CombineMain<float>, blocks, acc_bytes, stream, g, yc, counts, send_slot, src_index,
                      static_cast<float*>(out), np);
       break;
     case FloatKind::kBF16:
-      e = LaunchCoop(CombineMain<__nv_bfloat16>, blocks, stream, g, yc, counts, send_slot,
+      e = LaunchCoop(CombineMain<__nv_bfloat16>, blocks, acc_bytes, stream, g, yc, counts, send_slot,
                      src_index, static_cast<__nv_bfloat16*>(out), np);
       break;
     case FloatKind::kF16:
-      e = LaunchCoop(CombineMain<__half>, blocks, stream, g, yc, counts, send_slot, src_index,
+      e = LaunchCoop(CombineMain<__half>, blocks, acc_bytes, stream, g, yc, counts, send_slot, src_index,
                      static_cast<__half*>(out), np);
       break;
   }
   if (!e.empty()) return e;
-  AdvanceKernel<<<1, 1, 0, stream>>>(g.counter);
+  JEP_LAUNCH(AdvanceKernel, 1, 1, 0, stream)(g.counter);
   return CudaErr(cudaGetLastError(), "combine launch");
 }
 

@@ -52,28 +52,16 @@ constexpr int32_t kNvlRingRows = JAX_EP_HIER_NVL_ROWS;
 // Most GPUs per node (the node mask of a row is one 32-bit word).
 constexpr int32_t kMaxGpusPerNode = 32;
 
-// The combine's credit invariant. The source reads a token's rows from node k's RDMA
-// stream, sums them, and only then credits the chunks it has finished (its row pointers
-// stay in the ring until the sum). The forwarder may write chunk c once chunk
-// c - kRdmaRingChunks is credited, so the last row of a token is always put only if a
-// token's rows from one node span at most kRdmaRingChunks - 1 chunks past the credited
-// ones: at most (kRdmaRingChunks - 1) * kRdmaChunkRows + 1 rows per token per node (57
-// with the shipped rings). A token reaches each rank at most once, so it has at most
-// min(topk, G) rows per node; more would stall the ring until the timeout.
-JEP_HIER_HD int64_t max_rows_per_token_per_node() {
-  return static_cast<int64_t>(kRdmaRingChunks - 1) * kRdmaChunkRows + 1;
-}
-JEP_HIER_HD int64_t rows_per_token_per_node(int64_t topk, int64_t gpus_per_node) {
-  return topk < gpus_per_node ? topk : gpus_per_node;
-}
-// Every node size the mode accepts satisfies it with the shipped rings; a build with
-// smaller rings gets the checked error of MakeGeo (hierarchical_kernels.cu) instead.
-#if JAX_EP_HIER_CHUNK_ROWS == 8 && JAX_EP_HIER_RING_CHUNKS == 8
-static_assert(kMaxGpusPerNode <= (kRdmaRingChunks - 1) * kRdmaChunkRows + 1,
-              "a token's rows from one node must fit the RDMA ring past one chunk");
-#endif
+// The combine's credit invariant. The source reads a token's rows in pieces; a piece
+// ends before the first row of a new RDMA chunk when it already holds rows, and is summed
+// and credited before the source waits for that chunk (hierarchical_kernels.cu,
+// SourceRole). So while it waits it holds rows of at most one chunk per node, every
+// earlier chunk is credited, and the forwarder (which may write chunk c once chunk
+// c - kRdmaRingChunks is credited) can put the chunk it waits for, whatever the rows of
+// one token per node (min(topk, G), up to kMaxGpusPerNode). Two chunks per ring suffice.
 static_assert(kRdmaRingChunks >= 2 && kRdmaChunkRows >= 1 && kNvlRingRows >= 1,
-              "an RDMA ring needs two chunks (one read, one written)");
+              "the combine's credit invariant: an RDMA ring holds the chunk the source "
+              "reads and one the forwarder writes");
 // Most logical QPs per peer (as kernels/internode/transport.cuh's kMaxQps).
 constexpr int32_t kMaxQps = 64;
 // int32 metadata words after a row's payload: token index, source rank, node mask of

@@ -48,8 +48,8 @@
 
 namespace jax_ep {
 namespace transport {
-__device__ int g_nvshmem_num_qp_handles = 0;
-__device__ int g_nvshmem_qp_handles[kMaxQps];
+JEP_DEVICE_GLOBAL int g_nvshmem_num_qp_handles = 0;
+JEP_DEVICE_GLOBAL int g_nvshmem_qp_handles[kMaxQps];
 }  // namespace transport
 
 namespace internode {
@@ -62,7 +62,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRanks = 1024;
 
-__device__ unsigned long long g_call_counter = 0;
+JEP_DEVICE_GLOBAL unsigned long long g_call_counter = 0;
 
 struct RuntimeState {
   bool initialized = false;
@@ -80,7 +80,15 @@ struct RuntimeState {
   int handles[transport::kMaxQps] = {};
   std::string qp_path = "none";
 };
+// One per process on a GPU; on the emulated GPU one per virtual GPU (the host code of
+// every rank runs in one process there, each with its own current device).
+#if defined(JAX_EP_EMU)
+RuntimeState g_rt_of[64];
+RuntimeState& Rt() { return g_rt_of[emu::current_device() & 63]; }
+#else
 RuntimeState g_rt;
+RuntimeState& Rt() { return g_rt; }
+#endif
 
 // Pointers into one half of the heap for one call's dims.
 struct Half {
@@ -125,11 +133,7 @@ __device__ __forceinline__ uint64_t* Word(const Half& h, const Geometry& g, int 
   return h.sigs + wire::sig_word(kind, g.R, src, qp);
 }
 
-__device__ __forceinline__ uint64_t NowNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+__device__ __forceinline__ uint64_t NowNs() { return peer::global_timer_ns(); }
 
 // Whether this process has a recorded error (this call or an earlier one).
 __device__ __forceinline__ bool Failed(const Geometry& g) {
@@ -691,20 +695,20 @@ std::string CudaErr(cudaError_t e, const char* what) {
 
 std::string MakeGeometry(const Dims& d, int op, FloatKind elem, int x_bytes, int y_bytes,
                          Geometry* g, HeapLayout* L) {
-  if (!g_rt.initialized)
+  if (!Rt().initialized)
     return "jax_ep internode: NVSHMEM is not initialised; call "
            "jax_ep.nvshmem_bootstrap.initialize(...) before jit";
-  if (d.num_ranks != g_rt.world || d.rank != g_rt.rank)
+  if (d.num_ranks != Rt().world || d.rank != Rt().rank)
     return "jax_ep internode: the EP group must be all NVSHMEM PEs (" +
-           std::to_string(g_rt.world) + " processes, one GPU each); got " +
+           std::to_string(Rt().world) + " processes, one GPU each); got " +
            std::to_string(d.num_ranks) + " ranks";
   if (d.num_ranks > kMaxRanks) return "jax_ep internode: more than 1024 ranks";
   const int qps = d.num_ports * d.qps_per_port;
   if (d.num_ports < 1 || d.qps_per_port < 1 || qps > transport::kMaxQps || d.chunk_bytes < 1)
     return "jax_ep internode: bad transport config (ports, QPs per port, chunk bytes)";
-  if (qps != g_rt.num_qps)
+  if (qps != Rt().num_qps)
     return "jax_ep internode: the call asks for " + std::to_string(qps) +
-           " QPs per peer but NVSHMEM was started with " + std::to_string(g_rt.num_qps) +
+           " QPs per peer but NVSHMEM was started with " + std::to_string(Rt().num_qps) +
            "; trace with the TransportConfig given to nvshmem_bootstrap.initialize";
   g->R = d.num_ranks;
   g->rank = d.rank;
@@ -735,13 +739,13 @@ std::string MakeGeometry(const Dims& d, int op, FloatKind elem, int x_bytes, int
   g->cfg[wire::kCfgNumQps] = qps;
   g->cfg[wire::kCfgCallSite] = static_cast<int32_t>(d.call_site);
   g->hash = wire::config_hash(g->cfg);
-  g->err = g_rt.err;
-  g->bad = g_rt.bad;
+  g->err = Rt().err;
+  g->bad = Rt().bad;
   *L = heap_layout(d.num_ranks, d.tokens, d.capacity, d.hidden, d.topk, x_bytes, y_bytes);
-  if (static_cast<size_t>(L->total) > g_rt.half_bytes)
+  if (static_cast<size_t>(L->total) > Rt().half_bytes)
     return "jax_ep internode: the NVSHMEM heap is too small for this call (needs " +
            std::to_string(2 * L->total) + " bytes plus slack, has " +
-           std::to_string(g_rt.heap_bytes) +
+           std::to_string(Rt().heap_bytes) +
            "); initialise with the largest tokens/capacity/hidden/topk the program uses";
   return {};
 }
@@ -785,9 +789,9 @@ std::string BeginHandleCall(cudaStream_t stream, const Dims& d, int op, FloatKin
                             const int32_t* counts, Geometry* g, HeapLayout* L) {
   std::string e = MakeGeometry(d, op, elem, 0, FloatKindBytes(elem), g, L);
   if (!e.empty()) return e;
-  PrefixKernel<<<1, kThreads, 0, stream>>>(*g, counts, g_rt.heap,
-                                           static_cast<int64_t>(g_rt.half_bytes), *L,
-                                           g_rt.scratch);
+  JEP_LAUNCH(PrefixKernel, 1, kThreads, 0, stream)(*g, counts, Rt().heap,
+                                           static_cast<int64_t>(Rt().half_bytes), *L,
+                                           Rt().scratch);
   return {};
 }
 
@@ -804,6 +808,9 @@ namespace {
 // Entry points newer than the oldest supported NVSHMEM are reached only this way, so the
 // extension has no undefined reference to them and loads with any libnvshmem_host.so.3.
 void* HostSymbol(const char* name) {
+#if defined(JAX_EP_EMU)
+  return nvshmem_emu::host_symbol(name);
+#endif
   static void* lib = dlopen("libnvshmem_host.so.3", RTLD_NOLOAD | RTLD_LAZY);
   void* p = lib != nullptr ? dlsym(lib, name) : nullptr;
   return p != nullptr ? p : dlsym(RTLD_DEFAULT, name);
@@ -836,16 +843,16 @@ int InitStatus() {
   return fn == nullptr ? -1 : fn();
 }
 
-bool Initialized() { return g_rt.initialized; }
-size_t HeapBytes() { return g_rt.heap_bytes; }
+bool Initialized() { return Rt().initialized; }
+size_t HeapBytes() { return Rt().heap_bytes; }
 
 TransportInfo TransportState() {
   TransportInfo t;
-  t.initialized = g_rt.initialized;
-  t.adopted = g_rt.adopted;
-  t.num_qps = g_rt.num_qps;
-  t.qp_path = g_rt.qp_path;
-  for (int i = 0; i < g_rt.num_handles; ++i) t.handles.push_back(g_rt.handles[i]);
+  t.initialized = Rt().initialized;
+  t.adopted = Rt().adopted;
+  t.num_qps = Rt().num_qps;
+  t.qp_path = Rt().qp_path;
+  for (int i = 0; i < Rt().num_handles; ++i) t.handles.push_back(Rt().handles[i]);
   return t;
 }
 
@@ -858,7 +865,7 @@ std::string UniqueId(std::string* out) {
 
 std::string Init(int rank, int world, const std::string& unique_id, size_t heap_bytes,
                  int num_qps, bool use_qp_api, bool adopt) {
-  if (g_rt.initialized) return "jax_ep internode: NVSHMEM is already initialised";
+  if (Rt().initialized) return "jax_ep internode: NVSHMEM is already initialised";
   if (num_qps < 1 || num_qps > transport::kMaxQps)
     return "jax_ep internode: num_qps must be in [1, " + std::to_string(transport::kMaxQps) + "]";
   if (heap_bytes <= static_cast<size_t>(kHeapSlackBytes))
@@ -890,24 +897,24 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
            std::to_string(nvshmem_n_pes()) + " does not match process " +
            std::to_string(rank) + "/" + std::to_string(world);
   const size_t usable = heap_bytes - kHeapSlackBytes;
-  g_rt.half_bytes = (usable / 2) / kHeapAlign * kHeapAlign;
-  g_rt.heap = static_cast<char*>(nvshmem_malloc(2 * g_rt.half_bytes));
-  if (g_rt.heap == nullptr) return "jax_ep internode: nvshmem_malloc of the heap failed";
-  e = CudaErr(cudaMemset(g_rt.heap, 0, 2 * g_rt.half_bytes), "clear heap");
+  Rt().half_bytes = (usable / 2) / kHeapAlign * kHeapAlign;
+  Rt().heap = static_cast<char*>(nvshmem_malloc(2 * Rt().half_bytes));
+  if (Rt().heap == nullptr) return "jax_ep internode: nvshmem_malloc of the heap failed";
+  e = CudaErr(cudaMemset(Rt().heap, 0, 2 * Rt().half_bytes), "clear heap");
   if (e.empty())
-    e = CudaErr(cudaMalloc(&g_rt.scratch, sizeof(int64_t) * (3 * world + 1)), "scratch");
-  if (e.empty()) e = CudaErr(cudaMalloc(&g_rt.bad, sizeof(int32_t) * 4), "bad-id note");
-  if (e.empty()) e = CudaErr(cudaMemset(g_rt.bad, 0, sizeof(int32_t) * 4), "bad-id note");
+    e = CudaErr(cudaMalloc(&Rt().scratch, sizeof(int64_t) * (3 * world + 1)), "scratch");
+  if (e.empty()) e = CudaErr(cudaMalloc(&Rt().bad, sizeof(int32_t) * 4), "bad-id note");
+  if (e.empty()) e = CudaErr(cudaMemset(Rt().bad, 0, sizeof(int32_t) * 4), "bad-id note");
   void* rec = nullptr;
   if (e.empty())
     e = CudaErr(cudaHostAlloc(&rec, sizeof(wire::ErrorRecord),
                               cudaHostAllocMapped | cudaHostAllocPortable), "error record");
   if (!e.empty()) return e;
   std::memset(rec, 0, sizeof(wire::ErrorRecord));
-  g_rt.err = static_cast<wire::ErrorRecord*>(rec);
+  Rt().err = static_cast<wire::ErrorRecord*>(rec);
   // One explicit QP handle per logical QP: the plan's QP is the QP on the wire.
-  g_rt.num_handles = 0;
-  g_rt.qp_path = "fallback: NVSHMEM's own QP choice (no nvshmemx_qp_create)";
+  Rt().num_handles = 0;
+  Rt().qp_path = "fallback: NVSHMEM's own QP choice (no nvshmemx_qp_create)";
   if (use_qp_api) {
     auto create = reinterpret_cast<QpCreateFn>(
         QpApiAvailable() ? HostSymbol("nvshmemx_qp_create") : nullptr);
@@ -918,14 +925,14 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
     QpHandle* arr = nullptr;
     if (create(num_qps, &arr) != 0 || arr == nullptr)
       return "jax_ep internode: nvshmemx_qp_create(" + std::to_string(num_qps) + ") failed";
-    for (int i = 0; i < num_qps; ++i) g_rt.handles[i] = arr[i];
-    e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_qp_handles, g_rt.handles,
+    for (int i = 0; i < num_qps; ++i) Rt().handles[i] = arr[i];
+    e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_qp_handles, Rt().handles,
                                    sizeof(int) * num_qps), "QP handles");
     if (!e.empty()) return e;
-    g_rt.num_handles = num_qps;
-    g_rt.qp_path = "qp_api: one nvshmemx_qp_create handle per planned QP";
+    Rt().num_handles = num_qps;
+    Rt().qp_path = "qp_api: one nvshmemx_qp_create handle per planned QP";
   }
-  e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_num_qp_handles, &g_rt.num_handles,
+  e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_num_qp_handles, &Rt().num_handles,
                                  sizeof(int)), "QP handles");
   if (!e.empty()) return e;
   const unsigned long long zero = 0;
@@ -934,32 +941,32 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
   e = CudaErr(cudaDeviceSynchronize(), "init");
   if (!e.empty()) return e;
   nvshmem_barrier_all();
-  g_rt.initialized = true;
-  g_rt.adopted = running;
-  g_rt.rank = rank;
-  g_rt.world = world;
-  g_rt.heap_bytes = heap_bytes;
-  g_rt.num_qps = num_qps;
+  Rt().initialized = true;
+  Rt().adopted = running;
+  Rt().rank = rank;
+  Rt().world = world;
+  Rt().heap_bytes = heap_bytes;
+  Rt().num_qps = num_qps;
   return {};
 }
 
 // Collective: every PE must call it. Never called at exit (see jax_ep.nvshmem_bootstrap).
 std::string Finalize() {
-  if (!g_rt.initialized) return {};
+  if (!Rt().initialized) return {};
   cudaDeviceSynchronize();
   nvshmem_barrier_all();
-  nvshmem_free(g_rt.heap);
-  cudaFree(g_rt.scratch);
-  cudaFree(g_rt.bad);
-  cudaFreeHost(g_rt.err);
-  if (!g_rt.adopted) nvshmem_finalize();
-  g_rt = RuntimeState{};
+  nvshmem_free(Rt().heap);
+  cudaFree(Rt().scratch);
+  cudaFree(Rt().bad);
+  cudaFreeHost(Rt().err);
+  if (!Rt().adopted) nvshmem_finalize();
+  Rt() = RuntimeState{};
   return {};
 }
 
 std::string PendingError() {
-  if (g_rt.err == nullptr) return {};
-  const volatile wire::ErrorRecord* r = g_rt.err;
+  if (Rt().err == nullptr) return {};
+  const volatile wire::ErrorRecord* r = Rt().err;
   const int code = r->code;
   if (code == wire::kErrNone) return {};
   std::string m = "jax_ep internode: ";
@@ -1016,26 +1023,26 @@ std::string Dispatch(cudaStream_t stream, const Dims& d, FloatKind elem, const v
   // Each call lays out its own half; combine's regions (sized by y) are unused here.
   std::string e = MakeGeometry(d, wire::kOpDispatch, elem, FloatKindBytes(elem), 0, &g, &L);
   if (!e.empty()) return e;
-  char* heap = g_rt.heap;
-  const int64_t hb = static_cast<int64_t>(g_rt.half_bytes);
+  char* heap = Rt().heap;
+  const int64_t hb = static_cast<int64_t>(Rt().half_bytes);
   e = CudaErr(cudaMemsetAsync(out.recv_per_expert, 0, sizeof(int32_t) * d.experts_per_rank,
                               stream), "clear expert counts");
   if (e.empty())
-    e = CudaErr(cudaMemsetAsync(g_rt.bad, 0, sizeof(int32_t) * 4, stream), "clear bad ids");
+    e = CudaErr(cudaMemsetAsync(Rt().bad, 0, sizeof(int32_t) * 4, stream), "clear bad ids");
   if (!e.empty()) return e;
-  SlotsKernel<<<g.R, kThreads, 0, stream>>>(g, topk_idx, out.send_slot, heap, hb, L);
+  JEP_LAUNCH(SlotsKernel, g.R, kThreads, 0, stream)(g, topk_idx, out.send_slot, heap, hb, L);
   if (g.T > 0)
-    PackKernel<<<g.T, 128, 0, stream>>>(g, static_cast<const char*>(x), topk_idx,
+    JEP_LAUNCH(PackKernel, g.T, 128, 0, stream)(g, static_cast<const char*>(x), topk_idx,
                                         topk_weights, out.send_slot, heap, hb, L);
-  HeaderKernel<Transport><<<1, kThreads, 0, stream>>>(g, heap, hb, L, true);
-  PrefixKernel<<<1, kThreads, 0, stream>>>(g, nullptr, heap, hb, L, g_rt.scratch);
-  SendKernel<Transport><<<g.num_qps, kThreads, 0, stream>>>(g, nullptr, g_rt.scratch, heap,
+  JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, true);
+  JEP_LAUNCH(PrefixKernel, 1, kThreads, 0, stream)(g, nullptr, heap, hb, L, Rt().scratch);
+  JEP_LAUNCH(SendKernel<Transport>, g.num_qps, kThreads, 0, stream)(g, nullptr, Rt().scratch, heap,
                                                              hb, L, Wire::kDispatch);
-  WaitKernel<Transport><<<1, kThreads, 0, stream>>>(g, nullptr, heap, hb, L, Wire::kDispatch);
+  JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, nullptr, heap, hb, L, Wire::kDispatch);
   const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
-  UnpackKernel<<<blocks < 1024 ? blocks : 1024, kThreads, 0, stream>>>(g, g_rt.scratch, heap,
+  JEP_LAUNCH(UnpackKernel, blocks < 1024 ? blocks : 1024, kThreads, 0, stream)(g, Rt().scratch, heap,
                                                                         hb, L, out);
-  FinishKernel<<<1, kThreads, 0, stream>>>(g.R, heap, hb, L);
+  JEP_LAUNCH(FinishKernel, 1, kThreads, 0, stream)(g.R, heap, hb, L);
   return CudaErr(cudaGetLastError(), "dispatch launch");
 }
 
@@ -1045,36 +1052,36 @@ std::string Combine(cudaStream_t stream, const Dims& d, FloatKind elem, const vo
   HeapLayout L;
   const std::string e = BeginHandleCall(stream, d, wire::kOpCombine, elem, counts, &g, &L);
   if (!e.empty()) return e;
-  char* heap = g_rt.heap;
-  const int64_t hb = static_cast<int64_t>(g_rt.half_bytes);
-  CombineStageKernel<<<g.C < 1024 ? g.C : 1024, kThreads, 0, stream>>>(
-      g, static_cast<const char*>(y), g_rt.scratch, heap, hb, L);
+  char* heap = Rt().heap;
+  const int64_t hb = static_cast<int64_t>(Rt().half_bytes);
+  JEP_LAUNCH(CombineStageKernel, g.C < 1024 ? g.C : 1024, kThreads, 0, stream)(
+      g, static_cast<const char*>(y), Rt().scratch, heap, hb, L);
   // With T == 0 the header, send and wait still run: this rank's peers expect its
   // closing signals, and it must not reset words its peers are still signalling.
-  HeaderKernel<Transport><<<1, kThreads, 0, stream>>>(g, heap, hb, L, false);
-  SendKernel<Transport><<<g.num_qps, kThreads, 0, stream>>>(g, counts, g_rt.scratch, heap,
+  JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, false);
+  JEP_LAUNCH(SendKernel<Transport>, g.num_qps, kThreads, 0, stream)(g, counts, Rt().scratch, heap,
                                                              hb, L, Wire::kCombine);
-  WaitKernel<Transport><<<1, kThreads, 0, stream>>>(g, counts, heap, hb, L, Wire::kCombine);
+  JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, counts, heap, hb, L, Wire::kCombine);
   if (g.T > 0) {
     switch (elem) {
       case FloatKind::kF32:
-        ReduceKernel<float><<<g.T, kThreads, 0, stream>>>(
-            g, static_cast<const float*>(y), counts, send_slot, g_rt.scratch, heap, hb, L,
+        JEP_LAUNCH(ReduceKernel<float>, g.T, kThreads, 0, stream)(
+            g, static_cast<const float*>(y), counts, send_slot, Rt().scratch, heap, hb, L,
             static_cast<float*>(out));
         break;
       case FloatKind::kBF16:
-        ReduceKernel<__nv_bfloat16><<<g.T, kThreads, 0, stream>>>(
-            g, static_cast<const __nv_bfloat16*>(y), counts, send_slot, g_rt.scratch, heap,
+        JEP_LAUNCH(ReduceKernel<__nv_bfloat16>, g.T, kThreads, 0, stream)(
+            g, static_cast<const __nv_bfloat16*>(y), counts, send_slot, Rt().scratch, heap,
             hb, L, static_cast<__nv_bfloat16*>(out));
         break;
       case FloatKind::kF16:
-        ReduceKernel<__half><<<g.T, kThreads, 0, stream>>>(
-            g, static_cast<const __half*>(y), counts, send_slot, g_rt.scratch, heap, hb, L,
+        JEP_LAUNCH(ReduceKernel<__half>, g.T, kThreads, 0, stream)(
+            g, static_cast<const __half*>(y), counts, send_slot, Rt().scratch, heap, hb, L,
             static_cast<__half*>(out));
         break;
     }
   }
-  FinishKernel<<<1, kThreads, 0, stream>>>(g.R, heap, hb, L);
+  JEP_LAUNCH(FinishKernel, 1, kThreads, 0, stream)(g.R, heap, hb, L);
   return CudaErr(cudaGetLastError(), "combine launch");
 }
 
@@ -1084,19 +1091,19 @@ std::string Gather(cudaStream_t stream, const Dims& d, FloatKind elem, const voi
   HeapLayout L;
   const std::string e = BeginHandleCall(stream, d, wire::kOpGather, elem, counts, &g, &L);
   if (!e.empty()) return e;
-  char* heap = g_rt.heap;
-  const int64_t hb = static_cast<int64_t>(g_rt.half_bytes);
+  char* heap = Rt().heap;
+  const int64_t hb = static_cast<int64_t>(Rt().half_bytes);
   if (g.T > 0)
-    GatherPackKernel<<<g.T, 128, 0, stream>>>(g, static_cast<const char*>(src), send_slot,
-                                              g_rt.scratch, heap, hb, L);
-  HeaderKernel<Transport><<<1, kThreads, 0, stream>>>(g, heap, hb, L, false);
-  SendKernel<Transport><<<g.num_qps, kThreads, 0, stream>>>(g, counts, g_rt.scratch, heap,
+    JEP_LAUNCH(GatherPackKernel, g.T, 128, 0, stream)(g, static_cast<const char*>(src), send_slot,
+                                              Rt().scratch, heap, hb, L);
+  JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, false);
+  JEP_LAUNCH(SendKernel<Transport>, g.num_qps, kThreads, 0, stream)(g, counts, Rt().scratch, heap,
                                                              hb, L, Wire::kGather);
-  WaitKernel<Transport><<<1, kThreads, 0, stream>>>(g, counts, heap, hb, L, Wire::kGather);
+  JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, counts, heap, hb, L, Wire::kGather);
   const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
-  GatherUnpackKernel<<<blocks < 1024 ? blocks : 1024, kThreads, 0, stream>>>(
-      g, counts, g_rt.scratch, heap, hb, L, static_cast<char*>(out));
-  FinishKernel<<<1, kThreads, 0, stream>>>(g.R, heap, hb, L);
+  JEP_LAUNCH(GatherUnpackKernel, blocks < 1024 ? blocks : 1024, kThreads, 0, stream)(
+      g, counts, Rt().scratch, heap, hb, L, static_cast<char*>(out));
+  JEP_LAUNCH(FinishKernel, 1, kThreads, 0, stream)(g.R, heap, hb, L);
   return CudaErr(cudaGetLastError(), "gather launch");
 }
 
@@ -1127,40 +1134,40 @@ __global__ void SelfPutKernel(char* area, uint64_t* sig, int* ok) {
 }  // namespace
 
 std::string SharedState(SharedRuntime* out) {
-  if (!g_rt.initialized)
+  if (!Rt().initialized)
     return "jax_ep internode: NVSHMEM is not initialised; call "
            "jax_ep.nvshmem_bootstrap.initialize(...) before jit";
   void* counter = nullptr;
   const std::string e = CudaErr(cudaGetSymbolAddress(&counter, g_call_counter), "call counter");
   if (!e.empty()) return e;
-  out->heap = g_rt.heap;
-  out->half_bytes = g_rt.half_bytes;
-  out->err = g_rt.err;
-  out->bad = g_rt.bad;
+  out->heap = Rt().heap;
+  out->half_bytes = Rt().half_bytes;
+  out->err = Rt().err;
+  out->bad = Rt().bad;
   out->call_counter = static_cast<unsigned long long*>(counter);
-  out->rank = g_rt.rank;
-  out->world = g_rt.world;
-  out->num_qps = g_rt.num_qps;
+  out->rank = Rt().rank;
+  out->world = Rt().world;
+  out->num_qps = Rt().num_qps;
   return {};
 }
 
 std::string SelfPutCheck(bool* ok) {
   *ok = false;
-  if (!g_rt.initialized) return "jax_ep internode: NVSHMEM is not initialised";
-  if (g_rt.half_bytes < 8192 + 256) return "jax_ep internode: heap too small for the check";
+  if (!Rt().initialized) return "jax_ep internode: NVSHMEM is not initialised";
+  if (Rt().half_bytes < 8192 + 256) return "jax_ep internode: heap too small for the check";
   std::string e = CudaErr(cudaDeviceSynchronize(), "self put");
   // Uses the data area of the half the next call would use, then clears it again.
   unsigned long long counter = 0;
   if (e.empty()) e = CudaErr(cudaMemcpyFromSymbol(&counter, g_call_counter, sizeof(counter)),
                              "call counter");
   if (!e.empty()) return e;
-  const HeapLayout L = heap_layout(g_rt.world, 0, 1, 0, 1, 0, 0);
-  char* area = g_rt.heap + (counter & 1ull) * g_rt.half_bytes + L.recv;
-  if (static_cast<size_t>(L.recv) + 8192 + 256 > g_rt.half_bytes)
+  const HeapLayout L = heap_layout(Rt().world, 0, 1, 0, 1, 0, 0);
+  char* area = Rt().heap + (counter & 1ull) * Rt().half_bytes + L.recv;
+  if (static_cast<size_t>(L.recv) + 8192 + 256 > Rt().half_bytes)
     return "jax_ep internode: heap too small for the check";
   uint64_t* sig = reinterpret_cast<uint64_t*>(area + 8192);
-  int* dok = g_rt.bad;  // reused as the result cell, cleared below
-  SelfPutKernel<<<1, 32>>>(area, sig, dok);
+  int* dok = Rt().bad;  // reused as the result cell, cleared below
+  JEP_LAUNCH(SelfPutKernel, 1, 32, 0, nullptr)(area, sig, dok);
   int host = 0;
   e = CudaErr(cudaMemcpy(&host, dok, sizeof(int), cudaMemcpyDeviceToHost), "self put");
   if (e.empty()) e = CudaErr(cudaMemset(area, 0, 8192 + 256), "self put cleanup");

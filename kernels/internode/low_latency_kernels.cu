@@ -31,14 +31,21 @@ constexpr int kC = llwire::kOpCombine;
 
 // Epochs started per op on this PE (send halves); the receive half reads its epoch from
 // the send half's token.
-__device__ unsigned long long g_ll_epoch[llwire::kNumOps];
+JEP_DEVICE_GLOBAL unsigned long long g_ll_epoch[llwire::kNumOps];
 
 struct State {
   Limits lim;
   char* area = nullptr;
   Area A{};
 };
+// One per process on a GPU; one per virtual GPU on the emulated GPU (see internode::Rt).
+#if defined(JAX_EP_EMU)
+State g_ll_of[64];
+State& Ll() { return g_ll_of[emu::current_device() & 63]; }
+#else
 State g_ll;
+State& Ll() { return g_ll; }
+#endif
 
 struct G {
   int R, rank, E, el, M, S, K, P, Q, nq;
@@ -53,11 +60,7 @@ struct G {
   FloatKind elem;
 };
 
-__device__ __forceinline__ uint64_t NowNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+__device__ __forceinline__ uint64_t NowNs() { return peer::global_timer_ns(); }
 
 __device__ __forceinline__ bool Failed(const G& g) {
   return *reinterpret_cast<volatile const int32_t*>(&g.err->code) != wire::kErrNone;
@@ -576,18 +579,18 @@ std::string MakeG(const CallDims& d, int op, G* g) {
   internode::SharedRuntime rt;
   std::string e = internode::SharedState(&rt);
   if (!e.empty()) return e;
-  if (!g_ll.lim.initialized)
+  if (!Ll().lim.initialized)
     return "jax_ep internode low-latency: the low-latency area is not allocated; pass "
            "low_latency=dict(max_tokens_per_rank=..., hidden=..., topk=..., num_experts=...) "
            "to jax_ep.nvshmem_bootstrap.initialize";
-  const Limits& l = g_ll.lim;
+  const Limits& l = Ll().lim;
   const int64_t row_bytes = d.H * d.elem_bytes;
   if (d.R != rt.world || d.rank != rt.rank)
     return "jax_ep internode low-latency: the EP group must be all " + std::to_string(rt.world) +
            " NVSHMEM PEs; got " + std::to_string(d.R) + " ranks";
   if (d.R != l.R || d.E != l.E || d.M > l.M || row_bytes > l.row_bytes ||
       static_cast<int64_t>(d.S) * d.K > static_cast<int64_t>(l.M) * l.K ||
-      d.S > static_cast<int64_t>(l.M) * l.K || d.rows_per_dest > g_ll.A.rpd)
+      d.S > static_cast<int64_t>(l.M) * l.K || d.rows_per_dest > Ll().A.rpd)
     return "jax_ep internode low-latency: the call (R=" + std::to_string(d.R) + ", E=" +
            std::to_string(d.E) + ", M=" + std::to_string(d.M) + ", row bytes " +
            std::to_string(row_bytes) + ", staged slots " +
@@ -632,8 +635,8 @@ std::string MakeG(const CallDims& d, int op, G* g) {
   c[llwire::kCfgCallSite] = static_cast<int32_t>(d.call_site);
   g->hash = llwire::config_hash(c);
   g->err = static_cast<wire::ErrorRecord*>(rt.err);
-  g->area = g_ll.area;
-  g->A = g_ll.A;
+  g->area = Ll().area;
+  g->A = Ll().A;
   g->elem = d.elem;
   return {};
 }
@@ -644,7 +647,7 @@ std::string Init(int num_ranks, int max_tokens, int64_t row_bytes, int topk, int
   internode::SharedRuntime rt;
   std::string e = internode::SharedState(&rt);
   if (!e.empty()) return e;
-  if (g_ll.lim.initialized) return "jax_ep internode low-latency: the area is already allocated";
+  if (Ll().lim.initialized) return "jax_ep internode low-latency: the area is already allocated";
   if (num_ranks != rt.world)
     return "jax_ep internode low-latency: num_ranks must be the NVSHMEM world (" +
            std::to_string(rt.world) + ")";
@@ -664,25 +667,25 @@ std::string Init(int num_ranks, int max_tokens, int64_t row_bytes, int topk, int
   if (e.empty()) e = CudaErr(cudaDeviceSynchronize(), "area");
   if (!e.empty()) return e;
   nvshmem_barrier_all();
-  g_ll.area = p;
-  g_ll.A = A;
-  g_ll.lim.initialized = true;
-  g_ll.lim.R = num_ranks;
-  g_ll.lim.M = max_tokens;
-  g_ll.lim.K = topk;
-  g_ll.lim.E = num_experts;
-  g_ll.lim.row_bytes = row_bytes;
-  g_ll.lim.area_bytes = A.total;
+  Ll().area = p;
+  Ll().A = A;
+  Ll().lim.initialized = true;
+  Ll().lim.R = num_ranks;
+  Ll().lim.M = max_tokens;
+  Ll().lim.K = topk;
+  Ll().lim.E = num_experts;
+  Ll().lim.row_bytes = row_bytes;
+  Ll().lim.area_bytes = A.total;
   return {};
 }
 
-Limits GetLimits() { return g_ll.lim; }
+Limits GetLimits() { return Ll().lim; }
 
 std::string Finalize() {
-  if (!g_ll.lim.initialized) return {};
+  if (!Ll().lim.initialized) return {};
   const std::string e = CudaErr(cudaDeviceSynchronize(), "finalize");
-  nvshmem_free(g_ll.area);
-  g_ll = State{};
+  nvshmem_free(Ll().area);
+  Ll() = State{};
   return e;
 }
 
@@ -691,9 +694,9 @@ std::string DispatchSend(cudaStream_t stream, const CallDims& d, const void* x,
   G g;
   std::string e = MakeG(d, kD, &g);
   if (!e.empty()) return e;
-  DispatchPlan<<<1, kThreads, 0, stream>>>(g, topk_idx, token);
-  if (g.S > 0) DispatchPack<<<g.S, 128, 0, stream>>>(g, static_cast<const char*>(x));
-  DispatchSendKernel<<<g.nq, kThreads, 0, stream>>>(g, topk_idx, token);
+  JEP_LAUNCH(DispatchPlan, 1, kThreads, 0, stream)(g, topk_idx, token);
+  if (g.S > 0) JEP_LAUNCH(DispatchPack, g.S, 128, 0, stream)(g, static_cast<const char*>(x));
+  JEP_LAUNCH(DispatchSendKernel, g.nq, kThreads, 0, stream)(g, topk_idx, token);
   return CudaErr(cudaGetLastError(), "dispatch send launch");
 }
 
@@ -702,10 +705,10 @@ std::string DispatchRecv(cudaStream_t stream, const CallDims& d, const int32_t* 
   G g;
   std::string e = MakeG(d, kD, &g);
   if (!e.empty()) return e;
-  RecvWait<<<1, kThreads, 0, stream>>>(g, token);
-  DispatchUnpack<<<BlocksFor(static_cast<int64_t>(g.el) * g.R * g.M), kThreads, 0, stream>>>(
+  JEP_LAUNCH(RecvWait, 1, kThreads, 0, stream)(g, token);
+  JEP_LAUNCH(DispatchUnpack, BlocksFor(static_cast<int64_t>(g.el) * g.R * g.M), kThreads, 0, stream)(
       g, token, out);
-  RecvFinish<<<1, kThreads, 0, stream>>>(g, token);
+  JEP_LAUNCH(RecvFinish, 1, kThreads, 0, stream)(g, token);
   return CudaErr(cudaGetLastError(), "dispatch receive launch");
 }
 
@@ -714,10 +717,10 @@ std::string CombineSend(cudaStream_t stream, const CallDims& d, const void* y,
   G g;
   std::string e = MakeG(d, kC, &g);
   if (!e.empty()) return e;
-  CombinePlan<<<1, kThreads, 0, stream>>>(g, first_row, row_count, token);
-  CombinePack<<<BlocksFor(static_cast<int64_t>(g.el) * g.R * g.M), kThreads, 0, stream>>>(
+  JEP_LAUNCH(CombinePlan, 1, kThreads, 0, stream)(g, first_row, row_count, token);
+  JEP_LAUNCH(CombinePack, BlocksFor(static_cast<int64_t>(g.el) * g.R * g.M), kThreads, 0, stream)(
       g, static_cast<const char*>(y), first_row, row_count);
-  CombineSendKernel<<<g.nq, kThreads, 0, stream>>>(g, token);
+  JEP_LAUNCH(CombineSendKernel, g.nq, kThreads, 0, stream)(g, token);
   return CudaErr(cudaGetLastError(), "combine send launch");
 }
 
@@ -726,12 +729,12 @@ std::string CombineRecv(cudaStream_t stream, const CallDims& d, const int32_t* t
   G g;
   std::string e = MakeG(d, kC, &g);
   if (!e.empty()) return e;
-  CombineRecvPlan<<<1, kThreads, 0, stream>>>(g, topk_idx);
-  RecvWait<<<1, kThreads, 0, stream>>>(g, token);
+  JEP_LAUNCH(CombineRecvPlan, 1, kThreads, 0, stream)(g, topk_idx);
+  JEP_LAUNCH(RecvWait, 1, kThreads, 0, stream)(g, token);
   if (g.S > 0)
-    CombineReduce<<<BlocksFor(g.S), kThreads, 0, stream>>>(g, topk_idx, topk_weights, token,
+    JEP_LAUNCH(CombineReduce, BlocksFor(g.S), kThreads, 0, stream)(g, topk_idx, topk_weights, token,
                                                           static_cast<char*>(out));
-  RecvFinish<<<1, kThreads, 0, stream>>>(g, token);
+  JEP_LAUNCH(RecvFinish, 1, kThreads, 0, stream)(g, token);
   return CudaErr(cudaGetLastError(), "combine receive launch");
 }
 

@@ -10,9 +10,15 @@
 // bootstrap then runs with one port and says so (see docs/internode.md).
 #pragma once
 
+#if defined(JAX_EP_EMU)
+#include "kernels/emu/nvshmem_emu.h"  // the emulated GPU's NVSHMEM (same API subset)
+#else
 #include <nvshmem.h>
 #include <nvshmemx.h>
+#endif
 
+#include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/peer_transport.cuh"
 #include "kernels/internode/transport.cuh"
 
 #if (NVSHMEM_VENDOR_MAJOR_VERSION * 100 + NVSHMEM_VENDOR_MINOR_VERSION) >= 308
@@ -24,9 +30,16 @@
 namespace jax_ep {
 namespace transport {
 
-// Set by the host at init (internode_kernels.cu): 0 = default QP selection.
+// Set by the host at init (internode_kernels.cu): 0 = default QP selection. Defined there
+// with JEP_DEVICE_GLOBAL (the emulated GPU keeps one copy per virtual GPU; its section
+// attribute belongs on the definition only).
+#if defined(JAX_EP_EMU)
+extern int g_nvshmem_num_qp_handles;
+extern int g_nvshmem_qp_handles[kMaxQps];
+#else
 extern __device__ int g_nvshmem_num_qp_handles;
 extern __device__ int g_nvshmem_qp_handles[kMaxQps];
+#endif
 
 struct Nvshmem {
   static __device__ __forceinline__ int my_pe() { return nvshmem_my_pe(); }
@@ -80,9 +93,11 @@ struct Nvshmem {
   // never older than the signal (nvshmem_signal_fetch alone is a volatile load, which
   // orders nothing after it).
   static __device__ __forceinline__ uint64_t fetch(uint64_t* sig) {
-    uint64_t v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(sig) : "memory");
-    return v;
+#if defined(JAX_EP_EMU)
+    return nvshmem_emu::load_acquire(sig);  // a poll: the emulated NIC delivers meanwhile
+#else
+    return peer::load_acquire(sig);
+#endif
   }
 
   static __device__ __forceinline__ void* peer_ptr(void* sym, int pe) {

@@ -18,6 +18,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common/ffi_helpers.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
+#include "xla_ffi/internode/internode_args.h"
 
 namespace ffi = xla::ffi;
 
@@ -41,32 +42,16 @@ ffi::Error Pending() {
     if (!m_.empty()) return Invalid(m_);                                        \
   } while (0)
 
+// The Dims every handler fills, from internode_args.h (shared with the emulated GPU's
+// driver), then the sticky error of an earlier call.
 ffi::Error HierDimsOf(int64_t R, int64_t rank, int64_t T, int64_t H, int64_t K, int64_t C,
                       int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes,
                       int64_t gpus_per_node, int64_t call_site, hier::HierDims* hd) {
-  if (R < 1) return Invalid("num_ranks must be >= 1");
-  if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
-  if (C < 1) return Invalid("capacity must be >= 1");
-  if (num_ports < 1) return Invalid("num_ports must be >= 1");
-  if (qps_per_port < 1) return Invalid("qps_per_port must be >= 1");
-  if (chunk_bytes < 1) return Invalid("chunk_bytes must be >= 1");
-  if (gpus_per_node < 1 || gpus_per_node > hier::kMaxGpusPerNode || R % gpus_per_node != 0)
-    return Invalid("gpus_per_node must divide num_ranks and be in [1, " +
-                   std::to_string(hier::kMaxGpusPerNode) + "], got " +
-                   std::to_string(gpus_per_node));
-  internode::Dims& d = hd->base;
-  d.num_ranks = static_cast<int>(R);
-  d.rank = static_cast<int>(rank);
-  d.tokens = static_cast<int>(T);
-  d.hidden = static_cast<int>(H);
-  d.topk = static_cast<int>(K);
-  d.capacity = static_cast<int>(C);
-  d.num_ports = static_cast<int>(num_ports);
-  d.qps_per_port = static_cast<int>(qps_per_port);
-  d.chunk_bytes = chunk_bytes;
-  d.timeout_ns = static_cast<int64_t>(TimeoutSeconds() * 1e9);
-  d.call_site = call_site;
-  hd->gpus_per_node = static_cast<int>(gpus_per_node);
+  std::string m =
+      internode::CallDims(R, rank, T, H, K, C, num_ports, qps_per_port, chunk_bytes, call_site,
+                          static_cast<int64_t>(TimeoutSeconds() * 1e9), &hd->base);
+  if (m.empty()) m = internode::CallNodeSize(gpus_per_node, hd);
+  if (!m.empty()) return Invalid(m);
   return Pending();
 }
 
@@ -99,11 +84,9 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   ffi::Error e = HierDimsOf(R, rank, T, H, K, C, num_ports, qps_per_port, chunk_bytes,
                             gpus_per_node, call_site, &hd);
   if (e.failure()) return e;
-  if (num_experts < 1 || num_experts % R != 0)
-    return Invalid("num_experts must be a positive multiple of num_ranks");
-  const int64_t el = num_experts / R;
-  hd.base.experts_per_rank = static_cast<int>(el);
-  hd.base.num_experts = static_cast<int>(num_experts);
+  const std::string em = internode::CallExperts(num_experts, &hd.base);
+  if (!em.empty()) return Invalid(em);
+  const int64_t el = hd.base.experts_per_rank;
   JEP_HIER_EXPECT("topk_weights", topk_weights, T, K);
   JEP_HIER_EXPECT("recv_x", *recv_x, C, H);
   if (recv_x->element_type() != x.element_type()) return Invalid("recv_x must have x's dtype");

@@ -22,6 +22,7 @@
 
 #include "kernels/internode/internode_kernels.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/internode/internode_args.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
 #include "xla_ffi/common/ffi_helpers.h"
 
@@ -48,26 +49,15 @@ ffi::Error Pending() {
     if (!m_.empty()) return Invalid(m_);                                       \
   } while (0)
 
-// The checks every handler shares, and the Dims they fill.
+// The checks every handler shares, and the Dims they fill (internode_args.h, shared with
+// the emulated GPU's driver).
 ffi::Error BaseDims(int64_t R, int64_t rank, int64_t T, int64_t H, int64_t K, int64_t C,
                     int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes,
-                    internode::Dims* d) {
-  if (R < 1) return Invalid("num_ranks must be >= 1");
-  if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
-  if (C < 1) return Invalid("capacity must be >= 1");
-  if (num_ports < 1) return Invalid("num_ports must be >= 1");
-  if (qps_per_port < 1) return Invalid("qps_per_port must be >= 1");
-  if (chunk_bytes < 1) return Invalid("chunk_bytes must be >= 1");
-  d->num_ranks = static_cast<int>(R);
-  d->rank = static_cast<int>(rank);
-  d->tokens = static_cast<int>(T);
-  d->hidden = static_cast<int>(H);
-  d->topk = static_cast<int>(K);
-  d->capacity = static_cast<int>(C);
-  d->num_ports = static_cast<int>(num_ports);
-  d->qps_per_port = static_cast<int>(qps_per_port);
-  d->chunk_bytes = chunk_bytes;
-  d->timeout_ns = static_cast<int64_t>(TimeoutSeconds() * 1e9);
+                    int64_t call_site, internode::Dims* d) {
+  const std::string m =
+      internode::CallDims(R, rank, T, H, K, C, num_ports, qps_per_port, chunk_bytes, call_site,
+                          static_cast<int64_t>(TimeoutSeconds() * 1e9), d);
+  if (!m.empty()) return Invalid(m);
   return Pending();
 }
 
@@ -94,14 +84,12 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   const int64_t K = topk_idx.dimensions()[1];
   const int64_t R = num_ranks, C = capacity;
   internode::Dims d;
-  ffi::Error e = BaseDims(R, rank, T, H, K, C, num_ports, qps_per_port, chunk_bytes, &d);
+  ffi::Error e =
+      BaseDims(R, rank, T, H, K, C, num_ports, qps_per_port, chunk_bytes, call_site, &d);
   if (e.failure()) return e;
-  d.call_site = call_site;
-  if (num_experts < 1 || num_experts % R != 0)
-    return Invalid("num_experts must be a positive multiple of num_ranks");
-  const int64_t el = num_experts / R;
-  d.experts_per_rank = static_cast<int>(el);
-  d.num_experts = static_cast<int>(num_experts);
+  const std::string em = internode::CallExperts(num_experts, &d);
+  if (!em.empty()) return Invalid(em);
+  const int64_t el = d.experts_per_rank;
   JEP_EXPECT("topk_weights", topk_weights, T, K);
   JEP_EXPECT("recv_x", *recv_x, C, H);
   if (recv_x->element_type() != x.element_type()) return Invalid("recv_x must have x's dtype");
@@ -146,9 +134,9 @@ ffi::Error HandleCallImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi
   const int64_t T = send_slot.dimensions()[0];
   if (topk < 1) return Invalid("topk must be >= 1");
   internode::Dims d;  // topk sizes the rows this rank sends (T * min(K, R))
-  ffi::Error e = BaseDims(R, rank, T, H, topk, C, num_ports, qps_per_port, chunk_bytes, &d);
+  ffi::Error e =
+      BaseDims(R, rank, T, H, topk, C, num_ports, qps_per_port, chunk_bytes, call_site, &d);
   if (e.failure()) return e;
-  d.call_site = call_site;
   JEP_EXPECT(name.c_str(), a, kGather ? T : C, H);
   JEP_EXPECT("handle.counts", counts, R, R);
   JEP_EXPECT("out", *out, kGather ? C : T, H);

@@ -1,0 +1,208 @@
+"""The internode (NVSHMEM) kernels on the emulated GPU, for the tests: R virtual GPUs, one
+emulated NVSHMEM PE each, running the direct and hierarchical modes' own FFI handlers
+(xla_ffi/internode/emu_direct.cc, emu_hier.cc) through `jax_ep.emulator.Emulator.run`, and
+the reference backend (jax_ep.backends.reference under shard_map) as the oracle.
+
+Arrays carry a leading rank axis: x[R, T, H], topk_idx/topk_weights[R, T, K], y[R, C, H].
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep.emulator import Emulator, EmuError  # noqa: F401  (re-exported for the tests)
+
+# Emulated heap: the slack the layout reserves plus room for both modes' halves.
+HEAP_SLACK = 32 << 20
+LOG_COLS = ("src", "dst", "qp", "port", "handle", "bytes", "sig_op", "call", "block")
+SIGNAL_SET, SIGNAL_ADD = 0, 5  # NVSHMEM_SIGNAL_SET / _ADD in nvshmem_emu.h (-1: no signal)
+MODES = {"direct": "internode_", "hierarchical": "internode_hier_",
+         "hierarchical_small_rings": "internode_hier_small_"}
+
+
+class InternodeEmu:
+    """An emulated NVSHMEM world of R PEs (G per node) and the internode kernels on it.
+
+    num_ports, qps_per_port, chunk_bytes: the TransportConfig of every call; max_delay:
+    transport steps an operation may wait before delivery; qp_api: explicit QP handles
+    (False: NVSHMEM's own QP choice). seed fixes both the scheduler and the transport.
+    """
+
+    def __init__(self, R, *, gpus_per_node=1, num_ports=2, qps_per_port=1, chunk_bytes=256,
+                 seed=1, max_delay=32, qp_api=True, heap_mib=4, resident_blocks=16,
+                 timeout_s=0.05):
+        self.R, self.G = R, gpus_per_node
+        self.P, self.Q, self.chunk = num_ports, qps_per_port, chunk_bytes
+        self.qp_api = qp_api
+        self.seed = seed
+        self.emu = Emulator(R, seed=seed, resident_blocks=resident_blocks, timeout_s=timeout_s)
+        self.calls = 0
+        world = dict(num_pes=R, gpus_per_node=gpus_per_node, num_ports=num_ports,
+                     qps_per_port=qps_per_port, seed=seed, max_delay=max_delay,
+                     qp_api=int(qp_api))
+        _, errs = self.emu.run("internode_world", [[]] * R, [[]] * R, world,
+                               skip=range(1, R))
+        self._raise(errs)
+        init = dict(num_pes=R, heap_bytes=HEAP_SLACK + (heap_mib << 20),
+                    num_qps=num_ports * qps_per_port, qp_api=int(qp_api))
+        _, errs = self.emu.run("internode_init", [[]] * R, [[]] * R, init)
+        self._raise(errs)
+
+    def _raise(self, errs):
+        bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
+        if bad:
+            raise RuntimeError("; ".join(bad))
+
+    def _attrs(self, **kw):
+        a = dict(num_ranks=self.R, num_ports=self.P, qps_per_port=self.Q,
+                 chunk_bytes=self.chunk, call_site=kw.pop("call_site", 0),
+                 gpus_per_node=self.G)
+        a.update(kw)
+        return a
+
+    def _tag(self):
+        self.calls += 1
+        self.emu.run("internode_call_tag", [[]] * self.R, [[]] * self.R,
+                     dict(call=self.calls), skip=range(1, self.R))
+
+    def _run(self, op, mode, ins, outs, attrs, skip, per_rank_attrs=None):
+        self._tag()
+        pra = [dict(rank=r, **(per_rank_attrs[r] if per_rank_attrs else {}))
+               for r in range(self.R)]
+        return self.emu.run(MODES[mode] + op, ins, outs, attrs, skip=skip, per_rank_attrs=pra)
+
+    def dispatch(self, x, idx, w, *, num_experts, capacity, mode="direct", skip=(),
+                 per_rank_attrs=None):
+        """Returns (outs, errors): outs[r] a dict of the ten dispatch results (None for a
+        skipped rank), errors[r] the handler's error text ("" if none)."""
+        R, T, H = x.shape
+        K = idx.shape[2]
+        C, el = capacity, num_experts // R
+        names = ("recv_x", "recv_idx", "recv_w", "num_recv", "num_dropped", "per_expert",
+                 "src_rank", "src_index", "counts", "send_slot")
+        shapes = ((C, H), (C, K), (C, K), (), (), (el,), (C,), (C,), (R, R), (T, R))
+        dts = (x.dtype, np.int32, np.float32) + (np.int32,) * 7
+        outs = [list(zip(shapes, dts))] * R
+        ins = [[x[r], idx[r].astype(np.int32), w[r].astype(np.float32)] for r in range(R)]
+        res, errs = self._run("dispatch", mode, ins, outs,
+                              self._attrs(num_experts=num_experts, capacity=C), skip,
+                              per_rank_attrs)
+        return [None if o is None else dict(zip(names, o)) for o in res], errs
+
+    def combine(self, y, counts, send_slot, *, topk, src_index=None, mode="direct", skip=()):
+        R, C, H = y.shape
+        T = send_slot.shape[1]
+        ins = [[y[r], counts[r], send_slot[r]] + ([src_index[r]] if mode != "direct" else [])
+               for r in range(R)]
+        outs = [[((T, H), y.dtype)]] * R
+        res, errs = self._run("combine", mode, ins, outs,
+                              self._attrs(capacity=C, topk=topk), skip)
+        return [None if o is None else o[0] for o in res], errs
+
+    def gather(self, g, counts, send_slot, *, capacity, topk, mode="direct", skip=()):
+        R, T, H = g.shape
+        ins = [[g[r], counts[r], send_slot[r]] for r in range(R)]
+        outs = [[((capacity, H), g.dtype)]] * R
+        res, errs = self._run("gather", mode, ins, outs,
+                              self._attrs(capacity=capacity, topk=topk), skip)
+        return [None if o is None else o[0] for o in res], errs
+
+    def errors(self):
+        """Each rank's recorded device error ("" if none), as the next call would report it."""
+        _, errs = self.emu.run("internode_error", [[]] * self.R, [[]] * self.R, {})
+        return errs
+
+    def log(self):
+        """The puts since the last log() as dicts {src, dst, qp, port, handle, bytes,
+        sig_op (SIGNAL_ADD: a data chunk, SIGNAL_SET: a header or count row), call,
+        block}, as jax_ep.network.plan.check_wire_log reads them, and the operations still
+        queued (a finished call leaves none)."""
+        one = dict(skip=range(1, self.R))
+        res, _ = self.emu.run("internode_log_size", [[]] * self.R,
+                              [[((2,), np.int32)]] * self.R, {}, **one)
+        n, pending = (int(v) for v in res[0][0])
+        res, _ = self.emu.run("internode_log", [[]] * self.R,
+                              [[((n, len(LOG_COLS)), np.int32)]] * self.R, {}, **one)
+        recs = []
+        for row in res[0][0]:
+            recs.append(dict(zip(LOG_COLS, (int(v) for v in row))))
+        return recs, pending
+
+    def counters(self):
+        return self.emu.counters()
+
+
+# ------------------------------------------------------------------ the reference oracle
+
+@functools.lru_cache(maxsize=None)
+def _reference_program(R, E, C):
+    mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:R])
+
+    def f(x, idx, w, y):
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                        capacity=C, backend="reference")
+        out = jax_ep.combine(y, h, backend="reference")
+        d = dict(recv_x=rx, recv_idx=ri, recv_w=rw, num_recv=h.num_recv[None],
+                 num_dropped=h.num_dropped[None],
+                 per_expert=h.num_recv_tokens_per_expert[None], src_rank=h.src_rank[None],
+                 src_index=h.src_index[None], send_row=h.send_row[None], out=out)
+        return d
+
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+
+def reference(x, idx, w, y, g=None, *, E, C):
+    """The reference backend's dispatch and combine (of y[R, C, H]) on per-rank inputs, and
+    gather (of g[R, T, H]) by the contract from its handle; arrays with a leading rank
+    axis."""
+    R, T = idx.shape[:2]
+    flat = lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])  # noqa: E731
+    res = _reference_program(R, E, C)(flat(x), flat(idx), flat(w), flat(y))
+    out = {}
+    if g is not None:  # gather, combine's transpose: g[src_rank, src_index] per kept row
+        sr, si = np.asarray(res["src_rank"]), np.asarray(res["src_index"])
+        out["gather"] = np.zeros(sr.shape + g.shape[2:], g.dtype)
+        used = sr >= 0
+        out["gather"][used] = g[sr[used], si[used]]
+    for k, v in res.items():
+        v = np.asarray(v)
+        out[k] = v if k in ("num_recv", "num_dropped", "per_expert", "src_rank",
+                            "src_index", "send_row") else v.reshape((R, -1) + v.shape[1:])
+    return out
+
+
+def bits(a):
+    """`a` as unsigned ints of its width, so comparisons are bit for bit (NaN, -0.0)."""
+    a = np.asarray(a)
+    if a.dtype.kind == "f" or a.dtype.itemsize == 2 and a.dtype.kind == "V":
+        return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+    if str(a.dtype) == "bfloat16":
+        return a.view(np.uint16)
+    return a
+
+
+def routing(rng, R, T, K, E, kind="uniform"):
+    """topk_idx[R, T, K] of a kind: uniform (distinct experts per token), skewed (most
+    tokens on rank 0's experts), collapsed (every token on expert 0 first), none (-1)."""
+    idx = np.full((R, T, K), -1, np.int32)
+    for r in range(R):
+        for t in range(T):
+            if kind == "none":
+                continue
+            if kind == "uniform":
+                idx[r, t] = rng.choice(E, size=K, replace=False)
+            elif kind == "skewed":
+                el = E // R
+                pool = np.arange(min(E, max(K, el)))
+                idx[r, t] = rng.choice(pool, size=K, replace=False) if rng.random() < 0.8 \
+                    else rng.choice(E, size=K, replace=False)
+            elif kind == "collapsed":
+                idx[r, t] = np.arange(K)
+            if kind != "collapsed" and K > 1 and rng.random() < 0.2:
+                idx[r, t, rng.integers(K)] = -1
+    return idx
