@@ -99,6 +99,8 @@ def transport_report(config=None, num_peers: int | None = None) -> dict:
         path = "not started"
     else:
         path = "qp_api" if (st.qp_api and handles) else "fallback"
+        if path == "qp_api":  # "default handles" where NVSHMEM handed back its defaults
+            path = nvshmem.qp_path_from(True, handles)
     from jax_ep.network import fabric as _fabric  # the recorded QP -> (device, port) table
     table = _fabric.recorded_qp_table(cfg, handles) if st is not None else None
     qp_map = []

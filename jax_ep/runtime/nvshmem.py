@@ -43,8 +43,13 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
+import itertools
+import json
 import os
+import sys
 import threading
+import time
 import warnings
 from typing import Protocol
 
@@ -109,6 +114,23 @@ class ExtensionRuntime:
 
     def qp_api_available(self) -> bool:
         return bool(self._ext.nvshmem_qp_api_available())
+
+    def versions(self) -> tuple[int, int]:
+        """(headers, host library) NVSHMEM versions as major*10000+minor*100+patch; -1:
+        unknown. Queries only: no NVSHMEM call is made."""
+        info = self._ext.nvshmem_info()
+        return int(info["version"]), int(info["runtime_version"])
+
+    def qp_handles(self) -> list[int]:
+        return [int(h) for h in self._ext.nvshmem_info()["qp_handles"]]
+
+    def can_init_device_state(self) -> bool:
+        # Adopting an NVSHMEM another library started needs the device state of the
+        # device library linked into _jax_ep_nvshmem set up; the module says if it can.
+        return hasattr(self._ext, "nvshmem_init_device_state")
+
+    def init_device_state(self) -> None:
+        self._ext.nvshmem_init_device_state()
 
     def init_status(self) -> int:
         return int(self._ext.nvshmem_init_status())
@@ -257,6 +279,9 @@ class BootstrapState:
     config: TransportConfig  # as the kernels use it (one port on the fallback path)
     env: dict
     qp_api: bool = True      # explicit QP handles (False: fallback, one port)
+    # what is on the wire: "qp_api" (one explicit handle per planned QP), "default handles"
+    # (the QP API answered with NVSHMEM's default handles, e.g. IBGDA off), "fallback"
+    qp_path: str = "qp_api"
     adopted: bool = False    # NVSHMEM was already running; its settings were checked
     # the internode low-latency area's limits (max_tokens_per_rank, hidden, topk,
     # num_experts, row_bytes, area_bytes), None when not allocated
@@ -264,6 +289,9 @@ class BootstrapState:
 
 
 _lock = threading.Lock()
+# initialize() is collective: every process calls it equally often, so this counter names
+# the same agreement keys everywhere (also after a failed attempt).
+_agree_calls = itertools.count()
 _state: BootstrapState | None = None
 _runtime: Runtime | None = None
 _generation = 0
@@ -385,6 +413,12 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
         rank, world = jax.process_index(), jax.process_count()
         rt = runtime if runtime is not None else ExtensionRuntime()
         environ = os.environ if environ is None else environ
+        # Every process is here, on the same jax_ep and NVSHMEM releases, before the
+        # fabric exchange and any NVSHMEM call (a missing process is named here).
+        versions = tuple(getattr(rt, "versions", lambda: (-1, -1))())
+        agree_key = f"{KEY_PREFIX}/agree/{next(_agree_calls)}"
+        agree(client, rank, world, startup_params_early(versions), error=None,
+              timeout_s=timeout_s, key=f"{agree_key}/early")
         # the fabric: device selection, plan ports, agreement, LAG shim (network/fabric.py)
         from jax_ep.network import fabric as _fabric
         try:
@@ -405,22 +439,40 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
         if ll is not None and not hasattr(rt, "ll_init"):
             raise NvshmemBootstrapError("this jax_ep build has no internode low-latency "
                                         "kernels (the runtime has no ll_init)")
-        if adopt:
-            wanted = dict(cfg.nvshmem_env(), NVSHMEM_SYMMETRIC_SIZE=str(sym_bytes))
-            missing = adopt_check(wanted, environ)
-            if missing:
-                raise NvshmemBootstrapError(
-                    "NVSHMEM is already initialised in this process (XLA starts it for its "
-                    "own kernels), with settings jax_ep cannot change. Set these in the "
-                    "environment before the process starts, so both use them: "
-                    + " ".join(missing))
-            env = {k: environ.get(k) for k in wanted}
-        else:
-            env = _apply_env({**cfg.nvshmem_env(), **fab.env}, sym_bytes, environ)
-        if runtime is None:
-            why = heap_headroom_error(sym_bytes, _bytes_limit(), environ)
+        # Checks that fail on one process only are published with the agreement below, so
+        # every process fails together instead of its peers waiting inside NVSHMEM.
+        local_error = None
+        try:
+            why = version_mismatch(*versions)
             if why:
                 raise NvshmemBootstrapError(why)
+            if adopt:
+                wanted = dict(cfg.nvshmem_env(), NVSHMEM_SYMMETRIC_SIZE=str(sym_bytes))
+                missing = adopt_check(wanted, environ)
+                if missing:
+                    raise NvshmemBootstrapError(
+                        "NVSHMEM is already initialised in this process (XLA starts it for "
+                        "its own kernels), with settings jax_ep cannot change. Set these in "
+                        "the environment before the process starts, so both use them: "
+                        + " ".join(missing))
+                why = adopt_refusal(rt)
+                if why:
+                    raise NvshmemBootstrapError(why)
+                env = {k: environ.get(k) for k in wanted}
+            else:
+                env = _apply_env({**cfg.nvshmem_env(), **fab.env}, sym_bytes, environ)
+            if runtime is None:
+                why = heap_headroom_error(sym_bytes, _bytes_limit(), environ)
+                if why:
+                    raise NvshmemBootstrapError(why)
+        except NvshmemBootstrapError as e:
+            local_error, env = str(e), {}
+        # Before any NVSHMEM call: every value that must match across processes.
+        params = startup_params(cfg=cfg, qp_api=qp_api, heap_bytes=heap_bytes,
+                                sym_bytes=sym_bytes, ll=ll, env=env, versions=versions,
+                                adopt=adopt)
+        agree(client, rank, world, params, error=local_error, timeout_s=timeout_s,
+              key=agree_key)
 
         key = f"{KEY_PREFIX}/uid/{_generation}"
         timeout_ms = int(timeout_s * 1000)
@@ -437,11 +489,22 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
                 raise NvshmemBootstrapError(
                     f"process {rank} did not receive the NVSHMEM unique id from process 0 "
                     f"within {timeout_s:g} s: {e}") from None
-        rt.init(rank, world, uid, heap_bytes, cfg.num_qps, qp_api, adopt)
+        # NVSHMEM's collectives have no bound of their own: a watchdog turns a stuck one
+        # into an error naming the step (the process exits: it cannot unwind from inside
+        # NVSHMEM), instead of a silent hang.
+        with watchdog("NVSHMEM start (nvshmemx_init_attr, symmetric heap, QPs, barrier)",
+                      timeout_s, rank):
+            rt.init(rank, world, uid, heap_bytes, cfg.num_qps, qp_api, adopt)
+        if adopt:  # the device library linked into jax_ep needs its own device state
+            rt.init_device_state()
         _fabric.after_nvshmem_start()  # what the LAG shim did to NVSHMEM's QPs
         if ll is not None:  # collective, every process in the same order
-            rt.ll_init(world, ll["max_tokens_per_rank"], ll["row_bytes"], ll["topk"],
-                       ll["num_experts"])
+            with watchdog("low-latency area (nvshmem_malloc)", timeout_s, rank):
+                rt.ll_init(world, ll["max_tokens_per_rank"], ll["row_bytes"], ll["topk"],
+                           ll["num_experts"])
+        qp_path = qp_path_from(qp_api, getattr(rt, "qp_handles", lambda: None)())
+        if qp_path == "default handles":
+            _say_default_handles(cfg)
         try:
             client.wait_at_barrier(f"{KEY_PREFIX}/ready/{_generation}", timeout_ms)
         except Exception as e:  # noqa: BLE001
@@ -450,7 +513,8 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
         _generation += 1
         _runtime = rt
         _state = BootstrapState(rank=rank, world=world, heap_bytes=heap_bytes, config=cfg,
-                                env=env, qp_api=qp_api, adopted=adopt, low_latency=ll)
+                                env=env, qp_api=qp_api, adopted=adopt, low_latency=ll,
+                                qp_path=qp_path)
         return _state
 
 
@@ -552,5 +616,189 @@ def _say_fallback(cfg: TransportConfig) -> None:
            f"the internode transport runs on ONE port with {cfg.qps_per_port} QPs per peer "
            f"and NVSHMEM's own QP choice{lost}. Install nvidia-nvshmem-cu13>=3.8.")
     import sys
+    print(msg, file=sys.stderr, flush=True)
+    warnings.warn(msg, stacklevel=3)
+
+
+# --- start-up safety: versions, adoption, agreement, watchdog, QP path ----------------------
+
+# The release line of the NVSHMEM device library linked statically into _jax_ep_nvshmem
+# (the nvidia-nvshmem-cu13 wheel pinned in pyproject.toml).
+LINKED_RELEASE = (3, 8)
+
+
+def _ver_text(v: int) -> str:
+    return "unknown" if v < 0 else f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
+def version_mismatch(headers: int, runtime: int) -> str | None:
+    """Why the NVSHMEM host library cannot run with the headers and device library jax_ep
+    was built with (another major.minor release: the device library is linked statically,
+    the host library is loaded at run time), or None. -1: unknown (not checked)."""
+    if headers < 0 or runtime < 0:
+        return None
+    if headers // 100 != runtime // 100:
+        want = f"{headers // 10000}.{headers // 100 % 100}"
+        return (f"the NVSHMEM host library is {_ver_text(runtime)} but jax_ep was built "
+                f"with NVSHMEM {_ver_text(headers)} (its device library is linked in): "
+                f"install nvidia-nvshmem-cu13=={want}.* (pip install 'jax-ep[cuda]') or "
+                f"rebuild jax_ep against the installed release")
+    return None
+
+
+def adopt_refusal(rt) -> str | None:
+    """Why jax_ep cannot adopt an NVSHMEM another library already started in this
+    process, or None. The device library linked into jax_ep keeps its own device state
+    (nvshmemi_device_state_d), which only NVSHMEM's init fills for the modules it knows;
+    without a way to fill it for jax_ep's module the kernels would fault."""
+    if bool(getattr(rt, "can_init_device_state", lambda: False)()):
+        return None
+    return ("NVSHMEM is already initialised in this process (XLA starts it for its own "
+            "kernels), and this jax_ep build cannot set up the device state of the NVSHMEM "
+            "device library linked into its kernels after that, so they would fault. Call "
+            "jax_ep.nvshmem_bootstrap.initialize(...) before anything else starts NVSHMEM "
+            "(before the first XLA program that uses NVSHMEM runs), or keep XLA from using "
+            "NVSHMEM in processes that run the internode backend")
+
+
+def startup_params_early(versions) -> dict:
+    """The values agreed first, before the fabric exchange (known without the plan)."""
+    from jax_ep import __version__
+    return {"jax_ep_version": __version__,
+            "nvshmem_version": "/".join(_ver_text(int(v)) for v in versions)}
+
+
+def startup_params(*, cfg, qp_api: bool, heap_bytes: int, sym_bytes: int, ll, env: dict,
+                   versions, adopt: bool) -> dict:
+    """The values every process must share before NVSHMEM starts (JSON-able)."""
+    from jax_ep import __version__
+    nv_env = {k: env.get(k) for k in sorted(cfg.nvshmem_env()) if k in env}
+    cfg_text = repr(sorted(dataclasses.asdict(cfg).items())) if dataclasses.is_dataclass(
+        cfg) else repr(cfg)
+    return {
+        "jax_ep_version": __version__,
+        "nvshmem_version": "/".join(_ver_text(int(v)) for v in versions),
+        "qp_path": "qp_api" if qp_api else "fallback",
+        "num_ports": int(cfg.num_ports),
+        "qps_per_port": int(cfg.qps_per_port),
+        "heap_bytes": int(heap_bytes),
+        "symmetric_bytes": int(sym_bytes),
+        "low_latency": None if ll is None else {k: int(v) for k, v in sorted(ll.items())},
+        "transport_config_hash": hashlib.sha256(cfg_text.encode()).hexdigest()[:16],
+        "nvshmem_env": nv_env,
+        "adopt_running_nvshmem": bool(adopt),
+    }
+
+
+def _differences(mine: dict, theirs: dict) -> list[tuple[str, object, object]]:
+    out = []
+    for k in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(k), theirs.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [(f"{k}.{kk}", va, vb) for kk, va, vb in _differences(a, b)]
+        elif a != b:
+            out.append((k, a, b))
+    return out
+
+
+def agree(client, rank: int, world: int, params: dict, *, error: str | None,
+          timeout_s: float, key: str) -> None:
+    """Publishes this process's start-up values (or the reason it cannot start) in the
+    jax.distributed key-value store and reads every other process's, within timeout_s.
+    Raises NvshmemBootstrapError on every process alike when one failed or any value
+    differs, naming the process and the values; on a process whose peer never published,
+    naming that peer. Makes no NVSHMEM call."""
+    mine = {"params": params, "error": error}
+    client.key_value_set_bytes(f"{key}/{rank}", json.dumps(mine, sort_keys=True).encode())
+    deadline = time.monotonic() + timeout_s
+    got = {rank: mine}
+    for p in range(world):
+        if p == rank:
+            continue
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            raw = client.blocking_key_value_get_bytes(f"{key}/{p}", left_ms)
+        except Exception as e:  # noqa: BLE001 - the store raises XlaRuntimeError
+            raise NvshmemBootstrapError(
+                f"NVSHMEM not started: process {p} did not publish its start-up settings "
+                f"within {timeout_s:g} s (it is missing, stuck, or did not call "
+                f"jax_ep.nvshmem_bootstrap.initialize); process {rank} made no NVSHMEM "
+                f"call. ({e})") from None
+        got[p] = json.loads(bytes(raw).decode())
+    failed = [(p, g["error"]) for p, g in sorted(got.items()) if g.get("error")]
+    if failed:
+        raise NvshmemBootstrapError(
+            "NVSHMEM not started on any process (no NVSHMEM call was made): "
+            + "; ".join(f"process {p}: {e}" for p, e in failed))
+    ref = got[0]["params"]
+    diffs = []
+    for p in sorted(got):
+        for name, want, have in _differences(ref, got[p]["params"]):
+            diffs.append(f"process {p} has {name}={have!r} where process 0 has {want!r}")
+    if diffs:
+        raise NvshmemBootstrapError(
+            "NVSHMEM not started: the processes disagree on settings that must match "
+            "(no NVSHMEM call was made): " + "; ".join(diffs))
+
+
+_STUCK_EXIT = 75  # EX_TEMPFAIL: a peer may be missing; a restart may succeed
+
+
+def _exit_stuck(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+    os._exit(_STUCK_EXIT)
+
+
+_on_stuck = _exit_stuck  # tests replace it
+
+
+class watchdog:
+    """Bounds one collective NVSHMEM step: if it has not returned after timeout_s, says
+    which step on which process and ends the process (exit code 75), since a thread
+    stuck inside NVSHMEM cannot be unwound. The step must release the GIL while it
+    waits (the compiled bindings do)."""
+
+    def __init__(self, step: str, timeout_s: float, rank: int):
+        self.step, self.timeout_s, self.rank = step, float(timeout_s), rank
+        self._timer = None
+
+    def _fire(self):
+        _on_stuck(f"jax_ep: NVSHMEM start-up step '{self.step}' did not finish within "
+                  f"{self.timeout_s:g} s on process {self.rank}: a peer is missing or stuck "
+                  f"in an earlier step (see its log); exiting instead of hanging")
+
+    def __enter__(self):
+        self._timer = threading.Timer(self.timeout_s, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._timer.cancel()
+        return False
+
+
+_NVSHMEMX_QP_HOST, _NVSHMEMX_QP_DEFAULT = 0, 1  # nvshmem_constants.h
+
+
+def qp_path_from(qp_api: bool, handles) -> str:
+    """What the transport has on the wire after start: "qp_api" (an explicit handle per
+    planned QP), "default handles" (the QP API handed back NVSHMEM's default or host
+    handles, as it does when IBGDA is off: the plan's QP is not the QP on the wire) or
+    "fallback" (no QP API). handles None: not reported (taken as asked)."""
+    if not qp_api:
+        return "fallback"
+    if handles is None:
+        return "qp_api"
+    handles = [int(h) for h in handles]
+    if not handles or all(h in (_NVSHMEMX_QP_HOST, _NVSHMEMX_QP_DEFAULT) for h in handles):
+        return "default handles"
+    return "qp_api"
+
+
+def _say_default_handles(cfg: TransportConfig) -> None:
+    msg = (f"jax_ep: NVSHMEM's QP API handed back default QP handles for the {cfg.num_qps} "
+           f"planned QPs (IBGDA is off or unavailable): NVSHMEM picks the QP of each put, so "
+           f"the striping plan's QP is not the QP on the wire")
     print(msg, file=sys.stderr, flush=True)
     warnings.warn(msg, stacklevel=3)

@@ -42,7 +42,9 @@ _WORKER = textwrap.dedent(r"""
         def finalize(self):
             self.calls.append("finalize")
 
-    env = {"NVSHMEM_IBGDA_NUM_RC_PER_PE": "99"} if rank == 1 else {}
+    # a value the user set is kept; every process must set the same (the start-up
+    # agreement refuses processes that differ: tests/runtime/test_startup_agreement.py)
+    env = {"NVSHMEM_IBGDA_NUM_RC_PER_PE": "99"}
     rt = FakeRuntime()
     os.environ["JAX_EP_QPS_PER_PORT"] = "3"
     s1 = nb.initialize(max_tokens=64, hidden=128, topk=4, capacity=100, runtime=rt,
@@ -125,7 +127,7 @@ def test_heap_sized_once_and_qps_from_config(two_processes):
         assert r["env"]["NVSHMEM_ENABLE_MULTI_PORT"] == "1"
     # a value the user set is kept (with a warning), not overwritten
     assert two_processes[1]["env"]["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "99"
-    assert two_processes[0]["env"]["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "3"  # per port device
+    assert two_processes[0]["env"]["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "99"
 
 
 class _Client:
@@ -278,9 +280,13 @@ def test_already_running_nvshmem_is_adopted_only_with_matching_settings(one_devi
     assert "NVSHMEM_SYMMETRIC_SIZE=" in str(e.value)
     env = dict(cfg.nvshmem_env(), NVSHMEM_SYMMETRIC_SIZE=str(128 << 20))
     rt = _Rec(status=2)
+    rt.can_init_device_state = lambda: True  # a runtime that sets up the device state
+    rt.device_state = []
+    rt.init_device_state = lambda: rt.device_state.append(len(rt.inits))
     st = nb.initialize(heap_bytes=64 << 20, runtime=rt, client=_Client(), environ=env,
                        config=cfg)
     assert st.adopted is True and rt.inits[0][6] is True  # adopt=True reaches the runtime
+    assert rt.device_state == [1]  # right after the adopting init
     assert nb.adopt_check({"A": "1"}, {"A": "2"}) == ["A=1"]
 
 

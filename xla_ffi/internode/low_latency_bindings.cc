@@ -77,8 +77,11 @@ void AddLowLatencyWireBindings(nb::module_& m) {
   // Collective (every PE, after nvshmem_init): allocates the low-latency area.
   m.def("ll_internode_init", [](int num_ranks, int max_tokens, int64_t row_bytes, int topk,
                                 int num_experts) {
-    const std::string e =
-        ll_internode::Init(num_ranks, max_tokens, row_bytes, topk, num_experts);
+    std::string e;
+    {
+      nb::gil_scoped_release unlocked;  // collective: the bootstrap's watchdog may report it
+      e = ll_internode::Init(num_ranks, max_tokens, row_bytes, topk, num_experts);
+    }
     if (!e.empty()) throw std::runtime_error(e);
   });
   // Collective: frees the area; jax_ep.nvshmem_bootstrap.finalize calls it first.

@@ -24,12 +24,26 @@ void AddNvshmemBindings(nb::module_& m) {
     Check(internode::UniqueId(&id));
     return nb::bytes(id.data(), id.size());
   });
+  // Collective and unbounded: the GIL is released while NVSHMEM waits for the peers, so
+  // the bootstrap's watchdog thread can report a stuck start.
   m.def("nvshmem_init", [](int rank, int world, nb::bytes uid, size_t heap_bytes, int num_qps,
                            bool use_qp_api, bool adopt) {
-    Check(internode::Init(rank, world, std::string(uid.c_str(), uid.size()), heap_bytes,
-                          num_qps, use_qp_api, adopt));
+    const std::string id(uid.c_str(), uid.size());
+    std::string err;
+    {
+      nb::gil_scoped_release unlocked;
+      err = internode::Init(rank, world, id, heap_bytes, num_qps, use_qp_api, adopt);
+    }
+    Check(err);
   });
-  m.def("nvshmem_finalize", []() { Check(internode::Finalize()); });
+  m.def("nvshmem_finalize", []() {
+    std::string err;
+    {
+      nb::gil_scoped_release unlocked;
+      err = internode::Finalize();
+    }
+    Check(err);
+  });
   m.def("nvshmem_qp_api_available", []() { return internode::QpApiAvailable(); });
   m.def("nvshmem_init_status", []() { return internode::InitStatus(); });
   m.def("internode_error", []() { return internode::PendingError(); });
