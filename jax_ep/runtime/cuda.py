@@ -316,9 +316,10 @@ def check_errors(clear: bool = True) -> None:
     """Waits for the GPUs this process used for EP work (no others) and raises
     RuntimeError with the errors their kernels recorded (bad topk ids, foreign handles,
     timeouts, call-site mismatches, failed peers); a protocol error that followed an
-    earlier bad id or foreign handle is named too. Clears the records, and with them the
-    kernels' failed state, unless clear=False; after a protocol error the buffers stay out
-    of step until :func:`reset`."""
+    earlier bad id or foreign handle is named too. Clears the records unless
+    clear=False, but not the kernels' failed state: after a protocol error the buffers
+    are out of step, so every later EP call moves no data (empty outputs) and is reported
+    again here, until :func:`reset` re-zeroes the headers and lifts it."""
     msgs = list(_bindings().cuda_check_errors(clear))
     if msgs:
         raise RuntimeError("; ".join(msgs))

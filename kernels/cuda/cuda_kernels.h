@@ -38,5 +38,8 @@ cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePre
 // Synchronous: for check_errors() and tests, never called inside an FFI handler.
 cudaError_t ReadLayoutError(ErrorRecord* out, bool clear);
 cudaError_t ReadIntranodeError(ErrorRecord* out, bool clear);
+// Lifts the intranode failed state (moves no data, waits end at once): only once the
+// buffer headers are re-zeroed (jax_ep.cuda.reset), never by check_errors alone.
+cudaError_t ClearIntranodeFailure();
 
 }  // namespace jax_ep

@@ -800,15 +800,18 @@ cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePre
   return cudaGetLastError();
 }
 
-// Clearing also clears the failed state (and the stop word): check_errors(clear=True) and
-// reset() both come through here.
+// Clears the first-error record only. The failed state (and the stop word) stays: after a
+// protocol error the headers are out of step, and a kernel that went on would read its
+// peers' counts and call sites of another epoch. ClearIntranodeFailure() lifts it, from
+// reset() only, once the headers are zero again.
 cudaError_t ReadIntranodeError(ErrorRecord* out, bool clear) {
-  cudaError_t e = ReadErrorSymbol(g_intranode_error, out, clear);
-  if (e == cudaSuccess && clear) {
-    ErrorRecord failure{};
-    e = ReadErrorSymbol(g_intranode_failed, &failure, true);
-  }
-  if (e == cudaSuccess && clear) {
+  return ReadErrorSymbol(g_intranode_error, out, clear);
+}
+
+cudaError_t ClearIntranodeFailure() {
+  ErrorRecord failure{};
+  cudaError_t e = ReadErrorSymbol(g_intranode_failed, &failure, true);
+  if (e == cudaSuccess) {
     const int32_t zero = 0;
     e = cudaMemcpyToSymbol(g_intranode_stop, &zero, sizeof(zero));
   }

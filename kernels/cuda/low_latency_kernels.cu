@@ -490,13 +490,18 @@ cudaError_t LaunchLowLatencyPhase(int phase, const LowLatencyArgs& a, cudaStream
   return cudaGetLastError();
 }
 
+// The record only: the failed state stays until reset() (see ClearIntranodeFailure).
 cudaError_t ReadLowLatencyError(ErrorRecord* out, bool clear) {
-  cudaError_t e = ReadErrorSymbol(g_ll_error, out, clear);
-  if (e == cudaSuccess && clear) {
-    const int32_t zero = 0;
-    e = cudaMemcpyToSymbol(g_ll_failed, &zero, sizeof(zero));
-  }
-  return e;
+  return ReadErrorSymbol(g_ll_error, out, clear);
+}
+
+cudaError_t ReadLowLatencyFailed(int32_t* out) {
+  return cudaMemcpyFromSymbol(out, g_ll_failed, sizeof(int32_t));
+}
+
+cudaError_t ClearLowLatencyFailure() {
+  const int32_t zero = 0;
+  return cudaMemcpyToSymbol(g_ll_failed, &zero, sizeof(zero));
 }
 
 cudaError_t ClearLowLatencyHeader(void* header) {

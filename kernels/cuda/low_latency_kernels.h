@@ -170,6 +170,10 @@ enum LowLatencyPhase : int {
 
 cudaError_t LaunchLowLatencyPhase(int phase, const LowLatencyArgs& a, cudaStream_t stream);
 cudaError_t ReadLowLatencyError(ErrorRecord* out, bool clear);
+// The low-latency failed state (non-zero: a protocol error, no data moves), kept when
+// the record is cleared; ClearLowLatencyFailure() lifts it (jax_ep.cuda.reset only).
+cudaError_t ReadLowLatencyFailed(int32_t* out);
+cudaError_t ClearLowLatencyFailure();
 // Re-zeroes the protocol state of a low-latency header (synchronous; jax_ep.cuda.reset).
 cudaError_t ClearLowLatencyHeader(void* header);
 

@@ -208,6 +208,10 @@ void SetDomain(int ordinal, int rank, int group, int num_ranks, std::vector<uint
 
 // Only the GPUs this process used for EP work: synchronizing every visible GPU would wait
 // for unrelated work and create contexts on GPUs the process never touches.
+constexpr const char* kOutOfStep =
+    "; the EP buffers are out of step: EP calls on this GPU move no data (empty outputs) "
+    "until jax_ep.cuda.reset() (collective), which check_errors does not replace";
+
 std::vector<std::string> CheckErrors(bool clear) {
   std::vector<std::string> out;
   for (int i : DevicesInUse()) {
@@ -221,13 +225,23 @@ std::vector<std::string> CheckErrors(bool clear) {
     rec = ErrorRecord{};
     Check(ReadIntranodeError(&rec, clear), "reading the intranode error record");
     if (rec.code != kErrNone) out.push_back(DescribeError(rec, i));
-    // A protocol error behind an earlier bad id or foreign handle: the one that emptied
-    // the outputs since.
+    // A protocol error behind an earlier bad id or foreign handle (the one that emptied
+    // the outputs since), or one an earlier check_errors() cleared the record of: the
+    // failed state outlives the record until reset().
     if (failure.code != kErrNone && !IsProtocolError(rec.code))
       out.push_back(DescribeError(failure, i));
+    if (failure.code != kErrNone) out.back() += kOutOfStep;
     rec = ErrorRecord{};
     Check(ReadLowLatencyError(&rec, clear), "reading the low-latency error record");
     if (rec.code != kErrNone) out.push_back(DescribeError(rec, i));
+    int32_t ll_failed = 0;
+    Check(ReadLowLatencyFailed(&ll_failed), "reading the low-latency failed state");
+    if (ll_failed != 0) {
+      if (!IsProtocolError(rec.code))
+        out.push_back("jax_ep: low-latency mode: an earlier protocol error (timeout, call "
+                      "mismatch or failed peer) [GPU " + std::to_string(i) + "]");
+      out.back() += kOutOfStep;
+    }
   }
   if (out.empty()) {
     const std::string m = PendingMirrorError();
@@ -260,6 +274,9 @@ std::vector<int> Reset() {
     Check(ReadLayoutError(&rec, true), "clearing the layout error record");
     Check(ReadIntranodeError(&rec, true), "clearing the intranode error record");
     Check(ReadLowLatencyError(&rec, true), "clearing the low-latency error record");
+    // The headers are zero again: the failed state can go.
+    Check(ClearIntranodeFailure(), "clearing the intranode failed state");
+    Check(ClearLowLatencyFailure(), "clearing the low-latency failed state");
     Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
   ClearErrorMirror();

@@ -61,7 +61,8 @@ std::string DescribeError(const ErrorRecord& e, int ordinal);
 // The current device's first intranode protocol error (kernels/cuda/intranode_kernels.cu),
 // kept beside the first-error record ReadIntranodeError reads: when that one holds an
 // earlier bad id or foreign handle, this tells the timeout or mismatch behind it.
-// Synchronous, never inside an FFI handler; ReadIntranodeError(clear=true) clears it.
+// Synchronous, never inside an FFI handler; only ClearIntranodeFailure() (from reset(),
+// after the headers are re-zeroed) clears it, never ReadIntranodeError(clear=true).
 cudaError_t ReadIntranodeFailure(ErrorRecord* out);
 
 // JAX_EP_TIMEOUT_S (default 300 s), in nanoseconds, for the kernels' waits.

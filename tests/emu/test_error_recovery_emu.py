@@ -1,0 +1,66 @@
+"""After a protocol error, check_errors() reports it but does not put the kernels back
+to work: the buffer headers are out of step (a rank a call ahead, counts and call sites
+of another epoch), and only jax_ep.cuda.reset(), which re-zeroes them, lifts the failed
+state. So the EP call after an error either works (after reset) or moves no data and is
+reported again; it never reads stale headers. Run on the emulated GPU (the kernels and
+the host functions of the CUDA backend, compiled for the CPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_ep.emulator import Emulator
+
+from emu_intranode_util import DISPATCH_KEYS, assert_same, reference, routing, rows
+
+pytestmark = pytest.mark.emu
+
+R, T, H, K, E, C = 2, 6, 16, 2, 4, 12
+
+
+def _case(seed):
+    rng = np.random.default_rng(seed)
+    idx = routing("random", R, T, K, E, rng)
+    x = rows("bf16", (R, T, H), rng)
+    w = rng.standard_normal((R, T, K)).astype(np.float32)
+    return x, idx, w
+
+
+def _timed_out(seed=21):
+    emu = Emulator(R, seed=seed, timeout_s=0.002)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    x, idx, w = _case(seed)
+    emu.dispatch(x, idx, w, num_experts=E, capacity=C, skip=[1])  # rank 1 makes no call
+    errs = emu.check_errors()  # reads and clears the record
+    assert any("timed out" in e for e in errs), errs
+    return emu
+
+
+def test_check_errors_keeps_reporting_until_reset():
+    emu = _timed_out()
+    again = emu.check_errors()
+    assert again and all("jax_ep.cuda.reset()" in e for e in again), again
+    emu.m.cuda_reset()
+    assert emu.check_errors() == []
+
+
+def test_the_next_call_after_check_errors_moves_no_data_and_is_reported():
+    emu = _timed_out()
+    x, idx, w = _case(22)
+    got = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
+    errs = emu.check_errors()
+    # Every rank is told: rank 0 is still failed, rank 1 hears it as a failed peer
+    # instead of reading rank 0's header of another epoch.
+    assert {r for r in range(R) for e in errs if f"rank {r}]" in e} == {0, 1}, errs
+    assert (got["num_recv"] == 0).all() and (got["src_rank"] == -1).all()
+
+
+def test_after_reset_the_next_call_works():
+    emu = _timed_out()
+    emu.m.cuda_reset()
+    x, idx, w = _case(23)
+    zeros = np.zeros((R, C, H), x.dtype)
+    got = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
+    assert emu.check_errors() == []
+    want = reference(x, idx, w, zeros, np.zeros_like(x), E=E, C=C)
+    assert_same(got, want, DISPATCH_KEYS)
