@@ -40,11 +40,18 @@ def parse_args(argv=None):
                    help="aux-loss-free balancing bias (updated every step)")
     p.add_argument("--capacity", type=float, default=0,
                    help="dispatch capacity factor: rows each rank receives = f * tokens "
-                        "per shard * min(top-k, expert); 0 means R * tokens (no row "
-                        "dropped at dispatch)")
+                        "per shard * min(top-k, expert); 0 means the layer's default (the "
+                        "experts' places with --capacity-factor, else R * tokens)")
     p.add_argument("--capacity-factor", type=float, default=2.0,
                    help="places per expert as a multiple of its mean load (MoE "
                         "capacity_factor); slots past them are dropped; 0 means never drop")
+    p.add_argument("--expert-matmul", choices=("auto", "tiles", "ragged_dot"),
+                   default="auto", help="MoE expert_matmul (auto: tiles on CPU, "
+                                        "ragged_dot on GPU)")
+    p.add_argument("--aux-loss", choices=("batch", "sequence"), default="batch",
+                   help="the balance loss weighted by --aux-coef (MoE aux_loss)")
+    p.add_argument("--routed-scaling-factor", type=float, default=1.0,
+                   help="scale of the routed experts' weights (DeepSeek-V3: 2.5)")
     p.add_argument("--backend", choices=("auto", "ffi", "reference"), default="auto")
     p.add_argument("--dispatch-dtype", choices=("default", "fp8"), default="default",
                    help="fp8: tokens dispatched as FP8 with 1 x 128 block scales "
@@ -151,7 +158,8 @@ class Block(nnx.Module):
                        capacity_factor=a.capacity_factor or None, score=a.score,
                        routing_bias=a.routing_bias, shared_experts=a.shared_experts,
                        dispatch_dtype=None if a.dispatch_dtype == "default" else "fp8",
-                       rngs=rngs)
+                       expert_matmul=a.expert_matmul, aux_loss=a.aux_loss,
+                       routed_scaling_factor=a.routed_scaling_factor, rngs=rngs)
 
     def __call__(self, x):
         x = x + self.attn(self.norm1(x))
