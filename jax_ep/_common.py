@@ -264,3 +264,17 @@ def like(a, shape, dtype):
     """The abstract value of an FFI result: `a`'s type (varying axes included) with
     another shape and dtype."""
     return jax.typeof(a).update(shape=tuple(shape), dtype=jnp.dtype(dtype), weak_type=False)
+
+
+def concrete_mesh():
+    """The concrete mesh in context (`jax.set_mesh(mesh)` or `with mesh:`), also inside
+    jit; ValueError where there is none."""
+    from jax._src import mesh as mesh_lib  # no public accessor works inside jit
+    getter = getattr(mesh_lib, "get_concrete_mesh", None)
+    mesh = getter() if getter is not None else None
+    if mesh is None or mesh.empty:  # `with mesh:` (pre-set_mesh style)
+        mesh = mesh_lib.thread_resources.env.physical_mesh
+    if mesh is None or mesh.empty:
+        raise ValueError("jax_ep.sharded needs a concrete mesh in context: use "
+                         "`with jax.set_mesh(mesh):` or `with mesh:` around the call")
+    return mesh

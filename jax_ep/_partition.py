@@ -15,7 +15,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ep import _stream, ops
-from jax_ep._common import Cfg
+from jax_ep._common import Cfg, concrete_mesh as _concrete_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,18 +52,6 @@ def _context_mesh():
             return physical.abstract_mesh
         raise ValueError("jax_ep.sharded needs a mesh in context: wrap the call in "
                          "`with jax.set_mesh(mesh):` (or `with mesh:`)")
-    return mesh
-
-
-def _concrete_mesh():
-    from jax._src import mesh as mesh_lib  # no public accessor works inside jit
-    getter = getattr(mesh_lib, "get_concrete_mesh", None)
-    mesh = getter() if getter is not None else None
-    if mesh is None or mesh.empty:  # `with mesh:` (pre-set_mesh style)
-        mesh = mesh_lib.thread_resources.env.physical_mesh
-    if mesh is None or mesh.empty:
-        raise ValueError("jax_ep.sharded needs a concrete mesh in context: use "
-                         "`with jax.set_mesh(mesh):` or `with mesh:` around the call")
     return mesh
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep._common import axis_names, ep_coords, group_axes
+from jax_ep._common import axis_names, concrete_mesh, ep_coords, group_axes
 
 OK, OUT_OF_RANGE, REPEATED = 0, 1, 2
 _FIELDS = 7  # code, rank, group, token, slot, value, earlier slot
@@ -218,8 +218,7 @@ def checked_global(topk_idx, spec, *, repeats=False, where="jax_ep"):
         return topk_idx
     from jax.sharding import PartitionSpec as P
 
-    from jax_ep._partition import _concrete_mesh
-    mesh = _concrete_mesh()
+    mesh = concrete_mesh()
     token_axes = tuple(spec.token_axes)
     batch = token_axes[:-1]
     R, T = spec.num_ranks, spec.tokens_per_shard
