@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
-# The GPU check of jax-ep, for one lent H200 (or H100), in one call of under 9 minutes:
-# builds the CUDA backend into the machine's own Python, runs the kernels every way one
-# GPU allows, and prints a table last. Each stage is time-boxed and writes its log under
-# $OUT; all stage results go to $OUT/gpu_check.json and the table to $OUT/summary.txt
+# The GPU check of jax-ep, for one lent H200 (or H100): builds the CUDA backend into the
+# machine's own Python, runs the kernels every way one GPU allows, and prints a table
+# last. Each stage is time-boxed and writes its log under $OUT; all stage results go to
+# $OUT/gpu_check.json (with each stage's junit reports, the reason of every time-out and
+# the MPS start status and logs: what a rerun needs) and the table to $OUT/summary.txt
 # (8 files at most). A failing stage never stops the later ones (except a failed build).
 #
-#   bash scripts/gpu_check.sh              # every stage
-#   bash scripts/gpu_check.sh --only 3     # stage 3 (or its name), after stage 1 if needed
+# One stage per device call: every stage (with the build, when the machine has none yet)
+# fits one call of under 9 minutes, all of them together do not, and a failing stage then
+# leaves device time for its rerun:
+#   bash scripts/gpu_check.sh --only 2     # stage 2 (or its name), after stage 1 if needed
+#   bash scripts/gpu_check.sh --only 3     # ... one call each for 3, 4, 5, 6
+#   bash scripts/gpu_check.sh              # every stage (longer than one call allows)
 #   bash scripts/gpu_check.sh --dry-run    # stage 1 for real, then each stage's plan
+#
+# Exit status: 0 every stage that ran passed; 1 a stage failed, timed out or could not
+# run after a failed build; 3 none failed but a stage was skipped (not verified: no
+# NVSHMEM in the build, no compute-sanitizer), so the run is not green.
 #
 # Stages (budget in seconds):
 #   1 build       pip install --no-build-isolation --no-deps -e . with JAX_EP_CUDA=ON into
@@ -17,15 +26,20 @@
 #   2 tests       GPU tests: virtual-rank harness bit-exact vs the CPU oracle (dispatch,
 #                 combine, gather, layout, every dtype, overflow, empty ranks), concurrent
 #                 harness mode, call-site and timeout checks, reset(), real handlers
-#   3 multiprocess  R = 2 and 4 processes on the GPU (CUDA IPC; MPS when available):
+#   3 multiprocess  R = 2 and 4 processes on the GPU (CUDA IPC; MPS when available, each
+#                 process given 100/R of the SMs by the test launcher):
 #                 dispatch, combine, gradients bit-exact vs CPU; one process killed
-#   4 internode   NVSHMEM PEs (2 and 4) on the GPU, bit-exact vs CPU (skipped without NVSHMEM)
+#   4 internode   NVSHMEM PEs (2 and 4) on the GPU, bit-exact vs CPU (skipped without
+#                 NVSHMEM); under MPS with active thread percentages summing to 100, which
+#                 NVSHMEM needs for full support of several PEs on one GPU
 #   5 sanitizer   compute-sanitizer memcheck, racecheck, synccheck on a small harness run
+#                 (phased launches only, short kernel timeout); the tool is looked for on
+#                 PATH, in /usr/local/cuda/bin and /usr/local/cuda/compute-sanitizer
 #   6 bench       python -m jax_ep.bench --virtual-ranks, and the harness timing
 #
 # Environment: OUT (default /tmp/jax_ep_gpu_check), PYTHON (default python3),
 # JAX_EP_BUILD_LOCK (a lock file to hold while building, e.g. /tmp/jaxep.build.lock),
-# JAX_EP_GPU_CHECK_MPS=0 (do not start CUDA MPS).
+# JAX_EP_GPU_CHECK_MPS=0 (do not start CUDA MPS), JAX_EP_COMPUTE_SANITIZER (its path).
 #
 # Not part of this one-GPU check: the per-port proof needs two nodes with RDMA NICs. On
 # each node, around the internode benchmark (docs/internode.md, "Proof on hardware"):
@@ -35,7 +49,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
 DRY=0
 ONLY=""
@@ -51,7 +65,16 @@ while [ $# -gt 0 ]; do
 done
 
 NAMES=(build tests multiprocess internode sanitizer bench)
-BUDGETS=(160 90 70 70 60 60)
+# Boxes sized from CPU runs of the same tests (their CPU variants, same workers and
+# launcher), measured on a 2-core machine at load average 22:
+#   test_mp_cuda.py::test_worker_and_oracle_on_cpu (2 processes)            32 s
+#   test_cuda_low_latency_mp.py::test_worker_and_oracle_on_cpu_processes    87 s
+# Stage 3 runs three tests of the first kind (2 and 4 processes, one killed: it waits
+# JAX_EP_TIMEOUT_S) and two of the second (2 and 4 processes); stage 4 three of the first.
+MP_BOX=140      # stage 3: tests/runtime/test_mp_cuda.py -k "not internode"
+LL_MP_BOX=170   # stage 3: tests/runtime/test_cuda_low_latency_mp.py
+IN_BOX=150      # stage 4: tests/runtime/test_mp_cuda.py -k internode
+BUDGETS=(160 90 $((MP_BOX + LL_MP_BOX + 15)) $((IN_BOX + 15)) 60 60)
 OVERHEAD=20     # GPU query, MPS start/stop, the report
 LIMIT=540       # 9 minutes: one device call must end well inside its 10
 
@@ -85,7 +108,38 @@ fi
 
 # ------------------------------------------------------------------------------ stages
 # Each runs in its own bash under `timeout`; it may write WORK/sN.status (a status that
-# replaces "pass", e.g. a skip), WORK/sN*.json, WORK/sN*.xml (junit) or WORK/sN.tools.
+# replaces "pass", e.g. a skip), WORK/sN*.json, WORK/sN*.xml (junit), WORK/sN.tools or
+# WORK/sN.timeouts (one line per inner time box that ran out).
+
+# boxed SECONDS WHAT CMD...: CMD under an inner time box; a box that runs out is recorded
+# with WHAT in WORK/s$STAGE.timeouts (the report names it).
+boxed() {
+  local secs=$1 what=$2 rc
+  shift 2
+  timeout -k 3 "$secs" "$@"
+  rc=$?
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    printf '%s\t%s\n' "$what" "inner box of ${secs}s ran out" >>"$WORK/s${STAGE}.timeouts"
+  fi
+  return $rc
+}
+
+# The compute-sanitizer binary: JAX_EP_COMPUTE_SANITIZER if set (a path; tests set a
+# missing one), else on PATH, or where CUDA toolkits put it.
+find_sanitizer() {
+  local c
+  if [ -n "${JAX_EP_COMPUTE_SANITIZER:-}" ]; then
+    [ -f "$JAX_EP_COMPUTE_SANITIZER" ] && [ -x "$JAX_EP_COMPUTE_SANITIZER" ] && \
+      { echo "$JAX_EP_COMPUTE_SANITIZER"; return 0; }
+    return 1
+  fi
+  for c in "$(command -v compute-sanitizer 2>/dev/null)" /usr/local/cuda/bin/compute-sanitizer \
+           /usr/local/cuda/compute-sanitizer/compute-sanitizer \
+           "$(dirname "$(command -v nvcc 2>/dev/null || echo /none/nvcc)")/compute-sanitizer"; do
+    if [ -n "$c" ] && [ -f "$c" ] && [ -x "$c" ]; then echo "$c"; return 0; fi
+  done
+  return 1
+}
 
 stage_build() {
   echo "python: $PY -> $("$PY" -c 'import sys; print(sys.version.split()[0], sys.prefix)')"
@@ -127,13 +181,13 @@ EOF
 
 stage_tests() {
   local rc=0 r
-  timeout -k 3 64 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/runtime/test_cuda.py \
-    --junitxml="$WORK/s2.xml" || rc=1
+  boxed 64 "tests/runtime/test_cuda.py" "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu \
+    tests/runtime/test_cuda.py --junitxml="$WORK/s2.xml" || rc=1
   # The low-latency kernels' harness test and the one-rank real-rank path, in the time left.
   echo "== low-latency harness and real rank (-k 'cuda_harness or real_rank')"
-  timeout -k 2 18 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_low_latency.py \
-    tests/runtime/test_cuda_low_latency.py -k "cuda_harness or real_rank" \
-    --junitxml="$WORK/s2_low_latency.xml"
+  boxed 18 "low-latency harness and real rank" "$PY" -m pytest -q -rs -p no:cacheprovider \
+    tests/test_low_latency.py tests/runtime/test_cuda_low_latency.py \
+    -k "cuda_harness or real_rank" --junitxml="$WORK/s2_low_latency.xml"
   r=$?
   [ "$r" = 0 ] || [ "$r" = 5 ] || rc=1  # 5: no such test in this tree
   return $rc
@@ -141,12 +195,16 @@ stage_tests() {
 
 stage_multiprocess() {
   local rc=0 r
-  timeout -k 3 48 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/runtime/test_mp_cuda.py \
-    -k "not internode" --junitxml="$WORK/s3.xml" || rc=1
-  # The low-latency mode with 2 and 4 processes sharing the GPU, in the time left.
+  # The launcher gives each of the R processes CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/R
+  # (tests/runtime/mp_cuda_worker.py mps_env), so kernels that wait for each other all
+  # stay resident under MPS.
+  boxed "$MP_BOX" "tests/runtime/test_mp_cuda.py -k 'not internode'" "$PY" -m pytest -q -rs \
+    -p no:cacheprovider -m gpu tests/runtime/test_mp_cuda.py -k "not internode" \
+    --junitxml="$WORK/s3.xml" || rc=1
   echo "== low-latency processes sharing the GPU (tests/runtime/test_cuda_low_latency_mp.py)"
-  timeout -k 2 18 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu \
-    tests/runtime/test_cuda_low_latency_mp.py --junitxml="$WORK/s3_low_latency.xml"
+  boxed "$LL_MP_BOX" "tests/runtime/test_cuda_low_latency_mp.py" "$PY" -m pytest -q -rs \
+    -p no:cacheprovider -m gpu tests/runtime/test_cuda_low_latency_mp.py \
+    --junitxml="$WORK/s3_low_latency.xml"
   r=$?
   [ "$r" = 0 ] || [ "$r" = 5 ] || rc=1  # 5: no such test in this tree
   return $rc
@@ -158,16 +216,29 @@ stage_internode() {
     echo "skipped (no NVSHMEM in this build)" >"$WORK/s4.status"
     return 0
   fi
-  "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/runtime/test_mp_cuda.py -k internode \
+  if [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
+    echo "note: MPS is not running: NVSHMEM gives several PEs on one GPU only limited support"
+  fi
+  # Several PEs on one GPU: NCCL cannot run there (NVSHMEM says so and turns it off).
+  export NVSHMEM_DISABLE_NCCL=1
+  # The inner box ends before the stage's, so its junit report and reason still come back.
+  boxed "$IN_BOX" "tests/runtime/test_mp_cuda.py -k internode" "$PY" -m pytest -q -rs \
+    -p no:cacheprovider -m gpu tests/runtime/test_mp_cuda.py -k internode \
     --junitxml="$WORK/s4.xml"
 }
 
 stage_sanitizer() {
-  if ! command -v compute-sanitizer >/dev/null 2>&1; then
-    echo "skipped: compute-sanitizer not found"
+  local cs
+  if ! cs=$(find_sanitizer); then
+    echo "skipped: compute-sanitizer not found (PATH, /usr/local/cuda/bin, /usr/local/cuda/compute-sanitizer)"
     echo "skipped (no compute-sanitizer)" >"$WORK/s5.status"
     return 0
   fi
+  echo "compute-sanitizer: $cs"
+  # The phased path only (every wait already satisfied when it runs: the tool serialises
+  # kernels, so concurrent ranks would wait on each other), and a short kernel timeout
+  # so a wait that does hang ends inside the box.
+  export JAX_EP_TIMEOUT_S=5
   local worst=0 tool secs rc t0 status filter
   # Only jax_ep's kernels are instrumented (XLA's run unchecked), which keeps it fast.
   filter=(--kernel-name kns=jax_ep)
@@ -176,14 +247,14 @@ stage_sanitizer() {
     IFS=: read -r tool secs dtypes <<<"$spec"
     t0=$(date +%s)
     echo "== compute-sanitizer --tool $tool (limit ${secs}s)"
-    timeout -k 3 "$secs" compute-sanitizer --tool "$tool" --error-exitcode 9 ${filter[@]+"${filter[@]}"} \
-      "$PY" scripts/gpu_sanitize_run.py --dtypes "$dtypes" 2>&1 | tee "$WORK/s5_$tool.txt"
+    timeout -k 3 "$secs" "$cs" --tool "$tool" --error-exitcode 9 ${filter[@]+"${filter[@]}"} \
+      "$PY" scripts/gpu_sanitize_run.py --paths phased --dtypes "$dtypes" 2>&1 | tee "$WORK/s5_$tool.txt"
     rc=${PIPESTATUS[0]}
     if [ "$rc" -ne 0 ] && grep -qiE "unrecognized|unknown option|invalid option" "$WORK/s5_$tool.txt"; then
       echo "(this compute-sanitizer has no --kernel-name filter: every kernel is checked)"
       filter=()
-      timeout -k 3 "$secs" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-        "$PY" scripts/gpu_sanitize_run.py --dtypes "$dtypes" 2>&1 | tee "$WORK/s5_$tool.txt"
+      timeout -k 3 "$secs" "$cs" --tool "$tool" --error-exitcode 9 \
+        "$PY" scripts/gpu_sanitize_run.py --paths phased --dtypes "$dtypes" 2>&1 | tee "$WORK/s5_$tool.txt"
       rc=${PIPESTATUS[0]}
     fi
     case "$rc" in
@@ -193,6 +264,8 @@ stage_sanitizer() {
       *) status="failed (rc $rc)" ;;
     esac
     printf '%s\t%s\t%s\t%s\n' "$tool" "$rc" "$(( $(date +%s) - t0 ))" "$status" >>"$WORK/s5.tools"
+    case "$rc" in 124|137) printf '%s\t%s\n' "compute-sanitizer --tool $tool" \
+      "inner box of ${secs}s ran out" >>"$WORK/s5.timeouts" ;; esac
     [ "$rc" -ne 0 ] && worst=1
   done
   return $worst
@@ -214,7 +287,9 @@ stage_bench() {
   return $rc
 }
 
-export -f stage_build stage_tests stage_multiprocess stage_internode stage_sanitizer stage_bench
+export -f boxed find_sanitizer stage_build stage_tests stage_multiprocess stage_internode \
+  stage_sanitizer stage_bench
+export MP_BOX LL_MP_BOX IN_BOX
 
 describe() {
   case "$1" in
@@ -222,23 +297,27 @@ describe() {
     2) echo "$PY -m pytest -m gpu tests/runtime/test_cuda.py; tests/test_low_latency.py tests/runtime/test_cuda_low_latency.py -k 'cuda_harness or real_rank'" ;;
     3) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k 'not internode'; tests/runtime/test_cuda_low_latency_mp.py (CUDA MPS started if available)" ;;
     4) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k internode (skipped without NVSHMEM)" ;;
-    5) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PY scripts/gpu_sanitize_run.py" ;;
+    5) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PY scripts/gpu_sanitize_run.py --paths phased (found at: $(find_sanitizer || echo 'not found: the stage would be skipped'))" ;;
     6) echo "$PY -m jax_ep.bench --virtual-ranks ...; $PY -m jax_ep.bench --mode low_latency --virtual-ranks ...; $PY scripts/cuda_harness_bench.py --concurrent" ;;
   esac
 }
 
 # ------------------------------------------------------------------------------ MPS
 MPS_ON=0
+# What happened is kept in WORK/mps.status (and the daemon's logs in WORK/mps_log): the
+# report puts both into gpu_check.json.
+mps_say() { echo "${*:2}"; printf 'stage %s: %s\n' "$1" "${*:2}" >>"$WORK/mps.status"; }
 mps_start() {
-  [ "${JAX_EP_GPU_CHECK_MPS:-1}" = 1 ] || { echo "MPS: not started (JAX_EP_GPU_CHECK_MPS=0)"; return; }
-  command -v nvidia-cuda-mps-control >/dev/null 2>&1 || { echo "MPS: nvidia-cuda-mps-control not found; processes time-slice the GPU"; return; }
+  local n=$1
+  [ "${JAX_EP_GPU_CHECK_MPS:-1}" = 1 ] || { mps_say "$n" "MPS: not started (JAX_EP_GPU_CHECK_MPS=0)"; return; }
+  command -v nvidia-cuda-mps-control >/dev/null 2>&1 || { mps_say "$n" "MPS: nvidia-cuda-mps-control not found; processes time-slice the GPU"; return; }
   export CUDA_MPS_PIPE_DIRECTORY="$WORK/mps_pipe" CUDA_MPS_LOG_DIRECTORY="$WORK/mps_log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d; then
+  if nvidia-cuda-mps-control -d >>"$WORK/mps.status" 2>&1; then
     MPS_ON=1
-    echo "MPS: control daemon started"
+    mps_say "$n" "MPS: control daemon started"
   else
-    echo "MPS: could not start the control daemon; processes time-slice the GPU"
+    mps_say "$n" "MPS: could not start the control daemon (rc $?); processes time-slice the GPU"
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   fi
 }
@@ -276,11 +355,14 @@ run_stage() {
   echo "== stage $n: $name (budget ${budget}s): $(describe "$n")"
   local t0 rc status
   t0=$(date +%s)
-  timeout -k 5 "$budget" bash -c "stage_$name" >"$log" 2>&1
+  STAGE=$n timeout -k 5 "$budget" bash -c "stage_$name" >"$log" 2>&1
   rc=$?
   case "$rc" in
     0) status=pass ;;
-    124|137) status="timeout (${budget}s)" ;;
+    124|137) status="timeout (${budget}s)"
+      printf '%s\t%s\n' "stage $n ($name)" \
+        "stage box of ${budget}s ran out; last output: $(tail -n 1 "$log" | cut -c1-200)" \
+        >>"$WORK/s$n.timeouts" ;;
     *) status="FAIL (rc $rc)" ;;
   esac
   if [ "$rc" = 0 ] && [ -s "$WORK/s$n.status" ]; then status=$(head -1 "$WORK/s$n.status"); fi
@@ -303,8 +385,8 @@ if [ -n "$ONLY" ]; then
 fi
 
 for n in "${stages[@]}"; do
-  [ "$n" = 3 ] && [ "$DRY" != 1 ] && [ "$BUILD_OK" = 1 ] && mps_start
-  [ "$n" = 4 ] && [ "$DRY" != 1 ] && [ "$BUILD_OK" = 1 ] && { mps_stop; mps_start; }
+  [ "$n" = 3 ] && [ "$DRY" != 1 ] && [ "$BUILD_OK" = 1 ] && mps_start 3
+  [ "$n" = 4 ] && [ "$DRY" != 1 ] && [ "$BUILD_OK" = 1 ] && { mps_stop; mps_start 4; }
   [ "$n" = 5 ] && mps_stop
   run_stage "$n"
 done
@@ -315,6 +397,11 @@ for n in "${stages[@]}"; do total=$(( total + ${BUDGETS[$(($n - 1))]} )); done
 echo
 echo "time budget: stages $total s + overhead $OVERHEAD s = $(( total + OVERHEAD )) s" \
      "($(awk "BEGIN{printf \"%.1f\", ($total + $OVERHEAD) / 60}") min); limit $LIMIT s (9 min)"
+if [ $(( total + OVERHEAD )) -gt "$LIMIT" ]; then
+  echo "one device call cannot hold all of this: run one stage per call," \
+       "bash scripts/gpu_check.sh --only N for N in 2..6 (each with the build: at most" \
+       "$(( ${BUDGETS[0]} + $(printf '%s\n' "${BUDGETS[@]:1}" | sort -n | tail -1) + OVERHEAD )) s)"
+fi
 echo "gpu_check: $(( $(date +%s) - start )) s elapsed; logs and gpu_check.json in $OUT"
 echo
 if ! "$PY" scripts/gpu_check_report.py "$WORK" "$OUT" 2>"$WORK/report.err"; then
@@ -322,8 +409,12 @@ if ! "$PY" scripts/gpu_check_report.py "$WORK" "$OUT" 2>"$WORK/report.err"; then
     echo "(report script failed: $(tail -1 "$WORK/report.err")); raw stage records:"
     cat "$WORK/stages.tsv"; }
 fi
-# Exit status: 0 when every stage that ran passed or was skipped on purpose.
+# Exit status (see the top): 1 failed, 3 skipped (not verified), 0 every stage passed.
 if awk -F'\t' '$3 ~ /^(FAIL|timeout|not run)/ {bad=1} END {exit bad ? 0 : 1}' "$WORK/stages.tsv"; then
   exit 1
+fi
+if awk -F'\t' '$3 ~ /^skipped/ {s=1} END {exit s ? 0 : 1}' "$WORK/stages.tsv"; then
+  echo "gpu_check: not green: a stage was skipped (exit 3)"
+  exit 3
 fi
 exit 0

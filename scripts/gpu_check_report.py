@@ -1,8 +1,11 @@
 """Final table and JSON of scripts/gpu_check.sh: reads the stage records it wrote
 (WORK/stages.tsv: stage, name, status, rc, seconds, budget) and each stage's extras in
-WORK (sN.json, sN.xml junit reports, sN_*.json, sN.tools), writes OUT/gpu_check.json and
-OUT/summary.txt, and prints the table. Standard library only, so it works whatever
-state the build is in.
+WORK (sN.json, sN.xml junit reports, sN_*.json, sN.tools, sN.timeouts, mps.status and
+the MPS daemon's logs), writes OUT/gpu_check.json (with the junit reports themselves,
+the reason of every time-out and the MPS status: what a rerun needs, in one file of the
+8 that come back) and OUT/summary.txt, and prints the table. The overall verdict is
+"pass" only when no stage failed, timed out or was skipped. Standard library only, so it
+works whatever state the build is in.
 
     python3 scripts/gpu_check_report.py WORK OUT
 """
@@ -39,6 +42,45 @@ def _junit(path: str) -> dict:
     return res
 
 
+_MAX_XML = 200_000
+_MAX_LOG = 20_000
+
+
+def _read(path: str, limit: int) -> str:
+    """The file's text, its last `limit` characters when longer."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError as e:
+        return f"unreadable: {e}"
+    return text if len(text) <= limit else "[...]" + text[-limit:]
+
+
+def _mps(work: str) -> dict:
+    """The MPS start status per stage and the tail of the daemon's logs."""
+    res = {}
+    status = os.path.join(work, "mps.status")
+    if os.path.exists(status):
+        res["status"] = _read(status, _MAX_LOG).splitlines()
+    for path in sorted(glob.glob(os.path.join(work, "mps_log", "*.log"))):
+        res[os.path.basename(path)] = _read(path, _MAX_LOG)
+    return res
+
+
+def overall(rows) -> str:
+    """"pass", "FAIL" (a stage failed, timed out or did not run), "not verified" (a
+    stage was skipped), or "planned" (a dry run)."""
+    statuses = [r["status"] for r in rows]
+    if any(s.startswith(("FAIL", "timeout", "not run")) for s in statuses):
+        return "FAIL"
+    if any(s.startswith("skipped") for s in statuses):
+        return "not verified (skipped: " + ", ".join(
+            r["name"] for r in rows if r["status"].startswith("skipped")) + ")"
+    if any(s == "planned" for s in statuses):
+        return "planned (dry run)"
+    return "pass" if rows else "FAIL"
+
+
 def _extras(work: str, n: str) -> dict:
     out = {}
     for path in sorted(glob.glob(os.path.join(work, f"s{n}*.json"))):
@@ -49,7 +91,14 @@ def _extras(work: str, n: str) -> dict:
         except (OSError, ValueError) as e:
             out[key] = {"error": f"unreadable: {e}"}
     for path in sorted(glob.glob(os.path.join(work, f"s{n}*.xml"))):
-        out[os.path.basename(path)[:-4] + "_junit"] = _junit(path)
+        key = os.path.basename(path)[:-4]
+        out[key + "_junit"] = _junit(path)
+        out[key + "_junit_xml"] = _read(path, _MAX_XML)  # the report itself, for a rerun
+    timeouts = os.path.join(work, f"s{n}.timeouts")
+    if os.path.exists(timeouts):
+        with open(timeouts) as f:
+            out["timeouts"] = [dict(zip(("what", "reason"), ln.split("\t", 1)))
+                               for ln in f.read().splitlines() if ln.strip()]
     tools = os.path.join(work, f"s{n}.tools")
     if os.path.exists(tools):
         with open(tools) as f:
@@ -59,6 +108,14 @@ def _extras(work: str, n: str) -> dict:
 
 
 def _detail(status: str, extra: dict) -> str:
+    base = _detail_base(extra)
+    if "timeouts" in extra:  # which box ran out comes first
+        to = "; ".join(f"{t['what']}: {t['reason']}" for t in extra["timeouts"])
+        return f"TIMED OUT {to}" + (f" | {base}" if base else "")
+    return base
+
+
+def _detail_base(extra: dict) -> str:
     for v in extra.values():
         if isinstance(v, dict) and "tests" in v and "passed" in v:
             d = f"{v['passed']} passed, {v['failures'] + v['errors']} failed, {v['skipped']} skipped"
@@ -87,7 +144,7 @@ def main(argv) -> int:
                                      seconds=int(secs), budget=int(budget)))
     except OSError:
         pass
-    result = {"stages": []}
+    result = {"overall": overall(rows), "mps": _mps(work), "stages": []}
     for r in rows:
         extra = _extras(work, str(r["stage"]))
         r["detail"] = _detail(r["status"], extra)
@@ -103,7 +160,7 @@ def main(argv) -> int:
         lines.append(" | ".join(c.ljust(w) for c, w in zip(t[:4], widths)) + " | " + t[4])
         if i == 0:
             lines.append("-+-".join("-" * w for w in widths) + "-+-------")
-    text = "\n".join(lines)
+    text = f"overall: {result['overall']}\n" + "\n".join(lines)
     with open(os.path.join(out, "summary.txt"), "w") as f:
         f.write(text + "\n")
     print(text)

@@ -5,6 +5,7 @@ checked bit for bit against the NumPy model of the contract. Exit code 0 only if
 result matches and no device error was recorded.
 
     python scripts/gpu_sanitize_run.py [--ranks 4 --tokens 40 --hidden 72]
+        [--paths phased,concurrent] [--dtypes float32,bfloat16]
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=72)
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="comma-separated: float32, bfloat16, float16")
+    p.add_argument("--paths", default="phased,concurrent",
+                   help="comma-separated launch paths: phased (each phase for every rank "
+                        "before the next), concurrent (each rank on its own stream); the "
+                        "sanitizer stage runs phased only, as the tool serialises kernels")
     a = p.parse_args(argv)
     import jax.numpy as jnp
     import numpy as np
@@ -33,6 +38,9 @@ def main(argv=None) -> int:
     if not jcuda.available():
         print("no GPU (or a CPU-only build): nothing to run")
         return 2
+    paths = [x.strip() for x in a.paths.split(",") if x.strip()]
+    if not paths or set(paths) - {"phased", "concurrent"}:
+        p.error(f"--paths takes phased and/or concurrent, got {a.paths!r}")
     R, T, H, K, E = a.ranks, a.tokens, a.hidden, 3, 4 * a.ranks
     C = (R * T) // 2  # below the worst case: some rows are dropped
     rng = np.random.default_rng(0)
@@ -44,7 +52,7 @@ def main(argv=None) -> int:
         y = rng.standard_normal((R, C, H)).astype(np.float32).astype(dtype)
         g = rng.standard_normal((R, T, H)).astype(np.float32).astype(dtype)
         want = np_model(x, idx, w, y, E, C)
-        for concurrent in (False, True):
+        for concurrent in [path == "concurrent" for path in paths]:
             d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
                                        num_experts=E, capacity=C, concurrent=concurrent)
             out = jcuda.harness_combine(jnp.asarray(y), d.send_row, concurrent=concurrent)

@@ -142,7 +142,8 @@ def _launch(tmp_path, nproc, backend):
     port = free_port()
     argvs = [[sys.executable, os.path.abspath(__file__), str(pid), str(nproc), str(port),
               str(tmp_path), backend] for pid in range(nproc)]
-    return run_workers(tmp_path, argvs, worker_env("30"), LAUNCH_TIMEOUT_S)
+    from mp_cuda_worker import mps_env  # each process's share of the GPU under MPS
+    return run_workers(tmp_path, argvs, mps_env(worker_env("30"), nproc), LAUNCH_TIMEOUT_S)
 
 
 def _oracle(nproc, step):

@@ -46,7 +46,7 @@ gpu = pytest.mark.gpu
 
 def _launch(tmp_path, nproc, backend, mode, timeout_s="30", internode_mode=None):
     port = free_port()
-    env = worker_env(timeout_s)
+    env = W.mps_env(worker_env(timeout_s), nproc)
     if backend == "internode":
         env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one node: peer-to-peer only
         if internode_mode:
