@@ -27,6 +27,10 @@ R, T, H, K, E, M, L = 4, 6, 8, 2, 8, 8, 3
 BACKENDS = ["ffi", "reference"]
 OPS = ["normal", "cached", "low_latency"]
 EP_TARGET = re.compile(r"custom_call @(jax_ep_\w+)\(")
+# Remat and scan change how XLA fuses the float32 arithmetic around the exchange, so the
+# gradients differ from the plain program's in the last bits (up to ~1e-5 relative on
+# jax 0.12's CPU backend); a wrong exchange or a missed recompute is off by far more.
+REMAT_RTOL, REMAT_ATOL = 1e-4, 2e-5
 
 
 def _inputs(seed=0):
@@ -99,7 +103,8 @@ def test_checkpoint_and_scan_give_the_plain_gradients(op, backend):
     for how in ("checkpoint", "scan", "scan_checkpoint"):
         got = _grads(op, backend, how, args)
         for name, a, b in zip(("loss", "d_x", "d_w"), plain, got):
-            np.testing.assert_allclose(b, a, rtol=2e-6, atol=2e-6, err_msg=f"{how} {name}")
+            np.testing.assert_allclose(b, a, rtol=REMAT_RTOL, atol=REMAT_ATOL,
+                                       err_msg=f"{how} {name}")
 
 
 def test_backends_agree_under_scan_and_checkpoint():
@@ -211,7 +216,7 @@ def test_global_view_checkpoint_and_scan(backend):
     plain = _global_grads(backend, "plain", args)
     for how in ("checkpoint", "scan"):
         for a, b in zip(plain, _global_grads(backend, how, args)):
-            np.testing.assert_allclose(b, a, rtol=2e-6, atol=2e-6, err_msg=how)
+            np.testing.assert_allclose(b, a, rtol=REMAT_RTOL, atol=REMAT_ATOL, err_msg=how)
 
 
 # ----------------------------------------------------------------------------- Flax layer
