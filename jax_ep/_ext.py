@@ -141,8 +141,9 @@ def build_info() -> dict:
         info["nvshmem"] = bool(raw["nvshmem"]) or nvshmem_built()
         info["cuda_archs"] = [a for a in str(raw["cuda_archs"]).split(",") if a]
         # internode: whether NVSHMEM's QP API (explicit QP per planned QP) is usable here
-        # (loads the NVSHMEM module where built); transport_report() has the details.
-        mod = nvshmem_ext() if info["nvshmem"] else None
+        # (loads the NVSHMEM module where built and a GPU is present: never on a CPU-only
+        # host); transport_report() has the details.
+        mod = nvshmem_ext() if info["nvshmem"] and _gpu_platform_present() else None
         info["nvshmem_qp_api"] = bool(getattr(mod, "nvshmem_qp_api_available",
                                               lambda: False)())
     info["jax"] = jax.__version__

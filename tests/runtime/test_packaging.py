@@ -102,7 +102,8 @@ def test_import_and_cpu_work_without_nvshmem(tmp_path):
 
 
 def test_import_jax_ep_does_not_load_the_nvshmem_module(tmp_path):
-    code = ("import sys, jax_ep; "
+    # neither import nor build_info() on a CPU-only host loads it
+    code = ("import sys, jax_ep; jax_ep.build_info(); "
             "print('LOADED' if 'jax_ep._jax_ep_nvshmem' in sys.modules else 'NOT', "
             "'LIB' if 'libnvshmem_host' in open('/proc/self/maps').read() else 'NOLIB')")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
