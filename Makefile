@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 XLA_FLAGS_8 := --xla_force_host_platform_device_count=8
 
-.PHONY: demo test install build clean
+.PHONY: demo test test-emu test-emu-asan install build clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -29,7 +29,24 @@ build: $(STAMP)
 	$(VPY) -c "import jax_ep, json; print(json.dumps(jax_ep.build_info()))"
 
 test: build
-	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) -m pytest -q -x tests
+	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) -m pytest -q -x -m "not emu_full" tests
+
+# The CUDA kernel sources on the emulated GPU (kernels/emu): the whole matrix.
+test-emu: build
+	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) -m pytest -q -x tests/emu
+
+# The same under AddressSanitizer and UndefinedBehaviorSanitizer: a separate build of the
+# emulated module only (build/emu-asan), loaded by the tests through JAX_EP_EMU_MODULE_DIR.
+EMU_ASAN_DIR := build/emu-asan
+test-emu-asan: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH cmake -S . -B $(EMU_ASAN_DIR) -G Ninja -DJAX_EP_CUDA=OFF \
+	  -DPython_EXECUTABLE=$(abspath $(VPY)) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DJAX_EP_EMU_SANITIZE=address,undefined
+	PATH=$(abspath $(VENV))/bin:$$PATH ninja -C $(EMU_ASAN_DIR) _jax_ep_emu
+	JAX_EP_EMU_MODULE_DIR=$(abspath $(EMU_ASAN_DIR)) \
+	  LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	  XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) -m pytest -q -x -p no:cacheprovider tests/emu
 
 demo: $(STAMP)
 	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) examples/train_moe.py --out runs/moe_demo

@@ -75,7 +75,9 @@ class Emulator:
         self.R = num_ranks
         self.group = group
         self.seed = seed
-        self.m.configure(num_devices=max(num_ranks, 1), seed=seed,
+        # Always at least 8 virtual GPUs: check_errors() and reset() visit every GPU an
+        # earlier group in this process used.
+        self.m.configure(num_devices=max(num_ranks, 8), seed=seed,
                          resident_blocks=resident_blocks, timeout_s=timeout_s,
                          weak_stores=weak_stores)
         self.m.cuda_reset()
@@ -175,6 +177,44 @@ class Emulator:
                  "src_rank", "src_index", "send_row")
         return _stack(res, names)
 
+    def dispatch_pipelined(self, cases, *, num_experts: int, capacity: int):
+        """Several dispatches enqueued on every rank before one scheduler run (a rank may
+        run ahead into the next call, as on hardware): cases is a list of (x, topk_idx,
+        topk_w); returns one result dict per case."""
+        R, C, el = self.R, capacity, num_experts // self.R
+        ids = []
+        for x, idx, w in cases:
+            T, H, K = x.shape[1], x.shape[2], idx.shape[2]
+            outs = [((C, H), x.dtype), ((C, K), np.int32), ((C, K), np.float32), ((), np.int32),
+                    ((), np.int32), ((el,), np.int32), ((C,), np.int32), ((C,), np.int32),
+                    ((T, R), np.int32)]
+            call = []
+            for r in range(R):
+                ins = [(np.ascontiguousarray(a).tobytes(), list(np.shape(a)),
+                        _code(np.asarray(a).dtype))
+                       for a in (x[r], idx[r], w[r], *self._scalars(r))]
+                o = [(list(sh), _code(d)) for sh, d in outs]
+                call.append((self.m.enqueue("dispatch", r, ins, o,
+                                            dict(num_experts=num_experts, num_ranks=R,
+                                                 capacity=C, call_site=1)), outs))
+            ids.append(call)
+        faults = self.m.synchronize()
+        if faults:
+            raise EmuError(f"emulated GPU (seed {self.seed}): " + "; ".join(faults))
+        names = ("recv_x", "recv_idx", "recv_w", "num_recv", "num_dropped", "per_expert",
+                 "src_rank", "src_index", "send_row")
+        results = []
+        for call in ids:
+            per_rank, errs = [], []
+            for cid, outs in call:
+                err, blobs = self.m.result(cid)
+                errs.append(err)
+                per_rank.append([np.frombuffer(b, dtype=np.dtype(d)).reshape(sh).copy()
+                                 for b, (sh, d) in zip(blobs, outs)])
+            _raise(errs)
+            results.append(_stack(per_rank, names))
+        return results
+
     def combine(self, y, send_row, *, call_sites=None, skip=()):
         """y[R, C, H], send_row[R, T, R] -> out[R, T, H]."""
         R = self.R
@@ -194,6 +234,66 @@ class Emulator:
         ins = [[g[r], src_rank[r], src_index[r], *self._scalars(r)] for r in range(R)]
         res, errs = self.run("gather", ins, outs, dict(num_ranks=R, call_site=3), skip=skip,
                              per_rank_attrs=_sites(call_sites, R))
+        _raise(errs)
+        return _stack(res, ("out",))["out"]
+
+    # ---- low-latency mode (real ranks: the send and receive halves) ----
+    def ll_dispatch_send(self, x, topk_idx, *, num_experts: int, max_tokens: int,
+                         call_sites=None, skip=()):
+        """x[R, S, H], topk_idx[R, S, K] -> the send halves' outputs (stage_x placeholder,
+        stage_idx holding the epoch, expert_count[R, E])."""
+        R, S, H = x.shape
+        K = topk_idx.shape[2]
+        outs = [[((0, H), x.dtype), ((S, K), np.int32), ((num_experts,), np.int32)]] * R
+        res, errs = self.run("ll_dispatch_send", [[x[r], topk_idx[r]] for r in range(R)], outs,
+                             dict(num_experts=num_experts, num_ranks=R, max_tokens=max_tokens,
+                                  call_site=1), skip=skip, per_rank_attrs=_sites(call_sites, R))
+        _raise(errs)
+        return _stack(res, ("stage_x", "stage_idx", "expert_count"))
+
+    def ll_dispatch_recv(self, sent, *, num_experts: int, max_tokens: int, H: int, dtype,
+                         call_sites=None, skip=()):
+        """The receive halves of `sent` (ll_dispatch_send's result) -> recv_x[R, E_l, R*M,
+        H], recv_count, src_rank, src_index, first_row, row_count (leading R)."""
+        R, M = self.R, max_tokens
+        el = num_experts // R
+        outs = [[((el, R * M, H), dtype), ((el,), np.int32), ((el, R * M), np.int32),
+                 ((el, R * M), np.int32), ((el, R), np.int32), ((el, R), np.int32)]] * R
+        ins = [[sent["stage_x"][r], sent["stage_idx"][r], sent["expert_count"][r],
+                *self._scalars(r)] if sent["stage_idx"][r] is not None else []
+               for r in range(R)]
+        res, errs = self.run("ll_dispatch_recv", ins, outs,
+                             dict(num_experts=num_experts, num_ranks=R, max_tokens=M,
+                                  call_site=1), skip=skip, per_rank_attrs=_sites(call_sites, R))
+        _raise(errs)
+        return _stack(res, ("recv_x", "recv_count", "src_rank", "src_index", "first_row",
+                            "row_count"))
+
+    def ll_combine_send(self, y, first_row, row_count, *, max_tokens: int, rows_per_dest: int,
+                        call_sites=None, skip=()):
+        """y[R, E_l, R*M, H] and the handle -> (stage placeholder, status with the epoch)."""
+        R, H = self.R, y.shape[-1]
+        outs = [[((R, 0, H), y.dtype), ((), np.int32)]] * R
+        ins = [[y[r], first_row[r], row_count[r]] for r in range(R)]
+        res, errs = self.run("ll_combine_send", ins, outs,
+                             dict(num_ranks=R, max_tokens=max_tokens, rows_per_dest=rows_per_dest,
+                                  call_site=2), skip=skip, per_rank_attrs=_sites(call_sites, R))
+        _raise(errs)
+        return _stack(res, ("stage", "status"))
+
+    def ll_combine_recv(self, sent, topk_idx, topk_w, *, num_experts: int, max_tokens: int,
+                        call_sites=None, skip=()):
+        """The receive halves: topk_idx/topk_w[R, S, K] -> out[R, S, H]."""
+        R = self.R
+        S = topk_idx.shape[1]
+        H = sent["stage"][0].shape[-1] if sent["stage"][0] is not None else sent["stage"][1].shape[-1]
+        dt = next(s for s in sent["stage"] if s is not None).dtype
+        outs = [[((S, H), dt)]] * R
+        ins = [[sent["stage"][r], sent["status"][r], topk_idx[r], topk_w[r], *self._scalars(r)]
+               if sent["status"][r] is not None else [] for r in range(R)]
+        res, errs = self.run("ll_combine_recv", ins, outs,
+                             dict(num_experts=num_experts, num_ranks=R, max_tokens=max_tokens,
+                                  call_site=2), skip=skip, per_rank_attrs=_sites(call_sites, R))
         _raise(errs)
         return _stack(res, ("out",))["out"]
 

@@ -80,13 +80,14 @@ __device__ __forceinline__ void warp_copy_row(void* dst, const void* src, size_t
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) v[u] = load_row16<kInput>(s + (i + 32 * u) * 16);
 #pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) d[i + 32 * u] = v[u];
+      for (int u = 0; u < kCopyUnroll; ++u) peer::store16(&d[i + 32 * u], v[u]);
     }
-    for (; i < nv; i += 32) d[i] = load_row16<kInput>(s + i * 16);
+    for (; i < nv; i += 32) peer::store16(&d[i], load_row16<kInput>(s + i * 16));
   } else {
     const char* s = static_cast<const char*>(src);
     char* d = static_cast<char*>(dst);
-    for (size_t i = lane; i < n; i += 32) d[i] = *reinterpret_cast<const volatile char*>(s + i);
+    for (size_t i = lane; i < n; i += 32)
+      peer::store(&d[i], static_cast<char>(*reinterpret_cast<const volatile char*>(s + i)));
   }
 }
 
@@ -94,10 +95,10 @@ __device__ __forceinline__ void warp_zero_row(void* dst, size_t n, int lane) {
   if (((reinterpret_cast<uintptr_t>(dst) | n) & 15u) == 0) {
     uint4* d = static_cast<uint4*>(dst);
     const uint4 z = make_uint4(0, 0, 0, 0);
-    for (size_t i = lane; i < n / 16; i += 32) d[i] = z;
+    for (size_t i = lane; i < n / 16; i += 32) peer::store16(&d[i], z);
   } else {
     char* d = static_cast<char*>(dst);
-    for (size_t i = lane; i < n; i += 32) d[i] = 0;
+    for (size_t i = lane; i < n; i += 32) peer::store(&d[i], char{0});
   }
 }
 

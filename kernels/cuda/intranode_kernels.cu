@@ -241,10 +241,10 @@ __global__ void dispatch_push_kernel(DispatchArgs a) {
       float* dw = reinterpret_cast<float*>(region + reg.w_off) + static_cast<int64_t>(pos) * a.K;
       for (int k = lane; k < a.K; k += 32) {
         const int32_t local = local_expert_id(sanitized(row[k], a.E), a.experts_per_rank, r);
-        didx[k] = local;
-        dw[k] = local >= 0 ? wrow[k] : 0.0f;
+        peer::store(&didx[k], local);
+        peer::store(&dw[k], local >= 0 ? wrow[k] : 0.0f);
       }
-      if (lane == 0) reinterpret_cast<int32_t*>(region + reg.tok_off)[pos] = t;
+      if (lane == 0) peer::store(reinterpret_cast<int32_t*>(region + reg.tok_off) + pos, t);
     }
   }
   if (last_block_done(a.c, kDoneDispatchSend)) {
@@ -252,8 +252,9 @@ __global__ void dispatch_push_kernel(DispatchArgs a) {
     const int64_t site = site_to_send(a.c);
     for (int r = 0; r < R; ++r) {
       RankHeader* ph = peer::header(a.c.peers, r);
-      for (int j = 0; j < R; ++j) ph->counts[me][j] = site == kSiteFailed ? 0 : hdr->my_counts[j];
-      ph->site_arr[kOpDispatch][me] = site;
+      for (int j = 0; j < R; ++j)
+        peer::store(&ph->counts[me][j], site == kSiteFailed ? 0 : hdr->my_counts[j]);
+      peer::store(&ph->site_arr[kOpDispatch][me], site);
     }
     peer::fence_data();
     for (int r = 0; r < R; ++r) peer::signal(&peer::header(a.c.peers, r)->arrive[kOpDispatch][me], s_n);
@@ -416,14 +417,14 @@ __global__ void __launch_bounds__(kPlanThreads) combine_plan_kernel(CombineArgs 
       hdr->own_lo[r] = first;
       hdr->own_n[r] = n;
       RankHeader* ph = peer::header(a.c.peers, r);
-      ph->req_lo[me] = first;
-      ph->req_n[kOpCombine][me] = n;
+      peer::store(&ph->req_lo[me], first);
+      peer::store(&ph->req_n[kOpCombine][me], n);
     }
     __syncthreads();
   }
   if (threadIdx.x == 0) {
     const int64_t site = site_to_send(a.c);
-    for (int r = 0; r < R; ++r) peer::header(a.c.peers, r)->site_req[kOpCombine][me] = site;
+    for (int r = 0; r < R; ++r) peer::store(&peer::header(a.c.peers, r)->site_req[kOpCombine][me], site);
     peer::fence_data();
     for (int r = 0; r < R; ++r) peer::signal(&peer::header(a.c.peers, r)->request[kOpCombine][me], s_n);
   }
@@ -465,7 +466,7 @@ __global__ void combine_push_kernel(CombineArgs a) {
   }
   if (last_block_done(a.c, kDoneCombinePush)) {
     const int64_t site = site_to_send(a.c);
-    for (int p = 0; p < R; ++p) peer::header(a.c.peers, p)->site_arr[kOpCombine][me] = site;
+    for (int p = 0; p < R; ++p) peer::store(&peer::header(a.c.peers, p)->site_arr[kOpCombine][me], site);
     peer::fence_data();
     for (int p = 0; p < R; ++p) peer::signal(&peer::header(a.c.peers, p)->arrive[kOpCombine][me], s_n);
   }
@@ -639,7 +640,7 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(GatherArgs a)
         } else {
           int32_t* req = reinterpret_cast<int32_t*>(
               peer::peer_ptr(a.c.peers, s, a.c.area_off + gl.req_off + me * gl.req_stride));
-          req[j] = t;
+          peer::store(&req[j], t);
         }
       }
       slot[i] = j;
@@ -647,12 +648,12 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(GatherArgs a)
   }
   if (threadIdx.x < R) {
     const int32_t n = s_run[threadIdx.x];
-    peer::header(a.c.peers, threadIdx.x)->req_n[kOpGather][me] = n < cap ? n : cap;
+    peer::store(&peer::header(a.c.peers, threadIdx.x)->req_n[kOpGather][me], n < cap ? n : cap);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     const int64_t site = site_to_send(a.c);
-    for (int s = 0; s < R; ++s) peer::header(a.c.peers, s)->site_req[kOpGather][me] = site;
+    for (int s = 0; s < R; ++s) peer::store(&peer::header(a.c.peers, s)->site_req[kOpGather][me], site);
   }
   peer::fence_data();
   __syncthreads();
@@ -693,7 +694,7 @@ __global__ void gather_push_kernel(GatherArgs a) {
   }
   if (last_block_done(a.c, kDoneGatherPush)) {
     const int64_t site = site_to_send(a.c);
-    for (int q = 0; q < R; ++q) peer::header(a.c.peers, q)->site_arr[kOpGather][me] = site;
+    for (int q = 0; q < R; ++q) peer::store(&peer::header(a.c.peers, q)->site_arr[kOpGather][me], site);
     peer::fence_data();
     for (int q = 0; q < R; ++q) peer::signal(&peer::header(a.c.peers, q)->arrive[kOpGather][me], s_n);
   }

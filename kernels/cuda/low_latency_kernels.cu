@@ -37,9 +37,7 @@ __device__ __forceinline__ bool ll_failed() {
   return *reinterpret_cast<const volatile int32_t*>(&g_ll_failed) != 0;
 }
 
-__device__ __forceinline__ void store_volatile(int64_t* p, int64_t v) {
-  *reinterpret_cast<volatile int64_t*>(p) = v;
-}
+__device__ __forceinline__ void store_volatile(int64_t* p, int64_t v) { peer::store_volatile(p, v); }
 __device__ __forceinline__ int64_t load_volatile64(const int64_t* p) {
   return *reinterpret_cast<const volatile int64_t*>(p);
 }
@@ -210,7 +208,7 @@ __global__ void ll_dispatch_plan(LowLatencyArgs a) {
     const int r = g / el, e = g % el;
     int32_t* counts =
         reinterpret_cast<int32_t*>(ll_at(a, r, a.L.counts_off + half * a.L.counts_half));
-    counts[e * R + a.me] = c < a.M ? c : a.M;
+    peer::store(&counts[e * R + a.me], c < a.M ? c : a.M);
   }
   // The push kernel's arrival signal covers these counts too: make them visible to the
   // owners before it (the signal's own fence orders only the push kernel's writes).
@@ -240,7 +238,7 @@ __global__ void ll_dispatch_push(LowLatencyArgs a) {
     warp_copy_row<true>(ll_at(a, r, slots_off + slot * a.L.stride),
                         static_cast<const char*>(a.x) + static_cast<size_t>(i / a.K) * a.row_bytes,
                         a.row_bytes, lane);
-    if (lane == 0) reinterpret_cast<int32_t*>(ll_at(a, r, tok_off))[slot] = i / a.K;
+    if (lane == 0) peer::store(reinterpret_cast<int32_t*>(ll_at(a, r, tok_off)) + slot, i / a.K);
   }
   ll_last_block(&h->done_dispatch, [&] {
     const int64_t tag = ll_failed() ? kSiteFailed : a.tag;

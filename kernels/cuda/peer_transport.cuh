@@ -82,6 +82,10 @@ __device__ __forceinline__ void store(T* p, T v) {
   *p = v;
 }
 __device__ __forceinline__ void store16(void* p, uint4 v) { *static_cast<uint4*>(p) = v; }
+template <typename T>
+__device__ __forceinline__ void store_volatile(T* p, T v) {
+  *reinterpret_cast<volatile T*>(p) = v;
+}
 #endif
 
 __device__ __forceinline__ int32_t load_volatile(const int32_t* p) {

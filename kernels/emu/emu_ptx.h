@@ -38,3 +38,7 @@ inline void store(T* p, T v) {
   ::emu::store_bytes(p, &v, sizeof(T));
 }
 inline void store16(void* p, uint4 v) { ::emu::store_bytes(p, &v, 16); }
+template <typename T>
+inline void store_volatile(T* p, T v) {
+  ::emu::store_bytes(p, &v, sizeof(T));
+}

@@ -23,6 +23,11 @@ std::vector<uint64_t> SetupGroup(int num_ranks, int group, std::vector<uint64_t>
     throw std::invalid_argument("jax_ep emu: num_ranks must be in [1, 32]");
   if (num_ranks > emu::config().num_devices)
     throw std::invalid_argument("jax_ep emu: num_ranks exceeds the configured virtual GPUs");
+  // The previous group's domains go with its buffers (reset() would clear freed headers).
+  for (int i = 0; i < kMaxCudaDevices; ++i) {
+    CudaDomain old;
+    if (GetCudaDomain(i, &old)) SetCudaDomain(i, CudaDomain{});
+  }
   for (void* p : GroupBuffers()) cudaFree(p);
   GroupBuffers().clear();
   const size_t total = Areas(area_bytes).total() + LowLatencyBytes(area_bytes);

@@ -1,0 +1,147 @@
+"""Mutation tests on the real kernel sources: plants each mistake of
+scripts/kernel_mutants.py, one at a time, in a scratch copy of the tree, rebuilds only the
+emulated module there (cmake + ninja, target _jax_ep_emu), runs the emulated tests the
+mutant names against that build, and reports it killed (a test failed) or survived.
+
+    python scripts/mutate_kernels.py            # every mutant; summary `mutants: N, killed: K`
+    python scripts/mutate_kernels.py --list     # the table
+    python scripts/mutate_kernels.py --only NAME [--only NAME2]
+    python scripts/mutate_kernels.py --scratch /tmp/mut   # keep/reuse a scratch directory
+
+Exit status 0 when every mutant run was killed. A survivor is either killed by a new test
+or explained as equivalent in docs/emulator.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from kernel_mutants import MUTANTS, Mutant  # noqa: E402
+
+EXCLUDE = {".venv", "build", ".git", "runs", "out", ".pytest_cache", ".hypothesis"}
+
+
+def copy_tree(dst: Path):
+    """The working tree (sources only) into dst."""
+    def keep(info):
+        top = info.name.split("/", 2)[1] if "/" in info.name else ""
+        return None if top in EXCLUDE or "__pycache__" in info.name else info
+    with tempfile.TemporaryFile() as f:
+        with tarfile.open(fileobj=f, mode="w") as t:
+            t.add(str(ROOT), arcname=".", filter=keep)
+        f.seek(0)
+        with tarfile.open(fileobj=f, mode="r") as t:
+            t.extractall(dst, filter="fully_trusted")
+
+
+def check_table(mutants):
+    names = set()
+    for m in mutants:
+        if m.name in names:
+            raise SystemExit(f"mutant {m.name}: the name is used twice")
+        names.add(m.name)
+        text = (ROOT / m.file).read_text()
+        n = text.count(m.original)
+        if n != 1:
+            raise SystemExit(f"mutant {m.name}: its original snippet occurs {n} times in {m.file} "
+                             "(it must occur exactly once; the source changed?)")
+
+
+def run(cmd, cwd, env=None, timeout=None):
+    return subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True)
+
+
+def configure(src: Path, build: Path, py: str):
+    env = dict(os.environ, PATH=f"{Path(py).parent}:{os.environ['PATH']}")
+    r = run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DJAX_EP_CUDA=OFF",
+             f"-DPython_EXECUTABLE={py}", "-DCMAKE_BUILD_TYPE=Release"], src, env)
+    if r.returncode != 0:
+        raise SystemExit("cmake configure failed:\n" + r.stdout[-3000:] + r.stderr[-3000:])
+    return env
+
+
+def build(build_dir: Path, env) -> tuple[bool, str]:
+    r = run(["ninja", "-C", str(build_dir), "_jax_ep_emu"], build_dir, env)
+    return r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+
+
+def run_tests(src: Path, build_dir: Path, py: str, m: Mutant, timeout: int) -> tuple[bool, str]:
+    """True if the mutant's tests pass (the mutant survived)."""
+    env = dict(os.environ, JAX_EP_EMU_MODULE_DIR=str(build_dir),
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    cmd = [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore"]
+    cmd += list(m.tests)
+    try:
+        r = run(cmd, src, env, timeout)
+    except subprocess.TimeoutExpired:
+        return False, "timed out (counted as killed: the tests did not pass)"
+    return r.returncode == 0, (r.stdout + r.stderr)[-1500:]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--only", action="append", default=[], help="run this mutant (repeatable)")
+    ap.add_argument("--scratch", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per mutant's tests")
+    ap.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
+    a = ap.parse_args(argv)
+    mutants = MUTANTS
+    if a.only:
+        unknown = set(a.only) - {m.name for m in MUTANTS}
+        if unknown:
+            raise SystemExit(f"--only: no mutant named {sorted(unknown)} (see --list)")
+        mutants = [m for m in MUTANTS if m.name in a.only]
+    if a.list:
+        for m in mutants:
+            print(f"{m.name:40s} {m.file}  [{' '.join(m.tests)}]\n    {m.why}")
+        print(f"mutants: {len(mutants)}")
+        return 0
+    check_table(mutants)
+    scratch = Path(a.scratch or tempfile.mkdtemp(prefix="jax_ep_mutants_"))
+    src, bdir = scratch / "src", scratch / "build"
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir(parents=True)
+    copy_tree(src)
+    env = configure(src, bdir, a.python)
+    ok, log = build(bdir, env)
+    if not ok:
+        raise SystemExit("the unmutated emulated module does not build:\n" + log)
+    killed, survived = [], []
+    for m in mutants:
+        t0 = time.time()
+        path = src / m.file
+        original = path.read_text()
+        path.write_text(original.replace(m.original, m.replacement, 1))
+        try:
+            ok, log = build(bdir, env)
+            if not ok:
+                verdict, detail = "killed (does not compile)", log.splitlines()[-1:] 
+            else:
+                passed, detail = run_tests(src, bdir, a.python, m, a.timeout)
+                verdict = "SURVIVED" if passed else "killed"
+                detail = detail.strip().splitlines()[-1:] if detail else []
+        finally:
+            path.write_text(original)
+        (survived if verdict == "SURVIVED" else killed).append(m.name)
+        print(f"{m.name:40s} {verdict:28s} {time.time() - t0:6.0f}s  {' '.join(detail)[:120]}",
+              flush=True)
+    build(bdir, env)  # leave the scratch build unmutated
+    print(f"mutants: {len(mutants)}, killed: {len(killed)}")
+    if survived:
+        print("survived: " + ", ".join(survived))
+    return 0 if not survived else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The intranode CUDA kernels (kernels/cuda/layout_kernels.cu, intranode_kernels.cu) run on
+the emulated GPU through the CUDA backend's own handlers, bit for bit against the
+reference backend. Seeds fix the interleaving; a failure names its seed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_ep.backends import reference as reference_backend
+from jax_ep._common import Cfg
+from jax_ep.emulator import Emulator
+
+from emu_intranode_util import (DISPATCH_KEYS, assert_same, reference, routing, rows,
+                                run_intranode)
+
+pytestmark = pytest.mark.emu
+
+
+def _case(R, T, H, K, E, C, dtype, kind, seed):
+    rng = np.random.default_rng(seed)
+    idx = routing(kind, R, T, K, E, rng)
+    x = rows(dtype, (R, T, H), rng)
+    w = rng.standard_normal((R, T, K)).astype(np.float32)
+    ydt = "bf16" if dtype == "fp8" else dtype
+    y = rows(ydt, (R, C, H), rng)
+    g = rows(dtype, (R, T, H), rng)
+    return x, idx, w, y, g
+
+
+def _check(emu, x, idx, w, y, g, E, C, what):
+    got = run_intranode(emu, x, idx, w, y, g, E=E, C=C)
+    want = reference(x, idx, w, y, g, E=E, C=C)
+    keys = DISPATCH_KEYS + ("gather",) + (("out",) if x.dtype != np.uint8 else ())
+    assert_same(got, want, keys, what)
+    errs = emu.check_errors()
+    assert errs == [], f"{what}unexpected device errors: {errs}"
+
+
+@pytest.mark.parametrize("R,T,E,seed", [(2, 16, 4, 1), (4, 9, 8, 2)])
+def test_layout(R, T, E, seed):
+    emu = Emulator(R, seed=seed)
+    idx = routing("random", R, T, 3, E, np.random.default_rng(seed))
+    got = emu.layout(idx, num_experts=E)
+    for r in range(R):
+        want = reference_backend.layout(idx[r], Cfg(E, R))
+        np.testing.assert_array_equal(got["per_rank"][r], want.num_tokens_per_rank)
+        np.testing.assert_array_equal(got["per_expert"][r], want.num_tokens_per_expert)
+        np.testing.assert_array_equal(got["in_rank"][r], want.is_token_in_rank)
+    assert emu.check_errors() == []
+
+
+def test_layout_bad_id_is_recorded():
+    emu = Emulator(2, seed=3)
+    idx = routing("random", 2, 8, 2, 4, np.random.default_rng(3))
+    idx[1, 5, 1] = 9
+    got = emu.layout(idx, num_experts=4)
+    errs = emu.check_errors()
+    assert len(errs) == 1 and "topk_idx[5, 1] = 9" in errs[0] and "GPU 1" in errs[0], errs
+    fixed = np.where(idx == 9, -1, idx)
+    want = reference_backend.layout(fixed[1], Cfg(4, 2))
+    np.testing.assert_array_equal(got["per_expert"][1], want.num_tokens_per_expert)
+
+
+# (R, T, H, K, E, C, dtype, routing, seed): the representative subset of `make test`.
+QUICK = [
+    (2, 12, 40, "bf16", "random", 1),
+    (4, 6, 20, "f32", "skewed", 2),
+]
+FULL = [
+    (2, 1, 8, "f32", "random", 3),          # T = 1
+    (2, 10, 3, "bf16", "random", 4),        # rows of 6 bytes: not a multiple of 16
+    (2, 10, 24, "f16", "collapsed", 5),
+    (4, 8, 16, "bf16", "none", 6),          # every id -1
+    (4, 8, 16, "bf16", "silent_rank", 7),   # rank 3 receives nothing but sends
+    (2, 9, 64, "fp8", "random", 8),         # FP8 pairs: H + 4 H / 32 bytes per row
+    (8, 5, 8, "f32", "random", 9),
+]
+
+
+def _shape(R, T, E_per=2, K=3):
+    E = R * E_per
+    return K, E
+
+
+@pytest.mark.parametrize("R,T,H,dtype,kind,seed", QUICK)
+def test_dispatch_combine_gather(R, T, H, dtype, kind, seed):
+    K, E = _shape(R, T)
+    C = R * T  # room for every row
+    emu = Emulator(R, seed=seed)
+    emu.setup(tokens=T, capacity=C, row_bytes=rows(dtype, (1, 1, H), np.random.default_rng(0)).nbytes,
+              topk=K)
+    _check(emu, *_case(R, T, H, K, E, C, dtype, kind, seed), E, C, f"seed {seed}: ")
+
+
+@pytest.mark.emu_full
+@pytest.mark.parametrize("R,T,H,dtype,kind,seed", FULL)
+def test_dispatch_combine_gather_full(R, T, H, dtype, kind, seed):
+    test_dispatch_combine_gather(R, T, H, dtype, kind, seed)
+
+
+@pytest.mark.emu_full
+@pytest.mark.parametrize("resident_blocks", [2, 16])
+def test_capacity_overflow_and_consecutive_calls(resident_blocks):
+    """C below the rows that arrive (drops), four calls in a row on one group with new data
+    each time (epochs advance, credits and requests are reused), two co-residency limits."""
+    R, T, H, K, E, C = 4, 10, 16, 2, 8, 7
+    emu = Emulator(R, seed=11, resident_blocks=resident_blocks)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    for call in range(4):
+        case = _case(R, T, H, K, E, C, "bf16", "skewed" if call % 2 else "random", 20 + call)
+        _check(emu, *case, E, C, f"call {call}: ")
+
+
+def test_pipelined_dispatches_wait_for_credits():
+    """Three dispatches enqueued on every rank before the GPUs run: a fast rank's next push
+    must wait for each receiver's credit (it finished reading the previous epoch)."""
+    R, T, H, K, E, C = 2, 8, 16, 2, 4, 16
+    cases = [_case(R, T, H, K, E, C, "bf16", "random", 50 + i) for i in range(3)]
+    for seed in (1, 2):
+        emu = Emulator(R, seed=seed)
+        emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+        got = emu.dispatch_pipelined([c[:3] for c in cases], num_experts=E, capacity=C)
+        for i, (g, c) in enumerate(zip(got, cases)):
+            assert_same(g, reference(*c, E=E, C=C), DISPATCH_KEYS, f"seed {seed} call {i}: ")
+        assert emu.check_errors() == []
+
+
+def test_seeds_agree():
+    """Different interleavings and store-buffer drains, one result: the protocol's fences
+    and signals order every peer write before its reader."""
+    R, T, H, K, E, C = 2, 8, 16, 2, 4, 16
+    case = _case(R, T, H, K, E, C, "bf16", "random", 5)
+    outs = []
+    for seed in (1, 2, 3):
+        emu = Emulator(R, seed=seed)
+        emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+        outs.append(run_intranode(emu, *case, E=E, C=C))
+    want = reference(*case, E=E, C=C)
+    for o in outs:
+        assert_same(o, want, DISPATCH_KEYS + ("out", "gather"))
+
+
+# ---------------------------------------------------------------------------- faults
+
+def test_bad_id_is_recorded_and_treated_as_unused():
+    R, T, H, K, E, C = 2, 8, 16, 2, 4, 16
+    x, idx, w, y, g = _case(R, T, H, K, E, C, "bf16", "random", 12)
+    idx[0, 3, 1] = -7
+    emu = Emulator(R, seed=12)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    got = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
+    errs = emu.check_errors()
+    assert len(errs) == 1 and "GPU 0" in errs[0], errs
+    fixed = np.where(idx == -7, -1, idx)
+    want = reference(x, fixed, w, y, g, E=E, C=C)
+    assert_same(got, want, DISPATCH_KEYS)
+
+
+def test_rank_that_skips_a_call_ends_in_errors_on_every_rank():
+    """Rank 1 makes no dispatch: rank 0 times out (its own timeout, in virtual time) and
+    moves no data; in the next call rank 1 is a call behind and every rank reports."""
+    R, T, H, K, E, C = 2, 6, 16, 2, 4, 12
+    x, idx, w, y, g = _case(R, T, H, K, E, C, "bf16", "random", 13)
+    emu = Emulator(R, seed=13, timeout_s=0.002)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    d = emu.dispatch(x, idx, w, num_experts=E, capacity=C, skip=[1])
+    errs = emu.check_errors()
+    assert any("timed out" in e.lower() or "timeout" in e.lower() for e in errs), errs
+    assert d["num_recv"][0] == 0 and (d["src_rank"][0] == -1).all()
+    emu.dispatch(x, idx, w, num_experts=E, capacity=C)
+    errs += emu.check_errors()
+    ranks = {r for r in range(R) for e in errs if f"rank {r}]" in e}
+    assert ranks == {0, 1}, errs
+
+
+def test_call_site_mismatch_is_reported():
+    R, T, H, K, E, C = 2, 6, 16, 2, 4, 12
+    x, idx, w, y, g = _case(R, T, H, K, E, C, "bf16", "random", 14)
+    emu = Emulator(R, seed=14)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    d = emu.dispatch(x, idx, w, num_experts=E, capacity=C, call_sites=[5, 6])
+    errs = emu.check_errors()
+    assert any("another EP call" in e for e in errs), errs
+    assert (d["num_recv"] == 0).all()
