@@ -182,3 +182,20 @@ def test_call_site_mismatch_is_reported():
     errs = emu.check_errors()
     assert any("another EP call" in e for e in errs), errs
     assert (d["num_recv"] == 0).all()
+
+
+def test_counters_report_the_launches():
+    """Blocks and warps per kernel, as the presets launch them (counted, not measured)."""
+    R, T, H, K, E, C = 2, 4, 16, 2, 4, 8
+    emu = Emulator(R, seed=15)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    x, idx, w, y, g = _case(R, T, H, K, E, C, "bf16", "random", 15)
+    emu.reset_counters()
+    emu.dispatch(x, idx, w, num_experts=E, capacity=C)
+    c = emu.counters()
+    preset = next(p for p in emu.m.cuda_presets() if R <= p["max_ranks"])
+    assert c["kernel:dispatch_plan_kernel:launches"] == R
+    assert c["kernel:dispatch_push_kernel:blocks"] == R * preset["push_blocks"]
+    assert c["kernel:dispatch_finish_kernel:warps"] == R * preset["recv_blocks"] * preset["threads"] // 32
+    assert c["release_stores"] >= 2 * R * R  # arrivals and credits, one per peer
+    assert c["fences:system"] > 0 and c["polls"] > 0
