@@ -37,7 +37,8 @@ import sys
 
 __all__ = ["Port", "Bond", "RdmaDevice", "Fabric", "FABRIC_CLASSES", "discover",
            "parse_state", "parse_rate", "parse_bond_field", "nvshmem_env_for",
-           "plan_config_for", "qp_table", "handle_order_for_plan", "agree", "main"]
+           "plan_config_for", "qp_table", "handle_order_for_plan", "apply_handle_order",
+           "agree", "main"]
 
 FABRIC_CLASSES = ("ib-multiport", "roce-multiport", "roce-lag", "multi-plane",
                   "single-port", "unknown")
@@ -553,6 +554,8 @@ class FabricSetup:
     messages: list = dataclasses.field(default_factory=list)
     shim_table: list | None = None  # the shim's per-RC-QP record after NVSHMEM started
     world: int = 1
+    handle_order: list | None = None  # logical QP q uses the handle created order[q]-th
+    created_handles: list | None = None  # the explicit QP handles in creation order
 
 
 _setup: FabricSetup | None = None
@@ -731,9 +734,61 @@ def state() -> FabricSetup | None:
     return _setup
 
 
+def apply_handle_order(rt, cfg) -> list[int] | None:
+    """Makes the recorded handle -> port table decide the stripe: computes the order that
+    puts logical QP q on port q % num_ports (`handle_order_for_plan`, from the table in
+    creation order) and has the runtime reorder the kernels' handle array by it
+    (`rt.set_qp_order`), whatever order NVSHMEM laid the QPs out in. Where no order can
+    carry the plan (unknown ports, too few QPs on a port), says so and leaves the
+    creation order. Returns the order applied, or None."""
+    s = _setup
+    get = getattr(rt, "qp_handles", None)
+    if s is None or get is None or not hasattr(rt, "set_qp_order"):
+        return None
+    s.handle_order = s.created_handles = None
+    handles = list(get() or [])
+    if len(handles) != cfg.num_qps or len(set(handles)) != len(handles):
+        return None  # no explicit handles (fallback): nothing to order
+    table = recorded_qp_table(cfg, handles)
+    s.created_handles = handles
+    order = handle_order_for_plan(table, cfg.num_ports)
+    if order is None:
+        ports = [r.get("wire_port") for r in table]
+        if cfg.num_ports > 1:
+            _say(f"jax_ep: the QP handle -> port table ({ports}) cannot carry the plan's "
+                 f"{cfg.num_ports}-port stripe (unknown ports or too few QPs on one): the "
+                 f"QPs keep NVSHMEM's order. Fix: check NVSHMEM_HCA_LIST / "
+                 f"NVSHMEM_ENABLE_MULTI_PORT, or set JAX_EP_NUM_PORTS")
+        return None
+    if order != list(range(len(order))):
+        rt.set_qp_order(order)
+    s.handle_order = order
+    return order
+
+
 def recorded_qp_table(cfg, handles) -> list[dict] | None:
     """The QP handle -> (device, port) table of the running transport (None before the
-    bootstrap ran discovery)."""
+    bootstrap ran discovery). `handles[q]` is the handle logical QP q uses (the kernels'
+    table, as the runtime reports it); each row describes that handle's QPs, found by its
+    place in the creation order, so a reorder the kernels did not get shows off plan."""
+    s = _setup
+    if s is None:
+        return None
+    created = s.created_handles
+    if created is not None and handles is not None and list(handles) != created and \
+            sorted(handles) == sorted(created):
+        by_creation = recorded_qp_table_created(cfg, created)
+        rows = []
+        for q, h in enumerate(handles):
+            row = dict(by_creation[created.index(h)], qp=q, planned_port=q % cfg.num_ports)
+            row["on_plan"] = row.get("wire_port") == row["planned_port"]
+            rows.append(row)
+        return rows
+    return recorded_qp_table_created(cfg, handles)
+
+
+def recorded_qp_table_created(cfg, handles) -> list[dict] | None:
+    """`recorded_qp_table` for handles in creation order (row q: the q-th created)."""
     s = _setup
     if s is None:
         return None

@@ -124,6 +124,10 @@ class ExtensionRuntime:
     def qp_handles(self) -> list[int]:
         return [int(h) for h in self._ext.nvshmem_info()["qp_handles"]]
 
+    def set_qp_order(self, order) -> None:
+        """Logical QP q takes the handle created order[q]-th (kernels' table too)."""
+        self._ext.nvshmem_set_qp_order([int(i) for i in order])
+
     def can_init_device_state(self) -> bool:
         # Adopting an NVSHMEM another library started needs the device state of the
         # device library linked into _jax_ep_nvshmem set up; the module says if it can.
@@ -498,6 +502,8 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
         if adopt:  # the device library linked into jax_ep needs its own device state
             rt.init_device_state()
         _fabric.after_nvshmem_start()  # what the LAG shim did to NVSHMEM's QPs
+        # the recorded handle -> port table decides which handle each logical QP uses
+        _fabric.apply_handle_order(rt, cfg)
         if ll is not None:  # collective, every process in the same order
             with watchdog("low-latency area (nvshmem_malloc)", timeout_s, rank):
                 rt.ll_init(world, ll["max_tokens_per_rank"], ll["row_bytes"], ll["topk"],

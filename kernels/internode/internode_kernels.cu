@@ -78,6 +78,7 @@ struct RuntimeState {
   int num_qps = 0;                  // logical QPs asked for
   int num_handles = 0;              // explicit QP handles created (0: fallback)
   int handles[transport::kMaxQps] = {};
+  int created[transport::kMaxQps] = {};  // in creation order; SetQpOrder permutes from it
   std::string qp_path = "none";
 };
 // One per process on a GPU; on the emulated GPU one per virtual GPU (the host code of
@@ -856,6 +857,30 @@ TransportInfo TransportState() {
   return t;
 }
 
+std::string SetQpOrder(const std::vector<int>& order) {
+  const int n = Rt().num_handles;
+  if (n == 0) return "jax_ep internode: no explicit QP handles to order (fallback path)";
+  if (static_cast<int>(order.size()) != n)
+    return "jax_ep internode: QP order has " + std::to_string(order.size()) +
+           " entries, expected one per handle (" + std::to_string(n) + ")";
+  // A permutation of the creation order: logical QP q takes the handle created order[q]-th.
+  // Always from the creation order, so applying it twice is applying it once.
+  std::vector<bool> seen(n, false);
+  for (int i : order) {
+    if (i < 0 || i >= n || seen[i])
+      return "jax_ep internode: QP order is not a permutation of [0, " + std::to_string(n) + ")";
+    seen[i] = true;
+  }
+  int permuted[transport::kMaxQps] = {};
+  for (int q = 0; q < n; ++q) permuted[q] = Rt().created[order[q]];
+  const std::string e = CudaErr(
+      cudaMemcpyToSymbol(transport::g_nvshmem_qp_handles, permuted, sizeof(int) * n),
+      "QP handles");
+  if (!e.empty()) return e;
+  for (int q = 0; q < n; ++q) Rt().handles[q] = permuted[q];
+  return {};
+}
+
 std::string UniqueId(std::string* out) {
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
   if (nvshmemx_get_uniqueid(&id) != 0) return "jax_ep internode: nvshmemx_get_uniqueid failed";
@@ -925,7 +950,7 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
     QpHandle* arr = nullptr;
     if (create(num_qps, &arr) != 0 || arr == nullptr)
       return "jax_ep internode: nvshmemx_qp_create(" + std::to_string(num_qps) + ") failed";
-    for (int i = 0; i < num_qps; ++i) Rt().handles[i] = arr[i];
+    for (int i = 0; i < num_qps; ++i) Rt().handles[i] = Rt().created[i] = arr[i];
     e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_qp_handles, Rt().handles,
                                    sizeof(int) * num_qps), "QP handles");
     if (!e.empty()) return e;

@@ -56,6 +56,10 @@ struct TransportInfo {
   std::vector<int> handles;  // handle of logical QP q, q < num_qps (empty: fallback)
 };
 TransportInfo TransportState();
+// Puts the handle created order[q]-th at logical QP q (host table and the kernels' device
+// table), so the stripe follows the recorded handle -> port table whatever order NVSHMEM
+// laid the QPs out in (jax_ep.network.fabric.handle_order_for_plan).
+std::string SetQpOrder(const std::vector<int>& order);
 
 // Dispatch on `stream`. Outputs follow DESIGN.md, plus the handle parts combine needs:
 // counts[R, R] (rows each source sends each rank) and send_slot[T, R] (the token's

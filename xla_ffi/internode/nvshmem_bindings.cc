@@ -61,6 +61,9 @@ void AddNvshmemBindings(nb::module_& m) {
     d["qp_handles"] = t.handles;
     return d;
   });
+  m.def("nvshmem_set_qp_order", [](const std::vector<int>& order) {
+    Check(internode::SetQpOrder(order));
+  });
   m.def("nvshmem_self_put_check", []() {
     bool ok = false;
     Check(internode::SelfPutCheck(&ok));
