@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,7 @@ from jax_ep.runtime.nvshmem import _kv_client
 
 __all__ = [
     "available", "buffer_bytes", "low_latency_layout", "low_latency_area", "setup",
-    "check_errors", "reset", "presets", "HarnessDispatch", "harness_dispatch",
+    "check_errors", "reset", "presets", "set_num_sms", "HarnessDispatch", "harness_dispatch",
     "harness_combine", "harness_gather",
 ]
 
@@ -97,6 +98,20 @@ def _bindings():
             "jax_ep: this build has no CUDA host functions (built: "
             f"{_ext.build_info()}); rebuild with nvcc available (JAX_EP_CUDA=ON)")
     return ext
+
+
+def set_num_sms(num_sms: int | None) -> None:
+    """SMs the intranode push and receive kernels may use (as DeepEP's
+    ``Buffer.set_num_sms``): their grids are cut to that many SMs at one resident block
+    per SM, so they fit beside other work (compute, an NCCL kernel, another MPS client).
+    None: the GPU's SMs less 16 (kernels/common/configs.h kReservedSms). Read at each
+    launch (``JAX_EP_NUM_SMS``): set it before the program is compiled or captured."""
+    if num_sms is None:
+        os.environ.pop("JAX_EP_NUM_SMS", None)
+        return
+    if isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)) or num_sms < 1:
+        raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
+    os.environ["JAX_EP_NUM_SMS"] = str(int(num_sms))
 
 
 def presets() -> list[dict]:
@@ -228,7 +243,7 @@ def _group_members(mesh, axis_name):
 def setup(mesh, axis_name, *, num_tokens: int | None, hidden: int, topk: int,
           dtype=jnp.bfloat16, capacity: int | None = None, area_bytes: dict | None = None,
           timeout_ms: int = 300_000, max_tokens_per_rank: int | None = None,
-          num_experts: int | None = None) -> dict:
+          num_experts: int | None = None, num_sms: int | None = None) -> dict:
     """Allocates (once per GPU) and wires the communication buffers for EP over
     `axis_name` of `mesh`, sized for per-rank shapes x[num_tokens, hidden] of `dtype`,
     top-`topk` routing and `capacity` (default R * num_tokens). Pass `area_bytes`
@@ -241,8 +256,12 @@ def setup(mesh, axis_name, *, num_tokens: int | None, hidden: int, topk: int,
     (see :func:`buffer_bytes`); `num_tokens` may then be None (no normal-mode areas).
 
     One EP group per GPU and process: programs captured as CUDA graphs keep the buffer
-    pointers, so a GPU's group cannot change afterwards."""
+    pointers, so a GPU's group cannot change afterwards.
+
+    `num_sms`: SMs the intranode kernels may use (see :func:`set_num_sms`)."""
     global _ll_area
+    if num_sms is not None:
+        set_num_sms(num_sms)
     ext = _bindings()
     if num_tokens is None and max_tokens_per_rank is None and area_bytes is None:
         raise ValueError("num_tokens=None reserves no normal-mode buffers; pass num_tokens, "

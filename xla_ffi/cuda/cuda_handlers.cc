@@ -294,7 +294,8 @@ ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodeP
     if (e != cudaSuccess) return CudaFailed(what, e);
     return ffi::Error::Success();
   }
-  const IntranodePreset& p = SelectIntranodePreset(k.dom.num_ranks);
+  const IntranodePreset p =
+      FitPresetToSms(SelectIntranodePreset(k.dom.num_ranks), EpSmBudget(DeviceSmCount(ordinal)));
   for (int phase = 0; phase < kNumPhases; ++phase) {
     for (int r = 0; r < k.count; ++r) {
       if (r == k.absent) continue;

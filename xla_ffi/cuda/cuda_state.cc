@@ -175,6 +175,24 @@ std::string DescribeError(const ErrorRecord& e, int ordinal) {
   return s.str();
 }
 
+int DeviceSmCount(int ordinal) {
+  static std::atomic<int> cache[kMaxCudaDevices] = {};
+  if (ordinal < 0 || ordinal >= kMaxCudaDevices) return 132;
+  int n = cache[ordinal].load(std::memory_order_relaxed);
+  if (n > 0) return n;
+#if defined(JAX_EP_EMU)
+  n = 132;  // the emulated GPU has no SM count; the grids are cut as on an H100/H200
+#else
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess ||
+      n < 1) {
+    cudaGetLastError();  // not sticky; clear it so the launch does not report it
+    n = 132;
+  }
+#endif
+  cache[ordinal].store(n, std::memory_order_relaxed);
+  return n;
+}
+
 int64_t KernelTimeoutNs() { return static_cast<int64_t>(TimeoutSeconds() * 1e9); }
 
 }  // namespace jax_ep

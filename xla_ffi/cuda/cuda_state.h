@@ -65,6 +65,9 @@ std::string DescribeError(const ErrorRecord& e, int ordinal);
 // after the headers are re-zeroed) clears it, never ReadIntranodeError(clear=true).
 cudaError_t ReadIntranodeFailure(ErrorRecord* out);
 
+// SMs of a device ordinal (cached; 132 where the runtime cannot say, e.g. emulated).
+int DeviceSmCount(int ordinal);
+
 // JAX_EP_TIMEOUT_S (default 300 s), in nanoseconds, for the kernels' waits.
 int64_t KernelTimeoutNs();
 

@@ -1,0 +1,199 @@
+"""Grids that fit beside other work: a static check from `nvcc -Xptxas -v` that every
+intranode launch preset (kernels/common/configs.h) fits the SM budget of a 132-SM GPU
+(H100/H200) less the SMs left to other work, at the occupancy ptxas' register and shared
+memory use allows, and that the runtime's cut to a `num_sms` budget (EpSmBudget,
+FitPresetToSms) does what it says. Needs nvcc (no GPU)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
+                                if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+SMS = 132  # H100 SXM / H200
+# sm_90 limits
+REGS_PER_SM, REG_UNIT, MAX_THREADS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 256, 2048, 32
+SMEM_PER_SM, SMEM_PER_BLOCK_RESERVED = 233472, 1024
+
+# kernel -> ("push" | "recv" | "plan", extra dynamic smem (bytes) as a function of threads)
+KERNELS = {
+    "dispatch_plan_kernel": ("plan", None),
+    "dispatch_push_kernel": ("push", None),
+    "dispatch_finish_kernel": ("recv", "hist"),
+    "combine_plan_kernel": ("plan", None),
+    "combine_push_kernel": ("push", None),
+    "combine_finish_kernel": ("recv", "warps"),
+    "gather_plan_kernel": ("plan", None),
+    "gather_push_kernel": ("push", None),
+    "gather_finish_kernel": ("recv", None),
+}
+
+
+def _read(rel):
+    with open(os.path.join(ROOT, rel)) as f:
+        return f.read()
+
+
+def _const(text, name):
+    return int(re.search(rf"\b{name}\s*=\s*(\d+)", text).group(1))
+
+
+def configs():
+    text = _read("kernels/common/configs.h")
+    rows = re.findall(r'\{"(\w+)",\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\}', text)
+    presets = [dict(name=n, max_ranks=int(m), push_blocks=int(p), recv_blocks=int(r),
+                    threads=int(t)) for n, m, p, r, t in rows]
+    return dict(presets=presets, reserved=_const(text, "kReservedSms"),
+                per_sm=_const(text, "kAssumedBlocksPerSm"),
+                plan_threads=_const(text, "kPlanThreads"),
+                smem_experts=_const(text, "kMaxSmemLocalExperts"),
+                max_ranks=_const(_read("kernels/cuda/intranode_buffer.h"), "kMaxRanks"))
+
+
+def occupancy(regs: int, smem: int, threads: int) -> int:
+    """Blocks of a kernel resident on one sm_90 SM."""
+    warps = -(-threads // 32)
+    per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
+    by_regs = REGS_PER_SM // (per_warp * warps) if regs else MAX_BLOCKS_PER_SM
+    by_threads = MAX_THREADS_PER_SM // threads
+    by_smem = SMEM_PER_SM // (smem + SMEM_PER_BLOCK_RESERVED)
+    return min(by_regs, by_threads, by_smem, MAX_BLOCKS_PER_SM)
+
+
+def parse_ptxas(text: str) -> dict:
+    """{kernel: (registers, static smem bytes)}, the worst over a kernel's instances."""
+    out, name = {}, None
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            name = next((k for k in KERNELS if k in m.group(1)), None)
+            continue
+        m = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", line)
+        if m and name:
+            regs, smem = int(m.group(1)), int(m.group(2))
+            old = out.get(name, (0, 0))
+            out[name] = (max(old[0], regs), max(old[1], smem))
+            name = None
+    return out
+
+
+def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
+    """Every way a preset does not fit: a kernel below the assumed blocks per SM at its
+    block size, or a grid larger than the budget holds."""
+    out = []
+    budget = (sms - cfg["reserved"]) * cfg["per_sm"]
+    missing = sorted(set(KERNELS) - set(usage))
+    if missing:
+        out.append(f"no ptxas record for {missing}")
+    for p in cfg["presets"]:
+        for kernel, (role, dyn) in KERNELS.items():
+            if kernel not in usage:
+                continue
+            regs, smem = usage[kernel]
+            threads = cfg["plan_threads"] if role == "plan" else p["threads"]
+            if dyn == "hist":
+                smem += 4 * cfg["smem_experts"]
+            elif dyn == "warps":
+                smem += 4 * cfg["max_ranks"] * (threads // 32)
+            occ = occupancy(regs, smem, threads)
+            need = 1 if role == "plan" else cfg["per_sm"]
+            if occ < need:
+                out.append(f"{p['name']}: {kernel} ({regs} registers, {smem} B smem) holds "
+                           f"{occ} block(s) of {threads} threads per SM, {need} assumed")
+            grid = {"push": p["push_blocks"], "recv": p["recv_blocks"], "plan": 1}[role]
+            if grid > budget:
+                out.append(f"{p['name']}: {kernel} launches {grid} blocks; {sms} SMs less "
+                           f"{cfg['reserved']} for other work hold {budget}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def usage(tmp_path_factory):
+    if NVCC is None:
+        pytest.skip("nvcc not found")
+    out = tmp_path_factory.mktemp("ptxas") / "intranode.o"
+    r = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", f"-I{ROOT}", "-Xptxas", "-v",
+                        "-c", os.path.join(ROOT, "kernels/cuda/intranode_kernels.cu"),
+                        "-o", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return parse_ptxas(r.stderr + r.stdout)
+
+
+def test_every_preset_fits_the_sm_budget(usage):
+    assert problems(configs(), usage) == []
+
+
+def test_the_check_fails_on_grids_or_registers_that_do_not_fit(usage):
+    cfg = configs()
+    wide = dict(cfg, presets=[dict(cfg["presets"][0], recv_blocks=128)])  # the old ep8 row
+    assert any("launches 128 blocks" in p for p in problems(wide, usage))
+    heavy = dict(usage, dispatch_push_kernel=(130, 0))  # 130 registers at 512 threads
+    assert any("dispatch_push_kernel" in p and "0 block" in p
+               for p in problems(cfg, heavy))
+
+
+def test_occupancy_model():
+    assert occupancy(78, 32, 512) == 1   # 2560 registers per warp x 16 warps
+    assert occupancy(32, 0, 512) == 4    # thread limit
+    assert occupancy(64, 120_000, 256) == 1  # shared memory limit
+    assert occupancy(255, 0, 1024) == 0
+
+
+_PROBE = r"""
+#include <cstdio>
+#include "kernels/common/configs.h"
+int main(int argc, char** argv) {
+  const int sms = std::atoi(argv[1]);
+  for (const auto& p : jax_ep::kIntranodePresets) {
+    const jax_ep::IntranodePreset q = jax_ep::FitPresetToSms(p, jax_ep::EpSmBudget(sms));
+    std::printf("%s %d %d\n", q.name, q.push_blocks, q.recv_blocks);
+  }
+}
+"""
+
+
+def _fitted(tmp_path, sms, num_sms=None):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src, exe = tmp_path / "probe.cc", tmp_path / "probe"
+    if not exe.exists():
+        src.write_text(_PROBE)
+        subprocess.run([cxx, "-std=c++17", f"-I{ROOT}", str(src), "-o", str(exe)],
+                       check=True, timeout=300)
+    env = dict(os.environ)
+    env.pop("JAX_EP_NUM_SMS", None)
+    if num_sms is not None:
+        env["JAX_EP_NUM_SMS"] = str(num_sms)
+    out = subprocess.run([str(exe), str(sms)], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return {n: (int(a), int(b)) for n, a, b in (ln.split() for ln in out.splitlines())}
+
+
+def test_num_sms_cuts_the_grids(tmp_path):
+    cfg = configs()
+    full = _fitted(tmp_path, SMS)
+    # the presets fit a 132-SM GPU: nothing cut by default
+    assert full == {p["name"]: (p["push_blocks"], p["recv_blocks"]) for p in cfg["presets"]}
+    assert _fitted(tmp_path, SMS, num_sms=20)["ep8"] == (20, 20)
+    # a smaller GPU: at most its SMs less the reserve
+    small = _fitted(tmp_path, 78)
+    assert all(max(v) <= (78 - cfg["reserved"]) * cfg["per_sm"] for v in small.values())
+    assert _fitted(tmp_path, SMS, num_sms=1000)["ep32"] == (116, 116)  # never above SMs
+
+
+def test_set_num_sms_checks_its_argument(monkeypatch):
+    from jax_ep.runtime import cuda
+    monkeypatch.delenv("JAX_EP_NUM_SMS", raising=False)
+    cuda.set_num_sms(24)
+    assert os.environ["JAX_EP_NUM_SMS"] == "24"
+    cuda.set_num_sms(None)
+    assert "JAX_EP_NUM_SMS" not in os.environ
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="num_sms"):
+            cuda.set_num_sms(bad)
