@@ -64,3 +64,27 @@ def test_after_reset_the_next_call_works():
     assert emu.check_errors() == []
     want = reference(x, idx, w, zeros, np.zeros_like(x), E=E, C=C)
     assert_same(got, want, DISPATCH_KEYS)
+
+
+def test_low_latency_failed_state_outlives_check_errors():
+    """The same for the low-latency mode: its failed flag stays after check_errors()
+    and is reported again (naming reset()); after reset the mode works again."""
+    from emu_intranode_util import ll_routing
+    M, KL, EL = 4, 2, 4
+    emu = Emulator(R, seed=31, timeout_s=0.002)
+    rb = H * 2
+    emu.setup(tokens=M, capacity=M, row_bytes=rb, topk=KL, ll_shape=(M, KL, EL, rb))
+    rng = np.random.default_rng(31)
+    idx = ll_routing(R, M, KL, EL, rng)
+    x = rows("bf16", (R, M, H), rng)
+    s = emu.ll_dispatch_send(x, idx, num_experts=EL, max_tokens=M, skip=[1])
+    emu.ll_dispatch_recv(s, num_experts=EL, max_tokens=M, H=H, dtype=x.dtype, skip=[1])
+    assert any("rank 0]" in e for e in emu.check_errors())
+    again = emu.check_errors()
+    assert any("low-latency" in e and "jax_ep.cuda.reset()" in e for e in again), again
+    emu.m.cuda_reset()
+    assert emu.check_errors() == []
+    s = emu.ll_dispatch_send(x, idx, num_experts=EL, max_tokens=M)
+    d = emu.ll_dispatch_recv(s, num_experts=EL, max_tokens=M, H=H, dtype=x.dtype)
+    assert emu.check_errors() == []
+    assert d["recv_count"].sum() == (idx >= 0).sum()
