@@ -65,11 +65,11 @@ MUTANTS = [
     Mutant("last_block_no_fence", INTRA,
            "  __shared__ bool s_last;\n  peer::fence_data();\n  __syncthreads();",
            "  __shared__ bool s_last;\n  __syncthreads();",
-           (T_INTRA, "-k", "seeds_agree or pipelined"),
+           (T_INTRA, "-k", "seeds_agree or pipelined or every_block"),
            "removed fence: other threads' row stores are not ordered before the signal"),
     Mutant("last_block_counter_bound", INTRA,
            "s_last = prev == gridDim.x - 1;", "s_last = prev == gridDim.x - 2;",
-           (T_INTRA, "-k", "test_dispatch_combine_gather and not full"),
+           (T_INTRA, "-k", "every_block or pipelined"),
            "off-by-one: the signal goes out before the last block wrote its rows"),
     # --------------------------------------------------------- intranode combine
     Mutant("combine_finish_no_wait", INTRA,

@@ -19,7 +19,7 @@ struct Config {
   double quantum_ns = 100.0;    // virtual time one round of every live thread takes
   double min_sleep_ns = 500.0;  // __nanosleep never sleeps less (the clock's granularity)
   double stay_prob = 0.9;       // chance the next step stays in the block that ran last
-  double drain_prob = 0.05;     // chance a step drains part of one pending store buffer
+  double drain_prob = 0.002;    // chance a step drains part of one pending store buffer
   bool weak_stores = true;      // buffer stores to peer memory (store_bytes / store helpers)
   double max_virtual_ns = 60e9; // a run past this virtual time is reported as a hang
 };

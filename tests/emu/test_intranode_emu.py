@@ -87,8 +87,9 @@ def test_dispatch_combine_gather(R, T, H, dtype, kind, seed):
     K, E = _shape(R, T)
     C = R * T  # room for every row
     emu = Emulator(R, seed=seed)
-    emu.setup(tokens=T, capacity=C, row_bytes=rows(dtype, (1, 1, H), np.random.default_rng(0)).nbytes,
-              topk=K)
+    # FP8 pairs are dispatched as packed rows and combined as bfloat16 rows of H.
+    row_bytes = max(rows(dtype, (1, 1, H), np.random.default_rng(0)).nbytes, 2 * H)
+    emu.setup(tokens=T, capacity=C, row_bytes=row_bytes, topk=K)
     _check(emu, *_case(R, T, H, K, E, C, dtype, kind, seed), E, C, f"seed {seed}: ")
 
 
@@ -123,6 +124,17 @@ def test_pipelined_dispatches_wait_for_credits():
         for i, (g, c) in enumerate(zip(got, cases)):
             assert_same(g, reference(*c, E=E, C=C), DISPATCH_KEYS, f"seed {seed} call {i}: ")
         assert emu.check_errors() == []
+
+
+def test_rows_in_every_block_over_consecutive_calls():
+    """Enough rows that every warp of every push block copies some, two calls in a row:
+    a signal sent before the last block's rows (or a stale last-block counter) shows."""
+    R, T, H, K, E, C = 2, 320, 8, 2, 4, 640
+    emu = Emulator(R, seed=16)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 4, topk=K)
+    for call in range(2):
+        case = _case(R, T, H, K, E, C, "f32", "random", 60 + call)
+        _check(emu, *case, E, C, f"call {call}: ")
 
 
 def test_seeds_agree():

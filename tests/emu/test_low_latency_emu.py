@@ -43,7 +43,7 @@ def _round(emu, x, idx, w, y, *, E, M, K):
 QUICK = [(2, 6, 16, 2, 4, 6, "bf16", 1)]
 FULL = [
     (2, 1, 8, 1, 2, 1, "f32", 2),     # one token
-    (4, 5, 3, 2, 8, 4, "bf16", 3),    # rows of 6 bytes; M below S: rows past M dropped
+    (4, 4, 3, 2, 8, 4, "bf16", 3),    # rows of 6 bytes
     (4, 4, 24, 3, 8, 4, "f16", 4),
 ]
 

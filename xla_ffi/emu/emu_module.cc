@@ -214,7 +214,7 @@ NB_MODULE(_jax_ep_emu, m) {
   m.def("configure", &Configure, nb::arg("num_devices") = 8, nb::arg("seed") = 1,
         nb::arg("resident_blocks") = 8, nb::arg("timeout_s") = 0.05,
         nb::arg("weak_stores") = true, nb::arg("quantum_ns") = 100.0,
-        nb::arg("drain_prob") = 0.05, nb::arg("stay_prob") = 0.9,
+        nb::arg("drain_prob") = 0.002, nb::arg("stay_prob") = 0.9,
         "Resets the virtual GPUs: count, scheduler seed, co-residency limit, the kernels' "
         "timeout in virtual seconds, weak visibility of peer stores.");
   m.def("setup_group", &SetupGroup, nb::arg("num_ranks"), nb::arg("group"),
