@@ -5,8 +5,10 @@
 list(APPEND JAX_EP_EMU_KERNELS
      kernels/internode/internode_kernels.cu
      kernels/internode/hierarchical_kernels.cu
+     kernels/internode/low_latency_kernels.cu
      xla_ffi/internode/emu_hier_small_rings.cc)
 list(APPEND JAX_EP_EMU_SOURCES
      kernels/emu/nvshmem_emu.cc
      xla_ffi/internode/emu_direct.cc
-     xla_ffi/internode/emu_hier.cc)
+     xla_ffi/internode/emu_hier.cc
+     xla_ffi/internode/emu_ll.cc)

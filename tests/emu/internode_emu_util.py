@@ -111,6 +111,54 @@ class InternodeEmu:
                               self._attrs(capacity=capacity, topk=topk), skip)
         return [None if o is None else o[0] for o in res], errs
 
+    # ---- low-latency mode (send and receive halves; shapes as jax_ep.low_latency) ----
+    def ll_init(self, *, max_tokens, row_bytes, topk, num_experts):
+        """The low-latency area on every PE (the bootstrap's low_latency= start)."""
+        _, errs = self.emu.run("internode_ll_init", [[]] * self.R, [[]] * self.R,
+                               dict(num_ranks=self.R, max_tokens=max_tokens,
+                                    row_bytes=row_bytes, topk=topk, num_experts=num_experts))
+        self._raise(errs)
+        self.ll = dict(num_experts=num_experts, max_tokens=max_tokens)
+
+    def _ll(self, op, ins, outs, skip=(), **attrs):
+        self._tag()
+        a = dict(num_ranks=self.R, num_ports=self.P, qps_per_port=self.Q, call_site=0,
+                 **self.ll)
+        a.update(attrs)
+        return self.emu.run("internode_ll_" + op, ins, outs, a, skip=skip,
+                            per_rank_attrs=[dict(rank=r) for r in range(self.R)])
+
+    def ll_dispatch_send(self, x, idx, skip=()):
+        """x[R, S, H], topk_idx[R, S, K] -> tokens[R, 2] (None for a skipped rank)."""
+        res, errs = self._ll("dispatch_send", [[x[r], idx[r]] for r in range(self.R)],
+                             [[((2,), np.int32)]] * self.R, skip)
+        return [None if o is None else o[0] for o in res], errs
+
+    def ll_dispatch_recv(self, tokens, *, H, dtype, skip=()):
+        E, M, R = self.ll["num_experts"], self.ll["max_tokens"], self.R
+        el = E // R
+        names = ("recv_x", "recv_count", "src_rank", "src_index", "first_row", "row_count")
+        shapes = ((el, R * M, H), (el,), (el, R * M), (el, R * M), (el, R), (el, R))
+        outs = [list(zip(shapes, (np.dtype(dtype),) + (np.int32,) * 5))] * R
+        res, errs = self._ll("dispatch_recv", [[t] if t is not None else [] for t in tokens],
+                             outs, skip)
+        return [None if o is None else dict(zip(names, o)) for o in res], errs
+
+    def ll_combine_send(self, y, first_row, row_count, *, rows_per_dest, skip=()):
+        """y[R, E_local, R*M, H] and the dispatch handle -> tokens[R, 2]."""
+        res, errs = self._ll("combine_send",
+                             [[y[r], first_row[r], row_count[r]] for r in range(self.R)],
+                             [[((2,), np.int32)]] * self.R, skip, rows_per_dest=rows_per_dest)
+        return [None if o is None else o[0] for o in res], errs
+
+    def ll_combine_recv(self, tokens, idx, w, *, H, dtype, skip=()):
+        S = idx.shape[1]
+        res, errs = self._ll("combine_recv",
+                             [[tokens[r], idx[r], w[r]] if tokens[r] is not None else []
+                              for r in range(self.R)],
+                             [[((S, H), np.dtype(dtype))]] * self.R, skip)
+        return [None if o is None else o[0] for o in res], errs
+
     def errors(self):
         """Each rank's recorded device error ("" if none), as the next call would report it."""
         _, errs = self.emu.run("internode_error", [[]] * self.R, [[]] * self.R, {})

@@ -6,6 +6,7 @@
 #include "xla_ffi/internode/internode_handlers.cc"  // NOLINT(build/include): the handlers
 #include "kernels/emu/nvshmem_emu.h"
 #include "kernels/internode/hierarchical_kernels.h"
+#include "kernels/internode/low_latency_kernels.h"
 #include "xla_ffi/emu/emu_call.h"
 
 namespace jax_ep {
@@ -32,6 +33,7 @@ std::string Invoke(const CallArgs& a, bool* known) {
     w.qp_api = a.attr("qp_api") != 0;
     for (int r = 0; r < w.num_pes; ++r) {  // a previous world's heaps
       cudaSetDevice(r);
+      ll_internode::Finalize();  // the low-latency area first (it lives in the heap)
       if (internode::Initialized()) internode::Finalize();
     }
     cudaSetDevice(a.ordinal);
