@@ -172,6 +172,10 @@ struct Stream {
   Device* dev;
   std::deque<Op> ops;
   bool head_started = false;
+  // Peer stores a finished kernel had not fenced: other GPUs see them a little later (by
+  // `late_until`); this stream's next operation and the host see them first.
+  std::vector<void*> late;
+  double late_until = 0;
 };
 struct Event {
   uint64_t recorded = 0, completed = 0;
@@ -600,12 +604,12 @@ void StartBlock(Kernel* k) {
 }
 
 void FinishKernel(Kernel* k) {
-  for (StoreBuf* b : k->bufs) {
-    Drain(b, SIZE_MAX);
-    delete b;
-  }
-  k->bufs.clear();
+  State& s = S();
   Stream* st = k->stream;
+  for (StoreBuf* b : k->bufs) st->late.push_back(b);
+  k->bufs.clear();
+  std::uniform_real_distribution<double> u(0.0, s.cfg.late_ns);
+  st->late_until = std::max(st->late_until, s.now_ns + u(s.rng));
   st->ops.pop_front();
   st->head_started = false;
 }
@@ -626,11 +630,21 @@ void FinishBlock(Block* b) {
 }
 
 // Executes stream heads that need no fibers; starts kernels; admits blocks.
+void DrainLate(Stream* st) {
+  for (void* p : st->late) {
+    auto* b = static_cast<StoreBuf*>(p);
+    Drain(b, SIZE_MAX);
+    delete b;
+  }
+  st->late.clear();
+}
+
 bool Advance() {
   State& s = S();
   bool progress = false;
   for (Device* d : s.devices) {
     for (Stream* st : d->streams) {
+      if (!st->late.empty() && (s.now_ns >= st->late_until || !st->ops.empty())) DrainLate(st);
       while (!st->ops.empty()) {
         Op& op = st->ops.front();
         if (op.kind == Op::kKernel) {
@@ -760,6 +774,8 @@ void RunUntil(const std::function<bool()>& done) {
     if (b->live == 0) FinishBlock(b);
   }
   LoadBlock(nullptr);  // the host's own thread_local values back
+  for (Device* d : s.devices)
+    for (Stream* st : d->streams) DrainLate(st);  // the host sees everything after a sync
   Count("steps", steps);
   s.in_scheduler = false;
 }

@@ -129,7 +129,7 @@ def test_pipelined_dispatches_wait_for_credits():
 def test_rows_in_every_block_over_consecutive_calls():
     """Enough rows that every warp of every push block copies some, two calls in a row:
     a signal sent before the last block's rows (or a stale last-block counter) shows."""
-    R, T, H, K, E, C = 2, 320, 8, 2, 4, 640
+    R, T, H, K, E, C = 2, 600, 4, 2, 4, 1200
     emu = Emulator(R, seed=16)
     emu.setup(tokens=T, capacity=C, row_bytes=H * 4, topk=K)
     for call in range(2):
