@@ -236,6 +236,11 @@ void reset(const WorldConfig& c) {
   w.counters.clear();
 }
 
+void grow(int num_pes) {
+  World& w = W();
+  if (num_pes > static_cast<int>(w.pes.size())) w.pes.resize(static_cast<size_t>(num_pes));
+}
+
 const WorldConfig& world_config() { return W().cfg; }
 void set_call(int64_t call) { W().call = call; }
 const std::vector<PutRecord>& put_log() { return W().log; }

@@ -108,6 +108,10 @@ struct WorldConfig {
 
 // Starts a fresh world (every PE uninitialised, heaps freed, log and counters cleared).
 void reset(const WorldConfig& c);
+// Widens the current world to at least num_pes PEs, keeping every existing PE's heap: a
+// new world calls it before finalizing the previous worlds' state on each of its virtual
+// GPUs, some of which a smaller world in between did not contain.
+void grow(int num_pes);
 const WorldConfig& world_config();
 
 struct PutRecord {

@@ -164,6 +164,12 @@ class InternodeEmu:
         _, errs = self.emu.run("internode_error", [[]] * self.R, [[]] * self.R, {})
         return errs
 
+    def ll_errors(self):
+        """As errors(), read through the low-latency mode's decoder (its records carry an
+        op past llwire::kErrOpBase, which the other modes' decoders do not know)."""
+        _, errs = self.emu.run("internode_ll_error", [[]] * self.R, [[]] * self.R, {})
+        return errs
+
     def log(self):
         """The puts since the last log() as dicts {src, dst, qp, port, handle, bytes,
         sig_op (SIGNAL_ADD: a data chunk, SIGNAL_SET: a header or count row), call,

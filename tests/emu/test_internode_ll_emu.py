@@ -67,3 +67,42 @@ def test_ll_matches_reference(R, S, H, K, E, M, dtype, seed):
     want = ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd)
     assert_same(got, want, LL_DISPATCH_KEYS + ("out",), f"seed {seed}: ")
     assert em.errors() == [""] * R
+
+
+def test_ll_consecutive_calls_reuse_halves_parities_and_credits():
+    """Eight rounds (dispatch and combine each: four wraps of the two parity halves and of
+    the credits the readers hand back) with fresh routing and rows every round: each round
+    bit-exact, so a half reused before its credit, or read with last round's parity, shows."""
+    R, S, H, K, E, M = 4, 3, 8, 2, 8, 4
+    em = setup(R, S, H, K, E, M, "bf16", 11)
+    rng = np.random.default_rng(11)
+    for i in range(8):
+        x, idx, w, y = inputs(R, S, H, K, E, M, "bf16", rng)
+        got, rpd = one_round(em, x, idx, w, y, K=K)
+        want = ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd)
+        assert_same(got, want, LL_DISPATCH_KEYS + ("out",), f"round {i}: ")
+    assert em.errors() == [""] * R
+
+
+def test_ll_rank_that_skips_a_call_ends_in_errors_on_every_rank():
+    """Rank 1 skips a dispatch (both halves): rank 0's receive half times out waiting for
+    rank 1's rows. Rank 1 is then a call behind, so later calls meet rank 0's failed state
+    or time out themselves: within a few calls every rank reports an error, none hangs."""
+    R, S, H, K, E, M = 2, 3, 8, 2, 4, 4
+    em = InternodeEmu(R, num_ports=2, qps_per_port=1, seed=5, timeout_s=0.002)
+    em.ll_init(max_tokens=M, row_bytes=H * 2, topk=K, num_experts=E)
+    rng = np.random.default_rng(5)
+    x, idx, w, y = inputs(R, S, H, K, E, M, "bf16", rng)
+    tok, errs = em.ll_dispatch_send(x, idx, skip=[1])
+    d, errs2 = em.ll_dispatch_recv(tok, H=H, dtype=x.dtype, skip=[1])
+    # a failed receive half marks its results: counts and first rows -1, sources -1
+    assert d[1] is None and (d[0]["recv_count"] == -1).all(), d[0]["recv_count"]
+    assert (d[0]["src_rank"] == -1).all() and (d[0]["row_count"] == -1).all()
+    failed = {r for r, e in enumerate(em.ll_errors()) if e}
+    assert 0 in failed and "skipped the call" in em.ll_errors()[0], em.ll_errors()
+    for _ in range(3):
+        tok, errs = em.ll_dispatch_send(x, idx)
+        d, errs2 = em.ll_dispatch_recv(tok, H=H, dtype=x.dtype)
+        failed |= {r for r, e in enumerate(errs) if e} | {r for r, e in enumerate(errs2) if e}
+        failed |= {r for r, e in enumerate(em.ll_errors()) if e}
+    assert failed == {0, 1}, em.ll_errors()

@@ -42,6 +42,9 @@ std::string Invoke(const CallArgs& a, bool* known) {
                                      a.any_out(0), at("num_experts"), at("num_ranks"),
                                      at("rank"), at("max_tokens"), at("num_ports"),
                                      at("qps_per_port"), at("call_site")));
+  // this rank's recorded error in whichever mode's wording recorded it (the low-latency
+  // decoder hands other modes' records on to theirs)
+  if (a.op == "internode_ll_error") return ll_internode::PendingError();
   *known = false;
   return {};
 }
