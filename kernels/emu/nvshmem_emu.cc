@@ -34,6 +34,7 @@ struct Pe {
 
 struct Op {
   int src;
+  int dst_pe;
   char* dst;            // on the destination PE
   const char* src_ptr;  // read at delivery
   size_t bytes;
@@ -47,6 +48,13 @@ struct Queue {
   std::deque<Op> ops;
 };
 
+// The data of a delivered put-with-signal that a relaxed poll on the destination may not
+// see yet (its bytes as read from the source at delivery).
+struct Late {
+  char* dst;
+  std::vector<char> bytes;
+};
+
 struct World {
   WorldConfig cfg;
   std::vector<Pe> pes;
@@ -57,6 +65,7 @@ struct World {
   std::vector<PutRecord> log;
   std::map<std::string, uint64_t> counters;
   int64_t call = 0;
+  std::map<int, std::deque<Late>> late;  // per destination PE, in delivery order
 };
 
 World& W() {
@@ -118,8 +127,27 @@ void Count(const std::string& k, uint64_t v = 1) {
   emu::add_counter("nvshmem:" + k, v);
 }
 
-void Apply(const Op& op) {
-  if (op.bytes > 0) std::memcpy(op.dst, op.src_ptr, op.bytes);
+// Makes every late payload into `pe` visible, in delivery order.
+void FlushLate(int pe) {
+  auto it = W().late.find(pe);
+  if (it == W().late.end()) return;
+  for (const Late& l : it->second) std::memcpy(l.dst, l.bytes.data(), l.bytes.size());
+  W().late.erase(it);
+}
+
+// A put's source bytes are read here, at delivery (a source reused before quiet corrupts
+// it). A put-with-signal's signal is ordered after its data for an acquiring reader only:
+// in some seeds the data stays late until the destination acquires (load_acquire), the
+// destination receives anything else, or someone quiets, so a relaxed poll that sees the
+// signal and reads at once reads stale bytes.
+void Apply(const Op& op, int dst_pe) {
+  FlushLate(dst_pe);  // an earlier payload never lands over a later one
+  if (op.bytes > 0 && op.sig != nullptr && std::bernoulli_distribution(0.5)(W().rng)) {
+    Late l{op.dst, std::vector<char>(op.src_ptr, op.src_ptr + op.bytes)};
+    W().late[dst_pe].push_back(std::move(l));
+  } else if (op.bytes > 0) {
+    std::memcpy(op.dst, op.src_ptr, op.bytes);
+  }
   if (op.sig != nullptr) {
     if (op.sig_op == NVSHMEM_SIGNAL_ADD)
       *op.sig += op.value;
@@ -134,7 +162,7 @@ void DeliverHead(Queue& q) {
   q.ops.pop_front();
   --W().pending;
   Count("deliveries");
-  Apply(op);
+  Apply(op, op.dst_pe);
 }
 
 // One transport step: maybe deliver one ready operation, chosen at random among the
@@ -175,6 +203,7 @@ void Enqueue(int src, int dst_pe, int qp, int handle, void* dst, const void* src
   World& w = W();
   Op op;
   op.src = src;
+  op.dst_pe = dst_pe;
   op.dst = bytes > 0 ? Translate(dst, dst_pe, bytes) : nullptr;
   op.src_ptr = static_cast<const char*>(src_ptr);
   op.bytes = op.dst != nullptr ? bytes : 0;
@@ -234,6 +263,7 @@ void reset(const WorldConfig& c) {
   w.pending = 0;
   w.log.clear();
   w.counters.clear();
+  w.late.clear();
 }
 
 void grow(int num_pes) {
@@ -256,7 +286,10 @@ uint64_t load_acquire(const uint64_t* p) {
   Count("polls");
   Progress();
   emu::fence(emu::kFenceSystem);
-  return *reinterpret_cast<const volatile uint64_t*>(p);
+  const int me = CurrentPe();
+  const uint64_t v = *reinterpret_cast<const volatile uint64_t*>(p);
+  FlushLate(me);  // what the value just read guards is visible to the acquirer
+  return v;
 }
 
 void* host_symbol(const char* name) {
@@ -370,6 +403,10 @@ void nvshmem_quiet() {
     nvshmem_emu::DeliverHead(*mine[i]);
     if (mine[i]->ops.empty()) mine.erase(mine.begin() + static_cast<long>(i));
   }
+  // complete: every payload this PE sent is in place (conservatively, every late one)
+  std::vector<int> dsts;
+  for (const auto& kv : w.late) dsts.push_back(kv.first);
+  for (int d : dsts) nvshmem_emu::FlushLate(d);
   emu::yield(emu::kYieldFence);
 }
 
