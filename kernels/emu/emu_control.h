@@ -21,8 +21,8 @@ struct Config {
   double stay_prob = 0.9;       // chance the next step stays in the block that ran last
   double drain_prob = 0.002;    // chance a step drains part of one pending store buffer
   bool weak_stores = true;      // buffer stores to peer memory (store_bytes / store helpers)
-  double late_ns = 20000.0;     // a finished kernel's unfenced peer stores reach other GPUs
-                                // up to this much later (its own stream: at once)
+  double late_ns = 20000.0;     // a finished kernel's unfenced peer stores become visible
+                                // up to this much later; its stream's next op waits for them
   double max_virtual_ns = 60e9; // a run past this virtual time is reported as a hang
 };
 

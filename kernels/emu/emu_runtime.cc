@@ -606,7 +606,10 @@ void StartBlock(Kernel* k) {
 void FinishKernel(Kernel* k) {
   State& s = S();
   Stream* st = k->stream;
-  for (StoreBuf* b : k->bufs) st->late.push_back(b);
+  for (StoreBuf* b : k->bufs) {
+    if (b->q.empty()) delete b;
+    else st->late.push_back(b);
+  }
   k->bufs.clear();
   std::uniform_real_distribution<double> u(0.0, s.cfg.late_ns);
   st->late_until = std::max(st->late_until, s.now_ns + u(s.rng));
@@ -644,7 +647,12 @@ bool Advance() {
   bool progress = false;
   for (Device* d : s.devices) {
     for (Stream* st : d->streams) {
-      if (!st->late.empty() && (s.now_ns >= st->late_until || !st->ops.empty())) DrainLate(st);
+      // The stream's next operation waits until the finished kernel's stores are out.
+      if (!st->late.empty()) {
+        if (s.now_ns < st->late_until) continue;
+        DrainLate(st);
+        progress = true;
+      }
       while (!st->ops.empty()) {
         Op& op = st->ops.front();
         if (op.kind == Op::kKernel) {
@@ -744,8 +752,12 @@ void RunUntil(const std::function<bool()>& done) {
     if (!Busy(done)) break;
     WakeSleepers();
     if (s.ready.empty()) {
-      if (!s.sleepers.empty()) {
-        s.now_ns = std::max(s.now_ns, s.sleepers.front()->wake);
+      double next = s.sleepers.empty() ? -1 : s.sleepers.front()->wake;
+      for (Device* d : s.devices)
+        for (Stream* st : d->streams)
+          if (!st->late.empty() && (next < 0 || st->late_until < next)) next = st->late_until;
+      if (next >= 0) {
+        s.now_ns = std::max(s.now_ns, next);
         continue;
       }
       if (Advance()) continue;
