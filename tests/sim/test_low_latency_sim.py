@@ -163,10 +163,9 @@ def check_exact(res, want_d, want_c, R):
             np.testing.assert_array_equal(c[i].view(np.uint32), want_c[i][r].view(np.uint32))
 
 
+# 2 to 4 ranks, K > E_local and consecutive rounds run on the kernels themselves
+# (tests/emu/test_internode_ll_emu.py)
 SHAPES = [  # R, E, M, K, H, ports, QPs per port
-    (2, 4, 3, 2, 4, 1, 1),
-    (4, 8, 4, 3, 3, 2, 2),
-    (3, 6, 5, 6, 2, 2, 1),   # K > E_local: an owner gets several slots of one token
     (8, 16, 3, 4, 2, 2, 2),
     (4, 4, 6, 1, 2, 1, 3),
 ]
@@ -246,14 +245,6 @@ def _one_dispatch(R, E, M, K, H, *, seed=0, mutate=None, mistakes=Mistakes(), ti
         mutate(steps)
     sim = Sim(R, E, M, H, seed=seed, timeout=timeout, mistakes=mistakes)
     return sim.simulate(steps)
-
-
-def test_skipped_call_times_out_naming_the_peer():
-    res = _one_dispatch(4, 8, 3, 2, 2, mutate=lambda st: st[2].clear())
-    assert not res.hang
-    for r in (0, 1, 3):
-        err = res.errors[r]
-        assert err["code"] == "timeout" and err["peer"] == 2 and err["kind"] == "header", err
 
 
 def test_bad_id_fails_every_rank():
