@@ -15,13 +15,13 @@ rematerialize the calls (a side-effecting call could not be).
 Scope: only values of the trace being built are used, never a tracer of another trace
 (an outer or finished one), so nothing leaks between traces. Calls inside a nested
 `jit`, `scan`, `cond` or `checkpoint` body are chained with the other calls of that body;
-the body as a whole is ordered against the calls outside it through data only. Results
-are held by weak reference: a call whose results are all dropped is dead code and needs
-no successor.
+the body as a whole is ordered against the calls outside it through data only. One
+result of a trace's last call is held (strongly: a tracer dropped by Python may still
+feed later equations, so a weak reference could lose a live call) until that trace is
+no longer being built, i.e. it is neither the current trace nor one of its parents; so
+a call whose results are unused is still run, in order, when a later call follows it.
 """
 from __future__ import annotations
-
-import weakref
 
 import jax
 import numpy as np
@@ -31,7 +31,8 @@ try:  # the current trace; internal, so every use below falls back to "no chaini
 except ImportError:  # pragma: no cover
     _core = None
 
-# id(trace) -> (weak trace, weak results of the last EP call traced in it)
+# id(trace) -> (trace, one result tracer of the last EP call traced in it). Held only
+# while the trace is being built (see _prune), so finished traces are released.
 _last: dict[int, tuple] = {}
 
 
@@ -47,27 +48,29 @@ def _current_trace():
     return trace
 
 
-def _prune():
-    dead = [k for k, (tr, results) in _last.items()
-            if tr() is None or all(w() is None for w in results)]
-    for k in dead:
+def _prune(current):
+    """Drops the entries of traces that are neither `current` nor one of its parents:
+    those traces are finished, and their tracers must not be kept or reused."""
+    live = set()
+    t = current
+    while t is not None:
+        live.add(id(t))
+        t = getattr(t, "parent_trace", None)
+    for k in [k for k in _last if k not in live]:
         del _last[k]
 
 
 def last_call(trace=None):
-    """A live result (a tracer of `trace`, default the current one) of the last EP call
+    """A result (a tracer of `trace`, default the current one) of the last EP call
     traced in it, or None."""
     trace = _current_trace() if trace is None else trace
+    _prune(trace)
     if trace is None:
         return None
     entry = _last.get(id(trace))
-    if entry is None or entry[0]() is not trace:
+    if entry is None or entry[0] is not trace:
         return None
-    for w in entry[1]:
-        t = w()
-        if t is not None and getattr(t, "_trace", None) is trace:
-            return t
-    return None
+    return entry[1]
 
 
 def _is_chainable(leaf) -> bool:
@@ -98,12 +101,12 @@ def record(results):
     trace = _current_trace()
     if trace is None:
         return
-    refs = [weakref.ref(leaf) for leaf in jax.tree.leaves(results)
-            if isinstance(leaf, _core.Tracer) and getattr(leaf, "_trace", None) is trace]
-    if not refs:
-        return
-    _prune()
-    _last[id(trace)] = (weakref.ref(trace), refs)
+    _prune(trace)
+    mine = [leaf for leaf in jax.tree.leaves(results)
+            if isinstance(leaf, _core.Tracer) and getattr(leaf, "_trace", None) is trace
+            and _is_chainable(leaf)]
+    if mine:
+        _last[id(trace)] = (trace, mine[0])
 
 
 def ordered(fn):
