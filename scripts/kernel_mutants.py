@@ -36,6 +36,9 @@ IN = "kernels/internode/internode_kernels.cu"
 HIER = "kernels/internode/hierarchical_kernels.cu"
 T_IN = "tests/emu/test_internode_emu.py"
 T_HIER = "tests/emu/test_internode_hier_emu.py"
+LLIN = "kernels/internode/low_latency_kernels.cu"
+TRN = "kernels/internode/transport_nvshmem.cuh"
+T_LLIN = "tests/emu/test_internode_ll_emu.py"
 
 MUTANTS = [
     # ------------------------------------------------------------------ layout
@@ -202,4 +205,18 @@ MUTANTS = [
            "      counts_out[i] = 0;",
            (T_HIER, "-k", "matches_reference"),
            "count zeroed: the dispatch handle loses its count matrix"),
+    # ------------------------------------------------------- internode low-latency
+    Mutant("llin_dispatch_send_quiet_dropped", LLIN,
+           "                        SignalOp::kAdd, r, q);\n  }\n  __syncwarp();\n"
+           "  if (lane == 0) Tr::quiet();",
+           "                        SignalOp::kAdd, r, q);\n  }\n  __syncwarp();",
+           (T_LLIN, "-k", "consecutive or two_sends"),
+           "dropped quiet at the end of a send: the next call packs the send stage while "
+           "puts that read it at delivery are still queued"),
+    Mutant("internode_fetch_without_acquire", TRN,
+           "    return nvshmem_emu::load_acquire(sig);  // a poll: the emulated NIC delivers "
+           "meanwhile\n#else\n    return peer::load_acquire(sig);",
+           "    return nvshmem_signal_fetch(sig);\n#else\n    return nvshmem_signal_fetch(sig);",
+           (T_HIER, "-k", "matches_reference and 2x2"),
+           "a signal polled without acquire: the header or rows read after it are stale"),
 ]

@@ -69,13 +69,17 @@ def test_ll_matches_reference(R, S, H, K, E, M, dtype, seed):
     assert em.errors() == [""] * R
 
 
-def test_ll_consecutive_calls_reuse_halves_parities_and_credits():
+@pytest.mark.parametrize("seed,max_delay", [(11, 32), (12, 4000)])
+def test_ll_consecutive_calls_reuse_halves_parities_and_credits(seed, max_delay):
     """Eight rounds (dispatch and combine each: four wraps of the two parity halves and of
     the credits the readers hand back) with fresh routing and rows every round: each round
-    bit-exact, so a half reused before its credit, or read with last round's parity, shows."""
+    bit-exact, so a half reused before its credit, or read with last round's parity, shows.
+    With long transport delays puts are still queued when the sender packs its stage for
+    the next call: only the send's quiet keeps their source bytes (read at delivery)."""
     R, S, H, K, E, M = 4, 3, 8, 2, 8, 4
-    em = setup(R, S, H, K, E, M, "bf16", 11)
-    rng = np.random.default_rng(11)
+    em = InternodeEmu(R, num_ports=2, qps_per_port=1, seed=seed, max_delay=max_delay)
+    em.ll_init(max_tokens=M, row_bytes=H * 2, topk=K, num_experts=E)
+    rng = np.random.default_rng(seed)
     for i in range(8):
         x, idx, w, y = inputs(R, S, H, K, E, M, "bf16", rng)
         got, rpd = one_round(em, x, idx, w, y, K=K)
@@ -106,3 +110,30 @@ def test_ll_rank_that_skips_a_call_ends_in_errors_on_every_rank():
         failed |= {r for r, e in enumerate(errs) if e} | {r for r, e in enumerate(errs2) if e}
         failed |= {r for r, e in enumerate(em.ll_errors()) if e}
     assert failed == {0, 1}, em.ll_errors()
+
+
+@pytest.mark.parametrize("seed,max_delay", [(13, 32), (14, 4000)])
+def test_ll_two_sends_in_flight(seed, max_delay):
+    """Two dispatch send halves before either receive half (the FP8 pattern), three times:
+    the second send packs the send stage again while, with long transport delays, the
+    first one's puts (their source read at delivery) are still queued, so only the first
+    send's quiet keeps its rows. Both receives bit-exact."""
+    R, S, H, K, E, M = 4, 3, 8, 2, 8, 4
+    em = InternodeEmu(R, num_ports=2, qps_per_port=1, seed=seed, max_delay=max_delay)
+    em.ll_init(max_tokens=M, row_bytes=H * 2, topk=K, num_experts=E)
+    rng = np.random.default_rng(seed)
+    rpd = M * min(K, E // R)
+    for i in range(3):
+        a = inputs(R, S, H, K, E, M, "bf16", rng)
+        b = inputs(R, S, H, K, E, M, "bf16", rng)
+        ta, errs = em.ll_dispatch_send(a[0], a[1])
+        assert errs == [""] * R, errs
+        tb, errs = em.ll_dispatch_send(b[0], b[1])
+        assert errs == [""] * R, errs
+        for tok, inp, name in ((ta, a, "first"), (tb, b, "second")):
+            d, errs = em.ll_dispatch_recv(tok, H=H, dtype=np.dtype(inp[0].dtype), skip=())
+            assert errs == [""] * R, errs
+            got = {k: np.stack([o[k] for o in d]) for k in LL_DISPATCH_KEYS}
+            want = ll_reference(*inp, E=E, M=M, rows_per_dest=rpd)
+            assert_same(got, want, LL_DISPATCH_KEYS, f"seed {seed} round {i} {name}: ")
+    assert em.ll_errors() == [""] * R
