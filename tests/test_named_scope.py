@@ -201,3 +201,24 @@ def test_nvtx_header_under_nvcc(tmp_path):
                         str(tmp_path / "nvtx_check.o")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
+
+
+def test_cuda_handlers_push_their_nvtx_ranges():
+    """Every CUDA and NVSHMEM FFI handler opens a range named after its op (read back
+    from the built extensions, so a handler that loses its range fails here)."""
+    from jax_ep import _ext
+    info = _ext.build_info()
+    if not info["cuda"]:
+        pytest.skip("CPU-only build: no CUDA handlers")
+    pkg = pathlib.Path(_ext.ext.__file__).parent
+    blobs = b"".join(p.read_bytes() for p in pkg.glob("_jax_ep_*.so")
+                     if "_emu" not in p.name)
+    if b"NvtxDomain" not in blobs:
+        pytest.skip("built without the NVTX headers: ranges compiled out")
+    names = ["jax_ep.layout", "jax_ep.dispatch", "jax_ep.combine", "jax_ep.gather",
+             "jax_ep.low_latency.dispatch_send", "jax_ep.low_latency.combine_recv"]
+    if info["nvshmem"]:
+        names += ["jax_ep.internode.dispatch", "jax_ep.internode.hierarchical.combine",
+                  "jax_ep.internode.low_latency.dispatch_recv"]
+    missing = [n for n in names if n.encode() + b"\0" not in blobs]
+    assert not missing, f"handlers without their NVTX range: {missing}"

@@ -25,6 +25,7 @@
 #include "kernels/cuda/intranode_buffer.h"
 #include "xla_ffi/cuda/cuda_state.h"
 #include "xla_ffi/common/ffi_helpers.h"
+#include "kernels/common/nvtx.h"
 
 namespace ffi = xla::ffi;
 
@@ -67,6 +68,7 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32
                       ffi::ResultBuffer<ffi::S32> per_rank, ffi::ResultBuffer<ffi::S32> per_expert,
                       ffi::ResultBuffer<ffi::PRED> in_rank, int64_t num_experts,
                       int64_t num_ranks) {
+  JEP_NVTX_RANGE("jax_ep.layout");
   auto d = topk_idx.dimensions();
   if (d.size() != 2) return Invalid("topk_idx must be [T, K], got " + Dims(d));
   if (num_ranks < 1 || num_experts % num_ranks != 0)
@@ -394,6 +396,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                         ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_index,
                         ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts,
                         int64_t num_ranks, int64_t capacity, int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.dispatch");
   return Dispatch(stream, ordinal, x, topk_idx, topk_weights, &rank_buf, &group_buf, recv_x,
                   recv_idx, recv_w, num_recv, num_dropped, recv_per_expert, src_rank, src_index,
                   send_row, num_experts, num_ranks, capacity, call_site, HarnessOpts{});
@@ -453,6 +456,7 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
                        ffi::Buffer<ffi::S32> send_row, ffi::Buffer<ffi::S32> rank_buf,
                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
                        int64_t num_ranks, int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.combine");
   return Combine(stream, ordinal, y, send_row, &rank_buf, &group_buf, out, num_ranks, call_site,
                  HarnessOpts{});
 }
@@ -516,6 +520,7 @@ ffi::Error GatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
                       ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
                       ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
                       ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks, int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.gather");
   return Gather(stream, ordinal, g, src_rank, src_index, &rank_buf, &group_buf, out, num_ranks,
                 call_site, HarnessOpts{});
 }
@@ -537,6 +542,7 @@ ffi::Error HarnessDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
                                ffi::ResultBuffer<ffi::S32> send_row, int64_t num_experts,
                                int64_t capacity, ffi::Span<const int64_t> call_sites,
                                int64_t concurrent, int64_t absent_rank) {
+  JEP_NVTX_RANGE("jax_ep.harness.dispatch");
   const HarnessOpts ho{call_sites, concurrent != 0, static_cast<int>(absent_rank)};
   return Dispatch(stream, ordinal, x, topk_idx, topk_weights, nullptr, nullptr, recv_x, recv_idx,
                   recv_w, num_recv, num_dropped, recv_per_expert, src_rank, src_index, send_row,
@@ -547,6 +553,7 @@ ffi::Error HarnessCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
                               ffi::Buffer<ffi::S32> send_row, ffi::Result<ffi::AnyBuffer> out,
                               ffi::Span<const int64_t> call_sites, int64_t concurrent,
                               int64_t absent_rank) {
+  JEP_NVTX_RANGE("jax_ep.harness.combine");
   const HarnessOpts ho{call_sites, concurrent != 0, static_cast<int>(absent_rank)};
   return Combine(stream, ordinal, y, send_row, nullptr, nullptr, out, 0, 0, ho);
 }
@@ -555,6 +562,7 @@ ffi::Error HarnessGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_index,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> call_sites,
                              int64_t concurrent, int64_t absent_rank) {
+  JEP_NVTX_RANGE("jax_ep.harness.gather");
   const HarnessOpts ho{call_sites, concurrent != 0, static_cast<int>(absent_rank)};
   return Gather(stream, ordinal, g, src_rank, src_index, nullptr, nullptr, out, 0, 0, ho);
 }

@@ -31,6 +31,7 @@
 #include "kernels/cuda/low_latency_kernels.h"
 #include "xla_ffi/common/ffi_helpers.h"
 #include "xla_ffi/cuda/cuda_state.h"
+#include "kernels/common/nvtx.h"
 
 namespace ffi = xla::ffi;
 
@@ -112,6 +113,7 @@ ffi::Error Launch(std::initializer_list<int> phases, int R, cudaStream_t stream,
 ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::S32> topk_idx, ffi::ResultBuffer<ffi::S32> token,
                             int64_t num_experts, int64_t max_tokens, int64_t topk_max) {
+  JEP_NVTX_RANGE("jax_ep.low_latency.dispatch_send");
   auto xd = x.dimensions();
   auto id = topk_idx.dimensions();
   if (xd.size() != 3) return Invalid("harness x must be [R, S, H], got " + Dims(xd));
@@ -152,6 +154,7 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ff
                             ffi::ResultBuffer<ffi::S32> first_row,
                             ffi::ResultBuffer<ffi::S32> row_count, int64_t num_experts,
                             int64_t max_tokens, int64_t topk_max) {
+  JEP_NVTX_RANGE("jax_ep.low_latency.dispatch_recv");
   auto rd = recv_x->dimensions();
   if (rd.size() != 4) return Invalid("harness recv_x must be [R, E_local, R * M, H]");
   const int64_t R = rd[0], H = rd[3], M = max_tokens;
@@ -194,6 +197,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
                            ffi::Buffer<ffi::S32> first_row, ffi::Buffer<ffi::S32> row_count,
                            ffi::ResultBuffer<ffi::S32> token, int64_t num_experts,
                            int64_t max_tokens, int64_t topk_max) {
+  JEP_NVTX_RANGE("jax_ep.low_latency.combine_send");
   auto yd = y.dimensions();
   if (yd.size() != 4) return Invalid("harness y must be [R, E_local, R * M, H], got " + Dims(yd));
   const int64_t R = yd[0], H = yd[3], M = max_tokens;
@@ -228,6 +232,7 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi
                            ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_w,
                            ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
                            int64_t max_tokens, int64_t topk_max) {
+  JEP_NVTX_RANGE("jax_ep.low_latency.combine_recv");
   auto id = topk_idx.dimensions();
   auto od = out->dimensions();
   if (id.size() != 3) return Invalid("harness topk_idx must be [R, S, K], got " + Dims(id));
@@ -350,6 +355,7 @@ ffi::Error RankDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
                                 ffi::ResultBuffer<ffi::S32> stage_idx,
                                 ffi::ResultBuffer<ffi::S32> expert_count, int64_t num_experts,
                                 int64_t num_ranks, int64_t max_tokens, int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.low_latency.dispatch_send");
   auto xd = x.dimensions();
   auto id = topk_idx.dimensions();
   if (xd.size() != 2) return Invalid("x must be [S, H], got " + Dims(xd));
@@ -394,6 +400,7 @@ ffi::Error RankDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
                                 ffi::ResultBuffer<ffi::S32> first_row,
                                 ffi::ResultBuffer<ffi::S32> row_count, int64_t num_experts,
                                 int64_t num_ranks, int64_t max_tokens, int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.low_latency.dispatch_recv");
   auto xd = stage_x.dimensions();
   if (xd.size() != 2) return Invalid("staged x must be [S, H], got " + Dims(xd));
   const int64_t H = xd[1], R = num_ranks, M = max_tokens, E = num_experts;
@@ -435,6 +442,7 @@ ffi::Error RankCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
                                ffi::Result<ffi::AnyBuffer> stage,
                                ffi::ResultBuffer<ffi::S32> status, int64_t num_ranks,
                                int64_t max_tokens, int64_t rows_per_dest, int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.low_latency.combine_send");
   auto yd = y.dimensions();
   if (yd.size() != 3) return Invalid("y must be [E_local, R * M, H], got " + Dims(yd));
   const int64_t el = yd[0], H = yd[2], R = num_ranks, M = max_tokens;
@@ -472,6 +480,7 @@ ffi::Error RankCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
                                ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
                                int64_t num_experts, int64_t num_ranks, int64_t max_tokens,
                                int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.low_latency.combine_recv");
   auto sd = stage.dimensions();
   auto id = topk_idx.dimensions();
   if (sd.size() != 3) return Invalid("stage must be [R, rows, H], got " + Dims(sd));

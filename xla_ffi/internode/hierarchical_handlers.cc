@@ -19,6 +19,7 @@
 #include "xla_ffi/common/ffi_helpers.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
 #include "xla_ffi/internode/internode_args.h"
+#include "kernels/common/nvtx.h"
 
 namespace ffi = xla::ffi;
 
@@ -69,6 +70,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                         int64_t num_ranks, int64_t rank, int64_t capacity, int64_t num_ports,
                         int64_t qps_per_port, int64_t chunk_bytes, int64_t call_site,
                         int64_t gpus_per_node) {
+  JEP_NVTX_RANGE("jax_ep.internode.hierarchical.dispatch");
   FloatKind elem;
   if (!FloatKindOf(x.element_type(), &elem))
     return Invalid("x must be float32, bfloat16 or float16");
@@ -144,6 +146,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S
                        ffi::Result<ffi::AnyBuffer> out, int64_t num_ranks, int64_t rank,
                        int64_t capacity, int64_t topk, int64_t num_ports, int64_t qps_per_port,
                        int64_t chunk_bytes, int64_t call_site, int64_t gpus_per_node) {
+  JEP_NVTX_RANGE("jax_ep.internode.hierarchical.combine");
   FloatKind elem;
   hier::HierDims hd;
   ffi::Error e = HandleDims(false, y, counts, send_slot, out, num_ranks, rank, capacity, topk,
@@ -161,6 +164,7 @@ ffi::Error GatherImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S3
                       int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
                       int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes,
                       int64_t call_site, int64_t gpus_per_node) {
+  JEP_NVTX_RANGE("jax_ep.internode.hierarchical.gather");
   FloatKind elem;
   hier::HierDims hd;
   ffi::Error e = HandleDims(true, g, counts, send_slot, out, num_ranks, rank, capacity, topk,

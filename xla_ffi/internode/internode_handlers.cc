@@ -25,6 +25,7 @@
 #include "xla_ffi/internode/internode_args.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
 #include "xla_ffi/common/ffi_helpers.h"
+#include "kernels/common/nvtx.h"
 
 namespace ffi = xla::ffi;
 
@@ -74,6 +75,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                         ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t num_experts,
                         int64_t num_ranks, int64_t rank, int64_t capacity, int64_t num_ports,
                         int64_t qps_per_port, int64_t chunk_bytes, int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.internode.dispatch");
   FloatKind elem;
   if (!FloatKindOf(x.element_type(), &elem)) return Invalid("x must be float32, bfloat16 or float16");
   if (x.dimensions().size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(x.dimensions()));
@@ -119,6 +121,7 @@ ffi::Error HandleCallImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi
                           int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
                           int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes,
                           int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.internode.combine_or_gather");
   const std::string name = kGather ? "g" : "y";
   FloatKind elem;
   if (!FloatKindOf(a.element_type(), &elem))

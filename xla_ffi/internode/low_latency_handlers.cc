@@ -26,6 +26,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common/ffi_helpers.h"
 #include "xla_ffi/internode/low_latency_handlers.h"
+#include "kernels/common/nvtx.h"
 
 namespace ffi = xla::ffi;
 
@@ -79,6 +80,7 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
                             ffi::Result<ffi::Buffer<ffi::S32>> token, int64_t num_experts,
                             int64_t num_ranks, int64_t rank, int64_t max_tokens,
                             int64_t num_ports, int64_t qps_per_port, int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.internode.low_latency.dispatch_send");
   ll_internode::CallDims d;
   ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
                           call_site, &d);
@@ -108,6 +110,7 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
                             ffi::Result<ffi::Buffer<ffi::S32>> row_count, int64_t num_experts,
                             int64_t num_ranks, int64_t rank, int64_t max_tokens,
                             int64_t num_ports, int64_t qps_per_port, int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.internode.low_latency.dispatch_recv");
   ll_internode::CallDims d;
   ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
                           call_site, &d);
@@ -139,6 +142,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ff
                            int64_t num_ranks, int64_t rank, int64_t max_tokens,
                            int64_t rows_per_dest, int64_t num_ports, int64_t qps_per_port,
                            int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.internode.low_latency.combine_send");
   ll_internode::CallDims d;
   ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
                           call_site, &d);
@@ -164,6 +168,7 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
                            ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
                            int64_t num_ranks, int64_t rank, int64_t max_tokens,
                            int64_t num_ports, int64_t qps_per_port, int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.internode.low_latency.combine_recv");
   ll_internode::CallDims d;
   ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
                           call_site, &d);
