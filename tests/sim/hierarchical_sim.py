@@ -46,7 +46,7 @@ import numpy as np
 
 from jax_ep.network import modes
 from jax_ep.network.topology import Topology
-from jax_ep.network.transport import _qp_for_mirror
+from jax_ep.network.transport import _qp_for_arrays  # the compiled striping rule (binding)
 
 BUGS = frozenset({"credit_early", "forward_before_land", "nvl_publish_early",
                   "reduce_in_node", "missing_close", "shared_signal_word",
@@ -398,7 +398,7 @@ def _recv_base(counts, C):
 
 
 def _qp_of_chunk(peer, chunk, cfg: Config) -> int:
-    qp, _ = _qp_for_mirror(peer, chunk % cfg.num_qps, chunk, cfg.num_ports, cfg.qps_per_port)
+    qp, _ = _qp_for_arrays(peer, chunk % cfg.num_qps, chunk, cfg.num_ports, cfg.qps_per_port)
     return int(qp)
 
 
