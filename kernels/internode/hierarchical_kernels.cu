@@ -53,6 +53,7 @@
 #include "kernels/internode/hierarchical_kernels.h"
 #include "kernels/internode/hierarchical_layout.h"
 #include "kernels/internode/internode_kernels.h"
+#include "kernels/internode/low_latency_wire.h"
 #include "kernels/internode/transport_nvshmem.cuh"
 #include "kernels/internode/wire_protocol.h"
 
@@ -1301,7 +1302,9 @@ std::string PendingError() {
   const int kind = r->kind;
   // The exchange's mismatch carries hashes, not the peer's configuration fields.
   const bool hier_mismatch = code == wire::kErrMismatch && kind == wire::kSigCounts;
-  if (code == wire::kErrNone || code < 0 || (kind < kKindCredit && !hier_mismatch))
+  // a low-latency record (op past llwire::kErrOpBase): the direct decoder names it
+  if (code == wire::kErrNone || code < 0 || r->op >= llwire::kErrOpBase ||
+      (kind < kKindCredit && !hier_mismatch))
     return internode::PendingError();
   const int peer = r->peer, qp = r->qp, rank = r->rank;
   const unsigned long long expected = r->expected, seen = r->seen;

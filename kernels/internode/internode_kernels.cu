@@ -41,6 +41,7 @@
 #include "kernels/internode/device_copy.cuh"
 #include "kernels/internode/internode_kernels.h"
 #include "kernels/internode/internode_layout.h"
+#include "kernels/internode/low_latency_wire.h"
 #include "kernels/common/layout_math.h"
 #include "kernels/common/striping_plan.h"
 #include "kernels/internode/transport_nvshmem.cuh"
@@ -994,6 +995,13 @@ std::string PendingError() {
   const volatile wire::ErrorRecord* r = Rt().err;
   const int code = r->code;
   if (code == wire::kErrNone) return {};
+  // The low-latency mode shares the record with its own field meanings (op past
+  // kErrOpBase): name it rather than decode it as a direct-mode record.
+  if (r->op >= llwire::kErrOpBase)
+    return "jax_ep internode: an earlier internode low-latency call failed on this rank "
+           "(error code " + std::to_string(code) + ", peer " + std::to_string(r->peer) +
+           "; its own call reported the details). The internode transport stays failed for "
+           "the life of this process; restart the job.";
   std::string m = "jax_ep internode: ";
   const int op = r->op, peer = r->peer, kind = r->kind, qp = r->qp;
   const unsigned long long expected = r->expected, seen = r->seen;
