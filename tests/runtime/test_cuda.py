@@ -3,6 +3,7 @@ the virtual-rank harness and the real handlers (marked `gpu`, skipped without a 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import jax
@@ -103,7 +104,8 @@ def test_presets_header_is_one_table():
     """Launch sizes live in kernels/common/configs.h only, not as literals in the kernels."""
     with open(os.path.join(ROOT, "kernels", "cuda", "intranode_kernels.cu")) as f:
         src = f.read()
-    assert "<<<p.push_blocks, p.threads" in src and "<<<p.recv_blocks, p.threads" in src
+    assert ", p.push_blocks, p.threads, " in src and ", p.recv_blocks, p.threads, " in src
+    assert not re.search(r"JEP_LAUNCH\(\w+(<[^>]*>)?,\s*[^,]+,\s*\d", src), "a literal block size"
     assert "kPlanThreads" in src
 
 

@@ -34,6 +34,12 @@ def _body(text: str, name: str) -> str:
     raise ValueError(f"unbalanced braces in {name}")
 
 
+def _lift_body(cu: str) -> str:
+    """The body of ClearIntranodeFailure's definition (comments name it too)."""
+    i = cu.index("cudaError_t ClearIntranodeFailure() {")
+    return _body(cu[i:], "ClearIntranodeFailure")
+
+
 def _calls(text: str, name: str) -> list[str]:
     """Argument lists of every call `name(...)` (definitions included)."""
     out = []
@@ -95,12 +101,16 @@ def check_kernels(cu: str, buffer_h: str) -> list[str]:
     skips = re.findall(r"s_fail\s*=\s*([^;]+);", cu)
     if len(skips) < 5 or any("failed()" not in s and "wait_and_check(" not in s for s in skips):
         bad.append(f"a kernel's skip decision bypasses failed(): {skips}")
-    # 4. Clearing the record (check_errors(clear=True), reset()) clears the failed state.
+    # 4. Clearing the record (check_errors) leaves the failed state: the headers are out
+    #    of step after a protocol error, so only reset() (ClearIntranodeFailure, after the
+    #    headers are zeroed) may lift it and the stop word.
     rd = _body(cu, "ReadIntranodeError")
-    clear = re.search(rf"ReadErrorSymbol\s*\(\s*{FAILED}\s*,[^;]*,\s*true\s*\)", rd) or \
-        re.search(rf"cudaMemcpyToSymbol\s*\(\s*{FAILED}\b", rd)
-    if clear is None or "if (e == cudaSuccess && clear)" not in rd:
-        bad.append("ReadIntranodeError(clear=true) leaves the failed state set")
+    if re.search(rf"\b{FAILED}\b", rd):
+        bad.append("ReadIntranodeError touches the failed state")
+    lift = _lift_body(cu)
+    if not (re.search(rf"ReadErrorSymbol\s*\(\s*{FAILED}\s*,[^;]*,\s*true\s*\)", lift)
+            and "g_intranode_stop" in lift):
+        bad.append("ClearIntranodeFailure does not clear the failed state and the stop word")
     return bad
 
 
@@ -146,12 +156,21 @@ def _plant_timeout_only(cu):  # only a timeout sets the failed state
     return cu.replace("if (IsProtocolError(code)) {", "if (code == kErrTimeout) {", 1)
 
 
-def _plant_no_clear(cu):  # clearing the record leaves the failed state behind
+def _plant_clear_drops_flag(cu):  # the old code: check_errors lifted the failed state
     rd = _body(cu, "ReadIntranodeError")
-    out = re.sub(rf"ReadErrorSymbol\s*\(\s*{FAILED}\s*,\s*&failure\s*,\s*true\s*\)",
-                 f"ReadErrorSymbol({FAILED}, &failure, false)", rd)
+    out = rd.replace("return ReadErrorSymbol(g_intranode_error, out, clear);",
+                     "ErrorRecord f{};\n  if (clear) ReadErrorSymbol(" + FAILED + ", &f, true);\n"
+                     "  return ReadErrorSymbol(g_intranode_error, out, clear);", 1)
     assert out != rd
     return cu.replace(rd, out, 1)
+
+
+def _plant_reset_keeps_flag(cu):  # reset() no longer lifts the failed state
+    lift = _lift_body(cu)
+    out = re.sub(rf"ReadErrorSymbol\s*\(\s*{FAILED}\s*,\s*&failure\s*,\s*true\s*\)",
+                 f"ReadErrorSymbol({FAILED}, &failure, false)", lift)
+    assert out != lift
+    return cu.replace(lift, out, 1)
 
 
 def _plant_direct_record(cu):  # a new path records a protocol error around report()
@@ -177,7 +196,8 @@ def _plant_site_from_record(cu):
 PLANTED = {
     "failed_reads_first_error": _plant_first_error_failed,
     "flag_set_by_timeout_only": _plant_timeout_only,
-    "clear_keeps_flag": _plant_no_clear,
+    "clear_drops_flag": _plant_clear_drops_flag,
+    "reset_keeps_flag": _plant_reset_keeps_flag,
     "record_outside_report": _plant_direct_record,
     "kernel_reads_record": _plant_kernel_reads_record,
     "site_from_record": _plant_site_from_record,
