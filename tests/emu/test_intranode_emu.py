@@ -211,3 +211,20 @@ def test_counters_report_the_launches():
     assert c["kernel:dispatch_finish_kernel:warps"] == R * preset["recv_blocks"] * preset["threads"] // 32
     assert c["release_stores"] >= 2 * R * R  # arrivals and credits, one per peer
     assert c["fences:system"] > 0 and c["polls"] > 0
+
+
+@pytest.mark.parametrize("before", [None, "123"])
+def test_emulator_leaves_the_process_timeout_alone(before, monkeypatch):
+    """The emulator's own timeout applies to its launches only: the CPU transport's
+    JAX_EP_TIMEOUT_S (read by C++ getenv) is the same after an emulated call."""
+    import ctypes
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    if before is None:
+        monkeypatch.delenv("JAX_EP_TIMEOUT_S", raising=False)
+    else:
+        monkeypatch.setenv("JAX_EP_TIMEOUT_S", before)
+    emu = Emulator(2, seed=5)
+    emu.layout(routing("random", 2, 4, 2, 4, np.random.default_rng(5)), num_experts=4)
+    got = libc.getenv(b"JAX_EP_TIMEOUT_S")
+    assert got == (None if before is None else before.encode())

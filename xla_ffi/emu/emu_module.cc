@@ -162,6 +162,11 @@ int64_t Enqueue(const std::string& op, int ordinal, std::vector<InSpec> inputs,
   for (auto& b : c->out) a.out.push_back(&b->b);
   a.attrs = std::move(attrs);
   a.array_attrs = std::move(array_attrs);
+  // The handlers read JAX_EP_TIMEOUT_S when they launch: the emulator's timeout holds for
+  // this launch only, and the process's own value (the CPU transport's) comes back after.
+  const char* prev = std::getenv("JAX_EP_TIMEOUT_S");
+  const bool had_prev = prev != nullptr;
+  const std::string saved = had_prev ? prev : "";
   const std::string t = std::to_string(g_timeout_s);
   setenv("JAX_EP_TIMEOUT_S", t.c_str(), 1);
   cudaSetDevice(ordinal);
@@ -171,6 +176,8 @@ int64_t Enqueue(const std::string& op, int ordinal, std::vector<InSpec> inputs,
     if (known) break;
   }
   cudaSetDevice(0);
+  if (had_prev) setenv("JAX_EP_TIMEOUT_S", saved.c_str(), 1);
+  else unsetenv("JAX_EP_TIMEOUT_S");
   if (!known) throw std::invalid_argument("jax_ep emu: unknown op " + op);
   const int64_t id = g_next_call++;
   Calls()[id] = std::move(c);
