@@ -46,6 +46,7 @@
 #include <string>
 #include <utility>
 
+#include "kernels/common/combine_order.h"
 #include "kernels/common/dtype_convert.h"
 #include "kernels/common/layout_math.h"
 #include "kernels/common/striping_plan.h"
@@ -378,7 +379,8 @@ __device__ __forceinline__ void WriteRow(const Geo& g, char* dst, const char* pa
 // receiver (node, l)'s numbering, capacity cut and NVLink ring (peer pointers).
 struct FwdLane {
   long long sent = 0, base = 0, kept = 0;
-  unsigned long long tail = 0;
+  unsigned long long tail = 0;  // rows written into the ring
+  unsigned long long pub = 0;   // rows published (the tail word's value)
   char* ring = nullptr;
   uint64_t* head = nullptr;
   uint64_t* tailw = nullptr;
@@ -408,28 +410,44 @@ __device__ __forceinline__ P* ShflPtr(P* p, int src) {
       __shfl_sync(kFull, reinterpret_cast<unsigned long long>(p), src));
 }
 
-// Waits (lane 0, bounded) for room in receiver l's ring; its slot, or null on failure.
-__device__ char* NvlReserve(const Geo& g, const FwdLane& f, int l) {
-  const unsigned long long tail = __shfl_sync(kFull, f.tail, l);
-  uint64_t* head = ShflPtr(f.head, l);
-  int ok = 1;
-  if (Lane() == 0 && tail >= static_cast<unsigned long long>(kNvlRingRows))
-    ok = WaitAtLeast(g, [head] { return LoadAcq(head); }, tail + 1 - kNvlRingRows,
-                     g.node * g.G + l, kKindNvl, l) ? 1 : 0;
-  if (!__shfl_sync(kFull, ok, 0)) return nullptr;
-  return ShflPtr(f.ring, l) + nvl_slot(static_cast<int64_t>(tail)) * g.stride;
+// Publishes every ring's rows written since its last publication: one system fence per
+// lane (each lane wrote a part of the rows) and one release of each tail that moved, per
+// chunk of rows, never per row.
+__device__ void NvlFlush(FwdLane* f) {
+  const bool dirty = f->tail > f->pub;
+  if (!__any_sync(kFull, dirty)) return;
+  __threadfence_system();
+  __syncwarp();
+  if (dirty) {
+    StoreRel(f->tailw, f->tail);
+    f->pub = f->tail;
+  }
+  __syncwarp();
 }
 
-// Publishes the row just written into receiver l's ring (the warp's stores first).
-__device__ __forceinline__ void NvlPublish(FwdLane* f, int l) {
+// Waits (lane 0, bounded) for room in receiver l's ring; its slot, or null on failure.
+// A full ring is flushed first, so its reader can free it.
+__device__ char* NvlReserve(const Geo& g, FwdLane* f, int l) {
   const unsigned long long tail = __shfl_sync(kFull, f->tail, l);
-  uint64_t* tw = ShflPtr(f->tailw, l);
-  __syncwarp();
-  if (Lane() == 0) {
-    __threadfence_system();
-    StoreRel(tw, tail + 1);
+  uint64_t* head = ShflPtr(f->head, l);
+  int wait = 0;
+  if (Lane() == 0 && tail >= static_cast<unsigned long long>(kNvlRingRows))
+    wait = LoadAcq(head) < tail + 1 - kNvlRingRows ? 1 : 0;
+  int ok = 1;
+  if (__shfl_sync(kFull, wait, 0)) {
+    NvlFlush(f);
+    if (Lane() == 0)
+      ok = WaitAtLeast(g, [head] { return LoadAcq(head); }, tail + 1 - kNvlRingRows,
+                       g.node * g.G + l, kKindNvl, l) ? 1 : 0;
   }
-  if (Lane() == l) f->tail = tail + 1;
+  if (!__shfl_sync(kFull, ok, 0)) return nullptr;
+  return ShflPtr(f->ring, l) + nvl_slot(static_cast<int64_t>(tail)) * g.stride;
+}
+
+// Counts the row just written into receiver l's ring; NvlFlush publishes it.
+__device__ __forceinline__ void NvlWritten(FwdLane* f, int l) {
+  __syncwarp();
+  if (Lane() == l) f->tail += 1;
   __syncwarp();
 }
 
@@ -446,7 +464,7 @@ __device__ bool Forward(const Geo& g, FwdLane* f, uint32_t mask, const char* row
     const long long base = __shfl_sync(kFull, f->base, l);
     if (Lane() == l) f->sent = slot + 1;
     if (slot >= kept) continue;  // past the capacity there: dropped, never forwarded
-    char* dst = NvlReserve(g, *f, l);
+    char* dst = NvlReserve(g, f, l);
     if (dst == nullptr) return false;
     if (row != nullptr) {
       devcopy::CopyLanded(dst, row, g.stride, Lane(), 32);
@@ -456,7 +474,7 @@ __device__ bool Forward(const Geo& g, FwdLane* f, uint32_t mask, const char* row
     } else {
       WriteRow(g, dst, payload, topk_idx, topk_w, t, 0, base + slot);
     }
-    NvlPublish(f, l);
+    NvlWritten(f, l);
   }
   return true;
 }
@@ -568,6 +586,7 @@ __device__ void LocalForwardRole(const Geo& g, const View& v, const char* payloa
                    tb + l))
         return;
     }
+    NvlFlush(&f);  // the rows of these 32 tokens: one release per ring
   }
 }
 
@@ -594,6 +613,7 @@ __device__ void RailForwardRole(const Geo& g, const View& v, int n) {
           devcopy::LoadLanded(reinterpret_cast<const int32_t*>(row + g.dmeta) + 2));
       if (!Forward(g, &f, mask, row, nullptr, nullptr, nullptr, 0)) return;
     }
+    NvlFlush(&f);  // the chunk's rows: one release per ring, before the credit frees them
     __syncwarp();
     if (Lane() == 0)
       Tr::signal(v.credit + g.node, static_cast<uint64_t>(c + 1), SignalOp::kSet, s,
@@ -803,9 +823,15 @@ __device__ void PushRole(const Geo& g, const View& v, int p, const char* y,
   for (int spin = 0;; ++spin) {
     const bool active = next < n;
     if (!__any_sync(kFull, active)) break;
-    const bool room = active && (tail < static_cast<unsigned long long>(kNvlRingRows) ||
-                                 LoadAcq(head) + kNvlRingRows > tail);
-    unsigned ready = __ballot_sync(kFull, room);
+    // rows this lane may write now: up to the ring's free slots
+    long long batch = 0;
+    if (active) {
+      const unsigned long long hd =
+          tail < static_cast<unsigned long long>(kNvlRingRows) ? 0ull : LoadAcq(head);
+      const long long room = static_cast<long long>(hd + kNvlRingRows - tail);
+      batch = n - next < room ? n - next : room;
+    }
+    unsigned ready = __ballot_sync(kFull, batch > 0);
     if (ready == 0) {
       int stop = 0;
       if (lane == 0 && (spin & 255) == 0) {
@@ -826,44 +852,140 @@ __device__ void PushRole(const Geo& g, const View& v, int p, const char* y,
     while (ready != 0) {
       const int l = __ffs(ready) - 1;
       ready &= ready - 1;
-      const long long i = __shfl_sync(kFull, start + next, l);
+      const long long i0 = __shfl_sync(kFull, start + next, l);
+      const long long cnt = __shfl_sync(kFull, batch, l);
       const unsigned long long tl = __shfl_sync(kFull, tail, l);
-      char* dst = ShflPtr(ring, l) + nvl_slot(static_cast<int64_t>(tl)) * g.stride;
+      char* rb = ShflPtr(ring, l);
       uint64_t* tw = ShflPtr(tailw, l);
-      CopyBytes(dst, y + i * g.prow, g.prow, lane, 32);
-      if (lane == 0) {
-        int32_t* meta = reinterpret_cast<int32_t*>(dst + g.cmeta);
-        meta[0] = src_index[i];
-        meta[1] = g.rank;
+      for (long long k = 0; k < cnt; ++k) {
+        char* dst = rb + nvl_slot(static_cast<int64_t>(tl + k)) * g.stride;
+        CopyBytes(dst, y + (i0 + k) * g.prow, g.prow, lane, 32);
+        if (lane == 0) {
+          int32_t* meta = reinterpret_cast<int32_t*>(dst + g.cmeta);
+          meta[0] = src_index[i0 + k];
+          meta[1] = g.rank;
+        }
       }
+      // the batch's rows, then one release of the tail (one fence per lane per batch)
+      __threadfence_system();
       __syncwarp();
-      if (lane == 0) {
-        __threadfence_system();
-        StoreRel(tw, tl + 1);
-      }
+      if (lane == 0) StoreRel(tw, tl + cnt);
       if (lane == l) {
-        tail = tl + 1;
-        ++next;
+        tail = tl + cnt;
+        next += cnt;
       }
       __syncwarp();
     }
   }
 }
 
-// Combine forwarder for the source s = (n, my local index): merges this node's rings of
-// s by (token, rank) into one credited RDMA stream back to s.
+// ---- combine sums (kernels/common/combine_order.h) ----------------------------------------
+
+// Elements of E in one 16-byte access.
+template <typename E>
+struct Vec {
+  static constexpr int kN = 16 / static_cast<int>(sizeof(E));
+};
+
+// V elements of a landed row from element x0 on, as float32: one 16-byte load when V is a
+// full vector (x0 * sizeof(E) then 16-byte aligned), else one element.
+template <typename E, int V>
+__device__ __forceinline__ void LoadF(const char* row, int64_t x0, float* f) {
+  if constexpr (V == 1) {
+    f[0] = ToF(devcopy::LoadLandedElem(reinterpret_cast<const E*>(row) + x0));
+  } else {
+    const int4 w = devcopy::LoadLandedInt4(reinterpret_cast<const int4*>(
+        row + x0 * static_cast<int64_t>(sizeof(E))));
+    E e[V];
+    __builtin_memcpy(e, &w, sizeof(e));
+#pragma unroll
+    for (int i = 0; i < V; ++i) f[i] = ToF(e[i]);
+  }
+}
+
+// A float32 value rounded to the row dtype E and back (combine_order.h step 2).
+template <typename E>
+__device__ __forceinline__ float RoundTo(float v) { return ToF(FromF<E>(v)); }
+
+// The forwarder's node partial of one token, elements [x0, x0 + V): the rows rp[0, n)
+// (ascending rank) summed in float32 from +0, rounded to E, stored at dst.
+template <typename E, int V>
+__device__ __forceinline__ void PartialAt(char* dst, const char* const* rp, int n,
+                                          int64_t x0) {
+  float p[V], f[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) p[i] = 0.f;
+  for (int k = 0; k < n; ++k) {
+    LoadF<E, V>(rp[k], x0, f);
+#pragma unroll
+    for (int i = 0; i < V; ++i) p[i] += f[i];
+  }
+  E e[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) e[i] = FromF<E>(p[i]);
+  if constexpr (V == 1) {
+    reinterpret_cast<E*>(dst)[x0] = e[0];
+  } else {
+    int4 w;
+    __builtin_memcpy(&w, e, sizeof(e));
+    *reinterpret_cast<int4*>(dst + x0 * static_cast<int64_t>(sizeof(E))) = w;
+  }
+}
+
+// Elements that go 16 bytes at a time: all of them when a row's payload is a multiple of
+// 16 bytes (rows start 16-byte aligned: the stride and every ring base are), else none.
+__device__ __forceinline__ int64_t VecElems(const Geo& g) { return g.prow % 16 == 0 ? g.H : 0; }
+
+// The source's sum of one piece, elements [x0, x0 + V): acc += the items rows[0, n) in
+// order, where rows[own0, own0 + nown) are its own node's rows (summed from +0 into the
+// node partial, rounded to E when the order rounds, then added) and the others are the
+// partials of other nodes as they came over RDMA.
+template <typename E, int V>
+__device__ __forceinline__ void SourceAddAt(float* acc, const char* const* rows, int n,
+                                            int own0, int nown, bool rounds, int64_t x0) {
+  float a[V], f[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) a[i] = acc[x0 + i];
+  for (int k = 0; k < n; ++k) {
+    if (k == own0 && nown > 0) {
+      float p[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) p[i] = 0.f;
+      for (int q = own0; q < own0 + nown; ++q) {
+        LoadF<E, V>(rows[q], x0, f);
+#pragma unroll
+        for (int i = 0; i < V; ++i) p[i] += f[i];
+      }
+#pragma unroll
+      for (int i = 0; i < V; ++i) a[i] += rounds ? RoundTo<E>(p[i]) : p[i];
+      k += nown - 1;
+      continue;
+    }
+    LoadF<E, V>(rows[k], x0, f);
+#pragma unroll
+    for (int i = 0; i < V; ++i) a[i] += f[i];
+  }
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc[x0 + i] = a[i];
+}
+
+// Combine forwarder for the source s = (n, my local index): merges this node's rings of s
+// (ring l: rank (my node, l)'s rows of s in token order) by token and sends ONE row per
+// token back to s, the node partial (its rows in ascending rank order summed in float32,
+// rounded to the row dtype), as one credited RDMA stream: the same rows per token as the
+// dispatch sent here.
+template <typename E>
 __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int32_t* counts) {
   const int lane = Lane();
   const int s = n * g.G + g.local;
   long long left = lane < g.G ? KeptOf(counts, g.R, s, g.node * g.G + lane, g.C) : 0;
   unsigned long long head = 0;
-  long long rows = left;
-  for (int o = 16; o > 0; o >>= 1) rows += __shfl_xor_sync(kFull, rows, o);
-  const int64_t chunks = (rows + kRdmaChunkRows - 1) / kRdmaChunkRows;
-  int64_t o = 0;
+  int64_t o = 0;  // partials written
   uint64_t last = NowNs();
-  for (int spin = 0; o < rows; ++spin) {
+  for (int spin = 0;; ++spin) {
     const bool need = left > 0;
+    if (!__any_sync(kFull, need)) break;
+    // every ring with rows left shows its next row: the smallest token is then known
     const bool have = !need || LoadAcq(TailW(v, g, lane, n)) > head;
     if (!__all_sync(kFull, have)) {
       int stop = 0;
@@ -880,35 +1002,44 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
       if (stop) return;
       continue;
     }
-    __syncwarp();
     last = NowNs();
-    long long key = LLONG_MAX;
-    if (need) {
-      const char* r = NvlRing(v, g, lane, n) + nvl_slot(static_cast<int64_t>(head)) * g.stride;
-      key = (static_cast<long long>(reinterpret_cast<const int32_t*>(r + g.cmeta)[0]) << 6) |
-            lane;
-    }
+    const char* row =
+        need ? NvlRing(v, g, lane, n) + nvl_slot(static_cast<int64_t>(head)) * g.stride
+             : nullptr;
+    const int tok =
+        need ? devcopy::LoadLanded(reinterpret_cast<const int32_t*>(row + g.cmeta)) : INT_MAX;
+    int t = tok;
     for (int x = 16; x > 0; x >>= 1) {
-      const long long other = __shfl_xor_sync(kFull, key, x);
-      key = other < key ? other : key;
+      const int other = __shfl_xor_sync(kFull, t, x);
+      t = other < t ? other : t;
     }
-    const int l = static_cast<int>(key & 63);
-    const unsigned long long h = __shfl_sync(kFull, head, l);
+    const unsigned mask = __ballot_sync(kFull, need && tok == t);
+    const char* rp[kMaxGpusPerNode];
+    int nr = 0;
+    for (unsigned m = mask; m != 0; m &= m - 1) rp[nr++] = ShflPtr(row, __ffs(m) - 1);
     const int64_t c = o / kRdmaChunkRows, j = o % kRdmaChunkRows;
     if (j == 0 && !WaitCredit(g, v, n, s, c)) return;
-    CopyBytes(SendSlot(v, g, n, c) + j * g.stride,
-              NvlRing(v, g, l, n) + nvl_slot(static_cast<int64_t>(h)) * g.stride, g.stride,
-              lane, 32);
+    char* dst = SendSlot(v, g, n, c) + j * g.stride;
+    const int64_t nv = VecElems(g);
+    for (int64_t x = static_cast<int64_t>(lane) * Vec<E>::kN; x < nv; x += 32 * Vec<E>::kN)
+      PartialAt<E, Vec<E>::kN>(dst, rp, nr, x);
+    for (int64_t x = nv + lane; x < g.H; x += 32) PartialAt<E, 1>(dst, rp, nr, x);
+    if (lane == 0) {
+      int32_t* meta = reinterpret_cast<int32_t*>(dst + g.cmeta);
+      meta[0] = t;
+      meta[1] = g.rank;
+    }
     __syncwarp();
-    if (lane == l) {
-      head = h + 1;
+    if ((mask >> lane) & 1u) {  // the rows are summed: their ring slots are free
+      head += 1;
       --left;
-      StoreRel(HeadW(v, g, l, n), head);
+      StoreRel(HeadW(v, g, lane, n), head);
     }
     ++o;
-    if (j == kRdmaChunkRows - 1 || o == rows) PutChunk(g, v, n, s, c, j + 1);
+    if (j == kRdmaChunkRows - 1) PutChunk(g, v, n, s, c, kRdmaChunkRows);
   }
-  EndStream(g, v, n, s, chunks, g.node);
+  if (o % kRdmaChunkRows != 0) PutChunk(g, v, n, s, o / kRdmaChunkRows, o % kRdmaChunkRows);
+  EndStream(g, v, n, s, (o + kRdmaChunkRows - 1) / kRdmaChunkRows, g.node);
   __syncwarp();
   if (lane < g.G) {
     *HeadW(v, g, lane, n) = 0;
@@ -916,90 +1047,121 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
   }
 }
 
-// The source (one block): per token, its rows in ascending rank order, summed in
-// float32; then the closing waits. A token is read in pieces: a piece ends before the
-// first row of a new RDMA chunk when it already holds rows, its rows are added to the
-// float32 sums `acc[H]` (in rank order, so the sum is the same as in one piece), and the
-// chunks it finished are credited at once. So the source never holds rows of more than
-// one chunk per node while it waits, and the forwarder can always put the chunk it waits
-// for, however many rows of one token a node sends (a credit only at the end of each
-// token stalls once a token's rows from one node span the ring).
+// The source (one block): per token, the node partials in ascending node order
+// (combine_order.h): its own node's rows (NVLink rings, ascending rank) summed here into
+// the node partial, rounded to the row dtype when there are several nodes; every other
+// node's partial as its forwarder sent it over RDMA; all added in float32 into acc[H].
+// A token is read in pieces: a piece ends before the first row of a new RDMA chunk when
+// it already holds rows; its items are added to acc (in node order, so the sum is the
+// same as in one piece; the own node's rows never span two pieces) and the chunks it
+// finished are credited at once. So the source never holds rows of more than one chunk
+// per node while it waits, and a forwarder can always put the chunk it waits for.
 template <typename E>
 __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
                            const int32_t* send_slot, E* out, float* acc) {
   __shared__ int sbase[kMaxRanks];      // min(first row of this rank at d, C)
-  __shared__ int pos[kMaxNodes];        // rows read from node k's stream
-  __shared__ int nrows[kMaxNodes];      // rows in node k's stream
+  __shared__ int pos[kMaxNodes];        // partials read from node k's stream
+  __shared__ int nrows[kMaxNodes];      // partials in node k's stream (tokens kept there)
   __shared__ int credited[kMaxNodes];   // chunks of node k's stream credited
   __shared__ unsigned long long nvl_head[kMaxGpusPerNode];
   __shared__ const char* ptrs[kMaxRanks];
   __shared__ int nptr;
-  __shared__ int cursor;  // the first rank of the token's next piece
+  __shared__ int own_first, own_count;  // ptrs[own_first, +own_count): own node's rows
+  __shared__ int cursor;  // the first node of the token's next piece
   __shared__ int last;    // 1: this piece ends the token
   const int tid = threadIdx.x;
+  const bool rounds = combine_rounds_partials(g.N);
   for (int d = tid; d < g.R; d += blockDim.x) {
     const int64_t b = BaseOf(counts, g.R, g.rank, d);
     sbase[d] = static_cast<int>(b < g.C ? b : g.C);
   }
   for (int k = tid; k < g.N; k += blockDim.x) {
-    int64_t r = 0;
-    for (int l = 0; l < g.G; ++l) r += KeptOf(counts, g.R, g.rank, k * g.G + l, g.C);
-    nrows[k] = static_cast<int>(r);
+    nrows[k] = 0;
     pos[k] = 0;
     credited[k] = 0;
   }
   for (int l = tid; l < g.G; l += blockDim.x) nvl_head[l] = 0;
   if (tid == 0) nptr = 0;
   __syncthreads();
+  // whether rank d keeps a row of token t
+  const auto kept = [&](int t, int d) {
+    const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
+    return j >= 0 && static_cast<int64_t>(sbase[d]) + j < g.C;
+  };
+  for (int t = tid; t < g.T; t += blockDim.x)
+    for (int k = 0; k < g.N; ++k) {
+      if (k == g.node) continue;
+      for (int l = 0; l < g.G; ++l)
+        if (kept(t, k * g.G + l)) {
+          atomicAdd(&nrows[k], 1);
+          break;
+        }
+    }
+  __syncthreads();
+  const int64_t nv = VecElems(g);
   for (int t = 0; t < g.T && nptr >= 0; ++t) {
     for (int x = tid; x < g.H; x += blockDim.x) acc[x] = 0.f;
     if (tid == 0) cursor = 0;
     __syncthreads();
     for (;;) {
       if (tid == 0) {
-        int n = 0, d = cursor;
+        int n = 0, k = cursor, own0 = -1, nown = 0;
         last = 1;
-        for (; d < g.R && n >= 0; ++d) {
-          const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
-          if (j < 0 || static_cast<int64_t>(sbase[d]) + j >= g.C) continue;
-          const int k = d / g.G;
-          const char* row;
+        for (; k < g.N && n >= 0; ++k) {
           if (k == g.node) {
-            const int l = d % g.G;
-            const unsigned long long hd = nvl_head[l];
-            uint64_t* tw = TailW(v, g, l, g.node);
-            if (!WaitAtLeast(g, [tw] { return LoadAcq(tw); }, hd + 1, d, kKindNvl,
-                             l * g.N + g.node)) {
-              n = -1;
-              break;
-            }
-            row = NvlRing(v, g, l, g.node) + nvl_slot(static_cast<int64_t>(hd)) * g.stride;
-            nvl_head[l] = hd + 1;
-          } else {
-            const int o = pos[k];
-            const int64_t c = o / kRdmaChunkRows;
-            const int peer = k * g.G + g.local;
-            if (o % kRdmaChunkRows == 0) {
-              if (n > 0) {  // sum and credit what this piece holds before waiting
-                last = 0;
-                break;
-              }
-              const int q = ChunkQp(g, g.rank, c);
-              uint64_t* w = DataWord(v, g, k, q);
-              if (!WaitAtLeast(g, [w] { return Tr::fetch(w); },
-                               static_cast<uint64_t>(c / g.nq + 1), peer, wire::kSigCombine,
-                               q)) {
+            for (int l = 0; l < g.G; ++l) {
+              const int d = k * g.G + l;
+              if (!kept(t, d)) continue;
+              const unsigned long long hd = nvl_head[l];
+              uint64_t* tw = TailW(v, g, l, g.node);
+              if (!WaitAtLeast(g, [tw] { return LoadAcq(tw); }, hd + 1, d, kKindNvl,
+                               l * g.N + g.node)) {
                 n = -1;
                 break;
               }
+              const char* row =
+                  NvlRing(v, g, l, g.node) + nvl_slot(static_cast<int64_t>(hd)) * g.stride;
+              nvl_head[l] = hd + 1;
+              const int32_t* meta = reinterpret_cast<const int32_t*>(row + g.cmeta);
+              const int32_t mt = devcopy::LoadLanded(meta), md = devcopy::LoadLanded(meta + 1);
+              if (mt != t || md != d) {
+                Record(g, wire::kErrMismatch, d, kKindRow, t, static_cast<uint64_t>(t),
+                       static_cast<uint64_t>(static_cast<int64_t>(mt)));
+                n = -1;
+                break;
+              }
+              if (own0 < 0) own0 = n;
+              ++nown;
+              ptrs[n++] = row;
             }
-            row = RecvSlot(v, g, k, c) + (o % kRdmaChunkRows) * g.stride;
-            pos[k] = o + 1;
+            continue;
           }
+          bool any = false;
+          for (int l = 0; l < g.G && !any; ++l) any = kept(t, k * g.G + l);
+          if (!any) continue;
+          const int o = pos[k];
+          const int64_t c = o / kRdmaChunkRows;
+          const int peer = k * g.G + g.local;
+          if (o % kRdmaChunkRows == 0) {
+            if (n > 0) {  // sum and credit what this piece holds before waiting
+              last = 0;
+              break;
+            }
+            const int q = ChunkQp(g, g.rank, c);
+            uint64_t* w = DataWord(v, g, k, q);
+            if (!WaitAtLeast(g, [w] { return Tr::fetch(w); },
+                             static_cast<uint64_t>(c / g.nq + 1), peer, wire::kSigCombine,
+                             q)) {
+              n = -1;
+              break;
+            }
+          }
+          const char* row = RecvSlot(v, g, k, c) + (o % kRdmaChunkRows) * g.stride;
+          pos[k] = o + 1;
           const int32_t* meta = reinterpret_cast<const int32_t*>(row + g.cmeta);
           const int32_t mt = devcopy::LoadLanded(meta), md = devcopy::LoadLanded(meta + 1);
-          if (mt != t || md != d) {
-            Record(g, wire::kErrMismatch, d, kKindRow, t, static_cast<uint64_t>(t),
+          if (mt != t || md != peer) {
+            Record(g, wire::kErrMismatch, peer, kKindRow, t, static_cast<uint64_t>(t),
                    static_cast<uint64_t>(static_cast<int64_t>(mt)));
             n = -1;
             break;
@@ -1007,17 +1169,20 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
           ptrs[n++] = row;
         }
         nptr = n;
-        cursor = d;
+        cursor = k;
+        own_first = own0;
+        own_count = nown;
       }
       __syncthreads();
       const int n = nptr;
       if (n < 0) break;
-      for (int x = tid; x < g.H; x += blockDim.x) {
-        float a = acc[x];
-        for (int i = 0; i < n; ++i)
-          a += ToF(devcopy::LoadLandedElem(reinterpret_cast<const E*>(ptrs[i]) + x));
-        acc[x] = a;
-      }
+      // every thread a 16-byte vector of each row (float32 sums per element, so the
+      // split across threads does not change a bit)
+      for (int64_t x = static_cast<int64_t>(tid) * Vec<E>::kN; x < nv;
+           x += static_cast<int64_t>(blockDim.x) * Vec<E>::kN)
+        SourceAddAt<E, Vec<E>::kN>(acc, ptrs, n, own_first, own_count, rounds, x);
+      for (int64_t x = nv + tid; x < g.H; x += blockDim.x)
+        SourceAddAt<E, 1>(acc, ptrs, n, own_first, own_count, rounds, x);
       __syncthreads();
       if (tid == 0) {
         // every chunk whose rows are summed is free (the last, partial one once the
@@ -1086,7 +1251,7 @@ __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
   } else {
     const int gw = (blockIdx.x - 1) * kWarps + (threadIdx.x >> 5);
     if (gw < g.N) {
-      if (gw != g.node) CombineForwardRole(g, v, gw, counts);
+      if (gw != g.node) CombineForwardRole<E>(g, v, gw, counts);
     } else if (gw < g.N + np) {
       PushRole(g, v, gw - g.N, y, counts, src_index);
     }

@@ -1,7 +1,9 @@
 """The hierarchical internode mode's kernel sources on the emulated GPU (2 nodes x 2 and x 4
-GPUs, 4 nodes x 2), through its own FFI handlers, bit-exact against the reference backend;
-and the same kernels built with small rings (2-row chunks, 2 chunks per RDMA ring, 3-row
-NVLink rings) so that a few tokens fill and wrap every ring.
+GPUs, 4 nodes x 2), through its own FFI handlers, bit-exact against the reference backend
+(dispatch, gather) and against the combine summation order of kernels/common/combine_order.h
+(node partials rounded to the row dtype, then nodes in ascending order); and the same kernels
+built with small rings (2-row chunks, 2 chunks per RDMA ring, 3-row NVLink rings) so that a
+few tokens fill and wrap every ring.
 
 The combine's credit rule: a source that credited a node's RDMA stream only at the end of
 each token stalled (until the timeout) once one token's rows from a node spanned the ring:
@@ -17,8 +19,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jax_ep.network.hier_layout import hier_layout
+
 sys.path.insert(0, os.path.dirname(__file__))
-from internode_emu_util import InternodeEmu, bits, reference, routing  # noqa: E402
+from internode_emu_util import (SIGNAL_ADD, InternodeEmu, bits, reference,  # noqa: E402
+                                routing)
 from test_internode_emu import DISPATCH_FIELDS  # noqa: E402
 
 pytestmark = pytest.mark.emu
@@ -26,9 +31,34 @@ full = pytest.mark.emu_full
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def round_trip(em, mode, x, idx, w, y, g, *, E, C, K):
+def node_order_combine(y, send_row, G):
+    """combine of y[R, C, H] by the handles' send_row[R(source), T, R(receiver)] in the
+    order of kernels/common/combine_order.h: per token, each node's rows summed in float32
+    over its ranks ascending, the partial rounded to y's dtype when there are several
+    nodes, the partials summed over nodes ascending in float32, then cast. (Absent rows
+    add +0.0, which leaves a sum that starts at +0.0 unchanged.)"""
+    R, T, _ = send_row.shape
+    N = -(-R // G)
+    out = np.zeros((R, T, y.shape[2]), np.float32)
+    for s in range(R):
+        for n in range(N):
+            p = np.zeros((T, y.shape[2]), np.float32)
+            for d in range(n * G, min(R, (n + 1) * G)):
+                rows = send_row[s, :, d]
+                hit = rows >= 0
+                p[hit] += y[d, rows[hit]].astype(np.float32)
+            out[s] += p.astype(y.dtype).astype(np.float32) if N > 1 else p
+    return out.astype(y.dtype)
+
+
+def round_trip(em, mode, x, idx, w, y, g, *, E, C, K, kind_differs=False):
     R = x.shape[0]
     ref = reference(x, idx, w, y, g, E=E, C=C)
+    want_out = node_order_combine(y, ref["send_row"], em.G)
+    if em.G < R and K > 2 and kind_differs:
+        # the data tells the node order from the rank order apart (with two rows per
+        # token, or all of a token's rows on one node in float32, the orders coincide)
+        assert (bits(want_out) != bits(node_order_combine(y, ref["send_row"], R))).any()
     outs, errs = em.dispatch(x, idx, w, num_experts=E, capacity=C, mode=mode)
     assert errs == [""] * R, errs
     assert em.errors() == [""] * R, em.errors()
@@ -43,7 +73,7 @@ def round_trip(em, mode, x, idx, w, y, g, *, E, C, K):
     assert errs == [""] * R, errs
     assert em.errors() == [""] * R, em.errors()
     for r in range(R):
-        assert (bits(out[r]) == bits(ref["out"][r])).all(), f"combine rank {r}"
+        assert (bits(out[r]) == bits(want_out[r])).all(), f"combine rank {r}"
     got, errs = em.gather(g, counts, slot, capacity=C, topk=K, mode=mode)
     assert errs == [""] * R and em.errors() == [""] * R
     for r in range(R):
@@ -73,7 +103,8 @@ def test_hierarchical_matches_reference(shape):
     E, C = 2 * R, R * T
     em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=N * 10 + G)
     rng = np.random.default_rng(R + T)
-    round_trip(em, "hierarchical", *data(rng, R, T, H, K, E, C, dtype, kind), E=E, C=C, K=K)
+    round_trip(em, "hierarchical", *data(rng, R, T, H, K, E, C, dtype, kind), E=E, C=C, K=K,
+               kind_differs=True)
 
 
 @pytest.mark.parametrize("N,G,K", [(2, 4, 4), pytest.param(2, 2, 2, marks=full)])
@@ -100,6 +131,58 @@ def test_small_rings_wrap_and_credit_per_chunk(N, G, K):
                 if rng.random() < 0.5:
                     idx[r, t, K - 1] = -1
         round_trip(em, "hierarchical_small_rings", x, idx, w, y, g, E=E, C=C, K=K)
+
+
+def test_combine_inter_node_bytes_equal_dispatch():
+    """The emulated transport log of one dispatch and its combine on the same routing (2 x 4,
+    topk 4, no capacity drops): the data puts between nodes carry as many rows in the
+    combine as in the dispatch, one per (token, other node with a receiver), and fewer than
+    the (token, remote receiver) rows a combine without the in-node sum sends. Counted:
+    put-with-signal ADD records (ring chunks) whose source and destination are on different
+    nodes, in rows (bytes / the ring row stride, one stride for both directions) and in
+    payload bytes (rows x H x itemsize). Excluded: the count exchange and call headers (SET
+    signals on QP 0), credits and closing signals (signals without data), the metadata inside
+    each row (dispatch ids and weights, the token/rank words) and the padding to the stride."""
+    N, G, T, H, K = 2, 4, 10, 16, 4
+    R = N * G
+    E, C = 2 * R, R * T
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=5)
+    rng = np.random.default_rng(11)
+    x, idx, w, y, g = data(rng, R, T, H, K, E, C, BF16)
+    em.log()  # the set-up's records
+    outs, errs = em.dispatch(x, idx, w, num_experts=E, capacity=C, mode="hierarchical")
+    assert errs == [""] * R and em.errors() == [""] * R
+    log_d, pending = em.log()
+    assert pending == 0
+    counts = np.stack([o["counts"] for o in outs])
+    slot = np.stack([o["send_slot"] for o in outs])
+    src_index = np.stack([o["src_index"] for o in outs])
+    _, errs = em.combine(y, counts, slot, topk=K, src_index=src_index, mode="hierarchical")
+    assert errs == [""] * R and em.errors() == [""] * R
+    log_c, pending = em.log()
+    assert pending == 0
+    stride = hier_layout(R, G, 2, H, K, BF16.itemsize, BF16.itemsize).row_stride
+
+    def inter_node_rows(log):
+        data_puts = [r for r in log if r["sig_op"] == SIGNAL_ADD and r["bytes"] > 0
+                     and r["src"] // G != r["dst"] // G]
+        total = sum(r["bytes"] for r in data_puts)
+        assert data_puts and total % stride == 0
+        return total // stride
+
+    el = E // R
+    owner = np.where(idx >= 0, idx // el, -1)  # [R, T, K] receiving rank
+    pairs = receivers = 0
+    for s in range(R):
+        for t in range(T):
+            dests = {int(d) for d in owner[s, t] if d >= 0 and d // G != s // G}
+            pairs += len({d // G for d in dests})
+            receivers += len(dests)
+    assert receivers > pairs, "the routing has tokens with several receivers on a node"
+    rows_d, rows_c = inter_node_rows(log_d), inter_node_rows(log_c)
+    assert rows_d == pairs
+    assert rows_c == rows_d, (f"payload bytes between nodes: dispatch {rows_d * H * 2}, "
+                              f"combine {rows_c * H * 2}")
 
 
 @full
