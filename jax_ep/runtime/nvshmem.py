@@ -201,9 +201,9 @@ def ll_area_bytes_for(*, num_ranks: int, max_tokens_per_rank: int, hidden: int, 
                       num_experts: int, dtype="bfloat16") -> int:
     """Bytes of the internode low-latency mode's symmetric area for these limits (one
     allocation per PE, beside the heap halves; independent of the calls' T):
-    2 buffers of E_local * R * M dispatch rows and of R * M * min(K, E_local) combine rows,
-    M * K staged rows, R * M * min(K, E_local) combine staging rows, signal words and
-    headers. `dtype` is the dtype of the rows the calls move (the tokens' dtype; the
+    2 buffers (the two parities) of E_local * R * M dispatch rows, of R * M * min(K,
+    E_local) combine rows, of M * K staged rows and of R * M * min(K, E_local) combine
+    staging rows, signal words and headers. `dtype` is the dtype of the rows the calls move (the tokens' dtype; the
     FP8 dispatch's rows, H bytes of values and H / 32 bytes of scales, fit in those of a
     16-bit dtype)."""
     R, M, H, K, E = map(int, (num_ranks, max_tokens_per_rank, hidden, topk, num_experts))
@@ -222,11 +222,12 @@ def _ll_area(R, M, row_bytes, K, E) -> dict:
     cs = _round_up(row_bytes, 16)
     hs = _round_up(_LL_HEADER_FIXED + 4 * el, 16)
     rpd = M * min(K, el)
-    sizes = [("dsig", _LL_OPS_BUFS * R * _MAX_QPS * 8), ("hsig", _LL_OPS_BUFS * R * 8),
+    sizes = [("dsig", _LL_OPS_BUFS * R * el * 8), ("hsig", _LL_OPS_BUFS * R * 8),
              ("credit", _LL_OPS_BUFS * R * 8), ("hdr", _LL_OPS_BUFS * R * hs),
-             ("hstage", 2 * R * hs), ("bad", 16), ("pos", M * K * 4), ("counts", E * 4),
-             ("offsets", E * 4), ("dstage", M * K * ds), ("drecv", 2 * el * R * M * ds),
-             ("cstage", R * rpd * cs), ("crecv", 2 * R * rpd * cs)]
+             ("hstage", _LL_OPS_BUFS * R * hs), ("bad", 2 * 16), ("pos", M * K * 4),
+             ("counts", E * 4), ("offsets", E * 4), ("done", E * 4),
+             ("dstage", 2 * M * K * ds), ("drecv", 2 * el * R * M * ds),
+             ("cstage", 2 * R * rpd * cs), ("crecv", 2 * R * rpd * cs)]
     out, off = {}, 0
     for name, n in sizes:
         out[name] = off

@@ -75,6 +75,10 @@ int nvshmem_my_pe();
 int nvshmem_n_pes();
 void* nvshmem_ptr(const void* sym, int pe);
 void nvshmem_quiet();
+// Orders this PE's earlier operations to a PE before its later ones: every queue is
+// delivered in order and handle-less operations share one queue per (source, destination),
+// so nothing moves; counted ("fences").
+void nvshmem_fence();
 uint64_t nvshmem_signal_fetch(const uint64_t* sig);
 
 // Device API (called by whole warps where the name says _warp).

@@ -1,12 +1,23 @@
 // Internode low-latency kernels: direct per-expert puts over the transport interface
 // (kernels/internode/transport.cuh, NVSHMEM backend). Protocol and slot-reuse scheme in
-// low_latency_kernels.h; word-level rules in low_latency_wire.h; replayed on the host by
-// tests/sim/low_latency_sim.py.
+// low_latency_kernels.h; word-level rules in low_latency_wire.h.
+//
+// Kernels per call (every grid cut to the SM budget, EpSmBudget in configs.h):
+//   dispatch send: Begin (epoch, token) -> DispatchPlan (a warp per expert) ->
+//                  DispatchSendKernel (credits, headers, a warp per token: stage, put its
+//                  rows, the last row of an expert sends that expert's count signal)
+//   dispatch recv: RecvWait -> DispatchUnpack (a warp per landed row) -> RecvFinish
+//   combine send:  Begin -> CombinePlan -> CombineSendKernel (a warp per returned row)
+//   combine recv:  CombineRecvPlan (a warp per expert) -> RecvWait -> CombineReduce
+//                  (a warp per token, 16-byte loads) -> RecvFinish
+// No kernel waits for its own puts to complete (no nvshmem_quiet anywhere).
 #include "kernels/internode/low_latency_kernels.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
+#include "kernels/common/configs.h"
 #include "kernels/common/low_latency_math.h"
 #include "kernels/common/striping_plan.h"
 #include "kernels/internode/device_copy.cuh"
@@ -114,8 +125,9 @@ __device__ __forceinline__ unsigned long long TokenEpoch(int op, const int32_t* 
   return llwire::widen_epoch(g_ll_epoch[op], static_cast<uint32_t>(token[0]));
 }
 
-__device__ __forceinline__ uint64_t* Dsig(const G& g, int op, int b, int w, int q) {
-  return reinterpret_cast<uint64_t*>(g.area + g.A.dsig) + llwire::dsig_index(op, b, w, q, g.R);
+__device__ __forceinline__ uint64_t* Cnt(const G& g, int op, int b, int w, int e) {
+  return reinterpret_cast<uint64_t*>(g.area + g.A.dsig) +
+         llwire::cnt_index(op, b, w, e, g.R, g.el);
 }
 __device__ __forceinline__ uint64_t* Hsig(const G& g, int op, int b, int w) {
   return reinterpret_cast<uint64_t*>(g.area + g.A.hsig) + llwire::hsig_index(op, b, w, g.R);
@@ -127,8 +139,8 @@ __device__ __forceinline__ uint64_t* Credit(const G& g, int op, int b, int reade
 __device__ __forceinline__ llwire::Header* Hdr(const G& g, int op, int b, int w) {
   return reinterpret_cast<llwire::Header*>(g.area + llwire::hdr_at(g.A, op, b, w));
 }
-__device__ __forceinline__ llwire::Header* Hstage(const G& g, int op, int reader) {
-  return reinterpret_cast<llwire::Header*>(g.area + llwire::hstage_at(g.A, op, reader));
+__device__ __forceinline__ llwire::Header* Hstage(const G& g, int b, int op, int reader) {
+  return reinterpret_cast<llwire::Header*>(g.area + llwire::hstage_at(g.A, b, op, reader));
 }
 __device__ __forceinline__ int32_t* HdrCounts(llwire::Header* h) {
   return reinterpret_cast<int32_t*>(h + 1);
@@ -139,14 +151,15 @@ __device__ __forceinline__ const int32_t* HdrCounts(const llwire::Header* h) {
 __device__ __forceinline__ int32_t* Local(const G& g, int64_t off) {
   return reinterpret_cast<int32_t*>(g.area + off);
 }
+// This op's bad-input note: [0] nonzero once noted, then three values.
+__device__ __forceinline__ int32_t* Bad(const G& g) { return Local(g, g.A.bad) + 4 * g.op; }
 
 using devcopy::CopyBytes;
 using devcopy::NanBytes;
-using devcopy::ZeroBytes;
 
 // Notes this rank's first bad input (bad[0] = 1, then three values).
 __device__ __forceinline__ void NoteBad(const G& g, int32_t a, int32_t b, int32_t c) {
-  int32_t* bad = Local(g, g.A.bad);
+  int32_t* bad = Bad(g);
   if (atomicCAS(bad, 0, 1) == 0) {
     bad[1] = a;
     bad[2] = b;
@@ -154,60 +167,81 @@ __device__ __forceinline__ void NoteBad(const G& g, int32_t a, int32_t b, int32_
   }
 }
 
-// Bad routing or handle found by the send half: recorded here, reported to every reader
+// Bad routing or handle found by the plan: recorded here, reported to every reader
 // through the header's error flag.
 __device__ void RecordOwnBad(const G& g) {
-  const int32_t* bad = Local(g, g.A.bad);
+  const int32_t* bad = Bad(g);
   if (bad[0] == 0) return;
   Record(g, wire::kErrBadId, bad[1], g.op == kD ? 0 : llwire::kKindRows, bad[2],
          static_cast<uint64_t>(g.E), static_cast<uint64_t>(static_cast<int64_t>(bad[3])));
 }
 
-// Called by every thread of one block, after pos[] was set to -1: each slot's row among
-// this rank's slots naming the same expert (-1 past M: the reference drops those rows),
-// the capped rows per expert, and where each expert's rows start in its owner's stream.
-// The dispatch plan and the combine receive plan number the rows the same way.
-__device__ void PlanRows(const G& g, const int32_t* idx, int slots, int32_t* pos,
-                         int32_t* counts, int32_t* offsets) {
-  for (int e = threadIdx.x; e < g.E; e += blockDim.x) {
-    int c = 0;
-    for (int i = 0; i < slots; ++i) {
-      if (idx[i] != e) continue;
-      pos[i] = c < g.M ? c : -1;
-      ++c;
-    }
-    counts[e] = c < g.M ? c : g.M;
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < g.E; e += blockDim.x) {
-    const int r = e / g.el;
-    int off = 0;
-    for (int f = r * g.el; f < e; ++f) off += counts[f];
-    offsets[e] = off;
-  }
+// The count signal of (this writer, reader's local expert e) after the last of its rows,
+// on the rows' QP: a QP delivers in order, so the count lands after them. Without QP
+// handles NVSHMEM may have spread the rows over its QPs: fenced first.
+__device__ __forceinline__ void SignalCount(const G& g, int op, int b, int reader, int e,
+                                            int32_t rows, int qp) {
+  Tr::fence_qp(qp);
+  Tr::signal(Cnt(g, op, b, g.rank, e), static_cast<uint64_t>(rows) + 1, SignalOp::kSet, reader,
+             qp);
+}
+
+// One lane per warp, after the warp issued one row of counter `i` (rows in all): the warp
+// that issues the last row sends the count signal. Rows are issued by many warps; the
+// counter orders their posts before the signal's (each post precedes its increment).
+__device__ __forceinline__ void RowIssued(const G& g, int op, int b, int reader, int e,
+                                          int32_t* done, int i, int32_t rows, int qp) {
+  __threadfence();
+  if (atomicAdd(done + i, 1) + 1 == rows) SignalCount(g, op, b, reader, e, rows, qp);
 }
 
 // ---- send halves ------------------------------------------------------------------
 
-// One block: the epoch, positions and counts of this rank's routing, the headers.
-__global__ void DispatchPlan(G g, const int32_t* idx, int32_t* token) {
-  __shared__ unsigned long long n;
-  int32_t* bad = Local(g, g.A.bad);
-  int32_t* pos = Local(g, g.A.pos);
-  int32_t* counts = Local(g, g.A.counts);
-  int32_t* offsets = Local(g, g.A.offsets);
+// One block: the op's next epoch into the token, the bad note and the done counters
+// cleared (the plan and the send kernels that follow are multi-block, so none of them
+// can be the one that starts the epoch).
+__global__ void Begin(G g, int32_t* token) {
   if (threadIdx.x == 0) {
-    n = ++g_ll_epoch[kD];
+    const unsigned long long n = ++g_ll_epoch[g.op];
     token[0] = static_cast<int32_t>(n);
     token[1] = static_cast<int32_t>(g.hash);
-    bad[0] = 0;
+    Bad(g)[0] = 0;
   }
-  __syncthreads();
+  int32_t* done = Local(g, g.A.done);
+  for (int i = threadIdx.x; i < g.E; i += blockDim.x) done[i] = 0;
+}
+
+// Every thread of a warp, all lanes active: pos[i] for each slot naming expert e (its
+// rank among this rank's slots naming e, in slot order; -1 past M, which the reference
+// drops), and the capped count. A ballot per 32 slots, so a warp scans S * K slots in
+// S * K / 32 steps and the experts go in parallel over the grid's warps.
+__device__ void PlanExpert(const G& g, const int32_t* idx, int slots, int e, int32_t* pos,
+                           int32_t* counts) {
+  const int lane = threadIdx.x & 31;
+  const unsigned below = (1u << lane) - 1u;
+  int c = 0;
+  for (int base = 0; base < slots; base += 32) {
+    const int i = base + lane;
+    const bool hit = i < slots && idx[i] == e;
+    const unsigned m = __ballot_sync(0xffffffffu, hit);
+    if (hit) {
+      const int p = c + __popc(m & below);
+      pos[i] = p < g.M ? p : -1;
+    }
+    c += __popc(m);
+  }
+  if (lane == 0) counts[e] = c < g.M ? c : g.M;
+}
+
+// Grid: bad or repeated ids noted (a thread per slot), then a warp per expert
+// (PlanExpert). Slots with id -1 keep a stale pos: nothing reads it.
+__global__ void DispatchPlan(G g, const int32_t* idx) {
   const int slots = g.S * g.K;
-  for (int i = threadIdx.x; i < slots; i += blockDim.x) {
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int nthreads = gridDim.x * blockDim.x;
+  for (int i = tid; i < slots; i += nthreads) {
     const int32_t e = idx[i];
     const int t = i / g.K, k = i % g.K;
-    pos[i] = -1;
     if (e < -1 || e >= g.E) {
       NoteBad(g, t, k, e);
       continue;
@@ -215,29 +249,9 @@ __global__ void DispatchPlan(G g, const int32_t* idx, int32_t* token) {
     for (int j = 0; j < k && e >= 0; ++j)
       if (idx[t * g.K + j] == e) NoteBad(g, t, k, e);  // repeated id in one token
   }
-  __syncthreads();
-  PlanRows(g, idx, slots, pos, counts, offsets);
-  for (int r = threadIdx.x; r < g.R; r += blockDim.x) {
-    llwire::Header* h = Hstage(g, kD, r);
-    int rows = 0;
-    for (int e = 0; e < g.el; ++e) {
-      HdrCounts(h)[e] = counts[r * g.el + e];
-      rows += counts[r * g.el + e];
-    }
-    h->seq = n;
-    h->hash = g.hash;
-    h->error = bad[0];
-    h->rows = rows;
-    h->pad[0] = h->pad[1] = h->pad[2] = 0;
-  }
-}
-
-// Block t: staged token t (row bytes, then its index) into the symmetric stage.
-__global__ void DispatchPack(G g, const char* x) {
-  const int t = blockIdx.x;
-  char* dst = g.area + g.A.dstage + static_cast<int64_t>(t) * g.A.ds;
-  CopyBytes(dst, x + static_cast<int64_t>(t) * g.row_bytes, g.row_bytes, threadIdx.x, blockDim.x);
-  if (threadIdx.x == 0) *reinterpret_cast<int32_t*>(dst + g.meta_off) = t;
+  int32_t* pos = Local(g, g.A.pos);
+  int32_t* counts = Local(g, g.A.counts);
+  for (int e = tid >> 5; e < g.E; e += nthreads >> 5) PlanExpert(g, idx, slots, e, pos, counts);
 }
 
 // Credits for buffer b from every reader (it finished epoch n - 2 there); false on
@@ -255,148 +269,174 @@ __device__ bool WaitCredits(const G& g, int op, int b, unsigned long long n) {
   return ok != 0;
 }
 
-// CTA kControlQp also puts the headers (one per reader, SET n on the control QP).
+// Block 0, every thread, after the headers were staged in hstage[b]: one header per
+// reader (SET n on the control QP).
 __device__ void PutHeaders(const G& g, int op, int b, unsigned long long n) {
-  if (static_cast<int>(blockIdx.x) != llwire::kControlQp) return;
+  __syncthreads();
   const int warp = threadIdx.x >> 5;
   for (int i = warp; i < g.R; i += kWarps) {
     const int r = (g.rank + i) % g.R;
-    Tr::put_signal_warp(Hdr(g, op, b, g.rank), Hstage(g, op, r), static_cast<size_t>(g.A.hs),
+    Tr::put_signal_warp(Hdr(g, op, b, g.rank), Hstage(g, b, op, r), static_cast<size_t>(g.A.hs),
                         Hsig(g, op, b, g.rank), n, SignalOp::kSet, r, llwire::kControlQp);
   }
 }
 
-// CTA q: credits, headers (CTA 0), then every (token, slot) row the plan puts on QP q,
-// straight into its owner's slot.
-__global__ void DispatchSendKernel(G g, const int32_t* idx, const int32_t* token) {
+// Grid: every block waits for the credits of buffer b (stage b and the readers' buffer b
+// are free: see low_latency_wire.h); block 0 stages and puts the headers; experts with no
+// rows get their count signal; then a warp per token stages it into dstage[b] (row, then
+// its index) and puts it to each of its experts' slot drecv[b][e][this rank][pos], no
+// signal; the warp that issues an expert's last row sends its count. Returns with the puts
+// in flight.
+__global__ void DispatchSendKernel(G g, const char* x, const int32_t* idx,
+                                   const int32_t* token) {
   const unsigned long long n = TokenEpoch(kD, token);
   const int b = static_cast<int>(n & 1ull);
   if (!WaitCredits(g, kD, b, n)) return;
-  PutHeaders(g, kD, b, n);
-  const int q = blockIdx.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int32_t* pos = Local(g, g.A.pos);
-  const int32_t* offsets = Local(g, g.A.offsets);
-  const bool bad = Local(g, g.A.bad)[0] != 0;  // the header told every owner; no rows
-  for (int i = warp; !bad && i < g.S * g.K; i += kWarps) {
-    const int32_t e = idx[i];
-    const int p = pos[i];
-    if (e < 0 || p < 0) continue;
-    const int r = e / g.el;
-    const int64_t j = offsets[e] + p;
-    if (llwire::row_qp(r, j, g.P, g.Q) != q) continue;
-    char* dst = g.area + llwire::drecv_row(g.A, b, e % g.el, g.rank, p);
-    const char* src = g.area + g.A.dstage + static_cast<int64_t>(i / g.K) * g.A.ds;
-    Tr::put_signal_warp(dst, src, static_cast<size_t>(g.ds_put), Dsig(g, kD, b, g.rank, q), 1,
-                        SignalOp::kAdd, r, q);
+  const int32_t* counts = Local(g, g.A.counts);
+  int32_t* done = Local(g, g.A.done);
+  const bool bad = Bad(g)[0] != 0;  // the header tells every owner; no rows
+  if (blockIdx.x == 0) {
+    for (int r = threadIdx.x; r < g.R; r += blockDim.x) {
+      llwire::Header* h = Hstage(g, b, kD, r);
+      int rows = 0;
+      for (int e = 0; e < g.el; ++e) {
+        HdrCounts(h)[e] = counts[r * g.el + e];
+        rows += counts[r * g.el + e];
+      }
+      h->seq = n;
+      h->hash = g.hash;
+      h->error = bad ? 1 : 0;
+      h->rows = rows;
+      h->pad[0] = h->pad[1] = h->pad[2] = 0;
+    }
+    PutHeaders(g, kD, b, n);
+    if (threadIdx.x == 0) RecordOwnBad(g);
   }
-  __syncwarp();
-  if (lane == 0) Tr::quiet();
-  if (blockIdx.x == 0 && threadIdx.x == 0) RecordOwnBad(g);
+  if (bad) return;
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int nthreads = gridDim.x * blockDim.x;
+  for (int e = tid; e < g.E; e += nthreads) {
+    if (counts[e] != 0) continue;
+    const int r = e / g.el, le = e % g.el;
+    SignalCount(g, kD, b, r, le, 0, llwire::expert_qp(r, le, g.P, g.Q));
+  }
+  const int lane = threadIdx.x & 31;
+  for (int t = tid >> 5; t < g.S; t += nthreads >> 5) {
+    char* st = g.area + llwire::dstage_row(g.A, b, t);
+    CopyBytes(st, x + static_cast<int64_t>(t) * g.row_bytes, g.row_bytes, lane, 32);
+    if (lane == 0) *reinterpret_cast<int32_t*>(st + g.meta_off) = t;
+    __syncwarp();
+    for (int k = 0; k < g.K; ++k) {
+      const int i = t * g.K + k;
+      const int32_t e = idx[i];
+      if (e < 0 || pos[i] < 0) continue;
+      const int r = e / g.el, le = e % g.el;
+      const int q = llwire::expert_qp(r, le, g.P, g.Q);
+      Tr::put_warp(g.area + llwire::drecv_row(g.A, b, le, g.rank, pos[i]), st,
+                   static_cast<size_t>(g.ds_put), r, q);
+      if (lane == 0) RowIssued(g, kD, b, r, le, done, e, counts[e], q);
+      __syncwarp();
+    }
+  }
 }
 
-// One block: combine's epoch; each source's row count and headers; where each (expert,
-// source)'s rows start in the stream to that source. A handle with counts outside the
-// blocks is a bad handle, reported like bad ids.
-__global__ void CombinePlan(G g, const int32_t* first_row, const int32_t* row_count,
-                            int32_t* token) {
-  __shared__ unsigned long long n;
-  int32_t* bad = Local(g, g.A.bad);
-  int32_t* offsets = Local(g, g.A.offsets);  // [E_local][R]
-  if (threadIdx.x == 0) {
-    n = ++g_ll_epoch[kC];
-    token[0] = static_cast<int32_t>(n);
-    token[1] = static_cast<int32_t>(g.hash);
-    bad[0] = 0;
-  }
-  __syncthreads();
+// Grid: combine's handle checked (counts outside the blocks are a bad handle, reported
+// like bad ids; a thread per (expert, source)), then a thread per source: where each
+// (expert, source)'s rows start in the stream to that source.
+__global__ void CombinePlan(G g, const int32_t* first_row, const int32_t* row_count) {
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int nthreads = gridDim.x * blockDim.x;
   const int64_t RM = static_cast<int64_t>(g.R) * g.M;
-  for (int i = threadIdx.x; i < g.el * g.R; i += blockDim.x) {
+  for (int i = tid; i < g.el * g.R; i += nthreads) {
     const int32_t f = first_row[i], c = row_count[i];
     if (f < 0 || c < 0 || c > g.M || static_cast<int64_t>(f) + c > RM)  // no int32 wrap
       NoteBad(g, i / g.R, i % g.R, c);
   }
-  __syncthreads();
-  for (int d = threadIdx.x; d < g.R; d += blockDim.x) {
-    llwire::Header* h = Hstage(g, kC, d);
-    int rows = 0;
+  int32_t* offsets = Local(g, g.A.offsets);  // [E_local][R]
+  for (int d = tid; d < g.R; d += nthreads) {
+    int64_t rows = 0;
     for (int e = 0; e < g.el; ++e) {
-      const int32_t c = bad[0] ? 0 : row_count[e * g.R + d];
-      offsets[e * g.R + d] = rows;
-      HdrCounts(h)[e] = c;
-      rows += c;
+      offsets[e * g.R + d] = static_cast<int32_t>(rows);
+      const int32_t c = row_count[e * g.R + d];
+      rows += c > 0 ? c : 0;
     }
-    if (rows > g.rpd) NoteBad(g, -1, d, rows);
-    h->seq = n;
-    h->hash = g.hash;
-    h->rows = rows;
-    h->pad[0] = h->pad[1] = h->pad[2] = 0;
-  }
-  __syncthreads();
-  for (int d = threadIdx.x; d < g.R; d += blockDim.x) Hstage(g, kC, d)->error = bad[0];
-}
-
-// A warp per stage row (e, d, r), r < M: row first_row[e, d] + r of y's block e, if
-// r < row_count[e, d], into the stage of source d at its stream index (experts in order,
-// then r). Every stage row of the stream is written exactly once whatever the handle's
-// ranges, as the CPU kernel copies them (LowLatencyCombineStageCpu).
-__global__ void CombinePack(G g, const char* y, const int32_t* first_row,
-                            const int32_t* row_count) {
-  if (Local(g, g.A.bad)[0] != 0) return;
-  const int64_t RM = static_cast<int64_t>(g.R) * g.M;
-  const int32_t* offsets = Local(g, g.A.offsets);
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t w = blockIdx.x * kWarps + (threadIdx.x >> 5); w < g.el * RM; w += warps) {
-    const int e = static_cast<int>(w / RM);
-    const int d = static_cast<int>((w % RM) / g.M);
-    const int r = static_cast<int>(w % g.M);
-    if (r >= row_count[e * g.R + d]) continue;
-    const int64_t i = static_cast<int64_t>(first_row[e * g.R + d]) + r;
-    const int64_t j = offsets[e * g.R + d] + r;
-    CopyBytes(g.area + g.A.cstage + (static_cast<int64_t>(d) * g.A.rpd + j) * g.A.cs,
-              y + (static_cast<int64_t>(e) * RM + i) * g.row_bytes, g.row_bytes, lane, 32);
+    if (rows > g.rpd) NoteBad(g, -1, d, static_cast<int32_t>(rows));
   }
 }
 
-// CTA q: credits, headers (CTA 0), then row j of the stream to each source on QP
-// row_qp(source, j), into crecv[b][this owner][j] there.
-__global__ void CombineSendKernel(G g, const int32_t* token) {
+// Grid: credits of buffer b; block 0 stages and puts the headers; (expert, source) pairs
+// with no rows get their count signal; then a warp per row (e, d, r), r < row_count[e, d]:
+// row first_row[e, d] + r of y's block e into cstage[b] at its index j in the stream to d
+// (experts in order, then r), put into crecv[b][this owner][j] on d, no signal; the warp
+// that issues a pair's last row sends its count. Returns with the puts in flight.
+__global__ void CombineSendKernel(G g, const char* y, const int32_t* first_row,
+                                  const int32_t* row_count, const int32_t* token) {
   const unsigned long long n = TokenEpoch(kC, token);
   const int b = static_cast<int>(n & 1ull);
   if (!WaitCredits(g, kC, b, n)) return;
-  PutHeaders(g, kC, b, n);
-  const int q = blockIdx.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool bad = Local(g, g.A.bad)[0] != 0;
-  for (int i = 1; !bad && i <= g.R; ++i) {
-    const int d = (g.rank + i) % g.R;
-    const int rows = Hstage(g, kC, d)->rows;
-    for (int j = warp; j < rows; j += kWarps) {
-      if (llwire::row_qp(d, j, g.P, g.Q) != q) continue;
-      Tr::put_signal_warp(g.area + llwire::crecv_row(g.A, b, g.rank, j),
-                          g.area + g.A.cstage + (static_cast<int64_t>(d) * g.A.rpd + j) * g.A.cs,
-                          static_cast<size_t>(g.cs_put), Dsig(g, kC, b, g.rank, q), 1,
-                          SignalOp::kAdd, d, q);
+  const bool bad = Bad(g)[0] != 0;
+  const int32_t* offsets = Local(g, g.A.offsets);
+  int32_t* done = Local(g, g.A.done);
+  if (blockIdx.x == 0) {
+    for (int d = threadIdx.x; d < g.R; d += blockDim.x) {
+      llwire::Header* h = Hstage(g, b, kC, d);
+      int rows = 0;
+      for (int e = 0; e < g.el; ++e) {
+        const int32_t c = bad ? 0 : row_count[e * g.R + d];
+        HdrCounts(h)[e] = c;
+        rows += c;
+      }
+      h->seq = n;
+      h->hash = g.hash;
+      h->error = bad ? 1 : 0;
+      h->rows = rows;
+      h->pad[0] = h->pad[1] = h->pad[2] = 0;
     }
+    PutHeaders(g, kC, b, n);
+    if (threadIdx.x == 0) RecordOwnBad(g);
   }
-  __syncwarp();
-  if (lane == 0) Tr::quiet();
-  if (blockIdx.x == 0 && threadIdx.x == 0) RecordOwnBad(g);
+  if (bad) return;
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int nthreads = gridDim.x * blockDim.x;
+  for (int i = tid; i < g.el * g.R; i += nthreads) {
+    if (row_count[i] != 0) continue;
+    const int e = i / g.R, d = i % g.R;
+    SignalCount(g, kC, b, d, e, 0, llwire::expert_qp(d, e, g.P, g.Q));
+  }
+  const int64_t RM = static_cast<int64_t>(g.R) * g.M;
+  const int lane = threadIdx.x & 31;
+  const int64_t nwarps = nthreads >> 5;
+  for (int64_t w = tid >> 5; w < g.el * RM; w += nwarps) {
+    const int e = static_cast<int>(w / RM);
+    const int d = static_cast<int>((w % RM) / g.M);
+    const int r = static_cast<int>(w % g.M);
+    const int32_t c = row_count[e * g.R + d];
+    if (r >= c) continue;
+    const int64_t i = static_cast<int64_t>(first_row[e * g.R + d]) + r;
+    const int64_t j = offsets[e * g.R + d] + r;
+    char* st = g.area + llwire::cstage_row(g.A, b, d, j);
+    CopyBytes(st, y + (static_cast<int64_t>(e) * RM + i) * g.row_bytes, g.row_bytes, lane, 32);
+    __syncwarp();
+    const int q = llwire::expert_qp(d, e, g.P, g.Q);
+    Tr::put_warp(g.area + llwire::crecv_row(g.A, b, g.rank, j), st,
+                 static_cast<size_t>(g.cs_put), d, q);
+    if (lane == 0) RowIssued(g, kC, b, d, e, done, e * g.R + d, c, q);
+    __syncwarp();
+  }
 }
 
 // ---- receive halves -----------------------------------------------------------------
 
-// Combine's reader: positions of its own routing (as its dispatch numbered them), rows
-// per (owner expert), and where each expert's rows start in its owner's stream.
+// Combine's reader, grid: positions of its own routing (as its dispatch numbered them)
+// and rows per (owner expert), a warp per expert.
 __global__ void CombineRecvPlan(G g, const int32_t* idx) {
   int32_t* pos = Local(g, g.A.pos);
   int32_t* counts = Local(g, g.A.counts);
-  int32_t* offsets = Local(g, g.A.offsets);
-  const int slots = g.S * g.K;
-  for (int i = threadIdx.x; i < slots; i += blockDim.x) pos[i] = -1;
-  __syncthreads();
-  PlanRows(g, idx, slots, pos, counts, offsets);
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int nthreads = gridDim.x * blockDim.x;
+  for (int e = tid >> 5; e < g.E; e += nthreads >> 5)
+    PlanExpert(g, idx, g.S * g.K, e, pos, counts);
 }
 
 // A header's counts index inside the blocks: each in [0, M], summing to its rows (at
@@ -412,13 +452,17 @@ __device__ bool CountsFit(const G& g, const llwire::Header* h) {
 }
 
 // One block: every writer's header (== epoch, and the hash this rank's own send of the
-// epoch computed, which its token carries; no error), then every (writer, QP) data word
-// holds the rows the header implies on that QP, and no more. Combine also checks the
-// owner's row count against its own routing.
+// epoch computed, which its token carries; no error); combine also checks the owner's
+// count of each expert against its own routing. Then the row offsets the next kernel
+// reads (dispatch: first row of each (expert, source) in recv_x and each expert's total;
+// combine: where each expert's rows start in its owner's stream), and every (writer,
+// expert) count word: its rows have landed, and it must say the header's count.
 __global__ void RecvWait(G g, const int32_t* token) {
   const unsigned long long n = TokenEpoch(g.op, token);
   const uint32_t hash = static_cast<uint32_t>(token[1]);
   const int b = static_cast<int>(n & 1ull);
+  int32_t* counts = Local(g, g.A.counts);
+  int32_t* offsets = Local(g, g.A.offsets);
   __shared__ int ok;
   if (threadIdx.x == 0) ok = Failed(g) ? 0 : 1;
   __syncthreads();
@@ -443,7 +487,6 @@ __global__ void RecvWait(G g, const int32_t* token) {
     } else if (g.op == kC) {
       // every expert's count, not only the total: equal totals with other per-expert
       // counts would put rows at the wrong offsets
-      const int32_t* counts = Local(g, g.A.counts);
       const int32_t* hc = HdrCounts(h);
       for (int e = 0; e < g.el; ++e) {
         if (hc[e] != counts[w * g.el + e]) {
@@ -457,68 +500,83 @@ __global__ void RecvWait(G g, const int32_t* token) {
   }
   __syncthreads();
   if (!ok) return;
-  for (int i = threadIdx.x; i < g.R * g.nq; i += blockDim.x) {
-    const int w = i / g.nq, q = i % g.nq;
+  if (g.op == kD) {
+    for (int e = threadIdx.x; e < g.el; e += blockDim.x) {
+      int32_t total = 0;
+      for (int s = 0; s < g.R; ++s) {
+        offsets[e * g.R + s] = total;
+        total += devcopy::LoadLanded(HdrCounts(Hdr(g, kD, b, s)) + e);
+      }
+      counts[e] = total;
+    }
+  } else {
+    for (int r = threadIdx.x; r < g.R; r += blockDim.x) {
+      int32_t off = 0;
+      for (int e = r * g.el; e < (r + 1) * g.el; ++e) {
+        offsets[e] = off;
+        off += counts[e];
+      }
+    }
+  }
+  for (int i = threadIdx.x; i < g.R * g.el; i += blockDim.x) {
+    const int w = i / g.el, e = i % g.el;
     const uint64_t want =
-        static_cast<uint64_t>(llwire::rows_on_qp(Hdr(g, g.op, b, w)->rows, g.rank, q, g.P, g.Q));
-    uint64_t* word = Dsig(g, g.op, b, w, q);
-    if (!WaitWord(g, word, want, w, llwire::kKindData, q)) continue;
+        static_cast<uint64_t>(devcopy::LoadLanded(HdrCounts(Hdr(g, g.op, b, w)) + e)) + 1;
+    uint64_t* word = Cnt(g, g.op, b, w, e);
+    if (!WaitWord(g, word, 1, w, llwire::kKindData, e)) continue;
     const uint64_t v = Tr::fetch(word);
-    if (v != want) Record(g, wire::kErrExtraSignal, w, llwire::kKindData, q, want, v);
+    if (v != want) Record(g, wire::kErrExtraSignal, w, llwire::kKindData, e, want - 1, v - 1);
   }
 }
 
-// A warp per output row (e, i) of recv_x[E_local, R*M, H]; block 0 also writes the
-// counts. A failed call is never silently empty: every row NaN (bytes 0xff), every count
-// and first row -1, sources -1.
+// Grid: block 0 writes the counts and first rows; a warp per landed row (e, s, p),
+// p < source s's count for local expert e, into recv_x[e, first_row[e, s] + p]; a thread
+// per row past an expert's total marks its source -1. recv_x past the totals is not
+// written (consumers read recv_count). A failed call is never silently empty: every row
+// NaN (bytes 0xff), every count and first row -1, sources -1.
 __global__ void DispatchUnpack(G g, const int32_t* token, DispatchRecvOut out) {
   const int b = static_cast<int>(TokenEpoch(kD, token) & 1ull);
   const bool failed = Failed(g);
   const int64_t RM = static_cast<int64_t>(g.R) * g.M;
+  const int32_t* counts = Local(g, g.A.counts);
+  const int32_t* offsets = Local(g, g.A.offsets);
   if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < g.el; e += blockDim.x) {
-      int32_t total = 0;
-      for (int s = 0; s < g.R; ++s) {
-        const int32_t c = failed ? 0 : devcopy::LoadLanded(HdrCounts(Hdr(g, kD, b, s)) + e);
-        out.first_row[e * g.R + s] = failed ? -1 : total;
-        out.row_count[e * g.R + s] = failed ? -1 : c;
-        total += c;
-      }
-      out.recv_count[e] = failed ? -1 : total;
+    for (int i = threadIdx.x; i < g.el * g.R; i += blockDim.x) {
+      const int e = i / g.R, s = i % g.R;
+      out.first_row[i] = failed ? -1 : offsets[i];
+      out.row_count[i] = failed ? -1 : devcopy::LoadLanded(HdrCounts(Hdr(g, kD, b, s)) + e);
     }
+    for (int e = threadIdx.x; e < g.el; e += blockDim.x) out.recv_count[e] = failed ? -1 : counts[e];
   }
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int nthreads = gridDim.x * blockDim.x;
+  for (int64_t i = tid; i < g.el * RM; i += nthreads)
+    if (failed || i % RM >= counts[i / RM]) out.src_rank[i] = out.src_index[i] = -1;
   const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t w = blockIdx.x * kWarps + (threadIdx.x >> 5); w < g.el * RM; w += warps) {
-    const int e = static_cast<int>(w / RM);
-    const int64_t i = w % RM;
-    int s = 0;
-    int64_t first = 0;
-    for (; !failed && s < g.R; ++s) {
-      const int32_t c = devcopy::LoadLanded(HdrCounts(Hdr(g, kD, b, s)) + e);
-      if (i < first + c) break;
-      first += c;
-    }
-    char* dst = static_cast<char*>(out.recv_x) + w * g.row_bytes;
-    if (failed || s == g.R) {
-      if (failed)
-        NanBytes(dst, g.row_bytes, lane, 32);
-      else
-        ZeroBytes(dst, g.row_bytes, lane, 32);
-      if (lane == 0) out.src_rank[w] = out.src_index[w] = -1;
+  const int64_t nwarps = nthreads >> 5;
+  for (int64_t w = tid >> 5; w < g.el * RM; w += nwarps) {
+    if (failed) {
+      NanBytes(static_cast<char*>(out.recv_x) + w * g.row_bytes, g.row_bytes, lane, 32);
       continue;
     }
-    const char* row = g.area + llwire::drecv_row(g.A, b, e, s, i - first);
-    devcopy::CopyLanded(dst, row, g.row_bytes, lane, 32);
+    const int e = static_cast<int>(w / RM);
+    const int s = static_cast<int>((w % RM) / g.M);
+    const int p = static_cast<int>(w % g.M);
+    if (p >= devcopy::LoadLanded(HdrCounts(Hdr(g, kD, b, s)) + e)) continue;
+    const int64_t row = static_cast<int64_t>(e) * RM + offsets[e * g.R + s] + p;
+    const char* src = g.area + llwire::drecv_row(g.A, b, e, s, p);
+    devcopy::CopyLanded(static_cast<char*>(out.recv_x) + row * g.row_bytes, src, g.row_bytes, lane, 32);
     if (lane == 0) {
-      out.src_rank[w] = s;
-      out.src_index[w] = devcopy::LoadLanded(reinterpret_cast<const int32_t*>(row + g.meta_off));
+      out.src_rank[row] = s;
+      out.src_index[row] = devcopy::LoadLanded(reinterpret_cast<const int32_t*>(src + g.meta_off));
     }
   }
 }
 
-// A warp per token: lanes over the hidden dim, k ascending per element, the product
-// rounded to float32 before the add (low_latency_math.h), then one cast.
+// A warp per token: k ascending per element, the product rounded to float32 before the
+// add (low_latency_math.h), then one cast. Rows whose bytes are a multiple of 16 go 16
+// bytes per lane per load (4 or 8 elements; every landed row starts 16-aligned), others
+// an element per lane; the order of the adds per element is the same either way.
 __global__ void CombineReduce(G g, const int32_t* idx, const float* w, const int32_t* token,
                               char* out) {
   const int b = static_cast<int>(TokenEpoch(kC, token) & 1ull);
@@ -527,26 +585,46 @@ __global__ void CombineReduce(G g, const int32_t* idx, const float* w, const int
   const int32_t* offsets = Local(g, g.A.offsets);
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * kWarps;
+  const float nan = __int_as_float(0x7fc00000);  // a failed call's sums: never plausible
+  const int eb = g.elem == FloatKind::kF32 ? 4 : 2;
   for (int t = blockIdx.x * kWarps + (threadIdx.x >> 5); t < g.S; t += warps) {
     char* dst = out + static_cast<int64_t>(t) * g.row_bytes;
+    if (g.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+      const int per = 16 / eb;
+      for (int64_t c = lane; c < g.row_bytes / 16; c += 32) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int k = 0; k < g.K && !failed; ++k) {
+          const int i = t * g.K + k;
+          const int32_t e = idx[i];
+          if (e < 0 || pos[i] < 0) continue;
+          const char* row = g.area + llwire::crecv_row(g.A, b, e / g.el, offsets[e] + pos[i]);
+          const int4 v = devcopy::LoadLandedInt4(reinterpret_cast<const int4*>(row) + c);
+          const float wk = w[i];
+          for (int j = 0; j < per; ++j) acc[j] = ll_weighted_add(acc[j], wk, ll_load(g.elem, &v, j));
+        }
+        int4 o;
+        for (int j = 0; j < per; ++j) ll_store(g.elem, &o, j, failed ? nan : acc[j]);
+        reinterpret_cast<int4*>(dst)[c] = o;
+      }
+      continue;
+    }
     for (int64_t x = lane; x < g.H; x += 32) {
       float acc = 0.0f;
       for (int k = 0; k < g.K && !failed; ++k) {
         const int i = t * g.K + k;
         const int32_t e = idx[i];
-        const int p = pos[i];
-        if (e < 0 || p < 0) continue;
-        const char* row = g.area + llwire::crecv_row(g.A, b, e / g.el, offsets[e] + p);
+        if (e < 0 || pos[i] < 0) continue;
+        const char* row = g.area + llwire::crecv_row(g.A, b, e / g.el, offsets[e] + pos[i]);
         acc = ll_weighted_add(acc, w[i], ll_load(g.elem, row, x));
       }
-      // a failed call's sums are NaN, never plausible zeros
-      ll_store(g.elem, dst, x, failed ? __int_as_float(0x7fc00000) : acc);
+      ll_store(g.elem, dst, x, failed ? nan : acc);
     }
   }
 }
 
-// One block, after the outputs are written: reset buffer b's data words, then return the
-// credit (SET epoch) to every writer. A failed rank stays silent.
+// One block, after the outputs are written: reset buffer b's count words, then return
+// the credit (SET epoch) to every writer. A failed rank stays silent. No quiet: the
+// credits are signals with no source buffer, and a writer polls for them.
 __global__ void RecvFinish(G g, const int32_t* token) {
   const unsigned long long n = TokenEpoch(g.op, token);
   const int b = static_cast<int>(n & 1ull);
@@ -554,15 +632,12 @@ __global__ void RecvFinish(G g, const int32_t* token) {
   if (threadIdx.x == 0) skip = Failed(g) ? 1 : 0;
   __syncthreads();
   if (skip) return;
-  for (int i = threadIdx.x; i < g.R * llwire::kMaxQps; i += blockDim.x)
-    *Dsig(g, g.op, b, i / llwire::kMaxQps, i % llwire::kMaxQps) = 0;
+  for (int i = threadIdx.x; i < g.R * g.el; i += blockDim.x)
+    *Cnt(g, g.op, b, i / g.el, i % g.el) = 0;
   __threadfence_system();  // the resets before any credit: writers reuse b only after it
   __syncthreads();
   for (int w = threadIdx.x; w < g.R; w += blockDim.x)
     Tr::signal(Credit(g, g.op, b, g.rank), n, SignalOp::kSet, w, llwire::kControlQp);
-  __syncthreads();
-  // nvshmem_quiet covers every QP to every PE: one thread is enough
-  if (threadIdx.x == 0) Tr::quiet();
 }
 
 std::string CudaErr(cudaError_t e, const char* what) {
@@ -570,9 +645,57 @@ std::string CudaErr(cudaError_t e, const char* what) {
   return std::string("jax_ep internode low-latency: ") + what + ": " + cudaGetErrorString(e);
 }
 
-int BlocksFor(int64_t warps_of_work) {
-  const int64_t b = (warps_of_work + kWarps - 1) / kWarps;
-  return static_cast<int>(b < 1 ? 1 : (b > 1024 ? 1024 : b));
+// ---- grids ---------------------------------------------------------------------------
+
+int SmCount() {
+  static int n = 0;
+  if (n > 0) return n;
+#if defined(JAX_EP_EMU)
+  n = 132;  // the emulated GPU has no SM count; the grids are cut as on an H100/H200
+#else
+  int dev = 0, v = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) {
+    n = v;
+  } else {
+    cudaGetLastError();  // not sticky; the launch must not report it
+    n = 132;
+  }
+#endif
+  return n;
+}
+
+// Blocks of `kernel` (kThreads threads) one SM holds, from its registers and shared
+// memory; the emulated GPU assumes configs.h's kAssumedBlocksPerSm.
+int BlocksPerSm(const void* kernel, int* cache) {
+#if defined(JAX_EP_EMU)
+  (void)kernel;
+  (void)cache;
+  return kAssumedBlocksPerSm;
+#else
+  if (*cache > 0) return *cache;
+  int per = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kThreads, 0) != cudaSuccess ||
+      per < 1) {
+    cudaGetLastError();
+    per = 1;
+  }
+  *cache = per;
+  return per;
+#endif
+}
+
+// Blocks for `warps` warps of work, at most what the SM budget (JAX_EP_NUM_SMS, else the
+// device's SMs less configs.h's reserve) holds resident: the grid-stride loops cover the
+// rest, and the ranks never wait on blocks that beside other work could not start.
+template <auto Kernel>
+int Grid(int64_t warps) {
+  static int cache = 0;  // the kernel's occupancy (one instantiation per kernel)
+  const int64_t cap = static_cast<int64_t>(EpSmBudget(SmCount())) *
+                      BlocksPerSm(reinterpret_cast<const void*>(Kernel), &cache);
+  int64_t b = (warps + kWarps - 1) / kWarps;
+  if (b > cap) b = cap;
+  return static_cast<int>(b < 1 ? 1 : b);
 }
 
 std::string MakeG(const CallDims& d, int op, G* g) {
@@ -689,14 +812,17 @@ std::string Finalize() {
   return e;
 }
 
+
 std::string DispatchSend(cudaStream_t stream, const CallDims& d, const void* x,
                          const int32_t* topk_idx, int32_t* token) {
   G g;
   std::string e = MakeG(d, kD, &g);
   if (!e.empty()) return e;
-  JEP_LAUNCH(DispatchPlan, 1, kThreads, 0, stream)(g, topk_idx, token);
-  if (g.S > 0) JEP_LAUNCH(DispatchPack, g.S, 128, 0, stream)(g, static_cast<const char*>(x));
-  JEP_LAUNCH(DispatchSendKernel, g.nq, kThreads, 0, stream)(g, topk_idx, token);
+  JEP_LAUNCH(Begin, 1, kThreads, 0, stream)(g, token);
+  const int64_t plan_warps = std::max<int64_t>(g.E, static_cast<int64_t>(g.S) * g.K / 32);
+  JEP_LAUNCH(DispatchPlan, Grid<DispatchPlan>(plan_warps), kThreads, 0, stream)(g, topk_idx);
+  JEP_LAUNCH(DispatchSendKernel, Grid<DispatchSendKernel>(g.S), kThreads, 0, stream)(
+      g, static_cast<const char*>(x), topk_idx, token);
   return CudaErr(cudaGetLastError(), "dispatch send launch");
 }
 
@@ -706,8 +832,8 @@ std::string DispatchRecv(cudaStream_t stream, const CallDims& d, const int32_t* 
   std::string e = MakeG(d, kD, &g);
   if (!e.empty()) return e;
   JEP_LAUNCH(RecvWait, 1, kThreads, 0, stream)(g, token);
-  JEP_LAUNCH(DispatchUnpack, BlocksFor(static_cast<int64_t>(g.el) * g.R * g.M), kThreads, 0, stream)(
-      g, token, out);
+  JEP_LAUNCH(DispatchUnpack, Grid<DispatchUnpack>(static_cast<int64_t>(g.el) * g.R * g.M),
+             kThreads, 0, stream)(g, token, out);
   JEP_LAUNCH(RecvFinish, 1, kThreads, 0, stream)(g, token);
   return CudaErr(cudaGetLastError(), "dispatch receive launch");
 }
@@ -717,10 +843,12 @@ std::string CombineSend(cudaStream_t stream, const CallDims& d, const void* y,
   G g;
   std::string e = MakeG(d, kC, &g);
   if (!e.empty()) return e;
-  JEP_LAUNCH(CombinePlan, 1, kThreads, 0, stream)(g, first_row, row_count, token);
-  JEP_LAUNCH(CombinePack, BlocksFor(static_cast<int64_t>(g.el) * g.R * g.M), kThreads, 0, stream)(
-      g, static_cast<const char*>(y), first_row, row_count);
-  JEP_LAUNCH(CombineSendKernel, g.nq, kThreads, 0, stream)(g, token);
+  JEP_LAUNCH(Begin, 1, kThreads, 0, stream)(g, token);
+  JEP_LAUNCH(CombinePlan, Grid<CombinePlan>((static_cast<int64_t>(g.E) + 31) / 32), kThreads, 0,
+             stream)(g, first_row, row_count);
+  JEP_LAUNCH(CombineSendKernel,
+             Grid<CombineSendKernel>(static_cast<int64_t>(g.el) * g.R * g.M), kThreads, 0,
+             stream)(g, static_cast<const char*>(y), first_row, row_count, token);
   return CudaErr(cudaGetLastError(), "combine send launch");
 }
 
@@ -729,11 +857,11 @@ std::string CombineRecv(cudaStream_t stream, const CallDims& d, const int32_t* t
   G g;
   std::string e = MakeG(d, kC, &g);
   if (!e.empty()) return e;
-  JEP_LAUNCH(CombineRecvPlan, 1, kThreads, 0, stream)(g, topk_idx);
+  JEP_LAUNCH(CombineRecvPlan, Grid<CombineRecvPlan>(g.E), kThreads, 0, stream)(g, topk_idx);
   JEP_LAUNCH(RecvWait, 1, kThreads, 0, stream)(g, token);
   if (g.S > 0)
-    JEP_LAUNCH(CombineReduce, BlocksFor(g.S), kThreads, 0, stream)(g, topk_idx, topk_weights, token,
-                                                          static_cast<char*>(out));
+    JEP_LAUNCH(CombineReduce, Grid<CombineReduce>(g.S), kThreads, 0, stream)(
+        g, topk_idx, topk_weights, token, static_cast<char*>(out));
   JEP_LAUNCH(RecvFinish, 1, kThreads, 0, stream)(g, token);
   return CudaErr(cudaGetLastError(), "combine receive launch");
 }
@@ -754,7 +882,8 @@ std::string PendingError() {
     case wire::kErrTimeout:
       m += "timed out (JAX_EP_TIMEOUT_S) waiting for rank " + std::to_string(peer) + ": " +
            (kind == llwire::kKindHeader  ? std::string("its header")
-            : kind == llwire::kKindData  ? "its rows on QP " + std::to_string(qp)
+            : kind == llwire::kKindData  ? "the count of its rows for local expert " +
+                                               std::to_string(qp)
                                          : std::string("its credit (it has not finished the "
                                                        "call two epochs back)")) +
            ", word holds " + std::to_string(seen) + " of " + std::to_string(expected) +
@@ -791,8 +920,9 @@ std::string PendingError() {
              std::to_string(peer) + ", source " + std::to_string(qp) + ")";
       break;
     case wire::kErrExtraSignal:
-      m += "rank " + std::to_string(peer) + " sent " + std::to_string(seen) + " rows on QP " +
-           std::to_string(qp) + ", expected " + std::to_string(expected);
+      m += "rank " + std::to_string(peer) + " signalled " + std::to_string(seen) +
+           " rows for local expert " + std::to_string(qp) + ", its header says " +
+           std::to_string(expected);
       break;
     default:
       m += "error code " + std::to_string(code);

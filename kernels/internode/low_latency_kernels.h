@@ -4,39 +4,48 @@
 //
 // Protocol (kernels/internode/low_latency_wire.h has the word-level rules):
 //   dispatch_send (every rank as a source, epoch n of the dispatch op, buffer b = n & 1):
-//     plan  -- each (token, slot)'s position among this rank's tokens naming the same
-//              expert (token order), counts per expert (at most M), bad or repeated ids
-//              noted; one header per owner (seq n, config hash, error flag, counts)
-//     pack  -- each staged token once into the symmetric stage (row + source token index)
-//     send  -- CTA q = logical QP q: waits (bounded) for every owner's credit for buffer
-//              b (the owner finished epoch n - 2), CTA 0 puts the headers (put-with-signal
-//              SET n on the control QP); then every (token, slot) row whose stream index
-//              j (owner's experts in order, then position) the striping plan puts on QP q
-//              goes straight into the owner's slot drecv[b][expert][source][position],
-//              as a put-with-signal ADD 1 on QP q into word (dispatch, b, source, q)
+//     begin -- the epoch into the token, the bad note and per-expert done counters cleared
+//     plan  -- a warp per expert: each (token, slot)'s position among this rank's slots
+//              naming that expert (token order, a ballot per 32 slots), the count (at
+//              most M); bad or repeated ids noted (a thread per slot)
+//     send  -- every block waits (bounded) for every owner's credit for buffer b (the
+//              owner finished epoch n - 2); block 0 stages and puts one header per owner
+//              (seq n, config hash, error flag, counts; put-with-signal SET n on the
+//              control QP); experts with no rows get their count signal (SET 1); a warp
+//              per token copies it into dstage[b] (row + source token index) and puts it,
+//              without a signal, into drecv[b][expert][source][position] of each of its
+//              experts' owners, on the expert's QP (llwire::expert_qp); the warp that
+//              issues an expert's last row then sends one count signal (SET count + 1)
+//              on that QP. The kernel returns with its puts in flight (no quiet).
 //     token -- int32[2] (n, hash): the epoch the receive half completes (its low 32 bits,
 //              widened by the receive against this PE's counter, llwire::widen_epoch)
-//              and this call's config hash, which every writer's header must carry;
-//              the send ends in nvshmem_quiet, so the next call may rewrite the stages
+//              and this call's config hash, which every writer's header must carry
 //   dispatch_recv (every rank as an owner): waits (bounded) for every source's header
-//     word == n, checks seq, hash and error flag, waits for every (source, QP) data word
-//     to hold that QP's rows; writes recv_x[E_local, R*M, H] (rows of source s for expert
-//     e at first_row[e, s], in token order, zero past the count), recv_count, src_rank,
-//     src_index, first_row, row_count; resets buffer b's data words and returns the credit
-//     (SET n into word (dispatch, b, owner) on every source).
-//   combine_send (every rank as an owner, epoch m of the combine op): y's rows of each
-//     source, expert after expert, into the stage, then, after the source's credit, each
-//     row j of the stream to source s on QP row_qp(s, j) into crecv[b][owner][j] at s.
-//   combine_recv (every rank as a source): waits for every owner's header and rows, checks
-//     the owner's count for each of its experts equals what its own routing implies, sums each token's rows
-//     k ascending (float32 product rounded, then added, kernels/common/low_latency_math.h),
-//     casts; resets and returns the credit.
+//     word == n, checks seq, hash and error flag, then every (source, expert) count word
+//     (it must equal the header's count + 1); writes the rows below the counts of
+//     recv_x[E_local, R*M, H] (rows of source s for expert e at first_row[e, s], in token
+//     order; rows past recv_count are not written), recv_count, src_rank, src_index (-1
+//     past the count), first_row, row_count; resets buffer b's count words and returns the
+//     credit (SET n into word (dispatch, b, owner) on every source).
+//   combine_send (every rank as an owner, epoch m of the combine op): after every
+//     source's credit, a warp per returned row copies it from y into cstage[b] and puts it
+//     into crecv[b][owner][j] at its source (j: experts in order, then the row), one count
+//     signal per (expert, source) after the last.
+//   combine_recv (every rank as a source): positions of its own routing (a warp per
+//     expert), waits for every owner's header and count words, checks the owner's count
+//     for each of its experts equals what its own routing implies, sums each token's rows
+//     k ascending (float32 product rounded, then added, kernels/common/low_latency_math.h;
+//     16-byte loads where a row is a multiple of 16 bytes), casts; resets and returns the
+//     credit.
 //
 // Slot reuse: DOUBLE BUFFERING BY EPOCH PARITY, GUARDED BY CREDITS. Epoch n writes buffer
 // n & 1 of the reader's areas; before writing it, the writer waits until the reader's
-// credit for that buffer says it finished epoch n - 2. So at most two calls of an op can
-// be in flight per rank (e.g. the FP8 dispatch's two sends before its two receives); a
-// third send waits for a credit that only a receive behind it on the stream can give,
+// credit for that buffer says it finished epoch n - 2; the writer's own stages are per
+// parity too and rewritten only after that wait, so a send half need not wait for its
+// puts to complete (a credit for epoch n - 2 means the reader saw every count signal of
+// n - 2, each landed after the rows it counts, so the NIC had read those stage bytes).
+// So at most two calls of an op can be in flight per rank (e.g. the FP8 dispatch's two
+// sends before its two receives); a third send waits for a credit that only a receive behind it on the stream can give,
 // and ends in a timeout error, never a hang or a silent overwrite.
 //
 // Buffers: one symmetric area per PE, allocated once by Init from (R, M, row bytes, K, E)
@@ -91,7 +100,7 @@ std::string DispatchSend(cudaStream_t stream, const CallDims& d, const void* x,
                          const int32_t* topk_idx, int32_t* token);
 
 struct DispatchRecvOut {
-  void* recv_x;          // [E_local, R*M, H]
+  void* recv_x;          // [E_local, R*M, H]; rows past recv_count are left unwritten
   int32_t* recv_count;   // [E_local]
   int32_t* src_rank;     // [E_local, R*M]
   int32_t* src_index;    // [E_local, R*M]

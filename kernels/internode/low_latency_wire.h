@@ -11,24 +11,29 @@
 // completes the epoch its own send started.
 //
 // One call of an op, writer w (dispatch: every source; combine: every owner), reader p:
-//   1. credit: before writing buffer b at p, w waits (bounded) until credit word
-//      (op, b, p) on w holds >= n - 2: p finished reading epoch n - 2 there.
-//   2. header: w puts its Header (seq n, config hash, error flag, rows, per local expert
-//      counts) into hdr[op][b][w] on p with a put-with-signal SET n on the control QP,
-//      word hsig[op][b][w]. Every writer sends every reader a header in every call, even
-//      with no rows: that is what lets a reader finish and return its credit.
-//   3. rows: row j (0-based, in the stream order of w -> p) goes on QP
-//      row_qp(p, j) = qp_for(p, j % NQ, j) as a put-with-signal ADD 1 into word
-//      dsig[op][b][w][qp] on p. One word per (writer, QP): no word is written from two QPs.
+//   1. credit: before writing buffer b anywhere (its own stages hstage[b], dstage[b] /
+//      cstage[b], or p's receive areas), w waits (bounded) until credit word (op, b, p) on
+//      w holds >= n - 2 for every reader p: every p finished reading epoch n - 2.
+//   2. header: w stages its Header (seq n, config hash, error flag, rows, per local expert
+//      counts) in hstage[b] and puts it into hdr[op][b][w] on p with a put-with-signal SET n
+//      on the control QP, word hsig[op][b][w]. Every writer sends every reader a header in
+//      every call, even with no rows: that is what lets a reader finish and return its credit.
+//   3. rows: every row of (writer w, p's local expert e) goes on QP expert_qp(p, e) as a
+//      plain put (no signal); after the last of them is issued (the writer's per-expert done
+//      counter), ONE signal SET count + 1 into count word cnt[op][b][w][e] on p, on the same
+//      QP, so it lands after those rows (a QP delivers in order; without QP handles a
+//      transport fence orders it). An expert with no rows gets its signal (SET 1) at once.
 //   4. p waits (bounded) for hsig[op][b][w] == n, checks the header (seq, hash, error,
 //      counts inside the blocks; combine: each count equal to the routing's), then waits
-//      for dsig[op][b][w][q] == rows_on_qp(rows, p, q) for every q, and fails on a word
-//      holding more.
-//   5. p reads the rows, resets the dsig words of buffer b, then signals SET n into
-//      credit word (op, b, p) on every writer (control QP).
-// The puts read the writer's stages (hstage, dstage, cstage) when the NIC gets to them:
-// every send kernel ends in nvshmem_quiet, so the next call's plan and pack may rewrite
-// the stages.
+//      for every cnt[op][b][w][e] != 0 and fails unless it is the header's count + 1.
+//   5. p reads the rows, resets the cnt words of buffer b, then signals SET n into credit
+//      word (op, b, p) on every writer (control QP).
+// The send halves post and return (no quiet). The puts read the writer's stages when the
+// NIC gets to them, so the stages are double-buffered by parity too: epoch n + 2 rewrites
+// stage b only after step 1's credits, and a reader's credit for epoch n means it saw all of
+// w's signals of epoch n, each landed after the rows before it on its QP, so the NIC has read
+// every source byte of epoch n from stage b. The receive half does not quiet either: its
+// credits are signals with no source buffer.
 // The header word is never reset: it holds the last epoch, and n != n - 2.
 #pragma once
 
@@ -59,7 +64,7 @@ enum Op : int { kOpDispatch = 0, kOpCombine = 1 };
 constexpr int kErrOpBase = 8;        // record.op = kErrOpBase + Op
 enum Kind : int {
   kKindHeader = 32,   // header word of (op, buffer, writer)
-  kKindData = 33,     // data word of (op, buffer, writer, QP)
+  kKindData = 33,     // count word of (op, buffer, writer, local expert); qp field: expert
   kKindCredit = 34,   // credit of (op, buffer) from a reader
   kKindRows = 35,     // combine: the owner's count for one of its experts differs from
                       // the routing's (qp field: that local expert)
@@ -120,12 +125,11 @@ JEP_LL_HD int32_t row_qp(int32_t peer, int64_t j, int32_t num_ports, int32_t qps
   return qp_for(peer, static_cast<int32_t>(j % nq), j, num_ports, qps_per_port).qp;
 }
 
-// Rows of a stream of `rows` rows to `reader` that travel on QP `qp` (what the reader's
-// data word (writer, qp) must hold).
-JEP_LL_HD int64_t rows_on_qp(int64_t rows, int32_t reader, int32_t qp, int32_t num_ports,
-                             int32_t qps_per_port) {
-  const int32_t c = wire::channel_of_qp(reader, qp, num_ports, qps_per_port);
-  return wire::chunks_on_channel(rows, c, num_ports * qps_per_port);
+// QP of every row (and of the count signal) of one writer's rows for local expert e of
+// `reader`: the striping plan's QP of chunk e, so a reader's experts spread over the ports
+// and QPs while one expert's rows and their signal share one QP (delivered in order).
+JEP_LL_HD int32_t expert_qp(int32_t reader, int32_t e, int32_t num_ports, int32_t qps_per_port) {
+  return row_qp(reader, e, num_ports, qps_per_port);
 }
 
 // The token is int32[2], so it carries the low 32 bits of the epoch. The receive half
@@ -135,9 +139,10 @@ JEP_LL_HD uint64_t widen_epoch(uint64_t latest, uint32_t low) {
   return latest - static_cast<uint32_t>(static_cast<uint32_t>(latest) - low);
 }
 
-// Word indices within the signal regions.
-JEP_LL_HD int64_t dsig_index(int op, int b, int writer, int qp, int R) {
-  return ((static_cast<int64_t>(op) * kNumBufs + b) * R + writer) * kMaxQps + qp;
+// Word indices within the signal regions. Count words: one per (writer, reader's local
+// expert), so no word is written from two QPs.
+JEP_LL_HD int64_t cnt_index(int op, int b, int writer, int e, int R, int el) {
+  return ((static_cast<int64_t>(op) * kNumBufs + b) * R + writer) * el + e;
 }
 JEP_LL_HD int64_t hsig_index(int op, int b, int writer, int R) {
   return (static_cast<int64_t>(op) * kNumBufs + b) * R + writer;
@@ -148,20 +153,22 @@ JEP_LL_HD int64_t credit_index(int op, int b, int reader, int R) {
 
 // Layout of one rank's low-latency area (one nvshmem_malloc at start, the same on every
 // PE). Sized by the limits (R, M, row bytes, K, E) only, never by a call's T:
-//   dsig    [2 ops][2 bufs][R writers][kMaxQps] u64   data words (ADD; reader resets)
+//   dsig    [2 ops][2 bufs][R writers][E_local] u64   count words (SET count + 1; reset)
 //   hsig    [2 ops][2 bufs][R writers] u64            header words (SET epoch)
 //   credit  [2 ops][2 bufs][R readers] u64            credits (SET epoch)
 //   hdr     [2 ops][2 bufs][R writers] headers        headers received
-//   hstage  [2 ops][R readers] headers                headers to send (registered source)
-//   local   bad-id note int32[4], pos[M*K], counts[E], offsets[E] (int32, this rank only)
-//   dstage  [M*K] dispatch rows                       staged tokens (put source)
+//   hstage  [2 bufs][2 ops][R readers] headers        headers to send (put source)
+//   local   bad notes int32[2 ops][4], pos[M*K], counts[E], offsets[E], done[E] (int32,
+//           this rank only)
+//   dstage  [2 bufs][M*K] dispatch rows               staged tokens (put source)
 //   drecv   [2 bufs][E_local][R][M] dispatch rows     rows received per (expert, source)
-//   cstage  [R][rows_per_dest] combine rows           rows to return, per source
+//   cstage  [2 bufs][R][rows_per_dest] combine rows   rows to return, per source
 //   crecv   [2 bufs][R][rows_per_dest] combine rows   rows returned, per owner
-// stage_rows = M * K: the gradients stage M * K one-slot tokens.
+// The stages are per parity because a send half returns with its puts in flight (see the
+// protocol above). stage_rows = M * K: the gradients stage M * K one-slot tokens.
 struct Area {
   int64_t R, M, K, E, el, row_bytes, ds, cs, hs, stage_rows, rpd;
-  int64_t dsig, hsig, credit, hdr, hstage, bad, pos, counts, offsets, dstage, drecv,
+  int64_t dsig, hsig, credit, hdr, hstage, bad, pos, counts, offsets, done, dstage, drecv,
       cstage, crecv, total;
 };
 
@@ -180,18 +187,19 @@ JEP_LL_HD Area area_layout(int64_t R, int64_t M, int64_t row_bytes, int64_t K, i
   a.rpd = rows_per_dest(M, K, a.el);
   const int64_t ob = kNumOps * kNumBufs;
   int64_t off = 0;
-  a.dsig = off;    off += round_up(ob * R * kMaxQps * 8, kAlign);
+  a.dsig = off;    off += round_up(ob * R * a.el * 8, kAlign);
   a.hsig = off;    off += round_up(ob * R * 8, kAlign);
   a.credit = off;  off += round_up(ob * R * 8, kAlign);
   a.hdr = off;     off += round_up(ob * R * a.hs, kAlign);
-  a.hstage = off;  off += round_up(kNumOps * R * a.hs, kAlign);
-  a.bad = off;     off += round_up(16, kAlign);
+  a.hstage = off;  off += round_up(ob * R * a.hs, kAlign);
+  a.bad = off;     off += round_up(kNumOps * 16, kAlign);
   a.pos = off;     off += round_up(M * K * 4, kAlign);
   a.counts = off;  off += round_up(E * 4, kAlign);
   a.offsets = off; off += round_up(E * 4, kAlign);
-  a.dstage = off;  off += round_up(a.stage_rows * a.ds, kAlign);
+  a.done = off;    off += round_up(E * 4, kAlign);
+  a.dstage = off;  off += round_up(kNumBufs * a.stage_rows * a.ds, kAlign);
   a.drecv = off;   off += round_up(kNumBufs * a.el * R * M * a.ds, kAlign);
-  a.cstage = off;  off += round_up(R * a.rpd * a.cs, kAlign);
+  a.cstage = off;  off += round_up(kNumBufs * R * a.rpd * a.cs, kAlign);
   a.crecv = off;   off += round_up(kNumBufs * R * a.rpd * a.cs, kAlign);
   a.total = off;
   return a;
@@ -207,8 +215,14 @@ JEP_LL_HD int64_t crecv_row(const Area& a, int b, int owner, int64_t j) {
 JEP_LL_HD int64_t hdr_at(const Area& a, int op, int b, int writer) {
   return a.hdr + hsig_index(op, b, writer, static_cast<int>(a.R)) * a.hs;
 }
-JEP_LL_HD int64_t hstage_at(const Area& a, int op, int reader) {
-  return a.hstage + (static_cast<int64_t>(op) * a.R + reader) * a.hs;
+JEP_LL_HD int64_t hstage_at(const Area& a, int b, int op, int reader) {
+  return a.hstage + ((static_cast<int64_t>(b) * kNumOps + op) * a.R + reader) * a.hs;
+}
+JEP_LL_HD int64_t dstage_row(const Area& a, int b, int64_t t) {
+  return a.dstage + (static_cast<int64_t>(b) * a.stage_rows + t) * a.ds;
+}
+JEP_LL_HD int64_t cstage_row(const Area& a, int b, int d, int64_t j) {
+  return a.cstage + ((static_cast<int64_t>(b) * a.R + d) * a.rpd + j) * a.cs;
 }
 
 }  // namespace llwire

@@ -27,6 +27,8 @@
 //   static void* peer_ptr(void* sym, int pe);
 //   // Complete every put this thread issued (source buffers may be reused after).
 //   static void quiet();
+//   // Deliver this PE's earlier operations on logical QP `qp` before its later ones.
+//   static void fence_qp(int qp);
 #pragma once
 
 #include <cstddef>

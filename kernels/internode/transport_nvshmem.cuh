@@ -105,6 +105,18 @@ struct Nvshmem {
   }
 
   static __device__ __forceinline__ void quiet() { nvshmem_quiet(); }
+
+  // Orders this PE's earlier puts on logical QP `qp` before its later operations there (a
+  // count signal after the rows it counts). A QP handle's operations are delivered in
+  // order, so only NVSHMEM's own QP choice (no handles), which may spread them over
+  // several QPs, needs nvshmem_fence.
+  static __device__ __forceinline__ void fence_qp(int qp) {
+#if JAX_EP_NVSHMEM_QP_API
+    if (qp < g_nvshmem_num_qp_handles) return;
+#endif
+    (void)qp;
+    nvshmem_fence();
+  }
 };
 
 }  // namespace transport

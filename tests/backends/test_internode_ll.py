@@ -218,7 +218,7 @@ def test_area_size_mirror_equals_the_compiled_layout(R_, M_, E_, H_, K_, itemsiz
     assert got == lay["total"]
     m = rt._ll_area(R_, M_, H_ * itemsize, K_, E_)
     for key in ("dsig", "hsig", "credit", "hdr", "hstage", "bad", "pos", "counts", "offsets",
-                "dstage", "drecv", "cstage", "crecv", "total", "rows_per_dest"):
+                "done", "dstage", "drecv", "cstage", "crecv", "total", "rows_per_dest"):
         assert m[key] == lay[key], key
 
 
@@ -227,8 +227,8 @@ def test_area_does_not_depend_on_tokens_and_has_the_expected_big_terms():
                                             topk=8, num_experts=256)
     row = 7168 * 2
     recv = 2 * 256 * 128 * (row + 16)               # two buffers of E * M dispatch rows
-    back = 3 * 32 * 128 * min(8, 8) * row           # stage + 2 x R * M * min(K, E_local)
-    stage = 128 * 8 * (row + 16)                    # M * K staged tokens
+    back = 4 * 32 * 128 * min(8, 8) * row           # 2 x (stage + R * M * min(K, E_local))
+    stage = 2 * 128 * 8 * (row + 16)                # 2 x M * K staged tokens
     assert recv + back + stage < a < recv + back + stage + 2**20
 
 

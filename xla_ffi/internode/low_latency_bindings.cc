@@ -61,6 +61,7 @@ void AddLowLatencyWireBindings(nb::module_& m) {
     d["pos"] = a.pos;
     d["counts"] = a.counts;
     d["offsets"] = a.offsets;
+    d["done"] = a.done;
     d["dstage"] = a.dstage;
     d["drecv"] = a.drecv;
     d["cstage"] = a.cstage;
