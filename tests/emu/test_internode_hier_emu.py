@@ -107,6 +107,19 @@ def test_hierarchical_matches_reference(shape):
                kind_differs=True)
 
 
+def test_hierarchical_drops_past_capacity():
+    """Capacity far below the rows sent (2 x 2, bfloat16, topk 3): the rows past C at a
+    receiver are never forwarded, the handle and combine follow the kept rows only."""
+    N, G, T, H, K = 2, 2, 8, 8, 3
+    R = N * G
+    E, C = 2 * R, 7
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=4)
+    rng = np.random.default_rng(21)
+    args = data(rng, R, T, H, K, E, C, BF16)
+    assert int(reference(*args[:4], E=E, C=C)["num_dropped"].sum()) > 0
+    round_trip(em, "hierarchical", *args, E=E, C=C, K=K)
+
+
 @pytest.mark.parametrize("N,G,K", [(2, 4, 4), pytest.param(2, 2, 2, marks=full)])
 def test_small_rings_wrap_and_credit_per_chunk(N, G, K):
     """Small rings: every RDMA and NVLink ring wraps at least three times in each call,

@@ -30,7 +30,6 @@ Planted mistakes (`bugs=`), each of which a test must see reported:
   forward_before_land   forwarder waits for one chunk too few on the QP before reading
                         (direct mode: the receiver waits for QP 0's closing signal only)
   nvl_publish_early     forwarder publishes an NVLink ring slot before writing it
-  reduce_in_node        combine sums a node's rows before the final sum (DeepEP-style)
   missing_close         a sender omits the closing signal on its last QP
   shared_signal_word    all QPs of a source signal one word
   no_final_credit_wait  a sender resets its credit word without waiting for the last
@@ -49,8 +48,7 @@ from jax_ep.network.topology import Topology
 from jax_ep.network.transport import _qp_for_arrays  # the compiled striping rule (binding)
 
 BUGS = frozenset({"credit_early", "forward_before_land", "nvl_publish_early",
-                  "reduce_in_node", "missing_close", "shared_signal_word",
-                  "no_final_credit_wait"})
+                  "missing_close", "shared_signal_word", "no_final_credit_wait"})
 
 
 class Violation(AssertionError):
@@ -307,12 +305,11 @@ def config_hash(T, H, K, C, E, dtype, R) -> str:
 
 @dataclasses.dataclass
 class Result:
-    outputs: list          # per rank: dict of dispatch outputs (+ "out" after combine)
+    outputs: list          # per rank: dict of dispatch outputs
     errors: list           # per rank: None or the error message
     port_bytes: np.ndarray  # [R, ports] bytes each rank put on each port
     peer_port_bytes: dict  # (src, dst) -> [ports]
     net_dispatch: Net = None
-    net_combine: Net = None
 
 
 def _hit(idx_row, el, R):
@@ -323,9 +320,9 @@ def _hit(idx_row, el, R):
 class Problem:
     """One EP call's inputs on R = nodes * gpus ranks (per-rank lists)."""
 
-    def __init__(self, topo: Topology, x, idx, w, E, C, y=None):
+    def __init__(self, topo: Topology, x, idx, w, E, C):
         self.topo, self.R = topo, topo.num_ranks
-        self.x, self.idx, self.w, self.E, self.C, self.y = x, idx, w, E, C, y
+        self.x, self.idx, self.w, self.E, self.C = x, idx, w, E, C
         self.el = E // self.R
 
     def shapes(self, r):
@@ -723,150 +720,18 @@ def _send_row(p: Problem, s: int, shared: dict) -> np.ndarray:
     return out
 
 
-# ----------------------------------------------------------------------------- combine
-
-def _combine(net: Net, p: Problem, cfg: Config, disp: list, send_row: list):
-    """Runs one combine driven by the dispatch's handle. Hierarchical: receivers push
-    their y rows of source s=(n,g) to the rail peer (m,g) of their node over NVLink;
-    it sends s one message per token holding that node's rows, in ascending rank order;
-    s sums every row of the token in ascending rank order in float32 (own-node rows
-    straight from NVLink). Direct: each receiver sends s its rows of s; s sums."""
-    topo, R = p.topo, p.R
-    G, N = topo.gpus_per_node, topo.num_nodes
-    T, H = p.x[0].shape[0], p.y[0].shape[1]
-    hier = cfg.mode == "hierarchical"
-    row_bytes = (modes.hier_combine_row_stride(H * p.y[0].dtype.itemsize) if hier else
-                 modes._round_up(H * p.y[0].dtype.itemsize, 16))
-    streams = Streams(net, cfg)
-    rings, outs = {}, {}
-
-    def keepers(s, t):
-        return [int(r) for r in np.nonzero(send_row[s][t] >= 0)[0]]
-
-    def nvl(f, g2, n):  # at f, from local receiver g2, rows of the source of node n
-        if (f, g2, n) not in rings:
-            rings[(f, g2, n)] = NvlRing(net, f, topo.rank_of(f // G, g2), ("combine", g2, n),
-                                        cfg.nvl_rows, cfg.bugs)
-        return rings[(f, g2, n)]
-
-    def rows_of(r, s):
-        d = disp[r]
-        return [(int(d["src_index"][i]), i) for i in range(int(d["num_recv"]))
-                if d["src_rank"][i] == s]
-
-    def push(r, s):
-        f = topo.rail_peer(s, r // G)
-        for t, i in rows_of(r, s):
-            yield from nvl(f, r % G, s // G).push(dict(y=p.y[r][i], t=t, r=r))
-
-    def forwarder(f, n):
-        s = topo.rank_of(n, f % G)
-        msgs = [(t, [r for r in keepers(s, t) if r // G == f // G]) for t in range(T)]
-        msgs = [(t, ks) for t, ks in msgs if ks]
-        st = streams.get(f, s, sum(len(ks) for _, ks in msgs), row_bytes)
-        chunks, pending = [], []
-        net.spawn(f, st.send(chunks))
-        for t, ks in msgs:
-            for r in ks:  # ascending rank order inside the node
-                row = yield from nvl(f, r % G, n).pop()
-                if (row["t"], row["r"]) != (t, r):
-                    raise Violation(f"rank {f}: expected (token {t}, rank {r}) of rank {s}, "
-                                    f"got (token {row['t']}, rank {row['r']})")
-                pending.append(row)
-                if len(pending) == cfg.chunk_rows:
-                    chunks.append(pending)
-                    pending = []
-        if pending:
-            chunks.append(pending)
-
-    def direct_send(r, s):
-        rows = [dict(y=p.y[r][i], t=t, r=r) for t, i in rows_of(r, s)]
-        st = streams.get(r, s, len(rows), row_bytes, ring=False)
-        yield from st.send([rows[i:i + cfg.chunk_rows]
-                            for i in range(0, len(rows), cfg.chunk_rows)])
-
-    def source(s):
-        my = s // G
-        pos = collections.defaultdict(int)
-        out = np.zeros((T, H), p.y[0].dtype)
-        remote = [n for n in range(N) if n != my] if hier else [d for d in range(R) if d != s]
-        st_of = {}
-        for k in remote:
-            if hier:
-                n_rows = sum(1 for t in range(T) for r in keepers(s, t) if r // G == k)
-                st_of[k] = streams.get(topo.rank_of(k, s % G), s, n_rows, row_bytes)
-            else:
-                n_rows = sum(1 for t in range(T) if send_row[s][t, k] >= 0)
-                st_of[k] = streams.get(k, s, n_rows, row_bytes, ring=False)
-        if not hier:
-            for k in remote:
-                yield from st_of[k].wait_closed()
-        for t in range(T):
-            acc = np.zeros(H, np.float32)
-            node_acc = {}
-            for r in keepers(s, t):
-                if r == s and not hier:
-                    row = dict(y=p.y[s][send_row[s][t, s]], t=t, r=s)
-                elif hier and r // G == my:
-                    row = yield from nvl(s, r % G, my).pop()
-                else:
-                    k = r // G if hier else r
-                    st = st_of[k]
-                    c, j = divmod(pos[k], cfg.chunk_rows)
-                    yield st.wait_chunk(c)
-                    row = st.read(c, j)
-                    pos[k] += 1
-                    if pos[k] % cfg.chunk_rows == 0 or pos[k] == st.n_rows:
-                        st.free(c)
-                if (row["t"], row["r"]) != (t, r):
-                    raise Violation(f"rank {s}: expected the row of (token {t}, rank {r}), "
-                                    f"got (token {row['t']}, rank {row['r']})")
-                v = row["y"].astype(np.float32)
-                if "reduce_in_node" in cfg.bugs:
-                    n = r // G
-                    node_acc[n] = node_acc[n] + v if n in node_acc else v
-                else:
-                    acc = acc + v
-            for n in sorted(node_acc):
-                acc = acc + node_acc[n]
-            out[t] = acc.astype(p.y[0].dtype)
-        if hier:
-            for k in remote:
-                yield from st_of[k].wait_closed()
-        for k in remote:
-            st_of[k].finish()
-        outs[s] = out
-
-    for r in range(R):
-        for s in range(R):
-            if r == s and not hier:
-                continue
-            if hier:
-                if rows_of(r, s):
-                    net.spawn(r, push(r, s))
-            else:
-                net.spawn(r, direct_send(r, s))
-    if hier:
-        for f in range(R):
-            for n in range(N):
-                if n != f // G:
-                    net.spawn(f, forwarder(f, n))
-    for s in range(R):
-        net.spawn(s, source(s))
-    net.run()
-    return outs
-
-
 # ----------------------------------------------------------------------------- entry point
 
-def run(cfg: Config, x, idx, w, y, *, E: int, C: int, seq: int = 1, g=None) -> Result:
-    """Dispatch then combine of per-rank inputs x[r][T, H], idx/w[r][T, K], y[r][C, H]
-    (lists or stacked arrays) under `cfg`; with g[r][T, H] also the gather (combine's
-    transpose: dispatch's wire pattern for rows of g, outputs[r]["gather"]). Protocol
-    violations raise `Violation`; errors a rank would return (timeouts, mismatches, bad
-    ids) are in `Result.errors`."""
+def run(cfg: Config, x, idx, w, *, E: int, C: int, seq: int = 1, g=None) -> Result:
+    """Dispatch of per-rank inputs x[r][T, H], idx/w[r][T, K] (lists or stacked arrays)
+    under `cfg`; with g[r][T, H] also the gather (combine's transpose: dispatch's wire
+    pattern for rows of g, outputs[r]["gather"]). Protocol violations raise `Violation`;
+    errors a rank would return (timeouts, mismatches, bad ids) are in `Result.errors`.
+    There is no combine here: the hierarchical combine (reduced within the node, in the
+    order of kernels/common/combine_order.h) is tested on the kernels themselves
+    (tests/emu/test_internode_hier_emu.py)."""
     topo = Topology(cfg.nodes * cfg.gpus, cfg.gpus)
-    p = Problem(topo, list(x), list(idx), list(w), E, C, None if y is None else list(y))
+    p = Problem(topo, list(x), list(idx), list(w), E, C)
     net_d = Net(cfg, topo.num_ranks)
     rows_at, shared = _dispatch(net_d, p, cfg, seq)
     errors = list(net_d.error)
@@ -890,15 +755,4 @@ def run(cfg: Config, x, idx, w, y, *, E: int, C: int, seq: int = 1, g=None) -> R
         net_g.check_quiet()
         for r in range(p.R):
             disp[r]["gather"] = _dispatch_outputs(pg, r, shared_g, rows_g[r])["recv_x"]
-    if y is None:
-        return res
-    net_c = Net(dataclasses.replace(cfg, seed=cfg.seed + 1), p.R)
-    outs = _combine(net_c, p, cfg, disp, send_row)
-    res.errors = list(net_c.error)
-    res.net_combine = net_c
-    res.port_bytes = res.port_bytes + net_c.port_bytes
-    if all(e is None for e in res.errors):
-        net_c.check_quiet()
-        for r in range(p.R):
-            disp[r]["out"] = outs[r]
     return res
