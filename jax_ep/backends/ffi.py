@@ -59,19 +59,29 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
 
 
 def combine(y, handle: DispatchHandle, cfg: Cfg):
-    """y[C, H] -> out[T, H]: float32 sums in ascending rank order, cast to y.dtype."""
+    """y[C, H] -> out[T, H]: float32 sums in combine's order (backends/reference.py
+    combine), cast to y.dtype."""
     return combine_with_bias(y, handle, cfg, ())
 
 
 def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias):
     """combine, plus each [T, H] array of `bias` added in float32 before the cast (the
-    CPU kernel takes them as trailing operands; the CUDA handler takes none)."""
+    CPU kernel takes them as trailing operands; the CUDA handler takes none). The CPU
+    kernel takes the order's node size G (reference.combine_node_size) as an attribute;
+    the intranode CUDA kernels sum as one node."""
     rank, group = ep_coords(handle.axis_name, cfg.group_axes)
     y, send_row, rank, *bias = unify_varying(y, handle.send_row, rank, *bias)
     T = send_row.shape[0]
+    R = handle.num_ranks
+    order = {}
+    if jax.default_backend() == "cpu":
+        from jax_ep.backends.reference import combine_node_size
+        G = combine_node_size(R)
+        if G < R:  # several nodes (the kernel's default is one)
+            order = dict(gpus_per_node=np.int64(G))
     return ep_call("jax_ep_combine", like(y, (T, y.shape[1]), y.dtype))(
-        y, send_row, rank, group, *bias, num_ranks=np.int64(handle.num_ranks),
-        call_site=np.int64(next_call_site()))
+        y, send_row, rank, group, *bias, num_ranks=np.int64(R),
+        call_site=np.int64(next_call_site()), **order)
 
 
 def gather(g, handle: DispatchHandle, cfg: Cfg):

@@ -274,6 +274,8 @@ def _target(op: str, mode: str, topo) -> tuple[str, dict]:
     """The custom-call target of `op` in `mode` and the attributes the mode adds."""
     if mode == "hierarchical":
         return f"jax_ep_internode_hier_{op}", dict(gpus_per_node=np.int64(topo.gpus_per_node))
+    if op == "combine":  # the node size of combine's summation order (combine_order.h)
+        return f"jax_ep_internode_{op}", dict(gpus_per_node=np.int64(topo.gpus_per_node))
     return f"jax_ep_internode_{op}", {}
 
 

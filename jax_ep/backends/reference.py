@@ -100,15 +100,26 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     return out_x, out_idx, out_w, handle
 
 
+def combine_node_size(num_ranks: int) -> int:
+    """G of combine's summation order on this platform (jax_ep.network.topology
+    .combine_node_size: JAX_EP_GPUS_PER_NODE, else one node on CPU, else the topology)."""
+    from jax_ep.network import topology
+    return topology.combine_node_size(num_ranks, jax.default_backend())
+
+
 def combine(y, handle: DispatchHandle, cfg: Cfg):
-    """out[T, H]: float32 sum over receivers in ascending rank order, cast to y.dtype."""
+    """out[T, H]: float32 sums in combine's order (kernels/common/combine_order.h: per node
+    of G ranks ascending, node partials rounded to y.dtype when there are several nodes,
+    then nodes ascending), cast to y.dtype."""
     return combine_with_bias(y, handle, cfg, ())
 
 
-def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias):
+def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias, node_size=None):
     """combine, plus each [T, H] array of `bias` in order, added in float32 before the
-    cast to y.dtype."""
+    cast to y.dtype. node_size: G of the order (None: combine_node_size)."""
     R = handle.num_ranks
+    G = combine_node_size(R) if node_size is None else int(node_size)
+    G = R if G <= 0 or G >= R else G
     T = handle.send_row.shape[0]
     H = y.shape[1]
     kept = handle.src_rank >= 0
@@ -120,10 +131,21 @@ def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias):
     # [R(receiver), T, H]
     back = jax.lax.bitcast_convert_type(_a2a(buf, handle.axis_name), y.dtype)
     # Explicit ascending order; adding the zeros of absent rows leaves the sum unchanged.
-    acc = jnp.zeros((T, H), jnp.float32)
-    for r in range(R):
-        acc = acc + jnp.where(handle.send_row[:, r:r + 1] >= 0,
-                              back[r].astype(jnp.float32), 0.0)
+    def node_sum(ranks):
+        acc = jnp.zeros((T, H), jnp.float32)
+        for r in ranks:
+            acc = acc + jnp.where(handle.send_row[:, r:r + 1] >= 0,
+                                  back[r].astype(jnp.float32), 0.0)
+        return acc
+
+    if G == R:  # one node: the plain ascending sum
+        acc = node_sum(range(R))
+    else:
+        # Each node's partial crosses the network in y's dtype: rounded before the sum.
+        acc = jnp.zeros((T, H), jnp.float32)
+        for n in range(0, R, G):
+            part = node_sum(range(n, min(n + G, R)))
+            acc = acc + part.astype(y.dtype).astype(jnp.float32)
     for b in bias:
         acc = acc + b.astype(jnp.float32)
     return acc.astype(y.dtype)

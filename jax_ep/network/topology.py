@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 __all__ = ["Topology", "MODES", "MODE_ENV", "GPUS_PER_NODE_ENV", "from_local_ranks",
            "detect", "choose_mode", "mode_from_env", "HIERARCHICAL_VERIFIED",
-           "local_ranks_from_hosts"]
+           "local_ranks_from_hosts", "combine_node_size"]
 
 MODES = ("direct", "hierarchical", "auto")
 MODE_ENV = "JAX_EP_INTERNODE_MODE"
@@ -154,6 +154,25 @@ def detect(num_ranks: int, local_ranks: Sequence[int] | None = None,
         if raw.isdigit() and int(raw) >= 1 and num_ranks % int(raw) == 0:
             return Topology(num_ranks, int(raw))
     return Topology(num_ranks, num_ranks)
+
+
+def combine_node_size(num_ranks: int, platform: str | None = None,
+                      local_ranks: Sequence[int] | None = None,
+                      environ: Mapping[str, str] | None = None) -> int:
+    """G of combine's summation order (kernels/common/combine_order.h): a token's rows are
+    summed per node of G ranks, then over nodes. `JAX_EP_GPUS_PER_NODE` if set; else one
+    node (G = num_ranks) on `platform` "cpu"; else `detect`'s node size (local ranks, a
+    launcher's local size), so the reference backend sums as the internode kernels do."""
+    env = os.environ if environ is None else environ
+    g = _env_gpus_per_node(env)
+    if g is not None:
+        if num_ranks % g:
+            raise ValueError(f"{GPUS_PER_NODE_ENV}={g} must divide the number of ranks "
+                             f"({num_ranks})")
+        return g
+    if platform == "cpu":
+        return num_ranks
+    return detect(num_ranks, local_ranks, env).gpus_per_node
 
 
 # Whether a GPU run has verified the hierarchical kernels (README "verified on" table).

@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "kernels/common/combine_order.h"
 #include "kernels/common/dtype_convert.h"
 #include "kernels/common/layout_math.h"
 
@@ -187,19 +188,31 @@ void AddBiasRow(const CombineBias& b, int64_t offset, int H, float* acc) {
 
 template <FloatKind kKind>
 void CombineTyped(int R, int T, int H, const int32_t* send_row, const void* const* peer_y,
-                  void* out_v, const CombineBias* bias, int num_bias) {
+                  void* out_v, const CombineBias* bias, int num_bias, int node_size) {
   using E = Elem<kKind>;
   using V = typename E::T;
   V* out = static_cast<V*>(out_v);
   AdviseHugePages(out_v, static_cast<size_t>(T) * H * sizeof(V));
-  std::vector<float> acc(H);
+  const int G = combine_node_size(R, node_size);
+  const int nodes = combine_num_nodes(R, G);
+  const bool rounds = combine_rounds_partials(nodes);
+  std::vector<float> acc(H), part(rounds ? H : 0);
   for (int t = 0; t < T; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int r = 0; r < R; ++r) {
-      const int32_t i = send_row[static_cast<int64_t>(t) * R + r];
-      if (i < 0) continue;
-      const V* y = static_cast<const V*>(peer_y[r]) + static_cast<int64_t>(i) * H;
-      for (int h = 0; h < H; ++h) acc[h] += E::load(y[h]);
+    for (int n = 0; n < nodes; ++n) {
+      // One node: the partial is the sum itself. Several: each node's partial is summed
+      // on its own, rounded to the element type (as it crosses the network), then added.
+      float* p = rounds ? part.data() : acc.data();
+      if (rounds) std::fill(part.begin(), part.end(), 0.0f);
+      const int end = (n + 1) * G < R ? (n + 1) * G : R;
+      for (int r = n * G; r < end; ++r) {
+        const int32_t i = send_row[static_cast<int64_t>(t) * R + r];
+        if (i < 0) continue;
+        const V* y = static_cast<const V*>(peer_y[r]) + static_cast<int64_t>(i) * H;
+        for (int h = 0; h < H; ++h) p[h] += E::load(y[h]);
+      }
+      if (rounds)
+        for (int h = 0; h < H; ++h) acc[h] += E::load(E::store(part[h]));
     }
     // The bias joins the float32 sum after the ranks, so the one cast below rounds once.
     for (int b = 0; b < num_bias; ++b)
@@ -212,17 +225,17 @@ void CombineTyped(int R, int T, int H, const int32_t* send_row, const void* cons
 
 void CombineCpu(FloatKind kind, int num_ranks, int T, int H, const int32_t* send_row,
                 const void* const* peer_y, void* out, const CombineBias* bias,
-                int num_bias) {
+                int num_bias, int node_size) {
   switch (kind) {
     case FloatKind::kF32:
       return CombineTyped<FloatKind::kF32>(num_ranks, T, H, send_row, peer_y, out, bias,
-                                           num_bias);
+                                           num_bias, node_size);
     case FloatKind::kBF16:
       return CombineTyped<FloatKind::kBF16>(num_ranks, T, H, send_row, peer_y, out, bias,
-                                            num_bias);
+                                            num_bias, node_size);
     case FloatKind::kF16:
       return CombineTyped<FloatKind::kF16>(num_ranks, T, H, send_row, peer_y, out, bias,
-                                           num_bias);
+                                           num_bias, node_size);
   }
 }
 

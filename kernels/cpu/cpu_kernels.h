@@ -53,12 +53,15 @@ struct CombineBias {
   const void* data;
 };
 
-// Combine on one source rank: out[t] = sum over r ascending with send_row[t, r] >= 0 of
-// peer_y[r][send_row[t, r]], accumulated in float32, then plus bias[0][t], bias[1][t], ...
-// (each converted to float32), and cast once to the element type.
+// Combine on one source rank: out[t] = the float32 sum of peer_y[r][send_row[t, r]] over
+// the r with send_row[t, r] >= 0 in combine's order (kernels/common/combine_order.h: per
+// node of `node_size` ranks ascending, node partials rounded to the element type when
+// there are several nodes, then nodes ascending; node_size <= 0 or >= R: one node), then
+// plus bias[0][t], bias[1][t], ... (each converted to float32), cast once to the element
+// type.
 void CombineCpu(FloatKind kind, int num_ranks, int T, int H, const int32_t* send_row,
                 const void* const* peer_y, void* out, const CombineBias* bias = nullptr,
-                int num_bias = 0);
+                int num_bias = 0, int node_size = 0);
 
 // Hints the kernel to back [p, p + n) with transparent huge pages (Linux; no-op elsewhere).
 void AdviseHugePages(void* p, size_t n);

@@ -37,6 +37,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/common/combine_order.h"
 #include "kernels/common/dtype_convert.h"
 #include "kernels/internode/device_copy.cuh"
 #include "kernels/internode/internode_kernels.h"
@@ -110,6 +111,7 @@ struct Geometry {
   int64_t yrow;    // H * y bytes
   int64_t ds, cs;  // row strides on the wire
   int P, Q, num_qps;
+  int G;  // combine's node size (combine_order.h), clamped to [1, R]
   int64_t chunk;
   int64_t timeout_ns;
   int32_t cfg[wire::kNumCfgFields];
@@ -618,7 +620,10 @@ __device__ __forceinline__ float ToF(__half v) { return f16_to_f32(__half_as_ush
 template <>
 __device__ __forceinline__ __half FromF(float v) { return __ushort_as_half(f32_to_f16(v)); }
 
-// One block per token (after WaitKernel): sum in ascending rank order.
+// One block per token (after WaitKernel): sum in combine's order (combine_order.h): per
+// node of g.G ranks ascending; with several nodes each node's partial is rounded to E (the
+// dtype a partial crosses the network in, in the hierarchical mode) before the partials
+// are summed over nodes ascending, so both internode modes and the reference agree.
 template <typename E>
 __global__ void ReduceKernel(Geometry g, const E* y, const int32_t* counts,
                              const int32_t* send_slot, const int64_t* scratch, char* heap,
@@ -628,21 +633,29 @@ __global__ void ReduceKernel(Geometry g, const E* y, const int32_t* counts,
   if (threadIdx.x == 0) failed = Failed(g) ? 1 : 0;
   __syncthreads();
   const int t = blockIdx.x;
+  const int nodes = combine_num_nodes(g.R, g.G);
+  const bool rounds = combine_rounds_partials(nodes);
   for (int x = threadIdx.x; x < g.H; x += blockDim.x) {
     float acc = 0.f;
     if (failed) {  // a failed call's sums are NaN, never plausible zeros
       out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(__int_as_float(0x7fc00000));
       continue;
     }
-    for (int d = 0; d < g.R; ++d) {
-      const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
-      if (j < 0) continue;
-      const int64_t base = scratch[d];  // rows of sources < rank at d
-      if (base + j >= g.C) continue;   // dropped at d
-      const E* row = d == g.rank
-                         ? y + (base + j) * g.H
-                         : reinterpret_cast<const E*>(h.back + (scratch[g.R + d] + j) * g.cs);
-      acc += ToF(d == g.rank ? row[x] : devcopy::LoadLandedElem(row + x));
+    for (int n = 0; n < nodes; ++n) {
+      float part = 0.f;
+      const int end = (n + 1) * g.G < g.R ? (n + 1) * g.G : g.R;
+      for (int d = n * g.G; d < end; ++d) {
+        const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
+        if (j < 0) continue;
+        const int64_t base = scratch[d];  // rows of sources < rank at d
+        if (base + j >= g.C) continue;   // dropped at d
+        const E* row = d == g.rank
+                           ? y + (base + j) * g.H
+                           : reinterpret_cast<const E*>(h.back + (scratch[g.R + d] + j) * g.cs);
+        part += ToF(d == g.rank ? row[x] : devcopy::LoadLandedElem(row + x));
+      }
+      // one node: the partial is the sum (the plain ascending order, nothing rounded)
+      acc = rounds ? acc + ToF(FromF<E>(part)) : part;
     }
     out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc);
   }
@@ -728,6 +741,7 @@ std::string MakeGeometry(const Dims& d, int op, FloatKind elem, int x_bytes, int
   g->P = d.num_ports;
   g->Q = d.qps_per_port;
   g->num_qps = qps;
+  g->G = combine_node_size(d.num_ranks, d.gpus_per_node);
   // Chunks are whole 16-byte units so every put stays aligned.
   g->chunk = round_up(d.chunk_bytes, 16);
   g->timeout_ns = d.timeout_ns > 0 ? d.timeout_ns : 300ll * 1000000000ll;

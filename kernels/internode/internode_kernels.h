@@ -28,6 +28,9 @@ struct Dims {
   int64_t chunk_bytes = 65536;
   int64_t timeout_ns = 0;  // JAX_EP_TIMEOUT_S; bound of every device wait
   int64_t call_site = 0;   // the custom call's call_site attribute (in the header)
+  // Combine's summation order (kernels/common/combine_order.h): ranks per node; <= 0 or
+  // >= num_ranks: one node.
+  int gpus_per_node = 0;
 };
 
 // Runtime. All return "" on success or an error message.
@@ -81,7 +84,8 @@ std::string Dispatch(cudaStream_t stream, const Dims& d, FloatKind elem, const v
                      const DispatchOut& out);
 
 // Combine on `stream`: y[C, H] rows go back to their sources and are summed in float32
-// in ascending rank order into out[T, H].
+// in combine's order (kernels/common/combine_order.h, node size d.gpus_per_node) into
+// out[T, H].
 std::string Combine(cudaStream_t stream, const Dims& d, FloatKind elem, const void* y,
                     const int32_t* counts, const int32_t* send_slot, void* out);
 

@@ -435,7 +435,10 @@ def test_global_view_partitions_into_internode_calls(internode_forced, tmp_path)
     assert f"s32[{T},{R}]" in line.split("custom-call")[0]
     for target in ("jax_ep_internode_combine", "jax_ep_internode_gather"):
         for line, a in calls[target]:
-            assert a == dict(num_ranks=R, rank=RANK, capacity=C, topk=K, **transport)
+            want = dict(num_ranks=R, rank=RANK, capacity=C, topk=K, **transport)
+            if target == "jax_ep_internode_combine":  # combine's order: one node of R here
+                want["gpus_per_node"] = R
+            assert a == want
             # ... and go into every combine and gather (operands: rows, counts, send_slot)
             operands = re.search(r"operand_layout_constraints=\{(.*?)\}, api", line).group(1)
             assert f"s32[{R},{R}]" in operands and f"s32[{T},{R}]" in operands, line

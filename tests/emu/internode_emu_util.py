@@ -14,6 +14,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep._common import Cfg
+from jax_ep.backends import reference as ref_backend
 from jax_ep.emulator import Emulator, EmuError  # noqa: F401  (re-exported for the tests)
 
 # Emulated heap: the slack the layout reserves plus room for both modes' halves.
@@ -193,14 +195,18 @@ class InternodeEmu:
 # ------------------------------------------------------------------ the reference oracle
 
 @functools.lru_cache(maxsize=None)
-def _reference_program(R, E, C):
+def _reference_program(R, E, C, G=None):
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:R])
 
     def f(x, idx, w, y):
         rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
                                         capacity=C, backend="reference")
-        out = jax_ep.combine(y, h, backend="reference")
+        if G is None:
+            out = jax_ep.combine(y, h, backend="reference")
+        else:  # combine's summation order with nodes of G ranks (combine_order.h)
+            out = ref_backend.combine_with_bias(y, h, Cfg.for_handle(h, "reference"), (),
+                                                node_size=G)
         d = dict(recv_x=rx, recv_idx=ri, recv_w=rw, num_recv=h.num_recv[None],
                  num_dropped=h.num_dropped[None],
                  per_expert=h.num_recv_tokens_per_expert[None], src_rank=h.src_rank[None],
@@ -210,13 +216,14 @@ def _reference_program(R, E, C):
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
 
-def reference(x, idx, w, y, g=None, *, E, C):
+def reference(x, idx, w, y, g=None, *, E, C, G=None):
     """The reference backend's dispatch and combine (of y[R, C, H]) on per-rank inputs, and
     gather (of g[R, T, H]) by the contract from its handle; arrays with a leading rank
-    axis."""
+    axis. G: the node size of combine's summation order (None: the backend's default,
+    one node on CPU unless JAX_EP_GPUS_PER_NODE is set)."""
     R, T = idx.shape[:2]
     flat = lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])  # noqa: E731
-    res = _reference_program(R, E, C)(flat(x), flat(idx), flat(w), flat(y))
+    res = _reference_program(R, E, C, G)(flat(x), flat(idx), flat(w), flat(y))
     out = {}
     if g is not None:  # gather, combine's transpose: g[src_rank, src_index] per kept row
         sr, si = np.asarray(res["src_rank"]), np.asarray(res["src_index"])

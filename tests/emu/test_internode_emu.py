@@ -43,6 +43,7 @@ class Case:
     ports: int = 2
     qpp: int = 1
     seed: int = 0
+    G: int = 1  # GPUs per emulated node (combine's order has R / G nodes)
 
 
 def inputs(c: Case, rng=None):
@@ -76,10 +77,10 @@ def check_dispatch(outs, ref, R, C):
 
 def run_round_trip(c: Case, em=None, data=None):
     """dispatch, combine and gather of one case, each compared with the reference."""
-    em = em or InternodeEmu(c.R, num_ports=c.ports, qps_per_port=c.qpp, chunk_bytes=c.chunk,
-                            seed=c.seed + 1)
+    em = em or InternodeEmu(c.R, gpus_per_node=c.G, num_ports=c.ports, qps_per_port=c.qpp,
+                            chunk_bytes=c.chunk, seed=c.seed + 1)
     x, idx, w, y, g = data or inputs(c)
-    ref = reference(x, idx, w, y, g, E=c.E, C=c.C)
+    ref = reference(x, idx, w, y, g, E=c.E, C=c.C, G=c.G if c.G < c.R else None)
     outs, errs = em.dispatch(x, idx, w, num_experts=c.E, capacity=c.C)
     assert errs == [""] * c.R
     counts, slot = check_dispatch(outs, ref, c.R, c.C)
@@ -111,6 +112,25 @@ CASES = [
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.name)
 def test_direct_matches_reference(c):
     run_round_trip(c)
+
+
+@pytest.mark.parametrize("c", [
+    Case("two_nodes_bf16", R=4, G=2, T=8, H=16, K=3, C=32, dtype=BF16, seed=4),
+    pytest.param(Case("four_nodes_bf16", R=8, G=2, E=16, T=6, H=8, K=4, C=40, dtype=BF16,
+                      seed=5), marks=full),
+], ids=lambda c: c.name)
+def test_direct_combine_follows_the_node_order(c):
+    """With several nodes the direct combine sums per node, rounds each node's partial to
+    bf16 and sums the partials over nodes (kernels/common/combine_order.h), bit-exact with
+    the reference in that order; the data are such that the one-node order differs."""
+    rng = np.random.default_rng(c.seed)
+    x, idx, w, y, g = inputs(c, rng)
+    # rows of mixed magnitude, so rounding a node's partial changes low bits
+    y = (y.astype(np.float32) * np.exp2(rng.integers(-8, 9, size=y.shape))).astype(c.dtype)
+    one_node = reference(x, idx, w, y, E=c.E, C=c.C)["out"]
+    nodes = reference(x, idx, w, y, E=c.E, C=c.C, G=c.G)["out"]
+    assert (bits(one_node) != bits(nodes)).any(), "the data do not tell the orders apart"
+    run_round_trip(c, data=(x, idx, w, y, g))
 
 
 def test_rank_that_receives_nothing_keeps_its_counts():

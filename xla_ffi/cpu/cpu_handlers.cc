@@ -110,7 +110,22 @@ ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::S
 ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> send_row,
                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
                        ffi::RemainingArgs bias_args, ffi::Result<ffi::AnyBuffer> out,
-                       int64_t num_ranks, int64_t call_site) {
+                       ffi::Dictionary attrs) {
+  // num_ranks and call_site, and optionally gpus_per_node: the node size of combine's
+  // summation order (kernels/common/combine_order.h; absent: one node).
+  const auto attr = [&](const char* name, int64_t* v) {
+    auto got = attrs.get<int64_t>(name);
+    if (got.has_error()) return false;
+    *v = *got;
+    return true;
+  };
+  int64_t num_ranks = 0, call_site = 0, gpus_per_node = 0;
+  if (!attr("num_ranks", &num_ranks) || !attr("call_site", &call_site))
+    return Failed(Invalid("combine needs the int64 attributes num_ranks and call_site"));
+  if (!attrs.contains("gpus_per_node"))
+    gpus_per_node = num_ranks;
+  else if (!attr("gpus_per_node", &gpus_per_node))
+    return Failed(Invalid("gpus_per_node must be an int64 attribute"));
   auto yd = y.dimensions();
   auto sd = send_row.dimensions();
   if (yd.size() != 2) return Failed(Invalid("y must be [C, H], got " + Dims(yd)));
@@ -122,6 +137,10 @@ ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::S3
   FloatKind kind;
   if (!FloatKindOf(y.element_type(), &kind))
     return Failed(Invalid("y must be float32, bfloat16 or float16"));
+  if (gpus_per_node < 1 || num_ranks % gpus_per_node != 0)
+    return Failed(Invalid("gpus_per_node (combine's node size) must be >= 1 and divide "
+                          "num_ranks=" + std::to_string(num_ranks) + ", got " +
+                          std::to_string(gpus_per_node)));
   // Optional trailing operands: up to two [T, H] bias arrays, added in float32.
   if (bias_args.size() > 2)
     return Failed(Invalid("combine takes at most two bias arrays, got " +
@@ -154,7 +173,7 @@ ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::S3
                     for (int j = 0; j < num_ranks; ++j) py[j] = peers[j].in[0];
                     CombineCpu(kind, static_cast<int>(num_ranks), static_cast<int>(T),
                                static_cast<int>(H), rows, py.data(), out_data, bias.data(),
-                               static_cast<int>(bias.size()));
+                               static_cast<int>(bias.size()), static_cast<int>(gpus_per_node));
                     return {};
                   });
 }
@@ -238,8 +257,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCpuHandler, CombineImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("call_site"));
+                                  .Attrs<ffi::Dictionary>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherCpuHandler, GatherImpl,
                               ffi::Ffi::Bind()

@@ -86,13 +86,17 @@ std::string Invoke(const CallArgs& a, bool* known) {
         a.out_as<DataType::S32>(9), at("num_experts"), at("num_ranks"), at("rank"),
         at("capacity"), at("num_ports"), at("qps_per_port"), at("chunk_bytes"),
         at("call_site")));
-  if (a.op == "internode_combine" || a.op == "internode_gather") {
-    const auto impl = a.op == "internode_gather" ? HandleCallImpl<true> : HandleCallImpl<false>;
-    return ErrorText(impl(a.stream, a.any_in(0), a.in_as<DataType::S32>(1),
-                          a.in_as<DataType::S32>(2), a.any_out(0), at("num_ranks"), at("rank"),
-                          at("capacity"), at("topk"), at("num_ports"), at("qps_per_port"),
-                          at("chunk_bytes"), at("call_site")));
-  }
+  if (a.op == "internode_combine")
+    return ErrorText(CombineImpl(a.stream, a.any_in(0), a.in_as<DataType::S32>(1),
+                                 a.in_as<DataType::S32>(2), a.any_out(0), at("num_ranks"),
+                                 at("rank"), at("capacity"), at("topk"), at("num_ports"),
+                                 at("qps_per_port"), at("chunk_bytes"), at("call_site"),
+                                 at("gpus_per_node")));
+  if (a.op == "internode_gather")
+    return ErrorText(GatherImpl(a.stream, a.any_in(0), a.in_as<DataType::S32>(1),
+                                a.in_as<DataType::S32>(2), a.any_out(0), at("num_ranks"),
+                                at("rank"), at("capacity"), at("topk"), at("num_ports"),
+                                at("qps_per_port"), at("chunk_bytes"), at("call_site")));
   *known = false;
   return {};
 }

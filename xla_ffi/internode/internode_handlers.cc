@@ -6,9 +6,12 @@
 //        src_rank[C] s32, src_index[C] s32, counts[R,R] s32, send_slot[T,R] s32
 //     attrs: num_experts, num_ranks, rank, capacity, num_ports, qps_per_port, chunk_bytes
 //   jax_ep_internode_combine(y[C,H], counts[R,R] s32, send_slot[T,R] s32) -> out[T,H]
-//     attrs: num_ranks, rank, capacity, topk, num_ports, qps_per_port, chunk_bytes
+//     attrs: num_ranks, rank, capacity, topk, num_ports, qps_per_port, chunk_bytes,
+//     gpus_per_node (the node size of combine's summation order,
+//     kernels/common/combine_order.h)
 //   jax_ep_internode_gather(g[T,H], counts[R,R] s32, send_slot[T,R] s32) -> out[C,H]
-//     attrs: as combine (combine's transpose: out[i] = g_{src_rank[i]}[src_index[i]])
+//     attrs: as combine but gpus_per_node (combine's transpose: out[i] =
+//     g_{src_rank[i]}[src_index[i]])
 //
 // The EP group is every NVSHMEM PE (one process per GPU, see jax_ep.nvshmem_bootstrap).
 // Every call also carries a `call_site` attribute (unique per traced call, so XLA never
@@ -120,7 +123,7 @@ ffi::Error HandleCallImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi
                           ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out,
                           int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
                           int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes,
-                          int64_t call_site) {
+                          int64_t call_site, int64_t gpus_per_node) {
   JEP_NVTX_RANGE("jax_ep.internode.combine_or_gather");
   const std::string name = kGather ? "g" : "y";
   FloatKind elem;
@@ -140,6 +143,10 @@ ffi::Error HandleCallImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi
   ffi::Error e =
       BaseDims(R, rank, T, H, topk, C, num_ports, qps_per_port, chunk_bytes, call_site, &d);
   if (e.failure()) return e;
+  if (!kGather && (gpus_per_node < 1 || R % gpus_per_node != 0))
+    return Invalid("gpus_per_node (combine's node size) must be >= 1 and divide num_ranks=" +
+                   std::to_string(R) + ", got " + std::to_string(gpus_per_node));
+  d.gpus_per_node = static_cast<int>(gpus_per_node);
   JEP_EXPECT(name.c_str(), a, kGather ? T : C, H);
   JEP_EXPECT("handle.counts", counts, R, R);
   JEP_EXPECT("out", *out, kGather ? C : T, H);
@@ -149,7 +156,26 @@ ffi::Error HandleCallImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi
                          send_slot.typed_data(), out->untyped_data()));
 }
 
-// Operands and attributes of combine and gather.
+ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> counts,
+                       ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
+                       int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes,
+                       int64_t call_site, int64_t gpus_per_node) {
+  return HandleCallImpl<false>(stream, y, counts, send_slot, out, num_ranks, rank, capacity,
+                               topk, num_ports, qps_per_port, chunk_bytes, call_site,
+                               gpus_per_node);
+}
+
+ffi::Error GatherImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts,
+                      ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out,
+                      int64_t num_ranks, int64_t rank, int64_t capacity, int64_t topk,
+                      int64_t num_ports, int64_t qps_per_port, int64_t chunk_bytes,
+                      int64_t call_site) {
+  return HandleCallImpl<true>(stream, g, counts, send_slot, out, num_ranks, rank, capacity,
+                              topk, num_ports, qps_per_port, chunk_bytes, call_site, 0);
+}
+
+// Operands and attributes of combine (plus gpus_per_node) and gather.
 auto HandleCallBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -195,9 +221,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, DispatchImpl,
                                   .Attr<int64_t>("call_site"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, HandleCallImpl<false>,
-                              HandleCallBinding(), {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeGatherHandler, HandleCallImpl<true>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, CombineImpl,
+                              HandleCallBinding().Attr<int64_t>("gpus_per_node"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeGatherHandler, GatherImpl,
                               HandleCallBinding(), {ffi::Traits::kCmdBufferCompatible});
 
 void AddInternodeRegistrations(const RegisterFn& add) {
