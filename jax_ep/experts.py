@@ -240,9 +240,13 @@ def _swiglu_tiles_bwd(tile, res, dy):
 
             def on(acc):
                 dwg, dwu, dwd = acc
+                # rows past the count may hold anything (NaN included: the GPU
+                # low-latency dispatch leaves them unwritten); 0 * NaN would reach the
+                # weights' gradients
+                xm = jnp.where(_tile_mask(i, tile, c), xt, 0)
                 dyt_ = jnp.where(_tile_mask(i, tile, c), dyt, 0)
-                g = jnp.matmul(xt, wg, preferred_element_type=f32)
-                u = jnp.matmul(xt, wu, preferred_element_type=f32)
+                g = jnp.matmul(xm, wg, preferred_element_type=f32)
+                u = jnp.matmul(xm, wu, preferred_element_type=f32)
                 s = jax.nn.sigmoid(g)
                 act = g * s
                 hid = (act * u).astype(xt.dtype)
@@ -251,8 +255,8 @@ def _swiglu_tiles_bwd(tile, res, dy):
                 dg = (dh * u * (s * (1 + g * (1 - s)))).astype(xt.dtype)
                 dx = (jnp.matmul(dg, wg.T, preferred_element_type=f32)
                       + jnp.matmul(du, wu.T, preferred_element_type=f32))
-                acc = (dwg + jnp.matmul(xt.T, dg, preferred_element_type=f32),
-                       dwu + jnp.matmul(xt.T, du, preferred_element_type=f32),
+                acc = (dwg + jnp.matmul(xm.T, dg, preferred_element_type=f32),
+                       dwu + jnp.matmul(xm.T, du, preferred_element_type=f32),
                        dwd + jnp.matmul(hid.T, dyt_, preferred_element_type=f32))
                 return acc, dx.astype(xt.dtype)
 

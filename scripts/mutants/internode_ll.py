@@ -6,13 +6,53 @@ from ._paths import *  # noqa: F401,F403
 
 MUTANTS = [
     # ------------------------------------------------------- internode low-latency
-    Mutant("llin_dispatch_send_quiet_dropped", LLIN,
-           "                        SignalOp::kAdd, r, q);\n  }\n  __syncwarp();\n"
-           "  if (lane == 0) Tr::quiet();",
-           "                        SignalOp::kAdd, r, q);\n  }\n  __syncwarp();",
-           (T_LLIN, "-k", "consecutive or two_sends"),
-           "dropped quiet at the end of a send: the next call packs the send stage while "
-           "puts that read it at delivery are still queued"),
+    Mutant("llin_count_signal_before_rows", LLIN,
+           "      Tr::put_warp(g.area + llwire::drecv_row(g.A, b, le, g.rank, pos[i]), st,\n"
+           "                   static_cast<size_t>(g.ds_put), r, q);\n"
+           "      if (lane == 0) RowIssued(g, kD, b, r, le, done, e, counts[e], q);",
+           "      if (lane == 0) RowIssued(g, kD, b, r, le, done, e, counts[e], q);\n"
+           "      Tr::put_warp(g.area + llwire::drecv_row(g.A, b, le, g.rank, pos[i]), st,\n"
+           "                   static_cast<size_t>(g.ds_put), r, q);",
+           (T_LLIN, "-k", "consecutive or undelivered"),
+           "an expert's count signal issued before its last row: the owner reads that row "
+           "before it lands"),
+    Mutant("llin_count_after_first_row", LLIN,
+           "  if (atomicAdd(done + i, 1) + 1 == rows) SignalCount(",
+           "  if (atomicAdd(done + i, 1) == 0) SignalCount(",
+           (T_LLIN, "-k", "consecutive or undelivered"),
+           "the count signal sent by the warp of an expert's first row, not its last: the "
+           "rows issued after it may land after the reader saw the count"),
+    Mutant("llin_missing_count_for_empty_expert", LLIN,
+           "    const int r = e / g.el, le = e % g.el;\n"
+           "    SignalCount(g, kD, b, r, le, 0, llwire::expert_qp(r, le, g.P, g.Q));",
+           "    const int r = e / g.el, le = e % g.el;\n"
+           "    (void)r; (void)le;",
+           (T_LLIN, "-k", "matches_reference or empty"),
+           "no count signal for an expert without rows: its owner waits for it until the "
+           "timeout"),
+    Mutant("llin_stage_one_parity", LLIN,
+           "    char* st = g.area + llwire::dstage_row(g.A, b, t);",
+           "    char* st = g.area + llwire::dstage_row(g.A, 0, t);",
+           (T_LLIN, "-k", "two_sends or undelivered or consecutive"),
+           "one send stage for both parities: the next send rewrites the rows the previous "
+           "one's puts (source read at delivery) have not sent yet"),
+    Mutant("llin_unpack_wrong_parity", LLIN,
+           "__global__ void DispatchUnpack(G g, const int32_t* token, DispatchRecvOut out) {\n"
+           "  const int b = static_cast<int>(TokenEpoch(kD, token) & 1ull);",
+           "__global__ void DispatchUnpack(G g, const int32_t* token, DispatchRecvOut out) {\n"
+           "  const int b = static_cast<int>((TokenEpoch(kD, token) + 1) & 1ull);",
+           (T_LLIN, "-k", "matches_reference or consecutive"),
+           "the receive half reads the other parity's rows (last call's, or garbage)"),
+    Mutant("llin_credit_wait_dropped", LLIN,
+           "  if (n > 2 && ok) {\n"
+           "    for (int r = threadIdx.x; r < g.R; r += blockDim.x)\n"
+           "      if (!WaitWord(g, Credit(g, op, b, r), n - 2,",
+           "  if (n > 2 && ok && false) {\n"
+           "    for (int r = threadIdx.x; r < g.R; r += blockDim.x)\n"
+           "      if (!WaitWord(g, Credit(g, op, b, r), n - 2,",
+           (T_LLIN, "-k", "third_send or consecutive"),
+           "a send that does not wait for the readers' credit: a third call in flight "
+           "overwrites a parity still being read, silently"),
     Mutant("internode_fetch_without_acquire", TRN,
            "    return nvshmem_emu::load_acquire(sig);  // a poll: the emulated NIC delivers "
            "meanwhile\n#else\n    return peer::load_acquire(sig);",

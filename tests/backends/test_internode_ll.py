@@ -2,7 +2,7 @@
 a GPU: programs are lowered for CUDA and their HLO checked for the two custom calls per op
 (send and receive halves) with their attributes; argument errors; the area's size mirror
 against the compiled layout; the bootstrap allocating the area. No kernel runs here (the
-protocol is simulated in tests/sim/test_low_latency_sim.py)."""
+kernels run on the emulated GPU in tests/emu/test_internode_ll_emu.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -285,3 +285,105 @@ def test_ll_two_sends_in_flight(seed, max_delay):
             assert_same(below_count(got), below_count(want), LL_DISPATCH_KEYS,
                         f"seed {seed} round {i} {name}: ")
     assert em.ll_errors() == [""] * R
+
+
+def test_ll_third_send_in_flight_fails_on_its_credit():
+    """A third dispatch send before any receive would rewrite parity 0 (its stage and the
+    owners' rows) while the first call's puts and reads are still due: it waits for the
+    credit of epoch 1, which only a receive behind it can give, and every rank fails with
+    that credit named, never a silent overwrite or a hang."""
+    R, S, H, K, E, M = 2, 3, 8, 2, 4, 4
+    em = InternodeEmu(R, num_ports=2, qps_per_port=1, seed=61, timeout_s=0.002,
+                      max_delay=4000)
+    em.ll_init(max_tokens=M, row_bytes=H * 2, topk=K, num_experts=E)
+    rng = np.random.default_rng(61)
+    for i in range(3):
+        x, idx, _, _ = inputs(R, S, H, K, E, M, "bf16", rng)
+        _, errs = em.ll_dispatch_send(x, idx)
+        assert errs == [""] * R, errs
+        if i < 2:
+            assert em.ll_errors() == [""] * R
+    errs = em.ll_errors()
+    assert all("its credit" in e for e in errs), errs
+
+
+@pytest.mark.parametrize("R,E,M,K,H,ports,qpp,seed", [
+    pytest.param(8, 16, 3, 4, 2, 2, 2, 71, marks=full),  # 8 ranks, 4 QPs per peer
+    (4, 4, 6, 1, 2, 1, 3, 72),                             # one port, three QPs
+])
+def test_ll_more_ranks_and_qp_shapes(R, E, M, K, H, ports, qpp, seed):
+    """Three rounds at 8 ranks over 2 ports x 2 QPs, and at 4 ranks over 1 port x 3 QPs
+    (experts spread over the QPs, each expert's rows and count on one), bit-exact below
+    the counts."""
+    em = setup(R, M, H, K, E, M, "bf16", seed, ports=ports, qpp=qpp)
+    rng = np.random.default_rng(seed)
+    for i in range(3):
+        x, idx, w, y = inputs(R, M, H, K, E, M, "bf16", rng)
+        got, rpd = one_round(em, x, idx, w, y, K=K)
+        check_round(got, ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd),
+                    f"R={R} round {i}: ")
+    assert em.errors() == [""] * R
+
+
+def test_widen_epoch_recovers_the_epoch_from_its_low_bits():
+    """The token carries an epoch's low 32 bits; the receive half widens them against its
+    PE's counter, which is at the epoch or one call further (two sends in flight), past
+    2^31 and 2^32 calls too (the compiled rule, through the bindings)."""
+    from jax_ep import _jax_ep_ext as ext
+    for n in (1, 2, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 1, 2**32, 2**32 + 5, 3 * 2**32 + 7):
+        for ahead in (0, 1):
+            assert ext.ll_widen_epoch(n + ahead, n & 0xFFFFFFFF) == n, (n, ahead)
+
+
+def test_ll_bad_id_fails_every_rank():
+    """An id outside [-1, E) on rank 0 travels in its headers' error flag: rank 0 names
+    the slot, every other rank names rank 0; no rank waits out the timeout for rows."""
+    R, S, H, K, E, M = 2, 3, 8, 2, 4, 4
+    em = setup(R, S, H, K, E, M, "bf16", 81)
+    x, idx, _, _ = inputs(R, S, H, K, E, M, "bf16", np.random.default_rng(81))
+    idx[0, 1, 0] = E
+    tok, errs = em.ll_dispatch_send(x, idx)
+    em.ll_dispatch_recv(tok, H=H, dtype=x.dtype)
+    errs = em.ll_errors()
+    assert "topk_idx[1, 0] = 4 is outside" in errs[0], errs
+    assert all("rank 0 reported an error" in e for e in errs[1:]), errs
+
+
+def test_ll_other_shape_on_one_rank_is_a_mismatch_on_every_rank():
+    """Rank 1 dispatches a wider row than rank 0 (another call's shape): the config hash
+    in the headers differs, and every rank reports the mismatch."""
+    R, S, H, K, E, M = 2, 3, 8, 2, 4, 4
+    em = setup(R, S, 2 * H, K, E, M, "bf16", 82)
+    rng = np.random.default_rng(82)
+    x, idx, _, _ = inputs(R, S, H, K, E, M, "bf16", rng)
+    wide = rows("bf16", (S, 2 * H), rng)
+    res, errs = em._ll("dispatch_send", [[x[0], idx[0]], [wide, idx[1]]],
+                       [[((2,), np.int32)]] * R)
+    assert errs == [""] * R, errs
+    em._ll("dispatch_recv", [[res[0][0]], [res[1][0]]],
+           [[((E // R, R * M, h), np.dtype(x.dtype)), ((E // R,), np.int32),
+             ((E // R, R * M), np.int32), ((E // R, R * M), np.int32),
+             ((E // R, R), np.int32), ((E // R, R), np.int32)] for h in (H, 2 * H)])
+    errs = em.ll_errors()
+    assert all("is in another call" in e for e in errs), errs
+
+
+def test_ll_combine_with_other_routing_is_an_error_on_that_source():
+    """A combine whose receive half is given routing other than its dispatch's: the
+    owners' per-expert counts differ from what the source's routing implies, and that
+    source reports it (never a silently wrong sum)."""
+    R, S, H, K, E, M = 2, 3, 8, 2, 4, 4
+    em = setup(R, S, H, K, E, M, "bf16", 83)
+    rng = np.random.default_rng(83)
+    x, idx, w, y = inputs(R, S, H, K, E, M, "bf16", rng, p_unused=0.0)
+    tok, errs = em.ll_dispatch_send(x, idx)
+    d, errs = em.ll_dispatch_recv(tok, H=H, dtype=x.dtype)
+    assert errs == [""] * R, errs
+    first = np.stack([o["first_row"] for o in d])
+    count = np.stack([o["row_count"] for o in d])
+    tok, errs = em.ll_combine_send(y, first, count, rows_per_dest=M * min(K, E // R))
+    other = idx.copy()
+    other[1] = -1  # rank 1 claims it routed nothing
+    em.ll_combine_recv(tok, other, w, H=H, dtype=x.dtype)
+    errs = em.ll_errors()
+    assert errs[0] == "" and "this rank's routing expects 0" in errs[1], errs
