@@ -130,7 +130,8 @@ def low_latency_layout(num_ranks: int, max_tokens_per_rank: int, row_bytes: int,
                        num_experts: int) -> dict:
     """Offsets and size in bytes of the low-latency area for these shapes (the formulas of
     LowLatencyLayout in kernels/cuda/low_latency_kernels.h): header, then two halves each
-    of slots [E_local][R][M] rows, their source tokens and counts [E_local][R], two
+    of slots [E_local][R][M] rows, their source tokens and arrival words (uint64,
+    [E_local][R] dispatch + [R][E_local] combine), two
     position scratches [M * K], expert offsets [E], and two halves of the combine stage
     [R][M * min(K, E_local)] rows. Offsets are of half 0; *_half is the size of one half."""
     R, M, K, E = int(num_ranks), int(max_tokens_per_rank), int(topk), int(num_experts)
@@ -140,7 +141,7 @@ def low_latency_layout(num_ranks: int, max_tokens_per_rank: int, row_bytes: int,
     n_slots = el * R * M
     lay = {"header": _LL_HEADER_BYTES, "stride": stride, "rows_per_dest": rows_per_dest,
            "slots_half": _align(n_slots * stride), "tok_half": _align(n_slots * 4),
-           "counts_half": _align(el * R * 4),
+           "counts_half": _align(el * R * 16),  # uint64 dispatch + combine words
            "cstage_half": _align(R * rows_per_dest * stride), "slots": _LL_HEADER_BYTES}
     lay["slot_tok"] = lay["slots"] + 2 * lay["slots_half"]
     lay["counts"] = lay["slot_tok"] + 2 * lay["tok_half"]

@@ -73,6 +73,20 @@ JEP_HD uint64_t ll_epoch_from_low(uint64_t seq, int32_t low) {
   return seq - back;
 }
 
+// Arrival word of one (expert, source) pair: the epoch in the high 32 bits, the pair's
+// row count in the low 32. One release store of it follows the pair's rows, so a reader
+// that sees its epoch also sees the rows and the count, and a word left from an older
+// epoch (or zeroed by reset) never matches.
+JEP_HD uint64_t ll_count_word(uint64_t n, int32_t count) {
+  return (n << 32) | static_cast<uint32_t>(count);
+}
+JEP_HD bool ll_word_is_epoch(uint64_t word, uint64_t n) {
+  return (word >> 32) == (n & 0xffffffffull);
+}
+JEP_HD int32_t ll_word_count(uint64_t word) {
+  return static_cast<int32_t>(word & 0xffffffffull);
+}
+
 // 64-bit tag of one low-latency call: a rank writes it before each arrival signal and the
 // receiver compares it with its own, so calls with other shapes, dtype (folded into
 // `kind` by the caller) or call site never mix. Never 0 (an empty word) nor -1

@@ -16,8 +16,9 @@ JEP_DEVICE_GLOBAL int32_t g_ll_failed;
 
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kLLThreads;
 constexpr int kWarps = kThreads / 32;
+static_assert(kThreads % 32 == 0 && kThreads >= kMaxRanks, "a thread per rank in a block");
 
 __device__ __forceinline__ LowLatencyHeader* ll_header(const LowLatencyArgs& a, int r) {
   return reinterpret_cast<LowLatencyHeader*>(a.peers.base[r]);
@@ -37,27 +38,51 @@ __device__ __forceinline__ bool ll_failed() {
   return *reinterpret_cast<const volatile int32_t*>(&g_ll_failed) != 0;
 }
 
-__device__ __forceinline__ void store_volatile(int64_t* p, int64_t v) { peer::store_volatile(p, v); }
 __device__ __forceinline__ int64_t load_volatile64(const int64_t* p) {
   return *reinterpret_cast<const volatile int64_t*>(p);
 }
 
-// Spins until *flag >= value, bounded by the timeout; ends at once while a protocol error
-// is recorded. A timeout is recorded with the peer and op kind; the caller carries on.
-__device__ bool ll_wait(const LowLatencyArgs& a, const uint64_t* flag, uint64_t value, int peer,
-                        int op) {
-  if (peer::load_acquire(flag) >= value) return true;
+// Spins until done(acquired value) holds, bounded by the timeout; ends at once while a
+// protocol error is recorded. A timeout is recorded with the peer and op kind; the
+// caller carries on. Returns the last value read (valid when *ok).
+template <typename Done>
+__device__ uint64_t ll_spin(const LowLatencyArgs& a, const uint64_t* flag, uint64_t want, int peer,
+                            int op, Done done, bool* ok) {
+  uint64_t v = peer::load_acquire(flag);
+  *ok = true;
+  if (done(v)) return v;
   const uint64_t start = peer::global_timer_ns();
-  while (peer::load_acquire(flag) < value) {
-    if (ll_failed()) return false;
+  while (!done(v = peer::load_acquire(flag))) {
+    if (ll_failed()) {
+      *ok = false;
+      return v;
+    }
     if (a.timeout_ns > 0 &&
         peer::global_timer_ns() - start > static_cast<uint64_t>(a.timeout_ns)) {
-      ll_report(a, kErrTimeout, peer, op, static_cast<int32_t>(value), 0);
-      return false;
+      ll_report(a, kErrTimeout, peer, op, static_cast<int32_t>(want), 0);
+      *ok = false;
+      return v;
     }
     __nanosleep(64);
   }
-  return true;
+  return v;
+}
+
+// Credit of peer p: *flag >= value (it finished reading the last epoch of this half).
+__device__ bool ll_wait_credit(const LowLatencyArgs& a, const uint64_t* flag, uint64_t value,
+                               int peer, int op) {
+  bool ok;
+  ll_spin(a, flag, value, peer, op, [&](uint64_t v) { return v >= value; }, &ok);
+  return ok;
+}
+
+// Arrival word of epoch n; returns its row count, or -1 when the wait ended without it.
+__device__ int32_t ll_wait_word(const LowLatencyArgs& a, const uint64_t* word, uint64_t n,
+                                int peer, int op) {
+  bool ok;
+  const uint64_t v =
+      ll_spin(a, word, n, peer, op, [&](uint64_t w) { return ll_word_is_epoch(w, n); }, &ok);
+  return ok ? ll_word_count(v) : -1;
 }
 
 // Rank/group XLA passed to a receive half, against the domain (real ranks only).
@@ -67,52 +92,27 @@ __device__ void ll_check_rank(const LowLatencyArgs& a) {
   if (r != a.me || g != a.expect_group) ll_report(a, kErrRankMismatch, r, a.me, g, a.expect_group);
 }
 
-// Block-wide: waits for every peer's arrival of epoch n, then checks the epoch is exactly
-// n and each peer's tag is `mine`. Every block of a kernel reads the same flags and tags,
-// so all decide alike. Returns true when this block must move no data. With `bad_owners`
-// (combine), an owner that sent kLLTagBadHandle is reported and gets its bit set there:
-// its rows count as zero.
-__device__ bool ll_arrivals(const LowLatencyArgs& a, const uint64_t* arrive, const int64_t* tags,
-                            uint64_t n, int64_t mine, int op, uint32_t* bad_owners = nullptr) {
-  __shared__ int bad;
-  if (threadIdx.x == 0) {
-    bad = 0;
-    if (bad_owners != nullptr) *bad_owners = 0;
+// Peer p's tag for epoch n (read after one of its words of n was acquired) against
+// `mine`; true when no data of p may be used. With `bad_owners` (combine), an owner that
+// sent kLLTagBadHandle is reported and gets its bit set there instead: its rows count as
+// zero. `report`: this thread records what it finds (one block does, all decide alike).
+__device__ bool ll_tag_bad(const LowLatencyArgs& a, int64_t tag, int64_t mine, int p, int op,
+                           bool report, uint32_t* bad_owners) {
+  if (tag == kSiteFailed) {
+    if (report) ll_report(a, kErrPeerFailed, p, op, 0, 0);
+    return true;
   }
-  __syncthreads();
-  for (int s = threadIdx.x; s < a.L.R; s += blockDim.x) {
-    if (!ll_wait(a, &arrive[s], n, s, op)) {
-      bad = 1;
-      continue;
-    }
-    const uint64_t got = peer::load_acquire(&arrive[s]);
-    const int64_t tag = load_volatile64(&tags[s]);
-    if (got != n) {  // a peer a whole call ahead: only a broken protocol gets here
-      ll_report(a, kErrCallSite, s, op, static_cast<int32_t>(got), static_cast<int32_t>(n));
-      bad = 1;
-    } else if (tag == kSiteFailed) {
-      ll_report(a, kErrPeerFailed, s, op, 0, 0);
-      bad = 1;
-    } else if (tag == kLLTagBadHandle && bad_owners != nullptr) {
-      ll_report(a, kErrBadHandle, s, -1, 0, op);
-      atomicOr(bad_owners, 1u << s);
-    } else if (tag != mine) {
-      ll_report(a, kErrCallSite, s, op, static_cast<int32_t>(tag), static_cast<int32_t>(mine));
-      bad = 1;
-    }
+  if (tag == kLLTagBadHandle && bad_owners != nullptr) {
+    if (report) ll_report(a, kErrBadHandle, p, -1, 0, op);
+    atomicOr(bad_owners, 1u << p);
+    return false;
   }
-  __syncthreads();
-  const bool out = bad != 0 || ll_failed();
-  __syncthreads();
-  return out;
-}
-
-// Block-wide: waits credit[p] >= n - 2 from every peer p (it finished reading the last
-// epoch that used this half of its buffer, so epoch n may overwrite it).
-__device__ void ll_credits(const LowLatencyArgs& a, const uint64_t* credit, uint64_t n, int op) {
-  if (n > 2)
-    for (int p = threadIdx.x; p < a.L.R; p += blockDim.x) ll_wait(a, &credit[p], n - 2, p, op);
-  __syncthreads();
+  if (tag != mine) {
+    if (report)
+      ll_report(a, kErrCallSite, p, op, static_cast<int32_t>(tag), static_cast<int32_t>(mine));
+    return true;
+  }
+  return false;
 }
 
 // The epoch a receive half works on: the one its send half handed over (or, with no
@@ -121,13 +121,27 @@ __device__ __forceinline__ uint64_t ll_recv_epoch(const LowLatencyArgs& a, uint6
   return a.epoch_in == nullptr ? seq : ll_epoch_from_low(seq, *a.epoch_in);
 }
 
-// Last block of a kernel: after every block's memory work, `signal` runs once, and the
+// End of a send kernel: the last block to finish stores the epoch every block worked on
+// as this rank's latest (every block read the old one first), for the receive half and
+// the next call. No fence on peer data: the arrival words carry that.
+__device__ void ll_advance_epoch(uint32_t* done, uint64_t* seq, uint64_t n) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's read of seq before the count
+    if (atomicAdd(done, 1u) == gridDim.x - 1) {
+      *seq = n;
+      *done = 0;
+    }
+  }
+}
+
+// Last block of a receive kernel: after every block's reads, `signal` runs once, and the
 // counter `done` is zero again for the next launch. Every thread of every block calls it.
 template <typename F>
 __device__ void ll_last_block(uint32_t* done, F signal) {
-  // Each thread fences its own peer writes (and orders its reads before the credit): a
-  // fence by thread 0 alone covers other threads' NVLink stores only through the barrier's
-  // cumulativity, which CUDA's __threadfence_system() does not promise.
+  // Each thread orders its own reads of the peers' rows before the credit that lets them
+  // be overwritten (a fence by thread 0 alone covers other threads only through the
+  // barrier's cumulativity, which CUDA's __threadfence_system() does not promise).
   peer::fence_data();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -140,349 +154,454 @@ __device__ void ll_last_block(uint32_t* done, F signal) {
   }
 }
 
+// ------------------------------- routing --------------------------------
+
+// Slot i repeats an id of an earlier slot of its token.
+__device__ __forceinline__ bool ll_repeated(const LowLatencyArgs& a, int i, int32_t g) {
+  const int t = i / a.K, k = i % a.K;
+  bool rep = false;
+  for (int j = 0; j < k; ++j) rep = rep || a.topk_idx[t * a.K + j] == g;
+  return rep;
+}
+
+// Slot i's id is outside [-1, E) or repeats an earlier slot of its token.
+__device__ __forceinline__ bool ll_bad_slot(const LowLatencyArgs& a, int i) {
+  const int32_t g = a.topk_idx[i];
+  if (g < -1 || g >= a.L.E) return true;
+  return g >= 0 && ll_repeated(a, i, g);
+}
+
+// Records slot i's id if it is bad (d = -1 in the record: a repeat; DescribeError says
+// so).
+__device__ void ll_report_bad_slot(const LowLatencyArgs& a, int i) {
+  if (!ll_bad_slot(a, i)) return;
+  const int32_t g = a.topk_idx[i];
+  const bool outside = g < -1 || g >= a.L.E;
+  ll_report(a, kErrBadTopkId, i / a.K, i % a.K, g, outside ? a.L.E : -1);
+}
+
+// Block-wide numbering of expert g's slots in token order (repeats within a token get no
+// row, as on the CPU), kThreads slots per round: a ballot per warp, the warps' prefix in
+// shared memory. For each round, `each(i, p)` runs on every thread with p its row among
+// the round's rows (the round's rows are list[0, *round_rows)), then `round(base,
+// round_rows)` runs block-wide. Returns g's rows in all.
+struct LLNumbering {
+  int warp_rows[kWarps];
+  int list[kThreads];
+  int round_rows;
+};
+
+template <typename Round>
+__device__ int ll_number_block(const LowLatencyArgs& a, int g, LLNumbering* sh, Round round) {
+  const int n_slots = a.S * a.K;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int base = 0;
+  for (int start = 0; start < n_slots; start += kThreads) {
+    const int i = start + threadIdx.x;
+    const bool mine = i < n_slots && a.topk_idx[i] == g && !ll_repeated(a, i, g);
+    const unsigned ballot = __ballot_sync(kFullMask, mine);
+    if (lane == 0) sh->warp_rows[warp] = __popc(ballot);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int acc = 0;
+      for (int w = 0; w < kWarps; ++w) {
+        const int c = sh->warp_rows[w];
+        sh->warp_rows[w] = acc;
+        acc += c;
+      }
+      sh->round_rows = acc;
+    }
+    __syncthreads();
+    if (mine) sh->list[sh->warp_rows[warp] + __popc(ballot & lanemask_lt())] = i;
+    __syncthreads();
+    const int rows = sh->round_rows;
+    round(base, rows);
+    base += rows;
+    __syncthreads();  // list and warp_rows are rewritten by the next round
+  }
+  return base;
+}
+
 // ------------------------------- dispatch --------------------------------
 
-// Reports slot i's id if it is outside [-1, E) or repeats an earlier slot of its token
-// (d = -1 in the record: a repeat; DescribeError says so); true if it did.
-__device__ bool ll_report_bad_slot(const LowLatencyArgs& a, int i) {
-  const int32_t g = a.topk_idx[i];
-  const int E = a.L.E;
-  const bool outside = g < -1 || g >= E;
-  bool repeated = false;
-  const int t = i / a.K, k = i % a.K;
-  for (int j = 0; j < k && !outside && g >= 0; ++j)
-    repeated = repeated || a.topk_idx[t * a.K + j] == g;
-  if (outside || repeated) ll_report(a, kErrBadTopkId, t, k, g, outside ? E : -1);
-  return outside || repeated;
-}
-
-// Numbers expert g's rows among this rank's slots, token order, into pos (-1 past M) and
-// returns how many slots name g. A repeat of g within its token gets no row: the dispatch
-// plan and the combine receive plan number the rows alike, so the combine reads the rows
-// the dispatch sent.
-__device__ int ll_number_rows(const LowLatencyArgs& a, int g, int32_t* pos) {
-  const int n_slots = a.S * a.K;
-  int c = 0;
-  for (int i = 0; i < n_slots; ++i) {
-    if (a.topk_idx[i] != g) continue;
-    const int t = i / a.K, k = i % a.K;
-    bool dup = false;
-    for (int j = 0; j < k; ++j) dup = dup || a.topk_idx[t * a.K + j] == g;
-    if (dup) continue;
-    pos[i] = c < a.M ? c : -1;
-    ++c;
-  }
-  return c;
-}
-
-// One block. Numbers each (token, slot) among this rank's slots naming the same expert
-// (ids outside [-1, E) and repeats within a token are recorded and left unused), waits
-// for every owner's credit, then writes its counts into the owners.
-__global__ void ll_dispatch_plan(LowLatencyArgs a) {
+// Source: a block per expert g (strided over the grid). Each row of g goes to its
+// owner's slot (16-byte stores, a warp per row); then one release of the pair's word.
+__global__ void __launch_bounds__(kThreads) ll_dispatch_send(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
   const int E = a.L.E, el = a.L.experts_per_rank(), R = a.L.R;
   const int n_slots = a.S * a.K;
-  int32_t* pos = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.pos_off));
-  __shared__ int any_bad;
-  __shared__ uint64_t epoch;
-  if (threadIdx.x == 0) {
-    any_bad = 0;
-    epoch = h->seq_dispatch + 1;
-    h->seq_dispatch = epoch;
-    h->my_tag_dispatch[ll_half(epoch)] = a.tag;
-    if (a.epoch_out != nullptr) *a.epoch_out = ll_epoch_low(epoch);
-  }
-  __syncthreads();
-  const int half = ll_half(epoch);
-  for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
-    if (ll_report_bad_slot(a, i)) any_bad = 1;
-    pos[i] = -1;
-  }
-  __syncthreads();
-  ll_credits(a, h->credit_dispatch[half], epoch, kOpLLDispatchCredit);
-  const bool skip = ll_failed();
-  for (int g = threadIdx.x; g < E; g += blockDim.x) {
-    const int c = ll_number_rows(a, g, pos);
-    if (a.expert_count != nullptr) a.expert_count[g] = any_bad ? 0 : c;
-    if (skip) continue;
-    const int r = g / el, e = g % el;
-    int32_t* counts =
-        reinterpret_cast<int32_t*>(ll_at(a, r, a.L.counts_off + half * a.L.counts_half));
-    peer::store(&counts[e * R + a.me], c < a.M ? c : a.M);
-  }
-  // The push kernel's arrival signal covers these counts too: make them visible to the
-  // owners before it (the signal's own fence orders only the push kernel's writes).
-  peer::fence_data();
-}
-
-// A warp per (token, slot): the token's row into its expert's slot on the owner. The
-// last block tells every owner its rows and counts are there (tag, then arrival).
-__global__ void ll_dispatch_push(LowLatencyArgs a) {
-  const int el = a.L.experts_per_rank(), R = a.L.R;
-  const int n_slots = a.S * a.K;
-  const int32_t* pos = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.pos_off));
-  const int lane = threadIdx.x % 32;
-  const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
-  LowLatencyHeader* h = ll_header(a, a.me);
-  const uint64_t n = h->seq_dispatch;  // set by this epoch's plan kernel
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint64_t n = h->seq_dispatch + 1;
   const int half = ll_half(n);
-  const size_t slots_off = a.L.slots_off + half * a.L.slots_half;
-  const size_t tok_off = a.L.tok_off + half * a.L.tok_half;
-  const bool skip = ll_failed();
-  for (int i = warp; i < n_slots && !skip; i += gridDim.x * kWarps) {
-    const int p = pos[i];
-    if (p < 0) continue;
-    const int32_t g = a.topk_idx[i];
-    const int r = g / el, e = g % el;
-    const int64_t slot = ll_slot(e, a.me, p, R, a.L.M);
-    warp_copy_row<true>(ll_at(a, r, slots_off + slot * a.L.stride),
-                        static_cast<const char*>(a.x) + static_cast<size_t>(i / a.K) * a.row_bytes,
-                        a.row_bytes, lane);
-    if (lane == 0) peer::store(reinterpret_cast<int32_t*>(ll_at(a, r, tok_off)) + slot, i / a.K);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    h->my_tag_dispatch[half] = a.tag;
+    h->words_off = a.L.counts_off;
+    h->words_bytes = 2 * a.L.counts_half;
+    if (a.epoch_out != nullptr) *a.epoch_out = ll_epoch_low(n);
   }
-  ll_last_block(&h->done_dispatch, [&] {
-    const int64_t tag = ll_failed() ? kSiteFailed : a.tag;
-    for (int r = 0; r < R; ++r) {
+  // Bad ids: reported once over the grid; every block needs to know of any (tokens per
+  // expert are all zero then, as on the CPU).
+  const int tid = blockIdx.x * kThreads + threadIdx.x;
+  for (int i = tid; i < n_slots; i += gridDim.x * kThreads) ll_report_bad_slot(a, i);
+  __shared__ int any_bad;
+  __shared__ LLNumbering sh;
+  if (threadIdx.x == 0) any_bad = 0;
+  __syncthreads();
+  bool bad = false;
+  for (int i = threadIdx.x; i < n_slots && !bad; i += kThreads) bad = ll_bad_slot(a, i);
+  if (bad) any_bad = 1;
+  __syncthreads();
+  const size_t slots_off = a.L.slots_off + half * a.L.slots_half;
+  int32_t* tok_at_owner = nullptr;
+  for (int g = blockIdx.x; g < E; g += gridDim.x) {
+    const int r = g / el, e = g % el;
+    if (threadIdx.x == 0 && n > 2)
+      ll_wait_credit(a, &h->credit_dispatch[half][r], n - 2, r, kOpLLDispatchCredit);
+    __syncthreads();
+    const bool skip = ll_failed();
+    tok_at_owner = reinterpret_cast<int32_t*>(ll_at(a, r, a.L.tok_off + half * a.L.tok_half));
+    const int c = ll_number_block(a, g, &sh, [&](int base, int rows) {
+      if (skip) return;
+      for (int j = warp; j < rows; j += kWarps) {
+        const int p = base + j;
+        if (p >= a.M) break;
+        const int i = sh.list[j];
+        const int64_t slot = ll_slot(e, a.me, p, R, a.L.M);
+        warp_copy_row<true>(ll_at(a, r, slots_off + slot * a.L.stride),
+                            static_cast<const char*>(a.x) +
+                                static_cast<size_t>(i / a.K) * a.row_bytes,
+                            a.row_bytes, lane);
+        if (lane == 0) peer::store(tok_at_owner + slot, i / a.K);
+      }
+    });
+    // Every thread orders its own rows before the pair's word.
+    peer::fence_data();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (a.expert_count != nullptr) a.expert_count[g] = any_bad ? 0 : c;
+      const bool failed = ll_failed();
       LowLatencyHeader* o = ll_header(a, r);
-      store_volatile(&o->tag_dispatch[half][a.me], tag);
-      peer::signal(&o->arrive_dispatch[half][a.me], n);
+      peer::store_volatile(&o->tag_dispatch[half][a.me], failed ? kSiteFailed : a.tag);
+      const int32_t rows = failed || skip ? 0 : (c < a.M ? c : a.M);
+      peer::signal(reinterpret_cast<uint64_t*>(ll_at(a, r, a.L.dispatch_word_off(half, e, a.me))),
+                   ll_count_word(n, rows));
     }
-  });
+  }
+  ll_advance_epoch(&h->done_dispatch, &h->seq_dispatch, n);
 }
 
-// Owner: a warp per output row (e, i) of the [E_local, R * M] blocks; then credits.
-__global__ void ll_dispatch_recv(LowLatencyArgs a) {
+// Owner: a block per (local expert e, source s) (strided): waits the words of e from
+// every source, places s's rows. Rows past recv_count[e] are left as they are.
+__global__ void __launch_bounds__(kThreads) ll_dispatch_recv(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
   const uint64_t n = ll_recv_epoch(a, h->seq_dispatch);
   const int half = ll_half(n);
   ll_check_rank(a);
-  const bool skip = ll_arrivals(a, h->arrive_dispatch[half], h->tag_dispatch[half], n,
-                                h->my_tag_dispatch[half], kOpLLDispatch);
   const int el = a.L.experts_per_rank(), R = a.L.R;
   const int64_t RM = static_cast<int64_t>(R) * a.M;
-  const int32_t* counts = reinterpret_cast<const int32_t*>(
-      ll_at(a, a.me, a.L.counts_off + half * a.L.counts_half));
   const int32_t* tok =
       reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.tok_off + half * a.L.tok_half));
   const size_t slots_off = a.L.slots_off + half * a.L.slots_half;
-  auto count = [&](int e, int s) {
-    const int32_t c = skip ? 0 : peer::load_cg_s32(&counts[e * R + s]);
-    return c < 0 ? 0 : (c > a.M ? a.M : c);
-  };
-  if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < el; e += blockDim.x) {
-      int32_t total = 0;
-      for (int s = 0; s < R; ++s) {
-        const int32_t c = count(e, s);
-        a.first_row[e * R + s] = total;
-        a.row_count[e * R + s] = c;
-        total += c;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __shared__ int32_t cnt[kMaxRanks];
+  __shared__ int bad;
+  for (int w = blockIdx.x; w < el * R; w += gridDim.x) {
+    const int e = w / R, s = w % R;
+    if (threadIdx.x == 0) bad = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < R; p += kThreads) {
+      const uint64_t* word =
+          reinterpret_cast<const uint64_t*>(ll_at(a, a.me, a.L.dispatch_word_off(half, e, p)));
+      int32_t c = ll_wait_word(a, word, n, p, kOpLLDispatch);
+      if (c < 0 || ll_tag_bad(a, load_volatile64(&h->tag_dispatch[half][p]),
+                              h->my_tag_dispatch[half], p, kOpLLDispatch, w == blockIdx.x,
+                              nullptr)) {
+        bad = 1;
+        c = 0;
       }
-      a.recv_count[e] = total;
+      cnt[p] = c < 0 ? 0 : (c > a.M ? a.M : c);
     }
-  }
-  const int lane = threadIdx.x % 32;
-  const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
-  for (int64_t w = warp; w < el * RM; w += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int e = static_cast<int>(w / RM);
-    const int64_t i = w % RM;
-    int s = 0;
-    int64_t first = 0;
-    for (; s < R; ++s) {
-      const int32_t c = count(e, s);
-      if (i < first + c) break;
-      first += c;
+    __syncthreads();
+    const bool skip = bad != 0 || ll_failed();
+    int64_t first = 0, total = 0;
+    for (int p = 0; p < R; ++p) {
+      const int32_t c = skip ? 0 : cnt[p];
+      if (p < s) first += c;
+      total += c;
     }
-    char* dst = static_cast<char*>(a.recv_x) + w * a.row_bytes;
-    if (s == R) {
-      warp_zero_row(dst, a.row_bytes, lane);
-      if (lane == 0) a.src_rank[w] = a.src_index[w] = -1;
-      continue;
+    const int32_t c = skip ? 0 : cnt[s];
+    if (s == 0) {  // the handle of expert e, once
+      for (int p = threadIdx.x; p < R; p += kThreads) {
+        int32_t f = 0;
+        for (int q = 0; q < p; ++q) f += skip ? 0 : cnt[q];
+        a.first_row[e * R + p] = f;
+        a.row_count[e * R + p] = skip ? 0 : cnt[p];
+      }
+      if (threadIdx.x == 0) a.recv_count[e] = static_cast<int32_t>(total);
     }
-    const int64_t slot = ll_slot(e, s, static_cast<int>(i - first), R, a.L.M);
-    warp_copy_row<false>(dst, ll_at(a, a.me, slots_off + slot * a.L.stride), a.row_bytes, lane);
-    if (lane == 0) {
-      a.src_rank[w] = s;
-      a.src_index[w] = peer::load_cg_s32(&tok[slot]);
+    const int64_t row0 = static_cast<int64_t>(e) * RM + first;
+    for (int j = warp; j < c; j += kWarps) {
+      const int64_t slot = ll_slot(e, s, j, R, a.L.M);
+      warp_copy_row<false>(static_cast<char*>(a.recv_x) + (row0 + j) * a.row_bytes,
+                           ll_at(a, a.me, slots_off + slot * a.L.stride), a.row_bytes, lane);
+      if (lane == 0) {
+        a.src_rank[row0 + j] = s;
+        a.src_index[row0 + j] = peer::load_cg_s32(&tok[slot]);
+      }
     }
+    if (s == R - 1)  // the handle's empty rows (recv_x's are not written)
+      for (int64_t i = total + threadIdx.x; i < RM; i += kThreads)
+        a.src_rank[e * RM + i] = a.src_index[e * RM + i] = -1;
+    __syncthreads();  // cnt and bad are rewritten for the next pair
   }
   ll_last_block(&h->done_dispatch_recv, [&] {
-    for (int s = 0; s < R; ++s) peer::signal(&ll_header(a, s)->credit_dispatch[half][a.me], n);
+    for (int p = 0; p < R; ++p) peer::signal(&ll_header(a, p)->credit_dispatch[half][a.me], n);
   });
 }
 
 // -------------------------------- combine --------------------------------
 
-// One block: the epoch, the handle's check (every entry inside y, at most the call's
-// rows_per_dest rows per source), then every source's credit (it read our previous stage
-// rows).
-__global__ void ll_combine_plan(LowLatencyArgs a) {
-  LowLatencyHeader* h = ll_header(a, a.me);
+// Owner's check of the handle (every entry inside y, at most the call's rows_per_dest
+// rows per source), made alike by every block; block 0 records what it finds.
+__device__ bool ll_combine_handle_bad(const LowLatencyArgs& a) {
   const int el = a.L.experts_per_rank(), R = a.L.R;
   const int64_t RM = static_cast<int64_t>(R) * a.M;
-  __shared__ uint64_t epoch;
+  const bool report = blockIdx.x == 0;
   __shared__ int bad;
-  if (threadIdx.x == 0) {
-    epoch = h->seq_combine + 1;
-    h->seq_combine = epoch;
-    h->my_tag_combine[ll_half(epoch)] = a.tag;
-    if (a.epoch_out != nullptr) *a.epoch_out = ll_epoch_low(epoch);
-    bad = 0;
-  }
+  if (threadIdx.x == 0) bad = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < el * R; i += blockDim.x) {
+  for (int i = threadIdx.x; i < el * R; i += kThreads) {
     const int64_t f = a.first_row[i], c = a.row_count[i];  // a foreign f + c may pass 2^31
     if (f < 0 || c < 0 || f + c > RM) {
-      ll_report(a, kErrBadHandle, i / R, i % R,
-                static_cast<int32_t>(f < 0 || f > RM ? f : c), kOpLLCombine);
+      if (report)
+        ll_report(a, kErrBadHandle, i / R, i % R, static_cast<int32_t>(f < 0 || f > RM ? f : c),
+                  kOpLLCombine);
       bad = 1;
     }
   }
   // The call's rows per source, as the CPU checks them (never above the area's).
   const int64_t cap = a.rows_per_dest > 0 && a.rows_per_dest < a.L.rows_per_dest
                           ? a.rows_per_dest : a.L.rows_per_dest;
-  for (int d = threadIdx.x; d < R; d += blockDim.x) {
+  for (int d = threadIdx.x; d < R; d += kThreads) {
     int64_t rows = 0;
     for (int e = 0; e < el; ++e) rows += a.row_count[e * R + d] > 0 ? a.row_count[e * R + d] : 0;
     if (rows > cap) {
-      ll_report(a, kErrBadHandle, -1, d, static_cast<int32_t>(rows), kOpLLCombine);
+      if (report) ll_report(a, kErrBadHandle, -1, d, static_cast<int32_t>(rows), kOpLLCombine);
       bad = 1;
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) h->combine_bad_handle[ll_half(epoch)] = bad;
-  ll_credits(a, h->credit_combine[ll_half(epoch)], epoch, kOpLLCombineCredit);
+  const bool out = bad != 0;
+  __syncthreads();
+  return out;
 }
 
-// Owner: a warp per row (e, i) of y; rows of source d go to d's cstage[me], expert after
-// expert, each expert's rows in order (ll_stage_row).
-__global__ void ll_combine_push(LowLatencyArgs a) {
+// Owner: a block per (local expert e, source d) (strided): the rows of y that d's tokens
+// sent to e into d's cstage[me] (ll_stage_row), then one release of the pair's word.
+__global__ void __launch_bounds__(kThreads) ll_combine_send(LowLatencyArgs a) {
+  LowLatencyHeader* h = ll_header(a, a.me);
   const int el = a.L.experts_per_rank(), R = a.L.R;
   const int64_t RM = static_cast<int64_t>(R) * a.M;
-  const int lane = threadIdx.x % 32;
-  const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
-  LowLatencyHeader* h = ll_header(a, a.me);
-  const uint64_t n = h->seq_combine;  // set by this epoch's plan kernel
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint64_t n = h->seq_combine + 1;
   const int half = ll_half(n);
-  const size_t cstage_off = a.L.cstage_off + half * a.L.cstage_half;
-  const bool bad_handle = h->combine_bad_handle[half] != 0;  // checked by the plan kernel
-  const bool skip = ll_failed() || bad_handle;
-  for (int64_t w = warp; w < el * RM && !skip; w += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int e = static_cast<int>(w / RM);
-    const int64_t i = w % RM;
-    int d = 0;
-    for (; d < R; ++d) {
-      const int64_t f = a.first_row[e * R + d], c = a.row_count[e * R + d];
-      if (i >= f && i < f + c) break;
-    }
-    if (d == R) continue;  // row past the counts
-    const int64_t off = ll_stage_row(a.row_count + d, R, e, i - a.first_row[e * R + d]);
-    if (off >= a.L.rows_per_dest) continue;  // excluded by the plan's check
-    const size_t at =
-        cstage_off + (static_cast<size_t>(a.me) * a.L.rows_per_dest + off) * a.L.stride;
-    warp_copy_row<true>(ll_at(a, d, at), static_cast<const char*>(a.y) + w * a.row_bytes,
-                        a.row_bytes, lane);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    h->my_tag_combine[half] = a.tag;
+    h->words_off = a.L.counts_off;
+    h->words_bytes = 2 * a.L.counts_half;
+    if (a.epoch_out != nullptr) *a.epoch_out = ll_epoch_low(n);
   }
-  ll_last_block(&h->done_combine, [&] {
-    const int64_t tag = ll_failed() ? kSiteFailed : (bad_handle ? kLLTagBadHandle : a.tag);
-    for (int d = 0; d < R; ++d) {
-      LowLatencyHeader* o = ll_header(a, d);
-      store_volatile(&o->tag_combine[half][a.me], tag);
-      peer::signal(&o->arrive_combine[half][a.me], n);
+  const bool bad_handle = ll_combine_handle_bad(a);
+  const size_t cstage_off = a.L.cstage_off + half * a.L.cstage_half;
+  for (int w = blockIdx.x; w < el * R; w += gridDim.x) {
+    const int e = w / R, d = w % R;
+    if (threadIdx.x == 0 && n > 2)
+      ll_wait_credit(a, &h->credit_combine[half][d], n - 2, d, kOpLLCombineCredit);
+    __syncthreads();
+    const bool skip = ll_failed() || bad_handle;
+    const int64_t f = a.first_row[e * R + d], c = skip ? 0 : a.row_count[e * R + d];
+    for (int64_t j = warp; j < c; j += kWarps) {
+      const int64_t off = ll_stage_row(a.row_count + d, R, e, j);
+      if (off >= a.L.rows_per_dest) break;  // excluded by the handle check
+      const size_t at =
+          cstage_off + (static_cast<size_t>(a.me) * a.L.rows_per_dest + off) * a.L.stride;
+      warp_copy_row<true>(ll_at(a, d, at),
+                          static_cast<const char*>(a.y) + (e * RM + f + j) * a.row_bytes,
+                          a.row_bytes, lane);
     }
-  });
+    peer::fence_data();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int64_t tag = ll_failed() ? kSiteFailed : (bad_handle ? kLLTagBadHandle : a.tag);
+      peer::store_volatile(&ll_header(a, d)->tag_combine[half][a.me], tag);
+      peer::signal(reinterpret_cast<uint64_t*>(ll_at(a, d, a.L.combine_word_off(half, a.me, e))),
+                   ll_count_word(n, 0));
+    }
+  }
+  ll_advance_epoch(&h->done_combine, &h->seq_combine, n);
 }
 
-// Source, one block: positions of this call's routing (as the dispatch numbered them)
-// and where each expert's rows start in its owner's stage.
-__global__ void ll_combine_recv_plan(LowLatencyArgs a) {
-  const int E = a.L.E, el = a.L.experts_per_rank();
+// Source: a block per expert g (strided): positions of this call's routing (as the
+// dispatch numbered them) into pos_c, g's rows (capped at M) into the offsets region.
+// Slots no expert keeps (-1, bad, repeated) are set once over the grid.
+__global__ void __launch_bounds__(kThreads) ll_combine_recv_plan(LowLatencyArgs a) {
+  const int E = a.L.E;
   const int n_slots = a.S * a.K;
   int32_t* pos = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.pos_c_off));
-  int32_t* offsets = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.offsets_off));
-  __shared__ int32_t cnt[kLLMaxExperts];
-  for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
+  int32_t* cnt = reinterpret_cast<int32_t*>(ll_at(a, a.me, a.L.offsets_off));
+  const int tid = blockIdx.x * kThreads + threadIdx.x;
+  for (int i = tid; i < n_slots; i += gridDim.x * kThreads) {
     // Reported (as the CPU's combine does) and left unused, as the dispatch left them.
     ll_report_bad_slot(a, i);
-    pos[i] = -1;
+    if (a.topk_idx[i] < 0 || ll_bad_slot(a, i)) pos[i] = -1;
   }
-  __syncthreads();
-  for (int g = threadIdx.x; g < E; g += blockDim.x) {
-    const int c = ll_number_rows(a, g, pos);
-    if (g < kLLMaxExperts) cnt[g] = c < a.M ? c : a.M;
+  __shared__ LLNumbering sh;
+  for (int g = blockIdx.x; g < E; g += gridDim.x) {
+    const int c = ll_number_block(a, g, &sh, [&](int base, int rows) {
+      for (int j = threadIdx.x; j < rows; j += kThreads)
+        pos[sh.list[j]] = base + j < a.M ? base + j : -1;
+    });
+    if (threadIdx.x == 0) cnt[g] = c < a.M ? c : a.M;
   }
-  __syncthreads();
-  for (int r = threadIdx.x; r < a.L.R; r += blockDim.x)
-    for (int e = 0; e < el; ++e)
-      offsets[r * el + e] = static_cast<int32_t>(ll_stage_row(cnt + r * el, 1, e, 0));
 }
 
-// Source: a warp per token; lanes over the hidden dim, k ascending per element; then
-// credits every owner.
-__global__ void ll_combine_recv(LowLatencyArgs a) {
+// Elements of one 16-byte vector of a row of `kind` (4 or 8), widened to float32.
+__device__ __forceinline__ int ll_unpack16(FloatKind kind, uint4 v, float* out) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  if (kind == FloatKind::kF32) {
+    for (int j = 0; j < 4; ++j) out[j] = __uint_as_float(w[j]);
+    return 4;
+  }
+  for (int j = 0; j < 4; ++j) {
+    const uint16_t lo = static_cast<uint16_t>(w[j] & 0xffffu), hi = static_cast<uint16_t>(w[j] >> 16);
+    out[2 * j] = kind == FloatKind::kBF16 ? bf16_to_f32(lo) : f16_to_f32(lo);
+    out[2 * j + 1] = kind == FloatKind::kBF16 ? bf16_to_f32(hi) : f16_to_f32(hi);
+  }
+  return 8;
+}
+
+__device__ __forceinline__ uint4 ll_pack16(FloatKind kind, const float* in) {
+  uint32_t w[4];
+  if (kind == FloatKind::kF32) {
+    for (int j = 0; j < 4; ++j) w[j] = __float_as_uint(in[j]);
+  } else {
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t lo = kind == FloatKind::kBF16 ? f32_to_bf16(in[2 * j]) : f32_to_f16(in[2 * j]);
+      const uint32_t hi =
+          kind == FloatKind::kBF16 ? f32_to_bf16(in[2 * j + 1]) : f32_to_f16(in[2 * j + 1]);
+      w[j] = lo | (hi << 16);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Source: waits every owner's words of epoch n, then a warp per token sums its rows k
+// ascending (16-byte loads of the stage rows when rows allow); then credits every owner.
+__global__ void __launch_bounds__(kThreads) ll_combine_recv(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
   const uint64_t n = ll_recv_epoch(a, h->seq_combine);
   const int half = ll_half(n);
   ll_check_rank(a);
+  const int E = a.L.E, el = a.L.experts_per_rank(), R = a.L.R;
   __shared__ uint32_t bad_owners;  // owners whose handle was foreign: their rows are zero
-  const bool skip = ll_arrivals(a, h->arrive_combine[half], h->tag_combine[half], n,
-                                h->my_tag_combine[half], kOpLLCombine, &bad_owners);
+  __shared__ int bad;
+  __shared__ int32_t offsets[kLLMaxExperts];
+  if (threadIdx.x == 0) {
+    bad = 0;
+    bad_owners = 0;
+  }
+  __syncthreads();
+  const int32_t* cnt = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.offsets_off));
+  for (int g = threadIdx.x; g < E; g += kThreads) {
+    const int r = g / el, e = g % el;
+    const uint64_t* word =
+        reinterpret_cast<const uint64_t*>(ll_at(a, a.me, a.L.combine_word_off(half, r, e)));
+    if (ll_wait_word(a, word, n, r, kOpLLCombine) < 0) bad = 1;
+    offsets[g] = static_cast<int32_t>(ll_stage_row(cnt + r * el, 1, e, 0));
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < R; r += kThreads)
+    if (ll_tag_bad(a, load_volatile64(&h->tag_combine[half][r]), h->my_tag_combine[half], r,
+                   kOpLLCombine, blockIdx.x == 0, &bad_owners))
+      bad = 1;
+  __syncthreads();
+  const bool skip = bad != 0 || ll_failed();
   const size_t cstage_off = a.L.cstage_off + half * a.L.cstage_half;
-  const int el = a.L.experts_per_rank();
   const int32_t* pos = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.pos_c_off));
-  const int32_t* offsets = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.offsets_off));
   const int lane = threadIdx.x % 32;
   const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
+  auto stage_row = [&](int i, int32_t g) -> const char* {
+    const int p = pos[i];
+    if (skip || g < 0 || p < 0 || (bad_owners >> (g / el)) & 1u) return nullptr;
+    const int64_t row = offsets[g] + p;
+    return ll_at(a, a.me,
+                 cstage_off + (static_cast<size_t>(g / el) * a.L.rows_per_dest + row) * a.L.stride);
+  };
+  const bool vec = (a.row_bytes % 16) == 0 &&
+                   (reinterpret_cast<uintptr_t>(a.out) % 16) == 0;
   for (int t = warp; t < a.S; t += gridDim.x * kWarps) {
     char* dst = static_cast<char*>(a.out) + static_cast<size_t>(t) * a.row_bytes;
-    for (int64_t x = lane; x < a.H; x += 32) {
-      float acc = 0.0f;
-      for (int k = 0; k < a.K && !skip; ++k) {
-        const int i = t * a.K + k;
-        const int32_t g = a.topk_idx[i];
-        const int p = pos[i];
-        if (g < 0 || p < 0 || (bad_owners >> (g / el)) & 1u) continue;
-        const int64_t row = offsets[g] + p;
-        const char* src = ll_at(
-            a, a.me,
-            cstage_off + (static_cast<size_t>(g / el) * a.L.rows_per_dest + row) * a.L.stride);
-        float v;
-        switch (a.kind) {
-          case FloatKind::kF32: v = peer::load_cg_f32(reinterpret_cast<const float*>(src) + x); break;
-          case FloatKind::kBF16:
-            v = bf16_to_f32(*reinterpret_cast<const volatile uint16_t*>(src + 2 * x)); break;
-          default: v = f16_to_f32(*reinterpret_cast<const volatile uint16_t*>(src + 2 * x)); break;
+    if (vec) {
+      for (size_t v = lane; v < a.row_bytes / 16; v += 32) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int width = a.kind == FloatKind::kF32 ? 4 : 8;
+        for (int k = 0; k < a.K; ++k) {
+          const int i = t * a.K + k;
+          const char* src = stage_row(i, a.topk_idx[i]);
+          if (src == nullptr) continue;
+          float val[8];
+          width = ll_unpack16(a.kind, peer::load_cg16(src + v * 16), val);
+          for (int j = 0; j < width; ++j) acc[j] = ll_weighted_add(acc[j], a.topk_w[i], val[j]);
         }
-        acc = ll_weighted_add(acc, a.topk_w[i], v);
+        *reinterpret_cast<uint4*>(dst + v * 16) = ll_pack16(a.kind, acc);
       }
-      ll_store(a.kind, dst, x, acc);
+    } else {
+      for (int64_t x = lane; x < a.H; x += 32) {
+        float acc = 0.0f;
+        for (int k = 0; k < a.K; ++k) {
+          const int i = t * a.K + k;
+          const char* src = stage_row(i, a.topk_idx[i]);
+          if (src == nullptr) continue;
+          float v;
+          switch (a.kind) {
+            case FloatKind::kF32: v = peer::load_cg_f32(reinterpret_cast<const float*>(src) + x); break;
+            case FloatKind::kBF16:
+              v = bf16_to_f32(*reinterpret_cast<const volatile uint16_t*>(src + 2 * x)); break;
+            default: v = f16_to_f32(*reinterpret_cast<const volatile uint16_t*>(src + 2 * x)); break;
+          }
+          acc = ll_weighted_add(acc, a.topk_w[i], v);
+        }
+        ll_store(a.kind, dst, x, acc);
+      }
     }
   }
   ll_last_block(&h->done_combine_recv, [&] {
-    for (int r = 0; r < a.L.R; ++r)
-      peer::signal(&ll_header(a, r)->credit_combine[half][a.me], n);
+    for (int r = 0; r < R; ++r) peer::signal(&ll_header(a, r)->credit_combine[half][a.me], n);
   });
-}
-
-int Blocks(int64_t warps_of_work) {
-  const int64_t b = (warps_of_work + kWarps - 1) / kWarps;
-  return static_cast<int>(b < 1 ? 1 : (b > 1024 ? 1024 : b));
 }
 
 }  // namespace
 
 cudaError_t LaunchLowLatencyPhase(int phase, const LowLatencyArgs& a, cudaStream_t stream) {
-  const int64_t rows = static_cast<int64_t>(a.L.experts_per_rank()) * a.L.R * a.M;
+  const int64_t pairs = static_cast<int64_t>(a.L.experts_per_rank()) * a.L.R;
+  const int cap = a.max_blocks;
   switch (phase) {
-    case kLLDispatchPlan: JEP_LAUNCH(ll_dispatch_plan, 1, kThreads, 0, stream)(a); break;
-    case kLLDispatchPush:
-      JEP_LAUNCH(ll_dispatch_push, Blocks(static_cast<int64_t>(a.S) * a.K), kThreads, 0, stream)(a);
+    case kLLDispatchSend:
+      JEP_LAUNCH(ll_dispatch_send, LLGrid(a.L.E, cap), kThreads, 0, stream)(a);
       break;
-    case kLLDispatchRecv: JEP_LAUNCH(ll_dispatch_recv, Blocks(rows), kThreads, 0, stream)(a); break;
-    case kLLCombinePlan: JEP_LAUNCH(ll_combine_plan, 1, kThreads, 0, stream)(a); break;
-    case kLLCombinePush: JEP_LAUNCH(ll_combine_push, Blocks(rows), kThreads, 0, stream)(a); break;
-    case kLLCombineRecvPlan: JEP_LAUNCH(ll_combine_recv_plan, 1, kThreads, 0, stream)(a); break;
-    case kLLCombineRecv: JEP_LAUNCH(ll_combine_recv, Blocks(a.S), kThreads, 0, stream)(a); break;
+    case kLLDispatchRecv:
+      JEP_LAUNCH(ll_dispatch_recv, LLGrid(pairs, cap), kThreads, 0, stream)(a);
+      break;
+    case kLLCombineSend:
+      JEP_LAUNCH(ll_combine_send, LLGrid(pairs, cap), kThreads, 0, stream)(a);
+      break;
+    case kLLCombineRecvPlan:
+      JEP_LAUNCH(ll_combine_recv_plan, LLGrid(a.L.E, cap), kThreads, 0, stream)(a);
+      break;
+    case kLLCombineRecv:
+      JEP_LAUNCH(ll_combine_recv, LLGrid((static_cast<int64_t>(a.S) + kWarps - 1) / kWarps, cap),
+                 kThreads, 0, stream)(a);
+      break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
@@ -503,6 +622,13 @@ cudaError_t ClearLowLatencyFailure() {
 }
 
 cudaError_t ClearLowLatencyHeader(void* header) {
+  // The arrival words hold epochs that a restarted count would meet again: zero them too
+  // (where the sends recorded them; nothing before the first send).
+  LowLatencyHeader h;
+  cudaError_t e = cudaMemcpy(&h, header, sizeof(h), cudaMemcpyDeviceToHost);
+  if (e == cudaSuccess && h.words_bytes > 0 && h.words_bytes < (size_t{1} << 40))
+    e = cudaMemset(static_cast<char*>(header) + h.words_off, 0, h.words_bytes);
+  if (e != cudaSuccess) return e;
   return cudaMemset(header, 0, sizeof(LowLatencyHeader));
 }
 

@@ -5,50 +5,61 @@
 // real ranks (jax_ep.cuda.setup(..., max_tokens_per_rank=M, num_experts=E), sized once,
 // M and the row size being the largest a call may use), or one harness allocation per
 // virtual rank. Data regions come in two halves; epoch n of an op kind uses half n % 2,
-// so two send halves of one kind may be in flight at once (the FP8 dispatch's values and
-// scales):
-//   header   epochs, last-block counters, and per half and peer: arrival flags and call
-//            tags (written by sources / owners before their data signal) and credits
+// so two send halves of one kind may be in flight at once:
+//   header   epochs, last-block counters, own tags, and per half and peer: call tags
+//            (written by sources / owners before their arrival words) and credits
 //            (written by owners / sources when they finished reading that half)
 //   slots    [2][E_local][R][M] rows: source s's rows for local expert e, in token order
 //   slot_tok [2][E_local][R][M] int32: their source tokens
-//   counts   [2][E_local][R] int32: rows source s sent for local expert e
-//   pos      [M * K] int32 scratch: each (token, slot)'s row among this rank's tokens
-//            that pick the same expert (-1: none or past M); pos_c the same for combine
-//   offsets  [E] int32 scratch: where expert g's rows start in its owner's combine stage
+//   words    [2] x ([E_local][R] dispatch words, by source s for local expert e, then
+//            [R][E_local] combine words, by owner r for its local expert e): uint64
+//            arrival words ll_count_word(epoch, rows), one release store per pair after
+//            its rows (the "counts" region of the layout)
+//   pos      [M * K] int32 scratch of the dispatch (unused since the plan is per block)
+//   pos_c    [M * K] int32: each (token, slot)'s row among this rank's tokens that pick
+//            the same expert (-1: none or past M), for the combine's receive half
+//   offsets  [E] int32: the combine receive plan's rows per expert (capped at M)
 //   cstage   [2][R][rows_per_dest] rows: combine rows returned by each expert owner
-// Index math shared with the host simulator: kernels/common/low_latency_math.h.
+// Index math shared by host and device: kernels/common/low_latency_math.h.
 //
-// Protocol, epochs n = 1, 2, ... per op kind, the same on every rank; h = n % 2:
-//   dispatch  plan (source s): n = ++seq, own tag for h; positions; waits
-//             credit_d[h][r] >= n - 2 from every owner r (r finished reading the last
-//             epoch that used half h, so no slot is overwritten unread); counts into each
-//             owner's half h; hands n to the receive half (in its staging output).
-//             push: each (token, slot) row into its owner's slot; the last block writes
-//             tag_d[h][s] then arrive_d[h][s] = n (release, after a system fence) on every
-//             owner.
-//             recv (owner r, epoch n from its send half): waits arrive_d[h][s] >= n for all
-//             s (bounded), requires == n and every tag equal to its own, packs the slots
-//             into the XLA outputs (rows of source s at first_row[e, s], zero past the
-//             count); the last block then writes credit_d[h][r] = n on every source.
-//   combine   send (owner r): n = ++seq, own tag; checks the handle (first_row/row_count
-//             inside y, at most rows_per_dest rows per source); waits credit_c[h][d] >=
-//             n - 2 from every source d; each row of y into its source's cstage[h][r]; the
-//             last block writes tag_c[h][r] (kLLTagBadHandle for a foreign handle, whose
-//             rows are not sent) then arrive_c[h][r] = n on every source.
-//             recv (source s): positions of its own routing, waits arrive_c[h][r] >= n for
-//             all r with the same checks, sums each token's rows k ascending (float32,
-//             rounded product, then add), casts; the last block credits every owner.
+// Protocol, epochs n = 1, 2, ... per op kind, the same on every rank; h = n % 2. Every
+// kernel is a grid of at most the SM budget's blocks (a.max_blocks); no block waits for
+// another block of its kernel, so any number of them may be resident:
+//   dispatch  send (source s), a block per expert g (strided): every block reads n =
+//             seq + 1 (the last block advances seq), the bad-slot check over all slots;
+//             waits credit_d[h][r] >= n - 2 from g's owner r (r finished reading the last
+//             epoch that used half h); numbers the slots naming g in token order (ballots
+//             and a block prefix), copies each row into r's slot with 16-byte stores;
+//             then every thread fences its own stores and one thread writes
+//             tag_d[h][s] and releases the word (g, s) = (n, rows) on r. It returns
+//             without waiting for anything to land: the next epoch that reuses half h
+//             waits for r's credit of this one.
+//             recv (owner r, epoch n from its send half), a block per (e, s) (strided):
+//             waits the words (e, s') of epoch n for all s' (bounded), requires every tag
+//             equal to its own, places source s's rows at first_row[e, s]; rows past
+//             recv_count[e] are not written (unspecified; src_rank/src_index are -1
+//             there); the last block then writes credit_d[h][r] = n on every source.
+//   combine   send (owner r), a block per (e, d) (strided): every block checks the
+//             handle alike (first_row/row_count inside y, at most rows_per_dest rows per
+//             source); waits credit_c[h][d] >= n - 2; copies rows of (e, d) into d's
+//             cstage[h][r] (ll_stage_row), fences, writes tag_c[h][r] (kLLTagBadHandle
+//             for a foreign handle, whose rows are not sent) and releases the combine
+//             word (r, e) = (n, 0) on d.
+//             recv (source s): a plan kernel numbers this call's routing per expert in
+//             parallel (as the dispatch numbered it); then a warp per token waits every
+//             word of epoch n, checks the tags, sums each token's rows k ascending
+//             (float32, rounded product, then add; 16-byte loads), casts; the last block
+//             credits every owner.
 // A third send half of one kind before the first's receive half would wait for a credit
 // that only that receive half gives: it times out with an error instead of overwriting.
 // Errors go to a sticky device record (g_ll_error, mirrored to the host). After a
-// protocol error (timeout, tag or epoch mismatch, a peer's failure, rank mismatch) the
-// kernels keep the epochs, credits and signals going but move no data and send
-// kSiteFailed as their tag, so peers record kErrPeerFailed instead of waiting; waits end
-// at once while such an error is recorded; jax_ep.cuda.reset() clears it. The harness
-// launches each phase for every virtual rank before the next phase of any, so its waits
-// and credits are always already met; its send halves hand each rank's epoch over in
-// their token output, as the real ranks' do in theirs.
+// protocol error (timeout, tag mismatch, a peer's failure, rank mismatch) the kernels
+// keep the epochs, credits and arrival words going but move no data and send kSiteFailed
+// as their tag, so peers record kErrPeerFailed instead of waiting; waits end at once
+// while such an error is recorded; jax_ep.cuda.reset() clears it (and the words). The
+// harness launches each phase for every virtual rank before the next phase of any, so
+// its waits and credits are always already met; its send halves hand each rank's epoch
+// over in their token output, as the real ranks' do in theirs.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -65,25 +76,28 @@ namespace jax_ep {
 struct alignas(128) LowLatencyHeader {
   uint64_t seq_dispatch;       // this rank's last epoch per op kind (send halves)
   uint64_t seq_combine;
-  uint32_t done_dispatch;      // last-block counters (dispatch push, dispatch recv,
-  uint32_t done_dispatch_recv; // combine push, combine recv); the last block re-zeroes
+  uint32_t done_dispatch;      // last-block counters (dispatch send, dispatch recv,
+  uint32_t done_dispatch_recv; // combine send, combine recv); the last block re-zeroes
   uint32_t done_combine;       // its counter for the next launch
   uint32_t done_combine_recv;
   int64_t my_tag_dispatch[2];  // this rank's tag of the epoch in each half
   int64_t my_tag_combine[2];
-  uint64_t arrive_dispatch[2][kMaxRanks];  // by source s: epoch n's rows are in half n % 2
-  uint64_t arrive_combine[2][kMaxRanks];   // by owner r: epoch n's stage rows are there
   uint64_t credit_dispatch[2][kMaxRanks];  // by owner r: it read epoch n's slots
   uint64_t credit_combine[2][kMaxRanks];   // by source d: it read epoch n's stage
-  int64_t tag_dispatch[2][kMaxRanks];      // by source s before arrive_dispatch[h][s]
-  int64_t tag_combine[2][kMaxRanks];       // by owner r before arrive_combine[h][r]
-  int32_t combine_bad_handle[2];           // combine plan: this epoch's handle is foreign
+  int64_t tag_dispatch[2][kMaxRanks];      // by source s before its dispatch words
+  int64_t tag_combine[2][kMaxRanks];       // by owner r before its combine words
+  uint64_t words_off, words_bytes;         // the arrival words (for reset), set by sends
 };
 // Tag an owner sends when its combine's handle does not fit y: it moved no rows, and its
 // sources count them as zero and report the handle (no protocol error: the next call runs).
 constexpr int64_t kLLTagBadHandle = -2;
-// The combine receive plan keeps per-expert counts in shared memory.
+// The combine receive kernel keeps per-expert offsets in shared memory.
 constexpr int kLLMaxExperts = 1024;
+// Threads per block of every low-latency kernel, and the blocks of one kernel that one SM
+// is assumed to hold at that size (tests/test_ll_grid_budget.py checks it against
+// `nvcc -Xptxas -v`): grids are cut to the SM budget (EpSmBudget) times this.
+constexpr int kLLThreads = 256;
+constexpr int kLLBlocksPerSm = 1;
 // Fixed, so the host sizes the area without the struct (jax_ep.cuda.buffer_bytes).
 constexpr size_t kLowLatencyHeaderBytes = 4096;
 static_assert(sizeof(LowLatencyHeader) <= kLowLatencyHeaderBytes, "low-latency header too large");
@@ -100,6 +114,15 @@ struct LowLatencyLayout {
   size_t slots_off, tok_off, counts_off, pos_off, pos_c_off, offsets_off, cstage_off, bytes;
   size_t slots_half, tok_half, counts_half, cstage_half;
 
+  // Arrival words of half h: dispatch [E_local][R] (by source), then combine
+  // [R][E_local] (by owner).
+  JEP_HDX size_t dispatch_word_off(int h, int e, int s) const {
+    return counts_off + h * counts_half + (static_cast<size_t>(e) * R + s) * 8;
+  }
+  JEP_HDX size_t combine_word_off(int h, int r, int e) const {
+    return counts_off + h * counts_half + (static_cast<size_t>(E) + r * (E / R) + e) * 8;
+  }
+
   JEP_HDX int experts_per_rank() const { return E / R; }
   JEP_HDX static LowLatencyLayout Make(int R, int M, size_t row_bytes, int K, int E) {
     LowLatencyLayout l;
@@ -114,7 +137,7 @@ struct LowLatencyLayout {
     const size_t slots = el * R * M;
     l.slots_half = AlignUp(slots * l.stride, kAreaAlign);
     l.tok_half = AlignUp(slots * 4, kAreaAlign);
-    l.counts_half = AlignUp(el * R * 4, kAreaAlign);
+    l.counts_half = AlignUp(el * R * 16, kAreaAlign);  // dispatch + combine words
     l.cstage_half = AlignUp(static_cast<size_t>(R) * l.rows_per_dest * l.stride, kAreaAlign);
     l.slots_off = kLowLatencyHeaderBytes;
     l.tok_off = l.slots_off + 2 * l.slots_half;
@@ -142,10 +165,11 @@ struct LowLatencyArgs {
   int64_t timeout_ns;
   int64_t tag;       // ll_call_tag of this call (send halves)
   int64_t rows_per_dest;  // combine send: this call's rows per source (0: the area's)
+  int max_blocks;         // grid cap: SM budget x kLLBlocksPerSm (0: kLLDefaultBlocks)
   const int32_t* rank_in;   // real ranks: XLA's rank/group scalars (receive halves),
   const int32_t* group_in;  // checked against expect_group / me; null in the harness
   int expect_group;
-  int32_t* expert_count;    // dispatch plan: tokens per expert [E] (null: not wanted)
+  int32_t* expert_count;    // dispatch send: tokens per expert [E] (null: not wanted)
   int32_t* epoch_out;       // send plan: the epoch handed to the receive half (null: none)
   const int32_t* epoch_in;  // receive half: that epoch (null: the last one sent)
   // dispatch
@@ -164,9 +188,18 @@ struct LowLatencyArgs {
 };
 
 enum LowLatencyPhase : int {
-  kLLDispatchPlan = 0, kLLDispatchPush = 1, kLLDispatchRecv = 2,
-  kLLCombinePlan = 3, kLLCombinePush = 4, kLLCombineRecvPlan = 5, kLLCombineRecv = 6,
+  kLLDispatchSend = 0, kLLDispatchRecv = 1, kLLCombineSend = 2, kLLCombineRecvPlan = 3,
+  kLLCombineRecv = 4,
 };
+// Blocks per kernel when the caller sets no budget (132 SMs less the default reserve).
+constexpr int kLLDefaultBlocks = 116;
+// Grid of a kernel with `work` independent items under a cap of `max_blocks` (<= 0: the
+// default): never more blocks than items, never fewer than one.
+inline int LLGrid(int64_t work, int max_blocks) {
+  const int64_t cap = max_blocks > 0 ? max_blocks : kLLDefaultBlocks;
+  const int64_t g = work < cap ? work : cap;
+  return static_cast<int>(g < 1 ? 1 : g);
+}
 
 cudaError_t LaunchLowLatencyPhase(int phase, const LowLatencyArgs& a, cudaStream_t stream);
 cudaError_t ReadLowLatencyError(ErrorRecord* out, bool clear);
@@ -174,7 +207,8 @@ cudaError_t ReadLowLatencyError(ErrorRecord* out, bool clear);
 // the record is cleared; ClearLowLatencyFailure() lifts it (jax_ep.cuda.reset only).
 cudaError_t ReadLowLatencyFailed(int32_t* out);
 cudaError_t ClearLowLatencyFailure();
-// Re-zeroes the protocol state of a low-latency header (synchronous; jax_ep.cuda.reset).
+// Re-zeroes the protocol state of a low-latency header and the arrival words its sends
+// recorded (synchronous; jax_ep.cuda.reset).
 cudaError_t ClearLowLatencyHeader(void* header);
 
 }  // namespace jax_ep

@@ -28,6 +28,7 @@
 #include <sstream>
 #include <string>
 
+#include "kernels/common/configs.h"
 #include "kernels/cuda/low_latency_kernels.h"
 #include "xla_ffi/common/ffi_helpers.h"
 #include "xla_ffi/cuda/cuda_state.h"
@@ -42,6 +43,11 @@ ffi::Error CudaFailed(const char* what, cudaError_t e) {
   return ffi::Error(ffi::ErrorCode::kInternal,
                     std::string("jax_ep.low_latency: ") + what + ": " + cudaGetErrorString(e));
 }
+
+// Blocks one low-latency kernel may use on this GPU: the EP SM budget (JAX_EP_NUM_SMS,
+// else the GPU's SMs less the reserve) at the blocks per SM the kernels' resources allow,
+// so their grids stay resident beside other work.
+int LLMaxBlocks(int ordinal) { return EpSmBudget(DeviceSmCount(ordinal)) * kLLBlocksPerSm; }
 
 struct LLHarness {
   char* base = nullptr;
@@ -85,6 +91,7 @@ ffi::Error Buffers(cudaStream_t stream, int ordinal, int R, LowLatencyArgs* a) {
   for (int r = 0; r < kMaxRanks; ++r) a->peers.base[r] = r < R ? h.base + r * h.per_rank : nullptr;
   a->host_err = ErrorMirror(ordinal);
   a->timeout_ns = KernelTimeoutNs();
+  a->max_blocks = LLMaxBlocks(ordinal);
   return ffi::Error::Success();
 }
 
@@ -136,7 +143,7 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   a.K = static_cast<int>(K);
   a.H = H;
   if (ffi::Error e = Buffers(stream, ordinal, static_cast<int>(R), &a); e.failure()) return e;
-  return Launch({kLLDispatchPlan, kLLDispatchPush}, static_cast<int>(R), stream, [&](int r) {
+  return Launch({kLLDispatchSend}, static_cast<int>(R), stream, [&](int r) {
     LowLatencyArgs b = a;
     b.me = r;
     b.x = static_cast<const char*>(x.untyped_data()) + r * S * rb;
@@ -217,7 +224,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   a.H = H;
   if (ffi::Error e = Buffers(stream, ordinal, static_cast<int>(R), &a); e.failure()) return e;
   const int64_t blk = el * R * M;
-  return Launch({kLLCombinePlan, kLLCombinePush}, static_cast<int>(R), stream, [&](int r) {
+  return Launch({kLLCombineSend}, static_cast<int>(R), stream, [&](int r) {
     LowLatencyArgs b = a;
     b.me = r;
     b.epoch_out = token->typed_data() + r;
@@ -333,6 +340,7 @@ LowLatencyArgs RankArgs(const CudaDomain& d, int ordinal) {
   a.expect_group = d.group;
   a.host_err = ErrorMirror(ordinal);
   a.timeout_ns = KernelTimeoutNs();
+  a.max_blocks = LLMaxBlocks(ordinal);
   return a;
 }
 
@@ -386,7 +394,7 @@ ffi::Error RankDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   a.topk_idx = topk_idx.typed_data();
   a.expert_count = expert_count->typed_data();
   a.epoch_out = stage_idx->typed_data();
-  return LaunchRank({kLLDispatchPlan, kLLDispatchPush}, a, stream);
+  return LaunchRank({kLLDispatchSend}, a, stream);
 }
 
 ffi::Error RankDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer stage_x,
@@ -471,7 +479,7 @@ ffi::Error RankCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
   a.first_row = const_cast<int32_t*>(first_row.typed_data());
   a.row_count = const_cast<int32_t*>(row_count.typed_data());
   a.epoch_out = status->typed_data();
-  return LaunchRank({kLLCombinePlan, kLLCombinePush}, a, stream);
+  return LaunchRank({kLLCombineSend}, a, stream);
 }
 
 ffi::Error RankCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer stage,
