@@ -133,3 +133,184 @@ def test_ll_rank_that_skips_a_call_ends_in_errors_on_every_rank():
         emu.ll_dispatch_recv(s, num_experts=E, max_tokens=M, H=H, dtype=x.dtype)
         errs += emu.check_errors()
     assert {r for r in range(R) for e in errs if f"rank {r}]" in e} == {0, 1}, errs
+
+
+# ---- cases ported from the former host simulator (foreign handle, order, faults) ----
+
+@pytest.mark.parametrize("resident_blocks", [2, None])
+def test_ll_resident_blocks_small_and_default(resident_blocks):
+    """No block of a low-latency kernel waits for another block of the same kernel, so
+    two resident blocks per virtual GPU finish as the default does, bit-exact."""
+    R, S, H, K, E, M = 2, 5, 64, 3, 8, 5
+    emu = _setup(R, S, H, K, E, M, "bf16", 21, resident_blocks=resident_blocks)
+    x, idx, w, y = _inputs(R, S, H, K, E, M, "bf16", 21)
+    got, rpd = _round(emu, x, idx, w, y, E=E, M=M, K=K)
+    want = ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd)
+    assert_ll_same(got, want, LL_DISPATCH_KEYS + ("out",), f"resident {resident_blocks}: ")
+    assert emu.check_errors() == []
+
+
+def test_ll_no_tokens_all_ids_unused():
+    """T = 0 (jax_ep.low_latency pads to M rows of -1) and all ids -1: no rows anywhere,
+    every count 0, combine zeros; the next round with real routing is exact."""
+    R, S, H, K, E, M = 2, 4, 8, 2, 4, 4
+    emu = _setup(R, S, H, K, E, M, "f32", 22)
+    x, idx, w, y = _inputs(R, S, H, K, E, M, "f32", 22)
+    none = np.full_like(idx, -1)
+    got, rpd = _round(emu, x, none, w, y, E=E, M=M, K=K)
+    want = ll_reference(x, none, w, y, E=E, M=M, rows_per_dest=rpd)
+    assert (want["recv_count"] == 0).all()
+    assert_ll_same(got, want, LL_DISPATCH_KEYS + ("out",), "all -1: ")
+    got, rpd = _round(emu, x, idx, w, y, E=E, M=M, K=K)
+    want = ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd)
+    assert_ll_same(got, want, LL_DISPATCH_KEYS + ("out",), "after: ")
+    assert emu.check_errors() == []
+
+
+def test_ll_fp8_pair():
+    """FP8 pairs as jax_ep.low_latency sends them: the float8_e4m3fn values, then the
+    float32 1 x 128 scales, two dispatches of one routing, each bit-exact."""
+    import ml_dtypes
+    R, S, H, K, E, M = 2, 4, 256, 2, 4, 4
+    rng = np.random.default_rng(23)
+    idx = ll_routing(R, S, K, E, rng)
+    q = rng.standard_normal((R, S, H)).astype(ml_dtypes.float8_e4m3fn)
+    sc = rng.random((R, S, H // 128)).astype(np.float32)
+    emu = Emulator(R, seed=23)
+    emu.setup(tokens=S, capacity=S, row_bytes=H, topk=K, ll_shape=(M, K, E, H))
+    sq = emu.ll_dispatch_send(q, idx, num_experts=E, max_tokens=M)
+    ss = emu.ll_dispatch_send(sc, idx, num_experts=E, max_tokens=M)
+    dq = emu.ll_dispatch_recv(sq, num_experts=E, max_tokens=M, H=H, dtype=q.dtype)
+    ds = emu.ll_dispatch_recv(ss, num_experts=E, max_tokens=M, H=H // 128, dtype=sc.dtype)
+    rpd = M * min(K, E // R)
+    zw = np.zeros((R, S, K), np.float32)
+    for got, a in ((dq, q), (ds, sc)):
+        y = np.zeros((R, E // R, R * M, a.shape[2]), np.float32)
+        want = ll_reference(a.astype(np.float32), idx, zw, y, E=E, M=M, rows_per_dest=rpd)
+        assert_same(got, want, LL_DISPATCH_KEYS[1:])
+        for r in range(R):
+            for e in range(E // R):
+                c = int(want["recv_count"][r, e])
+                src = got["src_rank"][r, e, :c], got["src_index"][r, e, :c]
+                np.testing.assert_array_equal(bits(got["recv_x"][r, e, :c]),
+                                              bits(a[src[0], src[1]]))
+    assert emu.check_errors() == []
+
+
+def test_ll_receive_halves_out_of_order():
+    """Two sends of each op in flight, their receive halves in reverse order: each
+    receive half takes its own epoch (handed over by its send half) and its own half."""
+    R, S, H, K, E, M = 2, 4, 16, 2, 4, 4
+    emu = _setup(R, S, H, K, E, M, "bf16", 24)
+    a = _inputs(R, S, H, K, E, M, "bf16", 50)
+    b = _inputs(R, S, H, K, E, M, "bf16", 51)
+    rpd = M * min(K, E // R)
+    sa = emu.ll_dispatch_send(a[0], a[1], num_experts=E, max_tokens=M)
+    sb = emu.ll_dispatch_send(b[0], b[1], num_experts=E, max_tokens=M)
+    db = emu.ll_dispatch_recv(sb, num_experts=E, max_tokens=M, H=H, dtype=b[0].dtype)
+    da = emu.ll_dispatch_recv(sa, num_experts=E, max_tokens=M, H=H, dtype=a[0].dtype)
+    ca = emu.ll_combine_send(a[3], da["first_row"], da["row_count"], max_tokens=M,
+                             rows_per_dest=rpd)
+    cb = emu.ll_combine_send(b[3], db["first_row"], db["row_count"], max_tokens=M,
+                             rows_per_dest=rpd)
+    db["out"] = emu.ll_combine_recv(cb, b[1], b[2], num_experts=E, max_tokens=M)
+    da["out"] = emu.ll_combine_recv(ca, a[1], a[2], num_experts=E, max_tokens=M)
+    for got, inp, name in ((da, a, "first"), (db, b, "second")):
+        want = ll_reference(*inp, E=E, M=M, rows_per_dest=rpd)
+        assert_ll_same(got, want, LL_DISPATCH_KEYS + ("out",), f"{name}: ")
+    # three more rounds reuse both halves after the reversed pair
+    for call in range(3):
+        x, idx, w, y = _inputs(R, S, H, K, E, M, "bf16", 60 + call)
+        got, _ = _round(emu, x, idx, w, y, E=E, M=M, K=K)
+        assert_ll_same(got, ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd),
+                       LL_DISPATCH_KEYS + ("out",), f"round {call}: ")
+    assert emu.check_errors() == []
+
+
+def test_ll_third_send_waits_for_credit():
+    """Two data halves: a third dispatch send before the first receive half waits for a
+    credit only that receive half gives, and times out with an error on every rank
+    instead of overwriting the first call's unread rows."""
+    R, S, H, K, E, M = 2, 4, 8, 2, 4, 4
+    emu = _setup(R, S, H, K, E, M, "bf16", 25, timeout_s=0.002)
+    x, idx, _, _ = _inputs(R, S, H, K, E, M, "bf16", 25)
+    for _ in range(3):
+        emu.ll_dispatch_send(x, idx, num_experts=E, max_tokens=M)
+    errs = emu.check_errors()
+    assert {r for r in range(R) for e in errs if f"rank {r}]" in e} == set(range(R)), errs
+    assert all("waiting for an owner's credit" in e for e in errs), errs
+
+
+def test_ll_foreign_handle_counts_as_zero_everywhere_and_is_not_sticky():
+    """Rank 1's combine gets a handle whose row count passes its y: rank 1 sends no rows
+    and tells every source, whose sums count rank 1's experts as zero; every rank
+    reports it, and the next round is exact again."""
+    R, S, H, K, E, M = 2, 4, 16, 2, 4, 4
+    emu = _setup(R, S, H, K, E, M, "f32", 26)
+    x, idx, w, y = _inputs(R, S, H, K, E, M, "f32", 26)
+    rpd = M * min(K, E // R)
+    s = emu.ll_dispatch_send(x, idx, num_experts=E, max_tokens=M)
+    d = emu.ll_dispatch_recv(s, num_experts=E, max_tokens=M, H=H, dtype=x.dtype)
+    rc = d["row_count"].copy()
+    rc[1, 0, 0] = R * M + 1
+    c = emu.ll_combine_send(y, d["first_row"], rc, max_tokens=M, rows_per_dest=rpd)
+    out = emu.ll_combine_recv(c, idx, w, num_experts=E, max_tokens=M)
+    y0 = y.copy()
+    y0[1] = 0
+    want = ll_reference(x, idx, w, y0, E=E, M=M, rows_per_dest=rpd)
+    np.testing.assert_array_equal(bits(out), bits(want["out"]))
+    errs = emu.check_errors()
+    assert {r for r in range(R) for e in errs if f"rank {r}]" in e} == set(range(R)), errs
+    assert all("does not belong to this call" in e for e in errs), errs
+    got, _ = _round(emu, x, idx, w, y, E=E, M=M, K=K)
+    assert_ll_same(got, ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd),
+                   LL_DISPATCH_KEYS + ("out",), "next round: ")
+    assert emu.check_errors() == []
+
+
+def test_ll_bad_and_repeated_ids_are_reported_and_left_out():
+    """An id outside [-1, E) and an id repeated within a token: reported on that rank,
+    left unused by dispatch and combine; the other rows are exact."""
+    R, S, H, K, E, M = 2, 4, 16, 3, 4, 4
+    emu = _setup(R, S, H, K, E, M, "f32", 27)
+    x, idx, w, y = _inputs(R, S, H, K, E, M, "f32", 27)
+    clean = idx.copy()
+    clean[0, 1] = [1, 2, -1]
+    clean[1, 2] = [0, 3, -1]
+    bad = clean.copy()
+    bad[0, 1, 2] = 1        # repeat of slot 0
+    bad[1, 2, 2] = E + 3    # outside
+    rpd = M * min(K, E // R)
+    got, _ = _round(emu, x, bad, w, y, E=E, M=M, K=K)
+    want = ll_reference(x, clean, w, y, E=E, M=M, rows_per_dest=rpd)
+    assert_ll_same(got, want, LL_DISPATCH_KEYS + ("out",))
+    errs = emu.check_errors()
+    assert any("rank 0]" in e and "duplicate ids" in e for e in errs), errs
+    assert any("rank 1]" in e and "is outside [-1, 4)" in e for e in errs), errs
+
+
+def test_ll_one_arrival_word_per_expert_and_source_and_grids_in_the_budget(monkeypatch):
+    """Counted by the emulated GPU (not measured): each send half releases one arrival
+    word per (expert, source) pair (R * E per op, the data itself unsignalled), and no
+    low-latency kernel launches more blocks than JAX_EP_NUM_SMS allows."""
+    R, S, H, K, E, M = 2, 6, 64, 2, 8, 6
+    monkeypatch.setenv("JAX_EP_NUM_SMS", "3")
+    emu = _setup(R, S, H, K, E, M, "bf16", 28)
+    x, idx, w, y = _inputs(R, S, H, K, E, M, "bf16", 28)
+    rpd = M * min(K, E // R)
+    emu.reset_counters()
+    s = emu.ll_dispatch_send(x, idx, num_experts=E, max_tokens=M)
+    assert emu.counters().get("release_stores", 0) == R * E
+    d = emu.ll_dispatch_recv(s, num_experts=E, max_tokens=M, H=H, dtype=x.dtype)
+    emu.reset_counters()
+    c = emu.ll_combine_send(y, d["first_row"], d["row_count"], max_tokens=M, rows_per_dest=rpd)
+    assert emu.counters().get("release_stores", 0) == R * E
+    emu.ll_combine_recv(c, idx, w, num_experts=E, max_tokens=M)
+    counts = emu.counters()
+    for name in ("ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
+                 "ll_combine_recv_plan", "ll_combine_recv"):
+        launches = counts.get(f"kernel:{name}:launches", 0)
+        if launches:
+            assert counts[f"kernel:{name}:blocks"] <= 3 * launches, (name, counts)
+    assert counts.get("kernel:ll_combine_recv_plan:blocks", 0) == 3 * R
+    assert emu.check_errors() == []
