@@ -28,12 +28,16 @@
 //   pushers         every row this rank holds from source s goes, in token order, into
 //                   the NVLink ring at s's rail peer on this node (s itself when s is on
 //                   this node).
-//   forwarder n     merges the rings of the source (n, my local) by (token, rank), so a
-//                   token's rows of this node leave together in ascending rank order, one
-//                   RDMA stream (chunked, credited) back to the source. No sum here: a sum
-//                   inside the node would change float32 rounding.
-//   source          one block: per token, every row in ascending rank order (own node's
-//                   from NVLink rings, others' from the RDMA rings), summed in float32.
+//   forwarder n     merges the rings of the source (n, my local) by token; per token the
+//                   node partial (its rows in ascending rank order summed in float32 and
+//                   rounded to the row dtype, kernels/common/combine_order.h): one row per
+//                   (token, node) in one RDMA stream (chunked, credited) back to the source,
+//                   as many rows as the dispatch sent this way.
+//   source          one block: per token, the node partials in ascending node order (its
+//                   own node's summed here from the NVLink rings), added in float32, each
+//                   thread 16 bytes of every row at a time.
+// NVLink ring tails are published once per batch of rows (a chunk, 32 tokens, or what the
+// ring holds): one system fence per lane and one release per ring, never one per row.
 //
 // Every wait is bounded (JAX_EP_TIMEOUT_S) and records the peer and the word it waited
 // for in the sticky error record it shares with the direct mode; NVLink ring head/tail

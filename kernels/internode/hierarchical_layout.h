@@ -8,6 +8,7 @@
 //   dispatch  source s=(n,g) --RDMA--> rail peer f=(m,g) --NVLink--> receivers (m,*)
 //             (for m == n the source is its own forwarder: NVLink only)
 //   combine   receivers (m,*) --NVLink--> f=(m,g) --RDMA--> source s=(n,g)
+//             (f sums its node's rows of a token and sends one row: the node partial)
 // Every hop is a ring of fixed size with head/tail credits, so memory does not depend on
 // the number of tokens T or the capacity C:
 //   RDMA ring      per (remote node, direction): kRdmaRingChunks chunks of kRdmaChunkRows
@@ -52,13 +53,13 @@ constexpr int32_t kNvlRingRows = JAX_EP_HIER_NVL_ROWS;
 // Most GPUs per node (the node mask of a row is one 32-bit word).
 constexpr int32_t kMaxGpusPerNode = 32;
 
-// The combine's credit invariant. The source reads a token's rows in pieces; a piece
-// ends before the first row of a new RDMA chunk when it already holds rows, and is summed
-// and credited before the source waits for that chunk (hierarchical_kernels.cu,
-// SourceRole). So while it waits it holds rows of at most one chunk per node, every
-// earlier chunk is credited, and the forwarder (which may write chunk c once chunk
-// c - kRdmaRingChunks is credited) can put the chunk it waits for, whatever the rows of
-// one token per node (min(topk, G), up to kMaxGpusPerNode). Two chunks per ring suffice.
+// The combine's credit invariant. Each node's RDMA stream to a source carries at most one
+// row per token (the node partial). The source reads a token in pieces: a piece ends
+// before the first row of a new RDMA chunk when it already holds rows, and is summed and
+// credited before the source waits for that chunk (hierarchical_kernels.cu, SourceRole).
+// So while it waits it holds rows of at most one chunk per node, every earlier chunk is
+// credited, and the forwarder (which may write chunk c once chunk c - kRdmaRingChunks is
+// credited) can put the chunk it waits for. Two chunks per ring suffice.
 static_assert(kRdmaRingChunks >= 2 && kRdmaChunkRows >= 1 && kNvlRingRows >= 1,
               "the combine's credit invariant: an RDMA ring holds the chunk the source "
               "reads and one the forwarder writes");

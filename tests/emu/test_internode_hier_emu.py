@@ -5,10 +5,9 @@ GPUs, 4 nodes x 2), through its own FFI handlers, bit-exact against the referenc
 built with small rings (2-row chunks, 2 chunks per RDMA ring, 3-row NVLink rings) so that a
 few tokens fill and wrap every ring.
 
-The combine's credit rule: a source that credited a node's RDMA stream only at the end of
-each token stalled (until the timeout) once one token's rows from a node spanned the ring:
-2 x 4 with topk 4 and the small rings. The source now sums a token in pieces and credits
-each finished chunk before it waits for the next (SourceRole).
+The combine reduced within the node: each forwarder sends one row per (token, node), the
+node partial rounded to the row dtype, and the source adds the partials in node order; the
+transport log shows the combine's inter-node rows equal the dispatch's.
 """
 from __future__ import annotations
 
@@ -123,8 +122,8 @@ def test_hierarchical_drops_past_capacity():
 @pytest.mark.parametrize("N,G,K", [(2, 4, 4), pytest.param(2, 2, 2, marks=full)])
 def test_small_rings_wrap_and_credit_per_chunk(N, G, K):
     """Small rings: every RDMA and NVLink ring wraps at least three times in each call,
-    over three consecutive calls; with topk 4 at 2 x 4 one token has four rows from a node,
-    more than the two-chunk ring holds past one chunk."""
+    over three consecutive calls; with topk 4 at 2 x 4 one token has four rows on a node,
+    which its forwarder sums into one partial."""
     R = N * G
     T, H, E = 12, 4, 2 * R
     C = R * T
