@@ -3,7 +3,7 @@ the program lowered for the cuda platform (the custom calls the CUDA handlers de
 their operands and attributes, compute between the halves), the low-latency area's
 sizes in jax_ep.cuda.setup / buffer_bytes, argument errors, and source-level facts of
 the handlers (command-buffer trait, no host sync). Nothing here runs a GPU kernel; the
-protocol is run by tests/sim/test_intranode_ll_sim.py."""
+protocol's kernels run on the emulated GPU (tests/emu/test_low_latency_emu.py)."""
 from __future__ import annotations
 
 import os

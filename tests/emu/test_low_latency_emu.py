@@ -314,3 +314,60 @@ def test_ll_one_arrival_word_per_expert_and_source_and_grids_in_the_budget(monke
             assert counts[f"kernel:{name}:blocks"] <= 3 * launches, (name, counts)
     assert counts.get("kernel:ll_combine_recv_plan:blocks", 0) == 3 * R
     assert emu.check_errors() == []
+
+
+@pytest.mark.parametrize("first,count", [(None, None), (2**31 - 1, 1), (2**31 - 2, 2**31 - 1)])
+def test_ll_handle_past_int32_or_above_rows_per_source_is_foreign(first, count):
+    """first_row + row_count above 2^31 (checked in int64), or a handle within y whose
+    rows per source pass the call's M * min(K, E_local): foreign, reported on every
+    rank."""
+    R, S, H, K, E, M = 2, 4, 16, 2, 4, 4
+    emu = _setup(R, S, H, K, E, M, "f32", 29)
+    x, idx, w, y = _inputs(R, S, H, K, E, M, "f32", 29)
+    rpd = M * min(K, E // R)
+    s = emu.ll_dispatch_send(x, idx, num_experts=E, max_tokens=M)
+    d = emu.ll_dispatch_recv(s, num_experts=E, max_tokens=M, H=H, dtype=x.dtype)
+    fr, rc = d["first_row"].copy(), d["row_count"].copy()
+    if first is None:  # inside y, but more rows for source 0 than the call allows
+        fr[0, 0, 0], rc[0, 0, 0] = 0, rpd + 1
+    else:
+        fr[0, 0, 1], rc[0, 0, 1] = first, count
+    c = emu.ll_combine_send(y, fr, rc, max_tokens=M, rows_per_dest=rpd)
+    emu.ll_combine_recv(c, idx, w, num_experts=E, max_tokens=M)
+    errs = emu.check_errors()
+    assert {r for r in range(R) for e in errs if f"rank {r}]" in e} == set(range(R)), errs
+    assert all("does not belong to this call" in e for e in errs), errs
+
+
+def test_ll_rank_in_another_call_errors_instead_of_mixing():
+    """Rank 1 runs a dispatch from another call site (another tag): no rows are mixed, a
+    call mismatch is reported, and every rank ends with an error."""
+    R, S, H, K, E, M = 2, 4, 8, 2, 4, 4
+    emu = _setup(R, S, H, K, E, M, "bf16", 30)
+    x, idx, _, _ = _inputs(R, S, H, K, E, M, "bf16", 30)
+    s = emu.ll_dispatch_send(x, idx, num_experts=E, max_tokens=M, call_sites=[1, 7])
+    d = emu.ll_dispatch_recv(s, num_experts=E, max_tokens=M, H=H, dtype=x.dtype,
+                             call_sites=[1, 7])
+    assert (d["recv_count"] == 0).all() and (d["src_rank"] == -1).all()
+    errs = emu.check_errors()
+    assert {r for r in range(R) for e in errs if f"rank {r}]" in e} == set(range(R)), errs
+    assert any("is in another EP call" in e for e in errs), errs
+
+
+def test_ll_timeout_after_a_value_error_still_stops_the_send():
+    """Rank 0's dispatch has a bad id (a value error, recorded first); then a third send
+    before any receive half times out on its credit: the failed state stops that send
+    even though the record keeps the first error, so nothing unread is overwritten."""
+    R, S, H, K, E, M = 2, 4, 8, 2, 4, 4
+    emu = _setup(R, S, H, K, E, M, "bf16", 31, timeout_s=0.002)
+    x, idx, _, _ = _inputs(R, S, H, K, E, M, "bf16", 31)
+    bad = idx.copy()
+    bad[0, 0, 0] = E + 5
+    sends = [emu.ll_dispatch_send(x, bad if i == 0 else idx, num_experts=E, max_tokens=M)
+             for i in range(3)]
+    first = emu.ll_dispatch_recv(sends[0], num_experts=E, max_tokens=M, H=H, dtype=x.dtype)
+    errs = emu.check_errors()
+    assert any("rank 0]" in e and "is outside" in e for e in errs), errs
+    # every rank is in the failed state now: its receive halves move no rows
+    assert (first["recv_count"] == 0).all()
+    assert {r for r in range(R) for e in errs if f"rank {r}]" in e} == set(range(R)), errs

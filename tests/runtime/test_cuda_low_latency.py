@@ -2,7 +2,7 @@
 low-latency area): one GPU as an EP group of one rank runs every real-rank kernel
 (credits, tags, epochs, both data halves) against the reference backend, bit for bit.
 Marked `gpu`: skipped where JAX sees no GPU (multi-rank groups need several GPUs or
-processes and are covered by the host simulator, tests/sim/test_intranode_ll_sim.py)."""
+processes; their kernels run on the emulated GPU, tests/emu/test_low_latency_emu.py)."""
 from __future__ import annotations
 
 import functools
