@@ -70,6 +70,15 @@ VIRTUAL_NOTE = ("{R} virtual ranks on device 0 through the CUDA harness (jax_ep.
                 "harness_*), standing for backend 'ffi': the same intranode kernels, each "
                 "phase launched for every rank in turn on one GPU; memory is of that GPU, "
                 "all ranks together")
+# The internode modes run one process per GPU under NVSHMEM; this single-process command
+# does not time them.
+INTERNODE_MODES = ("internode", "hierarchical", "internode_low_latency")
+INTERNODE_NOT_TIMED = (
+    "jax_ep.bench --mode {mode}: not implemented. The internode modes need one process per "
+    "GPU (NVSHMEM PEs) and this single-process benchmark does not launch them; their kernels "
+    "are counted on the emulated GPU by `python -m jax_ep.bench --emulated --modes "
+    "direct,hierarchical,internode_ll` and checked on a GPU by `bash scripts/gpu_check.sh "
+    "--only internode` (docs/performance.md, \"GPU benchmarks\").")
 VIRTUAL_SKIP = ("cannot run R ranks on one device: it is a shard_map program over a mesh "
                 "of R devices; only the CUDA harness (ffi) has virtual ranks")
 
@@ -463,10 +472,17 @@ def parse_args(argv=None):
     p.add_argument("--layer", action="store_true",
                    help="benchmark the Flax MoE layer against a dense SwiGLU instead "
                         "(`--layer -h` lists its flags; see jax_ep/bench_layer.py)")
-    p.add_argument("--mode", choices=("normal", "low_latency"), default="normal",
+    p.add_argument("--mode", choices=("normal", "low_latency") + INTERNODE_MODES,
+                   default="normal",
                    help="'low_latency': time the low-latency (decode) mode instead, "
                         "fused and split send/receive (`--mode low_latency -h` lists its "
-                        "flags; see jax_ep/bench_low_latency.py); default: normal")
+                        "flags; see jax_ep/bench_low_latency.py); default: normal. The "
+                        "internode modes need one process per GPU and are not timed by "
+                        "this command (it says which command to use)")
+    p.add_argument("--emulated", action="store_true",
+                   help="instead of timing: COUNT what the CUDA kernels do on the emulated "
+                        "GPU, per mode (`--emulated -h` lists its flags; see "
+                        "jax_ep/bench_emulated.py); --model adds the modelled H200 estimate")
     p.add_argument("--fp8", action="store_true",
                    help="time dispatch of bf16 rows against FP8 pairs (values + one "
                         "float32 scale per 128) instead (`--fp8 -h` lists its flags)")
@@ -495,9 +511,16 @@ def main(argv=None) -> dict:
     # `--mode low_latency`: the low-latency mode at the decode shape
     # (jax_ep/bench_low_latency.py).
     argv = [a for x in argv for a in (x.split("=", 1) if x.startswith("--mode=") else [x])]
+    # `--emulated` / `--model`: counts on the emulated GPU and the modelled H200 estimate
+    # (jax_ep/bench_emulated.py); nothing is timed.
+    if "--emulated" in argv or "--model" in argv or "--model-only" in argv:
+        from jax_ep import bench_emulated
+        return bench_emulated.main([x for x in argv if x != "--emulated"])
     if "--mode" in argv:
         i = argv.index("--mode")
         mode = argv[i + 1] if i + 1 < len(argv) else ""
+        if mode in INTERNODE_MODES:
+            raise NotImplementedError(INTERNODE_NOT_TIMED.format(mode=mode))
         if mode not in ("normal", "low_latency"):
             raise SystemExit(f"jax_ep.bench: --mode must be 'normal' or 'low_latency', "
                              f"got {mode!r}")

@@ -136,8 +136,15 @@ class Emulator:
         """The device error records of every virtual GPU (jax_ep.cuda.check_errors' text)."""
         return list(self.m.cuda_check_errors(clear))
 
-    def counters(self) -> dict[str, int]:
-        return dict(self.m.counters())
+    def counters(self, device: int | None = None) -> dict[str, int]:
+        """What the kernels did since the last reset, counted by the emulated GPU (not
+        measured): summed over the virtual GPUs, or those of virtual GPU `device`.
+        Names: docs/emulator.md, "Counters"; `summarize` groups them."""
+        return counters(device)
+
+    def device_counters(self) -> list[dict[str, int]]:
+        """counters(r) for each rank r of this group."""
+        return [counters(r) for r in range(self.R)]
 
     def reset_counters(self):
         self.m.reset_counters()
@@ -296,6 +303,173 @@ class Emulator:
                                   call_site=2), skip=skip, per_rank_attrs=_sites(call_sites, R))
         _raise(errs)
         return _stack(res, ("out",))["out"]
+
+
+# ------------------------------------------------------------------------------ counters
+
+def counters(device: int | None = None) -> dict[str, int]:
+    """The emulated GPU's counters since the last reset (counts, not measurements):
+    totals over every virtual GPU, or one virtual GPU's (device >= 0)."""
+    m = module()
+    if device is not None and not 0 <= device < max(m.num_counted_devices(), 1):
+        raise ValueError(f"device must name a virtual GPU in [0, {m.num_counted_devices()}), "
+                         f"got {device}")
+    return dict(m.counters(-1 if device is None else int(device)))
+
+
+def reset_counters():
+    module().reset_counters()
+
+
+class counting:
+    """`with counting() as c:` resets the counters; on exit c.total holds the totals and
+    c.per_device the counters of each virtual GPU that has any (counted, not measured)."""
+
+    def __enter__(self):
+        reset_counters()
+        self.total: dict[str, int] = {}
+        self.per_device: list[dict[str, int]] = []
+        return self
+
+    def __exit__(self, *exc):
+        self.total = counters()
+        self.per_device = [counters(d) for d in range(module().num_counted_devices())]
+        return False
+
+
+def summarize(c: dict[str, int]) -> dict[str, Any]:
+    """Groups flat counters: kernels {name: launches, blocks, warps, threads_per_block},
+    bytes {load|store: {local|peer: {width: bytes}}}, puts {rdma|peer: puts, bytes,
+    signals, wrs}, qps {q: puts, bytes, signals, wrs}, and the scalars (fences by scope,
+    release stores, acquire loads, polls, sleeps, atomics)."""
+    out: dict[str, Any] = {"kernels": {}, "bytes": {"load": {}, "store": {}}, "puts": {},
+                           "qps": {}, "fences": {}}
+    for k, v in sorted(c.items()):
+        parts = k.split(":")
+        if parts[0] == "kernel" and len(parts) == 3:
+            out["kernels"].setdefault(parts[1], {})[parts[2]] = v
+        elif parts[0] in ("load_bytes", "store_bytes") and len(parts) == 3:
+            d = out["bytes"]["load" if parts[0] == "load_bytes" else "store"]
+            d.setdefault(parts[1], {})[int(parts[2])] = v
+        elif parts[0] in ("puts", "put_bytes", "signals", "wrs") and len(parts) == 2:
+            name = "bytes" if parts[0] == "put_bytes" else parts[0]
+            out["puts"].setdefault(parts[1], {})[name] = v
+        elif parts[0] == "nvshmem" and len(parts) == 3 and parts[1].startswith("qp"):
+            out["qps"].setdefault(int(parts[1][2:]), {})[parts[2]] = v
+        elif parts[0] == "fences" and len(parts) == 2:
+            out["fences"][parts[1]] = v
+        elif len(parts) == 1:
+            out[k] = v
+    for kv in out["kernels"].values():
+        if kv.get("blocks"):
+            kv["threads_per_block"] = kv.get("threads", 0) // kv["blocks"]
+    return out
+
+
+class InternodeEmulator:
+    """The internode (NVSHMEM) modes' handlers on the emulated GPU: R virtual GPUs, one
+    emulated NVSHMEM PE each, G per node (a driver for counting and benchmarks; the tests'
+    tests/emu/internode_emu_util.py adds the reference oracle). Modes: "direct",
+    "hierarchical"; low latency through ll_init and the ll_* halves."""
+
+    _PREFIX = {"direct": "internode_", "hierarchical": "internode_hier_"}
+
+    def __init__(self, R: int, *, gpus_per_node: int = 1, num_ports: int = 2,
+                 qps_per_port: int = 1, chunk_bytes: int = 4096, seed: int = 1,
+                 max_delay: int = 32, heap_mib: int = 16, resident_blocks: int = 16,
+                 timeout_s: float = 0.05):
+        self.R, self.G, self.P, self.Q, self.chunk = R, gpus_per_node, num_ports, qps_per_port, chunk_bytes
+        self.emu = Emulator(R, seed=seed, resident_blocks=resident_blocks, timeout_s=timeout_s)
+        self.calls = 0
+        world = dict(num_pes=R, gpus_per_node=gpus_per_node, num_ports=num_ports,
+                     qps_per_port=qps_per_port, seed=seed, max_delay=max_delay, qp_api=1)
+        _, errs = self.emu.run("internode_world", [[]] * R, [[]] * R, world, skip=range(1, R))
+        _raise(errs)
+        init = dict(num_pes=R, heap_bytes=(32 << 20) + (heap_mib << 20),
+                    num_qps=num_ports * qps_per_port, qp_api=1)
+        _, errs = self.emu.run("internode_init", [[]] * R, [[]] * R, init)
+        _raise(errs)
+
+    def _call(self, op, ins, outs, attrs):
+        self.calls += 1
+        self.emu.run("internode_call_tag", [[]] * self.R, [[]] * self.R, dict(call=self.calls),
+                     skip=range(1, self.R))
+        res, errs = self.emu.run(op, ins, outs, attrs,
+                                 per_rank_attrs=[dict(rank=r) for r in range(self.R)])
+        _raise(errs)
+        return res
+
+    def _attrs(self, **kw):
+        return dict(num_ranks=self.R, num_ports=self.P, qps_per_port=self.Q,
+                    chunk_bytes=self.chunk, call_site=0, gpus_per_node=self.G, **kw)
+
+    def dispatch(self, x, idx, w, *, num_experts: int, capacity: int, mode: str = "direct"):
+        """x[R, T, H], idx/w[R, T, K] -> per-rank dicts (recv_x, ..., counts, send_slot)."""
+        R, T, H = x.shape
+        K, C, el = idx.shape[2], capacity, num_experts // R
+        names = ("recv_x", "recv_idx", "recv_w", "num_recv", "num_dropped", "per_expert",
+                 "src_rank", "src_index", "counts", "send_slot")
+        shapes = ((C, H), (C, K), (C, K), (), (), (el,), (C,), (C,), (R, R), (T, R))
+        dts = (x.dtype, np.int32, np.float32) + (np.int32,) * 7
+        res = self._call(self._PREFIX[mode] + "dispatch",
+                         [[x[r], idx[r].astype(np.int32), w[r].astype(np.float32)] for r in range(R)],
+                         [list(zip(shapes, dts))] * R,
+                         self._attrs(num_experts=num_experts, capacity=C))
+        return [dict(zip(names, o)) for o in res]
+
+    def combine(self, y, d, *, topk: int, mode: str = "direct"):
+        """y[R, C, H] and dispatch's per-rank dicts -> out[R, T, H]."""
+        R, C, H = y.shape
+        T = d[0]["send_slot"].shape[0]
+        ins = [[y[r], d[r]["counts"], d[r]["send_slot"]]
+               + ([d[r]["src_index"]] if mode != "direct" else []) for r in range(R)]
+        res = self._call(self._PREFIX[mode] + "combine", ins, [[((T, H), y.dtype)]] * R,
+                         self._attrs(capacity=C, topk=topk))
+        return np.stack([o[0] for o in res])
+
+    # ---- low-latency mode ----
+    def ll_init(self, *, max_tokens: int, row_bytes: int, topk: int, num_experts: int):
+        _, errs = self.emu.run("internode_ll_init", [[]] * self.R, [[]] * self.R,
+                               dict(num_ranks=self.R, max_tokens=max_tokens,
+                                    row_bytes=row_bytes, topk=topk, num_experts=num_experts))
+        _raise(errs)
+        self.ll = dict(num_experts=num_experts, max_tokens=max_tokens)
+
+    def _ll(self, op, ins, outs, **attrs):
+        a = dict(num_ranks=self.R, num_ports=self.P, qps_per_port=self.Q, call_site=0, **self.ll)
+        a.update(attrs)
+        return self._call("internode_ll_" + op, ins, outs, a)
+
+    def ll_round(self, x, idx, w, y, *, topk: int, phases=None):
+        """One low-latency dispatch and combine (send, then receive halves); phases, if a
+        dict, gets each half's counters per rank (reset before each half)."""
+        R, S, H = x.shape
+        E, M = self.ll["num_experts"], self.ll["max_tokens"]
+        el = E // R
+
+        def phase(name, f):
+            if phases is not None:
+                reset_counters()
+            out = f()
+            if phases is not None:
+                phases[name] = [counters(r) for r in range(R)]
+            return out
+
+        tok = phase("dispatch_send", lambda: self._ll(
+            "dispatch_send", [[x[r], idx[r]] for r in range(R)], [[((2,), np.int32)]] * R))
+        names = ("recv_x", "recv_count", "src_rank", "src_index", "first_row", "row_count")
+        shapes = ((el, R * M, H), (el,), (el, R * M), (el, R * M), (el, R), (el, R))
+        outs = [list(zip(shapes, (x.dtype,) + (np.int32,) * 5))] * R
+        d = phase("dispatch_recv", lambda: [dict(zip(names, o)) for o in self._ll(
+            "dispatch_recv", [[t[0]] for t in tok], outs)])
+        rpd = M * min(topk, el)
+        tok = phase("combine_send", lambda: self._ll(
+            "combine_send", [[y[r], d[r]["first_row"], d[r]["row_count"]] for r in range(R)],
+            [[((2,), np.int32)]] * R, rows_per_dest=rpd))
+        out = phase("combine_recv", lambda: self._ll(
+            "combine_recv", [[tok[r][0], idx[r], w[r]] for r in range(R)],
+            [[((S, H), x.dtype)]] * R))
+        return d, np.stack([o[0] for o in out])
 
 
 def _sites(call_sites, R):

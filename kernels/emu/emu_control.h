@@ -40,12 +40,17 @@ void unmark_peer_memory(void* p);
 // returned and cleared. Empty: none.
 std::vector<std::string> take_faults();
 
-// Counters since the last reset: "kernel:<name>:launches|blocks|warps", "copy_bytes:<width>",
-// "fences:block|gpu|system", "polls", "atomics", "release_stores", "peer_stores", "steps",
-// "virtual_ns".
+// Counters since the last reset, summed over the virtual GPUs (docs/emulator.md, "Counters"):
+// "kernel:<name>:launches|blocks|warps|threads", "load_bytes|store_bytes:<local|peer>:<width>"
+// and "loads|stores:<space>:<width>" (accesses) through the named load/store/copy helpers,
+// "fences:block|gpu|system", "release_stores", "acquire_loads", "polls", "sleeps",
+// "atomics", "peer_stores", "nvshmem:*" (the emulated NVSHMEM's), "steps", "virtual_ns".
 std::map<std::string, uint64_t> counters();
+// The same for one virtual GPU (what its threads did; no "steps"/"virtual_ns").
+std::map<std::string, uint64_t> device_counters(int device);
+int num_counted_devices();
 void reset_counters();
-void add_counter(const std::string& name, uint64_t v);
+void add_counter(const std::string& name, uint64_t v = 1);
 
 // The virtual GPU the calling host code addresses (cudaSetDevice) and its default stream.
 int current_device();

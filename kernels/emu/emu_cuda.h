@@ -211,13 +211,28 @@ void syncthreads();
 uint64_t warp_collective(int op, unsigned mask, uint64_t value, int arg, int width);
 unsigned activemask();
 void fence(int scope);
+// What a fence does to this thread's buffered peer stores, without counting a fence.
+void drain_own_stores();
 void nanosleep_ns(unsigned ns);
 uint64_t global_timer_ns();
 long long clock_ticks();
 char* dynamic_smem();
 // Counted, yields; a poll that finds nothing new advances the virtual clock.
 void note_poll();
+// An acquire load (counted as one and as a poll).
+void note_acquire();
+// Per-thread chains of serial costs: each kernel reports its longest ("chain:*" counters).
+enum Chain : int { kChainFenceSystem = 0, kChainFenceGpu, kChainRelease, kChainWr, kNumChains };
+void note_chain(int which, uint32_t n = 1);
 void note_copy(int width, size_t bytes);
+// Counters of bytes moved by width and space (local: this GPU's or host memory; peer:
+// another virtual GPU's): n accesses of `width` bytes at p by the running thread.
+enum AccessDir : int { kAccessLoad = 0, kAccessStore = 1 };
+void note_access(int dir, const void* p, int width, size_t n);
+// This thread's share of a copy of `count` elements of `width` bytes that threads
+// [tid, stride) split (element i goes to thread i % stride); null dst/src: not counted.
+void note_copy_share(const void* dst, const void* src, int width, int64_t count, int tid,
+                     int stride);
 // Stores to memory other virtual GPUs read (peer buffers): through a per-thread store
 // buffer that drains at random later points, in order; fences and release stores drain it.
 void store_bytes(void* dst, const void* src, size_t n);

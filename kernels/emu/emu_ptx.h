@@ -4,28 +4,32 @@
 //   load_acquire  a poll: the scheduler may run other threads before it reads
 //   load_cg*/nc   plain reads of what has become visible (drained)
 //   store*        peer stores: buffered per thread until a fence or release drains them
+// Each counts its bytes by width and space (emu::note_access, via store_bytes for stores).
 //   global_timer  the virtual clock
 
 inline void signal(uint64_t* flag, uint64_t value) { ::emu::release_store64(flag, value); }
 
 inline uint64_t load_acquire(const uint64_t* flag) {
-  ::emu::note_poll();
+  ::emu::note_acquire();
   return *reinterpret_cast<const volatile uint64_t*>(flag);
 }
 
 inline uint64_t global_timer_ns() { return ::emu::global_timer_ns(); }
 
 inline uint4 load_cg16(const void* p) {
+  ::emu::note_access(::emu::kAccessLoad, p, 16, 1);
   uint4 v;
   std::memcpy(&v, p, 16);
   return v;
 }
 inline uint4 load_nc16(const void* p) {
+  ::emu::note_access(::emu::kAccessLoad, p, 16, 1);
   uint4 v;
   std::memcpy(&v, p, 16);
   return v;
 }
 inline uint32_t load_cg4(const void* p) {
+  ::emu::note_access(::emu::kAccessLoad, p, 4, 1);
   uint32_t v;
   std::memcpy(&v, p, 4);
   return v;

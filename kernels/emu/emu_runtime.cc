@@ -117,6 +117,7 @@ struct Fiber {
   double wake = 0;
   StoreBuf* sbuf = nullptr;
   void* asan_fake = nullptr;
+  uint32_t chain[kNumChains] = {};  // this thread's fences, releases, work requests
 };
 
 struct Coll {
@@ -153,6 +154,7 @@ struct Kernel {
   Stream* stream;
   uint64_t total_blocks = 0, next_block = 0, done_blocks = 0;
   std::vector<StoreBuf*> bufs;
+  uint32_t chain_max[kNumChains] = {};  // the longest of its threads' chains
 };
 
 struct Op {
@@ -191,6 +193,21 @@ struct Device {
 };
 
 // ---------------------------------------------------------------------------------------
+// Counters of one virtual GPU: the hot ones in arrays (every load/store helper bumps one),
+// the rest by name. Bytes by direction (load, store), space (local, peer) and width.
+enum Hot { kHotAtomics, kHotFenceBlock, kHotFenceGpu, kHotFenceSystem, kHotPolls, kHotRelease,
+           kHotPeerStores, kHotAcquire, kHotSleeps, kNumHot };
+const char* const kHotNames[kNumHot] = {"atomics", "fences:block", "fences:gpu", "fences:system",
+                                        "polls", "release_stores", "peer_stores",
+                                        "acquire_loads", "sleeps"};
+constexpr int kNumWidths = 5;  // 1, 2, 4, 8, 16 bytes
+struct DevCounters {
+  uint64_t hot[kNumHot] = {};
+  uint64_t bytes[2][2][kNumWidths] = {};  // [load/store][local/peer][width]
+  uint64_t accesses[2][2][kNumWidths] = {};
+  std::map<std::string, uint64_t> named;
+};
+
 struct State {
   Config cfg;
   std::vector<Device*> devices;
@@ -214,8 +231,9 @@ struct State {
   std::vector<char*> stack_pool;
   std::vector<std::pair<char*, size_t>> peer_mem;
   std::vector<std::string> faults;
-  std::map<std::string, uint64_t> counters;
-  uint64_t hot[8] = {};  // atomics, fences block/gpu/system, polls, release stores, peer stores
+  std::map<std::string, uint64_t> counters;  // not tied to a virtual GPU (scheduler steps)
+  std::vector<DevCounters> dev_ctr;          // per virtual GPU (counters.cc section below)
+  std::map<uintptr_t, std::pair<size_t, int>> allocs;  // base -> (bytes, owning GPU; -1 host)
   std::vector<unsigned char> device_pristine;
   bool in_scheduler = false;
 };
@@ -302,11 +320,32 @@ void CheckCanary(const char* stack, const char* kernel) {
   }
 }
 
-void Count(const std::string& k, uint64_t v = 1) { S().counters[k] += v; }
-enum Hot { kHotAtomics, kHotFenceBlock, kHotFenceGpu, kHotFenceSystem, kHotPolls, kHotRelease,
-           kHotPeerStores, kNumHot };
-const char* const kHotNames[kNumHot] = {"atomics", "fences:block", "fences:gpu", "fences:system",
-                                        "polls", "release_stores", "peer_stores"};
+// The counters of virtual GPU d (-1: the running thread's GPU, else the host's current one).
+DevCounters& Ctr(int d = -1) {
+  State& s = S();
+  if (d < 0) d = s.cur != nullptr ? s.cur->blk->dev->id : s.current;
+  if (d < 0) d = 0;
+  if (static_cast<size_t>(d) >= s.dev_ctr.size()) s.dev_ctr.resize(static_cast<size_t>(d) + 1);
+  return s.dev_ctr[static_cast<size_t>(d)];
+}
+uint64_t& Hot(int h) { return Ctr().hot[h]; }
+// A counter of virtual GPU d (-1: see Ctr).
+void CountDev(int d, const std::string& k, uint64_t v = 1) { Ctr(d).named[k] += v; }
+// A counter of the running thread's GPU; outside any GPU, of no GPU (totals only).
+void Count(const std::string& k, uint64_t v = 1) {
+  if (S().cur != nullptr) CountDev(-1, k, v);
+  else S().counters[k] += v;
+}
+// A kernel's longest per-thread chains, added per launch (launches of a stream run one
+// after another, so their chains add up): "chain:fences:system|gpu", "chain:release_stores",
+// "chain:wrs".
+void CountChains(Kernel* k) {
+  static const char* const kChainNames[kNumChains] = {
+      "chain:fences:system", "chain:fences:gpu", "chain:release_stores", "chain:wrs"};
+  for (int i = 0; i < kNumChains; ++i)
+    if (k->chain_max[i] != 0) CountDev(k->dev->id, kChainNames[i], k->chain_max[i]);
+}
+
 
 void Fault(const std::string& what) {
   State& s = S();
@@ -443,6 +482,7 @@ void FiberExit(Fiber* f) {
   --s.live_fibers;
   const int lane = f->ctx.lane, w = f->ctx.warp;
   b->warps[w].exited |= 1u << lane;
+  for (int i = 0; i < kNumChains; ++i) b->k->chain_max[i] = std::max(b->k->chain_max[i], f->chain[i]);
   if (f->sbuf != nullptr) {
     b->k->bufs.push_back(f->sbuf);
     f->sbuf = nullptr;
@@ -599,13 +639,15 @@ void StartBlock(Kernel* k) {
   b->live = n;
   s.live_fibers += n;
   k->dev->resident++;
-  Count(std::string("kernel:") + k->spec.name + ":blocks");
-  Count(std::string("kernel:") + k->spec.name + ":warps", b->warps.size());
+  CountDev(k->dev->id, std::string("kernel:") + k->spec.name + ":blocks");
+  CountDev(k->dev->id, std::string("kernel:") + k->spec.name + ":warps", b->warps.size());
+  CountDev(k->dev->id, std::string("kernel:") + k->spec.name + ":threads", n);
 }
 
 void FinishKernel(Kernel* k) {
   State& s = S();
   Stream* st = k->stream;
+  CountChains(k);
   for (StoreBuf* b : k->bufs) {
     if (b->q.empty()) delete b;
     else st->late.push_back(b);
@@ -659,7 +701,7 @@ bool Advance() {
           if (!st->head_started) {
             st->head_started = true;
             progress = true;
-            Count(std::string("kernel:") + op.kernel->spec.name + ":launches");
+            CountDev(d->id, std::string("kernel:") + op.kernel->spec.name + ":launches");
           }
           break;
         }
@@ -840,7 +882,7 @@ void ResetAll(const Config& c) {
   s.last_error = cudaSuccess;
   s.faults.clear();
   s.counters.clear();
-  for (uint64_t& h : s.hot) h = 0;
+  s.dev_ctr.assign(s.devices.size(), DevCounters{});
 }
 
 void EnsureInit() {
@@ -854,7 +896,7 @@ void EnsureInit() {
 void yield(int kind) {
   State& s = S();
   if (s.cur == nullptr) return;  // host code calling a device helper
-  if (kind == kYieldAtomic) s.hot[kHotAtomics]++;
+  if (kind == kYieldAtomic) Hot(kHotAtomics)++;
   Suspend(true);
 }
 
@@ -916,16 +958,23 @@ unsigned activemask() {
 
 void fence(int scope) {
   State& s = S();
-  s.hot[kHotFenceBlock + (scope < 0 || scope > 2 ? 1 : scope)]++;
+  Hot(kHotFenceBlock + (scope < 0 || scope > 2 ? 1 : scope))++;
+  if (scope == kFenceSystem) note_chain(kChainFenceSystem);
+  if (scope == kFenceGpu) note_chain(kChainFenceGpu);
   // A fence only orders this thread's own stores: it drains its buffer and needs no turn.
-  Fiber* f = s.cur;
-  if (f != nullptr && scope >= kFenceGpu && f->sbuf != nullptr) Drain(f->sbuf, SIZE_MAX);
+  if (scope >= kFenceGpu) drain_own_stores();
+}
+
+void drain_own_stores() {
+  Fiber* f = S().cur;
+  if (f != nullptr && f->sbuf != nullptr) Drain(f->sbuf, SIZE_MAX);
 }
 
 void nanosleep_ns(unsigned ns) {
   State& s = S();
   Fiber* f = s.cur;
   if (f == nullptr) return;
+  Hot(kHotSleeps)++;
   f->wake = s.now_ns + std::max<double>(ns, s.cfg.min_sleep_ns);
   f->state = FState::kSleeping;
   s.sleepers.push_back(f);
@@ -942,8 +991,18 @@ char* dynamic_smem() {
 }
 
 void note_poll() {
-  S().hot[kHotPolls]++;
+  Hot(kHotPolls)++;
   yield(kYieldPoll);
+}
+
+void note_chain(int which, uint32_t n) {
+  Fiber* f = S().cur;
+  if (f != nullptr && which >= 0 && which < kNumChains) f->chain[which] += n;
+}
+
+void note_acquire() {
+  Hot(kHotAcquire)++;
+  note_poll();
 }
 
 void note_copy(int width, size_t bytes) { Count("copy_bytes:" + std::to_string(width), bytes); }
@@ -951,11 +1010,12 @@ void note_copy(int width, size_t bytes) { Count("copy_bytes:" + std::to_string(w
 void store_bytes(void* dst, const void* src, size_t n) {
   State& s = S();
   Fiber* f = s.cur;
+  note_access(kAccessStore, dst, static_cast<int>(n), 1);
   if (f == nullptr || !s.cfg.weak_stores || !IsPeer(dst)) {
     std::memcpy(dst, src, n);
     return;
   }
-  s.hot[kHotPeerStores]++;
+  Hot(kHotPeerStores)++;
   if (f->sbuf == nullptr) {
     f->sbuf = new StoreBuf();
     f->sbuf->kernel = f->blk->k;
@@ -978,7 +1038,8 @@ void store_bytes(void* dst, const void* src, size_t n) {
 
 void release_store64(uint64_t* p, uint64_t v) {
   State& s = S();
-  s.hot[kHotRelease]++;
+  Hot(kHotRelease)++;
+  note_chain(kChainRelease);
   Fiber* f = s.cur;
   if (f != nullptr && f->sbuf != nullptr) Drain(f->sbuf, SIZE_MAX);
   if (f != nullptr) Suspend(true);
@@ -1031,17 +1092,76 @@ std::vector<std::string> take_faults() {
   return out;
 }
 std::map<std::string, uint64_t> counters() {
-  auto c = S().counters;
-  for (int i = 0; i < kNumHot; ++i)
-    if (S().hot[i] != 0) c[kHotNames[i]] += S().hot[i];
-  c["virtual_ns"] = static_cast<uint64_t>(S().now_ns);
+  State& s = S();
+  auto c = s.counters;
+  for (size_t d = 0; d < s.dev_ctr.size(); ++d)
+    for (const auto& kv : device_counters(static_cast<int>(d))) c[kv.first] += kv.second;
+  c["virtual_ns"] = static_cast<uint64_t>(s.now_ns);
   return c;
 }
-void reset_counters() {
-  S().counters.clear();
-  for (uint64_t& h : S().hot) h = 0;
+std::map<std::string, uint64_t> device_counters(int device) {
+  State& s = S();
+  std::map<std::string, uint64_t> c;
+  if (device < 0 || static_cast<size_t>(device) >= s.dev_ctr.size()) return c;
+  const DevCounters& k = s.dev_ctr[static_cast<size_t>(device)];
+  c = k.named;
+  for (int i = 0; i < kNumHot; ++i)
+    if (k.hot[i] != 0) c[kHotNames[i]] += k.hot[i];
+  static const char* const kDir[2] = {"load_bytes", "store_bytes"};
+  static const char* const kDirN[2] = {"loads", "stores"};
+  static const char* const kSpace[2] = {"local", "peer"};
+  for (int dir = 0; dir < 2; ++dir)
+    for (int sp = 0; sp < 2; ++sp)
+      for (int w = 0; w < kNumWidths; ++w) {
+        if (k.accesses[dir][sp][w] == 0) continue;
+        const std::string tail = std::string(":") + kSpace[sp] + ":" + std::to_string(1 << w);
+        c[kDir[dir] + tail] += k.bytes[dir][sp][w];
+        c[kDirN[dir] + tail] += k.accesses[dir][sp][w];
+      }
+  return c;
 }
-void add_counter(const std::string& name, uint64_t v) { Count(name, v); }
+int num_counted_devices() { return static_cast<int>(S().dev_ctr.size()); }
+void reset_counters() {
+  State& s = S();
+  s.counters.clear();
+  for (DevCounters& k : s.dev_ctr) k = DevCounters{};
+}
+void add_counter(const std::string& name, uint64_t v) { CountDev(-1, name, v); }
+
+// ---- bytes by width and space ----
+int owner_of(const void* p) {
+  const State& s = S();
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  auto it = s.allocs.upper_bound(a);
+  if (it == s.allocs.begin()) return -1;
+  --it;
+  return a < it->first + it->second.first ? it->second.second : -1;
+}
+
+void note_access(int dir, const void* p, int width, size_t n) {
+  State& s = S();
+  DevCounters& k = Ctr();
+  const int me = s.cur != nullptr ? s.cur->blk->dev->id : s.current;
+  const int owner = owner_of(p);
+  const int sp = owner >= 0 && owner != me ? 1 : 0;
+  int w = 0;
+  while (w + 1 < kNumWidths && (1 << (w + 1)) <= width) ++w;
+  if ((1 << w) != width) {  // not 1/2/4/8/16 bytes (a struct stored whole): byte accesses
+    n *= static_cast<size_t>(width);
+    w = 0;
+  }
+  const int d = dir == kAccessStore ? 1 : 0;
+  k.bytes[d][sp][w] += n << w;
+  k.accesses[d][sp][w] += n;
+}
+
+void note_copy_share(const void* dst, const void* src, int width, int64_t count, int tid,
+                     int stride) {
+  if (tid < 0 || stride <= 0 || count <= tid) return;
+  const size_t mine = static_cast<size_t>((count - 1 - tid) / stride + 1);
+  if (src != nullptr) note_access(kAccessLoad, src, width, mine);
+  if (dst != nullptr) note_access(kAccessStore, dst, width, mine);
+}
 int current_device() { return S().current; }
 
 cudaError_t symbol_copy(void* dst, const void* src, size_t n, bool to_symbol, const void* symbol) {
@@ -1125,14 +1245,21 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   // Separate allocations (AddressSanitizer redzones between them), 256-byte aligned as
   // cudaMalloc's are.
   *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
-  return *p == nullptr ? Ret(cudaErrorMemoryAllocation) : cudaSuccess;
+  if (*p == nullptr) return Ret(cudaErrorMemoryAllocation);
+  S().allocs[reinterpret_cast<uintptr_t>(*p)] = {bytes, S().current};  // counters' spaces
+  return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
+  S().allocs.erase(reinterpret_cast<uintptr_t>(p));
   emu::unmark_peer_memory(p);
   std::free(p);
   return cudaSuccess;
 }
-cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) { return cudaMalloc(p, bytes); }
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) {
+  const cudaError_t e = cudaMalloc(p, bytes);
+  if (e == cudaSuccess) S().allocs[reinterpret_cast<uintptr_t>(*p)].second = -1;  // host memory
+  return e;
+}
 cudaError_t cudaMallocHost(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
 cudaError_t cudaFreeHost(void* p) { return cudaFree(p); }
 cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned) {

@@ -217,6 +217,21 @@ void Enqueue(int src, int dst_pe, int qp, int handle, void* dst, const void* src
   w.queues[{src, dst_pe, slot}].ops.push_back(op);
   ++w.pending;
   const std::string key = handle >= 0 ? "qp" + std::to_string(qp) : std::string("fallback");
+  // By space as well, in the emulator's own names: a put between nodes is RDMA, one to a
+  // PE of the same node travels over NVLink ("peer").
+  const int g = w.cfg.gpus_per_node > 0 ? w.cfg.gpus_per_node : 1;
+  const std::string space = src / g != dst_pe / g ? "rdma" : "peer";
+  if (is_put) {
+    emu::add_counter("puts:" + space);
+    emu::add_counter("put_bytes:" + space, bytes);
+    emu::add_counter("wrs:" + space, sig != nullptr ? 2 : 1);
+    emu::note_chain(emu::kChainWr, sig != nullptr ? 2 : 1);
+    if (sig != nullptr) emu::add_counter("signals:" + space);
+  } else {
+    emu::add_counter("signals:" + space);
+    emu::add_counter("wrs:" + space);
+    emu::note_chain(emu::kChainWr);
+  }
   if (is_put) {
     PutRecord r;
     r.src = src;
@@ -282,10 +297,10 @@ std::map<std::string, uint64_t> counters() { return W().counters; }
 int64_t pending() { return W().pending; }
 
 uint64_t load_acquire(const uint64_t* p) {
-  emu::note_poll();
+  emu::note_acquire();
   Count("polls");
   Progress();
-  emu::fence(emu::kFenceSystem);
+  emu::drain_own_stores();  // an acquire orders this thread's later accesses (not a fence)
   const int me = CurrentPe();
   const uint64_t v = *reinterpret_cast<const volatile uint64_t*>(p);
   FlushLate(me);  // what the value just read guards is visible to the acquirer
@@ -407,11 +422,6 @@ void nvshmem_quiet() {
   std::vector<int> dsts;
   for (const auto& kv : w.late) dsts.push_back(kv.first);
   for (int d : dsts) nvshmem_emu::FlushLate(d);
-  emu::yield(emu::kYieldFence);
-}
-
-void nvshmem_fence() {
-  nvshmem_emu::Count("fences");
   emu::yield(emu::kYieldFence);
 }
 

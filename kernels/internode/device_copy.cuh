@@ -7,6 +7,15 @@
 
 #include <cstdint>
 
+// The emulated GPU counts each thread's share of a copy by width (kernels/emu/emu_cuda.h,
+// note_copy_share); on a GPU this is nothing.
+#if defined(JAX_EP_EMU)
+#define JEP_COUNT_COPY(dst, src, width, count, tid, stride) \
+  ::emu::note_copy_share(dst, src, width, count, tid, stride)
+#else
+#define JEP_COUNT_COPY(dst, src, width, count, tid, stride) ((void)0)
+#endif
+
 namespace jax_ep {
 namespace devcopy {
 
@@ -14,20 +23,25 @@ __device__ __forceinline__ void CopyBytes(char* dst, const char* src, int64_t n,
                                           int stride) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
   if ((a % 16) == 0 && (n % 16) == 0) {
+    JEP_COUNT_COPY(dst, src, 16, n / 16, tid, stride);
     for (int64_t i = tid; i < n / 16; i += stride)
       reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
   } else if ((a % 4) == 0 && (n % 4) == 0) {
+    JEP_COUNT_COPY(dst, src, 4, n / 4, tid, stride);
     for (int64_t i = tid; i < n / 4; i += stride)
       reinterpret_cast<int32_t*>(dst)[i] = reinterpret_cast<const int32_t*>(src)[i];
   } else if ((a % 2) == 0 && (n % 2) == 0) {
+    JEP_COUNT_COPY(dst, src, 2, n / 2, tid, stride);
     for (int64_t i = tid; i < n / 2; i += stride)
       reinterpret_cast<uint16_t*>(dst)[i] = reinterpret_cast<const uint16_t*>(src)[i];
   } else {
+    JEP_COUNT_COPY(dst, src, 1, n, tid, stride);
     for (int64_t i = tid; i < n; i += stride) dst[i] = src[i];
   }
 }
 
 __device__ __forceinline__ void ZeroBytes(char* dst, int64_t n, int tid, int stride) {
+  JEP_COUNT_COPY(dst, nullptr, 1, n, tid, stride);
   for (int64_t i = tid; i < n; i += stride) dst[i] = 0;
 }
 
@@ -35,6 +49,7 @@ __device__ __forceinline__ void ZeroBytes(char* dst, int64_t n, int tid, int str
 // float16 alike (all exponent bits set, mantissa nonzero), so one fill serves each dtype
 // and a loss computed from them shows the failure at once.
 __device__ __forceinline__ void NanBytes(char* dst, int64_t n, int tid, int stride) {
+  JEP_COUNT_COPY(dst, nullptr, 1, n, tid, stride);
   for (int64_t i = tid; i < n; i += stride) dst[i] = static_cast<char>(0xff);
 }
 
@@ -86,16 +101,20 @@ __device__ __forceinline__ void CopyLanded(char* dst, const char* src, int64_t n
                                            int stride) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
   if ((a % 16) == 0 && (n % 16) == 0) {
+    JEP_COUNT_COPY(dst, src, 16, n / 16, tid, stride);
     for (int64_t i = tid; i < n / 16; i += stride)
       reinterpret_cast<int4*>(dst)[i] = LoadLandedInt4(reinterpret_cast<const int4*>(src) + i);
   } else if ((a % 4) == 0 && (n % 4) == 0) {
+    JEP_COUNT_COPY(dst, src, 4, n / 4, tid, stride);
     for (int64_t i = tid; i < n / 4; i += stride)
       reinterpret_cast<int32_t*>(dst)[i] = LoadLanded(reinterpret_cast<const int32_t*>(src) + i);
   } else if ((a % 2) == 0 && (n % 2) == 0) {
+    JEP_COUNT_COPY(dst, src, 2, n / 2, tid, stride);
     for (int64_t i = tid; i < n / 2; i += stride)
       reinterpret_cast<uint16_t*>(dst)[i] =
           LoadLanded(reinterpret_cast<const uint16_t*>(src) + i);
   } else {
+    JEP_COUNT_COPY(dst, src, 1, n, tid, stride);
     for (int64_t i = tid; i < n; i += stride)
       dst[i] = static_cast<char>(LoadLanded(reinterpret_cast<const unsigned char*>(src) + i));
   }

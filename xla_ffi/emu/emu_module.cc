@@ -18,6 +18,9 @@
 #include <vector>
 
 #include "kernels/emu/emu_control.h"
+#include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/peer_transport.cuh"
+#include "kernels/internode/device_copy.cuh"
 #include "xla_ffi/emu/emu_call.h"
 
 namespace nb = nanobind;
@@ -211,6 +214,55 @@ std::pair<std::string, std::vector<nb::bytes>> Result(int64_t id) {
   return {c->error, outs};
 }
 
+// ---- counter probe: a known access pattern for the counters' own tests ----
+// Virtual GPU 0 copies n bytes from its memory into virtual GPU 1's (mode 0: the 16-byte
+// load/store helpers of peer_transport.cuh; mode 1: devcopy::CopyBytes, whose width follows
+// the alignment), then every thread fences at system scope and thread 0 releases a flag
+// that one thread of GPU 1 acquires.
+__global__ void ProbeCopyKernel(char* dst, const char* src, int64_t n, uint64_t* flag, int mode) {
+  const int t = static_cast<int>(threadIdx.x), stride = static_cast<int>(blockDim.x);
+  if (mode == 0) {
+    for (int64_t i = t; i < n / 16; i += stride)
+      jax_ep::peer::store16(dst + 16 * i, jax_ep::peer::load_nc16(src + 16 * i));
+  } else {
+    jax_ep::devcopy::CopyBytes(dst, src, n, t, stride);
+  }
+  __threadfence_system();
+  if (t == 0) jax_ep::peer::signal(flag, 1);
+}
+__global__ void ProbeWaitKernel(const uint64_t* flag) {
+  if (threadIdx.x == 0)
+    while (jax_ep::peer::load_acquire(flag) < 1) {
+    }
+}
+
+void CounterProbe(int mode, int64_t n, int threads, int src_offset, int dst_offset) {
+  if (mode < 0 || mode > 1) throw std::invalid_argument("counter_probe: mode must be 0 or 1");
+  if (n < 0 || threads < 1 || threads > 1024 || src_offset < 0 || src_offset > 15 ||
+      dst_offset < 0 || dst_offset > 15)
+    throw std::invalid_argument("counter_probe: n >= 0, threads in [1, 1024], offsets in [0, 15]");
+  void *src = nullptr, *dst = nullptr;
+  cudaSetDevice(0);
+  cudaMalloc(&src, static_cast<size_t>(n) + 16);
+  cudaMemset(src, 7, static_cast<size_t>(n) + 16);
+  cudaSetDevice(1);
+  const size_t dbytes = static_cast<size_t>(n) + 16 + 64;
+  cudaMalloc(&dst, dbytes);
+  cudaMemset(dst, 0, dbytes);
+  emu::mark_peer_memory(dst, dbytes);
+  auto* flag = reinterpret_cast<uint64_t*>(static_cast<char*>(dst) + ((n + 16 + 7) / 8) * 8);
+  cudaSetDevice(0);
+  JEP_LAUNCH(ProbeCopyKernel, 1, threads, 0, nullptr)
+  (static_cast<char*>(dst) + dst_offset, static_cast<const char*>(src) + src_offset, n, flag, mode);
+  cudaSetDevice(1);
+  JEP_LAUNCH(ProbeWaitKernel, 1, 32, 0, nullptr)(flag);
+  Synchronize();
+  cudaSetDevice(1);
+  cudaFree(dst);
+  cudaSetDevice(0);
+  cudaFree(src);
+}
+
 }  // namespace
 }  // namespace emu_driver
 }  // namespace jax_ep
@@ -235,7 +287,19 @@ NB_MODULE(_jax_ep_emu, m) {
         "outputs (shape, dtype). Returns a call id for result().");
   m.def("synchronize", &Synchronize, "Runs the virtual GPUs until idle; returns emulator faults.");
   m.def("result", &Result, nb::arg("call"), "(handler error or '', output bytes) of a call.");
-  m.def("counters", [] { return emu::counters(); }, "What the kernels did since the last reset.");
+  m.def(
+      "counters",
+      [](int device) { return device < 0 ? emu::counters() : emu::device_counters(device); },
+      nb::arg("device") = -1,
+      "What the kernels did since the last reset (counted by the emulated GPU, not "
+      "measured): summed over the virtual GPUs, or those of one (device >= 0).");
+  m.def("num_counted_devices", [] { return emu::num_counted_devices(); },
+        "Virtual GPUs that have counters (device indices for counters(device)).");
   m.def("reset_counters", [] { emu::reset_counters(); });
+  m.def("counter_probe", &CounterProbe, nb::arg("mode"), nb::arg("n"), nb::arg("threads") = 32,
+        nb::arg("src_offset") = 0, nb::arg("dst_offset") = 0,
+        "A known access pattern for the counters' tests: virtual GPU 0 copies n bytes into "
+        "GPU 1's memory (mode 0: 16-byte helpers; 1: devcopy::CopyBytes), each thread "
+        "fences at system scope, thread 0 releases a flag GPU 1 acquires.");
   BindCudaHostFunctions(m.ptr());
 }

@@ -1,0 +1,430 @@
+"""`python -m jax_ep.bench --emulated`: what the CUDA kernels do, COUNTED by the emulated GPU
+(kernels/emu, jax_ep.emulator) for one configuration of each mode. These are counts of
+launches, blocks, warps, bytes by access width and memory space, fences, release stores,
+acquire loads, polls, puts, signals and work requests, taken while the unchanged kernel
+sources run on the CPU. They are NOT measurements of a GPU, and the emulator's own
+virtual time is not a GPU time.
+
+`--model` adds jax_ep.model's roofline-style H200 estimate (a MODEL, every constant in
+jax_ep/model.py) at the issue's target shapes: each mode is counted at small shapes and
+every counter fitted linearly in tokens and tokens x hidden, then evaluated at the target.
+
+Modes: intranode (normal dispatch/combine over NVLink peers), intranode_ll (intranode
+low latency, send and receive halves), direct (internode, NVSHMEM), hierarchical
+(internode, NVSHMEM + NVLink forwarding), internode_ll (internode low latency).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+MODES = ("intranode", "intranode_ll", "direct", "hierarchical", "internode_ll")
+NOTE = ("COUNTED by the emulated GPU (the kernel sources run on the CPU): counts of what the "
+        "kernels do, not measurements on a GPU")
+MODEL_NOTE = ("MODEL: a roofline-style estimate for H200 from the emulated GPU's counts "
+              "(constants in jax_ep/model.py), not a measurement")
+
+# Small default shapes (a minute or two on 2 CPU cores for all modes): ranks, nodes
+# (internode), tokens per rank, hidden, top-k, experts; dtype bfloat16.
+DEFAULTS = {
+    "intranode": dict(ranks=8, tokens=8, hidden=256, topk=8, experts=256),
+    "intranode_ll": dict(ranks=8, tokens=4, hidden=256, topk=8, experts=64),
+    "direct": dict(ranks=4, nodes=2, tokens=8, hidden=256, topk=4, experts=32),
+    "hierarchical": dict(ranks=8, nodes=2, tokens=8, hidden=256, topk=8, experts=64),
+    "internode_ll": dict(ranks=4, nodes=2, tokens=4, hidden=256, topk=4, experts=32),
+}
+# The issue's target shapes for the model (issue 22 item 6).
+TARGETS = {
+    "intranode": dict(ranks=8, tokens=4096, hidden=7168, topk=8, experts=256),
+    "hierarchical_2x8": dict(ranks=16, nodes=2, tokens=4096, hidden=7168, topk=8, experts=256),
+    "hierarchical_4x8": dict(ranks=32, nodes=4, tokens=4096, hidden=7168, topk=8, experts=256),
+    "internode_ll": dict(ranks=16, nodes=2, tokens=128, hidden=7168, topk=8, experts=128),
+}
+
+
+def _routing(rng, R, T, K, E):
+    """Each token picks K distinct experts uniformly (the top-k of random scores)."""
+    return np.argsort(rng.random((R, T, E)), axis=2)[:, :, :K].astype(np.int32)
+
+
+def _rows(rng, shape):
+    import ml_dtypes
+    return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+
+
+def _merge(a: list[dict], b: list[dict]) -> list[dict]:
+    out = []
+    for x, y in zip(a, b):
+        z = dict(x)
+        for k, v in y.items():
+            z[k] = z.get(k, 0) + v
+        out.append(z)
+    return out
+
+
+def count_mode(mode: str, shape: dict, *, seed: int = 0) -> dict[str, Any]:
+    """Counts one dispatch and one combine of `mode` at `shape` (after one uncounted
+    round, so buffers, credits and parities are in their steady state). Returns
+    {"dispatch": [counters of each virtual GPU], "combine": [...], "seconds": wall}."""
+    from jax_ep import emulator as em
+
+    t0 = time.perf_counter()
+    R, T, H, K, E = (shape[k] for k in ("ranks", "tokens", "hidden", "topk", "experts"))
+    if E % R:
+        raise ValueError(f"{mode}: experts {E} must be a multiple of ranks {R}")
+    rng = np.random.default_rng(seed)
+    x, idx = _rows(rng, (R, T, H)), _routing(rng, R, T, K, E)
+    w = rng.random((R, T, K)).astype(np.float32)
+    out: dict[str, Any] = {}
+
+    def counted(name, f):
+        em.reset_counters()
+        r = f()
+        out[name] = [em.counters(d) for d in range(R)]
+        return r
+
+    if mode == "intranode":
+        C = R * T
+        emu = em.Emulator(R, seed=seed + 1, resident_blocks=16)
+        emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+        for counting in (False, True):
+            if counting:
+                d = counted("dispatch", lambda: emu.dispatch(x, idx, w, num_experts=E, capacity=C))
+                counted("combine", lambda: emu.combine(d["recv_x"], d["send_row"]))
+            else:
+                d = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
+                emu.combine(d["recv_x"], d["send_row"])
+    elif mode == "intranode_ll":
+        M = T
+        emu = em.Emulator(R, seed=seed + 1, resident_blocks=16)
+        emu.setup(tokens=T, capacity=T, row_bytes=H * 2, topk=K, ll_shape=(M, K, E, H * 2))
+        y = _rows(rng, (R, E // R, R * M, H))
+        rpd = M * min(K, E // R)
+        for counting in (False, True):
+            ph = {}
+
+            def step(name, f):
+                if not counting:
+                    return f()
+                em.reset_counters()
+                r = f()
+                ph[name] = [em.counters(dd) for dd in range(R)]
+                return r
+
+            s = step("ds", lambda: emu.ll_dispatch_send(x, idx, num_experts=E, max_tokens=M))
+            d = step("dr", lambda: emu.ll_dispatch_recv(s, num_experts=E, max_tokens=M, H=H,
+                                                        dtype=x.dtype))
+            c = step("cs", lambda: emu.ll_combine_send(y, d["first_row"], d["row_count"],
+                                                       max_tokens=M, rows_per_dest=rpd))
+            step("cr", lambda: emu.ll_combine_recv(c, idx, w, num_experts=E, max_tokens=M))
+            if counting:
+                out["dispatch"] = _merge(ph["ds"], ph["dr"])
+                out["combine"] = _merge(ph["cs"], ph["cr"])
+                out["halves"] = {"dispatch_send": ph["ds"], "dispatch_recv": ph["dr"],
+                                 "combine_send": ph["cs"], "combine_recv": ph["cr"]}
+    elif mode in ("direct", "hierarchical"):
+        N = shape.get("nodes", 2)
+        if R % N:
+            raise ValueError(f"{mode}: ranks {R} must be a multiple of nodes {N}")
+        C = R * T
+        heap = max(4, (16 * R * T * (H * 2 + 64 * K)) >> 20)
+        ie = em.InternodeEmulator(R, gpus_per_node=R // N, seed=seed + 1, heap_mib=heap)
+        for counting in (False, True):
+            if counting:
+                d = counted("dispatch", lambda: ie.dispatch(x, idx, w, num_experts=E,
+                                                            capacity=C, mode=mode))
+                counted("combine", lambda: ie.combine(
+                    np.stack([o["recv_x"] for o in d]), d, topk=K, mode=mode))
+            else:
+                d = ie.dispatch(x, idx, w, num_experts=E, capacity=C, mode=mode)
+                ie.combine(np.stack([o["recv_x"] for o in d]), d, topk=K, mode=mode)
+    elif mode == "internode_ll":
+        N = shape.get("nodes", 2)
+        M = T
+        ie = em.InternodeEmulator(R, gpus_per_node=R // N, seed=seed + 1)
+        ie.ll_init(max_tokens=M, row_bytes=H * 2, topk=K, num_experts=E)
+        y = _rows(rng, (R, E // R, R * M, H))
+        ie.ll_round(x, idx, w, y, topk=K)
+        ph: dict = {}
+        ie.ll_round(x, idx, w, y, topk=K, phases=ph)
+        out["dispatch"] = _merge(ph["dispatch_send"], ph["dispatch_recv"])
+        out["combine"] = _merge(ph["combine_send"], ph["combine_recv"])
+        out["halves"] = ph
+    else:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _total(per_device: list[dict]) -> dict[str, int]:
+    t: dict[str, int] = {}
+    for c in per_device:
+        for k, v in c.items():
+            t[k] = t.get(k, 0) + v
+    return t
+
+
+def row_of(mode: str, op: str, shape: dict, per_device: list[dict]) -> dict[str, Any]:
+    """One table/JSON row: totals over the GPUs, grouped (jax_ep.emulator.summarize)."""
+    from jax_ep.emulator import summarize
+
+    tot = _total(per_device)
+    s = summarize(tot)
+    kernels = {n: {k: v for k, v in kv.items()} for n, kv in s["kernels"].items()}
+    b = s["bytes"]
+    puts = s["puts"]
+    return {
+        "mode": mode, "op": op, "shape": shape, "gpus": len(per_device),
+        "kernels": kernels,
+        "launches": sum(kv.get("launches", 0) for kv in kernels.values()),
+        "max_blocks_per_launch": max([kv.get("blocks", 0) // max(kv.get("launches", 1), 1)
+                                      for kv in kernels.values()] or [0]),
+        "warps": sum(kv.get("warps", 0) for kv in kernels.values()),
+        "bytes": b,
+        "peer_bytes": sum(v for sp in ("peer",) for d in ("load", "store")
+                          for v in b[d].get(sp, {}).values()),
+        "local_bytes": sum(v for d in ("load", "store") for v in b[d].get("local", {}).values()),
+        "puts": puts, "qps": s["qps"],
+        "fences": s["fences"],
+        "release_stores": s.get("release_stores", 0),
+        "acquire_loads": s.get("acquire_loads", 0),
+        "polls": s.get("polls", 0), "sleeps": s.get("sleeps", 0),
+        "atomics": s.get("atomics", 0),
+        "counters": tot,
+    }
+
+
+def _w(b: dict, d: str, sp: str, w: int) -> int:
+    return b[d].get(sp, {}).get(w, 0)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'mode':<13} {'op':<9} {'GPUs':>4} {'launch':>6} {'blk/l':>5} {'warps':>6} "
+            f"{'peer16 KB':>9} {'peer<16 KB':>10} {'local KB':>9} {'RDMA KB':>8} "
+            f"{'puts':>6} {'WRs':>6} {'sig':>5} {'f.sys':>6} {'f.gpu':>6} {'rel':>5} "
+            f"{'acq':>6}")
+    lines = [NOTE, "(totals over the GPUs of one call; KB = 1000 bytes)", head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['mode']:<13} {r['op']:<9} not counted: {r['error'][:150]}")
+            continue
+        b = r["bytes"]
+        p16 = _w(b, "load", "peer", 16) + _w(b, "store", "peer", 16)
+        plo = r["peer_bytes"] - p16
+        rd = r["puts"].get("rdma", {})
+        pp = r["puts"].get("peer", {})
+        lines.append(
+            f"{r['mode']:<13} {r['op']:<9} {r['gpus']:>4} {r['launches']:>6} "
+            f"{r['max_blocks_per_launch']:>5} {r['warps']:>6} {p16 / 1e3:>9.1f} "
+            f"{plo / 1e3:>10.1f} {r['local_bytes'] / 1e3:>9.1f} "
+            f"{rd.get('bytes', 0) / 1e3:>8.1f} {rd.get('puts', 0) + pp.get('puts', 0):>6} "
+            f"{rd.get('wrs', 0) + pp.get('wrs', 0):>6} "
+            f"{rd.get('signals', 0) + pp.get('signals', 0):>5} "
+            f"{r['fences'].get('system', 0):>6} {r['fences'].get('gpu', 0):>6} "
+            f"{r['release_stores']:>5} {r['acquire_loads']:>6}")
+    return "\n".join(lines)
+
+
+def format_markdown(rows: list[dict]) -> str:
+    """The rows as a markdown table (docs/performance.md)."""
+    out = ["| mode | op | GPUs | launches | blocks/launch (max) | warps | NVLink bytes at 16 B "
+           "| NVLink bytes < 16 B | local bytes | RDMA bytes | puts | WRs | fences sys/gpu "
+           "| release | acquire |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['mode']} | {r['op']} | not counted: {r['error'][:120]} "
+                       "|  |  |  |  |  |  |  |  |  |  |  |  |")
+            continue
+        b = r["bytes"]
+        p16 = _w(b, "load", "peer", 16) + _w(b, "store", "peer", 16)
+        rd, pp = r["puts"].get("rdma", {}), r["puts"].get("peer", {})
+        out.append(
+            f"| {r['mode']} | {r['op']} | {r['gpus']} | {r['launches']} | "
+            f"{r['max_blocks_per_launch']} | {r['warps']} | {p16} | {r['peer_bytes'] - p16 + pp.get('bytes', 0)} | "
+            f"{r['local_bytes']} | {rd.get('bytes', 0)} | {rd.get('puts', 0) + pp.get('puts', 0)} | "
+            f"{rd.get('wrs', 0) + pp.get('wrs', 0)} | {r['fences'].get('system', 0)}/"
+            f"{r['fences'].get('gpu', 0)} | {r['release_stores']} | {r['acquire_loads']} |")
+    return "\n".join(out)
+
+
+def count_all(modes, shapes, *, seed=0, progress=True) -> list[dict]:
+    rows = []
+    for mode in modes:
+        shape = shapes[mode]
+        if progress:
+            print(f"jax_ep.bench --emulated: counting {mode} at {shape} ...", file=sys.stderr)
+        try:
+            res = count_mode(mode, shape, seed=seed)
+        except Exception as e:  # noqa: BLE001  (one mode's failure must not hide the rest)
+            msg = f"{type(e).__name__}: {e}"
+            for op in ("dispatch", "combine"):
+                rows.append({"mode": mode, "op": op, "shape": shape, "error": msg[:2000]})
+            continue
+        for op in ("dispatch", "combine"):
+            row = row_of(mode, op, shape, res[op])
+            row["per_device"] = res[op]
+            row["seconds"] = res["seconds"]
+            rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- model
+
+def model_points(mode: str, base: dict) -> list[dict]:
+    """The small shapes a mode is counted at for the model: tokens T and 2T, hidden H and
+    2H, at the target's ranks, top-k and experts."""
+    T, H = base["tokens"], base["hidden"]
+    return [dict(base, tokens=t, hidden=h) for t, h in ((T, H), (2 * T, H), (T, 2 * H))]
+
+
+MODEL_COUNT = {  # small shapes at the targets' ranks, experts and top-k
+    "intranode": dict(TARGETS["intranode"], tokens=8, hidden=256),
+    "hierarchical_2x8": dict(TARGETS["hierarchical_2x8"], tokens=4, hidden=256),
+    "hierarchical_4x8": dict(TARGETS["hierarchical_4x8"], tokens=2, hidden=256),
+    "internode_ll": dict(TARGETS["internode_ll"], tokens=2, hidden=256),
+}
+MODEL_MODE = {"intranode": "intranode", "hierarchical_2x8": "hierarchical",
+              "hierarchical_4x8": "hierarchical", "internode_ll": "internode_ll"}
+
+
+def run_model(names, *, seed=0, progress=True) -> list[dict]:
+    from jax_ep import model
+
+    out = []
+    for name in names:
+        mode, target = MODEL_MODE[name], TARGETS[name]
+        pts = model_points(mode, MODEL_COUNT[name])
+        if progress:
+            print(f"jax_ep.bench --model: counting {mode} at {len(pts)} small shapes "
+                  f"({pts[0]}) ...", file=sys.stderr)
+        try:
+            counted = [(p, count_mode(mode, p, seed=seed)) for p in pts]
+        except Exception as e:  # noqa: BLE001
+            out.append({"target": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            continue
+        entry = {"target": name, "mode": mode, "shape": target, "counted_at": pts, "ops": {}}
+        for op in ("dispatch", "combine"):
+            per_dev = []
+            for d in range(target["ranks"]):
+                src = d % pts[0]["ranks"]  # the counted GPU standing for this one
+                per_dev.append(model.scale_counters(
+                    [(p, c[op][src]) for p, c in counted], target))
+            entry["ops"][op] = model.op_time(per_dev)
+        entry["verdict"] = _verdict(name, entry["ops"])
+        out.append(entry)
+    return out
+
+
+def _verdict(name: str, ops: dict) -> dict:
+    if name == "intranode":
+        ok = all(o["nvlink_fraction"] >= 0.8 and o["sms"] <= 24 for o in ops.values())
+        return {"target": "NVLink fraction >= 0.80 with <= 24 SMs", "met": ok}
+    if name.startswith("hierarchical"):
+        ok = all(o["rdma_GBps"] >= 43 / 1.3 for o in ops.values())
+        return {"target": "RDMA >= 33.1 GB/s per GPU (DeepEP 43-58 / 1.3)", "met": ok}
+    lim = {"dispatch": 1.5 * 118e-6, "combine": 1.5 * 195e-6}
+    ok = all(ops[op]["time_s"] <= lim[op] for op in lim)
+    return {"target": "dispatch <= 177 us, combine <= 292.5 us (1.5 x DeepEP EP16)",
+            "met": ok}
+
+
+def format_model(entries: list[dict]) -> str:
+    from jax_ep import model
+
+    k = model.H200
+    lines = [MODEL_NOTE,
+             f"constants: NVLink {k.nvlink_Bps / 1e9:.0f} GB/s per direction, RDMA "
+             f"{k.rdma_Bps / 1e9:.0f} GB/s (2 x 200 Gb/s), HBM {k.hbm_Bps / 1e12:.1f} TB/s, "
+             f"per SM at 16 B: peer {k.sm_peer_Bps_16 / 1e9:.0f} GB/s, local "
+             f"{k.sm_local_Bps_16 / 1e9:.0f} GB/s (w/16 of that at width w), launch "
+             f"{k.launch_s * 1e6:.1f} us, fence sys {k.fence_sys_s * 1e6:.1f} us, gpu "
+             f"{k.fence_gpu_s * 1e6:.1f} us, release {k.release_s * 1e6:.1f} us, WR "
+             f"{k.wr_s * 1e6:.2f} us",
+             "counts at small shapes scaled linearly in T and T*H to the target (see "
+             "jax_ep.model.scale_counters)",
+             f"{'target':<18} {'op':<9} {'model us':>9} {'bound':>6} {'SMs':>4} "
+             f"{'NVLink frac':>11} {'RDMA GB/s':>9}  target met?"]
+    for e in entries:
+        if "error" in e:
+            lines.append(f"{e['target']:<18} not counted: {e['error'][:150]}")
+            continue
+        for op, o in e["ops"].items():
+            lines.append(f"{e['target']:<18} {op:<9} {o['time_s'] * 1e6:>9.1f} "
+                         f"{o['bound']:>6} {o['sms']:>4} {o['nvlink_fraction']:>11.2f} "
+                         f"{o['rdma_GBps']:>9.1f}  {e['verdict']['target']}: "
+                         f"{'yes' if e['verdict']['met'] else 'NO'}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m jax_ep.bench --emulated",
+        description="Counts what the CUDA kernels do on the emulated GPU, per mode (counted, "
+                    "not measured); --model adds a modelled H200 estimate.")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated subset of {','.join(MODES)} (default: all)")
+    p.add_argument("--ranks", type=int, help="override every mode's ranks")
+    p.add_argument("--nodes", type=int, help="override the internode modes' nodes")
+    p.add_argument("--tokens", type=int, help="override every mode's tokens per rank")
+    p.add_argument("--hidden", type=int, help="override every mode's hidden size")
+    p.add_argument("--topk", type=int, help="override every mode's top-k")
+    p.add_argument("--experts", type=int, help="override every mode's experts")
+    p.add_argument("--model", action="store_true",
+                   help="also the modelled H200 estimate at the issue's target shapes")
+    p.add_argument("--model-only", action="store_true", help="only the model")
+    p.add_argument("--targets", default=",".join(TARGETS),
+                   help=f"--model's targets, a subset of {','.join(TARGETS)}")
+    p.add_argument("--json", metavar="PATH", help="write the counts (and model) as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in a.modes if m not in MODES]
+    if bad:
+        p.error(f"--modes must name some of {', '.join(MODES)}, got {bad}")
+    a.targets = [t.strip() for t in a.targets.split(",") if t.strip()]
+    bad = [t for t in a.targets if t not in TARGETS]
+    if bad:
+        p.error(f"--targets must name some of {', '.join(TARGETS)}, got {bad}")
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    shapes = {m: dict(DEFAULTS[m]) for m in MODES}
+    for m in MODES:
+        for k in ("ranks", "tokens", "hidden", "topk", "experts"):
+            if getattr(a, k) is not None:
+                shapes[m][k] = getattr(a, k)
+        if a.nodes is not None and "nodes" in shapes[m]:
+            shapes[m]["nodes"] = a.nodes
+    from jax_ep import emulator
+    report: dict[str, Any] = {"note": NOTE, "kind": "emulated_counts",
+                              "module": getattr(emulator.module(), "__file__", "")}
+    if not a.model_only:
+        rows = count_all(a.modes, shapes, seed=a.seed)
+        report["results"] = [{k: v for k, v in r.items() if k != "per_device"} | (
+            {"per_device": r["per_device"]} if "per_device" in r else {}) for r in rows]
+        print(format_table(rows))
+    if a.model or a.model_only:
+        from jax_ep import model
+        entries = run_model(a.targets, seed=a.seed)
+        report["model"] = {"note": MODEL_NOTE, "constants": model.H200.as_dict(),
+                           "entries": entries}
+        print(format_model(entries))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        print(f"wrote {a.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

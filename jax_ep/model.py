@@ -1,0 +1,132 @@
+"""A roofline-style MODEL of the kernels' time on an H200, computed from the emulated GPU's
+counters (jax_ep.emulator; docs/performance.md, "Modelled H200 estimate"). It is a model,
+not a measurement: no kernel of this project has run on a GPU. Every constant is stated
+below; change them with `Constants(...)`.
+
+Per virtual GPU and per op (dispatch or combine), from its counters:
+  link time  = max(NVLink bytes / NVLINK, RDMA bytes / RDMA, local bytes / HBM)
+               (NVLink bytes: loads + stores that touch another GPU's memory, plus puts to
+               a PE of the same node; RDMA bytes: puts to another node, as sent)
+  SM time    = sum over spaces and widths of bytes / (per-SM rate at 16 bytes of that
+               space * width / 16) / SMs, where SMs = the most blocks one kernel of the op
+               launched on that GPU (at most 132): a narrower access moves fewer bytes per
+               instruction at the same instruction rate
+  fixed time = launches * LAUNCH + the longest per-thread chains (counted per launch and
+               added over the launches: "chain:*" counters) of system fences * FENCE_SYS,
+               GPU fences * FENCE_GPU, release stores * RELEASE and work requests * WR
+               (a thread's fences serialize; different threads' overlap)
+  time       = max(link time, SM time) + fixed time
+The op's time is the slowest GPU's. Fractions of bandwidth are the GPU's NVLink (or RDMA)
+bytes over its time, over NVLINK (or RDMA).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+WIDTHS = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Constants:
+    """The model's H200 constants (bytes/s and seconds). Sources: NVLink 4 of H100/H200,
+    900 GB/s bidirectional = 450 GB/s per direction; one ConnectX-7 NIC of 2 x 200 Gb/s
+    per GPU (DeepEP's test machines); HBM3e 4.8 TB/s. The per-SM copy rates and the fixed
+    costs are assumptions of this model, not measured here: an SM keeps a limited number
+    of 16-byte accesses in flight, which caps it at about NVLink's latency-bound rate of
+    one SM for remote accesses and higher for local ones."""
+    nvlink_Bps: float = 450e9            # per direction, per GPU
+    rdma_Bps: float = 2 * 200e9 / 8      # one NIC of 2 x 200 Gb/s per GPU = 50 GB/s
+    hbm_Bps: float = 4.8e12
+    num_sms: int = 132
+    sm_peer_Bps_16: float = 25e9         # one SM, 16-byte accesses to a peer over NVLink
+    sm_local_Bps_16: float = 100e9       # one SM, 16-byte accesses to its own HBM
+    launch_s: float = 3e-6               # per kernel launch in a stream (launch + tail)
+    fence_sys_s: float = 0.8e-6          # __threadfence_system
+    fence_gpu_s: float = 0.3e-6          # __threadfence
+    release_s: float = 0.5e-6            # release store at system scope
+    wr_s: float = 0.1e-6                 # one RDMA work request posted by a GPU thread
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+H200 = Constants()
+
+# Targets of issue 22 item 6 (DeepEP's published numbers for its kernels on H800/H20
+# class machines, as the issue quotes them).
+TARGETS = {
+    "intranode": "NVLink fraction >= 0.80 with <= 24 SMs",
+    "hierarchical": "RDMA GB/s per GPU >= 43/1.3 = 33.1 (DeepEP: 43-58 GB/s)",
+    "low_latency": "dispatch <= 1.5 x 118 us = 177 us, combine <= 1.5 x 195 us = 292.5 us "
+                   "(DeepEP, EP16)",
+}
+
+
+def _bytes(c: dict, prefix: str, space: str) -> dict[int, int]:
+    return {w: int(c.get(f"{prefix}:{space}:{w}", 0)) for w in WIDTHS}
+
+
+def device_time(c: dict[str, int], k: Constants = H200) -> dict[str, Any]:
+    """The model for one virtual GPU's counters of one op (flat names, as
+    jax_ep.emulator.counters(device) returns them)."""
+    ld_l, st_l = _bytes(c, "load_bytes", "local"), _bytes(c, "store_bytes", "local")
+    ld_p, st_p = _bytes(c, "load_bytes", "peer"), _bytes(c, "store_bytes", "peer")
+    put_peer, put_rdma = int(c.get("put_bytes:peer", 0)), int(c.get("put_bytes:rdma", 0))
+    local = sum(ld_l.values()) + sum(st_l.values())
+    nvlink = sum(ld_p.values()) + sum(st_p.values()) + put_peer
+    kernels = {}
+    for name, v in c.items():
+        p = name.split(":")
+        if p[0] == "kernel" and len(p) == 3:
+            kernels.setdefault(p[1], {})[p[2]] = v
+    launches = sum(kv.get("launches", 0) for kv in kernels.values())
+    # blocks per launch of each kernel; the op's SMs: the widest kernel
+    sms = max([kv.get("blocks", 0) // max(kv.get("launches", 1), 1) for kv in kernels.values()]
+              or [1])
+    sms_used = max(1, min(sms, k.num_sms))
+    link_s = max(nvlink / k.nvlink_Bps, put_rdma / k.rdma_Bps, local / k.hbm_Bps)
+    sm_s = 0.0
+    for w in WIDTHS:
+        sm_s += (ld_p[w] + st_p[w]) / (k.sm_peer_Bps_16 * w / 16)
+        sm_s += (ld_l[w] + st_l[w]) / (k.sm_local_Bps_16 * w / 16)
+    sm_s /= sms_used
+    fixed_s = launches * k.launch_s + (
+        c.get("chain:fences:system", 0) * k.fence_sys_s
+        + c.get("chain:fences:gpu", 0) * k.fence_gpu_s
+        + c.get("chain:release_stores", 0) * k.release_s + c.get("chain:wrs", 0) * k.wr_s)
+    t = max(link_s, sm_s) + fixed_s
+    return {"time_s": t, "link_s": link_s, "sm_s": sm_s, "fixed_s": fixed_s,
+            "sms": sms, "launches": launches, "nvlink_bytes": nvlink, "rdma_bytes": put_rdma,
+            "local_bytes": local, "bound": "fixed" if fixed_s > max(link_s, sm_s) else
+            ("link" if link_s >= sm_s else "sm"),
+            "nvlink_fraction": nvlink / t / k.nvlink_Bps if t > 0 else 0.0,
+            "rdma_GBps": put_rdma / t / 1e9 if t > 0 else 0.0}
+
+
+def op_time(per_device: list[dict[str, int]], k: Constants = H200) -> dict[str, Any]:
+    """The op's modelled time: its slowest GPU's (per_device: each GPU's counters)."""
+    rows = [device_time(c, k) for c in per_device]
+    worst = max(rows, key=lambda r: r["time_s"])
+    return dict(worst, gpus=len(rows))
+
+
+def scale_counters(points: list[tuple[dict, dict[str, int]]], target: dict) -> dict[str, float]:
+    """Counters at a target shape from counts at small shapes, linearly: each counter is
+    fitted as a + b*T + c*T*H (T tokens per rank, H hidden) by least squares over the
+    points [(shape {"tokens", "hidden"}, counters)]; a counter that does not grow (launches,
+    blocks) keeps its constant. The scaling is part of the model, not a count."""
+    import numpy as np
+
+    keys = sorted({k for _, c in points for k in c})
+    A = np.array([[1.0, s["tokens"], s["tokens"] * s["hidden"]] for s, _ in points])
+    t = np.array([1.0, target["tokens"], target["tokens"] * target["hidden"]])
+    out = {}
+    for key in keys:
+        y = np.array([float(c.get(key, 0)) for _, c in points])
+        if key.startswith("kernel:") and not key.endswith(":threads"):
+            out[key] = float(y.max())  # launch geometry: the same at every T
+            continue
+        coef, *_ = np.linalg.lstsq(A, y, rcond=None)
+        out[key] = max(0.0, float(t @ coef))
+    return out

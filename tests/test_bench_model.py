@@ -1,0 +1,63 @@
+"""jax_ep.model (a MODEL of H200 time from the emulated GPU's counts, not a measurement):
+the formula on hand-made counters, the linear scaling, and the benchmark's refusal to time
+the internode modes in one process."""
+from __future__ import annotations
+
+import pytest
+
+from jax_ep import bench, model
+
+
+def test_link_bound_time_and_fraction_by_hand():
+    """45 GB stored into peers at 16 bytes by 20 blocks of one launch: NVLink takes
+    45e9 / 450e9 = 0.1 s; the SMs 45e9 / 25e9 / 20 = 0.09 s; plus one launch (3 us) and a
+    chain of 10 system fences (8 us)."""
+    c = {"store_bytes:peer:16": 45_000_000_000, "kernel:k:launches": 1, "kernel:k:blocks": 20,
+         "chain:fences:system": 10}
+    r = model.device_time(c)
+    assert r["sms"] == 20 and r["launches"] == 1
+    assert r["link_s"] == pytest.approx(0.1)
+    assert r["sm_s"] == pytest.approx(0.09)
+    assert r["fixed_s"] == pytest.approx(3e-6 + 8e-6)
+    assert r["time_s"] == pytest.approx(0.1 + 11e-6)
+    assert r["bound"] == "link"
+    assert r["nvlink_fraction"] == pytest.approx(0.1 / (0.1 + 11e-6))
+
+
+def test_narrow_accesses_cost_sm_time():
+    """The same bytes at 4-byte width take 4x the SM time: the op becomes SM-bound."""
+    c = {"store_bytes:peer:4": 45_000_000_000, "kernel:k:launches": 1, "kernel:k:blocks": 20}
+    r = model.device_time(c)
+    assert r["sm_s"] == pytest.approx(0.36)
+    assert r["bound"] == "sm"
+    assert r["nvlink_fraction"] == pytest.approx(0.1 / (0.36 + 3e-6))
+
+
+def test_rdma_puts_use_the_nic_rate():
+    r = model.device_time({"put_bytes:rdma": 50_000_000_000, "chain:wrs": 1000})
+    assert r["link_s"] == pytest.approx(1.0)
+    assert r["fixed_s"] == pytest.approx(1000 * 0.1e-6)
+    assert r["rdma_GBps"] == pytest.approx(50 / (1 + 1e-4))
+
+
+def test_op_time_is_the_slowest_gpu():
+    fast = {"store_bytes:peer:16": 1_000_000}
+    slow = {"store_bytes:peer:16": 9_000_000}
+    assert model.op_time([fast, slow])["nvlink_bytes"] == 9_000_000
+
+
+def test_scale_counters_recovers_a_linear_law():
+    """A counter of 5 + 3T + 2TH and a launch count of 4 at any T: scaled exactly."""
+    pts = []
+    for T, H in ((8, 16), (16, 16), (8, 32)):
+        pts.append(({"tokens": T, "hidden": H},
+                    {"store_bytes:peer:16": 5 + 3 * T + 2 * T * H, "kernel:k:launches": 4}))
+    got = model.scale_counters(pts, {"tokens": 4096, "hidden": 7168})
+    assert got["store_bytes:peer:16"] == pytest.approx(5 + 3 * 4096 + 2 * 4096 * 7168)
+    assert got["kernel:k:launches"] == 4
+
+
+@pytest.mark.parametrize("mode", bench.INTERNODE_MODES)
+def test_internode_modes_are_not_timed_in_one_process(mode):
+    with pytest.raises(NotImplementedError, match=f"--mode {mode}: not implemented"):
+        bench.main(["--mode", mode])
