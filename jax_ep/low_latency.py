@@ -10,7 +10,8 @@ max_tokens_per_rank):
     [E_local, R * M, H // 128])), recv_count int32[E_local], LowLatencyHandle.
     Expert e's rows are every (s, t, k) with topk_idx_s[t, k] == rank * E_local + e,
     ordered by source rank s, then token t, packed from row 0; rows past recv_count[e]
-    are zero.
+    are unspecified on GPU backends (the reference and CPU backends keep zeros there):
+    read only the first recv_count[e] rows.
   combine(y[E_local, R * M, H], topk_idx[T, K], topk_weights[T, K] float32, handle)
     -> out[T, H]: out[t] = sum over k ascending of topk_weights[t, k] * y_row(t, k),
     accumulated in float32, cast to y's dtype; -1 slots skipped; zero for tokens with no
@@ -215,6 +216,10 @@ def make_differentiable(dispatch_fn, combine_fn):
         idx1 = idx.reshape(T * K, 1)
         stage = cfg.capacity * K
         d_y = dispatch_fn(one_slot, idx1, cfg, stage)[0]
+        # d_y's rows past the counts are unspecified on GPU (never written): zero, as
+        # the rows of y there never reach the output
+        used = jnp.arange(d_y.shape[1])[None, :] < jnp.sum(row_count, axis=1)[:, None]
+        d_y = jnp.where(used[..., None], d_y, jnp.zeros((), d_y.dtype))
         # Independent EP calls, chained so they never run at once.
         rows = combine_fn(y, after(d_y, idx1), jnp.ones((T * K, 1), jnp.float32), first_row,
                           row_count, cfg, stage, K)
@@ -347,7 +352,8 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name, max_tokens_per_rank: i
     Returns:
       recv_x [E_local, R * M, H] in x's dtype, or with fp8 the pair (float8_e4m3fn
       [E_local, R * M, H], float32 scales [E_local, R * M, H // 128]); recv_count
-      int32[E_local]; a LowLatencyHandle.
+      int32[E_local]; a LowLatencyHandle. Rows of expert e's block past recv_count[e]
+      are unspecified on GPU backends.
     """
     x = jnp.asarray(x)
     topk_idx = jnp.asarray(topk_idx)
