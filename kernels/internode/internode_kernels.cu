@@ -63,6 +63,9 @@ using transport::SignalOp;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRanks = 1024;
+// NVLink CTAs of SendKernel, beside its num_qps RDMA CTAs (the copies to the peers NVSHMEM
+// reaches by load/store).
+constexpr int kNvlBlocks = 4;
 
 JEP_DEVICE_GLOBAL unsigned long long g_call_counter = 0;
 
@@ -487,8 +490,41 @@ __device__ __forceinline__ int SourceOfRow(const Geometry& g, const int64_t* scr
   return s;
 }
 
-// CTA q sends, to every peer, the chunks the striping plan puts on logical QP q: data
-// and signal on QP q, into word (kind, this rank, q); then one closing signal on QP q.
+// The chunks of this rank's stream to `peer` that the striping plan puts on logical QP q,
+// shared by the block's warps: data and signal on QP q into word (kind, this rank, q);
+// then one closing signal on QP q.
+template <class T>
+__device__ void SendStreamOnQp(const Geometry& g, char* half, const Half& h,
+                               const int32_t* counts, const int64_t* scratch,
+                               const HeapLayout& L, Wire pattern, int kind, int peer, int q) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  uint64_t* sig = Word(h, g, kind, g.rank, q);
+  const Span s = StreamTo(g, counts, scratch, peer, pattern, L);
+  const int channel = wire::channel_of_qp(peer, q, g.P, g.Q);
+  const int64_t n = num_chunks(s.bytes, g.chunk);
+  int k = 0;
+  for (int64_t j = channel; channel >= 0 && j < n; j += g.num_qps, ++k) {
+    if (k % kWarps != warp) continue;
+    const int64_t off = chunk_offset(j, g.chunk);
+    T::put_signal_warp(half + s.dst + off, half + s.src + off,
+                       static_cast<size_t>(chunk_size(s.bytes, j, g.chunk)), sig, 1,
+                       SignalOp::kAdd, peer, q);
+  }
+  if (warp == 0 && lane == 0) T::signal(sig, 1, SignalOp::kAdd, peer, q);
+}
+
+// RDMA CTAs post every RDMA-only peer's chunks before NVLink CTAs copy anything: RDMA CTAs
+// that have posted all their puts (this call); FinishKernel resets it.
+JEP_DEVICE_GLOBAL unsigned long long g_rdma_posted = 0;
+
+// RDMA first. Blocks [0, num_qps) are RDMA CTAs: CTA q posts, to every peer reachable only
+// over the network (no NVSHMEM load/store pointer), the chunks the striping plan puts on
+// QP q. Blocks [num_qps, num_qps + kNvlBlocks) are NVLink CTAs: they take the (peer, QP)
+// streams of the peers NVSHMEM reaches by load/store (its puts there are this CTA's own
+// copies over NVLink), and start only once every RDMA CTA has posted, so the NIC has all
+// its work queued before the copies compete for the SMs and HBM, and no copy runs in an
+// RDMA CTA. The network is the long pole: the copies still end long before the RDMA does.
+// Same words and counts either way, so the receivers' WaitKernel does not change.
 template <class T>
 __global__ void SendKernel(Geometry g, const int32_t* counts_ext, const int64_t* scratch,
                            char* heap, int64_t half_bytes, HeapLayout L, Wire pattern) {
@@ -496,27 +532,49 @@ __global__ void SendKernel(Geometry g, const int32_t* counts_ext, const int64_t*
   const Half h = HalfAt(half, L, g.R);
   const int32_t* counts = counts_ext != nullptr ? counts_ext : h.counts;
   const int kind = pattern == Wire::kCombine ? wire::kSigCombine : wire::kSigDispatch;
-  const int q = blockIdx.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool rdma = static_cast<int>(blockIdx.x) < g.num_qps;
+  const int lane = threadIdx.x & 31;
   __shared__ int skip;
   if (threadIdx.x == 0) skip = Failed(g) ? 1 : 0;
   __syncthreads();
-  if (skip) return;
-  uint64_t* sig = Word(h, g, kind, g.rank, q);
-  for (int i = 1; i < g.R; ++i) {
-    const int peer = (g.rank + i) % g.R;
-    const Span s = StreamTo(g, counts, scratch, peer, pattern, L);
-    const int channel = wire::channel_of_qp(peer, q, g.P, g.Q);
-    const int64_t n = num_chunks(s.bytes, g.chunk);
-    int k = 0;
-    for (int64_t j = channel; channel >= 0 && j < n; j += g.num_qps, ++k) {
-      if (k % kWarps != warp) continue;
-      const int64_t off = chunk_offset(j, g.chunk);
-      T::put_signal_warp(half + s.dst + off, half + s.src + off,
-                         static_cast<size_t>(chunk_size(s.bytes, j, g.chunk)), sig, 1,
-                         SignalOp::kAdd, peer, q);
+  if (skip) {  // counted anyway: an NVLink CTA never waits for a CTA that stays silent
+    if (rdma && threadIdx.x == 0) atomicAdd(&g_rdma_posted, 1ull);
+    return;
+  }
+  if (rdma) {
+    const int q = blockIdx.x;
+    for (int i = 1; i < g.R; ++i) {
+      const int peer = (g.rank + i) % g.R;
+      if (T::peer_ptr(half, peer) != nullptr) continue;  // an NVLink CTA's
+      SendStreamOnQp<T>(g, half, h, counts, scratch, L, pattern, kind, peer, q);
     }
-    if (warp == 0 && lane == 0) T::signal(sig, 1, SignalOp::kAdd, peer, q);
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(&g_rdma_posted, 1ull);
+  } else {
+    const int b = blockIdx.x - g.num_qps, nb = gridDim.x - g.num_qps;
+    __shared__ int any;
+    if (threadIdx.x == 0) {
+      any = 0;
+      for (int i = 1; i < g.R && !any; ++i) any = T::peer_ptr(half, (g.rank + i) % g.R) != nullptr;
+    }
+    __syncthreads();
+    if (!any) return;
+    if (threadIdx.x == 0) {  // bounded: past the timeout the copies go ahead unordered
+      const uint64_t start = NowNs();
+      while (peer::load_acquire(reinterpret_cast<const uint64_t*>(&g_rdma_posted)) <
+                 static_cast<uint64_t>(g.num_qps) &&
+             !Failed(g) && static_cast<int64_t>(NowNs() - start) <= g.timeout_ns) {
+      }
+    }
+    __syncthreads();
+    int k = 0;  // (NVLink peer, QP) streams, dealt to the NVLink CTAs in turn
+    for (int i = 1; i < g.R; ++i) {
+      const int peer = (g.rank + i) % g.R;
+      if (T::peer_ptr(half, peer) == nullptr) continue;
+      for (int q = 0; q < g.num_qps; ++q, ++k)
+        if (k % nb == b)
+          SendStreamOnQp<T>(g, half, h, counts, scratch, L, pattern, kind, peer, q);
+    }
   }
   __syncwarp();
   if (lane == 0) T::quiet();
@@ -590,7 +648,10 @@ __global__ void FinishKernel(int R, char* heap, int64_t half_bytes, HeapLayout L
   const int64_t n = wire::sig_words(R);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) h.sigs[i] = 0;
   __syncthreads();
-  if (threadIdx.x == 0) ++g_call_counter;
+  if (threadIdx.x == 0) {
+    g_rdma_posted = 0;  // the next call's RDMA CTAs count afresh
+    ++g_call_counter;
+  }
 }
 
 // ---- combine -----------------------------------------------------------------------
@@ -977,6 +1038,7 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
   if (!e.empty()) return e;
   const unsigned long long zero = 0;
   e = CudaErr(cudaMemcpyToSymbol(g_call_counter, &zero, sizeof(zero)), "call counter");
+  if (e.empty()) e = CudaErr(cudaMemcpyToSymbol(g_rdma_posted, &zero, sizeof(zero)), "posts");
   if (!e.empty()) return e;
   e = CudaErr(cudaDeviceSynchronize(), "init");
   if (!e.empty()) return e;
@@ -1083,7 +1145,7 @@ std::string Dispatch(cudaStream_t stream, const Dims& d, FloatKind elem, const v
                                         topk_weights, out.send_slot, heap, hb, L);
   JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, true);
   JEP_LAUNCH(PrefixKernel, 1, kThreads, 0, stream)(g, nullptr, heap, hb, L, Rt().scratch);
-  JEP_LAUNCH(SendKernel<Transport>, g.num_qps, kThreads, 0, stream)(g, nullptr, Rt().scratch, heap,
+  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, nullptr, Rt().scratch, heap,
                                                              hb, L, Wire::kDispatch);
   JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, nullptr, heap, hb, L, Wire::kDispatch);
   const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
@@ -1106,7 +1168,7 @@ std::string Combine(cudaStream_t stream, const Dims& d, FloatKind elem, const vo
   // With T == 0 the header, send and wait still run: this rank's peers expect its
   // closing signals, and it must not reset words its peers are still signalling.
   JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, false);
-  JEP_LAUNCH(SendKernel<Transport>, g.num_qps, kThreads, 0, stream)(g, counts, Rt().scratch, heap,
+  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, counts, Rt().scratch, heap,
                                                              hb, L, Wire::kCombine);
   JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, counts, heap, hb, L, Wire::kCombine);
   if (g.T > 0) {
@@ -1144,7 +1206,7 @@ std::string Gather(cudaStream_t stream, const Dims& d, FloatKind elem, const voi
     JEP_LAUNCH(GatherPackKernel, g.T, 128, 0, stream)(g, static_cast<const char*>(src), send_slot,
                                               Rt().scratch, heap, hb, L);
   JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, false);
-  JEP_LAUNCH(SendKernel<Transport>, g.num_qps, kThreads, 0, stream)(g, counts, Rt().scratch, heap,
+  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, counts, Rt().scratch, heap,
                                                              hb, L, Wire::kGather);
   JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, counts, heap, hb, L, Wire::kGather);
   const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
