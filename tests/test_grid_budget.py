@@ -20,14 +20,13 @@ SMS = 132  # H100 SXM / H200
 REGS_PER_SM, REG_UNIT, MAX_THREADS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 256, 2048, 32
 SMEM_PER_SM, SMEM_PER_BLOCK_RESERVED = 233472, 1024
 
-# kernel -> ("push" | "recv" | "plan", extra dynamic smem (bytes) as a function of threads)
+# kernel -> ("channel" | "push" | "recv" | "plan", extra dynamic smem (bytes) as a
+# function of threads). Channel kernels: num_sms blocks of max(kChannelThreads, 32 R).
 KERNELS = {
-    "dispatch_plan_kernel": ("plan", None),
-    "dispatch_push_kernel": ("push", None),
-    "dispatch_finish_kernel": ("recv", "hist"),
-    "combine_plan_kernel": ("plan", None),
-    "combine_push_kernel": ("push", None),
-    "combine_finish_kernel": ("recv", "warps"),
+    "dispatch_notify_kernel": ("plan", None),
+    "dispatch_channel_kernel": ("channel", None),
+    "combine_notify_kernel": ("plan", None),
+    "combine_channel_kernel": ("channel", None),
     "gather_plan_kernel": ("plan", None),
     "gather_push_kernel": ("push", None),
     "gather_finish_kernel": ("recv", None),
@@ -45,10 +44,12 @@ def _const(text, name):
 
 def configs():
     text = _read("kernels/common/configs.h")
-    rows = re.findall(r'\{"(\w+)",\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\}', text)
-    presets = [dict(name=n, max_ranks=int(m), push_blocks=int(p), recv_blocks=int(r),
-                    threads=int(t)) for n, m, p, r, t in rows]
+    rows = re.findall(r'\{"(\w+)",\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\}', text)
+    presets = [dict(name=n, max_ranks=int(m), num_sms=int(c), push_blocks=int(p),
+                    recv_blocks=int(r), threads=int(t)) for n, m, c, p, r, t in rows]
     return dict(presets=presets, reserved=_const(text, "kReservedSms"),
+                channel_threads=_const(text, "kChannelThreads"),
+                max_channel_threads=_const(text, "kMaxChannelThreads"),
                 per_sm=_const(text, "kAssumedBlocksPerSm"),
                 plan_threads=_const(text, "kPlanThreads"),
                 smem_experts=_const(text, "kMaxSmemLocalExperts"),
@@ -95,7 +96,11 @@ def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
             if kernel not in usage:
                 continue
             regs, smem = usage[kernel]
-            threads = cfg["plan_threads"] if role == "plan" else p["threads"]
+            threads = {"plan": cfg["plan_threads"],
+                       "channel": max(cfg["channel_threads"], 32 * p["max_ranks"])}.get(
+                           role, p["threads"])
+            if threads > cfg["max_channel_threads"]:
+                out.append(f"{p['name']}: {kernel} needs {threads} threads per block")
             if dyn == "hist":
                 smem += 4 * cfg["smem_experts"]
             elif dyn == "warps":
@@ -105,7 +110,8 @@ def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
             if occ < need:
                 out.append(f"{p['name']}: {kernel} ({regs} registers, {smem} B smem) holds "
                            f"{occ} block(s) of {threads} threads per SM, {need} assumed")
-            grid = {"push": p["push_blocks"], "recv": p["recv_blocks"], "plan": 1}[role]
+            grid = {"push": p["push_blocks"], "recv": p["recv_blocks"], "plan": 1,
+                    "channel": p["num_sms"]}[role]
             if grid > budget:
                 out.append(f"{p['name']}: {kernel} launches {grid} blocks; {sms} SMs less "
                            f"{cfg['reserved']} for other work hold {budget}")
@@ -132,8 +138,10 @@ def test_the_check_fails_on_grids_or_registers_that_do_not_fit(usage):
     cfg = configs()
     wide = dict(cfg, presets=[dict(cfg["presets"][0], recv_blocks=128)])  # the old ep8 row
     assert any("launches 128 blocks" in p for p in problems(wide, usage))
-    heavy = dict(usage, dispatch_push_kernel=(130, 0))  # 130 registers at 512 threads
-    assert any("dispatch_push_kernel" in p and "0 block" in p
+    many = dict(cfg, presets=[dict(cfg["presets"][0], num_sms=130)])
+    assert any("dispatch_channel_kernel launches 130" in p for p in problems(many, usage))
+    heavy = dict(usage, dispatch_channel_kernel=(130, 0))  # 130 registers at >= 256 threads
+    assert any("dispatch_channel_kernel" in p and "0 block" in p
                for p in problems(cfg, heavy))
 
 
@@ -151,7 +159,7 @@ int main(int argc, char** argv) {
   const int sms = std::atoi(argv[1]);
   for (const auto& p : jax_ep::kIntranodePresets) {
     const jax_ep::IntranodePreset q = jax_ep::FitPresetToSms(p, jax_ep::EpSmBudget(sms));
-    std::printf("%s %d %d\n", q.name, q.push_blocks, q.recv_blocks);
+    std::printf("%s %d %d %d\n", q.name, q.num_sms, q.push_blocks, q.recv_blocks);
   }
 }
 """
@@ -172,19 +180,24 @@ def _fitted(tmp_path, sms, num_sms=None):
         env["JAX_EP_NUM_SMS"] = str(num_sms)
     out = subprocess.run([str(exe), str(sms)], env=env, capture_output=True, text=True,
                          check=True).stdout
-    return {n: (int(a), int(b)) for n, a, b in (ln.split() for ln in out.splitlines())}
+    return {n: (int(c), int(a), int(b)) for n, c, a, b in (ln.split() for ln in out.splitlines())}
 
 
 def test_num_sms_cuts_the_grids(tmp_path):
     cfg = configs()
     full = _fitted(tmp_path, SMS)
     # the presets fit a 132-SM GPU: nothing cut by default
-    assert full == {p["name"]: (p["push_blocks"], p["recv_blocks"]) for p in cfg["presets"]}
-    assert _fitted(tmp_path, SMS, num_sms=20)["ep8"] == (20, 20)
+    assert full == {p["name"]: (p["num_sms"], p["push_blocks"], p["recv_blocks"])
+                    for p in cfg["presets"]}
+    assert full["ep8"][0] <= 24  # DeepEP's 20-24 SMs at 8 ranks
+    assert _fitted(tmp_path, SMS, num_sms=20)["ep8"] == (20, 20, 20)
+    # an odd budget: the channel kernel keeps whole channels (a send and a receive block)
+    assert _fitted(tmp_path, SMS, num_sms=13)["ep8"] == (12, 13, 13)
+    assert _fitted(tmp_path, SMS, num_sms=1)["ep8"] == (2, 1, 1)
     # a smaller GPU: at most its SMs less the reserve
-    small = _fitted(tmp_path, 78)
-    assert all(max(v) <= (78 - cfg["reserved"]) * cfg["per_sm"] for v in small.values())
-    assert _fitted(tmp_path, SMS, num_sms=1000)["ep32"] == (116, 116)  # never above SMs
+    small = _fitted(tmp_path, 20)
+    assert all(max(v) <= (20 - cfg["reserved"]) * cfg["per_sm"] for v in small.values())
+    assert _fitted(tmp_path, SMS, num_sms=1000)["ep32"] == (32, 32, 32)  # never above presets
 
 
 def test_set_num_sms_checks_its_argument(monkeypatch):

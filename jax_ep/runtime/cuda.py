@@ -57,7 +57,7 @@ from jax_ep._common import axis_names as _axis_names
 from jax_ep.runtime.nvshmem import _kv_client
 
 __all__ = [
-    "available", "buffer_bytes", "low_latency_layout", "low_latency_area", "setup",
+    "available", "buffer_bytes", "channels", "ring_tokens", "low_latency_layout", "low_latency_area", "setup",
     "check_errors", "reset", "presets", "set_num_sms", "HarnessDispatch", "harness_dispatch",
     "harness_combine", "harness_gather",
 ]
@@ -74,6 +74,13 @@ HARNESS_CALL_SITE = 1  # the harness's default call-site id (every rank the same
 _reset_calls = itertools.count()
 _HEADER_BYTES = 64 * 1024
 _ALIGN = 256
+# The dispatch/combine channel settings (kernels/common/configs.h): the presets' name,
+# max ranks and channel-kernel blocks (num_sms; channels = num_sms / 2, at most 16), and
+# the ring slots per (channel, peer), JAX_EP_RING_TOKENS or kRingTokens.
+_CHANNEL_PRESETS = (("ep2", 2, 16), ("ep4", 4, 20), ("ep8", 8, 24), ("ep16", 16, 24),
+                    ("ep32", 32, 32))
+_MAX_CHANNELS = 16
+_RING_TOKENS, _MAX_RING_TOKENS = 128, 4096
 _LL_HEADER_BYTES = 4096  # kLowLatencyHeaderBytes (kernels/cuda/low_latency_kernels.h)
 # The low-latency area of the last setup (dict of its shapes), None before one asked for it.
 _ll_area: dict | None = None
@@ -168,13 +175,35 @@ def _check_ll_shapes(R, max_tokens_per_rank, num_experts, topk, hidden):
     return M, E
 
 
+def channels(num_ranks: int) -> int:
+    """Channels of the dispatch/combine kernels a group of `num_ranks` is set up for (its
+    preset's num_sms / 2; JAX_EP_CUDA_PRESET forces a row). A launch cut to a smaller SM
+    budget (set_num_sms) runs fewer in the same buffers."""
+    forced = os.environ.get("JAX_EP_CUDA_PRESET", "")
+    row = next((p for p in _CHANNEL_PRESETS if p[0] == forced), None)
+    if row is None:
+        row = next((p for p in _CHANNEL_PRESETS if num_ranks <= p[1]), _CHANNEL_PRESETS[-1])
+    return min(max(row[2] & ~1, 2), 2 * _MAX_CHANNELS) // 2
+
+
+def ring_tokens() -> int:
+    """Slots of each (channel, peer) ring: JAX_EP_RING_TOKENS when set (read at setup and at
+    each launch; keep it the same on every rank), else 128."""
+    v = os.environ.get("JAX_EP_RING_TOKENS", "")
+    n = int(v) if v else _RING_TOKENS
+    return min(max(n, 1), _MAX_RING_TOKENS)
+
+
 def buffer_bytes(num_ranks: int, num_tokens: int | None, hidden: int, topk: int,
                  dtype=jnp.bfloat16, capacity: int | None = None, *,
                  max_tokens_per_rank: int | None = None,
                  num_experts: int | None = None) -> dict:
     """Bytes of communication buffer each op kind needs on every GPU for these per-rank
-    shapes (the same formulas as kernels/cuda/intranode_buffer.h). num_tokens=None: no
-    normal-mode areas (zero bytes). With max_tokens_per_rank and num_experts, also the
+    shapes (the same formulas as kernels/cuda/intranode_buffer.h). Dispatch and combine
+    stage rows in channels x ranks rings of ring_tokens() slots: their bytes depend on the
+    ranks, the row size and topk, not on num_tokens or capacity ("channels" and
+    "ring_tokens" report the settings). Gather still stages min(T, C) rows per peer.
+    num_tokens=None: no normal-mode areas (zero bytes). With max_tokens_per_rank and num_experts, also the
     "low_latency" area: a function of (R, M, H, K, E) and dtype only, holding any call of
     at most M tokens per rank, top-K routing and rows of at most H elements of dtype."""
     R, H, K = int(num_ranks), int(hidden), int(topk)
@@ -188,10 +217,11 @@ def buffer_bytes(num_ranks: int, num_tokens: int | None, hidden: int, topk: int,
         C = R * T if capacity is None else int(capacity)
         stride = _align(row, 16)
         cap = min(T, C)
-        region = (_align(cap * stride) + 2 * _align(cap * K * 4) + _align(cap * 4))
+        ch, q = channels(R), ring_tokens()
+        ring = _align(q * stride) + _align(q * (2 + 2 * K) * 4)  # rows, then their words
         gather = R * _align(cap * stride) + R * _align(cap * 4) + _align(C * 4)
-        out = {"dispatch": R * region, "combine": R * _align(cap * stride), "gather": gather,
-               "header": _HEADER_BYTES}
+        out = {"dispatch": ch * R * ring, "combine": ch * R * _align(q * stride),
+               "gather": gather, "header": _HEADER_BYTES, "channels": ch, "ring_tokens": q}
     if max_tokens_per_rank is not None:
         M, E = _check_ll_shapes(R, max_tokens_per_rank, num_experts, K, H)
         out["low_latency"] = _align(low_latency_layout(R, M, row, K, E)["bytes"])

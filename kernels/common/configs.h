@@ -16,24 +16,38 @@ namespace jax_ep {
 struct IntranodePreset {
   const char* name;
   int max_ranks;     // row applies to num_ranks <= max_ranks (first match wins)
-  int push_blocks;   // blocks of the push kernels (dispatch send, combine/gather push)
-  int recv_blocks;   // blocks of the kernels that copy staged rows into XLA outputs
-  int threads;       // threads per block of both (a warp moves one row at a time)
+  int num_sms;       // blocks of the dispatch/combine channel kernels (even: send, odd: receive),
+                     // num_sms / 2 channels; DeepEP's Buffer.num_sms
+  int push_blocks;   // blocks of the gather push kernel
+  int recv_blocks;   // blocks of the gather finish kernel
+  int threads;       // threads per block of the gather kernels (a warp moves one row at a time)
 };
 
 // Ordered by max_ranks; the last row catches everything. Every grid fits the default SM
 // budget of a 132-SM GPU (132 - kReservedSms) at kAssumedBlocksPerSm: a kernel whose blocks
 // wait on peers must have all of them resident beside other work (an NCCL kernel, an MPS
-// client), or the ranks wait for each other until the timeout.
+// client), or the ranks wait for each other until the timeout. 24 blocks at 8 ranks is
+// DeepEP's 20-24 SMs for intranode normal mode.
 inline constexpr IntranodePreset kIntranodePresets[] = {
-    {"ep2", 2, 32, 64, 512},
-    {"ep4", 4, 48, 96, 512},
-    {"ep8", 8, 64, 112, 512},
-    {"ep16", 16, 96, 116, 512},
-    {"ep32", 32, 116, 116, 512},
+    {"ep2", 2, 16, 16, 16, 512},
+    {"ep4", 4, 20, 20, 20, 512},
+    {"ep8", 8, 24, 24, 24, 512},
+    {"ep16", 16, 24, 24, 24, 512},
+    {"ep32", 32, 32, 32, 32, 512},
 };
 inline constexpr int kNumIntranodePresets =
     static_cast<int>(sizeof(kIntranodePresets) / sizeof(kIntranodePresets[0]));
+
+// Channels of the dispatch/combine kernels at most (the ring counters in the buffer
+// header are sized for it; kernels/cuda/intranode_buffer.h kMaxChannels).
+inline constexpr int kMaxIntranodeChannels = 16;
+// Ring slots per (channel, peer) by default, and the most JAX_EP_RING_TOKENS may ask for.
+inline constexpr int kRingTokens = 128;
+inline constexpr int kMaxRingTokens = 4096;
+// Threads per block of the channel kernels at least (32 x ranks when more), and at most
+// (32 ranks; the kernels are compiled for it, which bounds their registers).
+inline constexpr int kChannelThreads = 256;
+inline constexpr int kMaxChannelThreads = 1024;
 
 // Layout kernel: tokens handled per block and threads per block.
 struct LayoutPreset {
@@ -67,12 +81,34 @@ inline int EpSmBudget(int device_sms) {
   return n < 1 ? 1 : n;
 }
 
-// `p` with its push and receive grids cut to what `sm_budget` SMs hold resident.
+// `p` with its grids cut to what `sm_budget` SMs hold resident. The channel kernels keep
+// an even block count of at least 2 (one sending and one receiving block per channel).
 inline IntranodePreset FitPresetToSms(IntranodePreset p, int sm_budget) {
   const int cap = (sm_budget < 1 ? 1 : sm_budget) * kAssumedBlocksPerSm;
+  if (p.num_sms > cap) p.num_sms = cap;
+  p.num_sms = p.num_sms < 2 ? 2 : p.num_sms & ~1;
+  if (p.num_sms > 2 * kMaxIntranodeChannels) p.num_sms = 2 * kMaxIntranodeChannels;
   if (p.push_blocks > cap) p.push_blocks = cap;
   if (p.recv_blocks > cap) p.recv_blocks = cap;
   return p;
+}
+
+// Ring slots (tokens) of one (channel, peer) ring of the dispatch and combine channel
+// kernels: JAX_EP_RING_TOKENS when set (tests use a few, to wrap every ring), else
+// kRingTokens. The staging memory of a rank is channels x peers x ring slots x row,
+// whatever the tokens per call.
+inline int IntranodeRingTokens() {
+  const char* v = std::getenv("JAX_EP_RING_TOKENS");
+  int n = (v != nullptr && *v != '\0') ? std::atoi(v) : kRingTokens;
+  if (n < 1) n = 1;
+  return n > kMaxRingTokens ? kMaxRingTokens : n;
+}
+
+// Threads per block of the channel kernels: one warp per peer (its ring), at least
+// kChannelThreads (the combine receiver sums one token per warp).
+inline int ChannelThreads(int num_ranks) {
+  const int t = 32 * num_ranks;
+  return t > kChannelThreads ? t : kChannelThreads;
 }
 
 inline const IntranodePreset& SelectIntranodePreset(int num_ranks) {

@@ -18,21 +18,43 @@ cudaError_t LaunchLayout(cudaStream_t stream, const int32_t* topk_idx, int T, in
                          int R, int32_t* tokens_per_rank, int32_t* tokens_per_expert,
                          bool* is_token_in_rank, ErrorRecord* host_err);
 
-// Each intranode op runs as three kernels per rank, in this order on the rank's stream:
-//   kPhasePlan    one block: next epoch, prefix positions, requests to peers
-//   kPhasePush    many blocks: wait for credits/requests, write rows into peers, signal
+// Dispatch and combine run as two kernels per rank, in this order on the rank's stream:
+//   kPhaseNotify   one block: next epoch, positions and counts (dispatch) or row ranges
+//                  (combine), exchanged with the peers
+//   kPhaseChannel  2 x channels blocks: even blocks send through the (channel, peer)
+//                  rings, odd blocks receive, in one kernel (intranode_buffer.h)
+// The channel kernels of all ranks of a group must run at once (their blocks wait on each
+// other), so the virtual-rank harness launches each rank on its own stream.
+// Gather runs as three kernels per rank:
+//   kPhasePlan    one block: next epoch, requests to peers
+//   kPhasePush    many blocks: wait for requests, write rows into peers, signal
 //   kPhaseFinish  many blocks: wait for arrivals, copy staged rows into XLA outputs
-// A real group launches all three on each rank's stream. The virtual-rank harness
-// launches phase p for every rank before phase p + 1 of any, so no kernel ever waits for
-// one that was launched after it, and no two ranks' kernels need to be co-resident.
 enum Phase : int { kPhasePlan = 0, kPhasePush = 1, kPhaseFinish = 2, kNumPhases = 3 };
+enum ChannelPhase : int { kPhaseNotify = 0, kPhaseChannel = 1, kNumChannelPhases = 2 };
 
+// `p.num_sms` carries the channel kernel's blocks (2 x a.c.channels is what runs).
 cudaError_t LaunchDispatchPhase(int phase, const DispatchArgs& a, const IntranodePreset& p,
                                 cudaStream_t stream);
 cudaError_t LaunchCombinePhase(int phase, const CombineArgs& a, const IntranodePreset& p,
                                cudaStream_t stream);
 cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePreset& p,
                               cudaStream_t stream);
+
+// Channels a group set up for `num_ranks` ranks runs with (its preset's num_sms / 2, not
+// cut to an SM budget: the setup sizes the areas for it, a launch may use fewer).
+inline int SetupChannels(int num_ranks) {
+  return FitPresetToSms(SelectIntranodePreset(num_ranks), 1 << 20).num_sms / 2;
+}
+// Staging bytes of the dispatch and combine areas for a group of `num_ranks` ranks and
+// rows of `row_bytes` (top-`topk`): set by the channels and ring slots, not by the
+// tokens per call or the capacity.
+inline size_t SetupDispatchBytes(int num_ranks, size_t row_bytes, int topk) {
+  return DispatchAreaBytes(num_ranks, SetupChannels(num_ranks), IntranodeRingTokens(), row_bytes,
+                           topk);
+}
+inline size_t SetupCombineBytes(int num_ranks, size_t row_bytes) {
+  return CombineAreaBytes(num_ranks, SetupChannels(num_ranks), IntranodeRingTokens(), row_bytes);
+}
 
 // Reads (and optionally clears) the sticky device error records of the current device.
 // Synchronous: for check_errors() and tests, never called inside an FFI handler.

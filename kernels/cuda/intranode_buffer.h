@@ -6,33 +6,46 @@
 // buffer is a fixed header followed by three areas, one per op kind, so that a fast
 // rank already in the next op never writes where a slow peer still reads:
 //   [RankHeader | pad to kHeaderBytes][dispatch area][combine area][gather area]
-// The areas are carved per call from the call's static shapes; all ranks of a group
-// run the same program, so they compute the same offsets.
+// All ranks of a group run the same program and settings, so they compute the same
+// offsets. docs/intranode.md describes the design.
 //
-// Protocol (per op kind, epochs n = 1, 2, ... kept in lockstep by every rank of the
-// group, since all of them run the same sequence of EP ops):
-//   dispatch: source s waits credit[r] >= n-1 from receiver r, pushes its rows into
-//             r's dispatch region s, writes its count vector into r's header and then
-//             arrive[dispatch][s] = n on r. r waits for every arrive, copies rows into
-//             the XLA outputs in (source, token) order and writes credit[r] = n on s.
-//   combine:  source s asks each r for rows [lo, lo + n) (its rows there are
-//             contiguous) via request[combine][s] on r; r pushes those rows of y into
-//             s's combine region r and sets arrive[combine][r] = n on s; s sums them.
+// Dispatch and combine run as channels (DeepEP's design): a small notify kernel, then
+// one channel kernel of 2 x channels blocks, even blocks sending and odd blocks
+// receiving. Channel ch of a rank owns a contiguous range of its tokens. The dispatch
+// area of receiver d holds one ring of `ring_tokens` slots per (channel ch, source s);
+// the combine area of token owner s one ring per (channel ch, data owner r). Ring
+// counters are cumulative over calls (never reset but by reset()):
+//   tail  written by the sender into the receiver's header (release, after a fence of
+//         the rows it covers): rows written so far;
+//   head  written by the receiver into the sender's header (release): rows consumed so
+//         far; the sender writes slot (k mod ring_tokens) only once head > k - ring.
+// Epochs n = 1, 2, ... per op kind are kept in lockstep by every rank:
+//   dispatch: notify on s waits credit[r] >= n-1 from every receiver r (r finished epoch
+//             n-1), writes its row counts and call site into r's header and arrive = n;
+//             then waits for every peer's counts (arrive >= n), turns its positions into
+//             rows on each receiver (send_row) and the received totals. Channel senders
+//             push (row, token, local ids, weights) through the rings and end each ring
+//             with d_end[ch][s] = n after its last tail; receivers copy each slot into
+//             its row of the XLA outputs. The last block to finish writes credit = n.
+//   combine:  notify on s tells each r, per channel, the range of r's rows its tokens
+//             use (req_lo, req_n: contiguous, since dispatch ordered them by token) and
+//             request = n; r's channel senders push those rows of y into the rings on s;
+//             s's receivers sum each token's rows over ranks in ascending order. A request
+//             is posted only after the previous epoch's rows were consumed, so it is
+//             also the credit for the request slots.
 //   gather:   rank q sends each source s the list of tokens it needs (request[gather]);
 //             s pushes those rows of g into q's gather region s and sets
-//             arrive[gather][s] = n on q; q copies them into place.
-// A request is posted only after the previous epoch's data was consumed, so requests
-// double as credits for combine and gather.
+//             arrive[gather][s] = n on q; q copies them into place (three kernels).
 //
 // Call sites: every request and every data signal is preceded by the sender's call-site
 // id (site_req / site_arr), which the receiver compares with its own after its wait, so
 // two different EP calls that meet by mistake (XLA running them at once, or ranks whose
 // programs differ) are reported instead of mixing their data. A rank that has recorded
 // a protocol error (timeout, call-site mismatch, rank mismatch, failed peer) keeps
-// signalling, so no peer is left behind, but moves no data and sends kSiteFailed in
-// place of its site: its peers record kErrPeerFailed and skip their work as well. The
-// failed state is the first protocol error, kept apart from the first-error record, so
-// one that follows a recorded bad id or foreign handle counts too.
+// signalling and draining its rings, so no peer is left behind, but moves no data and
+// sends kSiteFailed in place of its site: its peers record kErrPeerFailed and skip their
+// work as well. The failed state is the first protocol error, kept apart from the
+// first-error record, so one that follows a recorded bad id or foreign handle counts too.
 #pragma once
 
 #include <cstddef>
@@ -49,13 +62,21 @@
 namespace jax_ep {
 
 constexpr int kMaxRanks = 32;  // ranks of one intranode group (a 32-bit mask per token)
+constexpr int kMaxChannels = 16;  // channels of the dispatch/combine kernels at most
 enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpGather = 2, kNumOpKinds = 3 };
 // Last-block counters, one per kernel that ends with a signal.
-enum DoneCounter : int { kDoneDispatchSend = 0, kDoneDispatchRecv = 1, kDoneCombinePush = 2,
-                         kDoneGatherPush = 3, kNumDoneCounters = 4 };
+enum DoneCounter : int { kDoneDispatchChannel = 0, kDoneGatherPush = 1, kNumDoneCounters = 2 };
 
 constexpr size_t kHeaderBytes = 64 * 1024;
 constexpr size_t kAreaAlign = 256;
+
+// Ring counters of one op kind's channels (see the top).
+struct RingCounters {
+  uint64_t tail[kMaxChannels][kMaxRanks];  // by sender p: rows written into ring (ch, p) here
+  uint64_t head[kMaxChannels][kMaxRanks];  // by receiver p: rows of my ring (ch) on p consumed
+  uint64_t sent[kMaxChannels][kMaxRanks];  // own: rows I wrote into ring (ch, me) on p
+  uint64_t read[kMaxChannels][kMaxRanks];  // own: rows I consumed from ring (ch, p)
+};
 
 struct alignas(128) RankHeader {
   int32_t rank;       // identity written at setup (-1 in the virtual-rank harness)
@@ -66,15 +87,17 @@ struct alignas(128) RankHeader {
   uint32_t done[kNumDoneCounters];         // last-block counters
   uint64_t arrive[kNumOpKinds][kMaxRanks];   // written by peer p: epoch n's data is here
   uint64_t request[kNumOpKinds][kMaxRanks];  // written by peer p: epoch n's request posted
-  uint64_t credit[kMaxRanks];              // dispatch: receiver p finished reading epoch n
+  uint64_t credit[kMaxRanks];              // dispatch: receiver p finished epoch n
   int32_t counts[kMaxRanks][kMaxRanks];    // dispatch: row s = tokens s sends each rank
-  int32_t my_counts[kMaxRanks];            // dispatch scratch: my tokens per receiver
-  int32_t req_lo[kMaxRanks];               // combine: first row peer p wants from me
-  int32_t req_n[kNumOpKinds][kMaxRanks];   // rows peer p wants from me
-  int32_t own_lo[kMaxRanks];               // combine scratch: my request to rank r
-  int32_t own_n[kMaxRanks];
+  int32_t req_n[kNumOpKinds][kMaxRanks];   // gather: rows peer p wants from me
   int64_t site_req[kNumOpKinds][kMaxRanks];  // written by peer p before request[k][p]
   int64_t site_arr[kNumOpKinds][kMaxRanks];  // written by peer p before arrive[k][p]
+  RingCounters ring[2];                    // dispatch (0) and combine (1) channels
+  uint64_t d_end[kMaxChannels][kMaxRanks];   // dispatch: by source p, ring (ch, p) ended epoch n
+  int32_t c_req_lo[kMaxChannels][kMaxRanks]; // combine: first of my rows peer p's channel wants
+  int32_t c_req_n[kMaxChannels][kMaxRanks];
+  int32_t c_own_lo[kMaxChannels][kMaxRanks]; // combine scratch: my channel's request to rank r
+  int32_t c_own_n[kMaxChannels][kMaxRanks];
 };
 static_assert(sizeof(RankHeader) <= kHeaderBytes, "header too large");
 constexpr int32_t kHeaderMagic = 0x4a455031;  // "JEP1"
@@ -110,33 +133,33 @@ struct ErrorRecord {
 JEP_HDX size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 JEP_HDX size_t RowStride(size_t row_bytes) { return AlignUp(row_bytes, 16); }
 
-// Dispatch area: one region per source s of rows_cap = min(T, C) rows:
-// x rows, local topk ids [rows_cap, K], weights [rows_cap, K], source token [rows_cap].
-struct DispatchRegion {
-  size_t x_off, idx_off, w_off, tok_off, bytes;
-  JEP_HDX static DispatchRegion Make(int rows_cap, size_t row_bytes, int K) {
-    DispatchRegion r;
-    const size_t rc = static_cast<size_t>(rows_cap);
-    r.x_off = 0;
-    r.idx_off = AlignUp(rc * RowStride(row_bytes), kAreaAlign);
-    r.w_off = r.idx_off + AlignUp(rc * K * 4, kAreaAlign);
-    r.tok_off = r.w_off + AlignUp(rc * K * 4, kAreaAlign);
-    r.bytes = r.tok_off + AlignUp(rc * 4, kAreaAlign);
+JEP_HDX int RowsCap(int64_t T, int64_t C) { return static_cast<int>(T < C ? T : C); }
+
+// One dispatch ring slot: the row, then [row on the receiver, source token, K local ids,
+// K weights] as 32-bit words.
+JEP_HDX size_t DispatchMetaWords(int K) { return 2 + 2 * static_cast<size_t>(K); }
+// One dispatch ring (channel, source) on a receiver: ring_tokens rows, then their words.
+struct DispatchRing {
+  size_t meta_off, bytes;
+  JEP_HDX static DispatchRing Make(int ring_tokens, size_t row_bytes, int K) {
+    DispatchRing r;
+    const size_t n = static_cast<size_t>(ring_tokens);
+    r.meta_off = AlignUp(n * RowStride(row_bytes), kAreaAlign);
+    r.bytes = r.meta_off + AlignUp(n * DispatchMetaWords(K) * 4, kAreaAlign);
     return r;
   }
 };
-
-JEP_HDX int RowsCap(int64_t T, int64_t C) { return static_cast<int>(T < C ? T : C); }
-
-JEP_HDX size_t DispatchAreaBytes(int R, int64_t T, int64_t C, size_t row_bytes, int K) {
-  return R * DispatchRegion::Make(RowsCap(T, C), row_bytes, K).bytes;
+// Dispatch area: channels x R rings, ring (ch, s) at (ch * R + s) * ring bytes. The same
+// for any tokens per call or capacity.
+JEP_HDX size_t DispatchAreaBytes(int R, int channels, int ring_tokens, size_t row_bytes, int K) {
+  return static_cast<size_t>(channels) * R * DispatchRing::Make(ring_tokens, row_bytes, K).bytes;
 }
-// Combine area: one region per data owner r of min(T, C) rows of y.
-JEP_HDX size_t CombineRegionBytes(int64_t T, int64_t C, size_t row_bytes) {
-  return AlignUp(static_cast<size_t>(RowsCap(T, C)) * RowStride(row_bytes), kAreaAlign);
+// Combine ring (channel, data owner r) on a token owner: ring_tokens rows of y.
+JEP_HDX size_t CombineRingBytes(int ring_tokens, size_t row_bytes) {
+  return AlignUp(static_cast<size_t>(ring_tokens) * RowStride(row_bytes), kAreaAlign);
 }
-JEP_HDX size_t CombineAreaBytes(int R, int64_t T, int64_t C, size_t row_bytes) {
-  return R * CombineRegionBytes(T, C, row_bytes);
+JEP_HDX size_t CombineAreaBytes(int R, int channels, int ring_tokens, size_t row_bytes) {
+  return static_cast<size_t>(channels) * R * CombineRingBytes(ring_tokens, row_bytes);
 }
 // Gather area: data regions [R][min(T, C)] rows, request lists [R][min(T, C)] token
 // ids (written by requesters), slot per output row [C].
@@ -183,6 +206,8 @@ struct CommonArgs {
   ErrorRecord* host_err;    // mapped host mirror (may be null)
   int64_t timeout_ns;
   int64_t call_site;        // the call's id (same on every rank of a correct program)
+  int channels;             // dispatch/combine: channels (the channel kernel has twice the blocks)
+  int ring_tokens;          // dispatch/combine: slots of each (channel, peer) ring
 };
 
 struct DispatchArgs {

@@ -1,6 +1,8 @@
 // Intranode dispatch, combine and gather (combine's transpose) over peer pointers.
-// Buffer layout and protocol: kernels/intranode_buffer.h. Each op is three kernels per
-// rank (plan, push, finish; see kernels/cuda_kernels.h). Rows land in the XLA outputs in
+// Buffer layout and protocol: kernels/cuda/intranode_buffer.h, docs/intranode.md.
+// Dispatch and combine are a notify kernel and one channel kernel per rank (even blocks
+// send through per-(channel, peer) rings, odd blocks receive); gather is three kernels
+// (plan, push, finish; see kernels/cuda/cuda_kernels.h). Rows land in the XLA outputs in
 // the contract's order (source rank, then token), with the routing math of
 // kernels/layout_math.h, so results match the CPU backend bit for bit.
 //
@@ -182,296 +184,6 @@ __device__ void chunk_positions(uint32_t bits, int R, int32_t (*s_warp)[kMaxRank
   __syncthreads();
 }
 
-// ================================ dispatch ================================
-
-__global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(DispatchArgs a) {
-  __shared__ int32_t s_warp[kPlanThreads / 32][kMaxRanks];
-  __shared__ int32_t s_run[kMaxRanks];
-  __shared__ bool s_fail;
-  const int R = a.c.num_ranks;
-  if (threadIdx.x == 0) {
-    begin_epoch(a.c, kOpDispatch);
-    s_fail = failed();  // then this rank sends nothing (its counts are all zero)
-  }
-  if (threadIdx.x < R) s_run[threadIdx.x] = 0;
-  for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) a.recv_per_expert[e] = 0;
-  __syncthreads();
-  const bool fail = s_fail;
-  int32_t pos[kMaxRanks];
-  for (int base = 0; base < a.T; base += blockDim.x) {
-    const int t = base + threadIdx.x;
-    const uint32_t mask = (t < a.T && !fail) ? token_mask(a, t, true) : 0u;
-    chunk_positions(mask, R, s_warp, s_run, pos);
-    if (t < a.T) {
-      int32_t* out = a.send_row + static_cast<int64_t>(t) * R;
-#pragma unroll 1
-      for (int r = 0; r < R; ++r) out[r] = ((mask >> r) & 1u) ? pos[r] : -1;  // raw positions
-    }
-  }
-  if (threadIdx.x < R) peer::header(a.c.peers, a.c.me)->my_counts[threadIdx.x] = s_run[threadIdx.x];
-}
-
-__global__ void dispatch_push_kernel(DispatchArgs a) {
-  __shared__ uint64_t s_n;
-  __shared__ bool s_fail;
-  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
-  RankHeader* hdr = peer::header(a.c.peers, me);
-  if (threadIdx.x == 0) {
-    s_n = hdr->seq[kOpDispatch];
-    wait_all(a.c, hdr->credit, s_n - 1, kOpDispatch);  // receivers done with epoch n - 1
-    s_fail = failed();
-  }
-  __syncthreads();
-  const int rows_cap = RowsCap(a.T, a.C);
-  const DispatchRegion reg = DispatchRegion::Make(rows_cap, a.row_bytes, a.K);
-  const size_t stride = RowStride(a.row_bytes);
-  const size_t region_off = a.c.area_off + static_cast<size_t>(me) * reg.bytes;
-  for (int t = s_fail ? a.T : global_warp(); t < a.T; t += total_warps()) {
-    const int32_t pos_l = lane < R ? a.send_row[static_cast<int64_t>(t) * R + lane] : -1;
-    const uint32_t keep = __ballot_sync(kFullMask, pos_l >= 0 && pos_l < rows_cap);
-    const char* src = static_cast<const char*>(a.x) + static_cast<int64_t>(t) * a.row_bytes;
-    const int32_t* row = a.topk_idx + static_cast<int64_t>(t) * a.K;
-    const float* wrow = a.topk_w + static_cast<int64_t>(t) * a.K;
-    for (uint32_t m = keep; m != 0; m &= m - 1) {
-      const int r = __ffs(m) - 1;
-      const int32_t pos = __shfl_sync(kFullMask, pos_l, r);
-      char* region = peer::peer_ptr(a.c.peers, r, region_off);
-      warp_copy_row<true>(region + reg.x_off + pos * stride, src, a.row_bytes, lane);
-      int32_t* didx = reinterpret_cast<int32_t*>(region + reg.idx_off) + static_cast<int64_t>(pos) * a.K;
-      float* dw = reinterpret_cast<float*>(region + reg.w_off) + static_cast<int64_t>(pos) * a.K;
-      for (int k = lane; k < a.K; k += 32) {
-        const int32_t local = local_expert_id(sanitized(row[k], a.E), a.experts_per_rank, r);
-        peer::store(&didx[k], local);
-        peer::store(&dw[k], local >= 0 ? wrow[k] : 0.0f);
-      }
-      if (lane == 0) peer::store(reinterpret_cast<int32_t*>(region + reg.tok_off) + pos, t);
-    }
-  }
-  if (last_block_done(a.c, kDoneDispatchSend)) {
-    // Checked again here: an error recorded since the start also empties this send.
-    const int64_t site = site_to_send(a.c);
-    for (int r = 0; r < R; ++r) {
-      RankHeader* ph = peer::header(a.c.peers, r);
-      for (int j = 0; j < R; ++j)
-        peer::store(&ph->counts[me][j], site == kSiteFailed ? 0 : hdr->my_counts[j]);
-      peer::store(&ph->site_arr[kOpDispatch][me], site);
-    }
-    peer::fence_data();
-    for (int r = 0; r < R; ++r) peer::signal(&peer::header(a.c.peers, r)->arrive[kOpDispatch][me], s_n);
-  }
-}
-
-__global__ void dispatch_finish_kernel(DispatchArgs a, bool smem_hist) {
-  JEP_DYNAMIC_SMEM(int32_t, s_hist);
-  __shared__ uint64_t s_n;
-  __shared__ int32_t s_base[kMaxRanks + 1];
-  __shared__ int32_t s_cnt[kMaxRanks];
-  __shared__ int32_t s_mybase[kMaxRanks];  // first row of my tokens on each receiver
-  __shared__ int64_t s_total;
-  __shared__ int32_t s_kept;
-  __shared__ bool s_fail;
-  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
-  const int el = a.experts_per_rank;
-  RankHeader* hdr = peer::header(a.c.peers, me);
-  if (threadIdx.x == 0) {
-    s_n = hdr->seq[kOpDispatch];
-    s_fail = wait_and_check(a.c, hdr->arrive[kOpDispatch], hdr->site_arr[kOpDispatch], s_n,
-                            kOpDispatch);
-  }
-  __syncthreads();
-  const bool fail = s_fail;  // then nothing is received: empty outputs, send_row all -1
-  if (threadIdx.x < R) {
-    const int r = threadIdx.x;
-    s_cnt[r] = fail ? 0 : peer::load_volatile(&hdr->counts[r][me]);
-    int64_t b = 0;
-    for (int s = 0; s < me; ++s) b += peer::load_volatile(&hdr->counts[s][r]);
-    s_mybase[r] = static_cast<int32_t>(b < INT_MAX ? b : INT_MAX);
-  }
-  if (smem_hist)
-    for (int e = threadIdx.x; e < el; e += blockDim.x) s_hist[e] = 0;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int64_t b = 0;
-    for (int s = 0; s < R; ++s) {
-      s_base[s] = static_cast<int32_t>(b < INT_MAX ? b : INT_MAX);
-      b += s_cnt[s];
-    }
-    s_base[R] = static_cast<int32_t>(b < INT_MAX ? b : INT_MAX);
-    s_total = b;
-    s_kept = kept_rows(b, a.C);
-  }
-  __syncthreads();
-  const int kept = s_kept;
-  const DispatchRegion reg = DispatchRegion::Make(RowsCap(a.T, a.C), a.row_bytes, a.K);
-  const size_t stride = RowStride(a.row_bytes);
-  const char* area = peer::peer_ptr(a.c.peers, me, a.c.area_off);
-  char* recv_x = static_cast<char*>(a.recv_x);
-  for (int i = global_warp(); i < a.C; i += total_warps()) {
-    char* dst = recv_x + static_cast<int64_t>(i) * a.row_bytes;
-    int32_t* oidx = a.recv_idx + static_cast<int64_t>(i) * a.K;
-    float* ow = a.recv_w + static_cast<int64_t>(i) * a.K;
-    if (i < kept) {
-      const int s = find_segment(s_base, R, i);
-      const int j = i - s_base[s];
-      const char* region = area + static_cast<size_t>(s) * reg.bytes;
-      warp_copy_row<false>(dst, region + reg.x_off + j * stride, a.row_bytes, lane);
-      const int32_t* sidx = reinterpret_cast<const int32_t*>(region + reg.idx_off) + static_cast<int64_t>(j) * a.K;
-      const float* sw = reinterpret_cast<const float*>(region + reg.w_off) + static_cast<int64_t>(j) * a.K;
-      for (int k = lane; k < a.K; k += 32) {
-        const int32_t v = peer::load_cg_s32(sidx + k);
-        oidx[k] = v;
-        ow[k] = peer::load_cg_f32(sw + k);
-        if (v >= 0 && v < el) {
-          if (smem_hist)
-            atomicAdd(&s_hist[v], 1);
-          else
-            atomicAdd(&a.recv_per_expert[v], 1);
-        }
-      }
-      if (lane == 0) {
-        a.src_rank[i] = s;
-        a.src_index[i] = peer::load_cg_s32(reinterpret_cast<const int32_t*>(region + reg.tok_off) + j);
-      }
-    } else {
-      warp_zero_row(dst, a.row_bytes, lane);
-      for (int k = lane; k < a.K; k += 32) {
-        oidx[k] = -1;
-        ow[k] = 0.0f;
-      }
-      if (lane == 0) {
-        a.src_rank[i] = -1;
-        a.src_index[i] = -1;
-      }
-    }
-  }
-  // send_row: raw positions from the plan kernel become rows on each receiver.
-  const int64_t n_sr = static_cast<int64_t>(a.T) * R;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n_sr;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int32_t raw = a.send_row[e];
-    if (fail) {
-      a.send_row[e] = -1;
-    } else if (raw >= 0) {
-      const int64_t v = static_cast<int64_t>(s_mybase[e % R]) + raw;
-      a.send_row[e] = v < a.C ? static_cast<int32_t>(v) : -1;
-    }
-  }
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    *a.num_recv = kept;
-    *a.num_dropped = static_cast<int32_t>(s_total - kept);
-  }
-  __syncthreads();
-  if (smem_hist)
-    for (int e = threadIdx.x; e < el; e += blockDim.x)
-      if (s_hist[e] != 0) atomicAdd(&a.recv_per_expert[e], s_hist[e]);
-  if (last_block_done(a.c, kDoneDispatchRecv)) {
-    for (int s = 0; s < R; ++s) peer::signal(&peer::header(a.c.peers, s)->credit[me], s_n);
-  }
-}
-
-// ================================ combine ================================
-
-__global__ void __launch_bounds__(kPlanThreads) combine_plan_kernel(CombineArgs a) {
-  __shared__ int32_t s_min[kPlanThreads / 32], s_max[kPlanThreads / 32];
-  __shared__ uint64_t s_n;
-  __shared__ bool s_fail;
-  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  RankHeader* hdr = peer::header(a.c.peers, me);
-  if (threadIdx.x == 0) {
-    s_n = begin_epoch(a.c, kOpCombine);
-    s_fail = failed();  // then this rank asks for nothing
-  }
-  __syncthreads();
-  const int rows_cap = RowsCap(a.T, a.C);
-  for (int r = 0; r < R; ++r) {
-    int32_t lo = INT_MAX, hi = -1;
-    for (int t = s_fail ? a.T : threadIdx.x; t < a.T; t += blockDim.x) {
-      const int32_t v = a.send_row[static_cast<int64_t>(t) * R + r];
-      if (v < -1 || v >= a.C) {
-        report(a.c, kErrBadHandle, t, r, v, kOpCombine);
-      } else if (v >= 0) {
-        lo = min(lo, v);
-        hi = max(hi, v);
-      }
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-      lo = min(lo, __shfl_xor_sync(kFullMask, lo, o));
-      hi = max(hi, __shfl_xor_sync(kFullMask, hi, o));
-    }
-    if (lane == 0) {
-      s_min[warp] = lo;
-      s_max[warp] = hi;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) {
-        lo = min(lo, s_min[w]);
-        hi = max(hi, s_max[w]);
-      }
-      int32_t n = hi >= lo ? hi - lo + 1 : 0;
-      if (n > rows_cap) {  // not a handle from dispatch: its rows are not contiguous
-        report(a.c, kErrBadHandle, -1, r, n, kOpCombine);
-        n = rows_cap;
-      }
-      const int32_t first = n > 0 ? lo : 0;
-      hdr->own_lo[r] = first;
-      hdr->own_n[r] = n;
-      RankHeader* ph = peer::header(a.c.peers, r);
-      peer::store(&ph->req_lo[me], first);
-      peer::store(&ph->req_n[kOpCombine][me], n);
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    const int64_t site = site_to_send(a.c);
-    for (int r = 0; r < R; ++r) peer::store(&peer::header(a.c.peers, r)->site_req[kOpCombine][me], site);
-    peer::fence_data();
-    for (int r = 0; r < R; ++r) peer::signal(&peer::header(a.c.peers, r)->request[kOpCombine][me], s_n);
-  }
-}
-
-__global__ void combine_push_kernel(CombineArgs a) {
-  __shared__ uint64_t s_n;
-  __shared__ int32_t s_lo[kMaxRanks], s_off[kMaxRanks + 1];
-  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
-  RankHeader* hdr = peer::header(a.c.peers, me);
-  if (threadIdx.x == 0) {
-    s_n = hdr->seq[kOpCombine];
-    const bool fail = wait_and_check(a.c, hdr->request[kOpCombine], hdr->site_req[kOpCombine],
-                                     s_n, kOpCombine);
-    int32_t off = 0;
-    for (int p = 0; p < R; ++p) {
-      int32_t lo = fail ? 0 : peer::load_volatile(&hdr->req_lo[p]);
-      int32_t n = fail ? 0 : peer::load_volatile(&hdr->req_n[kOpCombine][p]);
-      if (lo < 0 || n < 0 || static_cast<int64_t>(lo) + n > a.C) {
-        report(a.c, kErrBadHandle, lo, p, n, kOpCombine);
-        lo = 0;
-        n = 0;
-      }
-      s_lo[p] = lo;
-      s_off[p] = off;
-      off += n;
-    }
-    s_off[R] = off;
-  }
-  __syncthreads();
-  const size_t stride = RowStride(a.row_bytes);
-  const size_t region_off = a.c.area_off + static_cast<size_t>(me) * CombineRegionBytes(a.T, a.C, a.row_bytes);
-  const char* y = static_cast<const char*>(a.y);
-  for (int g = global_warp(); g < s_off[R]; g += total_warps()) {
-    const int p = find_segment(s_off, R, g);
-    const int j = g - s_off[p];
-    char* dst = peer::peer_ptr(a.c.peers, p, region_off) + j * stride;
-    warp_copy_row<true>(dst, y + static_cast<int64_t>(s_lo[p] + j) * a.row_bytes, a.row_bytes, lane);
-  }
-  if (last_block_done(a.c, kDoneCombinePush)) {
-    const int64_t site = site_to_send(a.c);
-    for (int p = 0; p < R; ++p) peer::store(&peer::header(a.c.peers, p)->site_arr[kOpCombine][me], site);
-    peer::fence_data();
-    for (int p = 0; p < R; ++p) peer::signal(&peer::header(a.c.peers, p)->arrive[kOpCombine][me], s_n);
-  }
-}
-
 template <FloatKind kKind>
 struct Elems;
 template <>
@@ -520,83 +232,607 @@ struct Elems<FloatKind::kBF16> : Elems16<FloatKind::kBF16> {};
 template <>
 struct Elems<FloatKind::kF16> : Elems16<FloatKind::kF16> {};
 
-// out[t] = sum over r ascending of the staged row for (t, r), in float32.
-template <FloatKind kKind>
-__global__ void combine_finish_kernel(CombineArgs a) {
-  using E = Elems<kKind>;
-  JEP_DYNAMIC_SMEM(int32_t, s_j);  // [warps per block][kMaxRanks]: staged row per rank
+
+// ============================ channels (shared) ============================
+
+// First token of channel ch of nch over T tokens (channels own contiguous ranges).
+__device__ __forceinline__ int channel_begin(int T, int ch, int nch) {
+  return static_cast<int>(static_cast<int64_t>(T) * ch / nch);
+}
+
+// Called by every thread at the end of the channel kernels: true in every thread of the
+// last block to finish (after every block's writes), which then closes the epoch.
+__device__ bool last_block(const CommonArgs& c, int counter) {
+  __shared__ bool s_last;
+  peer::fence_data();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    RankHeader* h = peer::header(c.peers, c.me);
+    const unsigned prev = atomicAdd(&h->done[counter], 1u);
+    s_last = prev == gridDim.x - 1;
+    if (s_last) {
+      h->done[counter] = 0;
+      peer::fence_data();
+    }
+  }
+  __syncthreads();
+  return s_last;
+}
+
+// Lane 0 of a warp: waits until a ring counter reaches `need` (the whole warp gets the
+// value it saw, or false after a timeout, now or earlier on this GPU).
+__device__ bool warp_wait_counter(const CommonArgs& c, const uint64_t* ctr, uint64_t need,
+                                  int peer_rank, int kind, uint64_t* seen) {
+  const int lane = threadIdx.x & 31;
+  uint64_t v = 0;
+  int ok = 1;
+  if (lane == 0) {
+    v = peer::load_acquire(ctr);
+    if (v < need) {
+      ok = peer::wait_geq(ctr, need, c.timeout_ns, &g_intranode_stop) ? 1 : 0;
+      if (!ok) report(c, kErrTimeout, peer_rank, kind, static_cast<int32_t>(need), 1);
+      v = peer::load_acquire(ctr);
+    }
+  }
+  __syncwarp();
+  *seen = __shfl_sync(kFullMask, static_cast<unsigned long long>(v), 0);
+  return __shfl_sync(kFullMask, ok, 0) != 0;
+}
+
+// Publishes a sender's ring tail: its lanes' rows (stores through peer pointers) are
+// fenced before lane 0's release store, which the receiver's acquire pairs with.
+__device__ __forceinline__ void publish_tail(uint64_t* tail, uint64_t k) {
+  peer::fence_data();
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) peer::signal(tail, k);
+  __syncwarp();
+}
+
+// ================================ dispatch ================================
+
+// Notify: positions and counts, exchanged with every peer, so send_row (the row of each
+// token on each receiver, capacity cut applied) is known before any row moves.
+__global__ void __launch_bounds__(kPlanThreads) dispatch_notify_kernel(DispatchArgs a) {
+  __shared__ int32_t s_warp[kPlanThreads / 32][kMaxRanks];
+  __shared__ int32_t s_run[kMaxRanks];
+  __shared__ int32_t s_mybase[kMaxRanks];  // first row of my tokens on each receiver
   __shared__ uint64_t s_n;
-  __shared__ int32_t s_lo[kMaxRanks], s_cnt[kMaxRanks];
+  __shared__ bool s_fail;
+  const int R = a.c.num_ranks, me = a.c.me;
+  RankHeader* hdr = peer::header(a.c.peers, me);
+  if (threadIdx.x == 0) {
+    s_n = begin_epoch(a.c, kOpDispatch);
+    s_fail = failed();  // then this rank sends nothing (its counts are all zero)
+  }
+  if (threadIdx.x < R) s_run[threadIdx.x] = 0;
+  for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) a.recv_per_expert[e] = 0;
+  __syncthreads();
+  int32_t pos[kMaxRanks];
+  for (int base = 0; base < a.T; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    const uint32_t mask = (t < a.T && !s_fail) ? token_mask(a, t, true) : 0u;
+    chunk_positions(mask, R, s_warp, s_run, pos);
+    if (t < a.T) {
+      int32_t* out = a.send_row + static_cast<int64_t>(t) * R;
+#pragma unroll 1
+      for (int r = 0; r < R; ++r) out[r] = ((mask >> r) & 1u) ? pos[r] : -1;  // raw positions
+    }
+  }
+  if (threadIdx.x == 0) {
+    // Every receiver finished epoch n - 1 (it read the counts this overwrites).
+    wait_all(a.c, hdr->credit, s_n - 1, kOpDispatch);
+    const int64_t site = site_to_send(a.c);
+    for (int r = 0; r < R; ++r) {
+      RankHeader* ph = peer::header(a.c.peers, r);
+      for (int j = 0; j < R; ++j) peer::store(&ph->counts[me][j], site == kSiteFailed ? 0 : s_run[j]);
+      peer::store(&ph->site_arr[kOpDispatch][me], site);
+    }
+    peer::fence_data();
+    for (int r = 0; r < R; ++r) peer::signal(&peer::header(a.c.peers, r)->arrive[kOpDispatch][me], s_n);
+    s_fail = wait_and_check(a.c, hdr->arrive[kOpDispatch], hdr->site_arr[kOpDispatch], s_n,
+                            kOpDispatch);
+  }
+  __syncthreads();
+  const bool fail = s_fail;  // then nothing moves: send_row all -1, nothing received
+  if (threadIdx.x < R) {
+    int64_t b = 0;
+    for (int s = 0; s < me; ++s) b += peer::load_volatile(&hdr->counts[s][threadIdx.x]);
+    s_mybase[threadIdx.x] = static_cast<int32_t>(b < INT_MAX ? b : INT_MAX);
+  }
+  if (threadIdx.x == 0) {
+    int64_t total = 0;
+    for (int s = 0; s < R && !fail; ++s) total += peer::load_volatile(&hdr->counts[s][me]);
+    const int32_t kept = kept_rows(total, a.C);
+    *a.num_recv = kept;
+    *a.num_dropped = static_cast<int32_t>(total - kept);
+  }
+  __syncthreads();
+  const int64_t n_sr = static_cast<int64_t>(a.T) * R;
+  for (int64_t e = threadIdx.x; e < n_sr; e += blockDim.x) {
+    const int32_t raw = a.send_row[e];
+    if (fail) {
+      a.send_row[e] = -1;
+    } else if (raw >= 0) {
+      const int64_t v = static_cast<int64_t>(s_mybase[e % R]) + raw;
+      a.send_row[e] = v < a.C ? static_cast<int32_t>(v) : -1;
+    }
+  }
+}
+
+// Sending warp of channel ch towards receiver d: its tokens' rows for d, in token order,
+// through ring (ch, me) on d.
+__device__ void dispatch_send(const DispatchArgs& a, int ch, int d, bool fail, uint64_t n) {
+  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
+  RankHeader* hdr = peer::header(a.c.peers, me);
+  RankHeader* dh = peer::header(a.c.peers, d);
+  const DispatchRing ring = DispatchRing::Make(a.c.ring_tokens, a.row_bytes, a.K);
+  const size_t stride = RowStride(a.row_bytes);
+  const size_t words = DispatchMetaWords(a.K);
+  char* rbase = peer::peer_ptr(a.c.peers, d, a.c.area_off + (static_cast<size_t>(ch) * R + me) * ring.bytes);
+  int32_t* meta = reinterpret_cast<int32_t*>(rbase + ring.meta_off);
+  const uint64_t Q = static_cast<uint64_t>(a.c.ring_tokens);
+  const uint64_t chunk = Q > 4 ? Q / 4 : 1;  // rows per published tail
+  uint64_t* tail = &dh->ring[0].tail[ch][me];
+  const uint64_t base = hdr->ring[0].sent[ch][d];
+  uint64_t k = base, published = base, credit = base;
+  bool ok = !fail;
+  const int t0 = channel_begin(a.T, ch, a.c.channels), t1 = channel_begin(a.T, ch + 1, a.c.channels);
+  for (int tb = t0; tb < t1 && ok; tb += 32) {
+    const int t = tb + lane;
+    const int32_t row = t < t1 ? a.send_row[static_cast<int64_t>(t) * R + d] : -1;
+    for (uint32_t m = __ballot_sync(kFullMask, row >= 0); m != 0 && ok; m &= m - 1) {
+      const int l = __ffs(m) - 1;
+      const int tt = tb + l;
+      const int32_t rr = __shfl_sync(kFullMask, row, l);
+      if (k - credit >= Q) {
+        // Ring full: what is written goes out first, so the receiver can free slots.
+        if (published < k) {
+          publish_tail(tail, k);
+          published = k;
+        }
+        ok = warp_wait_counter(a.c, &hdr->ring[0].head[ch][d], k - Q + 1, d, kOpDispatch, &credit);
+        if (!ok) break;
+      }
+      const uint64_t slot = k % Q;
+      warp_copy_row<true>(rbase + slot * stride, static_cast<const char*>(a.x) + static_cast<int64_t>(tt) * a.row_bytes,
+                          a.row_bytes, lane);
+      int32_t* w = meta + slot * words;
+      const int32_t* idx = a.topk_idx + static_cast<int64_t>(tt) * a.K;
+      const float* wt = a.topk_w + static_cast<int64_t>(tt) * a.K;
+      for (int j = lane; j < a.K; j += 32) {
+        const int32_t local = local_expert_id(sanitized(idx[j], a.E), a.experts_per_rank, d);
+        peer::store(&w[2 + j], local);
+        peer::store(reinterpret_cast<float*>(&w[2 + a.K + j]), local >= 0 ? wt[j] : 0.0f);
+      }
+      if (lane == 0) {
+        peer::store(&w[0], rr);
+        peer::store(&w[1], static_cast<int32_t>(tt));
+      }
+      ++k;
+      if (k - published >= chunk) {
+        publish_tail(tail, k);
+        published = k;
+      }
+    }
+  }
+  // The ring's last tail, then its end mark for epoch n (the receiver reads the mark
+  // before the tail, so a mark it sees means the tail it reads next is final).
+  publish_tail(tail, k);
+  if (lane == 0) {
+    peer::signal(&dh->d_end[ch][me], n);
+    hdr->ring[0].sent[ch][d] = k;
+  }
+  __syncwarp();
+}
+
+// Lane 0: waits until ring (ch, s) holds rows past k, or has ended epoch n; *tail_out is
+// the tail then (k when it ended with nothing more). False after a timeout.
+__device__ bool wait_ring(const CommonArgs& c, const uint64_t* tail, const uint64_t* end,
+                          uint64_t k, uint64_t n, int s, uint64_t* tail_out) {
+  const uint64_t start = peer::global_timer_ns();
+  while (true) {
+    const uint64_t e = peer::load_acquire(end);
+    const uint64_t t = peer::load_acquire(tail);
+    if (t > k || e >= n) {
+      *tail_out = t;
+      return true;
+    }
+    if (*reinterpret_cast<const volatile int32_t*>(&g_intranode_stop) != 0 ||
+        (c.timeout_ns > 0 && peer::global_timer_ns() - start > static_cast<uint64_t>(c.timeout_ns))) {
+      report(c, kErrTimeout, s, kOpDispatch, static_cast<int32_t>(n), 2);
+      return false;
+    }
+    __nanosleep(64);
+  }
+}
+
+// Receiving warp of channel ch for source s: copies each slot of ring (ch, s) into its
+// row of the XLA outputs and hands the slots back (head) once read.
+__device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, uint64_t n) {
+  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
+  RankHeader* hdr = peer::header(a.c.peers, me);
+  const DispatchRing ring = DispatchRing::Make(a.c.ring_tokens, a.row_bytes, a.K);
+  const size_t stride = RowStride(a.row_bytes);
+  const size_t words = DispatchMetaWords(a.K);
+  const char* rbase = peer::peer_ptr(a.c.peers, me, a.c.area_off + (static_cast<size_t>(ch) * R + s) * ring.bytes);
+  const int32_t* meta = reinterpret_cast<const int32_t*>(rbase + ring.meta_off);
+  const uint64_t Q = static_cast<uint64_t>(a.c.ring_tokens);
+  const uint64_t chunk = Q > 2 ? Q / 2 : 1;  // rows per credit
+  uint64_t* head = &peer::header(a.c.peers, s)->ring[0].head[ch][me];
+  const int el = a.experts_per_rank;
+  uint64_t k = hdr->ring[0].read[ch][s];
+  while (true) {
+    uint64_t t = 0;
+    int ok = 1;
+    if (lane == 0) ok = wait_ring(a.c, &hdr->ring[0].tail[ch][s], &hdr->d_end[ch][s], k, n, s, &t) ? 1 : 0;
+    __syncwarp();
+    ok = __shfl_sync(kFullMask, ok, 0);
+    t = __shfl_sync(kFullMask, static_cast<unsigned long long>(t), 0);
+    if (!ok || t <= k) break;
+    const uint64_t stop = t - k > chunk ? k + chunk : t;
+    for (; k < stop; ++k) {
+      const uint64_t slot = k % Q;
+      const int32_t* w = meta + slot * words;
+      const int32_t row = peer::load_cg_s32(&w[0]);
+      if (fail || row < 0 || row >= a.C) continue;  // a failed rank drains without copying
+      warp_copy_row<false>(static_cast<char*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes,
+                           rbase + slot * stride, a.row_bytes, lane);
+      int32_t* oidx = a.recv_idx + static_cast<int64_t>(row) * a.K;
+      float* ow = a.recv_w + static_cast<int64_t>(row) * a.K;
+      for (int j = lane; j < a.K; j += 32) {
+        const int32_t v = peer::load_cg_s32(&w[2 + j]);
+        oidx[j] = v;
+        ow[j] = peer::load_cg_f32(reinterpret_cast<const float*>(&w[2 + a.K + j]));
+        if (v >= 0 && v < el) atomicAdd(&a.recv_per_expert[v], 1);
+      }
+      if (lane == 0) {
+        a.src_rank[row] = s;
+        a.src_index[row] = peer::load_cg_s32(&w[1]);
+      }
+    }
+    // The slots' reads are done before the release that lets the sender overwrite them.
+    __syncwarp();
+    if (lane == 0) peer::signal(head, k);
+    __syncwarp();
+  }
+  if (lane == 0) hdr->ring[0].read[ch][s] = k;
+  __syncwarp();
+}
+
+// Empties every dispatch output of this rank (a failed call: nothing counts as received).
+__device__ void dispatch_empty_outputs(const DispatchArgs& a) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int i = warp; i < a.C; i += nw) {
+    warp_zero_row(static_cast<char*>(a.recv_x) + static_cast<int64_t>(i) * a.row_bytes, a.row_bytes, lane);
+    for (int k = lane; k < a.K; k += 32) {
+      a.recv_idx[static_cast<int64_t>(i) * a.K + k] = -1;
+      a.recv_w[static_cast<int64_t>(i) * a.K + k] = 0.0f;
+    }
+    if (lane == 0) {
+      a.src_rank[i] = -1;
+      a.src_index[i] = -1;
+    }
+  }
+  const int64_t n_sr = static_cast<int64_t>(a.T) * a.c.num_ranks;
+  for (int64_t e = threadIdx.x; e < n_sr; e += blockDim.x) a.send_row[e] = -1;
+  for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) a.recv_per_expert[e] = 0;
+  if (threadIdx.x == 0) {
+    *a.num_recv = 0;
+    *a.num_dropped = 0;
+  }
+}
+
+// The channel kernel: block 2 ch sends channel ch's tokens (warp d to receiver d), block
+// 2 ch + 1 receives channel ch of every source (warp s from source s). Receiving blocks
+// also fill the rows past the received ones. The last block to finish hands the epoch's
+// credit to every sender.
+__global__ void __launch_bounds__(kMaxChannelThreads) dispatch_channel_kernel(DispatchArgs a) {
   __shared__ bool s_fail;
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int ch = blockIdx.x >> 1;
+  const bool sender = (blockIdx.x & 1) == 0;
+  RankHeader* hdr = peer::header(a.c.peers, me);
+  const uint64_t n = *reinterpret_cast<const volatile uint64_t*>(&hdr->seq[kOpDispatch]);
+  if (threadIdx.x == 0) s_fail = failed();
+  __syncthreads();
+  if (sender) {
+    if (warp < R) dispatch_send(a, ch, warp, s_fail, n);
+  } else {
+    if (warp < R) dispatch_recv(a, ch, warp, s_fail, n);
+    if (!s_fail) {
+      const int kept = *a.num_recv;
+      const int nw = blockDim.x >> 5;
+      for (int i = kept + ch * nw + warp; i < a.C; i += a.c.channels * nw) {
+        warp_zero_row(static_cast<char*>(a.recv_x) + static_cast<int64_t>(i) * a.row_bytes, a.row_bytes, lane);
+        for (int k = lane; k < a.K; k += 32) {
+          a.recv_idx[static_cast<int64_t>(i) * a.K + k] = -1;
+          a.recv_w[static_cast<int64_t>(i) * a.K + k] = 0.0f;
+        }
+        if (lane == 0) {
+          a.src_rank[i] = -1;
+          a.src_index[i] = -1;
+        }
+      }
+    }
+  }
+  if (last_block(a.c, kDoneDispatchChannel)) {
+    // An error anywhere in this call empties every output (the contract's failed call).
+    if (failed()) {
+      dispatch_empty_outputs(a);
+      // Peers that have not checked this epoch's call site yet (one that skipped the call
+      // and comes later) find this rank failed, whatever site its notify sent.
+      if (threadIdx.x < R)
+        peer::store(&peer::header(a.c.peers, threadIdx.x)->site_arr[kOpDispatch][me], kSiteFailed);
+    }
+    peer::fence_data();
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (int s = 0; s < R; ++s) peer::signal(&peer::header(a.c.peers, s)->credit[me], n);
+  }
+}
+
+// ================================ combine ================================
+
+// Notify: for each channel of my tokens and each rank r, the range of r's rows those
+// tokens use (contiguous, since dispatch ordered them by token), posted to r.
+__global__ void __launch_bounds__(kPlanThreads) combine_notify_kernel(CombineArgs a) {
+  __shared__ uint64_t s_n;
+  __shared__ bool s_fail;
+  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nch = a.c.channels;
+  RankHeader* hdr = peer::header(a.c.peers, me);
+  if (threadIdx.x == 0) {
+    s_n = begin_epoch(a.c, kOpCombine);
+    s_fail = failed();  // then this rank asks for nothing
+  }
+  __syncthreads();
+  for (int p = warp; p < nch * R; p += blockDim.x >> 5) {
+    const int ch = p / R, r = p % R;
+    const int t0 = channel_begin(a.T, ch, nch), t1 = channel_begin(a.T, ch + 1, nch);
+    int32_t lo = INT_MAX, hi = -1, cnt = 0;
+    for (int t = s_fail ? t1 : t0 + lane; t < t1; t += 32) {
+      const int32_t v = a.send_row[static_cast<int64_t>(t) * R + r];
+      if (v < -1 || v >= a.C) {
+        report(a.c, kErrBadHandle, t, r, v, kOpCombine);
+      } else if (v >= 0) {
+        lo = min(lo, v);
+        hi = max(hi, v);
+        ++cnt;
+      }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      lo = min(lo, __shfl_xor_sync(kFullMask, lo, o));
+      hi = max(hi, __shfl_xor_sync(kFullMask, hi, o));
+      cnt += __shfl_xor_sync(kFullMask, cnt, o);
+    }
+    if (lane == 0) {
+      int32_t first = cnt > 0 ? lo : 0, num = cnt > 0 ? hi - lo + 1 : 0;
+      if (num != cnt) {  // not a handle from dispatch: its rows are not contiguous
+        report(a.c, kErrBadHandle, -1, r, num, kOpCombine);
+        first = 0;
+        num = 0;
+      }
+      hdr->c_own_lo[ch][r] = first;
+      hdr->c_own_n[ch][r] = num;
+      RankHeader* ph = peer::header(a.c.peers, r);
+      peer::store(&ph->c_req_lo[ch][me], first);
+      peer::store(&ph->c_req_n[ch][me], num);
+    }
+  }
+  peer::fence_data();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int64_t site = site_to_send(a.c);
+    for (int r = 0; r < R; ++r) peer::store(&peer::header(a.c.peers, r)->site_req[kOpCombine][me], site);
+    peer::fence_data();
+    for (int r = 0; r < R; ++r) peer::signal(&peer::header(a.c.peers, r)->request[kOpCombine][me], s_n);
+  }
+}
+
+// Sending warp of channel ch towards token owner d: the rows of y d's channel ch asked
+// for, in order, through ring (ch, me) on d. A failed rank moves the tail without data
+// (its receivers know from its call site and only drain).
+__device__ void combine_send(const CombineArgs& a, int ch, int d, bool fail) {
+  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
+  RankHeader* hdr = peer::header(a.c.peers, me);
+  RankHeader* dh = peer::header(a.c.peers, d);
+  const size_t rb = CombineRingBytes(a.c.ring_tokens, a.row_bytes);
+  const size_t stride = RowStride(a.row_bytes);
+  char* rbase = peer::peer_ptr(a.c.peers, d, a.c.area_off + (static_cast<size_t>(ch) * R + me) * rb);
+  const uint64_t Q = static_cast<uint64_t>(a.c.ring_tokens);
+  const uint64_t chunk = Q > 4 ? Q / 4 : 1;
+  uint64_t* tail = &dh->ring[1].tail[ch][me];
+  int32_t lo = peer::load_volatile(&hdr->c_req_lo[ch][d]);
+  int32_t cnt = peer::load_volatile(&hdr->c_req_n[ch][d]);
+  if (lo < 0 || cnt < 0 || static_cast<int64_t>(lo) + cnt > a.C) {
+    if (lane == 0) report(a.c, kErrBadHandle, lo, d, cnt, kOpCombine);
+    lo = 0;
+    cnt = 0;
+  }
+  const uint64_t base = hdr->ring[1].sent[ch][d];
+  const uint64_t end = base + static_cast<uint64_t>(cnt);
+  uint64_t k = base, published = base, credit = base;
+  const char* y = static_cast<const char*>(a.y);
+  for (int j = 0; j < cnt && !fail; ++j, ++k) {
+    if (k - credit >= Q) {
+      if (published < k) {
+        publish_tail(tail, k);
+        published = k;
+      }
+      if (!warp_wait_counter(a.c, &hdr->ring[1].head[ch][d], k - Q + 1, d, kOpCombine, &credit)) break;
+    }
+    warp_copy_row<true>(rbase + (k % Q) * stride, y + static_cast<int64_t>(lo + j) * a.row_bytes,
+                        a.row_bytes, lane);
+    if (k + 1 - published >= chunk) {
+      publish_tail(tail, k + 1);
+      published = k + 1;
+    }
+  }
+  publish_tail(tail, fail ? end : k);
+  if (lane == 0) hdr->ring[1].sent[ch][d] = fail ? end : k;
+  __syncwarp();
+}
+
+// Lane 0: waits until ring (ch, r) holds row `pos` (cumulative); false after a timeout.
+__device__ __forceinline__ bool wait_row(const CommonArgs& c, const uint64_t* tail, uint64_t pos,
+                                         int r) {
+  if (peer::load_acquire(tail) > pos) return true;
+  if (peer::wait_geq(tail, pos + 1, c.timeout_ns, &g_intranode_stop)) return true;
+  report(c, kErrTimeout, r, kOpCombine, static_cast<int32_t>(pos), 3);
+  return false;
+}
+
+// The channel kernel: block 2 ch sends (warp d the rows token owner d's channel ch asked
+// for), block 2 ch + 1 sums channel ch's tokens, a chunk of tokens at a time (one per
+// warp): out[t] = sum over r ascending of r's row for t, in float32.
+template <FloatKind kKind>
+__global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(CombineArgs a) {
+  using E = Elems<kKind>;
+  __shared__ uint64_t s_base[kMaxRanks];   // ring (ch, r): rows consumed before this call
+  __shared__ int32_t s_lo[kMaxRanks], s_cnt[kMaxRanks], s_used[kMaxRanks];
+  __shared__ size_t s_off[kMaxChannelThreads / 32][kMaxRanks];  // per warp: its token's slot in ring (ch, r)
+  __shared__ uint64_t s_n;
+  __shared__ bool s_fail;
+  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nw = blockDim.x >> 5;
+  const int ch = blockIdx.x >> 1;
+  const bool sender = (blockIdx.x & 1) == 0;
   RankHeader* hdr = peer::header(a.c.peers, me);
   if (threadIdx.x == 0) {
     s_n = hdr->seq[kOpCombine];
-    s_fail = wait_and_check(a.c, hdr->arrive[kOpCombine], hdr->site_arr[kOpCombine], s_n,
-                            kOpCombine);
-  }
-  __syncthreads();
-  if (threadIdx.x < R) {  // after a failure nothing counts as received: zero outputs
-    s_lo[threadIdx.x] = hdr->own_lo[threadIdx.x];
-    s_cnt[threadIdx.x] = s_fail ? 0 : hdr->own_n[threadIdx.x];
-  }
-  __syncthreads();
-  const size_t stride = RowStride(a.row_bytes);
-  const size_t region_bytes = CombineRegionBytes(a.T, a.C, a.row_bytes);
-  const char* area = peer::peer_ptr(a.c.peers, me, a.c.area_off);
-  int32_t* my_j = s_j + warp * kMaxRanks;
-  const bool vec = (a.row_bytes % 16) == 0;
-  for (int t = global_warp(); t < a.T; t += total_warps()) {
-    int32_t j_l = -1;
-    if (lane < R) {
-      const int32_t v = a.send_row[static_cast<int64_t>(t) * R + lane];
-      const int64_t j = static_cast<int64_t>(v) - s_lo[lane];
-      if (v >= 0 && v < a.C && j >= 0 && j < s_cnt[lane]) j_l = static_cast<int32_t>(j);
-      my_j[lane] = j_l;
-    }
-    const uint32_t valid = __ballot_sync(kFullMask, j_l >= 0);
-    __syncwarp();
-    char* out = static_cast<char*>(a.out) + static_cast<int64_t>(t) * a.row_bytes;
-    if (vec) {
-      const size_t nv = a.row_bytes / 16;
-      for (size_t c = lane; c < nv; c += 32) {
-        float acc[E::kPerVec];
-#pragma unroll
-        for (int i = 0; i < E::kPerVec; ++i) acc[i] = 0.0f;
-        // Up to kCopyUnroll ranks' vectors are loaded before any is added (several loads in
-        // flight per lane); the sum still runs over ranks in ascending order.
-        for (uint32_t m = valid; m != 0;) {
-          int rr[kCopyUnroll];
-          uint4 q[kCopyUnroll];
-#pragma unroll
-          for (int u = 0; u < kCopyUnroll; ++u) {
-            rr[u] = m != 0 ? __ffs(m) - 1 : -1;
-            m &= m - 1;
-          }
-#pragma unroll
-          for (int u = 0; u < kCopyUnroll; ++u)
-            if (rr[u] >= 0) q[u] = peer::load_cg16(area + rr[u] * region_bytes + my_j[rr[u]] * stride + c * 16);
-#pragma unroll
-          for (int u = 0; u < kCopyUnroll; ++u)
-            if (rr[u] >= 0) {
-#pragma unroll
-              for (int i = 0; i < E::kPerVec; ++i) acc[i] += E::get(q[u], i);
-            }
-        }
-        reinterpret_cast<uint4*>(out)[c] = E::pack(acc);
+    if (sender) {
+      // Every token owner posted its request of epoch n (it consumed epoch n - 1's rows).
+      s_fail = wait_and_check(a.c, hdr->request[kOpCombine], hdr->site_req[kOpCombine], s_n,
+                              kOpCombine);
+      if (blockIdx.x == 0) {  // my call site before any row, for the owners' check
+        const int64_t site = site_to_send(a.c);
+        for (int d = 0; d < R; ++d) peer::store(&peer::header(a.c.peers, d)->site_arr[kOpCombine][me], site);
+        peer::fence_data();
+        for (int d = 0; d < R; ++d) peer::signal(&peer::header(a.c.peers, d)->arrive[kOpCombine][me], s_n);
+        s_fail = failed();
       }
     } else {
-      for (int h = lane; h < a.H; h += 32) {
-        float acc = 0.0f;
-        for (uint32_t m = valid; m != 0; m &= m - 1) {
-          const int r = __ffs(m) - 1;
-          acc += E::load1(area + r * region_bytes + my_j[r] * stride + static_cast<size_t>(h) * E::kBytes);
-        }
-        E::store1(out + static_cast<size_t>(h) * E::kBytes, acc);
-      }
+      s_fail = wait_and_check(a.c, hdr->arrive[kOpCombine], hdr->site_arr[kOpCombine], s_n,
+                              kOpCombine);
     }
-    __syncwarp();
   }
+  __syncthreads();
+  if (sender) {
+    if (warp < R) combine_send(a, ch, warp, s_fail);
+    return;
+  }
+  if (threadIdx.x < R) {
+    s_lo[threadIdx.x] = hdr->c_own_lo[ch][threadIdx.x];
+    s_cnt[threadIdx.x] = hdr->c_own_n[ch][threadIdx.x];
+    s_base[threadIdx.x] = hdr->ring[1].read[ch][threadIdx.x];
+    s_used[threadIdx.x] = 0;
+  }
+  __syncthreads();
+  const bool fail = s_fail;  // then the rows are drained unread and the outputs are zero
+  const size_t rb = CombineRingBytes(a.c.ring_tokens, a.row_bytes);
+  const size_t stride = RowStride(a.row_bytes);
+  const uint64_t Q = static_cast<uint64_t>(a.c.ring_tokens);
+  const char* area = peer::peer_ptr(a.c.peers, me, a.c.area_off + static_cast<size_t>(ch) * R * rb);
+  const bool vec = (a.row_bytes % 16) == 0;
+  const int t0 = channel_begin(a.T, ch, a.c.channels), t1 = channel_begin(a.T, ch + 1, a.c.channels);
+  // Tokens summed at once: at most one row per ring each, so a ring of Q slots never
+  // holds back a row the chunk still needs.
+  const int span = static_cast<int>(Q < static_cast<uint64_t>(nw) ? Q : nw);
+  for (int tb = t0; tb < t1; tb += span) {
+    const int t = tb + warp;
+    if (warp < span && t < t1) {
+      char* out = static_cast<char*>(a.out) + static_cast<int64_t>(t) * a.row_bytes;
+      uint32_t valid = 0;
+      size_t* off = s_off[warp];
+      if (!fail) {
+        int32_t j_l = -1;
+        if (lane < R) {
+          const int32_t v = a.send_row[static_cast<int64_t>(t) * R + lane];
+          const int64_t j = static_cast<int64_t>(v) - s_lo[lane];
+          if (v >= 0 && v < a.C && j >= 0 && j < s_cnt[lane]) j_l = static_cast<int32_t>(j);
+        }
+        valid = __ballot_sync(kFullMask, j_l >= 0);
+        if (j_l >= 0) {
+          const uint64_t pos = s_base[lane] + static_cast<uint64_t>(j_l);
+          off[lane] = lane * rb + (pos % Q) * stride;
+          atomicMax(&s_used[lane], j_l + 1);
+        }
+        // Lane 0 waits for each rank's row in turn (ascending), then the warp reads them.
+        int good = 1;
+        for (uint32_t m = valid; m != 0 && good; m &= m - 1) {
+          const int r = __ffs(m) - 1;
+          const int32_t j = __shfl_sync(kFullMask, j_l, r);
+          if (lane == 0)
+            good = wait_row(a.c, &hdr->ring[1].tail[ch][r], s_base[r] + static_cast<uint64_t>(j), r) ? 1 : 0;
+          good = __shfl_sync(kFullMask, good, 0);
+        }
+        __syncwarp();
+        if (!good) valid = 0;
+      }
+      if (vec) {
+        const size_t nv = a.row_bytes / 16;
+        for (size_t c = lane; c < nv; c += 32) {
+          float acc[E::kPerVec];
+#pragma unroll
+          for (int i = 0; i < E::kPerVec; ++i) acc[i] = 0.0f;
+          // Up to kCopyUnroll ranks' vectors are loaded before any is added (several loads
+          // in flight per lane); the sum still runs over ranks in ascending order.
+          for (uint32_t m = valid; m != 0;) {
+            int rr[kCopyUnroll];
+            uint4 q[kCopyUnroll];
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u) {
+              rr[u] = m != 0 ? __ffs(m) - 1 : -1;
+              m &= m - 1;
+            }
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u)
+              if (rr[u] >= 0) q[u] = peer::load_cg16(area + off[rr[u]] + c * 16);
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u)
+              if (rr[u] >= 0) {
+#pragma unroll
+                for (int i = 0; i < E::kPerVec; ++i) acc[i] += E::get(q[u], i);
+              }
+          }
+          reinterpret_cast<uint4*>(out)[c] = E::pack(acc);
+        }
+      } else {
+        for (int h = lane; h < a.H; h += 32) {
+          float acc = 0.0f;
+          for (uint32_t m = valid; m != 0; m &= m - 1) {
+            const int r = __ffs(m) - 1;
+            acc += E::load1(area + off[r] + static_cast<size_t>(h) * E::kBytes);
+          }
+          E::store1(out + static_cast<size_t>(h) * E::kBytes, acc);
+        }
+      }
+      __syncwarp();
+    }
+    // Every warp's reads of the chunk's slots are done: hand them back.
+    __syncthreads();
+    if (threadIdx.x < R) {
+      const uint64_t h = s_base[threadIdx.x] + static_cast<uint64_t>(s_used[threadIdx.x]);
+      if (!fail) peer::signal(&peer::header(a.c.peers, threadIdx.x)->ring[1].head[ch][me], h);
+    }
+    __syncthreads();
+  }
+  // Every row asked for is in (a failed rank drains them unread, handing slots back as
+  // they fill, so a sender with more rows than slots is never stuck), then all go back.
+  if (warp < R && lane == 0) {
+    const int r = warp;
+    const uint64_t* tail = &hdr->ring[1].tail[ch][r];
+    uint64_t* head = &peer::header(a.c.peers, r)->ring[1].head[ch][me];
+    const uint64_t end = s_base[r] + static_cast<uint64_t>(s_cnt[r]);
+    for (uint64_t k = s_base[r] + static_cast<uint64_t>(s_used[r]); k < end;) {
+      if (!wait_row(a.c, tail, k, r)) break;
+      const uint64_t t = peer::load_acquire(tail);
+      k = t < end ? t : end;
+      peer::signal(head, k);
+    }
+    hdr->ring[1].read[ch][r] = end;
+  }
+  __syncwarp();
 }
 
 // ================================ gather ================================
@@ -731,20 +967,18 @@ __global__ void gather_finish_kernel(GatherArgs a) {
 
 cudaError_t LaunchDispatchPhase(int phase, const DispatchArgs& a, const IntranodePreset& p,
                                 cudaStream_t stream) {
-  if (a.c.num_ranks < 1 || a.c.num_ranks > kMaxRanks) return cudaErrorInvalidValue;
+  (void)p;
+  const int R = a.c.num_ranks;
+  if (R < 1 || R > kMaxRanks || a.c.channels < 1 || a.c.channels > kMaxChannels ||
+      a.c.ring_tokens < 1)
+    return cudaErrorInvalidValue;
   switch (phase) {
-    case kPhasePlan:
-      JEP_LAUNCH(dispatch_plan_kernel, 1, kPlanThreads, 0, stream)(a);
+    case kPhaseNotify:
+      JEP_LAUNCH(dispatch_notify_kernel, 1, kPlanThreads, 0, stream)(a);
       break;
-    case kPhasePush:
-      JEP_LAUNCH(dispatch_push_kernel, p.push_blocks, p.threads, 0, stream)(a);
+    case kPhaseChannel:
+      JEP_LAUNCH(dispatch_channel_kernel, 2 * a.c.channels, ChannelThreads(R), 0, stream)(a);
       break;
-    case kPhaseFinish: {
-      const bool smem_hist = a.experts_per_rank <= kMaxSmemLocalExperts;
-      const size_t smem = smem_hist ? sizeof(int32_t) * a.experts_per_rank : 0;
-      JEP_LAUNCH(dispatch_finish_kernel, p.recv_blocks, p.threads, smem, stream)(a, smem_hist);
-      break;
-    }
     default:
       return cudaErrorInvalidValue;
   }
@@ -753,29 +987,29 @@ cudaError_t LaunchDispatchPhase(int phase, const DispatchArgs& a, const Intranod
 
 cudaError_t LaunchCombinePhase(int phase, const CombineArgs& a, const IntranodePreset& p,
                                cudaStream_t stream) {
-  if (a.c.num_ranks < 1 || a.c.num_ranks > kMaxRanks) return cudaErrorInvalidValue;
+  (void)p;
+  const int R = a.c.num_ranks;
+  if (R < 1 || R > kMaxRanks || a.c.channels < 1 || a.c.channels > kMaxChannels ||
+      a.c.ring_tokens < 1)
+    return cudaErrorInvalidValue;
+  const int blocks = 2 * a.c.channels, threads = ChannelThreads(R);
   switch (phase) {
-    case kPhasePlan:
-      JEP_LAUNCH(combine_plan_kernel, 1, kPlanThreads, 0, stream)(a);
+    case kPhaseNotify:
+      JEP_LAUNCH(combine_notify_kernel, 1, kPlanThreads, 0, stream)(a);
       break;
-    case kPhasePush:
-      JEP_LAUNCH(combine_push_kernel, p.push_blocks, p.threads, 0, stream)(a);
-      break;
-    case kPhaseFinish: {
-      const size_t smem = sizeof(int32_t) * kMaxRanks * (p.threads / 32);
+    case kPhaseChannel:
       switch (a.kind) {
         case FloatKind::kF32:
-          JEP_LAUNCH(combine_finish_kernel<FloatKind::kF32>, p.recv_blocks, p.threads, smem, stream)(a);
+          JEP_LAUNCH(combine_channel_kernel<FloatKind::kF32>, blocks, threads, 0, stream)(a);
           break;
         case FloatKind::kBF16:
-          JEP_LAUNCH(combine_finish_kernel<FloatKind::kBF16>, p.recv_blocks, p.threads, smem, stream)(a);
+          JEP_LAUNCH(combine_channel_kernel<FloatKind::kBF16>, blocks, threads, 0, stream)(a);
           break;
         case FloatKind::kF16:
-          JEP_LAUNCH(combine_finish_kernel<FloatKind::kF16>, p.recv_blocks, p.threads, smem, stream)(a);
+          JEP_LAUNCH(combine_channel_kernel<FloatKind::kF16>, blocks, threads, 0, stream)(a);
           break;
       }
       break;
-    }
     default:
       return cudaErrorInvalidValue;
   }
@@ -824,3 +1058,4 @@ cudaError_t ReadIntranodeFailure(ErrorRecord* out) {
 }
 
 }  // namespace jax_ep
+

@@ -197,7 +197,8 @@ def test_call_site_mismatch_is_reported():
 
 
 def test_counters_report_the_launches():
-    """Blocks and warps per kernel, as the presets launch them (counted, not measured)."""
+    """Blocks and warps per kernel, as the presets launch them (counted, not measured): a
+    notify block and 2 x channels blocks of one warp per peer (at least 8 warps)."""
     R, T, H, K, E, C = 2, 4, 16, 2, 4, 8
     emu = Emulator(R, seed=15)
     emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
@@ -206,11 +207,72 @@ def test_counters_report_the_launches():
     emu.dispatch(x, idx, w, num_experts=E, capacity=C)
     c = emu.counters()
     preset = next(p for p in emu.m.cuda_presets() if R <= p["max_ranks"])
-    assert c["kernel:dispatch_plan_kernel:launches"] == R
-    assert c["kernel:dispatch_push_kernel:blocks"] == R * preset["push_blocks"]
-    assert c["kernel:dispatch_finish_kernel:warps"] == R * preset["recv_blocks"] * preset["threads"] // 32
+    assert c["kernel:dispatch_notify_kernel:launches"] == R
+    assert c["kernel:dispatch_channel_kernel:blocks"] == R * preset["num_sms"]
+    assert c["kernel:dispatch_channel_kernel:warps"] == R * preset["num_sms"] * max(8, R)
+    assert not any(k.startswith(("kernel:dispatch_push", "kernel:dispatch_finish")) for k in c)
     assert c["release_stores"] >= 2 * R * R  # arrivals and credits, one per peer
     assert c["fences:system"] > 0 and c["polls"] > 0
+
+
+# ------------------------------------------------------------------------------ rings
+
+def _ring_rows(emu, op):
+    """Rows that went through each (rank, channel, peer) ring so far: its tail."""
+    return np.array([emu.m.intranode_ring_counters(r, op)["tail"] for r in range(emu.R)])
+
+
+@pytest.mark.parametrize("resident_blocks", [2, 8])
+def test_rings_wrap_within_and_across_calls(resident_blocks, monkeypatch):
+    """Rings of 2 slots: every (channel, peer) ring of dispatch and combine wraps at least
+    3 times in one call and again in the next, bit for bit against the reference, with two
+    co-residency limits (2: a channel's two blocks at a time)."""
+    monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
+    R, T, H, K, E, C = 2, 128, 16, 3, 4, 256
+    emu = Emulator(R, seed=21, resident_blocks=resident_blocks)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    nch = emu.m.cuda_area_bytes(R, T, C, H * 2, K)["channels"]
+    before = [_ring_rows(emu, op)[:, :nch, :R] for op in (0, 1)]
+    for call in range(2):
+        case = _case(R, T, H, K, E, C, "bf16", "random", 70 + call)
+        _check(emu, *case, E, C, f"call {call}: ")
+        for op in (0, 1):
+            now = _ring_rows(emu, op)[:, :nch, :R]
+            wraps = (now - before[op]) // 2
+            assert wraps.min() >= 3, (op, call, wraps)
+            before[op] = now
+        # every slot handed back: what each receiver read is what its sender wrote
+        for op in (0, 1):
+            k = [emu.m.intranode_ring_counters(r, op) for r in range(R)]
+            for d in range(R):
+                for s in range(R):
+                    for ch in range(nch):
+                        assert k[d]["tail"][ch][s] == k[d]["read"][ch][s] == k[s]["sent"][ch][d]
+                        assert k[s]["head"][ch][d] == k[s]["sent"][ch][d]
+
+
+def test_default_grid_and_staging_do_not_grow_with_tokens():
+    """At 8 ranks the default channel kernels use at most 24 blocks (DeepEP's 20-24 SMs),
+    a launch runs that many, and the staging the setup reports is the same for 4096 and
+    65536 tokens per rank (computed for those shapes, not run)."""
+    emu = Emulator(8, seed=22)
+    ep8 = next(p for p in emu.m.cuda_presets() if p["max_ranks"] >= 8)
+    assert 2 <= ep8["num_sms"] <= 24 and ep8["push_blocks"] <= 24 and ep8["recv_blocks"] <= 24
+    H, K = 7168, 8
+    small = emu.m.cuda_area_bytes(8, 4096, 8 * 4096, H * 2, K)
+    big = emu.m.cuda_area_bytes(8, 65536, 8 * 65536, H * 2, K)
+    assert small["dispatch"] == big["dispatch"] and small["combine"] == big["combine"]
+    assert small["channels"] == ep8["num_sms"] // 2
+    # rings of 128 rows x 8 peers x channels: the rows, their ids and weights
+    assert small["dispatch"] >= small["channels"] * 8 * 128 * (H * 2 + 8 * 8 + 8)
+    R, T, Hs, E, C = 8, 6, 8, 16, 48
+    emu.setup(tokens=T, capacity=C, row_bytes=Hs * 4, topk=2)
+    x, idx, w, y, g = _case(R, T, Hs, 2, E, C, "f32", "random", 22)
+    emu.reset_counters()
+    d = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
+    c = emu.counters()
+    assert c["kernel:dispatch_channel_kernel:blocks"] == R * ep8["num_sms"]
+    assert_same(d, reference(x, idx, w, y, g, E=E, C=C), DISPATCH_KEYS)
 
 
 @pytest.mark.parametrize("before", [None, "123"])

@@ -66,12 +66,18 @@ def test_cuda_targets_share_the_cpu_names():
 def test_buffer_bytes_formulas():
     b = jcuda.buffer_bytes(8, 4096, 7168, 8, jnp.bfloat16)
     row = 7168 * 2
-    # Each receiver stages up to min(T, C) rows from every source, plus ids and weights.
-    assert b["dispatch"] >= 8 * 4096 * (row + 8 * 8 + 4)
-    assert b["combine"] >= 8 * 4096 * row
+    # Dispatch and combine stage rows in channels x ranks rings (ids and weights beside the
+    # dispatch rows), whatever the tokens or the capacity; gather stages min(T, C) rows.
+    ch, q = b["channels"], b["ring_tokens"]
+    assert 1 <= ch <= 12 and q >= 1
+    assert b["dispatch"] >= ch * 8 * q * (row + 8 * 8 + 8)
+    assert b["combine"] >= ch * 8 * q * row
     assert b["gather"] >= 8 * 4096 * (row + 4) + 8 * 4096 * 4
     small = jcuda.buffer_bytes(8, 4096, 7168, 8, jnp.bfloat16, capacity=100)
-    assert small["dispatch"] < b["dispatch"] and small["combine"] < b["combine"]
+    big = jcuda.buffer_bytes(8, 65536, 7168, 8, jnp.bfloat16)
+    assert small["dispatch"] == b["dispatch"] == big["dispatch"]
+    assert small["combine"] == b["combine"] == big["combine"]
+    assert small["gather"] < b["gather"] < big["gather"]
     for v in b.values():
         assert v % 256 == 0
     with pytest.raises(ValueError, match="num_ranks"):
@@ -197,7 +203,8 @@ def test_kernels_check_the_call_site_and_fail_safely():
     with open(os.path.join(ROOT, "xla_ffi", "cuda", "cuda_handlers.cc")) as f:
         h = f.read()
     assert k.count("wait_and_check(") == 1 + 5  # definition + every data/request wait
-    assert k.count("site_req[kOp") == 4 and k.count("site_arr[kOp") == 6
+    # site_arr: also the failed rank's mark at the end of its dispatch channel kernel
+    assert k.count("site_req[kOp") == 4 and k.count("site_arr[kOp") == 7
     assert "&g_intranode_stop" in k
     assert "PendingMirrorError" not in h and "call_site, &k" in h
 

@@ -149,8 +149,18 @@ RankStreams* Streams() {
   return st;
 }
 
-// Small grids, so every rank's kernels are resident at once and really wait for each other.
-constexpr IntranodePreset kConcurrentPreset = {"concurrent", kMaxRanks, 2, 2, 256};
+// Small grids, so every rank's kernels are resident at once and really wait for each other
+// (one channel for dispatch and combine).
+constexpr IntranodePreset kConcurrentPreset = {"concurrent", kMaxRanks, 2, 2, 2, 256};
+
+// Channels a dispatch or combine call runs with: the harness's one (its ranks share a GPU),
+// else the group's preset cut to the SM budget (JAX_EP_NUM_SMS).
+int CallChannels(bool harness, int ordinal, int R) {
+  const IntranodePreset p =
+      harness ? kConcurrentPreset
+              : FitPresetToSms(SelectIntranodePreset(R), EpSmBudget(DeviceSmCount(ordinal)));
+  return p.num_sms / 2;
+}
 
 cudaError_t MakeRankStreams(int ordinal, RankStreams* st) {
   if (st->made) return cudaSuccess;
@@ -208,7 +218,9 @@ ffi::Error HarnessRanks(cudaStream_t stream, int ordinal, int R, int kind, size_
   k->count = R;
   k->site = 1;
   k->sites = o.call_sites.size() == 0 ? nullptr : o.call_sites.begin();
-  k->concurrent = o.concurrent;
+  // The dispatch and combine channel kernels of all ranks wait on each other: each rank
+  // runs on its own stream, never one after another on one.
+  k->concurrent = o.concurrent || kind != kOpGather;
   k->absent = o.absent;
   return ffi::Error::Success();
 }
@@ -256,15 +268,16 @@ GatherArgs AtRank(GatherArgs a, int r) {
   return a;
 }
 
-// Launches an op's three phases (kernels/cuda_kernels.h). On XLA's stream, each phase
-// for every rank before the next phase of any, so no kernel waits for one launched after
-// it. In the harness's concurrent mode, each rank's three kernels on its own stream with
-// small grids, so ranks run at once and every wait is a real one.
+// Launches an op's phases (kernels/cuda/cuda_kernels.h: notify and channel kernels, or
+// gather's three). On XLA's stream, each phase for every rank before the next phase of
+// any. In the harness's concurrent mode (always for dispatch and combine), each rank's
+// kernels on its own stream with small grids, so ranks run at once and every wait is a
+// real one.
 template <typename Args>
 ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodePreset&,
                                               cudaStream_t),
                         const Ranks& k, int kind, int ordinal, Args a, cudaStream_t stream,
-                        const char* what) {
+                        const char* what, int phases = kNumPhases) {
   a.c.peers = k.dom.peers;
   a.c.area_off = k.dom.areas.offset(kind);
   a.c.num_ranks = k.dom.num_ranks;
@@ -288,7 +301,7 @@ ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodeP
       if (r == k.absent) continue;
       e = cudaStreamWaitEvent(st->s[r], st->fork, 0);
       const Args ar = at(r);
-      for (int phase = 0; phase < kNumPhases && e == cudaSuccess; ++phase)
+      for (int phase = 0; phase < phases && e == cudaSuccess; ++phase)
         e = launch(phase, ar, kConcurrentPreset, st->s[r]);
       if (e == cudaSuccess) e = cudaEventRecord(st->join[r], st->s[r]);
       if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, st->join[r], 0);
@@ -298,7 +311,7 @@ ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodeP
   }
   const IntranodePreset p =
       FitPresetToSms(SelectIntranodePreset(k.dom.num_ranks), EpSmBudget(DeviceSmCount(ordinal)));
-  for (int phase = 0; phase < kNumPhases; ++phase) {
+  for (int phase = 0; phase < phases; ++phase) {
     for (int r = 0; r < k.count; ++r) {
       if (r == k.absent) continue;
       const cudaError_t e = launch(phase, at(r), p, stream);
@@ -363,7 +376,9 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                            capacity, &a);
   if (!err.empty()) return Invalid(err);
   const int R = static_cast<int>(num_ranks);
-  const size_t need = DispatchAreaBytes(R, a.T, a.C, a.row_bytes, a.K);
+  a.c.channels = CallChannels(harness, ordinal, R);
+  a.c.ring_tokens = IntranodeRingTokens();
+  const size_t need = DispatchAreaBytes(R, a.c.channels, a.c.ring_tokens, a.row_bytes, a.K);
   Ranks k;
   if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpDispatch, need, ho, &k)
                              : GroupRanks(ordinal, num_ranks, kOpDispatch, need, "dispatch",
@@ -383,7 +398,8 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   a.src_index = src_index->typed_data();
   a.send_row = send_row->typed_data();
   return LaunchPhases(LaunchDispatchPhase, k, kOpDispatch, ordinal, a, stream,
-                      harness ? "harness dispatch launch" : "dispatch kernel launch");
+                      harness ? "harness dispatch launch" : "dispatch kernel launch",
+                      kNumChannelPhases);
 }
 
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
@@ -438,7 +454,9 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
   if (err.empty()) err = ValidateCombine(yd, y.element_type(), sd, od, num_ranks, &a);
   if (!err.empty()) return Invalid(err);
   const int R = static_cast<int>(num_ranks);
-  const size_t need = CombineAreaBytes(R, a.T, a.C, a.row_bytes);
+  a.c.channels = CallChannels(harness, ordinal, R);
+  a.c.ring_tokens = IntranodeRingTokens();
+  const size_t need = CombineAreaBytes(R, a.c.channels, a.c.ring_tokens, a.row_bytes);
   Ranks k;
   if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpCombine, need, ho, &k)
                              : GroupRanks(ordinal, num_ranks, kOpCombine, need, "combine",
@@ -449,7 +467,8 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
   a.send_row = send_row.typed_data();
   a.out = out->untyped_data();
   return LaunchPhases(LaunchCombinePhase, k, kOpCombine, ordinal, a, stream,
-                      harness ? "harness combine launch" : "combine kernel launch");
+                      harness ? "harness combine launch" : "combine kernel launch",
+                      kNumChannelPhases);
 }
 
 ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,

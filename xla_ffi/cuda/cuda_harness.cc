@@ -289,6 +289,7 @@ nb::list Presets() {
     nb::dict d;
     d["name"] = p.name;
     d["max_ranks"] = p.max_ranks;
+    d["num_sms"] = p.num_sms;
     d["push_blocks"] = p.push_blocks;
     d["recv_blocks"] = p.recv_blocks;
     d["threads"] = p.threads;
@@ -300,8 +301,12 @@ nb::list Presets() {
 nb::dict AreaBytes(int num_ranks, int64_t tokens, int64_t capacity, uint64_t row_bytes, int topk) {
   if (num_ranks < 1 || num_ranks > kMaxRanks) throw std::invalid_argument("jax_ep: num_ranks must be in [1, 32]");
   nb::dict d;
-  d["dispatch"] = DispatchAreaBytes(num_ranks, tokens, capacity, row_bytes, topk);
-  d["combine"] = CombineAreaBytes(num_ranks, tokens, capacity, row_bytes);
+  // Dispatch and combine: channels x ranks rings (kernels/cuda/cuda_kernels.h), whatever
+  // the tokens per call and the capacity.
+  d["dispatch"] = SetupDispatchBytes(num_ranks, row_bytes, topk);
+  d["combine"] = SetupCombineBytes(num_ranks, row_bytes);
+  d["channels"] = SetupChannels(num_ranks);
+  d["ring_tokens"] = IntranodeRingTokens();
   d["gather"] = GatherLayout::Make(num_ranks, tokens, capacity, row_bytes).bytes;
   d["header"] = kHeaderBytes;
   return d;

@@ -49,7 +49,35 @@ std::vector<uint64_t> SetupGroup(int num_ranks, int group, std::vector<uint64_t>
   return peers;
 }
 
-void BindCudaHostFunctions(void* module) { DefineCudaBindings(module); }
+namespace {
+// The cumulative ring counters of rank `rank`'s header (op 0: dispatch, 1: combine), as
+// [channel][peer] lists: what the tests read to see every ring wrap. After synchronize().
+nanobind::dict ReadRingCounters(int rank, int op) {
+  if (rank < 0 || rank >= static_cast<int>(GroupBuffers().size()) || op < 0 || op > 1)
+    throw std::invalid_argument("jax_ep emu: ring_counters needs a set-up rank and op 0 or 1");
+  const RankHeader* h = static_cast<const RankHeader*>(GroupBuffers()[rank]);
+  const jax_ep::RingCounters& c = h->ring[op];
+  auto grid = [](const uint64_t (&v)[kMaxChannels][kMaxRanks]) {
+    std::vector<std::vector<uint64_t>> out(kMaxChannels);
+    for (int ch = 0; ch < kMaxChannels; ++ch) out[ch].assign(v[ch], v[ch] + kMaxRanks);
+    return out;
+  };
+  nanobind::dict d;
+  d["tail"] = grid(c.tail);
+  d["head"] = grid(c.head);
+  d["sent"] = grid(c.sent);
+  d["read"] = grid(c.read);
+  return d;
+}
+}  // namespace
+
+void BindCudaHostFunctions(void* module) {
+  DefineCudaBindings(module);
+  nanobind::module_ m = nanobind::borrow<nanobind::module_>(
+      nanobind::handle(static_cast<PyObject*>(module)));
+  m.def("intranode_ring_counters", &ReadRingCounters, nanobind::arg("rank"), nanobind::arg("op"),
+        "Cumulative ring counters (tail, head, sent, read) of a rank's header, [channel][peer].");
+}
 
 }  // namespace emu_driver
 }  // namespace jax_ep
