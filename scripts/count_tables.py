@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""The before/after tables of docs/performance.md ("Counted by the emulated GPU" and
+"Modelled H200 estimate"), regenerated in one command:
+
+    python scripts/count_tables.py --write          # after = HEAD, before = stored JSON
+    python scripts/count_tables.py --rebuild-before --write   # also recount 8ec4c50
+
+"Before" is the kernels at commit 8ec4c50 (the start of the redesign) with today's
+counting emulator (kernels/emu/, the copy-counting hook of
+kernels/internode/device_copy.cuh and xla_ffi/emu/emu_module.cc copied over): a git
+worktree of 8ec4c50 with those files, its own emulated module built with
+-DJAX_EP_CUDA=OFF. Its counts are stored in docs/emulated_counts_before.json, so a
+refresh of "after" does not rebuild it. "After" is a worktree of HEAD (what is committed),
+built the same way. Each side runs `python -m jax_ep.bench --emulated --model --json`
+with JAX_EP_EMU_MODULE_DIR pointing at its module. The numbers are COUNTS of the emulated
+GPU and a MODEL built on them, never measurements.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEFORE_COMMIT = "8ec4c50"
+BEFORE_JSON = os.path.join(ROOT, "docs", "emulated_counts_before.json")
+# What "before" takes from HEAD: the counting emulator and its copy hook.
+OVERLAY = ["kernels/emu", "kernels/internode/device_copy.cuh", "xla_ffi/emu/emu_module.cc"]
+MARKS = {"counts": ("<!-- counts:begin -->", "<!-- counts:end -->"),
+         "model": ("<!-- model:begin -->", "<!-- model:end -->")}
+
+
+def sh(cmd, **kw):
+    print("+ " + " ".join(cmd), file=sys.stderr)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def worktree(path, commit):
+    """A detached worktree of `commit` at `path`; an existing one is moved to `commit` (its
+    build directory stays, so ninja rebuilds only what changed)."""
+    if os.path.exists(os.path.join(path, ".git")):
+        sh(["git", "-C", path, "checkout", "--quiet", "--force", "--detach", commit])
+        sh(["git", "-C", path, "clean", "-fdq", "-e", "build/"])
+    else:
+        sh(["git", "-C", ROOT, "worktree", "add", "--detach", path, commit])
+
+
+def build(src, jobs):
+    py = os.path.join(ROOT, ".venv", "bin", "python")
+    env = dict(os.environ, PATH=os.path.join(ROOT, ".venv", "bin") + os.pathsep
+               + os.environ.get("PATH", ""))
+    b = os.path.join(src, "build", "emu")
+    sh(["cmake", "-S", src, "-B", b, "-G", "Ninja", "-DJAX_EP_CUDA=OFF",
+        f"-DPython_EXECUTABLE={py}", "-DCMAKE_BUILD_TYPE=Release"], env=env,
+       stdout=subprocess.DEVNULL)
+    sh(["nice", "ninja", f"-j{jobs}", "-C", b, "_jax_ep_emu"], env=env, stdout=subprocess.DEVNULL)
+    return b
+
+
+def count(module_dir, out_json, extra):
+    env = dict(os.environ, JAX_EP_EMU_MODULE_DIR=module_dir)
+    sh([os.path.join(ROOT, ".venv", "bin", "python"), "-m", "jax_ep.bench", "--emulated",
+        "--model", "--json", out_json] + extra, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def counts_markdown(before, after):
+    sys.path.insert(0, ROOT)
+    from jax_ep.bench_emulated import format_markdown
+    out = []
+    for label, rep in (("Before (kernels at 8ec4c50)", before), ("After (HEAD)", after)):
+        shapes = {r["mode"]: r["shape"] for r in rep.get("results", [])}
+        out.append(f"**{label}**: {rep.get('commit', '')}. Shapes (ranks, nodes, tokens per "
+                   "rank, hidden, top-k, experts; bf16): " + "; ".join(
+                       f"{m} {s}" for m, s in shapes.items()) + ".")
+        out.append("")
+        out.append(format_markdown(rep.get("results", [])))
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def model_markdown(before, after):
+    out = ["| target | op | before: model us | bound | SMs | NVLink frac | RDMA GB/s | "
+           "after: model us | bound | SMs | NVLink frac | RDMA GB/s | target met (after) |",
+           "|---|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+
+    def cells(e, op):
+        if e is None or "error" in e:
+            return "not counted | | | | "
+        o = e["ops"][op]
+        return (f"{o['time_s'] * 1e6:.1f} | {o['bound']} | {o['sms']} | "
+                f"{o['nvlink_fraction']:.2f} | {o['rdma_GBps']:.1f}")
+
+    b = {e["target"]: e for e in before.get("model", {}).get("entries", [])}
+    a = {e["target"]: e for e in after.get("model", {}).get("entries", [])}
+    for t in list(dict.fromkeys(list(b) + list(a))):
+        for op in ("dispatch", "combine"):
+            ae = a.get(t)
+            met = ("" if ae is None or "error" in ae else
+                   f"{ae['verdict']['target']}: {'yes' if ae['verdict']['met'] else 'no'}")
+            err = ""
+            for side, e in (("before", b.get(t)), ("after", ae)):
+                if e is not None and "error" in e and op == "dispatch":
+                    err += f" ({side} not counted: {e['error'][:100]})"
+            out.append(f"| {t} | {op} | {cells(b.get(t), op)} | {cells(ae, op)} | {met}{err} |")
+    return "\n".join(out)
+
+
+def write(path, key, text):
+    with open(path) as f:
+        doc = f.read()
+    begin, end = MARKS[key]
+    i, j = doc.find(begin), doc.find(end)
+    if i < 0 or j < i:
+        raise SystemExit(f"{path}: markers {begin} ... {end} not found")
+    doc = doc[:i + len(begin)] + "\n" + text + "\n" + doc[j:]
+    with open(path, "w") as f:
+        f.write(doc)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rebuild-before", action="store_true",
+                   help=f"recount the kernels of {BEFORE_COMMIT} (worktree + build)")
+    p.add_argument("--after-module", help="use this emulated-module directory for 'after' "
+                                          "instead of building a worktree of HEAD")
+    p.add_argument("--scratch", default="/tmp/jax_ep_count_tables", help="worktrees here")
+    p.add_argument("--jobs", type=int, default=1, help="ninja -j (default 1)")
+    p.add_argument("--write", action="store_true", help="update docs/performance.md")
+    a = p.parse_args(argv)
+    os.makedirs(a.scratch, exist_ok=True)
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    if a.rebuild_before or not os.path.exists(BEFORE_JSON):
+        wt = os.path.join(a.scratch, "before")
+        worktree(wt, BEFORE_COMMIT)
+        for rel in OVERLAY:
+            src, dst = os.path.join(ROOT, rel), os.path.join(wt, rel)
+            if os.path.isdir(src):
+                shutil.copytree(src, dst, dirs_exist_ok=True)
+            else:
+                shutil.copy2(src, dst)
+        before = count(build(wt, a.jobs), os.path.join(a.scratch, "before.json"), [])
+        before["commit"] = f"{BEFORE_COMMIT} with the counting emulator of {head}"
+        for r in before.get("results", []):
+            r.pop("per_device", None)  # totals are enough for the tables
+        with open(BEFORE_JSON, "w") as f:
+            json.dump(before, f, indent=1)
+    with open(BEFORE_JSON) as f:
+        before = json.load(f)
+    if a.after_module:
+        mod = a.after_module
+    else:
+        wt = os.path.join(a.scratch, "after")
+        worktree(wt, subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                                    text=True, check=True).stdout.strip())
+        mod = build(wt, a.jobs)
+    after = count(mod, os.path.join(a.scratch, "after.json"), [])
+    after["commit"] = head
+    c, m = counts_markdown(before, after), model_markdown(before, after)
+    print(c)
+    print()
+    print(m)
+    if a.write:
+        doc = os.path.join(ROOT, "docs", "performance.md")
+        write(doc, "counts", c)
+        write(doc, "model", m)
+        print(f"wrote {doc}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
