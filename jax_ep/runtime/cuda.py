@@ -108,9 +108,11 @@ def _bindings():
 
 
 def set_num_sms(num_sms: int | None) -> None:
-    """SMs the intranode push and receive kernels may use (as DeepEP's
-    ``Buffer.set_num_sms``): their grids are cut to that many SMs at one resident block
-    per SM, so they fit beside other work (compute, an NCCL kernel, another MPS client).
+    """SMs the intranode kernels may use (as DeepEP's ``Buffer.set_num_sms``): the
+    dispatch/combine channel kernels run the largest even block count within it (at least
+    2: a sending and a receiving block per channel; default 24 at 8 ranks, see
+    docs/intranode.md), the gather grids are cut to it, at one resident block per SM, so
+    they fit beside other work (compute, an NCCL kernel, another MPS client).
     None: the GPU's SMs less 16 (kernels/common/configs.h kReservedSms). Read at each
     launch (``JAX_EP_NUM_SMS``): set it before the program is compiled or captured."""
     if num_sms is None:
@@ -123,7 +125,8 @@ def set_num_sms(num_sms: int | None) -> None:
 
 def presets() -> list[dict]:
     """The intranode launch presets compiled in (kernels/common/configs.h): name, max_ranks,
-    push_blocks, recv_blocks, threads. JAX_EP_CUDA_PRESET=<name> forces one."""
+    num_sms (blocks of the dispatch/combine channel kernels), push_blocks, recv_blocks and
+    threads (the gather kernels). JAX_EP_CUDA_PRESET=<name> forces one."""
     return [dict(p) for p in _bindings().cuda_presets()]
 
 
