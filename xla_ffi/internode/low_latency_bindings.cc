@@ -40,11 +40,8 @@ void AddLowLatencyWireBindings(nb::module_& m) {
                                   std::to_string(llwire::kNumCfgFields) + " fields");
     return llwire::config_hash(cfg.data());
   });
-  m.def("ll_row_qp", [](int peer, int64_t j, int num_ports, int qps_per_port) {
-    return llwire::row_qp(peer, j, num_ports, qps_per_port);
-  });
-  m.def("ll_rows_on_qp", [](int64_t rows, int reader, int qp, int num_ports, int qps_per_port) {
-    return llwire::rows_on_qp(rows, reader, qp, num_ports, qps_per_port);
+  m.def("ll_expert_qp", [](int reader, int e, int num_ports, int qps_per_port) {
+    return llwire::expert_qp(reader, e, num_ports, qps_per_port);
   });
   m.def("ll_widen_epoch", [](uint64_t latest, uint32_t low) {
     return llwire::widen_epoch(latest, low);

@@ -10,7 +10,7 @@ class module_;
 }  // namespace nanobind
 
 namespace jax_ep {
-// ll_protocol, ll_config_hash, ll_row_qp, ll_rows_on_qp, ll_area_layout; with NVSHMEM
+// ll_protocol, ll_config_hash, ll_expert_qp, ll_area_layout; with NVSHMEM
 // also ll_internode_init / ll_internode_info (xla_ffi/internode/low_latency_bindings.cc).
 void AddLowLatencyWireBindings(nanobind::module_& m);
 #ifdef JAX_EP_WITH_NVSHMEM
