@@ -159,3 +159,16 @@ def _tiny():
     w = np.ones((8, 1, 1), np.float32)
     y = np.ones((8, 8, 2), np.float32)
     return x, idx, w, y
+
+
+def test_node_size_sources():
+    """G: JAX_EP_GPUS_PER_NODE first; else one node on CPU (a launcher's local size does
+    not split CPU devices); else the topology (the launcher's local size on GPUs)."""
+    from jax_ep.network.topology import combine_node_size
+    assert combine_node_size(8, "cpu", environ={}) == 8
+    assert combine_node_size(8, "cpu", environ={ENV: "2"}) == 2
+    assert combine_node_size(8, "cpu", environ={"LOCAL_WORLD_SIZE": "4"}) == 8
+    assert combine_node_size(8, "gpu", environ={"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert combine_node_size(8, "gpu", environ={}) == 8
+    with pytest.raises(ValueError, match=ENV):
+        combine_node_size(8, "cpu", environ={ENV: "3"})
