@@ -92,7 +92,7 @@ def test_two_independent_dispatches_are_chained():
 
 def test_the_check_fails_without_the_chain(monkeypatch):
     from jax_ep import _order
-    monkeypatch.setattr(_order, "last_call", lambda trace=None: None)
+    monkeypatch.setattr(_order, "_barrier", lambda leaves: leaves)
     calls = ep_calls_with_deps(_export_cuda(_two_dispatches, *_inputs()))
     assert len(calls) == 2
     with pytest.raises(AssertionError, match="does not depend"):
@@ -169,3 +169,208 @@ def test_exports_under_concurrent_command_buffer_scheduling():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "CHAINED 2" in r.stdout
+
+
+# ---- across nested bodies: a dataflow over the whole exported module ----
+_FUNC = re.compile(r"^\s*func\.func \w+ @([\w.$-]+)\((.*)$")
+_FCALL = re.compile(r"(?:func\.)?call @([\w.$-]+)\(([^)]*)\)")
+_WHILE = re.compile(r"stablehlo\.while\((.*?)\)\s*:")
+_MANUAL = re.compile(r"sdy\.manual_computation\(([^)]*)\).*?\((%arg\d+:.*)\)\s*\{\s*$")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _funcs(text: str) -> dict:
+    """name -> (argument names, body lines)."""
+    out, lines = {}, text.splitlines()
+    for i, line in enumerate(lines):
+        m = _FUNC.match(line)
+        if not m:
+            continue
+        w = _indent(line)
+        j = next(k for k in range(i + 1, len(lines))
+                 if _indent(lines[k]) == w and lines[k].strip().startswith("}"))
+        out[m.group(1)] = (re.findall(r"(%arg\d+):", m.group(2)), lines[i + 1:j])
+    return out
+
+
+class ModuleFlow:
+    """Which EP calls each EP call's operands depend on, through any op, nested function
+    calls (inlined per call), while loops (loop-carried values to a fixpoint, so a body's
+    call in one iteration is seen against the next) and shard_map regions. Each EP call
+    instance is one entry of `calls`: {'target', 'after': set of call ids}."""
+
+    def __init__(self, text: str):
+        self.funcs = _funcs(text)
+        self.calls: dict[str, dict] = {}
+
+    def run(self, fname="main", args=None):
+        names, lines = self.funcs[fname]
+        deps = dict(zip(names, args or [set()] * len(names)))
+        return self._block(lines, deps, fname)
+
+    def _names(self, s):
+        return [n.split("#")[0] for n in _NAME.findall(s)]
+
+    def _used(self, deps, s):
+        out = set()
+        for n in self._names(s):
+            out |= deps.get(n, set())
+        return out
+
+    def _block(self, lines, deps, prefix):
+        """Runs `lines` (one region); returns the deps of its return's operands (one set)."""
+        i, ret = 0, set()
+        while i < len(lines):
+            line = lines[i]
+            w = _indent(line)
+            stripped = line.strip()
+            if stripped.startswith(("return", "stablehlo.return", "sdy.return")):
+                ret |= self._used(deps, stripped.split(":")[0])
+                i += 1
+                continue
+            m = _DEF.match(line)
+            wm = _WHILE.search(line)
+            mm = _MANUAL.search(line)
+            if m and (wm or mm):
+                end = next(k for k in range(i + 1, len(lines))
+                           if _indent(lines[k]) == w and lines[k].strip().startswith("}")
+                           and "do {" not in lines[k])
+                region = lines[i + 1:end]
+                outs = self._names(m.group(1))
+                if wm:
+                    pairs = [p.split("=") for p in wm.group(1).split(",")]
+                    carried = {a.strip(): self._used(deps, b) for a, b in pairs}
+                    do = next(k for k, ln in enumerate(region) if "} do {" in ln)
+                    for _ in range(4):  # loop-carried values to a fixpoint
+                        inner = dict(deps, **carried)
+                        self._block(region[:do], dict(inner), prefix + f"@{i}c")
+                        back = self._block(region[do + 1:], dict(inner), prefix + f"@{i}w")
+                        if back <= set().union(*carried.values()):
+                            break
+                        carried = {a: v | back for a, v in carried.items()}
+                    result = set().union(*carried.values()) | back
+                else:
+                    operands = mm.group(1)
+                    inner = dict(deps)
+                    for a in re.findall(r"(%arg\d+):", mm.group(2)):
+                        inner[a] = self._used(deps, operands)
+                    result = self._block(region, inner, prefix + f"@{i}m")
+                for o in outs:
+                    deps[o] = result
+                i = end + 1
+                continue
+            if not m:
+                i += 1
+                continue
+            outs = self._names(m.group(1))
+            rhs = m.group(2)
+            used = self._used(deps, rhs)
+            c = _FCALL.search(rhs)
+            t = _EP.search(rhs)
+            if c and c.group(1) in self.funcs:
+                args = [self._used(deps, a) for a in c.group(2).split(",")]
+                used = self._call(c.group(1), args, prefix + f"@{i}")
+            elif t:
+                cid = f"{prefix}:{outs[0]}"
+                entry = self.calls.setdefault(cid, {"target": t.group(1), "after": set()})
+                entry["after"] |= used
+                used = used | {cid}
+            for o in outs:
+                deps[o] = used
+            i += 1
+        return ret
+
+    def _call(self, fname, args, prefix):
+        names, lines = self.funcs[fname]
+        return self._block(lines, dict(zip(names, args)), prefix + "/" + fname)
+
+
+def assert_all_pairs_ordered(calls: dict):
+    """Every two EP calls are ordered by a dependency, and a call in a loop body is
+    ordered against itself in the next iteration."""
+    ids = sorted(calls)
+    for a in ids:
+        for b in ids:
+            if a < b:
+                assert a in calls[b]["after"] or b in calls[a]["after"], \
+                    f"{calls[a]['target']} {a} and {calls[b]['target']} {b} are not ordered"
+    for a in ids:
+        if re.search(r"@\d+w", a):  # inside a while body
+            assert a in calls[a]["after"], f"{a} is not ordered against its next iteration"
+
+
+def _scan_program(x, idx, w):
+    def body(carry, _):
+        # two independent calls inside the body
+        d = jax_ep.dispatch(carry, idx, w, num_experts=E, axis_name="ep", backend="ffi")[0]
+        e = jax_ep.dispatch(carry * 2, idx, w, num_experts=E, axis_name="ep",
+                            backend="ffi")[0]
+        return carry + d[:T] + e[:T], None
+
+    y, _ = jax.lax.scan(body, x, None, length=2)
+    # one outside the body, independent of it
+    b = jax_ep.dispatch(x * 3, idx, w, num_experts=E, axis_name="ep", backend="ffi")[0]
+    return y + b[:T]
+
+
+def test_calls_inside_a_scan_body_are_ordered_against_the_others():
+    flow = ModuleFlow(_export_cuda(_scan_program, *_inputs()))
+    flow.run()
+    assert len(flow.calls) == 3
+    assert_all_pairs_ordered(flow.calls)
+
+
+def test_the_module_check_fails_without_the_token(monkeypatch):
+    from jax_ep import _order
+    monkeypatch.setattr(_order, "_barrier", lambda leaves: leaves)
+    flow = ModuleFlow(_export_cuda(_scan_program, *_inputs()))
+    flow.run()
+    assert len(flow.calls) == 3
+    with pytest.raises(AssertionError, match="not ordered"):
+        assert_all_pairs_ordered(flow.calls)
+
+
+def test_nested_jit_and_checkpoint_calls_are_ordered():
+    def f(x, idx, w):
+        a = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep", backend="ffi")[0]
+
+        @jax.jit
+        def inner(x):
+            return jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                   backend="ffi")[0]
+
+        c = jax.checkpoint(inner)(x * 2)
+        return a[:T] + inner(x)[:T] + c[:T]
+
+    flow = ModuleFlow(_export_cuda(f, *_inputs()))
+    flow.run()
+    assert len(flow.calls) == 3
+    assert_all_pairs_ordered(flow.calls)
+
+
+def test_rematerialized_calls_are_ordered():
+    """The backward pass of a checkpointed MoE layer inside a scan over layers: the
+    recomputed forward calls and the transposed ones are ordered with every other."""
+    def f(x, idx, w):
+        @jax.checkpoint
+        def layer(h):
+            rx, _, _, hd = jax_ep.dispatch(h, idx, w, num_experts=E, axis_name="ep",
+                                           backend="ffi")
+            return jax_ep.combine(jnp.tanh(rx), hd, backend="ffi") + h
+
+        def loss(x):
+            y, _ = jax.lax.scan(lambda c, _: (layer(c), None), x, None, length=2)
+            return jnp.sum(y * y)
+
+        return jax.grad(loss)(x)
+
+    text = _export_cuda(f, *_inputs())
+    flow = ModuleFlow(text)
+    flow.run()
+    targets = [c["target"] for c in flow.calls.values()]
+    # forward dispatch + combine, recomputed in the backward pass, and the transposes
+    assert targets.count("jax_ep_dispatch") >= 2, targets
+    assert_all_pairs_ordered(flow.calls)
