@@ -425,6 +425,11 @@ void nvshmem_quiet() {
   emu::yield(emu::kYieldFence);
 }
 
+void nvshmem_fence() {
+  nvshmem_emu::Count("fences");
+  emu::yield(emu::kYieldFence);
+}
+
 uint64_t nvshmem_signal_fetch(const uint64_t* sig) {
   emu::note_poll();
   nvshmem_emu::Count("polls");
