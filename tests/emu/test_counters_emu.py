@@ -139,3 +139,30 @@ def test_internode_direct_one_row_is_one_rdma_payload_per_rank():
     assert s["puts"]["rdma"]["wrs"] >= s["puts"]["rdma"]["puts"]
     for r in range(R):
         assert c.per_device[r]["puts:rdma"] >= 1, r
+
+
+def test_bench_emulated_prints_counts_labelled_as_counts(tmp_path, capsys):
+    """`python -m jax_ep.bench --emulated`: a table labelled as counts (not measurements)
+    and JSON with the totals and each GPU's counters; settable shapes."""
+    import json
+
+    from jax_ep import bench
+
+    path = tmp_path / "counts.json"
+    rep = bench.main(["--emulated", "--modes", "intranode", "--ranks", "2", "--tokens", "1",
+                      "--hidden", "64", "--topk", "1", "--experts", "2", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "COUNTED by the emulated GPU" in out and "not measurements" in out
+    saved = json.loads(path.read_text())
+    assert saved["kind"] == "emulated_counts" and "not measurements" in saved["note"]
+    rows = {r["op"]: r for r in rep["results"]}
+    assert set(rows) == {"dispatch", "combine"}
+    for r in rows.values():
+        assert r["mode"] == "intranode" and r["gpus"] == 2 and len(r["per_device"]) == 2
+        assert r["shape"]["ranks"] == 2 and r["shape"]["hidden"] == 64
+        assert r["launches"] >= 2 and r["max_blocks_per_launch"] >= 1
+    # every token of one rank goes to the other's expert or its own: at most 2 rows of
+    # 128 bytes cross NVLink per op, and dispatch's 16-byte peer traffic is whole rows
+    p16 = rows["dispatch"]["counters"].get("store_bytes:peer:16", 0) + \
+        rows["dispatch"]["counters"].get("load_bytes:peer:16", 0)
+    assert p16 % 128 == 0 and p16 <= 2 * 128
