@@ -67,7 +67,7 @@ MUTANTS = [
     Mutant("in_order_nodes_descending", IN,
            "    for (int n = 0; n < nodes; ++n) {\n      float part = 0.f;",
            "    for (int n = nodes - 1; n >= 0; --n) {\n      float part = 0.f;",
-           (T_IN, "-k", "node_order"),
+           (T_IN, "-k", "hand_computed_node_order"),
            "the node partials summed in descending node order"),
     Mutant("in_order_one_node", IN,
            "  const bool rounds = combine_rounds_partials(nodes);\n  for (int x",

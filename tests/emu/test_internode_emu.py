@@ -285,6 +285,28 @@ def test_counters_per_qp():
         assert cnt.get(f"nvshmem:qp{q}:signals", 0) > len([r for r in puts if r["sig_op"] >= 0])
 
 
+@full
+def test_direct_combine_hand_computed_node_order():
+    """8 ranks in 4 nodes of 2, every token on every rank: source 0's token comes back
+    with the rows 2^30, 0 | -2^30, 0 | 1, 2^-8 | 2^-8, 0 (bf16). In the order, the node
+    partials are 2^30, -2^30, bf16(1 + 2^-8) = 1 (tie to even), 2^-8, summing to 1 + 2^-8,
+    which casts to 1.0; partials unrounded give 1.0078125, nodes descending 0.0, one node
+    1.0078125 (tests/test_combine_order.py has the same case on the CPU backends)."""
+    c = Case("hand_order", R=8, G=2, T=1, H=2, K=8, E=8, C=8, dtype=BF16)
+    x = np.ones((8, 1, 2), np.float32).astype(BF16)
+    idx = np.tile(np.arange(8, dtype=np.int32), (8, 1, 1))
+    w = np.ones((8, 1, 8), np.float32)
+    y = np.zeros((8, 8, 2), np.float32)
+    y[:, 0, 0] = [2.0 ** 30, 0.0, -2.0 ** 30, 0.0, 1.0, 2.0 ** -8, 2.0 ** -8, 0.0]
+    y[:, 0, 1] = 1.0
+    y = y.astype(BF16)
+    g = np.ones((8, 1, 2), np.float32).astype(BF16)
+    em = run_round_trip(c, data=(x, idx, w, y, g))
+    assert em is not None
+    ref = reference(x, idx, w, y, E=8, C=8, G=2)["out"]
+    assert float(ref[0][0, 0]) == 1.0 and float(ref[0][0, 1]) == 8.0
+
+
 # ------------------------------------------------------------------------- RDMA first
 
 @pytest.mark.parametrize("R,G,ports,qpp", [(4, 2, 2, 1), pytest.param(8, 4, 1, 2, marks=full)])
