@@ -61,3 +61,28 @@ def test_scale_counters_recovers_a_linear_law():
 def test_internode_modes_are_not_timed_in_one_process(mode):
     with pytest.raises(NotImplementedError, match=f"--mode {mode}: not implemented"):
         bench.main(["--mode", mode])
+
+
+def test_gpu_check_bench_stage_records_the_bench_json():
+    """The stage that produces the first GPU numbers: the script parses, `--only bench` is
+    a stage name, the stage writes each bench's JSON where the report collects it
+    (s6*.json into gpu_check.json), and docs/performance.md names that command."""
+    import os
+    import re
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    text = open(script).read()
+    assert re.search(r"NAMES=\(.*\bbench\b.*\)", text)
+    stage = text[text.index("stage_bench() {"):]
+    stage = stage[:stage.index("\n}\n")]
+    cmd = stage[stage.index('-m jax_ep.bench --virtual-ranks --ranks 8'):]
+    cmd = cmd[:cmd.index("|| rc=1")]
+    assert '--json "$WORK/s6_bench.json"' in cmd and "--hidden 7168" in cmd
+    assert '--mode low_latency --virtual-ranks' in stage
+    report = open(os.path.join(root, "scripts", "gpu_check_report.py")).read()
+    assert 's{n}*.json' in report
+    doc = open(os.path.join(root, "docs", "performance.md")).read()
+    assert "`bash scripts/gpu_check.sh --only bench`" in doc
