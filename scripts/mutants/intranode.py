@@ -34,7 +34,7 @@ MUTANTS = [
            "      peer::fence_data();\n    }\n  }\n  __syncthreads();\n  return s_last;\n}",
            "    s_last = prev == gridDim.x - 2;\n    if (s_last) {\n      h->done[counter] = 0;\n"
            "      peer::fence_data();\n    }\n  }\n  __syncthreads();\n  return s_last;\n}",
-           (T_INTRA, "-k", "every_block or pipelined or rings"),
+           (T_INTRA, "-k", "one_channel or every_block or pipelined or rings"),
            "off-by-one: the dispatch credit goes out before the last block is done"),
     # --------------------------------------------------------- intranode combine
     Mutant("combine_row_wait_skipped", INTRA,

@@ -126,6 +126,23 @@ def test_pipelined_dispatches_wait_for_credits():
         assert emu.check_errors() == []
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_pipelined_dispatches_one_channel_small_rings(seed, monkeypatch):
+    """Three dispatches enqueued before the GPUs run, one channel (num_sms 2) and rings of
+    2 slots: a rank's credit must wait for its receiving block, or a peer's next epoch
+    writes into a ring that block still drains for this one."""
+    monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
+    monkeypatch.setenv("JAX_EP_NUM_SMS", "2")
+    R, T, H, K, E, C = 2, 24, 16, 2, 4, 48
+    cases = [_case(R, T, H, K, E, C, "bf16", "random", 80 + i) for i in range(3)]
+    emu = Emulator(R, seed=seed, resident_blocks=2)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    got = emu.dispatch_pipelined([c[:3] for c in cases], num_experts=E, capacity=C)
+    for i, (g, c) in enumerate(zip(got, cases)):
+        assert_same(g, reference(*c, E=E, C=C), DISPATCH_KEYS, f"seed {seed} call {i}: ")
+    assert emu.check_errors() == []
+
+
 def test_rows_in_every_block_over_consecutive_calls():
     """Enough rows that every warp of every push block copies some, two calls in a row:
     a signal sent before the last block's rows (or a stale last-block counter) shows."""
