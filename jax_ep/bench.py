@@ -513,7 +513,7 @@ def main(argv=None) -> dict:
     argv = [a for x in argv for a in (x.split("=", 1) if x.startswith("--mode=") else [x])]
     # `--emulated` / `--model`: counts on the emulated GPU and the modelled H200 estimate
     # (jax_ep/bench_emulated.py); nothing is timed.
-    if "--emulated" in argv or "--model" in argv or "--model-only" in argv:
+    if any(a in argv for a in ("--emulated", "--model", "--model-only", "--model-from")):
         from jax_ep import bench_emulated
         return bench_emulated.main([x for x in argv if x != "--emulated"])
     if "--mode" in argv:

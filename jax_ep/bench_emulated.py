@@ -67,10 +67,21 @@ def _merge(a: list[dict], b: list[dict]) -> list[dict]:
     return out
 
 
+_CACHE: dict = {}
+
+
 def count_mode(mode: str, shape: dict, *, seed: int = 0) -> dict[str, Any]:
     """Counts one dispatch and one combine of `mode` at `shape` (after one uncounted
     round, so buffers, credits and parities are in their steady state). Returns
-    {"dispatch": [counters of each virtual GPU], "combine": [...], "seconds": wall}."""
+    {"dispatch": [counters of each virtual GPU], "combine": [...], "seconds": wall}.
+    A shape counted before in this process is not counted again."""
+    key = (mode, json.dumps(shape, sort_keys=True), seed)
+    if key not in _CACHE:
+        _CACHE[key] = _count_mode(mode, shape, seed=seed)
+    return _CACHE[key]
+
+
+def _count_mode(mode: str, shape: dict, *, seed: int = 0) -> dict[str, Any]:
     from jax_ep import emulator as em
 
     t0 = time.perf_counter()
@@ -294,11 +305,9 @@ MODEL_MODE = {"intranode": "intranode", "hierarchical_2x8": "hierarchical",
 
 
 def run_model(names, *, seed=0, progress=True) -> list[dict]:
-    from jax_ep import model
-
     out = []
     for name in names:
-        mode, target = MODEL_MODE[name], TARGETS[name]
+        mode = MODEL_MODE[name]
         pts = model_points(mode, MODEL_COUNT[name])
         if progress:
             print(f"jax_ep.bench --model: counting {mode} at {len(pts)} small shapes "
@@ -308,17 +317,30 @@ def run_model(names, *, seed=0, progress=True) -> list[dict]:
         except Exception as e:  # noqa: BLE001
             out.append({"target": name, "error": f"{type(e).__name__}: {e}"[:2000]})
             continue
-        entry = {"target": name, "mode": mode, "shape": target, "counted_at": pts, "ops": {}}
-        for op in ("dispatch", "combine"):
-            per_dev = []
-            for d in range(target["ranks"]):
-                src = d % pts[0]["ranks"]  # the counted GPU standing for this one
-                per_dev.append(model.scale_counters(
-                    [(p, c[op][src]) for p, c in counted], target))
-            entry["ops"][op] = model.op_time(per_dev)
-        entry["verdict"] = _verdict(name, entry["ops"])
-        out.append(entry)
+        points = [{"shape": p, "dispatch": c["dispatch"], "combine": c["combine"]}
+                  for p, c in counted]
+        out.append(model_entry(name, points))
     return out
+
+
+def model_entry(name: str, points: list[dict]) -> dict:
+    """The model at target `name` from its counted points [{"shape", "dispatch": [per
+    GPU counters], "combine": [...]}] (kept in the JSON, so `--model-from` recomputes the
+    model without counting again)."""
+    from jax_ep import model
+
+    target = TARGETS[name]
+    entry = {"target": name, "mode": MODEL_MODE[name], "shape": target,
+             "counted_at": [p["shape"] for p in points], "ops": {}, "points": points}
+    for op in ("dispatch", "combine"):
+        per_dev = []
+        for d in range(target["ranks"]):
+            src = d % points[0]["shape"]["ranks"]  # the counted GPU standing for this one
+            per_dev.append(model.scale_counters(
+                [(p["shape"], p[op][src]) for p in points], target))
+        entry["ops"][op] = model.op_time(per_dev)
+    entry["verdict"] = _verdict(name, entry["ops"])
+    return entry
 
 
 def _verdict(name: str, ops: dict) -> dict:
@@ -382,6 +404,9 @@ def parse_args(argv=None):
     p.add_argument("--model-only", action="store_true", help="only the model")
     p.add_argument("--targets", default=",".join(TARGETS),
                    help=f"--model's targets, a subset of {','.join(TARGETS)}")
+    p.add_argument("--model-from", metavar="JSON",
+                   help="recompute the model from the counted points of an earlier --json "
+                        "(no counting)")
     p.add_argument("--json", metavar="PATH", help="write the counts (and model) as JSON")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -408,14 +433,28 @@ def main(argv=None) -> dict:
     from jax_ep import emulator
     report: dict[str, Any] = {"note": NOTE, "kind": "emulated_counts",
                               "module": getattr(emulator.module(), "__file__", "")}
-    if not a.model_only:
-        rows = count_all(a.modes, shapes, seed=a.seed)
-        report["results"] = [{k: v for k, v in r.items() if k != "per_device"} | (
-            {"per_device": r["per_device"]} if "per_device" in r else {}) for r in rows]
+    old = None
+    if a.model_from:
+        with open(a.model_from) as f:
+            old = json.load(f)
+    if old is not None:
+        # regrouped from the saved per-GPU counters (the grouping may be newer than them)
+        rows = [dict(row_of(r["mode"], r["op"], r["shape"], r["per_device"]),
+                     per_device=r["per_device"], seconds=r.get("seconds"))
+                if "per_device" in r else r for r in old.get("results", [])]
+        report["results"] = rows
         print(format_table(rows))
-    if a.model or a.model_only:
+    elif not a.model_only:
+        rows = count_all(a.modes, shapes, seed=a.seed)
+        report["results"] = rows
+        print(format_table(rows))
+    if old is not None or a.model or a.model_only:
         from jax_ep import model
-        entries = run_model(a.targets, seed=a.seed)
+        if old is not None:
+            entries = [model_entry(e["target"], e["points"]) if "points" in e else e
+                       for e in old.get("model", {}).get("entries", [])]
+        else:
+            entries = run_model(a.targets, seed=a.seed)
         report["model"] = {"note": MODEL_NOTE, "constants": model.H200.as_dict(),
                            "entries": entries}
         print(format_model(entries))

@@ -346,8 +346,9 @@ def summarize(c: dict[str, int]) -> dict[str, Any]:
                            "qps": {}, "fences": {}}
     for k, v in sorted(c.items()):
         parts = k.split(":")
-        if parts[0] == "kernel" and len(parts) == 3:
-            out["kernels"].setdefault(parts[1], {})[parts[2]] = v
+        if parts[0] == "kernel" and len(parts) >= 3:  # a template name may hold "::"
+            name, field = k[len("kernel:"):].rsplit(":", 1)
+            out["kernels"].setdefault(name, {})[field] = v
         elif parts[0] in ("load_bytes", "store_bytes") and len(parts) == 3:
             d = out["bytes"]["load" if parts[0] == "load_bytes" else "store"]
             d.setdefault(parts[1], {})[int(parts[2])] = v

@@ -77,9 +77,9 @@ def device_time(c: dict[str, int], k: Constants = H200) -> dict[str, Any]:
     nvlink = sum(ld_p.values()) + sum(st_p.values()) + put_peer
     kernels = {}
     for name, v in c.items():
-        p = name.split(":")
-        if p[0] == "kernel" and len(p) == 3:
-            kernels.setdefault(p[1], {})[p[2]] = v
+        if name.startswith("kernel:"):  # kernel:<name, maybe with "::">:<field>
+            kname, field = name[len("kernel:"):].rsplit(":", 1)
+            kernels.setdefault(kname, {})[field] = v
     launches = sum(kv.get("launches", 0) for kv in kernels.values())
     # blocks per launch of each kernel; the op's SMs: the widest kernel
     sms = max([kv.get("blocks", 0) // max(kv.get("launches", 1), 1) for kv in kernels.values()]

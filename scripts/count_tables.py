@@ -61,9 +61,12 @@ def build(src, jobs):
 
 
 def count(module_dir, out_json, extra):
+    """`--emulated --model` with the module of `module_dir` (extra: e.g. --model-from X to
+    regroup and remodel saved counts without counting)."""
     env = dict(os.environ, JAX_EP_EMU_MODULE_DIR=module_dir)
-    sh([os.path.join(ROOT, ".venv", "bin", "python"), "-m", "jax_ep.bench", "--emulated",
-        "--model", "--json", out_json] + extra, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    args = extra if extra else ["--emulated", "--model"]
+    sh([os.path.join(ROOT, ".venv", "bin", "python"), "-m", "jax_ep.bench"] + args
+       + ["--json", out_json], env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     with open(out_json) as f:
         return json.load(f)
 
@@ -146,12 +149,10 @@ def main(argv=None):
                 shutil.copy2(src, dst)
         before = count(build(wt, a.jobs), os.path.join(a.scratch, "before.json"), [])
         before["commit"] = f"{BEFORE_COMMIT} with the counting emulator of {head}"
-        for r in before.get("results", []):
-            r.pop("per_device", None)  # totals are enough for the tables
-        with open(BEFORE_JSON, "w") as f:
-            json.dump(before, f, indent=1)
+        with open(BEFORE_JSON, "w") as f:  # per-GPU counts and model points: --model-from
+            json.dump(before, f)
     with open(BEFORE_JSON) as f:
-        before = json.load(f)
+        label = json.load(f).get("commit", BEFORE_COMMIT)
     if a.after_module:
         mod = a.after_module
     else:
@@ -159,6 +160,9 @@ def main(argv=None):
         worktree(wt, subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
                                     text=True, check=True).stdout.strip())
         mod = build(wt, a.jobs)
+    # the stored counts, regrouped and modelled by today's code (no recount)
+    before = count(mod, os.path.join(a.scratch, "before_now.json"), ["--model-from", BEFORE_JSON])
+    before["commit"] = label
     after = count(mod, os.path.join(a.scratch, "after.json"), [])
     after["commit"] = head
     c, m = counts_markdown(before, after), model_markdown(before, after)

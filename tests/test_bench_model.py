@@ -24,6 +24,16 @@ def test_link_bound_time_and_fraction_by_hand():
     assert r["nvlink_fraction"] == pytest.approx(0.1 / (0.1 + 11e-6))
 
 
+def test_template_kernel_names_count():
+    """A templated kernel's name holds "::" (combine_channel_kernel<FloatKind::kBF16>)."""
+    c = {"kernel:k<FloatKind::kBF16>:launches": 2, "kernel:k<FloatKind::kBF16>:blocks": 48}
+    r = model.device_time(c)
+    assert r["launches"] == 2 and r["sms"] == 24
+    from jax_ep.emulator import summarize
+    assert summarize(c)["kernels"] == {"k<FloatKind::kBF16>": {
+        "launches": 2, "blocks": 48, "threads_per_block": 0}}
+
+
 def test_narrow_accesses_cost_sm_time():
     """The same bytes at 4-byte width take 4x the SM time: the op becomes SM-bound."""
     c = {"store_bytes:peer:4": 45_000_000_000, "kernel:k:launches": 1, "kernel:k:blocks": 20}
