@@ -338,7 +338,8 @@ def _back_call(op, a, handle, what, rows_of):
 
 
 def combine(y, handle: DispatchHandle, cfg: Cfg):
-    """Internode combine: y[C, H] -> out[T, H] (float32 sums in ascending rank order)."""
+    """Internode combine: y[C, H] -> out[T, H] (float32 sums in combine's summation order,
+    kernels/common/combine_order.h, with the topology's node size)."""
     return _back_call("combine", y, handle, "combine", lambda parts: parts.send_slot.shape[0])
 
 
