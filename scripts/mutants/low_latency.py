@@ -22,7 +22,7 @@ MUTANTS = [
     Mutant("ll_push_skipped_signal", LL,
            "      peer::signal(reinterpret_cast<uint64_t*>(ll_at(a, r, a.L.dispatch_word_off(half, e, a.me))),\n"
            "                   ll_count_word(n, rows));",
-           "",
+           "      (void)rows;",
            _BASIC,
            "skipped arrival word: owners time out"),
     Mutant("ll_credit_wait_too_strict", LL,
@@ -38,7 +38,7 @@ MUTANTS = [
     Mutant("ll_send_no_fence", LL,
            "    // Every thread orders its own rows before the pair's word.\n    peer::fence_data();\n",
            "",
-           (T_LL, "-k", "test_ll_dispatch_combine or consecutive"),
+           (T_LL, "-k", "one_run"),
            "removed fence: other threads' rows not ordered before the arrival word"),
     Mutant("ll_count_before_rows", LL,
            "    const int c = ll_number_block(a, g, &sh, [&](int base, int rows) {\n      if (skip) return;",
@@ -46,7 +46,7 @@ MUTANTS = [
            "      if (threadIdx.x == 0)\n"
            f"        peer::signal({_WORD}, ll_count_word(n, base + rows < a.M ? base + rows : a.M));\n"
            "      if (skip) return;",
-           (T_LL, "-k", "test_ll_dispatch_combine or consecutive"),
+           (T_LL, "-k", "one_run"),
            "count released before the rows: the owner reads slots not yet written"),
     Mutant("ll_combine_word_wrong_half", LL,
            "ll_at(a, d, a.L.combine_word_off(half, a.me, e))",
@@ -61,6 +61,6 @@ MUTANTS = [
     Mutant("ll_handle_check_dropped", LL,
            "    if (f < 0 || c < 0 || f + c > RM) {",
            "    if (false) {",
-           (T_LL, "-k", "foreign_handle"),
+           (T_LL, "-k", "foreign"),
            "a foreign combine handle is not caught: rows outside y are sent"),
 ]
