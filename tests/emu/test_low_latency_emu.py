@@ -137,6 +137,7 @@ def test_ll_rank_that_skips_a_call_ends_in_errors_on_every_rank():
 
 # ---- cases ported from the former host simulator (foreign handle, order, faults) ----
 
+@pytest.mark.emu_full
 @pytest.mark.parametrize("resident_blocks", [2, None])
 def test_ll_resident_blocks_small_and_default(resident_blocks):
     """No block of a low-latency kernel waits for another block of the same kernel, so
@@ -150,6 +151,7 @@ def test_ll_resident_blocks_small_and_default(resident_blocks):
     assert emu.check_errors() == []
 
 
+@pytest.mark.emu_full
 def test_ll_no_tokens_all_ids_unused():
     """T = 0 (jax_ep.low_latency pads to M rows of -1) and all ids -1: no rows anywhere,
     every count 0, combine zeros; the next round with real routing is exact."""
@@ -167,6 +169,7 @@ def test_ll_no_tokens_all_ids_unused():
     assert emu.check_errors() == []
 
 
+@pytest.mark.emu_full
 def test_ll_fp8_pair():
     """FP8 pairs as jax_ep.low_latency sends them: the float8_e4m3fn values, then the
     float32 1 x 128 scales, two dispatches of one routing, each bit-exact."""
@@ -197,6 +200,7 @@ def test_ll_fp8_pair():
     assert emu.check_errors() == []
 
 
+@pytest.mark.emu_full
 def test_ll_receive_halves_out_of_order():
     """Two sends of each op in flight, their receive halves in reverse order: each
     receive half takes its own epoch (handed over by its send half) and its own half."""
@@ -268,6 +272,7 @@ def test_ll_foreign_handle_counts_as_zero_everywhere_and_is_not_sticky():
     assert emu.check_errors() == []
 
 
+@pytest.mark.emu_full
 def test_ll_bad_and_repeated_ids_are_reported_and_left_out():
     """An id outside [-1, E) and an id repeated within a token: reported on that rank,
     left unused by dispatch and combine; the other rows are exact."""
@@ -316,6 +321,7 @@ def test_ll_one_arrival_word_per_expert_and_source_and_grids_in_the_budget(monke
     assert emu.check_errors() == []
 
 
+@pytest.mark.emu_full
 @pytest.mark.parametrize("first,count", [(None, None), (2**31 - 1, 1), (2**31 - 2, 2**31 - 1)])
 def test_ll_handle_past_int32_or_above_rows_per_source_is_foreign(first, count):
     """first_row + row_count above 2^31 (checked in int64), or a handle within y whose
@@ -339,6 +345,7 @@ def test_ll_handle_past_int32_or_above_rows_per_source_is_foreign(first, count):
     assert all("does not belong to this call" in e for e in errs), errs
 
 
+@pytest.mark.emu_full
 def test_ll_rank_in_another_call_errors_instead_of_mixing():
     """Rank 1 runs a dispatch from another call site (another tag): no rows are mixed, a
     call mismatch is reported, and every rank ends with an error."""
@@ -354,6 +361,7 @@ def test_ll_rank_in_another_call_errors_instead_of_mixing():
     assert any("is in another EP call" in e for e in errs), errs
 
 
+@pytest.mark.emu_full
 def test_ll_timeout_after_a_value_error_still_stops_the_send():
     """Rank 0's dispatch has a bad id (a value error, recorded first); then a third send
     before any receive half times out on its credit: the failed state stops that send
@@ -423,7 +431,9 @@ def _ll_pipelined(emu, rounds, *, E, M):
     return results
 
 
-@pytest.mark.parametrize("R,seed", [(2, 1), (2, 2), (4, 3), (4, 4)])
+@pytest.mark.parametrize("R,seed", [(2, 1), pytest.param(2, 2, marks=pytest.mark.emu_full),
+                                    pytest.param(4, 3, marks=pytest.mark.emu_full),
+                                    pytest.param(4, 4, marks=pytest.mark.emu_full)])
 def test_ll_dispatch_halves_in_one_run(R, seed):
     """Send and receive halves of four rounds enqueued together: a receive half that
     reads an arrival word before the rows it covers (no fence, or the word released
