@@ -1006,6 +1006,7 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
       if (stop) return;
       continue;
     }
+    __syncwarp();  // every lane's acquire before any lane reads another lane's ring
     last = NowNs();
     const char* row =
         need ? NvlRing(v, g, lane, n) + nvl_slot(static_cast<int64_t>(head)) * g.stride

@@ -1,7 +1,7 @@
 """The hierarchical internode mode's kernel sources on the emulated GPU (2 nodes x 2 and x 4
 GPUs, 4 nodes x 2), through its own FFI handlers, bit-exact against the reference backend
-(dispatch, gather) and against the combine summation order of kernels/common/combine_order.h
-(node partials rounded to the row dtype, then nodes in ascending order); and the same kernels
+summing in the nodes of the run (kernels/common/combine_order.h: node partials rounded to
+the row dtype, then nodes in ascending order); and the same kernels
 built with small rings (2-row chunks, 2 chunks per RDMA ring, 3-row NVLink rings) so that a
 few tokens fill and wrap every ring.
 
@@ -21,8 +21,8 @@ import pytest
 from jax_ep.network.hier_layout import hier_layout
 
 sys.path.insert(0, os.path.dirname(__file__))
-from internode_emu_util import (SIGNAL_ADD, InternodeEmu, bits, reference,  # noqa: E402
-                                routing)
+from internode_emu_util import (SIGNAL_ADD, InternodeEmu, _reference_program,  # noqa: E402
+                                bits, reference, routing)
 from test_internode_emu import DISPATCH_FIELDS  # noqa: E402
 
 pytestmark = pytest.mark.emu
@@ -30,34 +30,32 @@ full = pytest.mark.emu_full
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def node_order_combine(y, send_row, G):
-    """combine of y[R, C, H] by the handles' send_row[R(source), T, R(receiver)] in the
-    order of kernels/common/combine_order.h: per token, each node's rows summed in float32
-    over its ranks ascending, the partial rounded to y's dtype when there are several
-    nodes, the partials summed over nodes ascending in float32, then cast. (Absent rows
-    add +0.0, which leaves a sum that starts at +0.0 unchanged.)"""
-    R, T, _ = send_row.shape
-    N = -(-R // G)
-    out = np.zeros((R, T, y.shape[2]), np.float32)
-    for s in range(R):
-        for n in range(N):
-            p = np.zeros((T, y.shape[2]), np.float32)
-            for d in range(n * G, min(R, (n + 1) * G)):
-                rows = send_row[s, :, d]
-                hit = rows >= 0
-                p[hit] += y[d, rows[hit]].astype(np.float32)
-            out[s] += p.astype(y.dtype).astype(np.float32) if N > 1 else p
-    return out.astype(y.dtype)
+def reference_in_nodes(G, *args, **kw):
+    """The reference backend (internode_emu_util.reference) summing combine in nodes of G
+    ranks (JAX_EP_GPUS_PER_NODE, read when the program is traced; the util's program
+    cache does not key on it, so it is cleared around the call)."""
+    old = os.environ.get("JAX_EP_GPUS_PER_NODE")
+    os.environ["JAX_EP_GPUS_PER_NODE"] = str(G)
+    _reference_program.cache_clear()
+    try:
+        return reference(*args, **kw)
+    finally:
+        if old is None:
+            del os.environ["JAX_EP_GPUS_PER_NODE"]
+        else:
+            os.environ["JAX_EP_GPUS_PER_NODE"] = old
+        _reference_program.cache_clear()
 
 
 def round_trip(em, mode, x, idx, w, y, g, *, E, C, K, kind_differs=False):
     R = x.shape[0]
-    ref = reference(x, idx, w, y, g, E=E, C=C)
-    want_out = node_order_combine(y, ref["send_row"], em.G)
+    ref = reference_in_nodes(em.G, x, idx, w, y, g, E=E, C=C)
+    want_out = ref["out"]
     if em.G < R and K > 2 and kind_differs:
         # the data tells the node order from the rank order apart (with two rows per
         # token, or all of a token's rows on one node in float32, the orders coincide)
-        assert (bits(want_out) != bits(node_order_combine(y, ref["send_row"], R))).any()
+        one_node = reference_in_nodes(R, x, idx, w, y, E=E, C=C)["out"]
+        assert (bits(want_out) != bits(one_node)).any()
     outs, errs = em.dispatch(x, idx, w, num_experts=E, capacity=C, mode=mode)
     assert errs == [""] * R, errs
     assert em.errors() == [""] * R, em.errors()
@@ -115,7 +113,7 @@ def test_hierarchical_drops_past_capacity():
     em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=4)
     rng = np.random.default_rng(21)
     args = data(rng, R, T, H, K, E, C, BF16)
-    assert int(reference(*args[:4], E=E, C=C)["num_dropped"].sum()) > 0
+    assert int(reference_in_nodes(G, *args[:4], E=E, C=C)["num_dropped"].sum()) > 0
     round_trip(em, "hierarchical", *args, E=E, C=C, K=K)
 
 
@@ -211,3 +209,26 @@ def test_hierarchical_skip_fails_every_rank():
         assert recorded[r], f"rank {r} recorded nothing"
         assert np.isnan(outs[r]["recv_x"]).all() and (outs[r]["counts"] == -1).all()
         assert int(outs[r]["num_recv"]) == -1
+
+
+@full
+def test_hierarchical_combine_skip_fails_every_rank():
+    """A rank that skips the combine (after a good dispatch): every other rank's combine
+    ends in a recorded error (a timeout on the NVLink ring, an RDMA stream or the call
+    header) and NaN outputs, never plausible sums."""
+    R, G, T, H, K = 4, 2, 4, 4, 2
+    E, C = 8, 16
+    em = InternodeEmu(R, gpus_per_node=G)
+    rng = np.random.default_rng(2)
+    x, idx, w, y, g = data(rng, R, T, H, K, E, C, np.float32)
+    outs, errs = em.dispatch(x, idx, w, num_experts=E, capacity=C, mode="hierarchical")
+    assert errs == [""] * R and em.errors() == [""] * R
+    counts = np.stack([o["counts"] for o in outs])
+    slot = np.stack([o["send_slot"] for o in outs])
+    src_index = np.stack([o["src_index"] for o in outs])
+    out, _ = em.combine(y, counts, slot, topk=K, src_index=src_index, mode="hierarchical",
+                        skip=(1,))
+    recorded = em.errors()
+    for r in (0, 2, 3):
+        assert recorded[r], f"rank {r} recorded nothing"
+        assert np.isnan(out[r]).all(), f"rank {r} wrote plausible sums"
