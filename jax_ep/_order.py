@@ -22,6 +22,8 @@ calls run in dispatch order on one stream.
 """
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
 
 import jax
@@ -77,9 +79,10 @@ if _core is not None:
         order_p.def_effectful_abstract_eval(lambda *avals: (list(avals), {_EFFECT}))
 
         def _lower(ctx, *xs):
+            token = ctx.tokens_in.get(_EFFECT)
             # The token and the values leave one barrier together: what follows the
             # token waits for the values, and the values for the token.
-            outs = _hlo.OptimizationBarrierOp([ctx.tokens_in.get(_EFFECT), *xs]).results
+            outs = _hlo.OptimizationBarrierOp([token, *xs]).results
             ctx.set_tokens_out(_mlir.TokenSet({_EFFECT: outs[0]}))
             return list(outs[1:])
 
@@ -116,8 +119,28 @@ def _barrier(leaves):
     return order_p.bind(*leaves)
 
 
+_local = threading.local()
+
+
+def unordered(fn):
+    """`fn` run with no token binding: for bodies JAX lowers where it threads no token
+    (a custom_partitioning op's partition body, lowered by XLA's partitioner); the op
+    around such a body is ordered in the enclosing program instead."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        prev = getattr(_local, "off", False)
+        _local.off = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _local.off = prev
+
+    return wrapped
+
+
 def _through_token(tree):
-    if order_p is None or _current_trace() is None:
+    if order_p is None or _current_trace() is None or getattr(_local, "off", False):
         return tree
     leaves, treedef = jax.tree.flatten(tree)
     idx = [i for i, leaf in enumerate(leaves) if _is_chainable(leaf)]
