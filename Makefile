@@ -41,7 +41,7 @@ EMU_ASAN_DIR := build/emu-asan
 test-emu-asan: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH cmake -S . -B $(EMU_ASAN_DIR) -G Ninja -DJAX_EP_CUDA=OFF \
 	  -DPython_EXECUTABLE=$(abspath $(VPY)) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DJAX_EP_EMU_SANITIZE=address,undefined
+	  -DJAX_EP_EMU_SANITIZE=address,undefined -DJAX_EP_EMU_OCCUPANCY=table
 	PATH=$(abspath $(VENV))/bin:$$PATH ninja -C $(EMU_ASAN_DIR) _jax_ep_emu
 	JAX_EP_EMU_MODULE_DIR=$(abspath $(EMU_ASAN_DIR)) \
 	  LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)" \

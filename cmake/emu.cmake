@@ -36,6 +36,44 @@ if(JAX_EP_EMU)
   endforeach()
 
   nanobind_add_module(_jax_ep_emu NB_STATIC ${JAX_EP_EMU_SOURCES} ${_emu_wrapped})
+
+  # Co-residency: registers and static shared memory per kernel, from `nvcc -Xptxas -v` on
+  # the kernel files present at build time (one fragment per file, so an edit re-measures
+  # only its file) when nvcc exists; else the checked-in kernels/emu/occupancy_table.inc.
+  # -DJAX_EP_EMU_OCCUPANCY=table always takes the checked-in one (faster scratch builds).
+  set(JAX_EP_EMU_OCCUPANCY "auto" CACHE STRING
+      "Occupancy table of the emulated GPU: auto (nvcc when found), nvcc, or table")
+  find_program(JAX_EP_EMU_NVCC nvcc HINTS /usr/local/cuda/bin)
+  set(_occ_table "${CMAKE_CURRENT_SOURCE_DIR}/kernels/emu/occupancy_table.inc")
+  if(JAX_EP_EMU_NVCC AND NOT JAX_EP_EMU_OCCUPANCY STREQUAL "table")
+    set(_occ_gen "${CMAKE_CURRENT_SOURCE_DIR}/scripts/gen_emu_occupancy.py")
+    file(GLOB _occ_cu RELATIVE "${CMAKE_CURRENT_SOURCE_DIR}" CONFIGURE_DEPENDS
+         kernels/cuda/*.cu kernels/internode/*.cu)
+    file(GLOB _occ_headers CONFIGURE_DEPENDS kernels/common/*.h kernels/cuda/*.cuh
+         kernels/cuda/*.h kernels/internode/*.cuh kernels/internode/*.h)
+    set(_occ_frags "")
+    foreach(_cu IN LISTS _occ_cu)
+      string(MAKE_C_IDENTIFIER "${_cu}" _id)
+      set(_frag "${CMAKE_CURRENT_BINARY_DIR}/emu_occupancy/${_id}.txt")
+      add_custom_command(OUTPUT "${_frag}"
+        COMMAND "${Python_EXECUTABLE}" "${_occ_gen}" --nvcc "${JAX_EP_EMU_NVCC}"
+                --source "${_cu}" --out "${_frag}"
+        DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/${_cu}" ${_occ_headers} "${_occ_gen}"
+        COMMENT "ptxas usage of ${_cu} (emulated GPU occupancy)" VERBATIM)
+      list(APPEND _occ_frags "${_frag}")
+    endforeach()
+    set(_occ_table "${CMAKE_CURRENT_BINARY_DIR}/emu_occupancy/occupancy_table.inc")
+    add_custom_command(OUTPUT "${_occ_table}"
+      COMMAND "${Python_EXECUTABLE}" "${_occ_gen}" --nvcc "${JAX_EP_EMU_NVCC}"
+              --merge ${_occ_frags} --out "${_occ_table}"
+      DEPENDS ${_occ_frags} "${_occ_gen}" VERBATIM)
+    target_sources(_jax_ep_emu PRIVATE "${_occ_table}")
+  elseif(JAX_EP_EMU_OCCUPANCY STREQUAL "nvcc")
+    message(FATAL_ERROR "jax_ep: -DJAX_EP_EMU_OCCUPANCY=nvcc but nvcc was not found")
+  endif()
+  target_compile_definitions(_jax_ep_emu PRIVATE JEP_EMU_OCCUPANCY_TABLE="${_occ_table}")
+  set_source_files_properties("${CMAKE_CURRENT_SOURCE_DIR}/kernels/emu/emu_runtime.cc"
+                              PROPERTIES OBJECT_DEPENDS "${_occ_table}")
   # The replacement CUDA headers come before anything else on the include path.
   target_include_directories(_jax_ep_emu BEFORE PRIVATE
                              "${CMAKE_CURRENT_SOURCE_DIR}/kernels/emu/include"

@@ -63,14 +63,20 @@ class Emulator:
     """R virtual GPUs, one EP group (rank r on virtual GPU r).
 
     seed: scheduler and store-buffer seed; resident_blocks: blocks one virtual GPU runs at
-    once; timeout_s: the kernels' own timeout, in virtual seconds; weak_stores: stores into
+    once (None: per kernel, as on a 132-SM H100/H200 from the kernel's ptxas registers and
+    shared memory at its launch configuration; docs/emulator.md, "Co-residency");
+    timeout_s: the kernels' own timeout, in virtual seconds; weak_stores: stores into
     peers' buffers become visible late (fences and release stores drain them).
     """
 
-    def __init__(self, num_ranks: int, *, seed: int = 1, resident_blocks: int = 8,
+    def __init__(self, num_ranks: int, *, seed: int = 1, resident_blocks: int | None = None,
                  timeout_s: float = 0.05, weak_stores: bool = True, group: int = 0):
         if not 1 <= num_ranks <= 32:
             raise ValueError(f"num_ranks must be in [1, 32], got {num_ranks}")
+        if resident_blocks is not None and (isinstance(resident_blocks, bool)
+                                            or not isinstance(resident_blocks, int)
+                                            or resident_blocks < 1):
+            raise ValueError(f"resident_blocks must be None or an int >= 1, got {resident_blocks!r}")
         self.m = module()
         self.R = num_ranks
         self.group = group
@@ -78,7 +84,7 @@ class Emulator:
         # Always at least 8 virtual GPUs: check_errors() and reset() visit every GPU an
         # earlier group in this process used.
         self.m.configure(num_devices=max(num_ranks, 8), seed=seed,
-                         resident_blocks=resident_blocks, timeout_s=timeout_s,
+                         resident_blocks=resident_blocks or 0, timeout_s=timeout_s,
                          weak_stores=weak_stores)
         self.m.cuda_reset()
 

@@ -15,7 +15,10 @@ namespace emu {
 struct Config {
   int num_devices = 8;          // virtual GPUs (cudaGetDeviceCount)
   uint64_t seed = 1;            // scheduler, store-buffer drains
-  int resident_blocks = 8;      // blocks of one virtual GPU that run at once
+  int resident_blocks = 0;      // blocks of one virtual GPU that run at once; 0: per kernel,
+                                // from its ptxas registers and shared memory (occupancy.h)
+  int num_sms = 132;            // SMs of a virtual GPU (resident_blocks == 0)
+  int fallback_blocks = 8;      // a kernel the occupancy table lacks (with a warning)
   double quantum_ns = 100.0;    // virtual time one round of every live thread takes
   double min_sleep_ns = 500.0;  // __nanosleep never sleeps less (the clock's granularity)
   double stay_prob = 0.9;       // chance the next step stays in the block that ran last
@@ -25,6 +28,16 @@ struct Config {
                                 // up to this much later; its stream's next op waits for them
   double max_virtual_ns = 60e9; // a run past this virtual time is reported as a hang
 };
+
+// Blocks of `kernel` (its name as launched; namespace and template arguments are ignored)
+// one virtual GPU holds at once at this launch configuration under the current Config:
+// resident_blocks when set, else num_sms x BlocksPerSm from the occupancy table. 0: the
+// launch cannot run (cudaErrorLaunchOutOfResources).
+int64_t resident_limit(const char* kernel, int threads, size_t dynamic_smem);
+// The kernel's registers per thread in the occupancy table; -1: not in it.
+int occupancy_registers(const char* kernel);
+// Kernels launched so far that the table lacks (each took Config::fallback_blocks).
+std::vector<std::string>& occupancy_fallbacks();
 
 // Resets every virtual GPU (memory stays allocated; streams, errors, counters cleared).
 void configure(const Config& c);

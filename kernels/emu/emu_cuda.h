@@ -82,6 +82,7 @@ enum cudaError_t : int {
   cudaErrorNotReady = 600,
   cudaErrorPeerAccessAlreadyEnabled = 704,
   cudaErrorPeerAccessNotEnabled = 705,
+  cudaErrorLaunchOutOfResources = 701,
   cudaErrorCooperativeLaunchTooLarge = 720,
   cudaErrorNotSupported = 801,
   cudaErrorUnknown = 999,
@@ -260,6 +261,7 @@ struct LaunchSpec {
   size_t smem = 0;
   cudaStream_t stream = nullptr;
   const char* name = "";
+  const void* entry = nullptr;  // the kernel function (names a cudaLaunchKernelEx launch)
   bool cooperative = false;
   std::function<void()> body;
 };
@@ -281,6 +283,7 @@ struct Launcher {
     s.smem = smem;
     s.stream = stream;
     s.name = name;
+    s.entry = reinterpret_cast<const void*>(kernel);
     s.cooperative = cooperative;
     auto tup = std::make_shared<std::tuple<std::decay_t<P>...>>(std::forward<A>(args)...);
     auto* k = kernel;
@@ -404,62 +407,48 @@ JEP_EMU_MINMAX(float)
 JEP_EMU_MINMAX(double)
 #undef JEP_EMU_MINMAX
 
-// Atomics: one atomic step of the scheduler (no other fiber runs in between).
+// Atomics: one atomic step of the scheduler (no other fiber runs in between): the thread
+// yields, then reads, updates with `f(old)` and returns the old value.
+namespace emu {
+template <typename T, typename F>
+inline T atomic_update(T* p, F f) {
+  yield(kYieldAtomic);
+  const T old = *p;
+  *p = f(old);
+  return old;
+}
+}  // namespace emu
 template <typename T, typename U>
 inline T atomicAdd(T* p, U v) {
-  emu::yield(emu::kYieldAtomic);
-  const T old = *p;
-  *p = static_cast<T>(old + static_cast<T>(v));
-  return old;
+  return emu::atomic_update(p, [&](T o) { return static_cast<T>(o + static_cast<T>(v)); });
 }
 template <typename T, typename U>
 inline T atomicSub(T* p, U v) {
-  emu::yield(emu::kYieldAtomic);
-  const T old = *p;
-  *p = static_cast<T>(old - static_cast<T>(v));
-  return old;
+  return emu::atomic_update(p, [&](T o) { return static_cast<T>(o - static_cast<T>(v)); });
 }
 template <typename T, typename U>
 inline T atomicExch(T* p, U v) {
-  emu::yield(emu::kYieldAtomic);
-  const T old = *p;
-  *p = static_cast<T>(v);
-  return old;
+  return emu::atomic_update(p, [&](T) { return static_cast<T>(v); });
 }
 template <typename T, typename U, typename V>
 inline T atomicCAS(T* p, U cmp, V v) {
-  emu::yield(emu::kYieldAtomic);
-  const T old = *p;
-  if (old == static_cast<T>(cmp)) *p = static_cast<T>(v);
-  return old;
+  return emu::atomic_update(p, [&](T o) { return o == static_cast<T>(cmp) ? static_cast<T>(v) : o; });
 }
 template <typename T, typename U>
 inline T atomicOr(T* p, U v) {
-  emu::yield(emu::kYieldAtomic);
-  const T old = *p;
-  *p = static_cast<T>(old | static_cast<T>(v));
-  return old;
+  return emu::atomic_update(p, [&](T o) { return static_cast<T>(o | static_cast<T>(v)); });
 }
 template <typename T, typename U>
 inline T atomicAnd(T* p, U v) {
-  emu::yield(emu::kYieldAtomic);
-  const T old = *p;
-  *p = static_cast<T>(old & static_cast<T>(v));
-  return old;
+  return emu::atomic_update(p, [&](T o) { return static_cast<T>(o & static_cast<T>(v)); });
 }
 template <typename T, typename U>
 inline T atomicMax(T* p, U v) {
-  emu::yield(emu::kYieldAtomic);
-  const T old = *p;
-  if (old < static_cast<T>(v)) *p = static_cast<T>(v);
-  return old;
+  return emu::atomic_update(p, [&](T o) { return o < static_cast<T>(v) ? static_cast<T>(v) : o; });
 }
 template <typename T, typename U>
 inline T atomicMin(T* p, U v) {
-  emu::yield(emu::kYieldAtomic);
-  const T old = *p;
-  if (static_cast<T>(v) < old) *p = static_cast<T>(v);
-  return old;
+  return emu::atomic_update(p, [&](T o) { return static_cast<T>(v) < o ? static_cast<T>(v) : o; });
 }
 
 // 16-bit float types (storage and the bit casts the kernels use).

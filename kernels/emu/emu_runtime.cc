@@ -20,6 +20,7 @@
 
 #include "kernels/emu/emu_control.h"
 #include "kernels/emu/emu_cuda.h"
+#include "kernels/emu/occupancy.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define JEP_EMU_ASAN 1
@@ -153,6 +154,7 @@ struct Kernel {
   Device* dev;
   Stream* stream;
   uint64_t total_blocks = 0, next_block = 0, done_blocks = 0;
+  int64_t cost = 1;  // the share of its GPU one resident block takes (residency units)
   std::vector<StoreBuf*> bufs;
   uint32_t chain_max[kNumChains] = {};  // the longest of its threads' chains
 };
@@ -189,6 +191,7 @@ struct Device {
   int id;
   std::vector<Stream*> streams;  // streams[0]: the default stream
   int resident = 0;
+  int64_t load = 0;  // residency units taken by its resident blocks (Kernel::cost)
   std::vector<unsigned char> globals;  // the device-global section while not loaded
 };
 
@@ -391,22 +394,27 @@ void LoadBlock(Block* b) {
   s.loaded_block_dead = false;
 }
 
+// ---- sets with O(1) insert and remove: each member keeps its index (`Pos`, SIZE_MAX when
+// absent); removal moves the last member into the hole ----
+template <typename T, size_t T::*Pos>
+void SetAdd(std::vector<T*>& v, T* x) {
+  if (x->*Pos != SIZE_MAX) return;
+  x->*Pos = v.size();
+  v.push_back(x);
+}
+template <typename T, size_t T::*Pos>
+void SetRemove(std::vector<T*>& v, T* x) {
+  if (x->*Pos == SIZE_MAX) return;
+  T* last = v.back();
+  v[x->*Pos] = last;
+  last->*Pos = x->*Pos;
+  v.pop_back();
+  x->*Pos = SIZE_MAX;
+}
+
 // ---- ready sets ----
-void ReadyAdd(Block* b) {
-  State& s = S();
-  if (b->ready_pos != SIZE_MAX) return;
-  b->ready_pos = s.ready.size();
-  s.ready.push_back(b);
-}
-void ReadyRemove(Block* b) {
-  State& s = S();
-  if (b->ready_pos == SIZE_MAX) return;
-  Block* last = s.ready.back();
-  s.ready[b->ready_pos] = last;
-  last->ready_pos = b->ready_pos;
-  s.ready.pop_back();
-  b->ready_pos = SIZE_MAX;
-}
+void ReadyAdd(Block* b) { SetAdd<Block, &Block::ready_pos>(S().ready, b); }
+void ReadyRemove(Block* b) { SetRemove<Block, &Block::ready_pos>(S().ready, b); }
 void MakeRunnable(Fiber* f) {
   if (f->state != FState::kNew) f->state = FState::kRunnable;
   f->blk->runnable.push_back(f);
@@ -422,21 +430,8 @@ bool IsPeer(const void* p) {
     if (c >= r.first && c < r.first + r.second) return true;
   return false;
 }
-void DirtyAdd(StoreBuf* b) {
-  State& s = S();
-  if (b->dirty_pos != SIZE_MAX) return;
-  b->dirty_pos = s.dirty.size();
-  s.dirty.push_back(b);
-}
-void DirtyRemove(StoreBuf* b) {
-  State& s = S();
-  if (b->dirty_pos == SIZE_MAX) return;
-  StoreBuf* last = s.dirty.back();
-  s.dirty[b->dirty_pos] = last;
-  last->dirty_pos = b->dirty_pos;
-  s.dirty.pop_back();
-  b->dirty_pos = SIZE_MAX;
-}
+void DirtyAdd(StoreBuf* b) { SetAdd<StoreBuf, &StoreBuf::dirty_pos>(S().dirty, b); }
+void DirtyRemove(StoreBuf* b) { SetRemove<StoreBuf, &StoreBuf::dirty_pos>(S().dirty, b); }
 void Drain(StoreBuf* b, size_t n) {
   while (n-- > 0 && !b->q.empty()) {
     Pending& p = b->q.front();
@@ -602,6 +597,92 @@ void CheckColls(Block* b, int w) {
   }
 }
 
+// ---- co-residency ----
+// Residency units: a virtual GPU holds ResidencyCapacity() of them. With a fixed
+// `resident_blocks` every block takes one; otherwise one SM is kSmUnits (a multiple of
+// every count 1..32) and a block of a kernel of which an SM holds n takes kSmUnits / n, so
+// blocks of different kernels share the SMs' resources in proportion (pooled over the SMs:
+// no per-SM fragmentation).
+constexpr int64_t kSmUnits = 144403552893600LL;  // lcm(1, ..., 32)
+
+int64_t ResidencyCapacity() {
+  const Config& c = S().cfg;
+  return c.resident_blocks > 0 ? c.resident_blocks : static_cast<int64_t>(c.num_sms) * kSmUnits;
+}
+
+struct OccRow {
+  const char* name;
+  int registers;
+  int smem;
+};
+#define JEP_EMU_OCC_NVCC(v)
+#define JEP_EMU_OCC_ROW(name, regs, smem) {name, regs, smem},
+const OccRow kOccupancy[] = {
+#include JEP_EMU_OCCUPANCY_TABLE
+    {nullptr, 0, 0}};
+#undef JEP_EMU_OCC_ROW
+#undef JEP_EMU_OCC_NVCC
+
+// The name the table uses: no namespace, no template arguments ("ns::K<T>" -> "K").
+std::string BaseName(const char* spelled) {
+  std::string s;
+  int depth = 0;
+  for (const char* c = spelled; *c != '\0'; ++c) {
+    if (*c == '<') ++depth;
+    else if (*c == '>') --depth;
+    else if (depth == 0 && *c != '&' && *c != ' ') s += *c;
+  }
+  const size_t colon = s.rfind("::");
+  return colon == std::string::npos ? s : s.substr(colon + 2);
+}
+
+const OccRow* FindOccupancy(const std::string& name) {
+  for (const OccRow* r = kOccupancy; r->name != nullptr; ++r)
+    if (name == r->name) return r;
+  return nullptr;
+}
+
+// Kernels launched by name (JEP_LAUNCH), by entry point: cudaLaunchKernelEx knows only the
+// function, so it finds the name here when the kernel was launched by name before.
+std::map<const void*, std::string>& NamesByEntry() {
+  static auto* m = new std::map<const void*, std::string>();
+  return *m;
+}
+
+void WarnFallback(const std::string& name, int blocks) {
+  static auto* warned = new std::map<std::string, int>();
+  if (warned->count(name) != 0) return;
+  (*warned)[name] = blocks;
+  std::fprintf(stderr,
+               "emu: warning: kernel %s has no row in the occupancy table "
+               "(kernels/emu/occupancy_table.inc, scripts/gen_emu_occupancy.py); a virtual GPU "
+               "runs at most %d of its blocks at once (the fallback, Config::fallback_blocks)\n",
+               name.c_str(), blocks);
+  occupancy_fallbacks().push_back(name);
+}
+
+// Residency units one block of this launch takes; 0: it cannot run at all (too many
+// registers or too much shared memory for one SM).
+int64_t BlockCost(LaunchSpec& spec, int threads) {
+  const Config& c = S().cfg;
+  std::string name = BaseName(spec.name);
+  if (spec.entry != nullptr) {
+    auto& m = NamesByEntry();
+    if (std::strcmp(spec.name, "cudaLaunchKernelEx") != 0) m[spec.entry] = name;
+    else if (m.count(spec.entry) != 0) name = m[spec.entry];
+  }
+  const OccRow* r = FindOccupancy(name);
+  int per_sm = 0;
+  if (r != nullptr) per_sm = BlocksPerSm(r->registers, static_cast<size_t>(r->smem) + spec.smem, threads);
+  if (c.resident_blocks > 0) return per_sm > 0 || r == nullptr ? 1 : 0;
+  if (r == nullptr) {
+    const int blocks = std::max(1, c.fallback_blocks);
+    WarnFallback(name, blocks);
+    return ResidencyCapacity() / blocks;
+  }
+  return per_sm > 0 ? kSmUnits / per_sm : 0;
+}
+
 // ---- scheduling ----
 void StartBlock(Kernel* k) {
   State& s = S();
@@ -639,6 +720,7 @@ void StartBlock(Kernel* k) {
   b->live = n;
   s.live_fibers += n;
   k->dev->resident++;
+  k->dev->load += k->cost;
   CountDev(k->dev->id, std::string("kernel:") + k->spec.name + ":blocks");
   CountDev(k->dev->id, std::string("kernel:") + k->spec.name + ":warps", b->warps.size());
   CountDev(k->dev->id, std::string("kernel:") + k->spec.name + ":threads", n);
@@ -669,6 +751,7 @@ void FinishBlock(Block* b) {
   if (s.last_block == b) s.last_block = nullptr;
   Kernel* k = b->k;
   k->dev->resident--;
+  k->dev->load -= k->cost;
   k->done_blocks++;
   delete b;
   if (k->done_blocks == k->total_blocks) FinishKernel(k);
@@ -720,7 +803,7 @@ bool Advance() {
     for (Stream* st : d->streams) {
       if (st->ops.empty() || !st->head_started) continue;
       Kernel* k = st->ops.front().kernel.get();
-      while (k->next_block < k->total_blocks && d->resident < s.cfg.resident_blocks) {
+      while (k->next_block < k->total_blocks && d->load + k->cost <= ResidencyCapacity()) {
         StartBlock(k);
         progress = true;
       }
@@ -758,6 +841,7 @@ void AbandonAll(const std::string& why) {
       st->ops.clear();
       st->head_started = false;
       d->resident = 0;
+      d->load = 0;
     }
   s.ready.clear();
   s.sleepers.clear();
@@ -867,6 +951,7 @@ void ResetAll(const Config& c) {
   }
   for (Device* d : s.devices) {
     d->resident = 0;
+    d->load = 0;
     d->globals = s.device_pristine;
     d->globals.resize(DeviceBytes());
   }
@@ -1056,12 +1141,16 @@ cudaError_t enqueue_kernel(LaunchSpec spec) {
   const uint64_t blocks = static_cast<uint64_t>(spec.grid.x) * spec.grid.y * spec.grid.z;
   const uint64_t threads = static_cast<uint64_t>(spec.block.x) * spec.block.y * spec.block.z;
   if (blocks == 0 || threads == 0 || threads > 1024) return s.last_error = cudaErrorInvalidConfiguration;
-  if (spec.cooperative && blocks > static_cast<uint64_t>(s.cfg.resident_blocks))
+  const int64_t cost = BlockCost(spec, static_cast<int>(threads));
+  if (cost <= 0) return s.last_error = cudaErrorLaunchOutOfResources;
+  // A cooperative grid must be resident all at once, on an idle GPU.
+  if (spec.cooperative && blocks > static_cast<uint64_t>(ResidencyCapacity() / cost))
     return s.last_error = cudaErrorCooperativeLaunchTooLarge;
   auto k = std::make_shared<Kernel>();
   k->dev = st->dev;
   k->stream = st;
   k->total_blocks = blocks;
+  k->cost = cost;
   k->spec = std::move(spec);
   Op op;
   op.kind = Op::kKernel;
@@ -1072,6 +1161,25 @@ cudaError_t enqueue_kernel(LaunchSpec spec) {
 
 // ---------------------------------------------------------------------------------------
 // Control.
+std::vector<std::string>& occupancy_fallbacks() {
+  static auto* v = new std::vector<std::string>();
+  return *v;
+}
+
+int64_t resident_limit(const char* kernel, int threads, size_t dynamic_smem) {
+  EnsureInit();
+  LaunchSpec spec;
+  spec.name = kernel;
+  spec.smem = dynamic_smem;
+  const int64_t cost = BlockCost(spec, threads);
+  return cost <= 0 ? 0 : ResidencyCapacity() / cost;
+}
+
+int occupancy_registers(const char* kernel) {
+  const OccRow* r = FindOccupancy(BaseName(kernel));
+  return r == nullptr ? -1 : r->registers;
+}
+
 void configure(const Config& c) {
   State& s = S();
   if (s.in_scheduler) throw std::logic_error("emu: configure inside a kernel");
@@ -1208,7 +1316,8 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidConfiguration: return "invalid configuration argument (emulated GPU)";
     case cudaErrorInvalidDevice: return "invalid device ordinal (emulated GPU)";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle (emulated GPU)";
-    case cudaErrorCooperativeLaunchTooLarge: return "too many blocks in cooperative launch (emulated GPU's resident_blocks)";
+    case cudaErrorCooperativeLaunchTooLarge: return "too many blocks in cooperative launch: more than the emulated GPU holds at once (its co-residency limit for this kernel)";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch: one block needs more registers or shared memory than an SM has (emulated GPU, ptxas usage)";
     case cudaErrorNotSupported: return "operation not supported (emulated GPU)";
     default: return "unknown error (emulated GPU)";
   }
@@ -1243,8 +1352,9 @@ cudaError_t cudaDeviceEnablePeerAccess(int, unsigned) { return cudaSuccess; }
 cudaError_t cudaMalloc(void** p, size_t bytes) {
   emu::EnsureInit();
   // Separate allocations (AddressSanitizer redzones between them), 256-byte aligned as
-  // cudaMalloc's are.
-  *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
+  // cudaMalloc's are, of exactly `bytes` (not rounded up as a GPU's allocator would), so
+  // AddressSanitizer reports a write even one byte past the end.
+  if (posix_memalign(p, 256, std::max<size_t>(bytes, 1)) != 0) *p = nullptr;
   if (*p == nullptr) return Ret(cudaErrorMemoryAllocation);
   S().allocs[reinterpret_cast<uintptr_t>(*p)] = {bytes, S().current};  // counters' spaces
   return cudaSuccess;
@@ -1272,16 +1382,21 @@ cudaError_t cudaMemset(void* p, int v, size_t n) {
   std::memset(p, v, n);
   return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s) {
+// An operation queued on a stream (the default stream of the current device for null).
+static cudaError_t EnqueueOp(cudaStream_t s, const emu::Op& op) {
   emu::EnsureInit();
   emu::Stream* st = emu::Resolve(s);
+  if (st == nullptr) return Ret(cudaErrorInvalidResourceHandle);
+  st->ops.push_back(op);
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s) {
   emu::Op op;
   op.kind = emu::Op::kMemset;
   op.dst = p;
   op.value = v;
   op.n = n;
-  st->ops.push_back(op);
-  return cudaSuccess;
+  return EnqueueOp(s, op);
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
   emu::EnsureInit();
@@ -1290,15 +1405,12 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind, cudaStream_t s) {
-  emu::EnsureInit();
-  emu::Stream* st = emu::Resolve(s);
   emu::Op op;
   op.kind = emu::Op::kMemcpy;
   op.dst = dst;
   op.src = src;
   op.n = n;
-  st->ops.push_back(op);
-  return cudaSuccess;
+  return EnqueueOp(s, op);
 }
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
@@ -1324,14 +1436,11 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   return S().last_error == cudaErrorLaunchFailure ? cudaErrorLaunchFailure : cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
-  emu::EnsureInit();
-  emu::Stream* st = emu::Resolve(s);
   emu::Op op;
   op.kind = emu::Op::kWait;
   op.ev = e;
   op.ticket = e->recorded;
-  st->ops.push_back(op);
-  return cudaSuccess;
+  return EnqueueOp(s, op);
 }
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
@@ -1343,14 +1452,13 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
   return cudaSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
-  emu::EnsureInit();
-  emu::Stream* st = emu::Resolve(s);
   emu::Op op;
   op.kind = emu::Op::kRecord;
   op.ev = e;
-  op.ticket = ++e->recorded;
-  st->ops.push_back(op);
-  return cudaSuccess;
+  op.ticket = e->recorded + 1;
+  const cudaError_t r = EnqueueOp(s, op);
+  if (r == cudaSuccess) ++e->recorded;
+  return r;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   emu::RunUntil([e] { return e->completed >= e->recorded; });

@@ -118,7 +118,8 @@ std::vector<cudaStream_t> g_streams;
 void Configure(int num_devices, uint64_t seed, int resident_blocks, double timeout_s,
                bool weak_stores, double quantum_ns, double drain_prob, double stay_prob) {
   if (num_devices < 1 || num_devices > 64) throw std::invalid_argument("jax_ep emu: num_devices must be in [1, 64]");
-  if (resident_blocks < 1) throw std::invalid_argument("jax_ep emu: resident_blocks must be >= 1");
+  if (resident_blocks < 0)
+    throw std::invalid_argument("jax_ep emu: resident_blocks must be >= 1, or 0 (from each kernel's ptxas usage)");
   if (!(timeout_s > 0)) throw std::invalid_argument("jax_ep emu: timeout_s must be > 0");
   Calls().clear();
   emu::Config c;
@@ -263,6 +264,24 @@ void CounterProbe(int mode, int64_t n, int threads, int src_offset, int dst_offs
   cudaFree(src);
 }
 
+// Test-only (tests/emu/test_sanitizer_emu.py): one thread of virtual GPU 0 stores a byte at
+// offset `at` of an n-byte buffer of virtual GPU 1 through a peer pointer; at >= n is a
+// planted out-of-bounds peer write, which AddressSanitizer must report (cudaMalloc gives
+// each buffer its own allocation of exactly n bytes).
+__global__ void PeerStoreKernel(char* peer, int64_t at) { peer[at] = 1; }
+
+void PeerStoreProbe(int64_t n, int64_t at) {
+  if (n < 1 || at < 0 || at > n + 64)
+    throw std::invalid_argument("peer_store_probe: n >= 1 and 0 <= at <= n + 64");
+  void* buf = nullptr;
+  cudaSetDevice(1);
+  cudaMalloc(&buf, static_cast<size_t>(n));
+  cudaSetDevice(0);
+  JEP_LAUNCH(PeerStoreKernel, 1, 1, 0, nullptr)(static_cast<char*>(buf), at);
+  Synchronize();
+  cudaFree(buf);
+}
+
 }  // namespace
 }  // namespace emu_driver
 }  // namespace jax_ep
@@ -271,11 +290,22 @@ NB_MODULE(_jax_ep_emu, m) {
   using namespace jax_ep::emu_driver;
   m.doc() = "The CUDA kernels and handlers of jax_ep, compiled for the emulated GPU.";
   m.def("configure", &Configure, nb::arg("num_devices") = 8, nb::arg("seed") = 1,
-        nb::arg("resident_blocks") = 8, nb::arg("timeout_s") = 0.05,
+        nb::arg("resident_blocks") = 0, nb::arg("timeout_s") = 0.05,
         nb::arg("weak_stores") = true, nb::arg("quantum_ns") = 100.0,
         nb::arg("drain_prob") = 0.002, nb::arg("stay_prob") = 0.9,
         "Resets the virtual GPUs: count, scheduler seed, co-residency limit, the kernels' "
         "timeout in virtual seconds, weak visibility of peer stores.");
+  m.def("resident_limit",
+        [](const std::string& kernel, int threads, size_t dynamic_smem) {
+          return emu::resident_limit(kernel.c_str(), threads, dynamic_smem);
+        },
+        nb::arg("kernel"), nb::arg("threads"), nb::arg("dynamic_smem") = 0,
+        "Blocks of the kernel one virtual GPU holds at once at this launch configuration "
+        "(0: it cannot launch), under the current configuration.");
+  m.def("occupancy_registers", [](const std::string& k) { return emu::occupancy_registers(k.c_str()); },
+        nb::arg("kernel"), "The kernel's registers per thread in the occupancy table (-1: absent).");
+  m.def("occupancy_fallbacks", [] { return emu::occupancy_fallbacks(); },
+        "Kernels launched so far that the occupancy table lacks (they took the fallback limit).");
   m.def("setup_group", &SetupGroup, nb::arg("num_ranks"), nb::arg("group"),
         nb::arg("area_bytes"), nb::arg("ll_shape") = std::vector<int64_t>{},
         "Allocates a communication buffer on each of the first num_ranks virtual GPUs and "
@@ -296,6 +326,9 @@ NB_MODULE(_jax_ep_emu, m) {
   m.def("num_counted_devices", [] { return emu::num_counted_devices(); },
         "Virtual GPUs that have counters (device indices for counters(device)).");
   m.def("reset_counters", [] { emu::reset_counters(); });
+  m.def("peer_store_probe", &PeerStoreProbe, nb::arg("n"), nb::arg("at"),
+        "Test-only: virtual GPU 0 stores one byte at offset `at` of an n-byte buffer on GPU 1 "
+        "(at >= n: an out-of-bounds peer write for the sanitizer job).");
   m.def("counter_probe", &CounterProbe, nb::arg("mode"), nb::arg("n"), nb::arg("threads") = 32,
         nb::arg("src_offset") = 0, nb::arg("dst_offset") = 0,
         "A known access pattern for the counters' tests: virtual GPU 0 copies n bytes into "
