@@ -131,6 +131,12 @@ def main(argv=None):
                    help=f"recount the kernels of {BEFORE_COMMIT} (worktree + build)")
     p.add_argument("--after-module", help="use this emulated-module directory for 'after' "
                                           "instead of building a worktree of HEAD")
+    p.add_argument("--before-json", help="store this earlier `--emulated --model --json` "
+                                         f"output of the {BEFORE_COMMIT} kernels as the "
+                                         "before counts instead of counting them")
+    p.add_argument("--after-json", help="take 'after' from this earlier `--emulated --model "
+                                        "--json` output (regrouped and remodelled) instead of "
+                                        "counting it again (needs --after-module)")
     p.add_argument("--scratch", default="/tmp/jax_ep_count_tables", help="worktrees here")
     p.add_argument("--jobs", type=int, default=1, help="ninja -j (default 1)")
     p.add_argument("--write", action="store_true", help="update docs/performance.md")
@@ -138,7 +144,13 @@ def main(argv=None):
     os.makedirs(a.scratch, exist_ok=True)
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    if a.rebuild_before or not os.path.exists(BEFORE_JSON):
+    if a.before_json:
+        with open(a.before_json) as f:
+            before = json.load(f)
+        before["commit"] = f"{BEFORE_COMMIT} with the counting emulator of {head}"
+        with open(BEFORE_JSON, "w") as f:
+            json.dump(before, f)
+    elif a.rebuild_before or not os.path.exists(BEFORE_JSON):
         wt = os.path.join(a.scratch, "before")
         worktree(wt, BEFORE_COMMIT)
         for rel in OVERLAY:
@@ -163,8 +175,16 @@ def main(argv=None):
     # the stored counts, regrouped and modelled by today's code (no recount)
     before = count(mod, os.path.join(a.scratch, "before_now.json"), ["--model-from", BEFORE_JSON])
     before["commit"] = label
-    after = count(mod, os.path.join(a.scratch, "after.json"), [])
-    after["commit"] = head
+    if a.after_json:
+        if not a.after_module:
+            p.error("--after-json needs --after-module (the module that counted it)")
+        after = count(mod, os.path.join(a.scratch, "after_now.json"), ["--model-from", a.after_json])
+    else:
+        after = count(mod, os.path.join(a.scratch, "after.json"), [])
+    wt_of_module = os.path.dirname(os.path.dirname(os.path.abspath(mod)))
+    r = subprocess.run(["git", "-C", wt_of_module, "rev-parse", "--short", "HEAD"],
+                       capture_output=True, text=True)
+    after["commit"] = r.stdout.strip() if r.returncode == 0 else head
     c, m = counts_markdown(before, after), model_markdown(before, after)
     print(c)
     print()
