@@ -48,10 +48,10 @@ MUTANTS = [
            QUICK, "off-by-one in the requested rows"),
     # --------------------------------------------------------- rings (dispatch and combine)
     Mutant("dispatch_early_credit", INTRA,
-           "    const uint64_t stop = t - k > chunk ? k + chunk : t;\n",
-           "    const uint64_t stop = t - k > chunk ? k + chunk : t;\n"
-           "    if (lane == 0) peer::signal(head, stop);\n",
-           RINGS, "early credit: slots handed back before they are read (the sender overwrites them)"),
+           "    if (lane == 0) peer::signal(head, k);",
+           "    if (lane == 0) peer::signal(head, k + chunk);",
+           RINGS, "early credit: a chunk of slots handed back before they are read (the sender "
+           "overwrites rows the receiver reads next)"),
     Mutant("ring_tail_published_before_data", INTRA,
            "  peer::fence_data();\n  __syncwarp();\n  if ((threadIdx.x & 31) == 0) peer::signal(tail, k);",
            "  __syncwarp();\n  if ((threadIdx.x & 31) == 0) peer::signal(tail, k);",
