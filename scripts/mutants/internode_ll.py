@@ -53,6 +53,17 @@ MUTANTS = [
            (T_LLIN, "-k", "third_send or consecutive"),
            "a send that does not wait for the readers' credit: a third call in flight "
            "overwrites a parity still being read, silently"),
+    Mutant("llin_plan_position_whole_ballot", LLIN,
+           "      const int p = c + __popc(m & below);",
+           "      const int p = c + __popc(m);",
+           (T_LLIN, "-k", "matches_reference"),
+           "a slot's position counts every hit of its ballot, not the lanes below it: rows "
+           "land in the wrong slots (or past M, dropped)"),
+    Mutant("llin_grid_not_cut_to_budget", LLIN,
+           "  int64_t b = (warps + kWarps - 1) / kWarps;\n  if (b > cap) b = cap;",
+           "  int64_t b = (warps + kWarps - 1) / kWarps;\n  (void)cap;",
+           (T_LLIN, "-k", "sm_budget"),
+           "grids sized by the work alone: more blocks than the SM budget holds resident"),
     Mutant("internode_fetch_without_acquire", TRN,
            "    return nvshmem_emu::load_acquire(sig);  // a poll: the emulated NIC delivers "
            "meanwhile\n#else\n    return peer::load_acquire(sig);",
