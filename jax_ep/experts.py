@@ -15,14 +15,16 @@ shape that follows the routing instead of the worst case:
                     (the layout of the low-latency mode's receive buffer too)
   scatter_blocks    blocks[E_local, cap, H] -> y[C, H] float32, each pair's output scaled
                     by its weight and summed onto its row
-  grouped_swiglu    what the MoE layer calls: group_by_expert, then one loop over
-                    (expert, tile of places) that skips tiles holding no pair, gathers
-                    a tile's rows from x, runs the SwiGLU and adds the weighted outputs
-                    onto y in place; its backward is the same loop, hand-written
+  grouped_swiglu    what the MoE layer calls: group_by_expert, the kept pairs packed
+                    expert after expert with each run rounded up to a tile
+                    (`aligned_pairs`), then one loop over the experts and over chunks
+                    of up to `max_chunk` rows of each run (largest first), gathering a
+                    chunk's rows from x, running the SwiGLU and adding the weighted
+                    outputs onto y in place; its backward is the same loop, hand-written
 
 All of it is pure JAX (one sort, gathers, scatter-adds, matmuls, `lax.scan`/`lax.cond`),
 differentiable in every float argument (reverse mode), the same on every platform. Work
-follows the routed pairs: each expert computes `ceil(pairs / tile)` tiles, whatever
+follows the routed pairs: each expert computes `ceil(pairs / tile) * tile` rows, whatever
 `cap` is.
 
 `grouped_swiglu(..., matmul="ragged_dot")` is the GPU choice: the kept pairs packed
@@ -49,7 +51,7 @@ import jax.numpy as jnp
 
 __all__ = ["Groups", "expert_capacity", "group_by_expert", "gather_blocks",
            "swiglu_blocks", "scatter_blocks", "grouped_swiglu", "packed_pairs",
-           "default_expert_matmul", "EXPERT_MATMULS"]
+           "aligned_pairs", "default_expert_matmul", "EXPERT_MATMULS"]
 
 
 class Groups(NamedTuple):
@@ -289,119 +291,156 @@ def scatter_blocks(yb, groups: Groups, num_rows: int):
         vals.reshape(-1, h), mode="drop")
 
 
-def _tile_grads(xt, g, u, dyt, scale, wg, wu, wd):
-    """Backward of one tile of `scale * down(silu(x @ gate) * (x @ up))` (per-row scale):
-    xt[tile, H] (compute dtype), g/u[tile, F] (x @ gate, x @ up), dyt[tile, H] the
-    output's cotangent, scale float32[tile]. Returns (dx float32[tile, H], dwg, dwu
-    float32[H, F], dwd float32[F, H], dscale float32[tile])."""
-    f32, dt = jnp.float32, xt.dtype
-    g, u = g.astype(f32), u.astype(f32)
-    s = jax.nn.sigmoid(g)
-    act = g * s
-    hid = act * u
-    dh0 = jnp.matmul(dyt.astype(dt), wd.T, preferred_element_type=f32)
-    dscale = jnp.sum(dh0 * hid, axis=-1)  # <dy, out> = <dy @ wd^T, hid>
-    dh = dh0 * scale[:, None]
-    dyt = dyt * scale[:, None]
-    du = (dh * act).astype(dt)
-    dg = (dh * u * (s * (1 + g * (1 - s)))).astype(dt)
-    dx = (jnp.matmul(dg, wg.T, preferred_element_type=f32)
-          + jnp.matmul(du, wu.T, preferred_element_type=f32))
-    return (dx, jnp.matmul(xt.T, dg, preferred_element_type=f32),
-            jnp.matmul(xt.T, du, preferred_element_type=f32),
-            jnp.matmul(hid.astype(dt).T, dyt.astype(dt), preferred_element_type=f32),
-            dscale)
+def aligned_pairs(groups: Groups, tile: int, num_rows: int):
+    """The kept pairs of `groups` packed expert after expert, each expert's run starting
+    at a multiple of `tile`: (rows int32[M], weights float32[M], starts int32[E_local],
+    sizes int32[E_local]) with M = E_local * ceil(cap / tile) * tile; expert e's pairs
+    are rows `starts[e] .. starts[e] + kept_e - 1` and its run is `sizes[e]` (kept_e
+    rounded up to a multiple of `tile`) long; gaps hold row `num_rows` (empty) and
+    weight 0."""
+    el, cap = groups.rows.shape
+    tile = int(tile)
+    capr = -(-cap // tile) * tile
+    kept = jnp.minimum(groups.counts, cap).astype(jnp.int32)
+    sizes = (kept + tile - 1) // tile * tile
+    starts = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+    m = el * capr
+    place = jnp.arange(cap, dtype=jnp.int32)
+    dest = jnp.where(place[None, :] < kept[:, None], starts[:, None] + place[None, :],
+                     m).reshape(-1)
+    rows = jnp.full((m,), num_rows, jnp.int32).at[dest].set(groups.rows.reshape(-1),
+                                                            mode="drop")
+    weights = jnp.zeros((m,), jnp.float32).at[dest].set(groups.weights.reshape(-1),
+                                                        mode="drop")
+    return rows, weights, starts, sizes
 
 
-def _fused_fwd_loop(x, rows, weights, counts, w_gate, w_up, w_down, tile):
-    """y float32[C, H] and the activations (g, u) [E, cap, F] of every place (zero in
-    tiles not computed)."""
+def _chunk_sizes(tile, max_chunk, m):
+    """Static chunk lengths: tile, 2 tile, 4 tile, ... up to max(tile, max_chunk) and m."""
+    sizes = [tile]
+    while sizes[-1] * 2 <= max(tile, max_chunk) and sizes[-1] * 2 <= m:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
+def _over_chunks(start, size, sizes, step, carry):
+    """Runs `step(S)((offset, *carry))` over one expert's run [start, start + size),
+    largest chunks first: for each S in `sizes` descending, a while loop takes chunks of
+    S while at least S rows are left. A run is a multiple of the smallest size, so the
+    chunks cover it exactly, and at most one chunk of each smaller size is taken. Plain
+    while loops (no `lax.switch` between sizes): XLA:CPU updates their carried buffers in
+    place, where a switch whose branches all write a buffer copies it on every step."""
+    end = start + size
+    c = (start, *carry)
+    for s in reversed(sizes):
+        c = jax.lax.while_loop(lambda c, s=s: end - c[0] >= s, step(s), c)
+    return c[1:]
+
+
+def _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gu, w_down, tile, max_chunk,
+                    save):
+    """y float32[C, H] and (when `save`) x @ [gate | up] of every packed place
+    [M, 2F] (zero in places past each expert's run)."""
     c_rows, h = x.shape
-    e, cap = rows.shape
-    f = w_gate.shape[2]
-    nt = cap // tile
+    m = rows.shape[0]
+    f2 = w_gu.shape[2]
+    f = f2 // 2
+    chunks = _chunk_sizes(tile, max_chunk, m)
     axes = _varying(x)
 
-    def per_expert(y, a):
-        r, w, c, wg, wu, wd = a
+    def per_expert(carry, a):
+        wgu, wd, start, size = a
 
-        def per_tile(y, b):
-            rt, wt, i = b
-
-            def on(y):
+        def step(s):
+            def run(c):
+                o, y, gus = c
+                rt = jax.lax.dynamic_slice_in_dim(rows, o, s)
+                wt = jax.lax.dynamic_slice_in_dim(weights, o, s)
                 xt = jnp.take(x, rt, axis=0, mode="fill", fill_value=0)
-                g, u = xt @ wg, xt @ wu
-                out = (jax.nn.silu(g) * u) @ wd
+                gu = xt @ wgu                       # gate and up as one [s, 2F] matmul
+                out = (jax.nn.silu(gu[:, :f]) * gu[:, f:]) @ wd
                 y = y.at[rt].add(out.astype(jnp.float32) * wt[:, None], mode="drop")
-                return y, (g, u)
+                if save:
+                    gus = jax.lax.dynamic_update_slice_in_dim(gus, gu, o, 0)
+                return o + s, y, gus
+            return run
 
-            def off(y):
-                z = _vary(jnp.zeros((tile, f), x.dtype), axes)
-                return y, (z, z)
-
-            return jax.lax.cond(i * tile < c, on, off, y)
-
-        return jax.lax.scan(per_tile, y, (r.reshape(nt, tile), w.reshape(nt, tile),
-                                          jnp.arange(nt)))
+        return _over_chunks(start, size, chunks, step, carry), None
 
     y0 = _vary(jnp.zeros((c_rows, h), jnp.float32), axes)
-    y, (g, u) = jax.lax.scan(per_expert, y0, (rows, weights, counts, w_gate, w_up, w_down))
-    return y, g.reshape(e, cap, f), u.reshape(e, cap, f)
+    # Without `save` (no gradient asked) the buffer is empty: a while loop's carry is
+    # never pruned, so an unused [M, 2F] buffer would still be filled.
+    g0 = _vary(jnp.zeros((m if save else 0, f2), x.dtype), axes)
+    (y, gus), _ = jax.lax.scan(per_expert, (y0, g0), (w_gu, w_down, starts, sizes))
+    return y, gus
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _fused(x, rows, weights, counts, w_gate, w_up, w_down, tile):
-    return _fused_fwd_loop(x, rows, weights, counts, w_gate, w_up, w_down, tile)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _chunked(x, rows, weights, starts, sizes, w_gu, w_down, tile, max_chunk):
+    return _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gu, w_down, tile,
+                           max_chunk, save=False)[0]
 
 
-def _fused_fwd(x, rows, weights, counts, w_gate, w_up, w_down, tile):
-    y, g, u = _fused_fwd_loop(x, rows, weights, counts, w_gate, w_up, w_down, tile)
-    return y, (x, rows, weights, counts, w_gate, w_up, w_down, g, u)
+def _chunked_fwd(x, rows, weights, starts, sizes, w_gu, w_down, tile, max_chunk):
+    y, gus = _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gu, w_down, tile,
+                             max_chunk, save=True)
+    return y, (x, rows, weights, starts, sizes, w_gu, w_down, gus)
 
 
-def _fused_bwd(tile, res, dy):
-    x, rows, weights, counts, w_gate, w_up, w_down, g_all, u_all = res
+def _chunked_bwd(tile, max_chunk, res, dy):
+    x, rows, weights, starts, sizes, w_gu, w_down, gus = res
     c_rows, h = x.shape
-    e, cap = rows.shape
-    f = w_gate.shape[2]
-    nt = cap // tile
-    f32 = jnp.float32
+    m = rows.shape[0]
+    f2 = w_gu.shape[2]
+    f = f2 // 2
+    chunks = _chunk_sizes(tile, max_chunk, m)
     axes = _varying(x)
+    f32, dt = jnp.float32, x.dtype
+    # The transposed weights once, outside the loop: XLA:CPU's matmul with a transposed
+    # right operand ran at about half the speed of the plain layout.
+    w_gu_t, w_down_t = jnp.swapaxes(w_gu, 1, 2), jnp.swapaxes(w_down, 1, 2)
 
-    def per_expert(dx, a):
-        r, w, c, wg, wu, wd, ga, ua = a
+    def per_expert(carry, a):
+        wgu_t, wd_t, start, size = a
 
-        def per_tile(carry, b):
-            rt, wt, gt, ut, i = b
-
-            def on(carry):
-                dx, dwg, dwu, dwd = carry
+        def step(s):
+            def run(c):
+                o, dx, dpw, dwgu, dwd = c
+                rt = jax.lax.dynamic_slice_in_dim(rows, o, s)
+                wt = jax.lax.dynamic_slice_in_dim(weights, o, s)
                 xt = jnp.take(x, rt, axis=0, mode="fill", fill_value=0)
                 dyt = jnp.take(dy, rt, axis=0, mode="fill", fill_value=0)
-                dxt, gwg, gwu, gwd, dwt = _tile_grads(xt, gt, ut, dyt, wt, wg, wu, wd)
+                gu = jax.lax.dynamic_slice_in_dim(gus, o, s).astype(f32)
+                g, u = gu[:, :f], gu[:, f:]
+                sg = jax.nn.sigmoid(g)
+                act = g * sg
+                hid = act * u
+                dh0 = jnp.matmul(dyt.astype(dt), wd_t, preferred_element_type=f32)
+                dsc = jnp.sum(dh0 * hid, axis=-1)   # <dy, out> = <dy @ wd^T, hid>
+                dh = dh0 * wt[:, None]
+                dyw = (dyt * wt[:, None]).astype(dt)
+                dgu = jnp.concatenate([dh * u * (sg * (1 + g * (1 - sg))), dh * act],
+                                      axis=1).astype(dt)
+                dxt = jnp.matmul(dgu, wgu_t, preferred_element_type=f32)
+                dwgu = dwgu + jnp.matmul(xt.T, dgu, preferred_element_type=f32)
+                dwd = dwd + jnp.matmul(hid.astype(dt).T, dyw, preferred_element_type=f32)
                 dx = dx.at[rt].add(dxt, mode="drop")
-                return (dx, dwg + gwg, dwu + gwu, dwd + gwd), dwt
+                dpw = jax.lax.dynamic_update_slice_in_dim(dpw, dsc, o, 0)
+                return o + s, dx, dpw, dwgu, dwd
+            return run
 
-            def off(carry):
-                return carry, _vary(jnp.zeros((tile,), f32), axes)
-
-            return jax.lax.cond(i * tile < c, on, off, carry)
-
-        zero = tuple(_vary(jnp.zeros(sh, f32), axes) for sh in ((h, f), (h, f), (f, h)))
-        (dx, dwg, dwu, dwd), dw = jax.lax.scan(
-            per_tile, (dx, *zero),
-            (r.reshape(nt, tile), w.reshape(nt, tile), ga.reshape(nt, tile, f),
-             ua.reshape(nt, tile, f), jnp.arange(nt)))
-        return dx, (dw.reshape(cap), dwg.astype(wg.dtype), dwu.astype(wu.dtype),
-                    dwd.astype(wd.dtype))
+        zero = tuple(_vary(jnp.zeros(sh, f32), axes) for sh in ((h, f2), (f, h)))
+        dx, dpw, dwgu, dwd = _over_chunks(start, size, chunks, step, (*carry, *zero))
+        return (dx, dpw), (dwgu.astype(w_gu.dtype), dwd.astype(w_down.dtype))
 
     dx0 = _vary(jnp.zeros((c_rows, h), f32), axes)
-    dx, (dw, dwg, dwu, dwd) = jax.lax.scan(
-        per_expert, dx0, (rows, weights, counts, w_gate, w_up, w_down, g_all, u_all))
-    return dx.astype(x.dtype), None, dw, None, dwg, dwu, dwd
+    dp0 = _vary(jnp.zeros((m,), f32), axes)
+    (dx, dpw), (dwgu, dwd) = jax.lax.scan(per_expert, (dx0, dp0),
+                                          (w_gu_t, w_down_t, starts, sizes))
+    return dx.astype(dt), None, dpw, None, None, dwgu, dwd
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 EXPERT_MATMULS = ("tiles", "ragged_dot")
@@ -458,7 +497,7 @@ def _ragged_swiglu(x, rows, weights, sizes, w_gate, w_up, w_down):
 
 
 def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity: int,
-                   tile: int = 128, matmul: str = "tiles"):
+                   tile: int = 128, max_chunk: int = 1024, matmul: str = "tiles"):
     """The experts' part of an MoE layer on one rank.
 
     x[C, H] (received rows), topk_idx[C, K] int32 local ids (-1: elsewhere),
@@ -466,11 +505,14 @@ def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity:
     `capacity` static places per expert. Returns (y float32[C, H], groups): y[i] =
     sum over the kept pairs (i, k) of topk_weights[i, k] * SwiGLU_{topk_idx[i, k]}(x[i]).
 
-    matmul="tiles": one loop over (expert, tile of `tile` places) computes only tiles
-    holding a kept pair, gathering its rows from x and adding its weighted outputs onto
-    y in place (no `[E_local, capacity, H]` copies); the backward is the same loop. The
-    activations x @ gate and x @ up of the places ([E_local, capacity, F] each) are kept
-    for it. Suits CPU.
+    matmul="tiles": the kept pairs packed expert after expert, each expert's run
+    rounded up to a multiple of `tile` (`aligned_pairs`); one loop over the experts and,
+    per expert, over chunks of its run of `tile * 2^j` rows (at most `max_chunk`,
+    largest first), so an expert with n pairs computes ceil(n / tile) * tile rows in a
+    few large matmuls. A chunk gathers its rows from x, runs gate and up as one
+    `[chunk, H] x [H, 2F]` matmul, then down, and adds its weighted outputs onto y in
+    place; the backward is the same loop, hand-written. x @ [gate | up] of the places
+    (`[E_local * capacity, 2F]`) is kept for it. Suits CPU.
     matmul="ragged_dot": the kept pairs packed expert after expert (`packed_pairs`) and
     three `jax.lax.ragged_dot`s; no data-dependent loop (for GPU, where XLA lowers it to
     grouped GEMMs). Its rows are `E_local * capacity`; the same numbers to float32
@@ -488,14 +530,14 @@ def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity:
         y = _ragged_swiglu(x, rows, weights, sizes, *(w.astype(dt) for w in
                                                       (w_gate, w_up, w_down)))
         return y, groups
-    used = jnp.minimum(groups.counts, capacity)
     tile = max(1, min(int(tile), capacity))
-    rows, weights = groups.rows, groups.weights
-    pad = -capacity % tile
-    if pad:
-        rows = jnp.pad(rows, ((0, 0), (0, pad)), constant_values=x.shape[0])
-        weights = jnp.pad(weights, ((0, 0), (0, pad)))
-    args = (x, rows, weights, used, *(w.astype(dt) for w in (w_gate, w_up, w_down)))
+    if int(max_chunk) < 1:
+        raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+    rows, weights, starts, sizes = aligned_pairs(groups, tile, x.shape[0])
+    # Packed outside the custom_vjp: autodiff carries the weights' cotangent back from
+    # the packed places to topk_weights, and splits [gate | up]'s into the two.
+    w_gu = jnp.concatenate([w_gate, w_up], axis=-1).astype(dt)
+    args = (x, rows, weights, starts, sizes, w_gu, w_down.astype(dt))
     axes = frozenset().union(*(_varying(a) for a in args))
-    y = _fused(*(_vary(a, axes) for a in args), tile)
+    y = _chunked(*(_vary(a, axes) for a in args), tile, int(max_chunk))
     return y, groups

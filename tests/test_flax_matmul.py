@@ -69,8 +69,8 @@ def test_ragged_dot_exported_for_cuda_has_no_tile_loop():
     assert "chlo.ragged_dot" in ragged
     for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
         assert op not in ragged, op
-    tiles = _cuda_ops("tiles")
-    assert "stablehlo.while" in tiles and "stablehlo.case" in tiles
+    tiles = _cuda_ops("tiles")  # its chunk loops run while rows are left: data-dependent
+    assert "stablehlo.while" in tiles
     assert "chlo.ragged_dot" not in tiles
 
 
