@@ -419,6 +419,15 @@ def format_table(report) -> str:
     return "\n".join(lines)
 
 
+def _loadavg():
+    """[1, 5, 15 minute] load averages of the host, or None where unknown."""
+    try:
+        import os
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     from jax_ep._bench_util import set_host_device_count
@@ -432,8 +441,14 @@ def main(argv=None) -> dict:
                 json.dump(report, f, indent=1)
             print(f"wrote {a.json}")
         return report
+    load0 = _loadavg()
     report = run(a)
+    report["load_average"] = {"start": load0, "end": _loadavg()}
     print(format_table(report))
+    print("load average (1, 5, 15 min): start {} end {} (ratios mean most under 1: other "
+          "processes slow the layers unequally)".format(*(
+              " ".join(f"{v:.2f}" for v in report["load_average"][k]) if
+              report["load_average"][k] else "n/a" for k in ("start", "end"))))
     print("targets: " + json.dumps({k: {"fwd_bwd_x_dense": round(v["time_over_dense"]
                                                                   ["fwd_bwd"], 3),
                                         "peak_x_dense": round(v["peak_memory_over_dense"]

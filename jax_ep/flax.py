@@ -20,8 +20,8 @@ of `R = mesh.shape[mesh_axis]` ranks, each holding `E // R` experts.
 Grouping received rows by expert (`jax_ep.experts`). A received row carries up to `top_k`
 local expert ids (a token whose several experts live on this rank arrives once). The
 layer packs the (row, slot) pairs by local expert into static places `[E_local, cap]`,
-runs each expert's SwiGLU on the tiles of its places that hold pairs (empty tiles are
-skipped, forward and backward), and sums each pair's output, scaled by its top-k weight,
+runs each expert's SwiGLU on its pairs only (in chunks of up to 1024 rows, the last
+rounded up to a 128-row tile; forward and backward), and sums each pair's output, scaled by its top-k weight,
 back onto its row (in float32); `jax_ep.combine` then sums the rows of all ranks back
 onto the source tokens. So the work follows the routed pairs. `cap` comes from
 `capacity_factor`: `ceil(capacity_factor * T * top_k / E_local)` places per expert (T
@@ -235,8 +235,8 @@ class MoE(nnx.Module):
         places holding pairs are computed, so the factor sets memory (the saved
         activations, `[E_local, cap, F]` twice) and drops, not the work. None: never
         drop (places for every received row, and `R * T` received rows). Default 2.0.
-      expert_matmul: "tiles" (a loop over 128-row tiles that skips empty ones; the CPU
-        default), "ragged_dot" (`jax.lax.ragged_dot` on the packed pairs, no per-tile
+      expert_matmul: "tiles" (a loop over each expert's pairs in chunks of up to 1024
+        rows; the CPU default), "ragged_dot" (`jax.lax.ragged_dot` on the packed pairs, no per-tile
         loop; the GPU default) or None/"auto" (by JAX's default backend at trace time).
       score: 'softmax' (default; Mixtral, DeepSeek-V2) or 'sigmoid' (DeepSeek-V3)
         router scores.
