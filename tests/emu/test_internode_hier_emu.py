@@ -104,6 +104,21 @@ def test_hierarchical_matches_reference(shape):
                kind_differs=True)
 
 
+def test_hierarchical_node_partials_rounded():
+    """2 x 2, bfloat16, every token to every rank: each token has two rows on each node, so
+    rounding both nodes' partials (the source's own included) to bfloat16 shows in the
+    bits against summing in one node."""
+    N, G, T, H, K = 2, 2, 8, 32, 4
+    R = N * G
+    E, C = 2 * R, R * T
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=6)
+    rng = np.random.default_rng(31)
+    x, idx, w, y, g = data(rng, R, T, H, K, E, C, BF16)
+    el = E // R
+    idx[:] = np.arange(R) * el + rng.integers(el, size=(R, T, K))
+    round_trip(em, "hierarchical", x, idx, w, y, g, E=E, C=C, K=K, kind_differs=True)
+
+
 def test_hierarchical_drops_past_capacity():
     """Capacity far below the rows sent (2 x 2, bfloat16, topk 3): the rows past C at a
     receiver are never forwarded, the handle and combine follow the kept rows only."""
