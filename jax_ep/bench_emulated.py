@@ -211,7 +211,8 @@ def row_of(mode: str, op: str, shape: dict, per_device: list[dict]) -> dict[str,
 
 
 def _w(b: dict, d: str, sp: str, w: int) -> int:
-    return b[d].get(sp, {}).get(w, 0)
+    by_width = b[d].get(sp, {})
+    return by_width.get(w, by_width.get(str(w), 0))  # str: read back from JSON
 
 
 def format_table(rows: list[dict]) -> str:
