@@ -48,8 +48,8 @@ def test_routed_scaling_factor_vs_scaled_w_down(mesh):
         yb, gb = _grads(folded, x)
     assert float(jnp.abs(ya - y1).max()) > 1e-2  # the factor does change the output
     np.testing.assert_allclose(ya, yb, rtol=1e-5, atol=1e-5)
-    for name in ("router", "w_gate", "w_up"):
-        np.testing.assert_allclose(ga[name][...], gb[name][...], rtol=1e-4, atol=1e-6)
+    for name in ("router", "w_gate", "w_up"):  # float32 rounding of two summation paths
+        np.testing.assert_allclose(ga[name][...], gb[name][...], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(ga["shared"]["w_down"][...], gb["shared"]["w_down"][...],
                                rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(ga["w_down"][...], s * gb["w_down"][...], rtol=1e-4,
