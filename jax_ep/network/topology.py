@@ -132,17 +132,23 @@ def _env_gpus_per_node(environ: Mapping[str, str]) -> int | None:
     return v
 
 
+def _env_node_size(num_ranks: int, env: Mapping[str, str]) -> int | None:
+    """`JAX_EP_GPUS_PER_NODE` when set (it must divide `num_ranks`), else None."""
+    g = _env_gpus_per_node(env)
+    if g is not None and num_ranks % g:
+        raise ValueError(f"{GPUS_PER_NODE_ENV}={g} must divide the number of ranks "
+                         f"({num_ranks})")
+    return g
+
+
 def detect(num_ranks: int, local_ranks: Sequence[int] | None = None,
            environ: Mapping[str, str] | None = None) -> Topology:
     """The EP group's topology: `JAX_EP_GPUS_PER_NODE` if set, else `local_ranks`, else
     a launcher's local size (LAUNCHER_LOCAL_SIZE, when it divides the ranks), else one
     node (every rank on one node)."""
     env = os.environ if environ is None else environ
-    g = _env_gpus_per_node(env)
+    g = _env_node_size(num_ranks, env)
     if g is not None:
-        if num_ranks % g:
-            raise ValueError(f"{GPUS_PER_NODE_ENV}={g} must divide the number of ranks "
-                             f"({num_ranks})")
         return Topology(num_ranks, g)
     if local_ranks is not None:
         topo = from_local_ranks(local_ranks)
@@ -164,11 +170,8 @@ def combine_node_size(num_ranks: int, platform: str | None = None,
     node (G = num_ranks) on `platform` "cpu"; else `detect`'s node size (local ranks, a
     launcher's local size), so the reference backend sums as the internode kernels do."""
     env = os.environ if environ is None else environ
-    g = _env_gpus_per_node(env)
+    g = _env_node_size(num_ranks, env)
     if g is not None:
-        if num_ranks % g:
-            raise ValueError(f"{GPUS_PER_NODE_ENV}={g} must divide the number of ranks "
-                             f"({num_ranks})")
         return g
     if platform == "cpu":
         return num_ranks
