@@ -82,7 +82,12 @@ def test_direct_where_the_mode_or_topology_says_so(monkeypatch, mode, gpn):
     assert len(_calls(hlo, "jax_ep_internode_dispatch")) == 1
     assert len(_calls(hlo, "jax_ep_internode_combine")) == 1
     assert "jax_ep_internode_hier_" not in hlo
-    assert "gpus_per_node" not in hlo
+    # the direct dispatch has no node size; the direct combine sums in the run's nodes
+    # (kernels/common/combine_order.h)
+    (d,) = _calls(hlo, "jax_ep_internode_dispatch")
+    assert "gpus_per_node" not in d
+    (c,) = _calls(hlo, "jax_ep_internode_combine")
+    assert c["gpus_per_node"] == int(gpn)
 
 
 def test_grad_lowers_to_hierarchical_gather_and_combine(monkeypatch):
