@@ -134,5 +134,8 @@ def test_the_checked_in_table_is_fresh():
     old = open(TABLE).read()
     if version not in old:
         pytest.skip(f"the build used nvcc {version}, the checked-in table another release")
-    assert old == fresh, ("kernels/emu/occupancy_table.inc is stale: run "
+    # Rows only: a file the build could not measure (no NVSHMEM headers at its first
+    # configure) keeps the checked-in rows and says so in a comment line.
+    rows = lambda t: [ln for ln in t.splitlines() if ln.startswith("JEP_EMU_OCC_ROW")]  # noqa: E731
+    assert rows(old) == rows(fresh), ("kernels/emu/occupancy_table.inc is stale: run "
                           "`python scripts/gen_emu_occupancy.py --write`")
