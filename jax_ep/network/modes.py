@@ -11,12 +11,9 @@ counts what one GPU sends in one dispatch and one combine:
   peer;
 - hierarchical: one row per (token, remote node), to the rail peer there, which forwards
   it over NVLink to each GPU of its node that holds one of the token's experts.
-  Combine gathers a token's rows inside the node into one message per (token, node)
-  and the source sums every row in ascending rank order, so the rows cross the network
-  as in direct mode but as one message per node (bit-identical results). The model also
-  shows `reduce-in-node` (a node sums its rows first, as DeepEP does): one row per
-  (token, node), but the float32 rounding differs from the contract's ascending-rank
-  sum, so the kernels do not do it; it is a line of the model only.
+  Combine sums a token's rows inside the node first (the order of
+  kernels/common/combine_order.h, which every backend follows), so one row per
+  (token, remote node) crosses the network back: the same rows as dispatch.
 
 Bytes per port use the striping plan per stream (one stream per peer: per remote GPU in
 direct mode, per remote node in hierarchical mode); `lag=hash` (a bond hashing each QP
@@ -193,10 +190,8 @@ def model(inp: ModeInputs) -> dict:
     rails = [topo.rail_peer(0, n) for n in range(1, N)]
     per_gpu = tr["per_gpu_rows"]
     per_node = tr["per_node_rows"]
-    # combine rows from node n to this source: one per GPU there that kept the token
-    per_node_gpu_rows = per_gpu.reshape(N, G).sum(axis=1)
 
-    def mode_entry(name, disp_streams, comb_streams, peers, nvlink_rows, note, exact=True):
+    def mode_entry(name, disp_streams, comb_streams, peers, nvlink_rows, note):
         disp_b = np.asarray(disp_streams, dtype=np.int64)
         comb_b = np.asarray(comb_streams, dtype=np.int64)
         ports = _port_bytes(disp_b, peers, P, inp.qps_per_peer, lag, inp.chunk_bytes)
@@ -214,7 +209,6 @@ def model(inp: ModeInputs) -> dict:
             "dispatch_time_us": t_d * 1e6,
             "combine_time_us": t_c * 1e6,
             "nvlink_rows": int(nvlink_rows),
-            "bit_identical": exact,
             "note": note,
         }
 
@@ -224,23 +218,16 @@ def model(inp: ModeInputs) -> dict:
         "every GPU an RDMA peer; a token crosses once per remote GPU")
     hier = mode_entry(
         "hierarchical", [per_node[n] * hd_row for n in range(1, N)],
-        [per_node_gpu_rows[n] * hc_row for n in range(1, N)], rails,
-        tr["local_gpu_rows"] + tr["forwarded_rows"],
-        "RDMA once per (token, remote node) to the rail peer, NVLink inside the node; "
-        "combine: one message per (token, node) holding that node's rows")
-    reduce_ = mode_entry(
-        "hierarchical, reduce-in-node (model only)",
-        [per_node[n] * hd_row for n in range(1, N)],
         [per_node[n] * hc_row for n in range(1, N)], rails,
         tr["local_gpu_rows"] + tr["forwarded_rows"],
-        "a node sums its rows before RDMA: NOT bit-identical to the ascending-rank sum, "
-        "so the kernels do not do it", exact=False)
+        "RDMA once per (token, remote node) to the rail peer, NVLink inside the node; "
+        "combine reduced in the node: one row per (token, node) back")
     d, h = direct["dispatch_internode_bytes"], hier["dispatch_internode_bytes"]
     return {
         "label": MODEL_LABEL,
         "inputs": dataclasses.asdict(inp),
         "ranks": topo.num_ranks,
-        "modes": [direct, hier, reduce_],
+        "modes": [direct, hier],
         "dispatch_bytes_ratio_direct_over_hier": (d / h) if h else float("inf"),
         "remote_nodes_per_token": tr["remote_node_rows"] / inp.tokens,
         "remote_gpus_per_token": tr["remote_gpu_rows"] / inp.tokens,
