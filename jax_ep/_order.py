@@ -6,22 +6,36 @@ runs at the same time (independent branches of a program; with
 `--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`, parallel branches of one CUDA
 graph) would corrupt each other before the call-site check could catch it.
 
-Each trace keeps its last EP call: the next EP call traced in the same trace takes its
-operands through an optimization barrier together with one live result of that call
-(`chain`), which XLA cannot reorder or drop, and its own results become the trace's last
-call (`record`). It is a plain data dependency, so `jax.checkpoint` can still
-rematerialize the calls (a side-effecting call could not be).
+One token orders every EP call of a program: `EPOrder` is an ordered JAX effect, so JAX
+threads its token through the whole program, into and out of nested `jit`, `scan` /
+`while_loop`, `cond`, `checkpoint` bodies and `custom_vjp` rules. Before an EP call its
+operands pass through an optimization barrier together with the token (`chain`); after
+it the token passes through a barrier together with the call's results (`record`). So
+each call's operands depend on the previous call's results in trace order: the user's
+independent calls, a call inside a scan body against the calls outside it, one
+iteration's calls against the next's. XLA cannot reorder or drop an optimization
+barrier, and the calls themselves stay free of side effects, so `jax.checkpoint` still
+rematerializes them (the barrier has its own remat rule; the effect is declared allowed
+under remat, control flow and custom derivatives, and shardable).
 
-Scope: only values of the trace being built are used, never a tracer of another trace
-(an outer or finished one), so nothing leaks between traces. Calls inside a nested
-`jit`, `scan`, `cond` or `checkpoint` body are chained with the other calls of that body;
-the body as a whole is ordered against the calls outside it through data only. One
-result of a trace's last call is held (strongly: a tracer dropped by Python may still
-feed later equations, so a weak reference could lose a live call) until that trace is
-no longer being built, i.e. it is neither the current trace nor one of its parents; so
-a call whose results are unused is still run, in order, when a later call follows it.
+Between executions: JAX normally feeds an ordered effect's output token into the next
+execution. A failed EP call (a bad id, issue 25's checks) fails its execution and with
+it that token, so every later execution would raise the same error. This effect's output
+token is therefore never kept (`_hook_runtime_tokens`): each execution takes the fresh
+token JAX made first. Order across executions needs no token: executions on one device
+run in dispatch order and each one waits for all of its streams before it completes.
+
+Fallback, where this JAX lacks an internal API the effect needs (warned once) and inside
+bodies lowered without tokens (`unordered`: a custom_partitioning op's partition body):
+each trace chains its own calls, the next call's operands passing an optimization
+barrier with one result of the trace's last call; calls in a nested body are then
+ordered against calls outside it only by data.
 """
 from __future__ import annotations
+
+import functools
+import threading
+import warnings
 
 import jax
 import numpy as np
@@ -30,10 +44,6 @@ try:  # the current trace; internal, so every use below falls back to "no chaini
     from jax._src import core as _core
 except ImportError:  # pragma: no cover
     _core = None
-
-# id(trace) -> (trace, one result tracer of the last EP call traced in it). Held only
-# while the trace is being built (see _prune), so finished traces are released.
-_last: dict[int, tuple] = {}
 
 
 def _current_trace():
@@ -46,6 +56,151 @@ def _current_trace():
     if trace is None or isinstance(trace, getattr(_core, "EvalTrace", ())):
         return None
     return trace
+
+
+def _is_chainable(leaf) -> bool:
+    if not isinstance(leaf, jax.Array):
+        return False
+    return jax.dtypes.issubdtype(leaf.dtype, np.number) or leaf.dtype == np.bool_
+
+
+def _leaves(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    return leaves, treedef, [i for i, leaf in enumerate(leaves) if _is_chainable(leaf)]
+
+
+# ---- the effect: one token through the whole program ----
+
+def _hook_runtime_tokens(effect_type):
+    """Makes JAX drop an execution's output token of `effect_type` instead of passing it
+    to the next execution (which would then fail with a failed call's error)."""
+    from jax._src import dispatch
+    cls = dispatch.RuntimeTokenSet
+    keep = cls.set_token_result
+    if getattr(keep, "_jax_ep_hook", False):
+        return
+    # The input side must stay as JAX has it: a fresh token, made once, never replaced.
+    if not callable(getattr(cls, "get_token_input", None)):
+        raise AttributeError("RuntimeTokenSet.get_token_input")
+
+    def set_token_result(self, eff, token):
+        if isinstance(eff, effect_type):
+            return
+        keep(self, eff, token)
+
+    set_token_result._jax_ep_hook = True
+    set_token_result._jax_ep_original = keep
+    cls.set_token_result = set_token_result
+
+
+def _make_effect():
+    """(effect, primitive) of the program-wide order; raises where an API is missing."""
+    from jax._src import effects
+    from jax._src.interpreters import mlir
+    from jax._src.interpreters import partial_eval as pe
+    from jax._src.lib.mlir.dialects import hlo
+    from jax.interpreters import ad, batching
+
+    class EPOrder(effects.Effect):
+        """The EP calls' program order (one token through the program)."""
+
+        def __str__(self):
+            return "EPOrder"
+
+    effect = EPOrder()
+    registries = [getattr(effects, r) for r in (
+        "ordered_effects", "shardable_ordered_effects", "lowerable_effects",
+        "control_flow_allowed_effects", "custom_derivatives_allowed_effects",
+        "remat_allowed_effects")]
+    _hook_runtime_tokens(EPOrder)
+    for registry in registries:
+        registry.add_type(EPOrder)
+
+    prim = _core.Primitive("jax_ep_order")
+    prim.multiple_results = True
+    prim.def_impl(lambda *xs: list(xs))
+    prim.def_effectful_abstract_eval(lambda *avals: (list(avals), {effect}))
+
+    def lower(ctx, *xs):
+        # The token and the values leave one barrier together: what follows the token
+        # waits for the values, and the values for the token.
+        outs = hlo.OptimizationBarrierOp([ctx.tokens_in.get(effect), *xs]).results
+        ctx.set_tokens_out(mlir.TokenSet({effect: outs[0]}))
+        return list(outs[1:])
+
+    mlir.register_lowering(prim, lower)
+
+    def jvp(primals, tangents):
+        # Only the primal values carry the order; tangents pass untouched.
+        return prim.bind(*primals), list(tangents)
+
+    ad.primitive_jvps[prim] = jvp
+
+    def remat_rule(saveable, unks_in, inst_in, eqn):
+        # Under jax.checkpoint an effectful equation would run once with its outputs
+        # saved, so the EP call before it would not be recomputed. The barrier is free:
+        # it runs in the forward pass and again in the recomputation, where the
+        # recomputed EP calls take their place in the backward pass's token order.
+        res = [v for v, inst in zip(eqn.invars, inst_in)
+               if type(v) is _core.Var and not inst]
+        n = len(eqn.outvars)
+        if any(unks_in):
+            return None, eqn, [True] * n, [True] * n, res
+        return eqn, eqn, [False] * n, [True] * n, res
+
+    pe.partial_eval_jaxpr_custom_rules[prim] = remat_rule
+    batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), dims)
+    return effect, prim
+
+
+order_p = None
+if _core is not None:
+    try:
+        _EFFECT, order_p = _make_effect()
+    except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover
+        order_p = None
+        warnings.warn(f"jax_ep: this JAX lacks what the program-wide EP call order needs "
+                      f"({e}); EP calls are chained within each trace only (calls in "
+                      "nested jit/scan/cond/checkpoint bodies are ordered against the "
+                      "others by data only)", RuntimeWarning)
+
+
+def _barrier(leaves):
+    """The leaves, passed through one optimization barrier with the program's EP token."""
+    return order_p.bind(*leaves)
+
+
+_local = threading.local()
+
+
+def unordered(fn):
+    """`fn` run with no token binding: for bodies JAX lowers where it threads no token
+    (a custom_partitioning op's partition body, lowered by XLA's partitioner); the op
+    around such a body is ordered in the enclosing program, its calls are chained per
+    trace."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        prev = getattr(_local, "off", False)
+        _local.off = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _local.off = prev
+
+    return wrapped
+
+
+def _token_on() -> bool:
+    return order_p is not None and not getattr(_local, "off", False)
+
+
+# ---- the fallback: each trace chains its own calls ----
+
+# id(trace) -> (trace, one result tracer of the last EP call traced in it). Held only
+# while the trace is being built (see _prune), so finished traces are released; held
+# strongly, since a tracer dropped by Python may still feed later equations.
+_last: dict[int, tuple] = {}
 
 
 def _prune(current):
@@ -62,7 +217,7 @@ def _prune(current):
 
 def last_call(trace=None):
     """A result (a tracer of `trace`, default the current one) of the last EP call
-    traced in it, or None."""
+    traced in it by the fallback chain, or None."""
     trace = _current_trace() if trace is None else trace
     _prune(trace)
     if trace is None:
@@ -73,50 +228,58 @@ def last_call(trace=None):
     return entry[1]
 
 
-def _is_chainable(leaf) -> bool:
-    if not isinstance(leaf, jax.Array):
-        return False
-    return jax.dtypes.issubdtype(leaf.dtype, np.number) or leaf.dtype == np.bool_
-
+# ---- the interface used by the ops ----
 
 def chain(tree):
-    """`tree` (a pytree) with every array leaf made to depend on the last EP call traced
-    in the current trace; unchanged where there is none."""
-    first = last_call()
-    if first is None:
+    """`tree` (a pytree: an EP call's operands) with every array leaf made to depend on
+    the EP calls traced before it; unchanged when running eagerly."""
+    if _current_trace() is None:
         return tree
-    leaves, treedef = jax.tree.flatten(tree)
-    idx = [i for i, leaf in enumerate(leaves) if _is_chainable(leaf)]
+    leaves, treedef, idx = _leaves(tree)
     if not idx:
         return tree
-    _, moved = jax.lax.optimization_barrier((first, [leaves[i] for i in idx]))
+    if _token_on():
+        moved = _barrier([leaves[i] for i in idx])
+    else:
+        first = last_call()
+        if first is None:
+            return tree
+        _, moved = jax.lax.optimization_barrier((first, [leaves[i] for i in idx]))
     for i, v in zip(idx, moved):
         leaves[i] = v
     return jax.tree.unflatten(treedef, leaves)
 
 
 def record(results):
-    """Makes `results` (a pytree: an EP call's or a public op's outputs) the current
-    trace's last EP call."""
+    """`results` (a pytree: an EP call's or a public op's outputs) made the last EP call:
+    every later EP call runs after it. Returns the results to use from here on (the
+    same values; a caller that keeps the originals loses nothing, the order holds)."""
     trace = _current_trace()
     if trace is None:
-        return
+        return results
+    leaves, treedef, idx = _leaves(results)
+    if not idx:
+        return results
+    if _token_on():
+        moved = _barrier([leaves[i] for i in idx])
+        for i, v in zip(idx, moved):
+            leaves[i] = v
+        return jax.tree.unflatten(treedef, leaves)
     _prune(trace)
-    mine = [leaf for leaf in jax.tree.leaves(results)
-            if isinstance(leaf, _core.Tracer) and getattr(leaf, "_trace", None) is trace
-            and _is_chainable(leaf)]
+    mine = [leaves[i] for i in idx
+            if isinstance(leaves[i], _core.Tracer)
+            and getattr(leaves[i], "_trace", None) is trace]
     if mine:
         _last[id(trace)] = (trace, mine[0])
+    return results
 
 
 def ordered(fn):
-    """`fn(*args, **kwargs)`, chained after the current trace's last EP call and
-    recorded as its new last one."""
+    """`fn(*args, **kwargs)`, chained after the EP calls traced before it and recorded
+    as the last one."""
 
     def wrapped(*args, **kwargs):
         args, kwargs = chain((args, kwargs))
-        out = fn(*args, **kwargs)
-        record(out)
-        return out
+        return record(fn(*args, **kwargs))
 
     return wrapped

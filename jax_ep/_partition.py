@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ep import _stream, ops
+from jax_ep import _order, _stream, ops
 from jax_ep._common import Cfg, concrete_mesh as _concrete_mesh
 
 
@@ -111,6 +111,9 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
     # On GPU the op sits in a collective-stream region; the body, traced by the
     # partitioner inside it, emits plain EP calls (jax_ep._stream).
     partition_body = _stream.partitioned_body(body)
+    # XLA's partitioner lowers the body with no call-order token; the op itself is
+    # ordered in the enclosing program (jax_ep._order, through jax_ep._scope.named).
+    partition_body = _order.unordered(partition_body)
 
     def out_shardings(mesh):
         outs = _shardings(mesh, spec, n_out)

@@ -12,6 +12,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -92,6 +93,7 @@ def test_two_independent_dispatches_are_chained():
 
 def test_the_check_fails_without_the_chain(monkeypatch):
     from jax_ep import _order
+    monkeypatch.setattr(_order, "_barrier", lambda leaves: leaves)
     monkeypatch.setattr(_order, "last_call", lambda trace=None: None)
     calls = ep_calls_with_deps(_export_cuda(_two_dispatches, *_inputs()))
     assert len(calls) == 2
@@ -128,9 +130,9 @@ def test_low_latency_calls_are_chained():
     assert_chained(calls)
 
 
-def test_chain_stays_inside_its_trace():
-    """A nested jit body and a scan body chain their own calls, never using a tracer of
-    the enclosing trace (which would leak); the program still traces and exports."""
+def test_nested_bodies_trace_and_export():
+    """Calls in a nested jit body, a scan body and a checkpointed jit: no tracer of one
+    trace is used in another (which would leak); the program traces and exports."""
     def f(x, idx, w):
         a = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep", backend="ffi")[0]
 
@@ -169,3 +171,292 @@ def test_exports_under_concurrent_command_buffer_scheduling():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "CHAINED 2" in r.stdout
+
+
+# ---- across nested bodies: a dataflow over the whole exported module ----
+_FUNC = re.compile(r"^\s*func\.func \w+ @([\w.$-]+)\((.*)$")
+_FCALL = re.compile(r"(?:func\.)?call @([\w.$-]+)\(([^)]*)\)")
+_WHILE = re.compile(r"stablehlo\.while\((.*?)\)\s*:")
+_MANUAL = re.compile(r"sdy\.manual_computation\(([^)]*)\).*?\((%arg\d+:.*)\)\s*\{\s*$")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _funcs(text: str) -> dict:
+    """name -> (argument names, body lines)."""
+    out, lines = {}, text.splitlines()
+    for i, line in enumerate(lines):
+        m = _FUNC.match(line)
+        if not m:
+            continue
+        w = _indent(line)
+        j = next(k for k in range(i + 1, len(lines))
+                 if _indent(lines[k]) == w and lines[k].strip().startswith("}"))
+        out[m.group(1)] = (re.findall(r"(%arg\d+):", m.group(2)), lines[i + 1:j])
+    return out
+
+
+class ModuleFlow:
+    """Which EP calls each EP call's operands depend on, through any op, nested function
+    calls (inlined per call), while loops (loop-carried values to a fixpoint, so a body's
+    call in one iteration is seen against the next) and shard_map regions. Each EP call
+    instance is one entry of `calls`: {'target', 'after': set of call ids}."""
+
+    def __init__(self, text: str):
+        self.funcs = _funcs(text)
+        self.calls: dict[str, dict] = {}
+
+    def run(self, fname="main", args=None):
+        names, lines = self.funcs[fname]
+        deps = dict(zip(names, args or [set()] * len(names)))
+        return self._block(lines, deps, fname)
+
+    def _names(self, s):
+        return [n.split("#")[0] for n in _NAME.findall(s)]
+
+    def _used(self, deps, s):
+        out = set()
+        for n in self._names(s):
+            out |= deps.get(n, set())
+        return out
+
+    def _block(self, lines, deps, prefix):
+        """Runs `lines` (one region); returns the deps of its return's operands (one set)."""
+        i, ret = 0, set()
+        while i < len(lines):
+            line = lines[i]
+            w = _indent(line)
+            stripped = line.strip()
+            if stripped.startswith(("return", "stablehlo.return", "sdy.return")):
+                ret |= self._used(deps, stripped.split(":")[0])
+                i += 1
+                continue
+            m = _DEF.match(line)
+            if m and '"stablehlo.case"(' in line:  # cond: regions see the outer values
+                end = next(k for k in range(i + 1, len(lines))
+                           if _indent(lines[k]) == w and lines[k].strip().startswith("})"))
+                starts = [i] + [k for k in range(i + 1, end)
+                                if _indent(lines[k]) == w and lines[k].strip() == "}, {"]
+                result = self._used(deps, line.split("(", 1)[1].split(")")[0])
+                for n, (a, b) in enumerate(zip(starts, starts[1:] + [end])):
+                    result |= self._block(lines[a + 1:b], dict(deps), prefix + f"@{i}b{n}")
+                for o in self._names(m.group(1)):
+                    deps[o] = result
+                i = end + 1
+                continue
+            wm = _WHILE.search(line)
+            mm = _MANUAL.search(line)
+            if m and (wm or mm):
+                end = next(k for k in range(i + 1, len(lines))
+                           if _indent(lines[k]) == w and lines[k].strip().startswith("}")
+                           and "do {" not in lines[k])
+                region = lines[i + 1:end]
+                outs = self._names(m.group(1))
+                if wm:
+                    pairs = [p.split("=") for p in wm.group(1).split(",")]
+                    carried = {a.strip(): self._used(deps, b) for a, b in pairs}
+                    do = next(k for k, ln in enumerate(region) if "} do {" in ln)
+                    for _ in range(4):  # loop-carried values to a fixpoint
+                        inner = dict(deps, **carried)
+                        self._block(region[:do], dict(inner), prefix + f"@{i}c")
+                        back = self._block(region[do + 1:], dict(inner), prefix + f"@{i}w")
+                        if back <= set().union(*carried.values()):
+                            break
+                        carried = {a: v | back for a, v in carried.items()}
+                    result = set().union(*carried.values()) | back
+                else:
+                    operands = mm.group(1)
+                    inner = dict(deps)
+                    for a in re.findall(r"(%arg\d+):", mm.group(2)):
+                        inner[a] = self._used(deps, operands)
+                    result = self._block(region, inner, prefix + f"@{i}m")
+                for o in outs:
+                    deps[o] = result
+                i = end + 1
+                continue
+            if not m:
+                i += 1
+                continue
+            outs = self._names(m.group(1))
+            rhs = m.group(2)
+            used = self._used(deps, rhs)
+            c = _FCALL.search(rhs)
+            t = _EP.search(rhs)
+            if c and c.group(1) in self.funcs:
+                args = [self._used(deps, a) for a in c.group(2).split(",")]
+                used = self._call(c.group(1), args, prefix + f"@{i}")
+            elif t:
+                cid = f"{prefix}:{outs[0]}"
+                entry = self.calls.setdefault(cid, {"target": t.group(1), "after": set()})
+                entry["after"] |= used
+                used = used | {cid}
+            for o in outs:
+                deps[o] = used
+            i += 1
+        return ret
+
+    def _call(self, fname, args, prefix):
+        names, lines = self.funcs[fname]
+        return self._block(lines, dict(zip(names, args)), prefix + "/" + fname)
+
+
+def assert_all_pairs_ordered(calls: dict):
+    """Every two EP calls are ordered by a dependency, and a call in a loop body is
+    ordered against itself in the next iteration."""
+    ids = sorted(calls)
+    for a in ids:
+        for b in ids:
+            if a < b:
+                assert a in calls[b]["after"] or b in calls[a]["after"], \
+                    f"{calls[a]['target']} {a} and {calls[b]['target']} {b} are not ordered"
+    for a in ids:
+        if re.search(r"@\d+w", a):  # inside a while body
+            assert a in calls[a]["after"], f"{a} is not ordered against its next iteration"
+
+
+
+def _nested_program(x, idx, w):
+    """Two independent calls in a scan body, one outside it, one in a nested jit, one in
+    a checkpoint region and one in a cond branch: only the call order relates them."""
+    def disp(v):
+        return jax_ep.dispatch(v, idx, w, num_experts=E, axis_name="ep",
+                               backend="ffi")[0][:T]
+
+    def body(carry, _):
+        return carry + disp(carry) + disp(carry * 2), None
+
+    y, _ = jax.lax.scan(body, x, None, length=2)
+    outside = disp(x * 3)
+    nested = jax.jit(disp)(x * 5)
+    remat = jax.checkpoint(disp)(x * 7)
+    branch = jax.lax.cond(jnp.sum(x) > 0, disp, lambda v: v * 2, x * 11)
+    return y + outside + nested + remat + branch
+
+
+def _flow(f):
+    flow = ModuleFlow(_export_cuda(f, *_inputs()))
+    flow.run()
+    return flow.calls
+
+
+def test_calls_in_nested_bodies_are_ordered_against_all_others():
+    calls = _flow(_nested_program)
+    assert len(calls) == 6  # scan body 2, outside, nested jit, checkpoint, cond branch
+    assert_all_pairs_ordered(calls)
+
+
+def test_the_module_check_fails_with_the_per_trace_chain_only(monkeypatch):
+    """The fallback (each trace chains its own calls, the order before the program-wide
+    token) leaves the scan body's calls unordered against the others: the check sees it."""
+    from jax_ep import _order
+    monkeypatch.setattr(_order, "order_p", None)
+    calls = _flow(_nested_program)
+    assert len(calls) == 6
+    with pytest.raises(AssertionError, match="not ordered"):
+        assert_all_pairs_ordered(calls)
+
+
+def test_the_module_check_sees_a_cond_branch_left_out(monkeypatch):
+    """Without the token around the cond branch's call only, the check names that call."""
+    from jax_ep import _order
+
+    def f(x, idx, w):
+        a = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep", backend="ffi")[0]
+
+        def yes(v):
+            with monkeypatch.context() as m:
+                m.setattr(_order, "order_p", None)
+                return jax_ep.dispatch(v, idx, w, num_experts=E, axis_name="ep",
+                                       backend="ffi")[0][:T]
+
+        return a[:T] + jax.lax.cond(jnp.sum(x) > 0, yes, lambda v: v * 2, x * 5)
+
+    calls = _flow(f)
+    assert len(calls) == 2
+    with pytest.raises(AssertionError, match=r"@\d+b1"):
+        assert_all_pairs_ordered(calls)
+
+
+def test_rematerialized_calls_are_ordered():
+    """The backward pass of a checkpointed MoE layer inside a scan over layers: the
+    recomputed forward calls and the transposed ones are ordered with every other."""
+    def f(x, idx, w):
+        @jax.checkpoint
+        def layer(h):
+            rx, _, _, hd = jax_ep.dispatch(h, idx, w, num_experts=E, axis_name="ep",
+                                           backend="ffi")
+            return jax_ep.combine(jnp.tanh(rx), hd, backend="ffi") + h
+
+        def loss(x):
+            y, _ = jax.lax.scan(lambda c, _: (layer(c), None), x, None, length=2)
+            return jnp.sum(y * y)
+
+        return jax.grad(loss)(x)
+
+    calls = _flow(f)
+    targets = [c["target"] for c in calls.values()]
+    # forward dispatch + combine, recomputed in the backward pass, and the transposes
+    assert targets.count("jax_ep_dispatch") >= 2 and "jax_ep_combine" in targets, targets
+    assert_all_pairs_ordered(calls)
+
+
+def test_nested_order_under_concurrent_command_buffer_scheduling():
+    """The same check on the nested program traced with the CONCURRENT command-buffer
+    flag set (the flag changes XLA:GPU's schedule, never the program's dependencies)."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests');"
+        "import test_call_order as t;"
+        "calls = t._flow(t._nested_program);"
+        "t.assert_all_pairs_ordered(calls); print('ORDERED', len(calls))")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_gpu_command_buffer_scheduling_mode=CONCURRENT").strip()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ORDERED 6" in r.stdout
+
+
+# ---- between executions: a failed execution does not fail the next one ----
+
+def _failing_then_good():
+    """Runs a jitted EP program that fails at run time (a token naming one expert twice),
+    then the same program with good ids; returns the good one's results."""
+    def f(x, idx):
+        recv, cnt, _ = ll.dispatch(x, idx, num_experts=E, axis_name="ep",
+                                   max_tokens_per_rank=M, backend="ffi")
+        return recv[None], cnt[None]
+
+    g = jax.jit(jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+    x, idx, _ = _inputs()
+    bad = idx.at[1].set(5)  # rank 0's token 1 names expert 5 twice
+    with pytest.raises(Exception, match="names expert 5 more than once"):
+        jax.block_until_ready(g(x, bad))
+    return jax.block_until_ready(g(x, idx))
+
+
+def test_a_failed_execution_does_not_fail_the_next():
+    from jax_ep import _order
+    assert _order.order_p is not None
+    recv, cnt = _failing_then_good()
+    # every token goes to experts 0 and 3, each rank's experts 2r, 2r+1: rank 0 gets
+    # all T tokens of every rank for expert 0, rank 1 for expert 3
+    np.testing.assert_array_equal(np.asarray(cnt)[:2], [[R * T, 0], [0, R * T]])
+    assert np.isfinite(np.asarray(recv)).all()
+
+
+def test_keeping_the_token_would_fail_the_next(monkeypatch):
+    """With JAX's own handling (the output token kept for the next execution), the good
+    program raises the failed one's error: the case the hook exists for."""
+    from jax._src import dispatch
+    hooked = dispatch.RuntimeTokenSet.set_token_result
+    monkeypatch.setattr(dispatch.RuntimeTokenSet, "set_token_result",
+                        hooked._jax_ep_original)
+    try:
+        with pytest.raises(Exception, match="names expert 5 more than once"):
+            _failing_then_good()
+    finally:
+        dispatch.runtime_tokens.clear()

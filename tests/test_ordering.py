@@ -53,13 +53,19 @@ def ep_calls(hlo: str) -> list[dict]:
 
 
 def chained(hlo: str, first: str, operand: str) -> bool:
-    """Whether `operand` is a result of an optimization barrier that takes `first`."""
-    base = operand.split("#")[0]
+    """Whether `operand` depends on `first` (an EP call's result) through any ops: the
+    chain runs through optimization barriers, directly or via the program's EP token."""
+    deps: dict[str, set] = {}
     for line in hlo.splitlines():
         m = _LINE.match(line)
-        if m and m.group(1).split(":")[0] == base and "optimization_barrier" in line:
-            return re.search(rf"{re.escape(first)}(?![\w#])", m.group(2)) is not None
-    return False
+        if not m:
+            continue
+        name = m.group(1).split(":")[0]
+        used = {name} if name == first else set()
+        for n in re.findall(r"%[\w]+", m.group(2)):
+            used |= deps.get(n, set()) | ({n} if n == first else set())
+        deps[name] = used
+    return first in deps.get(operand.split("#")[0], set())
 
 
 def _root(hlo: str, operand: str) -> str:
