@@ -234,9 +234,15 @@ void note_access(int dir, const void* p, int width, size_t n);
 // [tid, stride) split (element i goes to thread i % stride); null dst/src: not counted.
 void note_copy_share(const void* dst, const void* src, int width, int64_t count, int tid,
                      int stride);
-// Stores to memory other virtual GPUs read (peer buffers): through a per-thread store
-// buffer that drains at random later points, in order; fences and release stores drain it.
+// Stores to memory other virtual GPUs read (peer buffers) that another virtual GPU owns:
+// through a per-thread store buffer that drains at random later points, in order; fences
+// and release stores drain it. Stores to the writer's own memory land at once.
 void store_bytes(void* dst, const void* src, size_t n);
+// What store_bytes does, not counted (the caller counts: devcopy's copies).
+void buffered_store(void* dst, const void* src, size_t n);
+// Whether the running thread's stores to dst are buffered: dst is peer memory
+// (mark_peer_memory) that another virtual GPU owns.
+bool remote_store(const void* dst);
 void release_store64(uint64_t* p, uint64_t v);
 // Host: a fault the emulator found in a kernel (an exited lane in a collective's mask...).
 void fault(const char* what);
@@ -303,16 +309,26 @@ inline Launcher<P...> make_launcher(void (*kernel)(P...), dim3 grid, dim3 block,
 #define JEP_EMU_LAUNCH(kernel, grid, block, smem, stream) \
   ::emu::make_launcher(kernel, dim3(grid), dim3(block), smem, stream, #kernel)
 
+namespace emu {
+// cudaLaunchKernelEx with the kernel's name, so its co-residency comes from the occupancy
+// table (a cooperative grid is checked against its ptxas limit, not the fallback).
 template <typename... P, typename... A>
-inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* cfg, void (*kernel)(P...),
-                                      A&&... args) {
-  auto l = emu::make_launcher(kernel, cfg->gridDim, cfg->blockDim, cfg->dynamicSmemBytes,
-                              cfg->stream, "cudaLaunchKernelEx");
+inline cudaError_t launch_kernel_ex(const cudaLaunchConfig_t* cfg, const char* name,
+                                    void (*kernel)(P...), A&&... args) {
+  auto l = make_launcher(kernel, cfg->gridDim, cfg->blockDim, cfg->dynamicSmemBytes,
+                         cfg->stream, name);
   for (unsigned i = 0; i < cfg->numAttrs; ++i)
     if (cfg->attrs[i].id == cudaLaunchAttributeCooperative && cfg->attrs[i].val.cooperative)
       l.cooperative = true;
   l(std::forward<A>(args)...);
   return cudaGetLastError();
+}
+}  // namespace emu
+
+template <typename... P, typename... A>
+inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* cfg, void (*kernel)(P...),
+                                      A&&... args) {
+  return emu::launch_kernel_ex(cfg, "cudaLaunchKernelEx", kernel, std::forward<A>(args)...);
 }
 
 // Built-in variables.

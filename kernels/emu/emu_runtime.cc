@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels/emu/emu_control.h"
@@ -222,6 +223,9 @@ struct State {
   std::vector<Block*> ready;     // blocks with runnable fibers
   std::vector<Fiber*> sleepers;  // a heap on wake time
   std::vector<StoreBuf*> dirty;  // store buffers with pending stores
+  // 16-byte granules with pending stores: which buffers hold how many of them (coherence,
+  // see BufferStore).
+  std::unordered_map<uintptr_t, std::vector<std::pair<StoreBuf*, uint32_t>>> granules;
   Block* loaded_block = nullptr;      // whose __shared__ copy is in the TLS block (null: host)
   bool loaded_block_dead = false;     // it finished: nothing to save
   std::vector<unsigned char> host_tls;
@@ -430,15 +434,67 @@ bool IsPeer(const void* p) {
     if (c >= r.first && c < r.first + r.second) return true;
   return false;
 }
+int OwnerOf(const void* p);
+// Stores of thread f to p sit in its store buffer when p is marked peer memory that another
+// virtual GPU owns: what a GPU writes into its own buffers (its own NVSHMEM heap, its own
+// intranode buffer) its blocks see at once, as on hardware after a __syncthreads.
+bool Remote(const Fiber* f, const void* p) {
+  if (f == nullptr || !S().cfg.weak_stores || !IsPeer(p)) return false;
+  const int owner = OwnerOf(p);
+  return owner >= 0 && owner != f->blk->dev->id;
+}
 void DirtyAdd(StoreBuf* b) { SetAdd<StoreBuf, &StoreBuf::dirty_pos>(S().dirty, b); }
 void DirtyRemove(StoreBuf* b) { SetRemove<StoreBuf, &StoreBuf::dirty_pos>(S().dirty, b); }
+// The 16-byte granules a pending store touches (one or two).
+int Granules(const Pending& p, uintptr_t g[2]) {
+  g[0] = reinterpret_cast<uintptr_t>(p.dst) >> 4;
+  g[1] = (reinterpret_cast<uintptr_t>(p.dst) + p.n - 1) >> 4;
+  return g[1] == g[0] ? 1 : 2;
+}
+void NoteGranules(StoreBuf* b, const Pending& p, bool add) {
+  auto& m = S().granules;
+  uintptr_t g[2];
+  for (int i = 0, n = Granules(p, g); i < n; ++i) {
+    auto& v = m[g[i]];
+    auto it = std::find_if(v.begin(), v.end(), [b](auto& e) { return e.first == b; });
+    if (add) {
+      if (it == v.end()) v.emplace_back(b, 1u);
+      else ++it->second;
+    } else if (it != v.end() && --it->second == 0) {
+      v.erase(it);
+      if (v.empty()) m.erase(g[i]);
+    }
+  }
+}
 void Drain(StoreBuf* b, size_t n) {
   while (n-- > 0 && !b->q.empty()) {
     Pending& p = b->q.front();
     std::memcpy(p.dst, p.data, p.n);
+    NoteGranules(b, p, false);
     b->q.pop_front();
   }
   if (b->q.empty()) DirtyRemove(b);
+}
+// Before `p` enters buffer `mine`: every other buffer's pending stores to the same granules
+// become visible first (each buffer drained in order up to its last such store). So two
+// threads' stores to one address keep the order the emulator ran them in (on a GPU a
+// __syncwarp or __syncthreads between them orders them; without one either order is
+// allowed): a lane's row copy and lane 0's later rewrite of a word in that row never land
+// the other way round.
+void OrderAfterOthers(StoreBuf* mine, const Pending& p) {
+  auto& m = S().granules;
+  uintptr_t g[2];
+  for (int i = 0, n = Granules(p, g); i < n; ++i) {
+    for (;;) {
+      auto it = m.find(g[i]);
+      if (it == m.end()) break;
+      StoreBuf* other = nullptr;
+      for (auto& e : it->second)
+        if (e.first != mine) other = e.first;
+      if (other == nullptr) break;
+      Drain(other, 1);
+    }
+  }
 }
 
 // ---- fibers ----
@@ -959,6 +1015,7 @@ void ResetAll(const Config& c) {
   s.ready.clear();
   s.sleepers.clear();
   s.dirty.clear();
+  s.granules.clear();
   s.loaded_block = nullptr;
   s.last_block = nullptr;
   s.live_fibers = 0;
@@ -1093,10 +1150,16 @@ void note_acquire() {
 void note_copy(int width, size_t bytes) { Count("copy_bytes:" + std::to_string(width), bytes); }
 
 void store_bytes(void* dst, const void* src, size_t n) {
+  note_access(kAccessStore, dst, static_cast<int>(n), 1);
+  buffered_store(dst, src, n);
+}
+
+bool remote_store(const void* dst) { return Remote(S().cur, dst); }
+
+void buffered_store(void* dst, const void* src, size_t n) {
   State& s = S();
   Fiber* f = s.cur;
-  note_access(kAccessStore, dst, static_cast<int>(n), 1);
-  if (f == nullptr || !s.cfg.weak_stores || !IsPeer(dst)) {
+  if (!Remote(f, dst)) {
     std::memcpy(dst, src, n);
     return;
   }
@@ -1113,7 +1176,9 @@ void store_bytes(void* dst, const void* src, size_t n) {
     p.dst = d;
     p.n = m;
     std::memcpy(p.data, c, m);
+    OrderAfterOthers(f->sbuf, p);
     f->sbuf->q.push_back(p);
+    NoteGranules(f->sbuf, p, true);
     d += m;
     c += m;
     n -= m;
@@ -1237,7 +1302,8 @@ void reset_counters() {
 void add_counter(const std::string& name, uint64_t v) { CountDev(-1, name, v); }
 
 // ---- bytes by width and space ----
-int owner_of(const void* p) {
+namespace {
+int OwnerOf(const void* p) {
   const State& s = S();
   const auto a = reinterpret_cast<uintptr_t>(p);
   auto it = s.allocs.upper_bound(a);
@@ -1245,12 +1311,13 @@ int owner_of(const void* p) {
   --it;
   return a < it->first + it->second.first ? it->second.second : -1;
 }
+}  // namespace
 
 void note_access(int dir, const void* p, int width, size_t n) {
   State& s = S();
   DevCounters& k = Ctr();
   const int me = s.cur != nullptr ? s.cur->blk->dev->id : s.current;
-  const int owner = owner_of(p);
+  const int owner = OwnerOf(p);
   const int sp = owner >= 0 && owner != me ? 1 : 0;
   int w = 0;
   while (w + 1 < kNumWidths && (1 << (w + 1)) <= width) ++w;

@@ -361,6 +361,9 @@ void* nvshmem_malloc(size_t bytes) {
   void* p = nullptr;
   if (cudaMalloc(&p, bytes) != cudaSuccess) return nullptr;
   W().pes[nvshmem_emu::CurrentPe()].heap.push_back({static_cast<char*>(p), bytes});
+  // Other PEs of the node store into it through nvshmem_ptr: those stores are weak
+  // (buffered per writing thread until its fence or release), the owner's own are not.
+  emu::mark_peer_memory(p, bytes);
   return p;
 }
 

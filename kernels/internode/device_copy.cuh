@@ -19,30 +19,66 @@
 namespace jax_ep {
 namespace devcopy {
 
+// Whether stores to dst reach memory another GPU reads over NVLink (a peer's ring through
+// nvshmem_ptr). On the emulated GPU such stores are weak: they sit in the writing thread's
+// store buffer until its fence or release (kernels/emu/emu_cuda.h, buffered_store); on a
+// GPU every store is a plain store and this is never asked.
+__device__ __forceinline__ bool RemoteDst(const void* dst) {
+#if defined(JAX_EP_EMU)
+  return ::emu::remote_store(dst);
+#else
+  (void)dst;
+  return false;
+#endif
+}
+
+// One store of a copy or of a row's word: `remote` from RemoteDst(p).
+template <class V>
+__device__ __forceinline__ void StoreTo(V* p, const V& v, bool remote) {
+#if defined(JAX_EP_EMU)
+  if (remote) {
+    ::emu::buffered_store(p, &v, sizeof(V));
+    return;
+  }
+#else
+  (void)remote;
+#endif
+  *p = v;
+}
+
+// A single word of a row (ids, weights, metadata) that may land in a peer's ring.
+template <class V>
+__device__ __forceinline__ void StoreWord(V* p, V v) {
+  StoreTo(p, v, RemoteDst(p));
+}
+
 __device__ __forceinline__ void CopyBytes(char* dst, const char* src, int64_t n, int tid,
                                           int stride) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  const bool rm = RemoteDst(dst);
   if ((a % 16) == 0 && (n % 16) == 0) {
     JEP_COUNT_COPY(dst, src, 16, n / 16, tid, stride);
     for (int64_t i = tid; i < n / 16; i += stride)
-      reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
+      StoreTo(reinterpret_cast<int4*>(dst) + i, reinterpret_cast<const int4*>(src)[i], rm);
   } else if ((a % 4) == 0 && (n % 4) == 0) {
     JEP_COUNT_COPY(dst, src, 4, n / 4, tid, stride);
     for (int64_t i = tid; i < n / 4; i += stride)
-      reinterpret_cast<int32_t*>(dst)[i] = reinterpret_cast<const int32_t*>(src)[i];
+      StoreTo(reinterpret_cast<int32_t*>(dst) + i, reinterpret_cast<const int32_t*>(src)[i], rm);
   } else if ((a % 2) == 0 && (n % 2) == 0) {
     JEP_COUNT_COPY(dst, src, 2, n / 2, tid, stride);
     for (int64_t i = tid; i < n / 2; i += stride)
-      reinterpret_cast<uint16_t*>(dst)[i] = reinterpret_cast<const uint16_t*>(src)[i];
+      StoreTo(reinterpret_cast<uint16_t*>(dst) + i, reinterpret_cast<const uint16_t*>(src)[i],
+              rm);
   } else {
     JEP_COUNT_COPY(dst, src, 1, n, tid, stride);
-    for (int64_t i = tid; i < n; i += stride) dst[i] = src[i];
+    for (int64_t i = tid; i < n; i += stride) StoreTo(dst + i, src[i], rm);
   }
 }
 
 __device__ __forceinline__ void ZeroBytes(char* dst, int64_t n, int tid, int stride) {
   JEP_COUNT_COPY(dst, nullptr, 1, n, tid, stride);
-  for (int64_t i = tid; i < n; i += stride) dst[i] = 0;
+  const bool rm = RemoteDst(dst);
+  for (int64_t i = tid; i < n; i += stride) StoreTo(dst + i, char{0}, rm);
 }
 
 // A failed call's float outputs: every byte 0xff is a NaN in float32, bfloat16 and
@@ -50,7 +86,8 @@ __device__ __forceinline__ void ZeroBytes(char* dst, int64_t n, int tid, int str
 // and a loss computed from them shows the failure at once.
 __device__ __forceinline__ void NanBytes(char* dst, int64_t n, int tid, int stride) {
   JEP_COUNT_COPY(dst, nullptr, 1, n, tid, stride);
-  for (int64_t i = tid; i < n; i += stride) dst[i] = static_cast<char>(0xff);
+  const bool rm = RemoteDst(dst);
+  for (int64_t i = tid; i < n; i += stride) StoreTo(dst + i, static_cast<char>(0xff), rm);
 }
 
 // Loads of memory a peer or the NIC wrote (landed rows, headers): global-level (.cg)
@@ -100,23 +137,28 @@ __device__ __forceinline__ E LoadLandedElem(const E* p) {
 __device__ __forceinline__ void CopyLanded(char* dst, const char* src, int64_t n, int tid,
                                            int stride) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  const bool rm = RemoteDst(dst);
   if ((a % 16) == 0 && (n % 16) == 0) {
     JEP_COUNT_COPY(dst, src, 16, n / 16, tid, stride);
     for (int64_t i = tid; i < n / 16; i += stride)
-      reinterpret_cast<int4*>(dst)[i] = LoadLandedInt4(reinterpret_cast<const int4*>(src) + i);
+      StoreTo(reinterpret_cast<int4*>(dst) + i,
+              LoadLandedInt4(reinterpret_cast<const int4*>(src) + i), rm);
   } else if ((a % 4) == 0 && (n % 4) == 0) {
     JEP_COUNT_COPY(dst, src, 4, n / 4, tid, stride);
     for (int64_t i = tid; i < n / 4; i += stride)
-      reinterpret_cast<int32_t*>(dst)[i] = LoadLanded(reinterpret_cast<const int32_t*>(src) + i);
+      StoreTo(reinterpret_cast<int32_t*>(dst) + i,
+              LoadLanded(reinterpret_cast<const int32_t*>(src) + i), rm);
   } else if ((a % 2) == 0 && (n % 2) == 0) {
     JEP_COUNT_COPY(dst, src, 2, n / 2, tid, stride);
     for (int64_t i = tid; i < n / 2; i += stride)
-      reinterpret_cast<uint16_t*>(dst)[i] =
-          LoadLanded(reinterpret_cast<const uint16_t*>(src) + i);
+      StoreTo(reinterpret_cast<uint16_t*>(dst) + i,
+              LoadLanded(reinterpret_cast<const uint16_t*>(src) + i), rm);
   } else {
     JEP_COUNT_COPY(dst, src, 1, n, tid, stride);
     for (int64_t i = tid; i < n; i += stride)
-      dst[i] = static_cast<char>(LoadLanded(reinterpret_cast<const unsigned char*>(src) + i));
+      StoreTo(dst + i,
+              static_cast<char>(LoadLanded(reinterpret_cast<const unsigned char*>(src) + i)),
+              rm);
   }
 }
 

@@ -208,6 +208,10 @@ __device__ __forceinline__ bool WarpWaitSig(const Geo& g, uint64_t* w, uint64_t 
 }
 
 using devcopy::CopyBytes;
+// Every store a row makes into a ring (payload, ids, weights, meta words) goes through the
+// copy helpers: a peer's NVLink ring is written with plain stores that its reader may see
+// only after the writer's fence (the emulated GPU buffers them until then).
+using devcopy::StoreWord;
 
 // Row counts from a count matrix with row stride `cs`: first row of source s at d, and
 // the rows of s that d keeps under the capacity.
@@ -366,16 +370,16 @@ __device__ __forceinline__ void WriteRow(const Geo& g, char* dst, const char* pa
     int32_t* ids = reinterpret_cast<int32_t*>(dst + meta_offset(g.prow));
     float* ws = reinterpret_cast<float*>(ids + g.K);
     for (int k = lane; k < g.K; k += 32) {
-      ids[k] = topk_idx[static_cast<int64_t>(t) * g.K + k];
-      ws[k] = topk_w[static_cast<int64_t>(t) * g.K + k];
+      StoreWord(ids + k, topk_idx[static_cast<int64_t>(t) * g.K + k]);
+      StoreWord(ws + k, topk_w[static_cast<int64_t>(t) * g.K + k]);
     }
   }
   if (lane == 0) {
     int32_t* meta = reinterpret_cast<int32_t*>(dst + g.dmeta);
-    meta[0] = t;
-    meta[1] = g.rank;
-    meta[2] = static_cast<int32_t>(mask);
-    meta[3] = static_cast<int32_t>(dest);
+    StoreWord(meta + 0, static_cast<int32_t>(t));
+    StoreWord(meta + 1, static_cast<int32_t>(g.rank));
+    StoreWord(meta + 2, static_cast<int32_t>(mask));
+    StoreWord(meta + 3, static_cast<int32_t>(dest));
   }
 }
 
@@ -473,8 +477,9 @@ __device__ bool Forward(const Geo& g, FwdLane* f, uint32_t mask, const char* row
     if (row != nullptr) {
       devcopy::CopyLanded(dst, row, g.stride, Lane(), 32);
       __syncwarp();
-      if (Lane() == 0) reinterpret_cast<int32_t*>(dst + g.dmeta)[3] =
-                           static_cast<int32_t>(base + slot);
+      if (Lane() == 0)
+        StoreWord(reinterpret_cast<int32_t*>(dst + g.dmeta) + 3,
+                  static_cast<int32_t>(base + slot));
     } else {
       WriteRow(g, dst, payload, topk_idx, topk_w, t, 0, base + slot);
     }
@@ -866,8 +871,8 @@ __device__ void PushRole(const Geo& g, const View& v, int p, const char* y,
         CopyBytes(dst, y + (i0 + k) * g.prow, g.prow, lane, 32);
         if (lane == 0) {
           int32_t* meta = reinterpret_cast<int32_t*>(dst + g.cmeta);
-          meta[0] = src_index[i0 + k];
-          meta[1] = g.rank;
+          StoreWord(meta + 0, src_index[i0 + k]);
+          StoreWord(meta + 1, static_cast<int32_t>(g.rank));
         }
       }
       // the batch's rows, then one release of the tail (one fence per lane per batch)
@@ -1351,10 +1356,11 @@ std::string MakeGeo(const HierDims& hd, int op, FloatKind elem, Geo* g,
 }
 
 // A launch whose blocks all run at once (the roles wait on one another), with `smem`
-// bytes of dynamic shared memory per block.
+// bytes of dynamic shared memory per block. `name`: the kernel's, for the emulated GPU's
+// co-residency limit (its occupancy table row).
 template <typename... Args, typename... Act>
-std::string LaunchCoop(void (*kernel)(Args...), int blocks, size_t smem, cudaStream_t stream,
-                       Act&&... args) {
+std::string LaunchCoop(void (*kernel)(Args...), const char* name, int blocks, size_t smem,
+                       cudaStream_t stream, Act&&... args) {
 #if !defined(JAX_EP_EMU)
   if (smem > 48 * 1024) {
     const std::string e = CudaErr(
@@ -1370,8 +1376,14 @@ std::string LaunchCoop(void (*kernel)(Args...), int blocks, size_t smem, cudaStr
   // Fields: gridDim, blockDim, dynamicSmemBytes, stream, attrs, numAttrs.
   cudaLaunchConfig_t cfg = {dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream,
                             attr, 1};
+#if defined(JAX_EP_EMU)
+  return CudaErr(::emu::launch_kernel_ex(&cfg, name, kernel, std::forward<Act>(args)...),
+                 "cooperative launch");
+#else
+  (void)name;
   return CudaErr(cudaLaunchKernelEx(&cfg, kernel, std::forward<Act>(args)...),
                  "cooperative launch");
+#endif
 }
 
 // Dispatch and gather share the path: x or g rows, routed by topk_idx or the handle.
@@ -1391,8 +1403,8 @@ std::string RunDispatchPattern(cudaStream_t stream, const Geo& g, const char* pa
   JEP_LAUNCH(ExchangeKernel, 1, kThreads, 0, stream)(g, true);
   const int nw = g.G * g.N < 32 ? g.G * g.N : 32;
   const int warps = 2 * g.N + nw;
-  e = LaunchCoop(DispatchMain, (warps + kWarps - 1) / kWarps, 0, stream, g, payload, topk_idx,
-                 topk_w, send_slot_in, out, nw, gather);
+  e = LaunchCoop(DispatchMain, "DispatchMain", (warps + kWarps - 1) / kWarps, 0, stream, g,
+                 payload, topk_idx, topk_w, send_slot_in, out, nw, gather);
   if (!e.empty()) return e;
   const int64_t work = static_cast<int64_t>(g.C) * g.prow;
   const int64_t blocks = (work + kThreads - 1) / kThreads;
@@ -1447,16 +1459,16 @@ std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, cons
   const char* yc = static_cast<const char*>(y);
   switch (elem) {
     case FloatKind::kF32:
-      e = LaunchCoop(CombineMain<float>, blocks, acc_bytes, stream, g, yc, counts, send_slot, src_index,
-                     static_cast<float*>(out), np);
+      e = LaunchCoop(CombineMain<float>, "CombineMain", blocks, acc_bytes, stream, g, yc,
+                     counts, send_slot, src_index, static_cast<float*>(out), np);
       break;
     case FloatKind::kBF16:
-      e = LaunchCoop(CombineMain<__nv_bfloat16>, blocks, acc_bytes, stream, g, yc, counts, send_slot,
-                     src_index, static_cast<__nv_bfloat16*>(out), np);
+      e = LaunchCoop(CombineMain<__nv_bfloat16>, "CombineMain", blocks, acc_bytes, stream, g,
+                     yc, counts, send_slot, src_index, static_cast<__nv_bfloat16*>(out), np);
       break;
     case FloatKind::kF16:
-      e = LaunchCoop(CombineMain<__half>, blocks, acc_bytes, stream, g, yc, counts, send_slot, src_index,
-                     static_cast<__half*>(out), np);
+      e = LaunchCoop(CombineMain<__half>, "CombineMain", blocks, acc_bytes, stream, g, yc,
+                     counts, send_slot, src_index, static_cast<__half*>(out), np);
       break;
   }
   if (!e.empty()) return e;

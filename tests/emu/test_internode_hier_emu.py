@@ -158,6 +158,51 @@ def test_small_rings_wrap_and_credit_per_chunk(N, G, K):
         round_trip(em, "hierarchical_small_rings", x, idx, w, y, g, E=E, C=C, K=K)
 
 
+def test_cooperative_kernels_take_their_ptxas_residency():
+    """The cooperative DispatchMain and CombineMain launch under their own names, so on the
+    default co-residency (resident_blocks=None: 132 SMs and the kernel's ptxas row) their
+    grids are checked against their occupancy-table limits, not the fallback for a kernel
+    the table lacks; the counters name them."""
+    N, G, T, H, K = 2, 2, 4, 8, 2
+    R = N * G
+    E, C = 2 * R, R * T
+    em = InternodeEmu(R, gpus_per_node=G, seed=9, resident_blocks=None)
+    m = em.emu.m
+    rng = np.random.default_rng(5)
+    x, idx, w, y, g = data(rng, R, T, H, K, E, C, np.float32)
+    em.emu.reset_counters()
+    outs, errs = em.dispatch(x, idx, w, num_experts=E, capacity=C, mode="hierarchical")
+    assert errs == [""] * R and em.errors() == [""] * R, errs
+    counts = np.stack([o["counts"] for o in outs])
+    slot = np.stack([o["send_slot"] for o in outs])
+    src_index = np.stack([o["src_index"] for o in outs])
+    _, errs = em.combine(y, counts, slot, topk=K, src_index=src_index, mode="hierarchical")
+    assert errs == [""] * R and em.errors() == [""] * R, errs
+    c = em.emu.counters()
+    assert c.get("kernel:DispatchMain:launches") == R, sorted(k for k in c if "launches" in k)
+    assert sum(v for k, v in c.items()
+               if k.startswith("kernel:CombineMain") and k.endswith(":launches")) == R
+    fallbacks = set(m.occupancy_fallbacks())
+    assert not fallbacks & {"cudaLaunchKernelEx", "DispatchMain", "CombineMain"}, fallbacks
+    assert m.resident_limit("DispatchMain", 256) != m.resident_limit("KernelNotInTheTable", 256)
+
+
+def test_cooperative_launch_past_the_residency_limit_is_refused():
+    """2 x 4: DispatchMain's cooperative grid is 2 blocks (2N + 8 warps); with one block
+    resident per GPU every rank's launch is refused, as cudaLaunchKernelEx refuses a
+    cooperative grid larger than the device holds (cudaErrorCooperativeLaunchTooLarge),
+    and no rank hangs on a block that could never run."""
+    N, G, T, H, K = 2, 4, 4, 8, 2
+    R = N * G
+    E, C = 2 * R, R * T
+    em = InternodeEmu(R, gpus_per_node=G, seed=2, resident_blocks=1)
+    rng = np.random.default_rng(8)
+    x, idx, w, _, _ = data(rng, R, T, H, K, E, C, np.float32)
+    _, errs = em.dispatch(x, idx, w, num_experts=E, capacity=C, mode="hierarchical")
+    for r in range(R):
+        assert "cooperative launch" in errs[r] and "too many blocks" in errs[r], (r, errs[r])
+
+
 def test_combine_inter_node_bytes_equal_dispatch():
     """The emulated transport log of one dispatch and its combine on the same routing (2 x 4,
     topk 4, no capacity drops): the data puts between nodes carry as many rows in the
