@@ -337,19 +337,22 @@ def _over_chunks(start, size, sizes, step, carry):
     return c[1:]
 
 
-def _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gu, w_down, tile, max_chunk,
-                    save):
+def _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile,
+                    max_chunk, save):
     """y float32[C, H] and (when `save`) x @ [gate | up] of every packed place
     [M, 2F] (zero in places past each expert's run)."""
     c_rows, h = x.shape
     m = rows.shape[0]
-    f2 = w_gu.shape[2]
-    f = f2 // 2
+    f = w_gate.shape[2]
     chunks = _chunk_sizes(tile, max_chunk, m)
     axes = _varying(x)
 
     def per_expert(carry, a):
-        wgu, wd, start, size = a
+        wg, wu, wd, start, size = a
+        # [gate | up] of one expert, built in the loop body: its buffer is reused by
+        # every expert (a stacked [E, H, 2F] copy is a fresh allocation per call, and
+        # XLA:CPU's fresh temporaries cost page faults).
+        wgu = jnp.concatenate([wg, wu], axis=-1)
 
         def step(s):
             def run(c):
@@ -370,38 +373,40 @@ def _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gu, w_down, tile, max_chu
     y0 = _vary(jnp.zeros((c_rows, h), jnp.float32), axes)
     # Without `save` (no gradient asked) the buffer is empty: a while loop's carry is
     # never pruned, so an unused [M, 2F] buffer would still be filled.
-    g0 = _vary(jnp.zeros((m if save else 0, f2), x.dtype), axes)
-    (y, gus), _ = jax.lax.scan(per_expert, (y0, g0), (w_gu, w_down, starts, sizes))
+    g0 = _vary(jnp.zeros((m if save else 0, 2 * f), x.dtype), axes)
+    (y, gus), _ = jax.lax.scan(per_expert, (y0, g0), (w_gate, w_up, w_down, starts, sizes))
     return y, gus
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _chunked(x, rows, weights, starts, sizes, w_gu, w_down, tile, max_chunk):
-    return _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gu, w_down, tile,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _chunked(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile, max_chunk):
+    return _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile,
                            max_chunk, save=False)[0]
 
 
-def _chunked_fwd(x, rows, weights, starts, sizes, w_gu, w_down, tile, max_chunk):
-    y, gus = _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gu, w_down, tile,
+def _chunked_fwd(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile, max_chunk):
+    y, gus = _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile,
                              max_chunk, save=True)
-    return y, (x, rows, weights, starts, sizes, w_gu, w_down, gus)
+    return y, (x, rows, weights, starts, sizes, w_gate, w_up, w_down, gus)
 
 
 def _chunked_bwd(tile, max_chunk, res, dy):
-    x, rows, weights, starts, sizes, w_gu, w_down, gus = res
+    x, rows, weights, starts, sizes, w_gate, w_up, w_down, gus = res
     c_rows, h = x.shape
     m = rows.shape[0]
-    f2 = w_gu.shape[2]
-    f = f2 // 2
+    f = w_gate.shape[2]
+    f2 = 2 * f
     chunks = _chunk_sizes(tile, max_chunk, m)
     axes = _varying(x)
     f32, dt = jnp.float32, x.dtype
-    # The transposed weights once, outside the loop: XLA:CPU's matmul with a transposed
-    # right operand ran at about half the speed of the plain layout.
-    w_gu_t, w_down_t = jnp.swapaxes(w_gu, 1, 2), jnp.swapaxes(w_down, 1, 2)
 
     def per_expert(carry, a):
-        wgu_t, wd_t, start, size = a
+        wg, wu, wd, start, size = a
+        # The transposed weights of one expert, once per expert (XLA:CPU's matmul with
+        # a transposed right operand ran at about half the speed of the plain layout),
+        # in the loop body so that one buffer serves every expert.
+        wgu_t = jnp.concatenate([wg.T, wu.T], axis=0)          # [2F, H]
+        wd_t = wd.T                                             # [H, F]
 
         def step(s):
             def run(c):
@@ -431,13 +436,14 @@ def _chunked_bwd(tile, max_chunk, res, dy):
 
         zero = tuple(_vary(jnp.zeros(sh, f32), axes) for sh in ((h, f2), (f, h)))
         dx, dpw, dwgu, dwd = _over_chunks(start, size, chunks, step, (*carry, *zero))
-        return (dx, dpw), (dwgu.astype(w_gu.dtype), dwd.astype(w_down.dtype))
+        return (dx, dpw), (dwgu[:, :f].astype(wg.dtype), dwgu[:, f:].astype(wu.dtype),
+                           dwd.astype(wd.dtype))
 
     dx0 = _vary(jnp.zeros((c_rows, h), f32), axes)
     dp0 = _vary(jnp.zeros((m,), f32), axes)
-    (dx, dpw), (dwgu, dwd) = jax.lax.scan(per_expert, (dx0, dp0),
-                                          (w_gu_t, w_down_t, starts, sizes))
-    return dx.astype(dt), None, dpw, None, None, dwgu, dwd
+    (dx, dpw), (dwg, dwu, dwd) = jax.lax.scan(per_expert, (dx0, dp0),
+                                              (w_gate, w_up, w_down, starts, sizes))
+    return dx.astype(dt), None, dpw, None, None, dwg, dwu, dwd
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -535,9 +541,9 @@ def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity:
         raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
     rows, weights, starts, sizes = aligned_pairs(groups, tile, x.shape[0])
     # Packed outside the custom_vjp: autodiff carries the weights' cotangent back from
-    # the packed places to topk_weights, and splits [gate | up]'s into the two.
-    w_gu = jnp.concatenate([w_gate, w_up], axis=-1).astype(dt)
-    args = (x, rows, weights, starts, sizes, w_gu, w_down.astype(dt))
+    # the packed places to topk_weights.
+    args = (x, rows, weights, starts, sizes, *(w.astype(dt) for w in (w_gate, w_up,
+                                                                        w_down)))
     axes = frozenset().union(*(_varying(a) for a in args))
     y = _chunked(*(_vary(a, axes) for a in args), tile, int(max_chunk))
     return y, groups
