@@ -20,16 +20,15 @@ SMS = 132  # H100 SXM / H200
 REGS_PER_SM, REG_UNIT, MAX_THREADS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 256, 2048, 32
 SMEM_PER_SM, SMEM_PER_BLOCK_RESERVED = 233472, 1024
 
-# kernel -> ("channel" | "push" | "recv" | "plan", extra dynamic smem (bytes) as a
-# function of threads). Channel kernels: num_sms blocks of max(kChannelThreads, 32 R).
+# kernel -> ("channel" | "plan", extra dynamic smem (bytes) as a function of threads).
+# Channel kernels: num_sms blocks of max(kChannelThreads, 32 R); gather (cached dispatch)
+# is its channel kernel alone.
 KERNELS = {
     "dispatch_notify_kernel": ("plan", None),
     "dispatch_channel_kernel": ("channel", None),
     "combine_notify_kernel": ("plan", None),
     "combine_channel_kernel": ("channel", None),
-    "gather_plan_kernel": ("plan", None),
-    "gather_push_kernel": ("push", None),
-    "gather_finish_kernel": ("recv", None),
+    "gather_channel_kernel": ("channel", None),
 }
 
 
@@ -44,9 +43,8 @@ def _const(text, name):
 
 def configs():
     text = _read("kernels/common/configs.h")
-    rows = re.findall(r'\{"(\w+)",\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\}', text)
-    presets = [dict(name=n, max_ranks=int(m), num_sms=int(c), push_blocks=int(p),
-                    recv_blocks=int(r), threads=int(t)) for n, m, c, p, r, t in rows]
+    rows = re.findall(r'\{"(\w+)",\s*(\d+),\s*(\d+)\}', text)
+    presets = [dict(name=n, max_ranks=int(m), num_sms=int(c)) for n, m, c in rows]
     return dict(presets=presets, reserved=_const(text, "kReservedSms"),
                 channel_threads=_const(text, "kChannelThreads"),
                 max_channel_threads=_const(text, "kMaxChannelThreads"),
@@ -97,8 +95,7 @@ def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
                 continue
             regs, smem = usage[kernel]
             threads = {"plan": cfg["plan_threads"],
-                       "channel": max(cfg["channel_threads"], 32 * p["max_ranks"])}.get(
-                           role, p["threads"])
+                       "channel": max(cfg["channel_threads"], 32 * p["max_ranks"])}[role]
             if threads > cfg["max_channel_threads"]:
                 out.append(f"{p['name']}: {kernel} needs {threads} threads per block")
             if dyn == "hist":
@@ -110,8 +107,7 @@ def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
             if occ < need:
                 out.append(f"{p['name']}: {kernel} ({regs} registers, {smem} B smem) holds "
                            f"{occ} block(s) of {threads} threads per SM, {need} assumed")
-            grid = {"push": p["push_blocks"], "recv": p["recv_blocks"], "plan": 1,
-                    "channel": p["num_sms"]}[role]
+            grid = {"plan": 1, "channel": p["num_sms"]}[role]
             if grid > budget:
                 out.append(f"{p['name']}: {kernel} launches {grid} blocks; {sms} SMs less "
                            f"{cfg['reserved']} for other work hold {budget}")
@@ -136,13 +132,18 @@ def test_every_preset_fits_the_sm_budget(usage):
 
 def test_the_check_fails_on_grids_or_registers_that_do_not_fit(usage):
     cfg = configs()
-    wide = dict(cfg, presets=[dict(cfg["presets"][0], recv_blocks=128)])  # the old ep8 row
-    assert any("launches 128 blocks" in p for p in problems(wide, usage))
+    assert cfg["presets"], "no preset rows parsed from configs.h"
     many = dict(cfg, presets=[dict(cfg["presets"][0], num_sms=130)])
     assert any("dispatch_channel_kernel launches 130" in p for p in problems(many, usage))
+    assert any("gather_channel_kernel launches 130" in p for p in problems(many, usage))
     heavy = dict(usage, dispatch_channel_kernel=(130, 0))  # 130 registers at >= 256 threads
     assert any("dispatch_channel_kernel" in p and "0 block" in p
                for p in problems(cfg, heavy))
+    heavy = dict(usage, gather_channel_kernel=(130, 0))
+    assert any("gather_channel_kernel" in p and "0 block" in p for p in problems(cfg, heavy))
+    gone = {k: v for k, v in usage.items() if k != "gather_channel_kernel"}
+    assert any("no ptxas record" in p and "gather_channel_kernel" in p
+               for p in problems(cfg, gone))
 
 
 def test_occupancy_model():
@@ -159,7 +160,7 @@ int main(int argc, char** argv) {
   const int sms = std::atoi(argv[1]);
   for (const auto& p : jax_ep::kIntranodePresets) {
     const jax_ep::IntranodePreset q = jax_ep::FitPresetToSms(p, jax_ep::EpSmBudget(sms));
-    std::printf("%s %d %d %d\n", q.name, q.num_sms, q.push_blocks, q.recv_blocks);
+    std::printf("%s %d\n", q.name, q.num_sms);
   }
 }
 """
@@ -180,24 +181,23 @@ def _fitted(tmp_path, sms, num_sms=None):
         env["JAX_EP_NUM_SMS"] = str(num_sms)
     out = subprocess.run([str(exe), str(sms)], env=env, capture_output=True, text=True,
                          check=True).stdout
-    return {n: (int(c), int(a), int(b)) for n, c, a, b in (ln.split() for ln in out.splitlines())}
+    return {n: int(c) for n, c in (ln.split() for ln in out.splitlines())}
 
 
 def test_num_sms_cuts_the_grids(tmp_path):
     cfg = configs()
     full = _fitted(tmp_path, SMS)
     # the presets fit a 132-SM GPU: nothing cut by default
-    assert full == {p["name"]: (p["num_sms"], p["push_blocks"], p["recv_blocks"])
-                    for p in cfg["presets"]}
-    assert full["ep8"][0] <= 24  # DeepEP's 20-24 SMs at 8 ranks
-    assert _fitted(tmp_path, SMS, num_sms=20)["ep8"] == (20, 20, 20)
-    # an odd budget: the channel kernel keeps whole channels (a send and a receive block)
-    assert _fitted(tmp_path, SMS, num_sms=13)["ep8"] == (12, 13, 13)
-    assert _fitted(tmp_path, SMS, num_sms=1)["ep8"] == (2, 1, 1)
+    assert full == {p["name"]: p["num_sms"] for p in cfg["presets"]}
+    assert full["ep8"] <= 24  # DeepEP's 20-24 SMs at 8 ranks
+    assert _fitted(tmp_path, SMS, num_sms=20)["ep8"] == 20
+    # an odd budget: the channel kernels keep whole channels (a send and a receive block)
+    assert _fitted(tmp_path, SMS, num_sms=13)["ep8"] == 12
+    assert _fitted(tmp_path, SMS, num_sms=1)["ep8"] == 2
     # a smaller GPU: at most its SMs less the reserve
     small = _fitted(tmp_path, 20)
-    assert all(max(v) <= (20 - cfg["reserved"]) * cfg["per_sm"] for v in small.values())
-    assert _fitted(tmp_path, SMS, num_sms=1000)["ep32"] == (32, 32, 32)  # never above presets
+    assert all(v <= (20 - cfg["reserved"]) * cfg["per_sm"] for v in small.values())
+    assert _fitted(tmp_path, SMS, num_sms=1000)["ep32"] == 32  # never above presets
 
 
 def test_set_num_sms_checks_its_argument(monkeypatch):

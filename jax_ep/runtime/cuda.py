@@ -36,10 +36,10 @@ call :func:`check_errors` after a step to learn of one.
 
 The virtual-rank harness (:func:`harness_dispatch`, :func:`harness_combine`,
 :func:`harness_gather`) runs the same kernels for R ranks whose buffers all live on one
-GPU, on stacked per-rank inputs. By default it launches each phase for every rank before
-the next phase of any, so every wait is already satisfied when it runs; with
-``concurrent=True`` each rank's kernels run on their own stream with small grids, at the
-same time as the others', so the waits are real.
+GPU, on stacked per-rank inputs. Each rank's kernels run on their own stream with small
+grids (one channel), at the same time as the others', so the waits are real: the channel
+kernels of all three ops wait on each other and could not run one rank after another.
+``concurrent`` is kept for callers and changes nothing.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ MAX_PEER_GPUS = 8
 _setup_calls = itertools.count()
 HARNESS_CALL_SITE = 1  # the harness's default call-site id (every rank the same)
 _reset_calls = itertools.count()
-_HEADER_BYTES = 64 * 1024
+_HEADER_BYTES = 128 * 1024
 _ALIGN = 256
 # The dispatch/combine channel settings (kernels/common/configs.h): the presets' name,
 # max ranks and channel-kernel blocks (num_sms; channels = num_sms / 2, at most 16), and
@@ -111,7 +111,7 @@ def set_num_sms(num_sms: int | None) -> None:
     """SMs the intranode kernels may use (as DeepEP's ``Buffer.set_num_sms``): the
     dispatch/combine channel kernels run the largest even block count within it (at least
     2: a sending and a receiving block per channel; default 24 at 8 ranks, see
-    docs/intranode.md), the gather grids are cut to it, at one resident block per SM, so
+    docs/intranode.md; gather's channel kernel the same), at one resident block per SM, so
     they fit beside other work (compute, an NCCL kernel, another MPS client).
     None: the GPU's SMs less 16 (kernels/common/configs.h kReservedSms). Read at each
     launch (``JAX_EP_NUM_SMS``): set it before the program is compiled or captured."""
@@ -125,8 +125,8 @@ def set_num_sms(num_sms: int | None) -> None:
 
 def presets() -> list[dict]:
     """The intranode launch presets compiled in (kernels/common/configs.h): name, max_ranks,
-    num_sms (blocks of the dispatch/combine channel kernels), push_blocks, recv_blocks and
-    threads (the gather kernels). JAX_EP_CUDA_PRESET=<name> forces one."""
+    num_sms (blocks of the dispatch/combine/gather channel kernels). JAX_EP_CUDA_PRESET=<name>
+    forces one."""
     return [dict(p) for p in _bindings().cuda_presets()]
 
 
@@ -179,7 +179,7 @@ def _check_ll_shapes(R, max_tokens_per_rank, num_experts, topk, hidden):
 
 
 def channels(num_ranks: int) -> int:
-    """Channels of the dispatch/combine kernels a group of `num_ranks` is set up for (its
+    """Channels of the dispatch/combine/gather kernels a group of `num_ranks` is set up for (its
     preset's num_sms / 2; JAX_EP_CUDA_PRESET forces a row). A launch cut to a smaller SM
     budget (set_num_sms) runs fewer in the same buffers."""
     forced = os.environ.get("JAX_EP_CUDA_PRESET", "")
@@ -202,10 +202,10 @@ def buffer_bytes(num_ranks: int, num_tokens: int | None, hidden: int, topk: int,
                  max_tokens_per_rank: int | None = None,
                  num_experts: int | None = None) -> dict:
     """Bytes of communication buffer each op kind needs on every GPU for these per-rank
-    shapes (the same formulas as kernels/cuda/intranode_buffer.h). Dispatch and combine
-    stage rows in channels x ranks rings of ring_tokens() slots: their bytes depend on the
-    ranks, the row size and topk, not on num_tokens or capacity ("channels" and
-    "ring_tokens" report the settings). Gather still stages min(T, C) rows per peer.
+    shapes (the same formulas as kernels/cuda/intranode_buffer.h). Dispatch, combine
+    and gather (combine's transpose, cached dispatch) stage rows in channels x ranks rings
+    of ring_tokens() slots: their bytes depend on the ranks, the row size and topk, not on
+    num_tokens or capacity ("channels" and "ring_tokens" report the settings).
     num_tokens=None: no normal-mode areas (zero bytes). With max_tokens_per_rank and num_experts, also the
     "low_latency" area: a function of (R, M, H, K, E) and dtype only, holding any call of
     at most M tokens per rank, top-K routing and rows of at most H elements of dtype."""
@@ -216,15 +216,13 @@ def buffer_bytes(num_ranks: int, num_tokens: int | None, hidden: int, topk: int,
     if num_tokens is None:
         out = {"dispatch": 0, "combine": 0, "gather": 0, "header": _HEADER_BYTES}
     else:
-        T = int(num_tokens)
-        C = R * T if capacity is None else int(capacity)
         stride = _align(row, 16)
-        cap = min(T, C)
         ch, q = channels(R), ring_tokens()
         ring = _align(q * stride) + _align(q * (2 + 2 * K) * 4)  # rows, then their words
-        gather = R * _align(cap * stride) + R * _align(cap * 4) + _align(C * 4)
+        gather = _align(q * stride) + _align(q * 4)  # rows, then the token ids asked for
         out = {"dispatch": ch * R * ring, "combine": ch * R * _align(q * stride),
-               "gather": gather, "header": _HEADER_BYTES, "channels": ch, "ring_tokens": q}
+               "gather": ch * R * gather, "header": _HEADER_BYTES, "channels": ch,
+               "ring_tokens": q}
     if max_tokens_per_rank is not None:
         M, E = _check_ll_shapes(R, max_tokens_per_rank, num_experts, K, H)
         out["low_latency"] = _align(low_latency_layout(R, M, row, K, E)["bytes"])
@@ -440,7 +438,7 @@ def harness_dispatch(x, topk_idx, topk_weights, *, num_experts: int,
     """Dispatch for R virtual ranks on one GPU: x[R, T, H], topk_idx/topk_weights[R, T, K]
     hold each rank's inputs; results have a leading rank axis.
 
-    concurrent: each rank's kernels on their own stream, at once (real waits). For tests
+    concurrent: kept for callers; every rank runs on its own stream anyway. For tests
     of the failure paths: call_sites[R] gives each rank's call-site id (default: one
     HARNESS_CALL_SITE for all), absent_rank leaves one rank's kernels out (its peers time
     out)."""

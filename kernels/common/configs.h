@@ -1,6 +1,6 @@
-// Tuned launch presets of the CUDA kernels: how many thread blocks (SMs) each phase of
-// the intranode dispatch/combine uses, threads per block, and the chunk sizes of the
-// layout and planning kernels.
+// Tuned launch presets of the CUDA kernels: how many thread blocks (SMs) the intranode
+// channel kernels (dispatch, combine, gather) use, threads per block, and the chunk sizes
+// of the layout and planning kernels.
 // One small table instead of numbers spread through the kernels. Host-only header.
 //
 // The numbers are first estimates for one H100/H200 class GPU (132 SMs) and have not
@@ -16,11 +16,8 @@ namespace jax_ep {
 struct IntranodePreset {
   const char* name;
   int max_ranks;     // row applies to num_ranks <= max_ranks (first match wins)
-  int num_sms;       // blocks of the dispatch/combine channel kernels (even: send, odd: receive),
-                     // num_sms / 2 channels; DeepEP's Buffer.num_sms
-  int push_blocks;   // blocks of the gather push kernel
-  int recv_blocks;   // blocks of the gather finish kernel
-  int threads;       // threads per block of the gather kernels (a warp moves one row at a time)
+  int num_sms;       // blocks of the dispatch/combine/gather channel kernels (even: send,
+                     // odd: receive), num_sms / 2 channels; DeepEP's Buffer.num_sms
 };
 
 // Ordered by max_ranks; the last row catches everything. Every grid fits the default SM
@@ -29,11 +26,11 @@ struct IntranodePreset {
 // client), or the ranks wait for each other until the timeout. 24 blocks at 8 ranks is
 // DeepEP's 20-24 SMs for intranode normal mode.
 inline constexpr IntranodePreset kIntranodePresets[] = {
-    {"ep2", 2, 16, 16, 16, 512},
-    {"ep4", 4, 20, 20, 20, 512},
-    {"ep8", 8, 24, 24, 24, 512},
-    {"ep16", 16, 24, 24, 24, 512},
-    {"ep32", 32, 32, 32, 32, 512},
+    {"ep2", 2, 16},
+    {"ep4", 4, 20},
+    {"ep8", 8, 24},
+    {"ep16", 16, 24},
+    {"ep32", 32, 32},
 };
 inline constexpr int kNumIntranodePresets =
     static_cast<int>(sizeof(kIntranodePresets) / sizeof(kIntranodePresets[0]));
@@ -65,9 +62,8 @@ inline constexpr int kMaxSmemLocalExperts = 8192;
 // SMs left to other work when no budget is set (JAX_EP_NUM_SMS): the EP kernels use at
 // most device SMs - kReservedSms.
 inline constexpr int kReservedSms = 16;
-// Blocks of one push or receive kernel resident per SM at the presets' threads per block:
-// ptxas gives the dispatch push/finish kernels about 78/74 registers at 512 threads, one
-// block per SM. tests/test_grid_budget.py checks it against `nvcc -Xptxas -v`.
+// Blocks of one channel kernel resident per SM at its threads per block (ChannelThreads):
+// one. tests/test_grid_budget.py checks it against `nvcc -Xptxas -v`.
 inline constexpr int kAssumedBlocksPerSm = 1;
 
 // SMs the EP kernels may use on a GPU with `device_sms` SMs: JAX_EP_NUM_SMS when set (as
@@ -88,8 +84,6 @@ inline IntranodePreset FitPresetToSms(IntranodePreset p, int sm_budget) {
   if (p.num_sms > cap) p.num_sms = cap;
   p.num_sms = p.num_sms < 2 ? 2 : p.num_sms & ~1;
   if (p.num_sms > 2 * kMaxIntranodeChannels) p.num_sms = 2 * kMaxIntranodeChannels;
-  if (p.push_blocks > cap) p.push_blocks = cap;
-  if (p.recv_blocks > cap) p.recv_blocks = cap;
   return p;
 }
 

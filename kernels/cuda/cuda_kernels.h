@@ -23,20 +23,19 @@ cudaError_t LaunchLayout(cudaStream_t stream, const int32_t* topk_idx, int T, in
 //                  (combine), exchanged with the peers
 //   kPhaseChannel  2 x channels blocks: even blocks send through the (channel, peer)
 //                  rings, odd blocks receive, in one kernel (intranode_buffer.h)
+// Gather (combine's transpose, cached dispatch) runs the channel kernel only: the handle
+// holds the layout, and the counts travel with the requests (kNumGatherPhases).
 // The channel kernels of all ranks of a group must run at once (their blocks wait on each
 // other), so the virtual-rank harness launches each rank on its own stream.
-// Gather runs as three kernels per rank:
-//   kPhasePlan    one block: next epoch, requests to peers
-//   kPhasePush    many blocks: wait for requests, write rows into peers, signal
-//   kPhaseFinish  many blocks: wait for arrivals, copy staged rows into XLA outputs
-enum Phase : int { kPhasePlan = 0, kPhasePush = 1, kPhaseFinish = 2, kNumPhases = 3 };
 enum ChannelPhase : int { kPhaseNotify = 0, kPhaseChannel = 1, kNumChannelPhases = 2 };
+constexpr int kNumGatherPhases = 1;
 
 // `p.num_sms` carries the channel kernel's blocks (2 x a.c.channels is what runs).
 cudaError_t LaunchDispatchPhase(int phase, const DispatchArgs& a, const IntranodePreset& p,
                                 cudaStream_t stream);
 cudaError_t LaunchCombinePhase(int phase, const CombineArgs& a, const IntranodePreset& p,
                                cudaStream_t stream);
+// Gather's only phase (0) is its channel kernel.
 cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePreset& p,
                               cudaStream_t stream);
 
@@ -46,7 +45,7 @@ inline int SetupChannels(int num_ranks) {
   return FitPresetToSms(SelectIntranodePreset(num_ranks), 1 << 20).num_sms / 2;
 }
 // Staging bytes of the dispatch and combine areas for a group of `num_ranks` ranks and
-// rows of `row_bytes` (top-`topk`): set by the channels and ring slots, not by the
+// rows of `row_bytes` (top-`topk`; gather's the same): set by the channels and ring slots, not by the
 // tokens per call or the capacity.
 inline size_t SetupDispatchBytes(int num_ranks, size_t row_bytes, int topk) {
   return DispatchAreaBytes(num_ranks, SetupChannels(num_ranks), IntranodeRingTokens(), row_bytes,
@@ -54,6 +53,9 @@ inline size_t SetupDispatchBytes(int num_ranks, size_t row_bytes, int topk) {
 }
 inline size_t SetupCombineBytes(int num_ranks, size_t row_bytes) {
   return CombineAreaBytes(num_ranks, SetupChannels(num_ranks), IntranodeRingTokens(), row_bytes);
+}
+inline size_t SetupGatherBytes(int num_ranks, size_t row_bytes) {
+  return GatherAreaBytes(num_ranks, SetupChannels(num_ranks), IntranodeRingTokens(), row_bytes);
 }
 
 // Reads (and optionally clears) the sticky device error records of the current device.

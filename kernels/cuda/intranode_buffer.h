@@ -33,9 +33,16 @@
 //             s's receivers sum each token's rows over ranks in ascending order. A request
 //             is posted only after the previous epoch's rows were consumed, so it is
 //             also the credit for the request slots.
-//   gather:   rank q sends each source s the list of tokens it needs (request[gather]);
-//             s pushes those rows of g into q's gather region s and sets
-//             arrive[gather][s] = n on q; q copies them into place (three kernels).
+//   gather:   (combine's transpose, also cached dispatch) one channel kernel, no notify:
+//             the handle already holds the layout. Receiver q's channel ch block works out,
+//             per source s, the contiguous range of its rows whose token lies in s's channel
+//             ch, posts the count (g_req_n, g_req_site, then g_req_epoch = n) into s's
+//             header, then streams the rows' token ids into the request ring (ch, q) on s
+//             (head counts the ids posted). s's channel ch sender answers with its call site
+//             (g_arr_site, g_arr_epoch = n on q), reads each id and writes that row of g
+//             into the data ring (ch, s) on q (tail). q posts id k only once it has read
+//             row k - ring_tokens, so a posted id is also the credit for its data slot and
+//             the slot of id k - ring_tokens.
 //
 // Call sites: every request and every data signal is preceded by the sender's call-site
 // id (site_req / site_arr), which the receiver compares with its own after its wait, so
@@ -65,9 +72,9 @@ constexpr int kMaxRanks = 32;  // ranks of one intranode group (a 32-bit mask pe
 constexpr int kMaxChannels = 16;  // channels of the dispatch/combine kernels at most
 enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpGather = 2, kNumOpKinds = 3 };
 // Last-block counters, one per kernel that ends with a signal.
-enum DoneCounter : int { kDoneDispatchChannel = 0, kDoneGatherPush = 1, kNumDoneCounters = 2 };
+enum DoneCounter : int { kDoneDispatchChannel = 0, kDoneGatherChannel = 1, kNumDoneCounters = 2 };
 
-constexpr size_t kHeaderBytes = 64 * 1024;
+constexpr size_t kHeaderBytes = 128 * 1024;
 constexpr size_t kAreaAlign = 256;
 
 // Ring counters of one op kind's channels (see the top).
@@ -89,15 +96,20 @@ struct alignas(128) RankHeader {
   uint64_t request[kNumOpKinds][kMaxRanks];  // written by peer p: epoch n's request posted
   uint64_t credit[kMaxRanks];              // dispatch: receiver p finished epoch n
   int32_t counts[kMaxRanks][kMaxRanks];    // dispatch: row s = tokens s sends each rank
-  int32_t req_n[kNumOpKinds][kMaxRanks];   // gather: rows peer p wants from me
   int64_t site_req[kNumOpKinds][kMaxRanks];  // written by peer p before request[k][p]
   int64_t site_arr[kNumOpKinds][kMaxRanks];  // written by peer p before arrive[k][p]
-  RingCounters ring[2];                    // dispatch (0) and combine (1) channels
+  RingCounters ring[kNumOpKinds];          // dispatch (0), combine (1), gather (2) channels;
+                                           // gather's head is the ids posted (see the top)
   uint64_t d_end[kMaxChannels][kMaxRanks];   // dispatch: by source p, ring (ch, p) ended epoch n
   int32_t c_req_lo[kMaxChannels][kMaxRanks]; // combine: first of my rows peer p's channel wants
   int32_t c_req_n[kMaxChannels][kMaxRanks];
   int32_t c_own_lo[kMaxChannels][kMaxRanks]; // combine scratch: my channel's request to rank r
   int32_t c_own_n[kMaxChannels][kMaxRanks];
+  uint64_t g_req_epoch[kMaxChannels][kMaxRanks];  // gather: by receiver p, its count of epoch n
+  uint64_t g_arr_epoch[kMaxChannels][kMaxRanks];  // gather: by sender p, its call site of epoch n
+  int64_t g_req_site[kMaxChannels][kMaxRanks];    // gather: written by receiver p before its count
+  int64_t g_arr_site[kMaxChannels][kMaxRanks];    // gather: written by sender p before any row
+  int32_t g_req_n[kMaxChannels][kMaxRanks];       // gather: rows receiver p wants from my channel
 };
 static_assert(sizeof(RankHeader) <= kHeaderBytes, "header too large");
 constexpr int32_t kHeaderMagic = 0x4a455031;  // "JEP1"
@@ -133,7 +145,6 @@ struct ErrorRecord {
 JEP_HDX size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 JEP_HDX size_t RowStride(size_t row_bytes) { return AlignUp(row_bytes, 16); }
 
-JEP_HDX int RowsCap(int64_t T, int64_t C) { return static_cast<int>(T < C ? T : C); }
 
 // One dispatch ring slot: the row, then [row on the receiver, source token, K local ids,
 // K weights] as 32-bit words.
@@ -161,22 +172,23 @@ JEP_HDX size_t CombineRingBytes(int ring_tokens, size_t row_bytes) {
 JEP_HDX size_t CombineAreaBytes(int R, int channels, int ring_tokens, size_t row_bytes) {
   return static_cast<size_t>(channels) * R * CombineRingBytes(ring_tokens, row_bytes);
 }
-// Gather area: data regions [R][min(T, C)] rows, request lists [R][min(T, C)] token
-// ids (written by requesters), slot per output row [C].
-struct GatherLayout {
-  size_t region_bytes, data_off, req_off, req_stride, slot_off, bytes;
-  JEP_HDX static GatherLayout Make(int R, int64_t T, int64_t C, size_t row_bytes) {
-    GatherLayout g;
-    const size_t cap = static_cast<size_t>(RowsCap(T, C));
-    g.region_bytes = AlignUp(cap * RowStride(row_bytes), kAreaAlign);
-    g.data_off = 0;
-    g.req_off = R * g.region_bytes;
-    g.req_stride = AlignUp(cap * 4, kAreaAlign);
-    g.slot_off = g.req_off + R * g.req_stride;
-    g.bytes = g.slot_off + AlignUp(static_cast<size_t>(C) * 4, kAreaAlign);
-    return g;
+// One gather ring pair (channel ch, peer p) on a rank: the data ring (ring_tokens rows of
+// g from source p), then the request ring (ring_tokens token ids from receiver p).
+struct GatherRing {
+  size_t req_off, bytes;
+  JEP_HDX static GatherRing Make(int ring_tokens, size_t row_bytes) {
+    GatherRing r;
+    const size_t n = static_cast<size_t>(ring_tokens);
+    r.req_off = AlignUp(n * RowStride(row_bytes), kAreaAlign);
+    r.bytes = r.req_off + AlignUp(n * 4, kAreaAlign);
+    return r;
   }
 };
+// Gather area: channels x R ring pairs, pair (ch, p) at (ch * R + p) * pair bytes. The same
+// for any tokens per call or capacity.
+JEP_HDX size_t GatherAreaBytes(int R, int channels, int ring_tokens, size_t row_bytes) {
+  return static_cast<size_t>(channels) * R * GatherRing::Make(ring_tokens, row_bytes).bytes;
+}
 
 // Where the three areas start in every buffer of a group (sizes fixed at setup).
 struct AreaConfig {
@@ -206,8 +218,8 @@ struct CommonArgs {
   ErrorRecord* host_err;    // mapped host mirror (may be null)
   int64_t timeout_ns;
   int64_t call_site;        // the call's id (same on every rank of a correct program)
-  int channels;             // dispatch/combine: channels (the channel kernel has twice the blocks)
-  int ring_tokens;          // dispatch/combine: slots of each (channel, peer) ring
+  int channels;             // channels (the channel kernel has twice the blocks)
+  int ring_tokens;          // slots of each (channel, peer) ring
 };
 
 struct DispatchArgs {

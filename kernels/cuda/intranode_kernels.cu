@@ -105,32 +105,13 @@ __device__ void check_identity(const CommonArgs& c) {
     report(c, kErrRankMismatch, r, c.me, g, c.expect_group);
 }
 
-// Starts epoch n of an op kind on this rank (plan kernels only, thread 0).
+// Starts epoch n of an op kind on this rank (notify kernels only, thread 0).
 __device__ uint64_t begin_epoch(const CommonArgs& c, int kind) {
   RankHeader* h = peer::header(c.peers, c.me);
   const uint64_t n = h->seq[kind] + 1;
   h->seq[kind] = n;
   check_identity(c);
   return n;
-}
-
-// Called by every thread at the end of a multi-block kernel. Returns true in exactly
-// one thread (thread 0 of the last block to finish), after every block's writes.
-__device__ bool last_block_done(const CommonArgs& c, int counter) {
-  __shared__ bool s_last;
-  peer::fence_data();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    RankHeader* h = peer::header(c.peers, c.me);
-    const unsigned prev = atomicAdd(&h->done[counter], 1u);
-    s_last = prev == gridDim.x - 1;
-    if (s_last) {
-      h->done[counter] = 0;
-      peer::fence_data();
-    }
-  }
-  __syncthreads();
-  return s_last && threadIdx.x == 0;
 }
 
 // Ranks a token is sent to (bit r), from its sanitized ids.
@@ -144,16 +125,6 @@ __device__ __forceinline__ uint32_t token_mask(const DispatchArgs& a, int t, boo
     if (e >= 0) mask |= 1u << owner_rank(e, a.experts_per_rank);
   }
   return mask;
-}
-
-__device__ __forceinline__ int global_warp() { return (blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
-__device__ __forceinline__ int total_warps() { return (gridDim.x * blockDim.x) >> 5; }
-
-// Index s with base[s] <= i < base[s + 1] (base has R + 1 entries, non-decreasing).
-__device__ __forceinline__ int find_segment(const int32_t* base, int R, int64_t i) {
-  int s = 0;
-  while (s + 1 < R && i >= base[s + 1]) ++s;
-  return s;
 }
 
 // Exclusive prefix of `bits` (bit r set: this thread's item goes to r) over a chunk of
@@ -836,130 +807,246 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
 }
 
 // ================================ gather ================================
+// Combine's transpose (and cached dispatch): out[i] = g_{src_rank[i]}[src_index[i]]. No
+// notify kernel: the handle holds the layout, so each receiving warp knows its rows and
+// tells its source how many, with the first ids (intranode_buffer.h, "gather").
 
-__global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(GatherArgs a) {
-  __shared__ int32_t s_warp[kPlanThreads / 32][kMaxRanks];
-  __shared__ int32_t s_run[kMaxRanks];
+// Sending warp of channel ch towards receiver q: the rows of g q's channel ch asks for,
+// in the order of its ids, through data ring (ch, me) on q.
+__device__ void gather_send(const GatherArgs& a, int ch, int q, uint64_t n) {
+  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
+  RankHeader* hdr = peer::header(a.c.peers, me);
+  RankHeader* qh = peer::header(a.c.peers, q);
+  const GatherRing ring = GatherRing::Make(a.c.ring_tokens, a.row_bytes);
+  const size_t stride = RowStride(a.row_bytes);
+  char* dbase = peer::peer_ptr(a.c.peers, q, a.c.area_off + (static_cast<size_t>(ch) * R + me) * ring.bytes);
+  const int32_t* ids = reinterpret_cast<const int32_t*>(
+      peer::peer_ptr(a.c.peers, me, a.c.area_off + (static_cast<size_t>(ch) * R + q) * ring.bytes) +
+      ring.req_off);
+  const uint64_t Q = static_cast<uint64_t>(a.c.ring_tokens);
+  const uint64_t chunk = Q > 4 ? Q / 4 : 1;  // rows per published tail
+  uint64_t* tail = &qh->ring[kOpGather].tail[ch][me];
+  const uint64_t* posted = &hdr->ring[kOpGather].head[ch][q];
+  // q's count of epoch n and its call site.
+  uint64_t seen = 0;
+  const bool ok = warp_wait_counter(a.c, &hdr->g_req_epoch[ch][q], n, q, kOpGather, &seen);
+  int32_t cnt = 0;
+  if (ok && lane == 0) {
+    __threadfence();
+    const int64_t got = *reinterpret_cast<const volatile int64_t*>(&hdr->g_req_site[ch][q]);
+    if (got == kSiteFailed)
+      report(a.c, kErrPeerFailed, q, kOpGather, 0, 0);
+    else if (got != a.c.call_site)
+      report(a.c, kErrCallSite, q, kOpGather, static_cast<int32_t>(got), static_cast<int32_t>(a.c.call_site));
+    cnt = peer::load_volatile(&hdr->g_req_n[ch][q]);
+    if (cnt < 0) cnt = 0;
+  }
+  cnt = __shfl_sync(kFullMask, cnt, 0);
+  // One decision for the whole ring: a failed rank sends its failed site and no rows (the
+  // receiver skips the ring on that site), a healthy one every row asked for.
+  const bool fail = __shfl_sync(kFullMask, (!ok || failed()) ? 1 : 0, 0) != 0;
+  if (lane == 0) {
+    peer::store(&qh->g_arr_site[ch][me], fail ? kSiteFailed : a.c.call_site);
+    peer::fence_data();
+    peer::signal(&qh->g_arr_epoch[ch][me], n);
+  }
+  __syncwarp();
+  const uint64_t base = hdr->ring[kOpGather].sent[ch][q];
+  const uint64_t end = base + static_cast<uint64_t>(cnt);
+  uint64_t k = fail ? end : base, published = base, avail = base;
+  const char* g = static_cast<const char*>(a.g);
+  while (k < end) {
+    if (avail <= k) {
+      // Rows written go out before waiting: q posts more ids only as it reads them.
+      if (published < k) {
+        publish_tail(tail, k);
+        published = k;
+      }
+      if (!warp_wait_counter(a.c, posted, k + 1, q, kOpGather, &avail)) break;
+      if (avail > end) avail = end;
+    }
+    // Up to 32 ids at once, one per lane, then their rows one after another.
+    const uint64_t stop = avail - k < 32 ? avail : k + 32;
+    int32_t t = -1;
+    if (k + lane < stop) t = peer::load_cg_s32(&ids[(k + lane) % Q]);
+    for (uint64_t j = k; j < stop; ++j) {
+      const int32_t tt = __shfl_sync(kFullMask, t, static_cast<int>(j - k));
+      char* dst = dbase + (j % Q) * stride;
+      if (tt >= 0 && tt < a.T)
+        warp_copy_row<true>(dst, g + static_cast<int64_t>(tt) * a.row_bytes, a.row_bytes, lane);
+      else
+        warp_zero_row(dst, a.row_bytes, lane);  // never asked by a checked handle
+      if (j + 1 - published >= chunk) {
+        publish_tail(tail, j + 1);
+        published = j + 1;
+      }
+    }
+    k = stop;
+  }
+  publish_tail(tail, k);
+  if (lane == 0) hdr->ring[kOpGather].sent[ch][q] = k;
+  __syncwarp();
+}
+
+// Receiving warp of channel ch for source s: rows [lo, lo + cnt) of the outputs come from
+// s's channel ch. Posts their token ids into request ring (ch, me) on s, a ring's worth
+// ahead of the rows read, and copies each row of data ring (ch, s) into place.
+__device__ void gather_recv(const GatherArgs& a, int ch, int s, int32_t lo, int32_t cnt, bool fail,
+                            uint64_t n) {
+  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
+  RankHeader* hdr = peer::header(a.c.peers, me);
+  RankHeader* sh = peer::header(a.c.peers, s);
+  const GatherRing ring = GatherRing::Make(a.c.ring_tokens, a.row_bytes);
+  const size_t stride = RowStride(a.row_bytes);
+  const char* dbase = peer::peer_ptr(a.c.peers, me, a.c.area_off + (static_cast<size_t>(ch) * R + s) * ring.bytes);
+  int32_t* ids = reinterpret_cast<int32_t*>(
+      peer::peer_ptr(a.c.peers, s, a.c.area_off + (static_cast<size_t>(ch) * R + me) * ring.bytes) +
+      ring.req_off);
+  const uint64_t Q = static_cast<uint64_t>(a.c.ring_tokens);
+  const uint64_t chunk = Q > 2 ? Q / 2 : 1;  // free slots per batch of ids
+  uint64_t* posted_ctr = &sh->ring[kOpGather].head[ch][me];
+  const uint64_t* tail = &hdr->ring[kOpGather].tail[ch][s];
+  if (fail) cnt = 0;  // a failed rank asks for nothing
+  if (lane == 0) {
+    peer::store(&sh->g_req_site[ch][me], fail ? kSiteFailed : a.c.call_site);
+    peer::store(&sh->g_req_n[ch][me], cnt);
+    peer::fence_data();
+    peer::signal(&sh->g_req_epoch[ch][me], n);
+  }
+  __syncwarp();
+  const uint64_t base = hdr->ring[kOpGather].read[ch][s];
+  const uint64_t end = base + static_cast<uint64_t>(cnt);
+  uint64_t posted = base;
+  // Ids [posted, upto) into their slots, fenced before the count that publishes them.
+  auto post = [&](uint64_t upto) {
+    for (uint64_t j = posted + lane; j < upto; j += 32)
+      peer::store(&ids[j % Q], a.src_index[lo + static_cast<int64_t>(j - base)]);
+    publish_tail(posted_ctr, upto);
+    posted = upto;
+  };
+  post(end - base < Q ? end : base + Q);  // the first ids go out before s's site is read
+  uint64_t seen = 0;
+  bool skip = !warp_wait_counter(a.c, &hdr->g_arr_epoch[ch][s], n, s, kOpGather, &seen);
+  if (!skip) {
+    int bad = 0;
+    if (lane == 0) {
+      __threadfence();
+      const int64_t got = *reinterpret_cast<const volatile int64_t*>(&hdr->g_arr_site[ch][s]);
+      if (got != a.c.call_site) {
+        bad = 1;  // s sends no rows
+        if (got == kSiteFailed)
+          report(a.c, kErrPeerFailed, s, kOpGather, 0, 0);
+        else
+          report(a.c, kErrCallSite, s, kOpGather, static_cast<int32_t>(got), static_cast<int32_t>(a.c.call_site));
+      }
+    }
+    skip = __shfl_sync(kFullMask, bad, 0) != 0;
+  }
+  uint64_t k = base;
+  while (!skip && k < end) {
+    uint64_t t = 0;
+    if (!warp_wait_counter(a.c, tail, k + 1, s, kOpGather, &t)) break;
+    const uint64_t stop = t < end ? t : end;
+    for (; k < stop; ++k)
+      if (!fail)
+        warp_copy_row<false>(static_cast<char*>(a.out) + static_cast<int64_t>(lo + static_cast<int64_t>(k - base)) * a.row_bytes,
+                             dbase + (k % Q) * stride, a.row_bytes, lane);
+    // The slots just read are free: their ids' successors may go out.
+    __syncwarp();
+    const uint64_t room = k + Q - posted, want = end - posted;
+    if (posted < end && room >= (want < chunk ? want : chunk)) post(k + Q < end ? k + Q : end);
+  }
+  if (lane == 0) hdr->ring[kOpGather].read[ch][s] = skip ? end : k;
+  __syncwarp();
+}
+
+// The channel kernel: block 2 ch sends (warp q the rows receiver q's channel ch asks
+// for), block 2 ch + 1 receives channel ch of every source (warp s from source s). A
+// receiving block finds, for each source, the contiguous range of its rows whose token is
+// in that source's channel ch (dispatch ordered rows by source, then token), and zeroes
+// the rows nothing fills. The last block to finish closes the epoch.
+__global__ void __launch_bounds__(kMaxChannelThreads) gather_channel_kernel(GatherArgs a) {
   __shared__ uint64_t s_n;
   __shared__ bool s_fail;
-  const int R = a.c.num_ranks, me = a.c.me;
+  __shared__ int32_t s_lo[kMaxRanks], s_hi[kMaxRanks], s_cnt[kMaxRanks];
+  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nw = blockDim.x >> 5, nch = a.c.channels;
+  const int ch = blockIdx.x >> 1;
+  const bool sender = (blockIdx.x & 1) == 0;
+  RankHeader* hdr = peer::header(a.c.peers, me);
   if (threadIdx.x == 0) {
-    s_n = begin_epoch(a.c, kOpGather);
-    s_fail = failed();  // then this rank asks for nothing
-  }
-  if (threadIdx.x < R) s_run[threadIdx.x] = 0;
-  __syncthreads();
-  const bool fail = s_fail;
-  const GatherLayout gl = GatherLayout::Make(R, a.T, a.C, a.row_bytes);
-  const int cap = RowsCap(a.T, a.C);
-  int32_t* slot = reinterpret_cast<int32_t*>(peer::peer_ptr(a.c.peers, me, a.c.area_off + gl.slot_off));
-  int32_t pos[kMaxRanks];
-  for (int base = 0; base < a.C; base += blockDim.x) {
-    const int i = base + threadIdx.x;
-    int32_t s = -1, t = -1;
-    if (i < a.C && !fail) {
-      s = a.src_rank[i];
-      t = a.src_index[i];
-      if (s != -1 && (s < 0 || s >= R || t < 0 || t >= a.T)) {
-        report(a.c, kErrBadHandle, i, s, t, kOpGather);
-        s = -1;
-      }
-    }
-    chunk_positions(s >= 0 ? (1u << s) : 0u, R, s_warp, s_run, pos);
-    if (i < a.C) {
-      int32_t j = -1;
-      if (s >= 0) {
-        j = pos[s];
-        if (j >= cap) {
-          report(a.c, kErrBadHandle, i, s, j, kOpGather);
-          j = -1;
-        } else {
-          int32_t* req = reinterpret_cast<int32_t*>(
-              peer::peer_ptr(a.c.peers, s, a.c.area_off + gl.req_off + me * gl.req_stride));
-          peer::store(&req[j], t);
-        }
-      }
-      slot[i] = j;
-    }
+    // Every block reads the epoch before the last one stores it (below).
+    s_n = *reinterpret_cast<const volatile uint64_t*>(&hdr->seq[kOpGather]) + 1;
+    check_identity(a.c);
+    s_fail = failed();
   }
   if (threadIdx.x < R) {
-    const int32_t n = s_run[threadIdx.x];
-    peer::store(&peer::header(a.c.peers, threadIdx.x)->req_n[kOpGather][me], n < cap ? n : cap);
+    s_lo[threadIdx.x] = INT_MAX;
+    s_hi[threadIdx.x] = -1;
+    s_cnt[threadIdx.x] = 0;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const int64_t site = site_to_send(a.c);
-    for (int s = 0; s < R; ++s) peer::store(&peer::header(a.c.peers, s)->site_req[kOpGather][me], site);
-  }
-  peer::fence_data();
-  __syncthreads();
-  if (threadIdx.x == 0)
-    for (int s = 0; s < R; ++s) peer::signal(&peer::header(a.c.peers, s)->request[kOpGather][me], s_n);
-}
-
-__global__ void gather_push_kernel(GatherArgs a) {
-  __shared__ uint64_t s_n;
-  __shared__ int32_t s_off[kMaxRanks + 1];
-  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
-  RankHeader* hdr = peer::header(a.c.peers, me);
-  const GatherLayout gl = GatherLayout::Make(R, a.T, a.C, a.row_bytes);
-  if (threadIdx.x == 0) {
-    s_n = hdr->seq[kOpGather];
-    const bool fail = wait_and_check(a.c, hdr->request[kOpGather], hdr->site_req[kOpGather], s_n,
-                                     kOpGather);
-    int32_t off = 0;
-    for (int q = 0; q < R; ++q) {
-      s_off[q] = off;
-      if (!fail) off += peer::load_volatile(&hdr->req_n[kOpGather][q]);
+  const uint64_t n = s_n;
+  if (sender) {
+    if (warp < R) gather_send(a, ch, warp, n);
+  } else {
+    const bool fail = s_fail;
+    const int t0 = channel_begin(a.T, ch, nch), t1 = channel_begin(a.T, ch + 1, nch);
+    for (int i = fail ? a.C : threadIdx.x; i < a.C; i += blockDim.x) {
+      const int32_t s = a.src_rank[i], t = a.src_index[i];
+      if (s == -1) continue;
+      if (s < 0 || s >= R || t < 0 || t >= a.T) {
+        if (i % nch == ch) report(a.c, kErrBadHandle, i, s, t, kOpGather);
+        continue;
+      }
+      if (t < t0 || t >= t1) continue;
+      atomicMin(&s_lo[s], i);
+      atomicMax(&s_hi[s], i);
+      atomicAdd(&s_cnt[s], 1);
     }
-    s_off[R] = off;
-  }
-  __syncthreads();
-  const size_t stride = RowStride(a.row_bytes);
-  const char* area = peer::peer_ptr(a.c.peers, me, a.c.area_off);
-  const char* g = static_cast<const char*>(a.g);
-  for (int x = global_warp(); x < s_off[R]; x += total_warps()) {
-    const int q = find_segment(s_off, R, x);
-    const int j = x - s_off[q];
-    const int32_t t = peer::load_cg_s32(reinterpret_cast<const int32_t*>(area + gl.req_off + q * gl.req_stride) + j);
-    char* dst = peer::peer_ptr(a.c.peers, q, a.c.area_off + gl.data_off + me * gl.region_bytes) + j * stride;
-    if (t >= 0 && t < a.T)
-      warp_copy_row<true>(dst, g + static_cast<int64_t>(t) * a.row_bytes, a.row_bytes, lane);
-    else
-      warp_zero_row(dst, a.row_bytes, lane);
-  }
-  if (last_block_done(a.c, kDoneGatherPush)) {
-    const int64_t site = site_to_send(a.c);
-    for (int q = 0; q < R; ++q) peer::store(&peer::header(a.c.peers, q)->site_arr[kOpGather][me], site);
-    peer::fence_data();
-    for (int q = 0; q < R; ++q) peer::signal(&peer::header(a.c.peers, q)->arrive[kOpGather][me], s_n);
-  }
-}
-
-__global__ void gather_finish_kernel(GatherArgs a) {
-  __shared__ uint64_t s_n;
-  __shared__ bool s_fail;
-  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
-  RankHeader* hdr = peer::header(a.c.peers, me);
-  if (threadIdx.x == 0) {
-    s_n = hdr->seq[kOpGather];
-    s_fail = wait_and_check(a.c, hdr->arrive[kOpGather], hdr->site_arr[kOpGather], s_n, kOpGather);
-  }
-  __syncthreads();
-  const bool fail = s_fail;  // then every output row is zero
-  const GatherLayout gl = GatherLayout::Make(R, a.T, a.C, a.row_bytes);
-  const size_t stride = RowStride(a.row_bytes);
-  const char* area = peer::peer_ptr(a.c.peers, me, a.c.area_off);
-  const int32_t* slot = reinterpret_cast<const int32_t*>(area + gl.slot_off);
-  for (int i = global_warp(); i < a.C; i += total_warps()) {
-    char* dst = static_cast<char*>(a.out) + static_cast<int64_t>(i) * a.row_bytes;
-    const int32_t sl = fail ? -1 : slot[i];
-    if (sl >= 0) {
-      const int s = a.src_rank[i];
-      warp_copy_row<false>(dst, area + gl.data_off + s * gl.region_bytes + sl * stride, a.row_bytes, lane);
-    } else {
-      warp_zero_row(dst, a.row_bytes, lane);
+    __syncthreads();
+    if (threadIdx.x < R && s_cnt[threadIdx.x] > 0 &&
+        s_hi[threadIdx.x] - s_lo[threadIdx.x] + 1 != s_cnt[threadIdx.x]) {
+      // Not a handle from dispatch: these rows are not contiguous. Reported, left zero.
+      report(a.c, kErrBadHandle, -1, threadIdx.x, s_cnt[threadIdx.x], kOpGather);
+      s_cnt[threadIdx.x] = -1;
     }
+    __syncthreads();
+    // Rows no ring fills: empty or bad ones (spread over the channels), and this
+    // channel's rows of a rejected range.
+    for (int b = fail ? a.C : warp * 32; b < a.C; b += nw * 32) {
+      const int i = b + lane;
+      bool zero = false;
+      if (i < a.C) {
+        const int32_t s = a.src_rank[i], t = a.src_index[i];
+        if (s < 0 || s >= R || t < 0 || t >= a.T)
+          zero = i % nch == ch;
+        else
+          zero = t >= t0 && t < t1 && s_cnt[s] < 0;
+      }
+      for (unsigned m = __ballot_sync(kFullMask, zero); m != 0; m &= m - 1)
+        warp_zero_row(static_cast<char*>(a.out) + static_cast<int64_t>(b + __ffs(m) - 1) * a.row_bytes,
+                      a.row_bytes, lane);
+    }
+    if (warp < R) {
+      const int32_t cnt = s_cnt[warp] > 0 ? s_cnt[warp] : 0;
+      gather_recv(a, ch, warp, cnt > 0 ? s_lo[warp] : 0, cnt, fail, n);
+    }
+  }
+  if (last_block(a.c, kDoneGatherChannel)) {
+    if (failed()) {
+      // An error anywhere in this call empties the output (the contract's failed call),
+      // and peers that have not read this epoch's sites yet find this rank failed.
+      for (int i = warp; i < a.C; i += nw)
+        warp_zero_row(static_cast<char*>(a.out) + static_cast<int64_t>(i) * a.row_bytes, a.row_bytes, lane);
+      for (int e = threadIdx.x; e < nch * R; e += blockDim.x) {
+        RankHeader* ph = peer::header(a.c.peers, e % R);
+        peer::store(&ph->g_req_site[e / R][me], kSiteFailed);
+        peer::store(&ph->g_arr_site[e / R][me], kSiteFailed);
+      }
+      peer::fence_data();
+    }
+    if (threadIdx.x == 0) hdr->seq[kOpGather] = n;
   }
 }
 
@@ -1018,20 +1105,12 @@ cudaError_t LaunchCombinePhase(int phase, const CombineArgs& a, const IntranodeP
 
 cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePreset& p,
                               cudaStream_t stream) {
-  if (a.c.num_ranks < 1 || a.c.num_ranks > kMaxRanks) return cudaErrorInvalidValue;
-  switch (phase) {
-    case kPhasePlan:
-      JEP_LAUNCH(gather_plan_kernel, 1, kPlanThreads, 0, stream)(a);
-      break;
-    case kPhasePush:
-      JEP_LAUNCH(gather_push_kernel, p.push_blocks, p.threads, 0, stream)(a);
-      break;
-    case kPhaseFinish:
-      JEP_LAUNCH(gather_finish_kernel, p.recv_blocks, p.threads, 0, stream)(a);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
+  (void)p;
+  const int R = a.c.num_ranks;
+  if (R < 1 || R > kMaxRanks || a.c.channels < 1 || a.c.channels > kMaxChannels ||
+      a.c.ring_tokens < 1 || phase != 0)
+    return cudaErrorInvalidValue;
+  JEP_LAUNCH(gather_channel_kernel, 2 * a.c.channels, ChannelThreads(R), 0, stream)(a);
   return cudaGetLastError();
 }
 

@@ -6,6 +6,7 @@ from ._paths import *  # noqa: F401,F403
 
 QUICK = (T_INTRA, "-k", "test_dispatch_combine_gather and not full")
 RINGS = (T_INTRA, "-k", "rings")
+GATHER = (T_INTRA, "-k", "gather_ or rings")
 
 MUTANTS = [
     # --------------------------------------------------------- intranode dispatch
@@ -23,12 +24,12 @@ MUTANTS = [
            "credit taken an epoch early: a sender starts the next epoch while its receiver "
            "still reads this one's counts and rings"),
     Mutant("last_block_no_fence", INTRA,
-           "__device__ bool last_block_done(const CommonArgs& c, int counter) {\n"
+           "__device__ bool last_block(const CommonArgs& c, int counter) {\n"
            "  __shared__ bool s_last;\n  peer::fence_data();\n  __syncthreads();",
-           "__device__ bool last_block_done(const CommonArgs& c, int counter) {\n"
+           "__device__ bool last_block(const CommonArgs& c, int counter) {\n"
            "  __shared__ bool s_last;\n  __syncthreads();",
-           (T_INTRA, "-k", "seeds_agree or every_block or test_dispatch_combine_gather"),
-           "removed fence: other threads' gather row stores are not ordered before the signal"),
+           (T_INTRA, "-k", "seeds_agree or every_block or test_dispatch_combine_gather or pipelined"),
+           "removed fence: other blocks' row stores are not ordered before the epoch's credit"),
     Mutant("last_block_counter_bound", INTRA,
            "    s_last = prev == gridDim.x - 1;\n    if (s_last) {\n      h->done[counter] = 0;\n"
            "      peer::fence_data();\n    }\n  }\n  __syncthreads();\n  return s_last;\n}",
@@ -73,11 +74,51 @@ MUTANTS = [
            "      if (!warp_wait_counter(a.c, &hdr->ring[1].head[ch][d], k - Q + 1, d, kOpCombine, &credit)) break;",
            "      credit = k - Q + 1;",
            RINGS, "a full ring not waited for: the sender overwrites rows not yet summed"),
-    # --------------------------------------------------------- intranode gather
-    Mutant("gather_request_slot_off_by_one", INTRA,
-           "        j = pos[s];", "        j = pos[s] + 1;", QUICK,
-           "off-by-one in the request list: rows land one slot late"),
-    Mutant("gather_skipped_signal", INTRA,
-           "    for (int q = 0; q < R; ++q) peer::signal(&peer::header(a.c.peers, q)->arrive[kOpGather][me], s_n);",
-           "", QUICK, "skipped signal: receivers time out"),
+    # --------------------------------------------------------- intranode gather (cached dispatch)
+    Mutant("gather_early_credit", INTRA,
+           "if (posted < end && room >= (want < chunk ? want : chunk)) post(k + Q < end ? k + Q : end);",
+           "if (posted < end && room >= (want < chunk ? want : chunk)) post(k + Q + 1 < end ? k + Q + 1 : end);",
+           GATHER, "early credit: an id posted a slot ahead of the rows read (the sender "
+           "overwrites the row the receiver reads next)"),
+    Mutant("gather_first_ids_overrun", INTRA,
+           "post(end - base < Q ? end : base + Q);", "post(end - base <= Q ? end : base + Q + 1);",
+           GATHER, "more first ids than ring slots: the last overwrites the first one's slot "
+           "and its row the first row's"),
+    Mutant("gather_wrong_data_slot", INTRA,
+           "      char* dst = dbase + (j % Q) * stride;",
+           "      char* dst = dbase + ((j + 1) % Q) * stride;",
+           GATHER, "wrong ring slot: the sender writes the slot after the one the receiver reads"),
+    Mutant("gather_wrong_id_slot", INTRA,
+           "peer::store(&ids[j % Q], a.src_index[lo + static_cast<int64_t>(j - base)]);",
+           "peer::store(&ids[(j + 1) % Q], a.src_index[lo + static_cast<int64_t>(j - base)]);",
+           GATHER, "wrong request slot: the sender reads another row's token id"),
+    Mutant("gather_tail_ahead_of_rows", INTRA,
+           "      if (j + 1 - published >= chunk) {\n        publish_tail(tail, j + 1);",
+           "      if (j + 1 - published >= chunk) {\n        publish_tail(tail, j + 2);",
+           GATHER, "tail before data: a row counted as written before it is"),
+    Mutant("gather_ids_read_before_posted", INTRA,
+           "if (!warp_wait_counter(a.c, posted, k + 1, q, kOpGather, &avail)) break;",
+           "if (!warp_wait_counter(a.c, posted, k, q, kOpGather, &avail)) break;\n"
+           "      avail = k + 1;",
+           GATHER, "skipped wait: the sender reads a request slot before its id is posted"),
+    Mutant("gather_skipped_arrival_signal", INTRA,
+           "    peer::signal(&qh->g_arr_epoch[ch][me], n);", "", QUICK,
+           "skipped signal: receivers never learn the sender's call site and time out"),
+    Mutant("gather_count_off_by_one", INTRA,
+           "peer::store(&sh->g_req_n[ch][me], cnt);", "peer::store(&sh->g_req_n[ch][me], cnt + 1);",
+           GATHER, "off-by-one count: the sender waits for an id that never comes"),
+    Mutant("gather_range_not_checked", INTRA,
+           "        s_hi[threadIdx.x] - s_lo[threadIdx.x] + 1 != s_cnt[threadIdx.x]) {",
+           "        s_hi[threadIdx.x] - s_lo[threadIdx.x] + 1 != s_cnt[threadIdx.x] && false) {",
+           (T_INTRA, "-k", "gather_foreign"),
+           "a foreign handle's broken range taken as contiguous: wrong rows, nothing reported"),
+    Mutant("gather_epoch_not_advanced", INTRA,
+           "    if (threadIdx.x == 0) hdr->seq[kOpGather] = n;", "", GATHER,
+           "the epoch kept: the next call reads the last one's counts and sites"),
+    Mutant("gather_failed_rank_sends_rows", INTRA,
+           "  uint64_t k = fail ? end : base, published = base, avail = base;",
+           "  uint64_t k = base, published = base, avail = base;",
+           (T_INTRA, "-k", "gather_call_site or gather_rank"),
+           "a failed sender still streams rows to a receiver that skipped its ring (it waits "
+           "for ids that never come)"),
 ]

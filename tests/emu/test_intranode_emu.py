@@ -230,6 +230,15 @@ def test_counters_report_the_launches():
     assert not any(k.startswith(("kernel:dispatch_push", "kernel:dispatch_finish")) for k in c)
     assert c["release_stores"] >= 2 * R * R  # arrivals and credits, one per peer
     assert c["fences:system"] > 0 and c["polls"] > 0
+    # Gather (cached dispatch): the channel kernel alone, no notify, plan, push or finish.
+    d = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
+    emu.reset_counters()
+    emu.gather(g, d["src_rank"], d["src_index"])
+    c = emu.counters()
+    assert c["kernel:gather_channel_kernel:launches"] == R
+    assert c["kernel:gather_channel_kernel:blocks"] == R * preset["num_sms"]
+    assert c["kernel:gather_channel_kernel:warps"] == R * preset["num_sms"] * max(8, R)
+    assert [k for k in c if k.startswith("kernel:") and "gather_channel" not in k] == []
 
 
 # ------------------------------------------------------------------------------ rings
@@ -241,25 +250,27 @@ def _ring_rows(emu, op):
 
 @pytest.mark.parametrize("resident_blocks", [2, 8])
 def test_rings_wrap_within_and_across_calls(resident_blocks, monkeypatch):
-    """Rings of 2 slots: every (channel, peer) ring of dispatch and combine wraps at least
-    3 times in one call and again in the next, bit for bit against the reference, with two
-    co-residency limits (2: a channel's two blocks at a time)."""
+    """Rings of 2 slots: every (channel, peer) ring of dispatch, combine and gather (cached
+    dispatch) wraps at least 3 times in one call and again in the next, bit for bit against
+    the reference, with two co-residency limits (2: a channel's two blocks at a time)."""
     monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
     R, T, H, K, E, C = 2, 128, 16, 3, 4, 256
     emu = Emulator(R, seed=21, resident_blocks=resident_blocks)
     emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
     nch = emu.m.cuda_area_bytes(R, T, C, H * 2, K)["channels"]
-    before = [_ring_rows(emu, op)[:, :nch, :R] for op in (0, 1)]
+    ops = (0, 1, 2)
+    before = [_ring_rows(emu, op)[:, :nch, :R] for op in ops]
     for call in range(2):
         case = _case(R, T, H, K, E, C, "bf16", "random", 70 + call)
         _check(emu, *case, E, C, f"call {call}: ")
-        for op in (0, 1):
+        for op in ops:
             now = _ring_rows(emu, op)[:, :nch, :R]
             wraps = (now - before[op]) // 2
             assert wraps.min() >= 3, (op, call, wraps)
             before[op] = now
-        # every slot handed back: what each receiver read is what its sender wrote
-        for op in (0, 1):
+        # every slot handed back: what each receiver read is what its sender wrote (gather's
+        # head: the ids the receiver posted, each answered by a row)
+        for op in ops:
             k = [emu.m.intranode_ring_counters(r, op) for r in range(R)]
             for d in range(R):
                 for s in range(R):
@@ -274,14 +285,19 @@ def test_default_grid_and_staging_do_not_grow_with_tokens():
     65536 tokens per rank (computed for those shapes, not run)."""
     emu = Emulator(8, seed=22)
     ep8 = next(p for p in emu.m.cuda_presets() if p["max_ranks"] >= 8)
-    assert 2 <= ep8["num_sms"] <= 24 and ep8["push_blocks"] <= 24 and ep8["recv_blocks"] <= 24
+    assert 2 <= ep8["num_sms"] <= 24
     H, K = 7168, 8
     small = emu.m.cuda_area_bytes(8, 4096, 8 * 4096, H * 2, K)
     big = emu.m.cuda_area_bytes(8, 65536, 8 * 65536, H * 2, K)
-    assert small["dispatch"] == big["dispatch"] and small["combine"] == big["combine"]
+    for op in ("dispatch", "combine", "gather"):
+        assert small[op] == big[op], op
     assert small["channels"] == ep8["num_sms"] // 2
+    q, row = small["ring_tokens"], H * 2
     # rings of 128 rows x 8 peers x channels: the rows, their ids and weights
-    assert small["dispatch"] >= small["channels"] * 8 * 128 * (H * 2 + 8 * 8 + 8)
+    assert small["dispatch"] >= small["channels"] * 8 * q * (row + 8 * 8 + 8)
+    # gather: a data ring and a ring of token ids per (channel, peer), nothing per token
+    ring = -(-q * row // 256) * 256 + -(-q * 4 // 256) * 256
+    assert small["gather"] == small["channels"] * 8 * ring
     R, T, Hs, E, C = 8, 6, 8, 16, 48
     emu.setup(tokens=T, capacity=C, row_bytes=Hs * 4, topk=2)
     x, idx, w, y, g = _case(R, T, Hs, 2, E, C, "f32", "random", 22)
@@ -289,7 +305,12 @@ def test_default_grid_and_staging_do_not_grow_with_tokens():
     d = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
     c = emu.counters()
     assert c["kernel:dispatch_channel_kernel:blocks"] == R * ep8["num_sms"]
-    assert_same(d, reference(x, idx, w, y, g, E=E, C=C), DISPATCH_KEYS)
+    want = reference(x, idx, w, y, g, E=E, C=C)
+    assert_same(d, want, DISPATCH_KEYS)
+    emu.reset_counters()
+    got = emu.gather(g, d["src_rank"], d["src_index"])
+    assert emu.counters()["kernel:gather_channel_kernel:blocks"] == R * ep8["num_sms"]
+    assert_same({"gather": got}, want, ("gather",))
 
 
 @pytest.mark.parametrize("before", [None, "123"])
@@ -307,3 +328,120 @@ def test_emulator_leaves_the_process_timeout_alone(before, monkeypatch):
     emu.layout(routing("random", 2, 4, 2, 4, np.random.default_rng(5)), num_experts=4)
     got = libc.getenv(b"JAX_EP_TIMEOUT_S")
     assert got == (None if before is None else before.encode())
+
+
+# ------------------------------------------------------------ gather (cached dispatch)
+
+def _dispatched(emu, seed, R, T, H, K, E, C, dtype="bf16", kind="random"):
+    """A dispatch on the emulated GPU, its case and the reference's results."""
+    case = _case(R, T, H, K, E, C, dtype, kind, seed)
+    d = emu.dispatch(*case[:3], num_experts=E, capacity=C)
+    return d, case, reference(*case, E=E, C=C)
+
+
+@pytest.mark.parametrize("T", [0, 1])
+def test_gather_with_no_or_one_token(T):
+    """T = 0 (nothing received: every row zero; the reference cannot index an empty g)
+    and T = 1, twice each, so the epochs and counters of empty rings advance too."""
+    R, H, K, E, C = 4, 16, 2, 8, 4
+    emu = Emulator(R, seed=30 + T)
+    emu.setup(tokens=max(T, 1), capacity=C, row_bytes=H * 2, topk=K)
+    for call in range(2):
+        case = _case(R, T, H, K, E, C, "bf16", "random", 30 + T + call)
+        d = emu.dispatch(*case[:3], num_experts=E, capacity=C)
+        got = emu.gather(case[4], d["src_rank"], d["src_index"])
+        if T == 0:
+            assert (d["num_recv"] == 0).all() and (d["src_rank"] == -1).all()
+            assert got.shape == (R, C, H) and (got == 0).all()
+        else:
+            assert_same({"gather": got}, reference(*case, E=E, C=C), ("gather",))
+        assert emu.check_errors() == []
+
+
+@pytest.mark.parametrize("resident_blocks", [2, None])
+def test_gather_skewed_routing_and_capacity_overflow(resident_blocks, monkeypatch):
+    """Most rows to rank 0 and more than C of them (the last ones dropped), rings of 3
+    slots, three gathers of one handle in a row (cached dispatch reuses it)."""
+    monkeypatch.setenv("JAX_EP_RING_TOKENS", "3")
+    R, T, H, K, E, C = 4, 24, 8, 2, 8, 30
+    kw = {} if resident_blocks is None else dict(resident_blocks=resident_blocks)
+    emu = Emulator(R, seed=31, **kw)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 4, topk=K)
+    d, case, want = _dispatched(emu, 31, R, T, H, K, E, C, dtype="f32", kind="skewed")
+    assert (want["num_dropped"] > 0).any()
+    rng = np.random.default_rng(31)
+    for call in range(3):
+        g = rows("f32", (R, T, H), rng)
+        want = reference(*case[:4], g, E=E, C=C)
+        got = emu.gather(g, d["src_rank"], d["src_index"])
+        assert_same({"gather": got}, want, ("gather",), f"call {call}: ")
+    assert emu.check_errors() == []
+
+
+def test_gather_foreign_handle_is_reported_and_its_rows_are_zero(monkeypatch):
+    """One channel; rank 1's first and last received rows swapped (not a handle from
+    dispatch: neither source's rows are contiguous any more): rank 1 reports the handle and
+    leaves those rows zero, rank 0 still gets its rows."""
+    monkeypatch.setenv("JAX_EP_NUM_SMS", "2")
+    R, T, H, K, E, C = 2, 8, 16, 2, 4, 16
+    emu = Emulator(R, seed=32)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    d, case, want = _dispatched(emu, 32, R, T, H, K, E, C)
+    src_rank, src_index = d["src_rank"].copy(), d["src_index"].copy()
+    n = int(d["num_recv"][1])
+    assert (src_rank[1, :n] == 0).sum() >= 2 and (src_rank[1, :n] == 1).sum() >= 2
+    for a in (src_rank, src_index):
+        a[1, [0, n - 1]] = a[1, [n - 1, 0]]
+    got = emu.gather(case[4], src_rank, src_index)
+    errs = emu.check_errors()
+    assert any("handle" in e and "GPU 1" in e for e in errs), errs
+    assert not any("GPU 0" in e for e in errs), errs
+    assert_same({"gather": got[0]}, {"gather": want["gather"][0]}, ("gather",))
+    assert (got[1] == 0).all()
+    # The rings stayed in step: the next gather with the true handle is bit-exact.
+    got = emu.gather(case[4], d["src_rank"], d["src_index"])
+    assert_same({"gather": got}, want, ("gather",))
+    assert emu.check_errors() == []
+
+
+def test_gather_call_site_mismatch_is_reported(monkeypatch):
+    """Ranks in different calls: each reports the other's call and nothing moves; every
+    ring still ends where both sides agree (rings of 2 slots, more rows than slots: a
+    sender that streamed rows to a receiver that skipped its ring would be left waiting)."""
+    monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
+    monkeypatch.setenv("JAX_EP_NUM_SMS", "2")
+    R, T, H, K, E, C = 2, 12, 16, 2, 4, 24
+    emu = Emulator(R, seed=33, timeout_s=0.002)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    d, case, _ = _dispatched(emu, 33, R, T, H, K, E, C)
+    assert (d["num_recv"] > 2).all()
+    got = emu.gather(case[4], d["src_rank"], d["src_index"], call_sites=[5, 6])
+    errs = emu.check_errors()
+    assert any("another EP call" in e for e in errs), errs
+    k = [emu.m.intranode_ring_counters(r, 2) for r in range(R)]
+    for q in range(R):
+        for s in range(R):
+            assert k[q]["read"][0][s] == k[s]["sent"][0][q], (q, s)
+    assert {r for r in range(R) for e in errs if f"rank {r}]" in e} == {0, 1}, errs
+    assert (got == 0).all()
+
+
+def test_gather_rank_that_skips_a_call_then_reset():
+    """Rank 1 makes no gather: rank 0 times out and moves no data; in the next gather
+    every rank reports and nothing moves; after reset() a gather is bit-exact again."""
+    R, T, H, K, E, C = 2, 6, 16, 2, 4, 12
+    emu = Emulator(R, seed=34, timeout_s=0.002)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    d, case, want = _dispatched(emu, 34, R, T, H, K, E, C)
+    got = emu.gather(case[4], d["src_rank"], d["src_index"], skip=[1])
+    errs = emu.check_errors()
+    assert any("timed out" in e for e in errs), errs
+    assert (got[0] == 0).all()
+    got = emu.gather(case[4], d["src_rank"], d["src_index"])
+    errs += emu.check_errors()
+    assert {r for r in range(R) for e in errs if f"rank {r}]" in e} == {0, 1}, errs
+    assert (got == 0).all()
+    emu.m.cuda_reset()
+    got = emu.gather(case[4], d["src_rank"], d["src_index"])
+    assert emu.check_errors() == []
+    assert_same({"gather": got}, want, ("gather",))

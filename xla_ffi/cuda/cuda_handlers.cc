@@ -150,10 +150,10 @@ RankStreams* Streams() {
 }
 
 // Small grids, so every rank's kernels are resident at once and really wait for each other
-// (one channel for dispatch and combine).
-constexpr IntranodePreset kConcurrentPreset = {"concurrent", kMaxRanks, 2, 2, 2, 256};
+// (one channel for dispatch, combine and gather).
+constexpr IntranodePreset kConcurrentPreset = {"concurrent", kMaxRanks, 2};
 
-// Channels a dispatch or combine call runs with: the harness's one (its ranks share a GPU),
+// Channels a dispatch, combine or gather call runs with: the harness's one (its ranks share a GPU),
 // else the group's preset cut to the SM budget (JAX_EP_NUM_SMS).
 int CallChannels(bool harness, int ordinal, int R) {
   const IntranodePreset p =
@@ -218,9 +218,10 @@ ffi::Error HarnessRanks(cudaStream_t stream, int ordinal, int R, int kind, size_
   k->count = R;
   k->site = 1;
   k->sites = o.call_sites.size() == 0 ? nullptr : o.call_sites.begin();
-  // The dispatch and combine channel kernels of all ranks wait on each other: each rank
-  // runs on its own stream, never one after another on one.
-  k->concurrent = o.concurrent || kind != kOpGather;
+  // The channel kernels of all ranks wait on each other: each rank runs on its own stream,
+  // never one after another on one.
+  (void)kind;
+  k->concurrent = true;
   k->absent = o.absent;
   return ffi::Error::Success();
 }
@@ -269,15 +270,15 @@ GatherArgs AtRank(GatherArgs a, int r) {
 }
 
 // Launches an op's phases (kernels/cuda/cuda_kernels.h: notify and channel kernels, or
-// gather's three). On XLA's stream, each phase for every rank before the next phase of
-// any. In the harness's concurrent mode (always for dispatch and combine), each rank's
+// gather's channel kernel). On XLA's stream, each phase for every rank before the next phase of
+// any. In the harness's concurrent mode (every op now: all are channel kernels), each rank's
 // kernels on its own stream with small grids, so ranks run at once and every wait is a
 // real one.
 template <typename Args>
 ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodePreset&,
                                               cudaStream_t),
                         const Ranks& k, int kind, int ordinal, Args a, cudaStream_t stream,
-                        const char* what, int phases = kNumPhases) {
+                        const char* what, int phases) {
   a.c.peers = k.dom.peers;
   a.c.area_off = k.dom.areas.offset(kind);
   a.c.num_ranks = k.dom.num_ranks;
@@ -519,7 +520,9 @@ ffi::Error Gather(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
   if (err.empty()) err = ValidateGather(gd, g.element_type(), srd, sid, od, num_ranks, &a);
   if (!err.empty()) return Invalid(err);
   const int R = static_cast<int>(num_ranks);
-  const size_t need = GatherLayout::Make(R, a.T, a.C, a.row_bytes).bytes;
+  a.c.channels = CallChannels(harness, ordinal, R);
+  a.c.ring_tokens = IntranodeRingTokens();
+  const size_t need = GatherAreaBytes(R, a.c.channels, a.c.ring_tokens, a.row_bytes);
   Ranks k;
   if (ffi::Error e = harness ? HarnessRanks(stream, ordinal, R, kOpGather, need, ho, &k)
                              : GroupRanks(ordinal, num_ranks, kOpGather, need,
@@ -532,7 +535,8 @@ ffi::Error Gather(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,
   a.src_index = src_index.typed_data();
   a.out = out->untyped_data();
   return LaunchPhases(LaunchGatherPhase, k, kOpGather, ordinal, a, stream,
-                      harness ? "harness gather launch" : "gather kernel launch");
+                      harness ? "harness gather launch" : "gather kernel launch",
+                      kNumGatherPhases);
 }
 
 ffi::Error GatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g,

@@ -290,24 +290,23 @@ nb::list Presets() {
     d["name"] = p.name;
     d["max_ranks"] = p.max_ranks;
     d["num_sms"] = p.num_sms;
-    d["push_blocks"] = p.push_blocks;
-    d["recv_blocks"] = p.recv_blocks;
-    d["threads"] = p.threads;
     l.append(d);
   }
   return l;
 }
 
 nb::dict AreaBytes(int num_ranks, int64_t tokens, int64_t capacity, uint64_t row_bytes, int topk) {
+  (void)tokens;  // the areas no longer depend on them; kept for callers
+  (void)capacity;
   if (num_ranks < 1 || num_ranks > kMaxRanks) throw std::invalid_argument("jax_ep: num_ranks must be in [1, 32]");
   nb::dict d;
-  // Dispatch and combine: channels x ranks rings (kernels/cuda/cuda_kernels.h), whatever
-  // the tokens per call and the capacity.
+  // Dispatch, combine and gather: channels x ranks rings (kernels/cuda/cuda_kernels.h),
+  // whatever the tokens per call and the capacity.
   d["dispatch"] = SetupDispatchBytes(num_ranks, row_bytes, topk);
   d["combine"] = SetupCombineBytes(num_ranks, row_bytes);
   d["channels"] = SetupChannels(num_ranks);
   d["ring_tokens"] = IntranodeRingTokens();
-  d["gather"] = GatherLayout::Make(num_ranks, tokens, capacity, row_bytes).bytes;
+  d["gather"] = SetupGatherBytes(num_ranks, row_bytes);
   d["header"] = kHeaderBytes;
   return d;
 }

@@ -50,11 +50,12 @@ std::vector<uint64_t> SetupGroup(int num_ranks, int group, std::vector<uint64_t>
 }
 
 namespace {
-// The cumulative ring counters of rank `rank`'s header (op 0: dispatch, 1: combine), as
+// The cumulative ring counters of rank `rank`'s header (op 0: dispatch, 1: combine, 2:
+// gather, whose head counts the ids posted), as
 // [channel][peer] lists: what the tests read to see every ring wrap. After synchronize().
 nanobind::dict ReadRingCounters(int rank, int op) {
-  if (rank < 0 || rank >= static_cast<int>(GroupBuffers().size()) || op < 0 || op > 1)
-    throw std::invalid_argument("jax_ep emu: ring_counters needs a set-up rank and op 0 or 1");
+  if (rank < 0 || rank >= static_cast<int>(GroupBuffers().size()) || op < 0 || op >= kNumOpKinds)
+    throw std::invalid_argument("jax_ep emu: ring_counters needs a set-up rank and op 0, 1 or 2");
   const RankHeader* h = static_cast<const RankHeader*>(GroupBuffers()[rank]);
   const jax_ep::RingCounters& c = h->ring[op];
   auto grid = [](const uint64_t (&v)[kMaxChannels][kMaxRanks]) {
