@@ -114,7 +114,11 @@ def test_backends_agree_under_scan_and_checkpoint():
         a = _grads(op, "ffi", "scan_checkpoint", args)
         b = _grads(op, "reference", "scan_checkpoint", args)
         for u, v in zip(a, b):
-            np.testing.assert_allclose(u, v, rtol=2e-6, atol=2e-6, err_msg=op)
+            # float32 sums in another order (XLA fuses the reference backend's pure-JAX
+            # exchange around the call order's barriers differently between JAX
+            # releases): a few units in the last place of the largest entry
+            ulps = 4 * float(np.spacing(np.float32(np.abs(v).max())))
+            np.testing.assert_allclose(u, v, rtol=2e-6, atol=max(2e-6, ulps), err_msg=op)
 
 
 def _lowered(op, how, platform, policy=None):
