@@ -21,12 +21,14 @@ _GRAPH_SAFE = (
     # intranode, normal and low-latency modes (real ranks; not the harness)
     "jax_ep_layout", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_gather",
     "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv",
+    "jax_ep_ll_dispatch_send_fp8", "jax_ep_ll_dispatch_recv_fp8",
     "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv",
     # internode: direct, hierarchical and low-latency
     "jax_ep_internode_dispatch", "jax_ep_internode_combine", "jax_ep_internode_gather",
     "jax_ep_internode_hier_dispatch", "jax_ep_internode_hier_combine",
     "jax_ep_internode_hier_gather",
     "jax_ep_internode_ll_dispatch_send", "jax_ep_internode_ll_dispatch_recv",
+    "jax_ep_internode_ll_dispatch_send_fp8", "jax_ep_internode_ll_dispatch_recv_fp8",
     "jax_ep_internode_ll_combine_send", "jax_ep_internode_ll_combine_recv",
 )
 

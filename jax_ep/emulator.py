@@ -282,6 +282,43 @@ class Emulator:
         return _stack(res, ("recv_x", "recv_count", "src_rank", "src_index", "first_row",
                             "row_count"))
 
+    def ll_dispatch_send_fp8(self, x, topk_idx, *, num_experts: int, max_tokens: int,
+                             round_scale: bool = False, call_sites=None, skip=()):
+        """x[R, S, H] cast to FP8 in the send kernel, one message per (token, expert) ->
+        the send halves' outputs (stage_x placeholder [0, bytes] uint8, stage_idx holding
+        the epoch, expert_count[R, E])."""
+        R, S, H = x.shape
+        K = topk_idx.shape[2]
+        W = (H + 4 * (H // 128) + 15) // 16 * 16
+        outs = [[((0, W), np.uint8), ((S, K), np.int32), ((num_experts,), np.int32)]] * R
+        res, errs = self.run("ll_dispatch_send_fp8", [[x[r], topk_idx[r]] for r in range(R)],
+                             outs, dict(num_experts=num_experts, num_ranks=R,
+                                        max_tokens=max_tokens, call_site=1,
+                                        round_scale=int(bool(round_scale))),
+                             skip=skip, per_rank_attrs=_sites(call_sites, R))
+        _raise(errs)
+        return _stack(res, ("stage_x", "stage_idx", "expert_count"))
+
+    def ll_dispatch_recv_fp8(self, sent, *, num_experts: int, max_tokens: int, H: int,
+                             call_sites=None, skip=()):
+        """The receive halves of ll_dispatch_send_fp8 -> recv_x float8_e4m3fn [R, E_l, R*M,
+        H], recv_scales float32 [R, E_l, R*M, H // 128], then as ll_dispatch_recv."""
+        R, M = self.R, max_tokens
+        el = num_experts // R
+        f8 = np.dtype(ml_dtypes.float8_e4m3fn)
+        outs = [[((el, R * M, H), f8), ((el, R * M, H // 128), np.float32), ((el,), np.int32),
+                 ((el, R * M), np.int32), ((el, R * M), np.int32), ((el, R), np.int32),
+                 ((el, R), np.int32)]] * R
+        ins = [[sent["stage_x"][r], sent["stage_idx"][r], sent["expert_count"][r],
+                *self._scalars(r)] if sent["stage_idx"][r] is not None else []
+               for r in range(R)]
+        res, errs = self.run("ll_dispatch_recv_fp8", ins, outs,
+                             dict(num_experts=num_experts, num_ranks=R, max_tokens=M,
+                                  call_site=1), skip=skip, per_rank_attrs=_sites(call_sites, R))
+        _raise(errs)
+        return _stack(res, ("recv_x", "recv_scales", "recv_count", "src_rank", "src_index",
+                            "first_row", "row_count"))
+
     def ll_combine_send(self, y, first_row, row_count, *, max_tokens: int, rows_per_dest: int,
                         call_sites=None, skip=()):
         """y[R, E_l, R*M, H] and the handle -> (stage placeholder, status with the epoch)."""

@@ -148,6 +148,27 @@ def dispatch_rows(x, idx, cfg: Cfg, stage_rows: int):
     return _recv_dispatch(_send_dispatch(x, idx, cfg, stage_rows), cfg)
 
 
+def _send_dispatch_fp8(x, idx, cfg: Cfg, stage_rows: int, round_scale: bool):
+    """x[T, H] -> the backend's in-flight FP8 send: one call, x cast to FP8 in the send
+    half, one message per (token, expert) holding the values and the 1 x 128 scales."""
+    return backends.get(cfg.backend).ll_dispatch_send_fp8(
+        _pad_rows(x, stage_rows, 0), _pad_rows(idx, stage_rows, -1), cfg, round_scale)
+
+
+def _recv_dispatch_fp8(sent, cfg: Cfg, hidden: int):
+    """-> ((recv_x_fp8, recv_scales), recv_count, src_rank, src_index, first_row,
+    row_count)."""
+    return backends.get(cfg.backend).ll_dispatch_recv_fp8(sent, cfg, hidden)
+
+
+def dispatch_rows_fp8(x, idx, cfg: Cfg, stage_rows: int, round_scale: bool):
+    """x[T, H], idx[T, K] -> ((recv_x_fp8, recv_scales), recv_count, src_rank, src_index,
+    first_row, row_count), per shard, no autodiff: one dispatch whose send half casts x
+    to FP8 (jax_ep.fp8.quantize's rule) and sends one message per (token, expert)."""
+    return _recv_dispatch_fp8(_send_dispatch_fp8(x, idx, cfg, stage_rows, round_scale), cfg,
+                              x.shape[1])
+
+
 def _rows_per_dest(cfg: Cfg, topk: int) -> int:
     return cfg.capacity * min(topk, cfg.experts_per_rank)
 
@@ -236,19 +257,13 @@ def make_differentiable(dispatch_fn, combine_fn):
 _dispatch, _combine = make_differentiable(dispatch_rows, combine_rows)
 
 
-def make_fp8_dispatch(dispatch_fn):
-    """FP8 dispatch over a row function like `dispatch_rows`: quantizes x (jax_ep.fp8),
-    then moves the FP8 rows (H bytes) and the scale rows (H // 128 float32) as two
-    dispatches of the same routing. Two calls rather than one packed row: unpacking the
-    fixed [E_local, R * M, ...] blocks after the move costs more than the second call.
+def make_fp8_dispatch(fp8_rows_fn):
+    """FP8 dispatch over a row function like `dispatch_rows_fp8` (x cast to FP8 in the
+    send half, values and 1 x 128 scales in one message per (token, expert)).
     Differentiating it raises."""
 
     def impl(x, idx, cfg, round_scale):
-        from jax_ep import fp8 as fp8_lib
-        q, s = fp8_lib.quantize(x, block=FP8_BLOCK, round_scale=round_scale)
-        outs = dispatch_fn(q, idx, cfg, cfg.capacity)
-        scales = dispatch_fn(s, after(outs[0], idx), cfg, cfg.capacity)[0]
-        return ((outs[0], scales),) + tuple(outs[1:])
+        return fp8_rows_fn(x, idx, cfg, cfg.capacity, round_scale)
 
     def fwd(x, idx, cfg, round_scale):
         return impl(x, idx, cfg, round_scale), None
@@ -263,7 +278,7 @@ def make_fp8_dispatch(dispatch_fn):
     return f
 
 
-_fp8_dispatch = make_fp8_dispatch(dispatch_rows)
+_fp8_dispatch = make_fp8_dispatch(dispatch_rows_fp8)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -373,11 +388,8 @@ def dispatch_send(x, topk_idx, *, num_experts: int, axis_name, max_tokens_per_ra
     x = jnp.asarray(x)
     topk_idx = jnp.asarray(topk_idx)
     cfg = _cfg(x, topk_idx, num_experts, axis_name, max_tokens_per_rank, fp8, backend)
-    if fp8:  # values and scales as two dispatches of the same routing
-        from jax_ep import fp8 as fp8_lib
-        q, s = fp8_lib.quantize(x, block=FP8_BLOCK, round_scale=round_scale)
-        sent_q = _send_dispatch(q, topk_idx, cfg, cfg.capacity)
-        sent = (sent_q, _send_dispatch(s, after(sent_q, topk_idx), cfg, cfg.capacity))
+    if fp8:  # cast in the send half, one message per (token, expert)
+        sent = _send_dispatch_fp8(x, topk_idx, cfg, cfg.capacity, bool(round_scale))
     else:
         sent = _send_dispatch(x, topk_idx, cfg, cfg.capacity)
     return DispatchSendState(sent, topk_idx, cfg, x.shape[0], x.shape[1], bool(fp8))
@@ -390,9 +402,7 @@ def dispatch_recv(state: DispatchSendState):
         raise TypeError(f"state must be the DispatchSendState from dispatch_send, got "
                         f"{type(state).__name__}")
     if state.fp8:
-        outs = _recv_dispatch(state.sent[0], state.cfg)
-        scales = _recv_dispatch(after(outs[0], state.sent[1]), state.cfg)[0]
-        outs = ((outs[0], scales),) + tuple(outs[1:])
+        outs = _recv_dispatch_fp8(state.sent, state.cfg, state.hidden)
     else:
         outs = _recv_dispatch(state.sent, state.cfg)
     T, K = state.topk_idx.shape

@@ -80,6 +80,36 @@ def dispatch_rows(x, idx, spec, stage_rows):
 
 
 @functools.cache
+def _dispatch_fp8_op(spec, T: int, K: int, H: int, dtype, stage_rows: int, round_scale: bool):
+    S, R, M, el = spec.num_shards, spec.num_ranks, spec.capacity, spec.experts_per_rank
+
+    def abstract(x, idx):
+        i32 = jnp.int32
+        return (jnp.zeros((S * el, R * M, H), jnp.float8_e4m3fn),
+                jnp.zeros((S * el, R * M, H // ll.FP8_BLOCK), jnp.float32),
+                jnp.zeros((S * el,), i32), jnp.zeros((S * el, R * M), i32),
+                jnp.zeros((S * el, R * M), i32), jnp.zeros((S * el, R), i32),
+                jnp.zeros((S * el, R), i32))
+
+    def body(x, idx):
+        outs = ll.dispatch_rows_fp8(x, idx, spec.cfg, stage_rows, round_scale)
+        return tuple(outs[0]) + tuple(outs[1:])
+
+    rule = ("(s t) h, (s t) k -> (s e) m h, (s e) m b, (s e), (s e) m, (s e) m, (s e) r, "
+            "(s e) r")
+    return _sh._partitioned(spec, body, abstract, rule, 2, 7, s=S, t=T, e=el,
+                            need_replication_factors=("h", "k", "m", "r", "e", "b"))
+
+
+def dispatch_rows_fp8(x, idx, spec, stage_rows, round_scale):
+    T = x.shape[0] // spec.num_shards
+    op = _dispatch_fp8_op(spec, T, idx.shape[1], x.shape[1], jnp.dtype(x.dtype), stage_rows,
+                          bool(round_scale))
+    outs = op(x, idx)
+    return ((outs[0], outs[1]),) + tuple(outs[2:])
+
+
+@functools.cache
 def _combine_op(spec, T: int, K: int, H: int, dtype, stage_rows: int, topk: int):
     S, R, M, el = spec.num_shards, spec.num_ranks, spec.capacity, spec.experts_per_rank
 
@@ -101,7 +131,7 @@ def combine_rows(y, idx, w, first, count, spec, stage_rows, topk):
 
 
 _dispatch, _combine = ll.make_differentiable(dispatch_rows, combine_rows)
-_fp8_dispatch = ll.make_fp8_dispatch(dispatch_rows)
+_fp8_dispatch = ll.make_fp8_dispatch(dispatch_rows_fp8)
 
 
 @named("jax_ep.sharded.low_latency.dispatch")

@@ -4,6 +4,7 @@ split, FP8, and every backend bit-exact with the reference."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -195,25 +196,56 @@ def test_send_recv_split_equals_fused(backend):
         np.testing.assert_array_equal(split[key], fused[key], err_msg=key)
 
 
-@pytest.mark.parametrize("backend,round_scale", [("reference", True), ("ffi", False)])
-def test_fp8_dispatch(backend, round_scale):
-    """recv pairs are jax_ep.fp8.quantize of the routed rows, bit for bit."""
-    Hn = 256
-    rng = np.random.default_rng(5)
-    x = (rng.standard_normal((R, T, Hn)) * 3).astype(jnp.bfloat16)
-    idx = routing(rng, "random")
-    w = rng.random((R, T, K)).astype(np.float32)
-    y = np.zeros((R, EL, R * M, Hn), jnp.bfloat16)
+def _fp8_edge_rows(rng, Hn, dtype):
+    """x[R, T, H] with 1 x 128 blocks at FP8's edges: ties between FP8 neighbours at
+    scale 1 (amax 448), values landing on FP8 subnormals, all-zero blocks, and blocks
+    whose amax is below the floor."""
+    x = rng.standard_normal((R, T, Hn)).astype(np.float32) * 3
+    for r in range(R):
+        for t in range(T):
+            blk = x[r, t, ((r + t) % (Hn // 128)) * 128:][:128]
+            kind = (r * T + t) % 5
+            if kind == 1:
+                blk[:] = rng.choice([448.0, -448.0, 424.0, 17.0, 0.59375, 0.53125, 440.0], 128)
+            elif kind == 2:
+                blk[:] = rng.choice([2.0 ** -9, 5 * 2.0 ** -11, 7 * 2.0 ** -10, 2.0 ** -6,
+                                     -3 * 2.0 ** -11], 128)
+                blk[0] = -448.0
+            elif kind == 3:
+                blk[:] = 0.0
+            elif kind == 4:
+                blk[:] *= 1e-12
+    return x.astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_program(backend, round_scale, split):
     mesh = ep_mesh(R)
 
     def f(x, idx):
-        (q, s), cnt, h = ll.dispatch(x, idx, num_experts=E, axis_name="ep",
-                                     max_tokens_per_rank=M, fp8=True,
-                                     round_scale=round_scale, backend=backend)
-        return q[None], s[None], cnt[None]
+        kw = dict(num_experts=E, axis_name="ep", max_tokens_per_rank=M, fp8=True,
+                  round_scale=round_scale, backend=backend)
+        if split:
+            (q, s), cnt, h = ll.dispatch_recv(ll.dispatch_send(x, idx, **kw))
+        else:
+            (q, s), cnt, h = ll.dispatch(x, idx, **kw)
+        return q[None], s[None], cnt[None], h.src_rank[None], h.src_index[None]
 
-    q, s, cnt = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
-        x.reshape(R * T, Hn), idx.reshape(R * T, K))
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+
+@pytest.mark.parametrize("backend", ["reference", "ffi"])
+@pytest.mark.parametrize("round_scale", [False, True])
+@pytest.mark.parametrize("dtype,Hn", [(jnp.bfloat16, 256), (np.float32, 128)])
+def test_fp8_dispatch(backend, round_scale, dtype, Hn):
+    """recv pairs are jax_ep.fp8.quantize of the routed rows, bit for bit (values near
+    448, ties, subnormals, zero and tiny blocks), the send/receive split equal to the
+    fused call; rows past the counts zero on these backends."""
+    rng = np.random.default_rng(5)
+    x = _fp8_edge_rows(rng, Hn, dtype)
+    idx = routing(rng, "random")
+    args = (x.reshape(R * T, Hn), idx.reshape(R * T, K))
+    q, s, cnt, _, _ = _fp8_program(backend, round_scale, False)(*args)
     wq, ws = fp8_lib.quantize(jnp.asarray(x), round_scale=round_scale)
     model_q = np_dispatch(np.asarray(wq).view(np.uint8), idx, E, M)
     model_s = np_dispatch(np.asarray(ws), idx, E, M)
@@ -221,7 +253,56 @@ def test_fp8_dispatch(backend, round_scale):
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), model_q["recv"])
     np.testing.assert_array_equal(np.asarray(s), model_s["recv"])
     np.testing.assert_array_equal(np.asarray(cnt), model_q["count"])
-    del w, y
+    split = _fp8_program(backend, round_scale, True)(*args)
+    for a, b in zip(split, (q, s, cnt)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("kind", ["masked", "one_token"])
+def test_fp8_dispatch_no_rows_and_one_token(kind):
+    """All ids -1 (no rows anywhere) and T = 1: ffi equals the reference bit for bit."""
+    rng = np.random.default_rng(6)
+    Hn = 128
+    mesh = ep_mesh(R)
+    x = _fp8_edge_rows(rng, Hn, jnp.bfloat16)
+    idx = routing(rng, "masked" if kind == "masked" else "random")
+    Tn = T if kind == "masked" else 1
+    x, idx = x[:, :Tn], idx[:, :Tn]
+
+    def run(backend):
+        def f(x, idx):
+            (q, s), cnt, h = ll.dispatch(x, idx, num_experts=E, axis_name="ep",
+                                         max_tokens_per_rank=M, fp8=True, backend=backend)
+            return q[None], s[None], cnt[None], h.src_index[None]
+
+        out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+            x.reshape(R * Tn, Hn), idx.reshape(R * Tn, K))
+        return [np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a)
+                for a in out]
+
+    want, got = run("reference"), run("ffi")
+    for w_, g_ in zip(want, got):
+        np.testing.assert_array_equal(g_, w_)
+    if kind == "masked":
+        assert (want[2] == 0).all()
+
+
+def test_fp8_dispatch_is_one_call():
+    """ffi lowers an FP8 dispatch to one send and one receive custom call (the cast in the
+    send half), not a quantize and two dispatches."""
+    mesh = ep_mesh(R)
+
+    def f(x, idx):
+        (q, s), cnt, _ = ll.dispatch(x, idx, num_experts=E, axis_name="ep",
+                                     max_tokens_per_rank=M, fp8=True, backend="ffi")
+        return q[None], s[None]
+
+    x = jnp.zeros((R * T, 128), jnp.bfloat16)
+    idx = jnp.zeros((R * T, K), jnp.int32)
+    hlo = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(
+        x, idx).as_text()
+    calls = re.findall(r"custom_call @(jax_ep_\w+)\(", hlo)
+    assert calls == ["jax_ep_ll_dispatch_send_fp8", "jax_ep_ll_dispatch_recv_fp8"], calls
 
 
 # ----------------------------------------------------------------------------- errors

@@ -36,6 +36,8 @@ NB_MODULE(_jax_ep_ext, m) {
     // Low-latency mode (jax_ep.low_latency).
     cpu["jax_ep_ll_dispatch_send"] = Capsule(jax_ep::LowLatencyDispatchSendCpuHandler);
     cpu["jax_ep_ll_dispatch_recv"] = Capsule(jax_ep::LowLatencyDispatchRecvCpuHandler);
+    cpu["jax_ep_ll_dispatch_send_fp8"] = Capsule(jax_ep::LowLatencyDispatchSendFp8CpuHandler);
+    cpu["jax_ep_ll_dispatch_recv_fp8"] = Capsule(jax_ep::LowLatencyDispatchRecvFp8CpuHandler);
     cpu["jax_ep_ll_combine_send"] = Capsule(jax_ep::LowLatencyCombineSendCpuHandler);
     cpu["jax_ep_ll_combine_recv"] = Capsule(jax_ep::LowLatencyCombineRecvCpuHandler);
     nb::dict out;

@@ -171,6 +171,52 @@ def ll_dispatch_send(x, topk_idx, cfg: Cfg):
         x, topk_idx, num_experts=np.int64(cfg.num_experts), **_ll_attrs(cfg)))
 
 
+def ll_fp8_msg_bytes(hidden: int) -> int:
+    """Bytes of one FP8 message (kernels/common/fp8_quant.h): H values, H // 128 float32
+    scales, padded to 16."""
+    return (hidden + 4 * (hidden // 128) + 15) // 16 * 16
+
+
+def ll_dispatch_send_fp8(x, topk_idx, cfg: Cfg, round_scale: bool):
+    """x[S, H] cast to FP8 in the send half (jax_ep.fp8.quantize's rule, 1 x 128 blocks),
+    one message per (token, expert) holding the values and the scales: staged messages
+    uint8 [S, bytes] (on CUDA a [0, bytes] placeholder), topk_idx (CUDA: the epoch), tokens
+    per expert."""
+    S, H = x.shape
+    K = topk_idx.shape[1]
+    W = ll_fp8_msg_bytes(H)
+    gpu = _ll_platform_check(cfg, topk=K, row_bytes=W)
+    if cfg.check_ids and across_groups(cfg.axis_name, cfg.group_axes):
+        topk_idx = checked(topk_idx, cfg.num_experts, axis_name=cfg.axis_name,
+                           groups=cfg.group_axes, repeats=True, where="jax_ep.low_latency")
+    x, topk_idx = unify_varying(x, topk_idx)
+    return tuple(ep_call("jax_ep_ll_dispatch_send_fp8",
+                         (like(x, (0 if gpu else S, W), jnp.uint8), like(x, (S, K), jnp.int32),
+                          like(x, (cfg.num_experts,), jnp.int32)))(
+        x, topk_idx, num_experts=np.int64(cfg.num_experts),
+        round_scale=np.int64(bool(round_scale)), **_ll_attrs(cfg)))
+
+
+def ll_dispatch_recv_fp8(sent, cfg: Cfg, hidden: int):
+    """The FP8 messages unpacked: ((recv_x_fp8, recv_scales), recv_count, src_rank,
+    src_index, first_row, row_count)."""
+    stage, stage_idx, counts = sent
+    rank, group = ep_coords(cfg.axis_name, cfg.group_axes)
+    stage, stage_idx, counts, rank = unify_varying(stage, stage_idx, counts, rank)
+    R, M, H = cfg.num_ranks, cfg.capacity, hidden
+    el = cfg.experts_per_rank
+    i32 = jnp.int32
+    outs = ep_call(
+        "jax_ep_ll_dispatch_recv_fp8",
+        (like(stage, (el, R * M, H), jnp.float8_e4m3fn),
+         like(stage, (el, R * M, H // 128), jnp.float32), like(stage, (el,), i32),
+         like(stage, (el, R * M), i32), like(stage, (el, R * M), i32),
+         like(stage, (el, R), i32), like(stage, (el, R), i32)))(
+        stage, stage_idx, counts, rank, group, num_experts=np.int64(cfg.num_experts),
+        **_ll_attrs(cfg))
+    return ((outs[0], outs[1]),) + tuple(outs[2:])
+
+
 def ll_dispatch_recv(sent, cfg: Cfg):
     stage_x, stage_idx, counts = sent
     rank, group = ep_coords(cfg.axis_name, cfg.group_axes)

@@ -39,7 +39,7 @@ from jax_ep.runtime import nvshmem
 __all__ = ["ep_rank", "transport_attrs", "send_row_from", "layout", "dispatch", "combine",
            "gather", "InternodeRankError", "InternodeError", "transport_report",
            "check_errors", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
-           "ll_combine_recv"]
+           "ll_combine_recv", "ll_dispatch_send_fp8", "ll_dispatch_recv_fp8"]
 
 
 class InternodeRankError(ValueError):
@@ -432,6 +432,39 @@ def ll_dispatch_recv(sent, cfg: Cfg):
          like(token, (el, R * M), i32), like(token, (el, R * M), i32),
          like(token, (el, R), i32), like(token, (el, R), i32)))(
         token, **_ll_attrs(cfg, rank)))
+
+
+def ll_dispatch_send_fp8(x, topk_idx, cfg: Cfg, round_scale: bool):
+    """x[S, H] (float32, bfloat16, float16; H a multiple of 128) cast to FP8 in the send
+    kernel (jax_ep.fp8.quantize's rule), one message per (token, slot) holding the values
+    and the 1 x 128 scales -> (token int32[2], carrier [0, H] float8_e4m3fn)."""
+    from jax_ep.backends.ffi import ll_fp8_msg_bytes
+    R = cfg.num_ranks
+    rank = ep_rank(cfg.axis_name, R)
+    S, H = x.shape
+    _ll_limits(cfg, S, topk_idx.shape[1], ll_fp8_msg_bytes(H), 1)
+    x, topk_idx = _vary_with_axis(cfg.axis_name, x, topk_idx)
+    token = ep_call("jax_ep_internode_ll_dispatch_send_fp8", like(x, (2,), jnp.int32))(
+        x, topk_idx, round_scale=np.int64(bool(round_scale)), **_ll_attrs(cfg, rank))
+    return token, jnp.zeros((0, H), jnp.float8_e4m3fn)
+
+
+def ll_dispatch_recv_fp8(sent, cfg: Cfg, hidden: int):
+    """-> ((recv_x float8_e4m3fn [E_local, R*M, H], recv_scales float32 [E_local, R*M,
+    H // 128]), recv_count, src_rank, src_index, first_row, row_count)."""
+    token, _ = sent
+    R, M, H = cfg.num_ranks, cfg.capacity, hidden
+    rank = ep_rank(cfg.axis_name, R)
+    el = cfg.experts_per_rank
+    i32 = jnp.int32
+    outs = ep_call(
+        "jax_ep_internode_ll_dispatch_recv_fp8",
+        (like(token, (el, R * M, H), jnp.float8_e4m3fn),
+         like(token, (el, R * M, H // 128), jnp.float32), like(token, (el,), i32),
+         like(token, (el, R * M), i32), like(token, (el, R * M), i32),
+         like(token, (el, R), i32), like(token, (el, R), i32)))(
+        token, **_ll_attrs(cfg, rank))
+    return ((outs[0], outs[1]),) + tuple(outs[2:])
 
 
 def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):

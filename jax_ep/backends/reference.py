@@ -171,6 +171,11 @@ def gather(g, handle: DispatchHandle, cfg: Cfg):
 #   ll_dispatch_recv(sent, cfg) -> (recv_x[E_local, R*M, H], recv_count[E_local],
 #       src_rank[E_local, R*M], src_index[E_local, R*M], first_row[E_local, R],
 #       row_count[E_local, R])
+#   ll_dispatch_send_fp8(x[S, H], topk_idx[S, K], cfg, round_scale) -> sent: x cast to
+#       FP8 (jax_ep.fp8.quantize, 1 x 128 blocks) and sent as one message per (token,
+#       expert), values and scales together
+#   ll_dispatch_recv_fp8(sent, cfg, hidden) -> ((recv_x_fp8[E_local, R*M, H] float8_e4m3fn,
+#       recv_scales[E_local, R*M, H // 128] float32), recv_count, ... as ll_dispatch_recv)
 #   ll_combine_send(y[E_local, R*M, H], first_row, row_count, rows_per_dest, cfg) -> sent
 #   ll_combine_recv(sent, topk_idx[S, K], topk_weights[S, K], cfg) -> out[S, H]
 # Here the send halves hold the all_to_all and the receive halves the local packing.
@@ -236,6 +241,21 @@ def ll_dispatch_recv(sent, cfg: Cfg):
     return (jax.lax.bitcast_convert_type(out_x, dtype).reshape(el, R * M, H),
             jnp.sum(row_count, axis=1, dtype=jnp.int32), src_rank.reshape(el, R * M),
             src_index.reshape(el, R * M), first_row, row_count)
+
+
+def ll_dispatch_send_fp8(x, topk_idx, cfg: Cfg, round_scale: bool):
+    """Here the message is jax_ep.fp8.pack's row (values, then scales), one all_to_all."""
+    from jax_ep import fp8
+    q, s = fp8.quantize(x, block=fp8.DEFAULT_BLOCK, round_scale=round_scale)
+    return ll_dispatch_send(fp8.pack(q, s), topk_idx, cfg)
+
+
+def ll_dispatch_recv_fp8(sent, cfg: Cfg, hidden: int):
+    from jax_ep import fp8
+    outs = ll_dispatch_recv(sent, cfg)
+    pair = fp8.unpack(outs[0], block=fp8.DEFAULT_BLOCK)
+    assert pair[0].shape[-1] == hidden
+    return (pair,) + tuple(outs[1:])
 
 
 def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):

@@ -1,6 +1,8 @@
 // CUDA kernels of the low-latency mode; protocol and buffer in low_latency_kernels.h.
 #include "kernels/cuda/low_latency_kernels.h"
 
+#include "kernels/common/fp8_quant.h"
+#include "kernels/common/fp8_warp.cuh"
 #include "kernels/common/low_latency_math.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/launch.cuh"
@@ -224,6 +226,15 @@ __device__ int ll_number_block(const LowLatencyArgs& a, int g, LLNumbering* sh, 
 
 // ------------------------------- dispatch --------------------------------
 
+// A warp casts x's row into an FP8 message in a peer's slot (kernels/common/fp8_warp.cuh),
+// with the stores the visibility model buffers until the fence before the arrival word.
+__device__ __forceinline__ void ll_warp_cast_fp8(char* dst, const char* src, int64_t H,
+                                                 FloatKind kind, bool round_scale, int lane) {
+  fp8_warp_cast_row(
+      dst, src, H, kind, round_scale, lane, [](const char* p) { return peer::load_nc16(p); },
+      [](char* p, uint4 v) { peer::store16(p, v); }, [](float* p, float v) { peer::store(p, v); });
+}
+
 // Source: a block per expert g (strided over the grid). Each row of g goes to its
 // owner's slot (16-byte stores, a warp per row); then one release of the pair's word.
 __global__ void __launch_bounds__(kThreads) ll_dispatch_send(LowLatencyArgs a) {
@@ -252,6 +263,8 @@ __global__ void __launch_bounds__(kThreads) ll_dispatch_send(LowLatencyArgs a) {
   if (bad) any_bad = 1;
   __syncthreads();
   const size_t slots_off = a.L.slots_off + half * a.L.slots_half;
+  // x's rows: the message itself, or with fp8 the rows the message is cast from.
+  const size_t x_row = a.fp8 != 0 ? static_cast<size_t>(a.H) * FloatKindBytes(a.kind) : a.row_bytes;
   int32_t* tok_at_owner = nullptr;
   for (int g = blockIdx.x; g < E; g += gridDim.x) {
     const int r = g / el, e = g % el;
@@ -267,10 +280,12 @@ __global__ void __launch_bounds__(kThreads) ll_dispatch_send(LowLatencyArgs a) {
         if (p >= a.M) break;
         const int i = sh.list[j];
         const int64_t slot = ll_slot(e, a.me, p, R, a.L.M);
-        warp_copy_row<true>(ll_at(a, r, slots_off + slot * a.L.stride),
-                            static_cast<const char*>(a.x) +
-                                static_cast<size_t>(i / a.K) * a.row_bytes,
-                            a.row_bytes, lane);
+        char* dst = ll_at(a, r, slots_off + slot * a.L.stride);
+        const char* src = static_cast<const char*>(a.x) + static_cast<size_t>(i / a.K) * x_row;
+        if (a.fp8 != 0)
+          ll_warp_cast_fp8(dst, src, a.H, a.kind, a.fp8 == 2, lane);
+        else
+          warp_copy_row<true>(dst, src, a.row_bytes, lane);
         if (lane == 0) peer::store(tok_at_owner + slot, i / a.K);
       }
     });
@@ -342,8 +357,17 @@ __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(LowLatencyArgs a) {
     const int64_t row0 = static_cast<int64_t>(e) * RM + first;
     for (int j = warp; j < c; j += kWarps) {
       const int64_t slot = ll_slot(e, s, j, R, a.L.M);
-      warp_copy_row<false>(static_cast<char*>(a.recv_x) + (row0 + j) * a.row_bytes,
-                           ll_at(a, a.me, slots_off + slot * a.L.stride), a.row_bytes, lane);
+      const char* msg = ll_at(a, a.me, slots_off + slot * a.L.stride);
+      if (a.fp8 != 0) {  // the message's values to recv_x, its scales to recv_scales
+        const int64_t nb = a.H / kFp8Block;
+        warp_copy_row<false>(static_cast<char*>(a.recv_x) + (row0 + j) * a.H, msg, a.H, lane);
+        const float* sc = reinterpret_cast<const float*>(msg + ll_fp8_scales_off(a.H));
+        float* out = static_cast<float*>(a.recv_scales) + (row0 + j) * nb;
+        for (int64_t b = lane; b < nb; b += 32) out[b] = peer::load_cg_f32(sc + b);
+      } else {
+        warp_copy_row<false>(static_cast<char*>(a.recv_x) + (row0 + j) * a.row_bytes, msg,
+                             a.row_bytes, lane);
+      }
       if (lane == 0) {
         a.src_rank[row0 + j] = s;
         a.src_index[row0 + j] = peer::load_cg_s32(&tok[slot]);

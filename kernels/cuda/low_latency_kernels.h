@@ -29,14 +29,17 @@
 //             seq + 1 (the last block advances seq), the bad-slot check over all slots;
 //             waits credit_d[h][r] >= n - 2 from g's owner r (r finished reading the last
 //             epoch that used half h); numbers the slots naming g in token order (ballots
-//             and a block prefix), copies each row into r's slot with 16-byte stores;
+//             and a block prefix), copies each row into r's slot with 16-byte stores
+//             (with fp8, a warp casts the row in registers and stores one FP8 message:
+//             the values, then the 1 x 128 scales; kernels/common/fp8_quant.h);
 //             then every thread fences its own stores and one thread writes
 //             tag_d[h][s] and releases the word (g, s) = (n, rows) on r. It returns
 //             without waiting for anything to land: the next epoch that reuses half h
 //             waits for r's credit of this one.
 //             recv (owner r, epoch n from its send half), a block per (e, s) (strided):
 //             waits the words (e, s') of epoch n for all s' (bounded), requires every tag
-//             equal to its own, places source s's rows at first_row[e, s]; rows past
+//             equal to its own, places source s's rows at first_row[e, s] (FP8
+//             messages split into recv_x and recv_scales); rows past
 //             recv_count[e] are not written (unspecified; src_rank/src_index are -1
 //             there); the last block then writes credit_d[h][r] = n on every source.
 //   combine   send (owner r), a block per (e, d) (strided): every block checks the
@@ -160,7 +163,13 @@ struct LowLatencyArgs {
   int S;             // staged tokens of this call (<= L.M * L.K)
   int K;             // topk of this call's routing (<= L.K, or 1 for one-slot tokens)
   int64_t H;
-  FloatKind kind;
+  FloatKind kind;    // combine: y's rows; dispatch with fp8: x's rows
+  // Dispatch: 0 sends x's rows as they are; 1 casts each row to FP8 in the send kernel
+  // and sends one message (kernels/common/fp8_quant.h: values, then scales; row_bytes is
+  // the message's size), 2 the same with round_scale. The receive half unpacks into
+  // recv_x (float8_e4m3fn [E_local, R * M, H]) and recv_scales (float32 [.., H / 128]).
+  int fp8;
+  void* recv_scales;
   ErrorRecord* host_err;
   int64_t timeout_ns;
   int64_t tag;       // ll_call_tag of this call (send halves)

@@ -18,6 +18,8 @@
 #include <string>
 
 #include "kernels/common/configs.h"
+#include "kernels/common/fp8_quant.h"
+#include "kernels/common/fp8_warp.cuh"
 #include "kernels/common/low_latency_math.h"
 #include "kernels/common/striping_plan.h"
 #include "kernels/internode/device_copy.cuh"
@@ -61,8 +63,10 @@ State& Ll() { return g_ll; }
 struct G {
   int R, rank, E, el, M, S, K, P, Q, nq;
   int64_t H, row_bytes, rpd, ds_put, meta_off, cs_put;
+  int64_t x_row_bytes;  // x's rows (row_bytes is the message's: with fp8, an FP8 message)
   int64_t timeout_ns;
   int op;
+  int fp8;              // CallDims::fp8
   int32_t cfg[llwire::kNumCfgFields];
   uint32_t hash;
   wire::ErrorRecord* err;
@@ -324,7 +328,14 @@ __global__ void DispatchSendKernel(G g, const char* x, const int32_t* idx,
   const int lane = threadIdx.x & 31;
   for (int t = tid >> 5; t < g.S; t += nthreads >> 5) {
     char* st = g.area + llwire::dstage_row(g.A, b, t);
-    CopyBytes(st, x + static_cast<int64_t>(t) * g.row_bytes, g.row_bytes, lane, 32);
+    const char* row = x + static_cast<int64_t>(t) * g.x_row_bytes;
+    if (g.fp8 != 0)  // the message cast in registers into this rank's stage
+      fp8_warp_cast_row(
+          st, row, g.H, g.elem, g.fp8 == 2, lane, [](const char* p) { return peer::load_nc16(p); },
+          [](char* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; },
+          [](float* p, float v) { *p = v; });
+    else
+      CopyBytes(st, row, g.row_bytes, lane, 32);
     if (lane == 0) *reinterpret_cast<int32_t*>(st + g.meta_off) = t;
     __syncwarp();
     for (int k = 0; k < g.K; ++k) {
@@ -554,9 +565,14 @@ __global__ void DispatchUnpack(G g, const int32_t* token, DispatchRecvOut out) {
     if (failed || i % RM >= counts[i / RM]) out.src_rank[i] = out.src_index[i] = -1;
   const int lane = threadIdx.x & 31;
   const int64_t nwarps = nthreads >> 5;
+  // recv_x's rows: the rows as sent, or with fp8 the messages' H values.
+  const int64_t out_row = g.fp8 != 0 ? g.H : g.row_bytes;
+  const int64_t nb = g.H / kFp8Block;
   for (int64_t w = tid >> 5; w < g.el * RM; w += nwarps) {
     if (failed) {
-      NanBytes(static_cast<char*>(out.recv_x) + w * g.row_bytes, g.row_bytes, lane, 32);
+      NanBytes(static_cast<char*>(out.recv_x) + w * out_row, out_row, lane, 32);
+      if (g.fp8 != 0)
+        NanBytes(reinterpret_cast<char*>(out.recv_scales + w * nb), nb * 4, lane, 32);
       continue;
     }
     const int e = static_cast<int>(w / RM);
@@ -565,7 +581,12 @@ __global__ void DispatchUnpack(G g, const int32_t* token, DispatchRecvOut out) {
     if (p >= devcopy::LoadLanded(HdrCounts(Hdr(g, kD, b, s)) + e)) continue;
     const int64_t row = static_cast<int64_t>(e) * RM + offsets[e * g.R + s] + p;
     const char* src = g.area + llwire::drecv_row(g.A, b, e, s, p);
-    devcopy::CopyLanded(static_cast<char*>(out.recv_x) + row * g.row_bytes, src, g.row_bytes, lane, 32);
+    devcopy::CopyLanded(static_cast<char*>(out.recv_x) + row * out_row, src, out_row, lane, 32);
+    if (g.fp8 != 0) {  // the message's scales
+      const float* sc = reinterpret_cast<const float*>(src + ll_fp8_scales_off(g.H));
+      for (int64_t j = lane; j < nb; j += 32)
+        out.recv_scales[row * nb + j] = devcopy::LoadLanded(sc + j);
+    }
     if (lane == 0) {
       out.src_rank[row] = s;
       out.src_index[row] = devcopy::LoadLanded(reinterpret_cast<const int32_t*>(src + g.meta_off));
@@ -707,7 +728,11 @@ std::string MakeG(const CallDims& d, int op, G* g) {
            "low_latency=dict(max_tokens_per_rank=..., hidden=..., topk=..., num_experts=...) "
            "to jax_ep.nvshmem_bootstrap.initialize";
   const Limits& l = Ll().lim;
-  const int64_t row_bytes = d.H * d.elem_bytes;
+  if (d.fp8 != 0 && (op != kD || d.H % kFp8Block != 0))
+    return "jax_ep internode low-latency: fp8 is a dispatch of rows whose hidden size is a "
+           "multiple of 128";
+  const int64_t row_bytes =
+      d.fp8 != 0 ? static_cast<int64_t>(ll_fp8_msg_bytes(d.H)) : d.H * d.elem_bytes;
   if (d.R != rt.world || d.rank != rt.rank)
     return "jax_ep internode low-latency: the EP group must be all " + std::to_string(rt.world) +
            " NVSHMEM PEs; got " + std::to_string(d.R) + " ranks";
@@ -738,6 +763,8 @@ std::string MakeG(const CallDims& d, int op, G* g) {
   g->nq = nq;
   g->H = d.H;
   g->row_bytes = row_bytes;
+  g->x_row_bytes = d.H * d.elem_bytes;
+  g->fp8 = d.fp8;
   g->rpd = d.rows_per_dest;
   g->ds_put = llwire::dispatch_stride(row_bytes);
   g->meta_off = llwire::dispatch_meta_offset(row_bytes);
@@ -752,7 +779,7 @@ std::string MakeG(const CallDims& d, int op, G* g) {
   c[llwire::kCfgStageRows] = op == kD ? d.S : 0;
   c[llwire::kCfgTopk] = op == kD ? d.K : 0;
   c[llwire::kCfgHidden] = static_cast<int32_t>(d.H);
-  c[llwire::kCfgDtype] = d.dtype_code;
+  c[llwire::kCfgDtype] = d.dtype_code | (d.fp8 << 16);  // an FP8 send never meets a plain one
   c[llwire::kCfgRowsPerDest] = static_cast<int32_t>(d.rows_per_dest);
   c[llwire::kCfgNumQps] = nq;
   c[llwire::kCfgCallSite] = static_cast<int32_t>(d.call_site);

@@ -12,7 +12,8 @@
 //              owner finished epoch n - 2); block 0 stages and puts one header per owner
 //              (seq n, config hash, error flag, counts; put-with-signal SET n on the
 //              control QP); experts with no rows get their count signal (SET 1); a warp
-//              per token copies it into dstage[b] (row + source token index) and puts it,
+//              per token copies it into dstage[b] (row + source token index; with fp8 the
+//              warp casts the row to an FP8 message there instead) and puts it,
 //              without a signal, into drecv[b][expert][source][position] of each of its
 //              experts' owners, on the expert's QP (llwire::expert_qp); the warp that
 //              issues an expert's last row then sends one count signal (SET count + 1)
@@ -44,8 +45,8 @@
 // parity too and rewritten only after that wait, so a send half need not wait for its
 // puts to complete (a credit for epoch n - 2 means the reader saw every count signal of
 // n - 2, each landed after the rows it counts, so the NIC had read those stage bytes).
-// So at most two calls of an op can be in flight per rank (e.g. the FP8 dispatch's two
-// sends before its two receives); a third send waits for a credit that only a receive behind it on the stream can give,
+// So at most two calls of an op can be in flight per rank (e.g. two dispatch sends before
+// their two receives); a third send waits for a credit that only a receive behind it on the stream can give,
 // and ends in a timeout error, never a hang or a silent overwrite.
 //
 // Buffers: one symmetric area per PE, allocated once by Init from (R, M, row bytes, K, E)
@@ -91,6 +92,12 @@ struct CallDims {
   int num_ports = 1, qps_per_port = 1;
   int64_t timeout_ns = 0;
   int64_t call_site = 0;      // the send half's call_site (hashed in the header)
+  // Dispatch: 0 moves x's rows as they are; 1 casts each row to FP8 in the send kernel
+  // (x float32/bfloat16/float16 of kind `elem`, H a multiple of 128) and puts one message
+  // per (token, expert): H FP8 values, then H / 128 float32 scales
+  // (kernels/common/fp8_quant.h); 2 the same with round_scale. The receive half splits the
+  // messages into recv_x (float8_e4m3fn) and recv_scales.
+  int fp8 = 0;
   // Receive halves: H, dtype and (combine) S, K of the call; the config hash to check
   // comes from the send half's token.
 };
@@ -106,6 +113,7 @@ struct DispatchRecvOut {
   int32_t* src_index;    // [E_local, R*M]
   int32_t* first_row;    // [E_local, R]
   int32_t* row_count;    // [E_local, R]
+  float* recv_scales = nullptr;  // fp8: [E_local, R*M, H / 128]
 };
 std::string DispatchRecv(cudaStream_t stream, const CallDims& d, const int32_t* token,
                          const DispatchRecvOut& out);

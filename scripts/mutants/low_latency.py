@@ -4,6 +4,8 @@ from __future__ import annotations
 from . import Mutant
 from ._paths import *  # noqa: F401,F403
 
+FP8Q = "kernels/common/fp8_quant.h"
+FP8W = "kernels/common/fp8_warp.cuh"
 _BASIC = (T_LL, "-k", "test_ll_dispatch_combine and not full")
 _WORD = "reinterpret_cast<uint64_t*>(ll_at(a, r, a.L.dispatch_word_off(half, e, a.me)))"
 
@@ -58,6 +60,27 @@ MUTANTS = [
            "        for (int k = 0; k + 1 < a.K; ++k) {\n          const int i = t * a.K + k;\n          const char* src = stage_row(i, a.topk_idx[i]);\n          if (src == nullptr) continue;\n          float val[8];",
            _BASIC,
            "off-by-one in the vectorized combine's slot loop"),
+    # ------------------------------------------------------------ FP8 cast in the send
+    Mutant("ll_fp8_scale_wrong_slot", FP8W,
+           "    if (sub == 0) store4(scales + b, s);",
+           "    if (sub == 0) store4(scales + (b ^ 1) % nb, s);",
+           (T_LL, "-k", "fp8_one_message and bf16"),
+           "an FP8 block's scale written into the neighbouring block's slot"),
+    Mutant("ll_fp8_amax_half_block", FP8W,
+           "    for (int o = kLanesPerBlock / 2; o >= 1; o /= 2)",
+           "    for (int o = kLanesPerBlock / 4; o >= 1; o /= 2)",
+           (T_LL, "-k", "fp8_one_message and bf16"),
+           "an FP8 scale from half of its block: the amax reduction stops at 4 of its 8 lanes"),
+    Mutant("ll_fp8_subnormal_ties_up", FP8Q,
+           "if (rem > half || (rem == half && (q & 1u))) ++q;",
+           "if (rem >= half) ++q;",
+           (T_LL, "-k", "fp8_one_message"),
+           "FP8 subnormals rounded half up instead of to even (the rule both kernel sets share)"),
+    Mutant("ll_fp8_recv_scales_wrong_row", LL,
+           "        float* out = static_cast<float*>(a.recv_scales) + (row0 + j) * nb;",
+           "        float* out = static_cast<float*>(a.recv_scales) + (row0 + (j ^ 1)) * nb;",
+           (T_LL, "-k", "fp8_one_message and bf16"),
+           "the receive half writes a message's scales into its neighbour's row"),
     Mutant("ll_handle_check_dropped", LL,
            "    if (f < 0 || c < 0 || f + c > RM) {",
            "    if (false) {",

@@ -120,12 +120,25 @@ def test_cuda_lowering_has_both_halves_with_compute_between():
 
 def test_cuda_lowering_matches_the_cuda_handlers_bindings():
     """What the lowered calls pass is what the real-rank CUDA handlers decode: operand
-    and result counts and the int64 attributes, for each of the four targets."""
+    and result counts and the int64 attributes, for each of the four targets and the
+    FP8 dispatch's two."""
     x, idx, w = _inputs(1)
     text = _lower_cuda(_split_program, x, idx, w, np.ones((R * 32, 32), np.float32))
     binding = _handler_bindings()
-    assert set(binding) == {f"jax_ep_ll_{n}" for n in NAMES}
-    for target, _, result, operands, attrs, line in _calls(text):
+    assert set(binding) == {f"jax_ep_ll_{n}" for n in NAMES} | {
+        "jax_ep_ll_dispatch_send_fp8", "jax_ep_ll_dispatch_recv_fp8"}
+
+    def fp8(x, idx):
+        st = ll.dispatch_send(x, idx, num_experts=E, axis_name="ep", max_tokens_per_rank=M,
+                              fp8=True, round_scale=True, backend="ffi")
+        (q, s), _, _ = ll.dispatch_recv(st)
+        return q.astype(jnp.float32)[None], s[None]
+
+    fp8_calls = _calls(_lower_cuda(fp8, np.tile(x, (1, 8)), idx))
+    assert [c[0] for c in fp8_calls] == ["jax_ep_ll_dispatch_send_fp8",
+                                         "jax_ep_ll_dispatch_recv_fp8"]
+    assert int(fp8_calls[0][4]["round_scale"]) == 1
+    for target, _, result, operands, attrs, line in _calls(text) + fp8_calls:
         n_args, n_rets, names, cmd_buffer = binding[target]
         assert len(operands) == n_args, (target, operands)
         n_results = int(re.match(r"%\w+:(\d+)", line.strip()).group(1)) \
@@ -159,9 +172,10 @@ def test_fused_ops_and_gradients_lower_for_cuda_in_pairs():
     assert names.count("jax_ep_ll_combine_send") == 3
 
 
-def test_fp8_split_dispatch_has_two_sends_in_flight():
-    """The FP8 dispatch_send stages values and scales as two send halves before any
-    receive half: the reason the CUDA area has two data halves (n % 2)."""
+def test_fp8_split_dispatch_is_one_send_and_one_receive():
+    """The FP8 dispatch_send is one send half that casts x in the kernel (values and
+    scales in one message per (token, expert)), and dispatch_recv one receive half; the
+    CUDA area still has two data halves (n % 2) for two sends in flight."""
     x, idx, _ = _inputs(3)
     x = np.tile(x, (1, 8))  # H = 128
 
@@ -172,7 +186,7 @@ def test_fp8_split_dispatch_has_two_sends_in_flight():
         return q.astype(jnp.float32)[None], s[None]
 
     names = [c[0] for c in _calls(_lower_cuda(f, x, idx))]
-    assert names == ["jax_ep_ll_dispatch_send"] * 2 + ["jax_ep_ll_dispatch_recv"] * 2
+    assert names == ["jax_ep_ll_dispatch_send_fp8", "jax_ep_ll_dispatch_recv_fp8"]
     src = _read("kernels", "cuda", "low_latency_kernels.h")
     assert "l.bytes = l.cstage_off + 2 * l.cstage_half" in src
     assert "l.tok_off = l.slots_off + 2 * l.slots_half" in src
@@ -218,7 +232,7 @@ def test_gpu_send_halves_stage_no_rows(monkeypatch):
     for name in ("jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_recv"):
         assert gpu[name] == cpu[name], name
     src = _read("xla_ffi", "cuda", "low_latency_handlers.cc")
-    assert "HasShape(stage_x->dimensions(), {0, H})" in src
+    assert "HasShape(stage_x->dimensions(), {0, width})" in src  # width: H, or FP8 bytes
     assert "HasShape(stage->dimensions(), {R, 0, H})" in src
 
 
@@ -246,7 +260,7 @@ def test_every_receive_half_gets_its_send_halfs_epoch():
     src = _read("xla_ffi", "cuda", "low_latency_handlers.cc")
     impls = {name: src.split(f"ffi::Error {name}(", 1)[1].split("\n}\n", 1)[0]
              for name in ("DispatchSendImpl", "DispatchRecvImpl", "CombineSendImpl",
-                          "CombineRecvImpl", "RankDispatchSendImpl", "RankDispatchRecvImpl",
+                          "CombineRecvImpl", "RankDispatchSend", "RankDispatchRecv",
                           "RankCombineSendImpl", "RankCombineRecvImpl")}
     for name, body in impls.items():
         field = "epoch_out" if "Send" in name else "epoch_in"

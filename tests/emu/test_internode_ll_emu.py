@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from emu_intranode_util import (LL_DISPATCH_KEYS, assert_same, ll_reference,  # noqa: E402
+from emu_fp8_util import fp8_msg_bytes, fp8_reference, fp8_rows  # noqa: E402
+from emu_intranode_util import (LL_DISPATCH_KEYS, assert_same, bits, ll_reference,  # noqa: E402
                                 ll_routing, rows)
 from internode_emu_util import InternodeEmu  # noqa: E402
 
@@ -389,30 +390,137 @@ def test_ll_combine_with_other_routing_is_an_error_on_that_source():
     assert errs[0] == "" and "this rank's routing expects 0" in errs[1], errs
 
 
-def test_ll_fp8_pair_values_and_scales_in_flight_together():
-    """The FP8 dispatch's pair as the low-latency API sends it today: float8 values
-    (1-byte rows) and float32 scales, two send halves in flight before either receive,
-    three rounds; both receives bit-exact below the counts against the reference."""
+def fp8_send(em, x, idx, round_scale=False, skip=()):
+    """The FP8 send halves: x[R, S, H] cast in the send kernel -> tokens[R, 2]."""
+    res, errs = em._ll("dispatch_send_fp8", [[x[r], idx[r]] for r in range(em.R)],
+                       [[((2,), np.int32)]] * em.R, skip, round_scale=int(bool(round_scale)))
+    return [None if o is None else o[0] for o in res], errs
+
+
+def fp8_recv(em, tokens, *, H, skip=()):
+    """The FP8 receive halves -> per-rank dicts with recv_x (float8_e4m3fn), recv_scales
+    and the handle."""
+    import ml_dtypes
+    E, M, R = em.ll["num_experts"], em.ll["max_tokens"], em.R
+    el = E // R
+    names = ("recv_x", "recv_scales", "recv_count", "src_rank", "src_index", "first_row",
+             "row_count")
+    shapes = ((el, R * M, H), (el, R * M, H // 128), (el,), (el, R * M), (el, R * M),
+              (el, R), (el, R))
+    dts = (np.dtype(ml_dtypes.float8_e4m3fn), np.float32) + (np.int32,) * 5
+    res, errs = em._ll("dispatch_recv_fp8", [[t] if t is not None else [] for t in tokens],
+                       [list(zip(shapes, dts))] * R, skip)
+    return [None if o is None else dict(zip(names, o)) for o in res], errs
+
+
+def check_fp8(d, want, what=""):
+    got = {k: np.stack([o[k] for o in d]) for k in want}
+    assert_same(got, want, LL_DISPATCH_KEYS[1:], what)
+    for r in range(got["recv_x"].shape[0]):
+        for e in range(got["recv_x"].shape[1]):
+            c = int(want["recv_count"][r, e])
+            for key in ("recv_x", "recv_scales"):
+                np.testing.assert_array_equal(bits(got[key][r, e, :c]), bits(want[key][r, e, :c]),
+                                              err_msg=f"{what}{key} rank {r} expert {e}")
+
+
+@pytest.mark.parametrize("dtype,H,round_scale", [("bf16", 256, False),
+                                                 pytest.param("f32", 384, True, marks=full),
+                                                 pytest.param("f16", 128, True, marks=full)])
+def test_ll_fp8_one_message_two_in_flight(dtype, H, round_scale):
+    """fp8: the send kernel casts each row (values and 1 x 128 scales in one message per
+    (token, expert)); two FP8 sends in flight before either receive (both parities),
+    three rounds, each bit-exact against the reference backend's jax_ep.fp8.quantize
+    pair and handle."""
+    R, S, K, E, M = 2, 3, 2, 4, 4
+    em = setup(R, S, fp8_msg_bytes(H), K, E, M, "f16", 91)  # rows of one message
+    rng = np.random.default_rng(91 + H)
+    for i in range(3):
+        cases = []
+        for rs in (round_scale, not round_scale):
+            x = fp8_rows(R, S, H, dtype, rng)
+            idx = ll_routing(R, S, K, E, rng)
+            tok, errs = fp8_send(em, x, idx, rs)
+            assert errs == [""] * R, errs
+            cases.append((tok, fp8_reference(x, idx, E=E, M=M, round_scale=rs)))
+        for j, (tok, want) in enumerate(cases):
+            d, errs = fp8_recv(em, tok, H=H)
+            assert errs == [""] * R, errs
+            check_fp8(d, want, f"round {i} send {j}: ")
+    assert em.ll_errors() == [""] * R
+
+
+@pytest.mark.parametrize("kind", ["all_unused", "one_token"])
+def test_ll_fp8_no_rows_and_one_token(kind):
+    """All ids -1 (headers and count signals only) and T = 1, H = 128: exact."""
+    R, S, H, K, E, M = 2, 1 if kind == "one_token" else 3, 128, 2, 4, 3
+    em = setup(R, S, fp8_msg_bytes(H), K, E, M, "f16", 92)
+    rng = np.random.default_rng(92)
+    x = fp8_rows(R, S, H, "bf16", rng)
+    idx = ll_routing(R, S, K, E, rng, 0.0)
+    if kind == "all_unused":
+        idx[:] = -1
+    tok, errs = fp8_send(em, x, idx)
+    assert errs == [""] * R, errs
+    d, errs = fp8_recv(em, tok, H=H)
+    assert errs == [""] * R, errs
+    want = fp8_reference(x, idx, E=E, M=M, round_scale=False)
+    check_fp8(d, want)
+    if kind == "all_unused":
+        assert (want["recv_count"] == 0).all()
+    assert em.ll_errors() == [""] * R
+
+
+def test_ll_fp8_one_put_per_token_and_expert():
+    """The transport log of an FP8 dispatch: one plain put per (token, expert) of one
+    message's bytes (values, scales and the token index), R * R headers and R * E count
+    signals; the values and scales as two dispatches of one routing post twice the puts
+    and signals."""
     import jax.numpy as jnp
 
     from jax_ep import fp8
-    R, S, H, K, E, M = 2, 3, 128, 2, 4, 4
-    em = setup(R, S, H, K, E, M, "f32", 91)  # area rows of 4 * H bytes hold both
-    rng = np.random.default_rng(91)
-    rpd = M * min(K, E // R)
-    for i in range(3):
-        x, idx, w, _ = inputs(R, S, H, K, E, M, "f32", rng)
-        q, s = (np.asarray(a) for a in fp8.quantize(jnp.asarray(x), block=128))
-        tq, errs = em.ll_dispatch_send(q, idx)
+    R, S, H, K, E, M = 2, 4, 256, 2, 4, 4
+    em = setup(R, S, 4 * H, K, E, M, "f16", 93)
+    rng = np.random.default_rng(93)
+    x = fp8_rows(R, S, H, "f32", rng)
+    idx = ll_routing(R, S, K, E, rng)
+    rows_sent = int((idx >= 0).sum())
+
+    def posted(f):
+        em.log()
+        before = em.counters()
+        tokens = f()
+        log, _ = em.log()
+        after = em.counters()
+        sig = sum(after.get(k, 0) - before.get(k, 0) for k in after
+                  if k.startswith("nvshmem:qp") and k.endswith(":signals"))
+        return tokens, [p for p in log if p["sig_op"] < 0], sig
+
+    def one():
+        tok, errs = fp8_send(em, x, idx)
         assert errs == [""] * R, errs
-        ts, errs = em.ll_dispatch_send(s, idx)
-        assert errs == [""] * R, errs
-        for tok, part, name in ((tq, q, "values"), (ts, s, "scales")):
-            d, errs = em.ll_dispatch_recv(tok, H=part.shape[-1], dtype=part.dtype)
+        return tok
+
+    tok, plain, sig = posted(one)
+    assert len(plain) == rows_sent and sig == R * R + R * E, (len(plain), sig)
+    # A message: H values and H / 128 scales padded to 16, then the 16-byte token index.
+    assert {p["bytes"] for p in plain} == {fp8_msg_bytes(H) + 16}
+    d, errs = fp8_recv(em, tok, H=H)
+    assert errs == [""] * R, errs
+    check_fp8(d, fp8_reference(x, idx, E=E, M=M, round_scale=False))
+    q, s = (np.asarray(a) for a in fp8.quantize(jnp.asarray(x), block=128))
+
+    def two():
+        toks = []
+        for part in (q, s):
+            tok, errs = em.ll_dispatch_send(part, idx)
             assert errs == [""] * R, errs
-            got = {k: np.stack([o[k] for o in d]) for k in LL_DISPATCH_KEYS}
-            y = np.zeros((R, E // R, R * M, part.shape[-1]), np.float32)
-            want = ll_reference(part, idx, w, y, E=E, M=M, rows_per_dest=rpd)
-            assert_same(below_count(got), below_count(want), LL_DISPATCH_KEYS,
-                        f"round {i} {name}: ")
+            toks.append((tok, part))
+        return toks
+
+    toks, plain2, sig2 = posted(two)
+    assert len(plain2) == 2 * len(plain) and sig2 == 2 * sig, (len(plain2), sig2)
+    for tok, part in toks:
+        _, errs = em.ll_dispatch_recv(tok, H=part.shape[-1], dtype=part.dtype)
+        assert errs == [""] * R, errs
     assert em.ll_errors() == [""] * R

@@ -8,6 +8,7 @@ import pytest
 
 from jax_ep.emulator import Emulator
 
+from emu_fp8_util import fp8_reference, fp8_rows
 from emu_intranode_util import (LL_DISPATCH_KEYS, assert_same, bits, ll_reference, ll_routing,
                                 rows)
 
@@ -169,34 +170,107 @@ def test_ll_no_tokens_all_ids_unused():
     assert emu.check_errors() == []
 
 
-@pytest.mark.emu_full
-def test_ll_fp8_pair():
-    """FP8 pairs as jax_ep.low_latency sends them: the float8_e4m3fn values, then the
-    float32 1 x 128 scales, two dispatches of one routing, each bit-exact."""
-    import ml_dtypes
-    R, S, H, K, E, M = 2, 4, 256, 2, 4, 4
-    rng = np.random.default_rng(23)
+@pytest.mark.parametrize("R,S,H,K,E,M,dtype,round_scale", [
+    (2, 4, 256, 2, 4, 4, "bf16", False),
+    pytest.param(4, 5, 384, 3, 8, 6, "f32", True, marks=pytest.mark.emu_full),
+    pytest.param(2, 1, 128, 2, 4, 1, "f16", False, marks=pytest.mark.emu_full),
+    pytest.param(2, 6, 128, 1, 2, 6, "bf16", True, marks=pytest.mark.emu_full),
+])
+def test_ll_fp8_one_message(R, S, H, K, E, M, dtype, round_scale):
+    """fp8: the send kernel casts each row (values and 1 x 128 scales in one message per
+    (token, expert)); the receive half's recv_x / recv_scales equal the reference
+    backend's jax_ep.fp8.quantize pair bit for bit, with the same handle."""
+    rng = np.random.default_rng(31 + H + S)
     idx = ll_routing(R, S, K, E, rng)
-    q = rng.standard_normal((R, S, H)).astype(ml_dtypes.float8_e4m3fn)
-    sc = rng.random((R, S, H // 128)).astype(np.float32)
-    emu = Emulator(R, seed=23)
-    emu.setup(tokens=S, capacity=S, row_bytes=H, topk=K, ll_shape=(M, K, E, H))
-    sq = emu.ll_dispatch_send(q, idx, num_experts=E, max_tokens=M)
-    ss = emu.ll_dispatch_send(sc, idx, num_experts=E, max_tokens=M)
-    dq = emu.ll_dispatch_recv(sq, num_experts=E, max_tokens=M, H=H, dtype=q.dtype)
-    ds = emu.ll_dispatch_recv(ss, num_experts=E, max_tokens=M, H=H // 128, dtype=sc.dtype)
-    rpd = M * min(K, E // R)
-    zw = np.zeros((R, S, K), np.float32)
-    for got, a in ((dq, q), (ds, sc)):
-        y = np.zeros((R, E // R, R * M, a.shape[2]), np.float32)
-        want = ll_reference(a.astype(np.float32), idx, zw, y, E=E, M=M, rows_per_dest=rpd)
+    x = fp8_rows(R, S, H, dtype, rng)
+    emu = Emulator(R, seed=31)
+    W = (H + 4 * (H // 128) + 15) // 16 * 16
+    emu.setup(tokens=S, capacity=S, row_bytes=W, topk=K, ll_shape=(M, K, E, W))
+    want = fp8_reference(x, idx, E=E, M=M, round_scale=round_scale)
+    for _ in range(3):  # both halves of the area, and one reused
+        s = emu.ll_dispatch_send_fp8(x, idx, num_experts=E, max_tokens=M,
+                                     round_scale=round_scale)
+        got = emu.ll_dispatch_recv_fp8(s, num_experts=E, max_tokens=M, H=H)
         assert_same(got, want, LL_DISPATCH_KEYS[1:])
         for r in range(R):
             for e in range(E // R):
                 c = int(want["recv_count"][r, e])
-                src = got["src_rank"][r, e, :c], got["src_index"][r, e, :c]
-                np.testing.assert_array_equal(bits(got["recv_x"][r, e, :c]),
-                                              bits(a[src[0], src[1]]))
+                for key in ("recv_x", "recv_scales"):
+                    np.testing.assert_array_equal(bits(got[key][r, e, :c]),
+                                                  bits(want[key][r, e, :c]), err_msg=key)
+    assert emu.check_errors() == []
+
+
+def test_ll_fp8_no_tokens_and_one_token():
+    """All ids -1 (no messages, zero counts), then one token per rank (T = 1 padded to
+    M rows of -1 ids), H = 128: exact against the reference."""
+    R, S, H, K, E, M = 2, 3, 128, 2, 4, 3
+    rng = np.random.default_rng(33)
+    emu = Emulator(R, seed=33)
+    emu.setup(tokens=S, capacity=S, row_bytes=144, topk=K, ll_shape=(M, K, E, 144))
+    x = fp8_rows(R, S, H, "bf16", rng)
+    none = np.full((R, S, K), -1, np.int32)
+    one = none.copy()
+    one[:, 0] = ll_routing(R, 1, K, E, rng, p_unused=0.0)[:, 0]
+    for idx in (none, one):
+        want = fp8_reference(x, idx, E=E, M=M, round_scale=False)
+        s = emu.ll_dispatch_send_fp8(x, idx, num_experts=E, max_tokens=M)
+        got = emu.ll_dispatch_recv_fp8(s, num_experts=E, max_tokens=M, H=H)
+        assert_same(got, want, LL_DISPATCH_KEYS[1:])
+        for r in range(R):
+            for e in range(E // R):
+                c = int(want["recv_count"][r, e])
+                for key in ("recv_x", "recv_scales"):
+                    np.testing.assert_array_equal(bits(got[key][r, e, :c]),
+                                                  bits(want[key][r, e, :c]), err_msg=key)
+    assert (fp8_reference(x, none, E=E, M=M, round_scale=False)["recv_count"] == 0).all()
+    assert emu.check_errors() == []
+
+
+def test_ll_fp8_one_message_per_token_and_expert():
+    """Counted by the emulated GPU (not measured): the FP8 dispatch releases one arrival
+    word per (expert, source) and stores one token id per (token, expert), half of what
+    values and scales sent as two dispatches of one routing do, in one send and one
+    receive launch per rank instead of two; its peer bytes are fewer too."""
+    R, S, H, K, E, M = 2, 6, 256, 2, 4, 6
+    rng = np.random.default_rng(34)
+    idx = ll_routing(R, S, K, E, rng, p_unused=0.0)
+    x = fp8_rows(R, S, H, "bf16", rng)
+    emu = Emulator(R, seed=34)
+    emu.setup(tokens=S, capacity=S, row_bytes=2 * H, topk=K, ll_shape=(M, K, E, 2 * H))
+
+    def peer_bytes(c):
+        return sum(v * int(k.rsplit(":", 1)[1]) for k, v in c.items()
+                   if k.startswith("stores:peer:") and k.rsplit(":", 1)[1].isdigit())
+
+    emu.reset_counters()
+    s = emu.ll_dispatch_send_fp8(x, idx, num_experts=E, max_tokens=M)
+    emu.ll_dispatch_recv_fp8(s, num_experts=E, max_tokens=M, H=H)
+    one = emu.counters()
+    # The same pair as two dispatches of one routing (what jax_ep sent before).
+    import jax.numpy as jnp
+
+    from jax_ep import fp8
+    q, sc = (np.asarray(a) for a in fp8.quantize(jnp.asarray(x.astype(np.float32))))
+    emu.reset_counters()
+    for a in (q, sc):
+        s2 = emu.ll_dispatch_send(a, idx, num_experts=E, max_tokens=M)
+        emu.ll_dispatch_recv(s2, num_experts=E, max_tokens=M, H=a.shape[2], dtype=a.dtype)
+    two = emu.counters()
+    # Per dispatch: a word per (expert, source), a credit per (owner, source).
+    assert one["release_stores"] * 2 == two["release_stores"] == 2 * (R * E + R * R), (one, two)
+    assert one["kernel:ll_dispatch_send:launches"] == R
+    assert two["kernel:ll_dispatch_send:launches"] == 2 * R
+    assert one["kernel:ll_dispatch_recv:launches"] == R
+    # Stores into the slots (peer, or local for a rank's own experts): one 16-byte store
+    # per 16 values, one per scale and one token id per row, fewer than the two calls'.
+    rows = int(sum(np.count_nonzero(idx[r] >= 0) for r in range(R)))
+    slot_stores = lambda c: sum(c.get(f"stores:{sp}:{w}", 0)  # noqa: E731
+                                for sp in ("peer",) for w in (1, 4, 8, 16))
+    assert one.get("stores:peer:1", 0) == 0  # the scales too go in whole words
+    assert slot_stores(one) < slot_stores(two), (slot_stores(one), slot_stores(two))
+    assert 0 < peer_bytes(one) < peer_bytes(two), (peer_bytes(one), peer_bytes(two))
+    assert rows > 0
     assert emu.check_errors() == []
 
 

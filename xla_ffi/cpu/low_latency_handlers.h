@@ -7,6 +7,8 @@
 namespace jax_ep {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSendCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecvCpuHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSendFp8CpuHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecvFp8CpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineSendCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineRecvCpuHandler);
 }  // namespace jax_ep

@@ -29,6 +29,7 @@
 #include <string>
 
 #include "kernels/common/configs.h"
+#include "kernels/common/fp8_quant.h"
 #include "kernels/cuda/low_latency_kernels.h"
 #include "xla_ffi/common/ffi_helpers.h"
 #include "xla_ffi/cuda/cuda_state.h"
@@ -357,44 +358,139 @@ ffi::Error LaunchRank(std::initializer_list<int> phases, const LowLatencyArgs& a
   return ffi::Error::Success();
 }
 
-ffi::Error RankDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                                ffi::Buffer<ffi::S32> topk_idx,
-                                ffi::Result<ffi::AnyBuffer> stage_x,
-                                ffi::ResultBuffer<ffi::S32> stage_idx,
-                                ffi::ResultBuffer<ffi::S32> expert_count, int64_t num_experts,
-                                int64_t num_ranks, int64_t max_tokens, int64_t call_site) {
+// FP8 mode of a dispatch (LowLatencyArgs::fp8) from the call's round_scale attribute.
+int Fp8Mode(bool fp8, int64_t round_scale) { return fp8 ? (round_scale != 0 ? 2 : 1) : 0; }
+
+// Send half of a dispatch; with fp8 (1 or 2) each row goes as one FP8 message of
+// ll_fp8_msg_bytes(H) bytes cast in the kernel, and stage_x is that message's [*, bytes].
+ffi::Error RankDispatchSend(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::AnyBuffer> stage_x,
+                            ffi::ResultBuffer<ffi::S32> stage_idx,
+                            ffi::ResultBuffer<ffi::S32> expert_count, int64_t num_experts,
+                            int64_t num_ranks, int64_t max_tokens, int64_t call_site, int fp8) {
   JEP_NVTX_RANGE("jax_ep.low_latency.dispatch_send");
   auto xd = x.dimensions();
   auto id = topk_idx.dimensions();
   if (xd.size() != 2) return Invalid("x must be [S, H], got " + Dims(xd));
   if (id.size() != 2) return Invalid("topk_idx must be [S, K], got " + Dims(id));
   const int64_t S = xd[0], H = xd[1], K = id[1];
+  FloatKind kind = FloatKind::kF32;
   std::string err = ExpectShape("topk_idx", id, {S, K});
   if (err.empty() && S * K < 1) err = "x and topk_idx need at least one token and one slot";
-  // Never written here: the zero-row placeholder, or the CPU's [S, H].
-  if (err.empty() && !HasShape(stage_x->dimensions(), {0, H}))
-    err = ExpectShape("stage_x", stage_x->dimensions(), {S, H});
+  if (err.empty() && fp8 != 0 && (H % kFp8Block != 0 || !FloatKindOf(x.element_type(), &kind)))
+    err = "fp8 needs x float32, bfloat16 or float16 with H a multiple of 128";
+  const int64_t rb = fp8 != 0 ? static_cast<int64_t>(ll_fp8_msg_bytes(H))
+                              : H * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  const int64_t width = fp8 != 0 ? rb : H;
+  // Never written here: the zero-row placeholder, or the CPU's [S, H] ([S, bytes] with fp8).
+  if (err.empty() && !HasShape(stage_x->dimensions(), {0, width}))
+    err = ExpectShape("stage_x", stage_x->dimensions(), {S, width});
   if (err.empty()) err = ExpectShape("stage_idx", stage_idx->dimensions(), {S, K});
   if (err.empty()) err = ExpectShape("expert_count", expert_count->dimensions(), {num_experts});
   if (!err.empty()) return Invalid(err);
   CudaDomain d;
   if (ffi::Error e = RankDomain(ordinal, num_ranks, num_experts, &d); e.failure()) return e;
-  const size_t rb = static_cast<size_t>(H) * ffi::ByteWidth(x.element_type());
-  err = FitsArea(d, max_tokens, rb, S * K, 0);
+  err = FitsArea(d, max_tokens, static_cast<size_t>(rb), S * K, 0);
   if (!err.empty()) return Invalid(err);
   LowLatencyArgs a = RankArgs(d, ordinal);
   a.M = static_cast<int>(max_tokens);
-  a.row_bytes = rb;
+  a.row_bytes = static_cast<size_t>(rb);
   a.S = static_cast<int>(S);
   a.K = static_cast<int>(K);
   a.H = H;
-  a.tag = ll_call_tag(call_site, TagKind(0, x.element_type()), S, K, max_tokens,
-                      static_cast<int64_t>(rb), num_experts);
+  a.kind = kind;
+  a.fp8 = fp8;
+  // FP8 sends tag as their own op kind (and round_scale), so a rank never mixes them with
+  // rows of x's dtype.
+  a.tag = ll_call_tag(call_site, TagKind(fp8 != 0 ? 1 + fp8 : 0, x.element_type()), S, K,
+                      max_tokens, rb, num_experts);
   a.x = x.untyped_data();
   a.topk_idx = topk_idx.typed_data();
   a.expert_count = expert_count->typed_data();
   a.epoch_out = stage_idx->typed_data();
   return LaunchRank({kLLDispatchSend}, a, stream);
+}
+
+ffi::Error RankDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                ffi::Buffer<ffi::S32> topk_idx,
+                                ffi::Result<ffi::AnyBuffer> stage_x,
+                                ffi::ResultBuffer<ffi::S32> stage_idx,
+                                ffi::ResultBuffer<ffi::S32> expert_count, int64_t num_experts,
+                                int64_t num_ranks, int64_t max_tokens, int64_t call_site) {
+  return RankDispatchSend(stream, ordinal, x, topk_idx, stage_x, stage_idx, expert_count,
+                          num_experts, num_ranks, max_tokens, call_site, 0);
+}
+
+ffi::Error RankDispatchSendFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                   ffi::Buffer<ffi::S32> topk_idx,
+                                   ffi::Result<ffi::AnyBuffer> stage_x,
+                                   ffi::ResultBuffer<ffi::S32> stage_idx,
+                                   ffi::ResultBuffer<ffi::S32> expert_count, int64_t num_experts,
+                                   int64_t num_ranks, int64_t max_tokens, int64_t call_site,
+                                   int64_t round_scale) {
+  return RankDispatchSend(stream, ordinal, x, topk_idx, stage_x, stage_idx, expert_count,
+                          num_experts, num_ranks, max_tokens, call_site,
+                          Fp8Mode(true, round_scale));
+}
+
+// Receive half of a dispatch. Rows of row_bytes bytes into recv_x (its element width
+// `x_bytes`); with fp8, messages split into recv_x's H FP8 values and recv_scales.
+ffi::Error RankDispatchRecv(cudaStream_t stream, int32_t ordinal, int64_t stage_width,
+                            ffi::Buffer<ffi::S32> stage_idx, ffi::Buffer<ffi::S32> expert_count,
+                            ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                            ffi::Result<ffi::AnyBuffer> recv_x, void* recv_scales,
+                            ffi::Span<const int64_t> scales_dims,
+                            ffi::ResultBuffer<ffi::S32> recv_count,
+                            ffi::ResultBuffer<ffi::S32> src_rank,
+                            ffi::ResultBuffer<ffi::S32> src_index,
+                            ffi::ResultBuffer<ffi::S32> first_row,
+                            ffi::ResultBuffer<ffi::S32> row_count, int64_t num_experts,
+                            int64_t num_ranks, int64_t max_tokens, bool fp8) {
+  JEP_NVTX_RANGE("jax_ep.low_latency.dispatch_recv");
+  const int64_t R = num_ranks, M = max_tokens, E = num_experts;
+  if (R < 1 || E % R != 0) return Invalid("num_experts must be a positive multiple of num_ranks");
+  const int64_t el = E / R;
+  auto rd = recv_x->dimensions();
+  const int64_t H = fp8 ? (rd.size() == 3 ? rd[2] : 0) : stage_width;
+  std::string err = ExpectShape("expert_count", expert_count.dimensions(), {E});
+  if (err.empty() && stage_idx.element_count() < 1)
+    err = "staged topk_idx must hold the send half's epoch (at least one entry)";
+  if (err.empty()) err = ExpectShape("recv_x", rd, {el, R * M, H});
+  if (err.empty() && fp8 && recv_x->element_type() != ffi::DataType::F8E4M3FN)
+    err = "recv_x must be float8_e4m3fn with fp8";
+  if (err.empty() && fp8 && (H % kFp8Block != 0 ||
+                             stage_width != static_cast<int64_t>(ll_fp8_msg_bytes(H))))
+    err = "the staged FP8 messages must be [S, ll_fp8_msg_bytes(H)] for H a multiple of 128";
+  if (err.empty() && fp8)
+    err = ExpectShape("recv_scales", scales_dims, {el, R * M, H / kFp8Block});
+  if (err.empty()) err = ExpectShape("recv_count", recv_count->dimensions(), {el});
+  if (err.empty()) err = ExpectShape("src_rank", src_rank->dimensions(), {el, R * M});
+  if (err.empty()) err = ExpectShape("src_index", src_index->dimensions(), {el, R * M});
+  if (err.empty()) err = ExpectShape("first_row", first_row->dimensions(), {el, R});
+  if (err.empty()) err = ExpectShape("row_count", row_count->dimensions(), {el, R});
+  if (!err.empty()) return Invalid(err);
+  CudaDomain d;
+  if (ffi::Error e = RankDomain(ordinal, R, E, &d); e.failure()) return e;
+  const size_t rb = fp8 ? ll_fp8_msg_bytes(H)
+                        : static_cast<size_t>(H) * ffi::ByteWidth(recv_x->element_type());
+  err = FitsArea(d, M, rb, 0, 0);
+  if (!err.empty()) return Invalid(err);
+  LowLatencyArgs a = RankArgs(d, ordinal);
+  a.M = static_cast<int>(M);
+  a.row_bytes = rb;
+  a.H = H;
+  a.fp8 = fp8 ? 1 : 0;
+  a.rank_in = rank_buf.typed_data();
+  a.group_in = group_buf.typed_data();
+  a.epoch_in = stage_idx.typed_data();
+  a.recv_x = recv_x->untyped_data();
+  a.recv_scales = recv_scales;
+  a.recv_count = recv_count->typed_data();
+  a.src_rank = src_rank->typed_data();
+  a.src_index = src_index->typed_data();
+  a.first_row = first_row->typed_data();
+  a.row_count = row_count->typed_data();
+  return LaunchRank({kLLDispatchRecv}, a, stream);
 }
 
 ffi::Error RankDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer stage_x,
@@ -408,41 +504,34 @@ ffi::Error RankDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
                                 ffi::ResultBuffer<ffi::S32> first_row,
                                 ffi::ResultBuffer<ffi::S32> row_count, int64_t num_experts,
                                 int64_t num_ranks, int64_t max_tokens, int64_t call_site) {
-  JEP_NVTX_RANGE("jax_ep.low_latency.dispatch_recv");
   auto xd = stage_x.dimensions();
   if (xd.size() != 2) return Invalid("staged x must be [S, H], got " + Dims(xd));
-  const int64_t H = xd[1], R = num_ranks, M = max_tokens, E = num_experts;
-  if (R < 1 || E % R != 0) return Invalid("num_experts must be a positive multiple of num_ranks");
-  const int64_t el = E / R;
-  std::string err = ExpectShape("expert_count", expert_count.dimensions(), {E});
-  if (err.empty() && stage_idx.element_count() < 1)
-    err = "staged topk_idx must hold the send half's epoch (at least one entry)";
-  if (err.empty()) err = ExpectShape("recv_x", recv_x->dimensions(), {el, R * M, H});
-  if (err.empty()) err = ExpectShape("recv_count", recv_count->dimensions(), {el});
-  if (err.empty()) err = ExpectShape("src_rank", src_rank->dimensions(), {el, R * M});
-  if (err.empty()) err = ExpectShape("src_index", src_index->dimensions(), {el, R * M});
-  if (err.empty()) err = ExpectShape("first_row", first_row->dimensions(), {el, R});
-  if (err.empty()) err = ExpectShape("row_count", row_count->dimensions(), {el, R});
-  if (!err.empty()) return Invalid(err);
-  CudaDomain d;
-  if (ffi::Error e = RankDomain(ordinal, R, E, &d); e.failure()) return e;
-  const size_t rb = static_cast<size_t>(H) * ffi::ByteWidth(stage_x.element_type());
-  err = FitsArea(d, M, rb, 0, 0);
-  if (!err.empty()) return Invalid(err);
-  LowLatencyArgs a = RankArgs(d, ordinal);
-  a.M = static_cast<int>(M);
-  a.row_bytes = rb;
-  a.H = H;
-  a.rank_in = rank_buf.typed_data();
-  a.group_in = group_buf.typed_data();
-  a.epoch_in = stage_idx.typed_data();
-  a.recv_x = recv_x->untyped_data();
-  a.recv_count = recv_count->typed_data();
-  a.src_rank = src_rank->typed_data();
-  a.src_index = src_index->typed_data();
-  a.first_row = first_row->typed_data();
-  a.row_count = row_count->typed_data();
-  return LaunchRank({kLLDispatchRecv}, a, stream);
+  if (stage_x.element_type() != recv_x->element_type())
+    return Invalid("recv_x must have the staged x's dtype");
+  return RankDispatchRecv(stream, ordinal, xd[1], stage_idx, expert_count, rank_buf, group_buf,
+                          recv_x, nullptr, {}, recv_count, src_rank, src_index, first_row,
+                          row_count, num_experts, num_ranks, max_tokens, false);
+}
+
+ffi::Error RankDispatchRecvFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer stage_x,
+                                   ffi::Buffer<ffi::S32> stage_idx,
+                                   ffi::Buffer<ffi::S32> expert_count,
+                                   ffi::Buffer<ffi::S32> rank_buf,
+                                   ffi::Buffer<ffi::S32> group_buf,
+                                   ffi::Result<ffi::AnyBuffer> recv_x,
+                                   ffi::ResultBuffer<ffi::F32> recv_scales,
+                                   ffi::ResultBuffer<ffi::S32> recv_count,
+                                   ffi::ResultBuffer<ffi::S32> src_rank,
+                                   ffi::ResultBuffer<ffi::S32> src_index,
+                                   ffi::ResultBuffer<ffi::S32> first_row,
+                                   ffi::ResultBuffer<ffi::S32> row_count, int64_t num_experts,
+                                   int64_t num_ranks, int64_t max_tokens, int64_t call_site) {
+  auto xd = stage_x.dimensions();
+  if (xd.size() != 2) return Invalid("staged FP8 messages must be [S, bytes], got " + Dims(xd));
+  return RankDispatchRecv(stream, ordinal, xd[1], stage_idx, expert_count, rank_buf, group_buf,
+                          recv_x, recv_scales->untyped_data(), recv_scales->dimensions(),
+                          recv_count, src_rank, src_index, first_row, row_count, num_experts,
+                          num_ranks, max_tokens, true);
 }
 
 ffi::Error RankCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
@@ -617,6 +706,46 @@ XLA_FFI_DEFINE_HANDLER(kRankDispatchRecv, RankDispatchRecvImpl,
                            .Attr<int64_t>("call_site"),
                        JEP_LL_CMD_BUFFER);
 
+// FP8 dispatch: x cast in the send kernel, one message per (token, expert); the
+// receive half returns the values and the scales.
+XLA_FFI_DEFINE_HANDLER(kRankDispatchSendFp8, RankDispatchSendFp8Impl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Attr<int64_t>("num_experts")
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("max_tokens")
+                           .Attr<int64_t>("call_site")
+                           .Attr<int64_t>("round_scale"),
+                       JEP_LL_CMD_BUFFER);
+
+XLA_FFI_DEFINE_HANDLER(kRankDispatchRecvFp8, RankDispatchRecvFp8Impl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::Buffer<ffi::F32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Attr<int64_t>("num_experts")
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("max_tokens")
+                           .Attr<int64_t>("call_site"),
+                       JEP_LL_CMD_BUFFER);
+
 XLA_FFI_DEFINE_HANDLER(kRankCombineSend, RankCombineSendImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -657,6 +786,8 @@ void AddLowLatencyCudaRegistrations(const RegisterFn& add) {
   // The CPU's target names and operands (xla_ffi/cpu/low_latency_handlers.cc).
   add("jax_ep_ll_dispatch_send", reinterpret_cast<void*>(kRankDispatchSend));
   add("jax_ep_ll_dispatch_recv", reinterpret_cast<void*>(kRankDispatchRecv));
+  add("jax_ep_ll_dispatch_send_fp8", reinterpret_cast<void*>(kRankDispatchSendFp8));
+  add("jax_ep_ll_dispatch_recv_fp8", reinterpret_cast<void*>(kRankDispatchRecvFp8));
   add("jax_ep_ll_combine_send", reinterpret_cast<void*>(kRankCombineSend));
   add("jax_ep_ll_combine_recv", reinterpret_cast<void*>(kRankCombineRecv));
 }

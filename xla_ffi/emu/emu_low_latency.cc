@@ -23,6 +23,18 @@ std::string Invoke(const CallArgs& a, bool* known) {
         a.out_as<DataType::S32>(1), a.out_as<DataType::S32>(2), a.out_as<DataType::S32>(3),
         a.out_as<DataType::S32>(4), a.out_as<DataType::S32>(5), a.attr("num_experts"),
         a.attr("num_ranks"), a.attr("max_tokens"), a.attr("call_site")));
+  if (a.op == "ll_dispatch_send_fp8")
+    return ErrorText(RankDispatchSendFp8Impl(
+        a.stream, a.ordinal, a.any_in(0), a.in_as<DataType::S32>(1), a.any_out(0),
+        a.out_as<DataType::S32>(1), a.out_as<DataType::S32>(2), a.attr("num_experts"),
+        a.attr("num_ranks"), a.attr("max_tokens"), a.attr("call_site"), a.attr("round_scale")));
+  if (a.op == "ll_dispatch_recv_fp8")
+    return ErrorText(RankDispatchRecvFp8Impl(
+        a.stream, a.ordinal, a.any_in(0), a.in_as<DataType::S32>(1), a.in_as<DataType::S32>(2),
+        a.in_as<DataType::S32>(3), a.in_as<DataType::S32>(4), a.any_out(0),
+        a.out_as<DataType::F32>(1), a.out_as<DataType::S32>(2), a.out_as<DataType::S32>(3),
+        a.out_as<DataType::S32>(4), a.out_as<DataType::S32>(5), a.out_as<DataType::S32>(6),
+        a.attr("num_experts"), a.attr("num_ranks"), a.attr("max_tokens"), a.attr("call_site")));
   if (a.op == "ll_combine_send")
     return ErrorText(RankCombineSendImpl(
         a.stream, a.ordinal, a.any_in(0), a.in_as<DataType::S32>(1), a.in_as<DataType::S32>(2),

@@ -30,6 +30,19 @@ std::string Invoke(const CallArgs& a, bool* known) {
         a.out_as<DataType::S32>(2), a.out_as<DataType::S32>(3), a.out_as<DataType::S32>(4),
         a.out_as<DataType::S32>(5), at("num_experts"), at("num_ranks"), at("rank"),
         at("max_tokens"), at("num_ports"), at("qps_per_port"), at("call_site")));
+  if (a.op == "internode_ll_dispatch_send_fp8")
+    return ErrorText(DispatchSendFp8Impl(a.stream, a.any_in(0), a.in_as<DataType::S32>(1),
+                                         a.out_as<DataType::S32>(0), at("num_experts"),
+                                         at("num_ranks"), at("rank"), at("max_tokens"),
+                                         at("num_ports"), at("qps_per_port"), at("call_site"),
+                                         at("round_scale")));
+  if (a.op == "internode_ll_dispatch_recv_fp8")
+    return ErrorText(DispatchRecvFp8Impl(
+        a.stream, a.in_as<DataType::S32>(0), a.any_out(0), a.out_as<DataType::F32>(1),
+        a.out_as<DataType::S32>(2), a.out_as<DataType::S32>(3), a.out_as<DataType::S32>(4),
+        a.out_as<DataType::S32>(5), a.out_as<DataType::S32>(6), at("num_experts"),
+        at("num_ranks"), at("rank"), at("max_tokens"), at("num_ports"), at("qps_per_port"),
+        at("call_site")));
   if (a.op == "internode_ll_combine_send")
     return ErrorText(CombineSendImpl(a.stream, a.any_in(0), a.in_as<DataType::S32>(1),
                                      a.in_as<DataType::S32>(2), a.out_as<DataType::S32>(0),

@@ -17,11 +17,19 @@
 //     -> out[S,H] (y's dtype)
 //     attrs: num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port, call_site
 //
+//   jax_ep_internode_ll_dispatch_send_fp8(x[S,H] f32/bf16/f16, topk_idx[S,K] s32)
+//     -> token[2] s32; attrs: as dispatch_send, and round_scale. The send kernel casts
+//     each row to FP8 (kernels/common/fp8_quant.h) and puts one message per (token, expert)
+//   jax_ep_internode_ll_dispatch_recv_fp8(token[2] s32)
+//     -> recv_x[E/R, R*M, H] float8_e4m3fn, recv_scales[E/R, R*M, H/128] f32, then as
+//        dispatch_recv
+//
 // No handler allocates or synchronises with the host (the area is allocated once at
 // start, errors go to the sticky record every later internode call returns first), so
 // all four are command-buffer compatible.
 #include <string>
 
+#include "kernels/common/fp8_quant.h"
 #include "kernels/internode/low_latency_kernels.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common/ffi_helpers.h"
@@ -44,8 +52,8 @@ ffi::Error FromString(const std::string& err) {
     if (!m_.empty()) return Invalid(m_);                                        \
   } while (0)
 
-// Rows move as raw bytes: any element type of 1, 2 or 4 bytes (the FP8 dispatch sends
-// float8 values and float32 scales as two calls).
+// Rows move as raw bytes: any element type of 1, 2 or 4 bytes (float8 and float32 scale
+// rows too, sent as plain rows).
 bool RowDtype(ffi::DataType t, ll_internode::CallDims* d) {
   const size_t w = ffi::ByteWidth(t);
   if (w != 1 && w != 2 && w != 4) return false;
@@ -133,6 +141,76 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
   ll_internode::DispatchRecvOut out{recv_x->untyped_data(), recv_count->typed_data(),
                                     src_rank->typed_data(), src_index->typed_data(),
                                     first_row->typed_data(), row_count->typed_data()};
+  return FromString(ll_internode::DispatchRecv(stream, d, token.typed_data(), out));
+}
+
+// FP8 dispatch: x (float32, bfloat16, float16; H a multiple of 128) cast to FP8 in the
+// send kernel, one message per (token, expert) holding the values and the scales.
+ffi::Error DispatchSendFp8Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> idx,
+                               ffi::Result<ffi::Buffer<ffi::S32>> token, int64_t num_experts,
+                               int64_t num_ranks, int64_t rank, int64_t max_tokens,
+                               int64_t num_ports, int64_t qps_per_port, int64_t call_site,
+                               int64_t round_scale) {
+  JEP_NVTX_RANGE("jax_ep.internode.low_latency.dispatch_send_fp8");
+  ll_internode::CallDims d;
+  ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
+                          call_site, &d);
+  if (e.failure()) return e;
+  if (!FloatKindOf(x.element_type(), &d.elem) || !RowDtype(x.element_type(), &d))
+    return Invalid("x must be float32, bfloat16 or float16 for an FP8 dispatch");
+  if (x.dimensions().size() != 2 || x.dimensions()[1] % kFp8Block != 0)
+    return Invalid("x must be [tokens, hidden] with hidden a multiple of 128, got " +
+                   Dims(x.dimensions()));
+  d.S = static_cast<int>(x.dimensions()[0]);
+  d.H = x.dimensions()[1];
+  d.fp8 = round_scale != 0 ? 2 : 1;
+  if (idx.dimensions().size() != 2 || idx.dimensions()[0] != d.S)
+    return Invalid("topk_idx must be [tokens, k] with tokens = x.shape[0], got " +
+                   Dims(idx.dimensions()));
+  d.K = static_cast<int>(idx.dimensions()[1]);
+  JEP_LL_EXPECT("token", *token, 2);
+  return FromString(ll_internode::DispatchSend(stream, d, x.untyped_data(), idx.typed_data(),
+                                               token->typed_data()));
+}
+
+ffi::Error DispatchRecvFp8Impl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
+                               ffi::Result<ffi::AnyBuffer> recv_x,
+                               ffi::Result<ffi::Buffer<ffi::F32>> recv_scales,
+                               ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
+                               ffi::Result<ffi::Buffer<ffi::S32>> src_rank,
+                               ffi::Result<ffi::Buffer<ffi::S32>> src_index,
+                               ffi::Result<ffi::Buffer<ffi::S32>> first_row,
+                               ffi::Result<ffi::Buffer<ffi::S32>> row_count,
+                               int64_t num_experts, int64_t num_ranks, int64_t rank,
+                               int64_t max_tokens, int64_t num_ports, int64_t qps_per_port,
+                               int64_t call_site) {
+  JEP_NVTX_RANGE("jax_ep.internode.low_latency.dispatch_recv_fp8");
+  ll_internode::CallDims d;
+  ffi::Error e = BaseDims(num_experts, num_ranks, rank, max_tokens, num_ports, qps_per_port,
+                          call_site, &d);
+  if (e.failure()) return e;
+  d.S = 0;
+  d.K = 1;
+  d.fp8 = 1;  // the message layout; round_scale only matters to the send
+  if (recv_x->element_type() != ffi::DataType::F8E4M3FN || !RowDtype(recv_x->element_type(), &d))
+    return Invalid("recv_x must be float8_e4m3fn for an FP8 dispatch");
+  const int64_t el = num_experts / num_ranks, RM = num_ranks * max_tokens;
+  if (recv_x->dimensions().size() != 3 || recv_x->dimensions()[2] % kFp8Block != 0)
+    return Invalid("recv_x must be [E_local, R * M, H] with H a multiple of 128, got " +
+                   Dims(recv_x->dimensions()));
+  d.H = recv_x->dimensions()[2];
+  JEP_LL_EXPECT("token", token, 2);
+  JEP_LL_EXPECT("recv_x", *recv_x, el, RM, d.H);
+  JEP_LL_EXPECT("recv_scales", *recv_scales, el, RM, d.H / kFp8Block);
+  JEP_LL_EXPECT("recv_count", *recv_count, el);
+  JEP_LL_EXPECT("src_rank", *src_rank, el, RM);
+  JEP_LL_EXPECT("src_index", *src_index, el, RM);
+  JEP_LL_EXPECT("first_row", *first_row, el, num_ranks);
+  JEP_LL_EXPECT("row_count", *row_count, el, num_ranks);
+  ll_internode::DispatchRecvOut out{recv_x->untyped_data(), recv_count->typed_data(),
+                                    src_rank->typed_data(), src_index->typed_data(),
+                                    first_row->typed_data(), row_count->typed_data(),
+                                    recv_scales->typed_data()};
   return FromString(ll_internode::DispatchRecv(stream, d, token.typed_data(), out));
 }
 
@@ -225,6 +303,42 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchRecvHandler, DispatchRecvImpl,
                                   .Attr<int64_t>("call_site"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchSendFp8Handler, DispatchSendFp8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("num_ports")
+                                  .Attr<int64_t>("qps_per_port")
+                                  .Attr<int64_t>("call_site")
+                                  .Attr<int64_t>("round_scale"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchRecvFp8Handler, DispatchRecvFp8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("num_ports")
+                                  .Attr<int64_t>("qps_per_port")
+                                  .Attr<int64_t>("call_site"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLCombineSendHandler, CombineSendImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -261,6 +375,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLCombineRecvHandler, CombineRecvImpl,
 void AddInternodeLowLatencyRegistrations(const RegisterFn& add) {
   add("jax_ep_internode_ll_dispatch_send", reinterpret_cast<void*>(InternodeLLDispatchSendHandler));
   add("jax_ep_internode_ll_dispatch_recv", reinterpret_cast<void*>(InternodeLLDispatchRecvHandler));
+  add("jax_ep_internode_ll_dispatch_send_fp8",
+      reinterpret_cast<void*>(InternodeLLDispatchSendFp8Handler));
+  add("jax_ep_internode_ll_dispatch_recv_fp8",
+      reinterpret_cast<void*>(InternodeLLDispatchRecvFp8Handler));
   add("jax_ep_internode_ll_combine_send", reinterpret_cast<void*>(InternodeLLCombineSendHandler));
   add("jax_ep_internode_ll_combine_recv", reinterpret_cast<void*>(InternodeLLCombineRecvHandler));
 }
