@@ -467,13 +467,23 @@ def test_lowered_program_has_send_and_recv_with_compute_between():
         result = lines[pos[send]].split("=")[0].strip().split(":")[0]  # e.g. "%3"
         assert result.startswith("%") and f"{result}#" not in lines[dot], lines[dot]
     # Each receive half takes its send half's results (directly, or through the
-    # optimization barrier that keeps EP calls in program order, jax_ep._order).
+    # optimization barriers that keep EP calls in program order, jax_ep._order; a
+    # barrier's result i is its operand i).
+    barriers = {}
+    for ln in lines:
+        if "optimization_barrier" in ln:
+            ins = ln.split("optimization_barrier")[1].split(":")[0].split(",")
+            barriers[ln.split("=")[0].strip().split(":")[0]] = [a.strip() for a in ins]
+
+    def root(v):
+        base, _, k = v.partition("#")
+        return root(barriers[base][int(k or 0)]) if base in barriers else v
+
     for send, recv in (("dispatch_send", "dispatch_recv"), ("combine_send", "combine_recv")):
         result = lines[pos[send]].split("=")[0].strip().split(":")[0]
-        feeds = [lines[pos[recv]]] + [
-            ln for ln in lines if "optimization_barrier" in ln and ln.split("=")[0].strip()
-            .split(":")[0] + "#" in lines[pos[recv]]]
-        assert any(f"{result}#0" in ln for ln in feeds)
+        call = lines[pos[recv]]
+        operands = call.split(f"@jax_ep_ll_{recv}(")[1].split(")")[0]
+        assert f"{result}#0" in {root(a.strip()) for a in operands.split(",")}, call
     # The compiled program keeps the two halves as separate calls (nothing merged).
     hlo = lowered.compile().as_text()
     for name in pos:
