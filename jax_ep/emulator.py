@@ -66,11 +66,14 @@ class Emulator:
     once (None: per kernel, as on a 132-SM H100/H200 from the kernel's ptxas registers and
     shared memory at its launch configuration; docs/emulator.md, "Co-residency");
     timeout_s: the kernels' own timeout, in virtual seconds; weak_stores: stores into
-    peers' buffers become visible late (fences and release stores drain them).
+    peers' buffers become visible late (fences and release stores drain them);
+    preempt_prob, preempt_ns: after each scheduler step the block that ran is parked (none
+    of its threads runs) for preempt_ns virtual nanoseconds with chance preempt_prob (0: off).
     """
 
     def __init__(self, num_ranks: int, *, seed: int = 1, resident_blocks: int | None = None,
-                 timeout_s: float = 0.05, weak_stores: bool = True, group: int = 0):
+                 timeout_s: float = 0.05, weak_stores: bool = True, group: int = 0,
+                 preempt_prob: float = 0.0, preempt_ns: float = 0.0):
         if not 1 <= num_ranks <= 32:
             raise ValueError(f"num_ranks must be in [1, 32], got {num_ranks}")
         if resident_blocks is not None and (isinstance(resident_blocks, bool)
@@ -85,7 +88,8 @@ class Emulator:
         # earlier group in this process used.
         self.m.configure(num_devices=max(num_ranks, 8), seed=seed,
                          resident_blocks=resident_blocks or 0, timeout_s=timeout_s,
-                         weak_stores=weak_stores)
+                         weak_stores=weak_stores, preempt_prob=preempt_prob,
+                         preempt_ns=preempt_ns)
         self.m.cuda_reset()
 
     # ---- group set-up (jax_ep.cuda.setup's work) ----

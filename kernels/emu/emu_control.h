@@ -27,6 +27,11 @@ struct Config {
   double late_ns = 20000.0;     // a finished kernel's unfenced peer stores become visible
                                 // up to this much later; its stream's next op waits for them
   double max_virtual_ns = 60e9; // a run past this virtual time is reported as a hang
+  // Preemption: after each step, with this chance, the block that ran is parked (none of
+  // its threads runs) for preempt_ns of virtual time, as a block an SM deschedules or
+  // that waits behind other work; 0: off (the default; no random draw is made then).
+  double preempt_prob = 0.0;
+  double preempt_ns = 0.0;
 };
 
 // Blocks of `kernel` (its name as launched; namespace and template arguments are ignored)

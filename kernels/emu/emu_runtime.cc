@@ -148,6 +148,8 @@ struct Block {
   std::vector<unsigned char> smem_image;  // the __shared__ section while not loaded
   std::vector<unsigned char> dyn_smem;
   size_t ready_pos = SIZE_MAX;
+  double parked_until = 0;  // preempted: none of its threads runs before this virtual time
+  size_t parked_pos = SIZE_MAX;
 };
 
 struct Kernel {
@@ -221,6 +223,7 @@ struct State {
   double now_ns = 0;
   uint64_t live_fibers = 0;
   std::vector<Block*> ready;     // blocks with runnable fibers
+  std::vector<Block*> parked;    // preempted blocks (Config::preempt_prob)
   std::vector<Fiber*> sleepers;  // a heap on wake time
   std::vector<StoreBuf*> dirty;  // store buffers with pending stores
   // 16-byte granules with pending stores: which buffers hold how many of them (coherence,
@@ -417,7 +420,10 @@ void SetRemove(std::vector<T*>& v, T* x) {
 }
 
 // ---- ready sets ----
-void ReadyAdd(Block* b) { SetAdd<Block, &Block::ready_pos>(S().ready, b); }
+void ReadyAdd(Block* b) {
+  if (b->parked_until > S().now_ns) return;  // runnable again when it is unparked
+  SetAdd<Block, &Block::ready_pos>(S().ready, b);
+}
 void ReadyRemove(Block* b) { SetRemove<Block, &Block::ready_pos>(S().ready, b); }
 void MakeRunnable(Fiber* f) {
   if (f->state != FState::kNew) f->state = FState::kRunnable;
@@ -871,7 +877,7 @@ bool Advance() {
 Block* PickBlock() {
   State& s = S();
   std::uniform_real_distribution<double> u(0.0, 1.0);
-  if (s.last_block != nullptr && !s.last_block->runnable.empty() && u(s.rng) < s.cfg.stay_prob)
+  if (s.last_block != nullptr && s.last_block->ready_pos != SIZE_MAX && u(s.rng) < s.cfg.stay_prob)
     return s.last_block;
   return s.ready[s.rng() % s.ready.size()];
 }
@@ -883,6 +889,28 @@ void WakeSleepers() {
     Fiber* f = s.sleepers.back();
     s.sleepers.pop_back();
     MakeRunnable(f);
+  }
+}
+
+// A preempted block: off the ready set until now + preempt_ns.
+void Park(Block* b) {
+  State& s = S();
+  ReadyRemove(b);
+  b->parked_until = s.now_ns + s.cfg.preempt_ns;
+  SetAdd<Block, &Block::parked_pos>(s.parked, b);
+  Count("preemptions");
+}
+void Unpark() {
+  State& s = S();
+  for (size_t i = 0; i < s.parked.size();) {
+    Block* b = s.parked[i];
+    if (b->parked_until > s.now_ns) {
+      ++i;
+      continue;
+    }
+    SetRemove<Block, &Block::parked_pos>(s.parked, b);
+    b->parked_until = 0;
+    if (!b->runnable.empty()) ReadyAdd(b);
   }
 }
 
@@ -900,6 +928,7 @@ void AbandonAll(const std::string& why) {
       d->load = 0;
     }
   s.ready.clear();
+  s.parked.clear();
   s.sleepers.clear();
   s.last_block = nullptr;
   s.live_fibers = 0;
@@ -933,8 +962,11 @@ void RunUntil(const std::function<bool()>& done) {
     Advance();
     if (!Busy(done)) break;
     WakeSleepers();
+    if (!s.parked.empty()) Unpark();
     if (s.ready.empty()) {
       double next = s.sleepers.empty() ? -1 : s.sleepers.front()->wake;
+      for (Block* p : s.parked)
+        if (next < 0 || p->parked_until < next) next = p->parked_until;
       for (Device* d : s.devices)
         for (Stream* st : d->streams)
           if (!st->late.empty() && (next < 0 || st->late_until < next)) next = st->late_until;
@@ -966,6 +998,7 @@ void RunUntil(const std::function<bool()>& done) {
       Drain(sb, 1 + s.rng() % (sb->q.size()));
     }
     if (b->live == 0) FinishBlock(b);
+    else if (s.cfg.preempt_prob > 0 && u(s.rng) < s.cfg.preempt_prob) Park(b);
   }
   LoadBlock(nullptr);  // the host's own thread_local values back
   for (Device* d : s.devices)
@@ -1013,6 +1046,7 @@ void ResetAll(const Config& c) {
   }
   if (DeviceBytes() > 0) std::memcpy(__jep_emu_device_begin, s.device_pristine.data(), DeviceBytes());
   s.ready.clear();
+  s.parked.clear();
   s.sleepers.clear();
   s.dirty.clear();
   s.granules.clear();

@@ -54,4 +54,24 @@ MUTANTS = [
            "    LoadF<E, V>(rp[n - 1 - k], x0, f);",
            (T_HIER, "-k", "matches_reference or small_rings"),
            "the forwarder sums its node's rows in descending rank order"),
+    # ---------------------------------------------- NVLink rings (weak visibility of peer stores)
+    Mutant("hier_nvl_flush_no_fence", HIER,
+           "  if (!__any_sync(kFull, dirty)) return;\n  __threadfence_system();\n",
+           "  if (!__any_sync(kFull, dirty)) return;\n",
+           (T_HIER, "-k", "matches_reference or small_rings"),
+           "removed fence: the forwarder's lanes' row stores into a peer's NVLink ring are not "
+           "ordered before the tail's release (only the releasing lane's are)"),
+    Mutant("hier_push_no_fence", HIER,
+           "      // the batch's rows, then one release of the tail (one fence per lane per batch)\n"
+           "      __threadfence_system();\n",
+           "      // the batch's rows, then one release of the tail (one fence per lane per batch)\n",
+           (T_HIER, "-k", "matches_reference or small_rings"),
+           "removed fence: the combine pusher's row stores into the forwarder's ring are not "
+           "ordered before the tail's release"),
+    Mutant("hier_forward_slot_word_unordered", HIER,
+           "      devcopy::CopyLanded(dst, row, g.stride, Lane(), 32);\n      __syncwarp();\n",
+           "      devcopy::CopyLanded(dst, row, g.stride, Lane(), 32);\n",
+           (T_HIER, "-k", "matches_reference or small_rings"),
+           "dropped barrier: lane 0's slot word and the lane copying that part of the row race, "
+           "the row's old word (-1) can land last"),
 ]

@@ -116,11 +116,14 @@ double g_timeout_s = 0.05;
 std::vector<cudaStream_t> g_streams;
 
 void Configure(int num_devices, uint64_t seed, int resident_blocks, double timeout_s,
-               bool weak_stores, double quantum_ns, double drain_prob, double stay_prob) {
+               bool weak_stores, double quantum_ns, double drain_prob, double stay_prob,
+               double preempt_prob, double preempt_ns) {
   if (num_devices < 1 || num_devices > 64) throw std::invalid_argument("jax_ep emu: num_devices must be in [1, 64]");
   if (resident_blocks < 0)
     throw std::invalid_argument("jax_ep emu: resident_blocks must be >= 1, or 0 (from each kernel's ptxas usage)");
   if (!(timeout_s > 0)) throw std::invalid_argument("jax_ep emu: timeout_s must be > 0");
+  if (!(preempt_prob >= 0 && preempt_prob < 1) || !(preempt_ns >= 0))
+    throw std::invalid_argument("jax_ep emu: preempt_prob must be in [0, 1) and preempt_ns >= 0");
   Calls().clear();
   emu::Config c;
   c.num_devices = num_devices;
@@ -130,6 +133,8 @@ void Configure(int num_devices, uint64_t seed, int resident_blocks, double timeo
   c.quantum_ns = quantum_ns;
   c.drain_prob = drain_prob;
   c.stay_prob = stay_prob;
+  c.preempt_prob = preempt_prob;
+  c.preempt_ns = preempt_ns;
   c.max_virtual_ns = std::max(60e9, timeout_s * 1e9 * 50);
   emu::configure(c);
   g_timeout_s = timeout_s;
@@ -293,8 +298,10 @@ NB_MODULE(_jax_ep_emu, m) {
         nb::arg("resident_blocks") = 0, nb::arg("timeout_s") = 0.05,
         nb::arg("weak_stores") = true, nb::arg("quantum_ns") = 100.0,
         nb::arg("drain_prob") = 0.002, nb::arg("stay_prob") = 0.9,
+        nb::arg("preempt_prob") = 0.0, nb::arg("preempt_ns") = 0.0,
         "Resets the virtual GPUs: count, scheduler seed, co-residency limit, the kernels' "
-        "timeout in virtual seconds, weak visibility of peer stores.");
+        "timeout in virtual seconds, weak visibility of peer stores, preemption of blocks "
+        "(each step parks the block that ran with chance preempt_prob, for preempt_ns).");
   m.def("resident_limit",
         [](const std::string& kernel, int threads, size_t dynamic_smem) {
           return emu::resident_limit(kernel.c_str(), threads, dynamic_smem);
