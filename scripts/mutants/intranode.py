@@ -23,13 +23,6 @@ MUTANTS = [
            (T_INTRA, "-k", "pipelined or rings"),
            "credit taken an epoch early: a sender starts the next epoch while its receiver "
            "still reads this one's counts and rings"),
-    Mutant("last_block_no_fence", INTRA,
-           "__device__ bool last_block(const CommonArgs& c, int counter) {\n"
-           "  __shared__ bool s_last;\n  peer::fence_data();\n  __syncthreads();",
-           "__device__ bool last_block(const CommonArgs& c, int counter) {\n"
-           "  __shared__ bool s_last;\n  __syncthreads();",
-           (T_INTRA, "-k", "seeds_agree or every_block or test_dispatch_combine_gather or pipelined"),
-           "removed fence: other blocks' row stores are not ordered before the epoch's credit"),
     Mutant("last_block_counter_bound", INTRA,
            "    s_last = prev == gridDim.x - 1;\n    if (s_last) {\n      h->done[counter] = 0;\n"
            "      peer::fence_data();\n    }\n  }\n  __syncthreads();\n  return s_last;\n}",
@@ -101,6 +94,17 @@ MUTANTS = [
            "if (!warp_wait_counter(a.c, posted, k, q, kOpGather, &avail)) break;\n"
            "      avail = k + 1;",
            GATHER, "skipped wait: the sender reads a request slot before its id is posted"),
+    Mutant("gather_count_not_fenced", INTRA,
+           "    peer::store(&sh->g_req_n[ch][me], cnt);\n    peer::fence_data();\n",
+           "    peer::store(&sh->g_req_n[ch][me], cnt);\n",
+           GATHER, "removed fence: the source reads the count (and site) of an earlier epoch "
+           "behind the epoch's signal"),
+    Mutant("gather_site_not_fenced", INTRA,
+           "    peer::store(&qh->g_arr_site[ch][me], fail ? kSiteFailed : a.c.call_site);\n"
+           "    peer::fence_data();\n",
+           "    peer::store(&qh->g_arr_site[ch][me], fail ? kSiteFailed : a.c.call_site);\n",
+           GATHER, "removed fence: the receiver checks a call site older than the signal "
+           "that announced it"),
     Mutant("gather_skipped_arrival_signal", INTRA,
            "    peer::signal(&qh->g_arr_epoch[ch][me], n);", "", QUICK,
            "skipped signal: receivers never learn the sender's call site and time out"),
