@@ -142,7 +142,9 @@ def test_grad_lowers_to_internode_ll_calls_only(forced, dtype):
     assert len(_calls(hlo, "jax_ep_internode_ll_combine_recv")) == 3
 
 
-def test_fp8_dispatch_moves_values_and_scales_as_two_calls(forced):
+def test_fp8_dispatch_is_one_send_and_one_receive(forced):
+    """The FP8 dispatch casts in the send kernel: one send of x's rows (round_scale an
+    attribute) and one receive returning the values and the scales."""
     x, idx, _ = _inputs(2)
     x = jnp.concatenate([x] * 8, axis=1)  # H = 128
 
@@ -151,15 +153,19 @@ def test_fp8_dispatch_moves_values_and_scales_as_two_calls(forced):
                                    max_tokens_per_rank=M, fp8=True)
         return (q.astype(jnp.float32).sum() + s.sum())[None]
 
+    # An FP8 message of H = 128: 128 values and one scale, padded to 144 bytes.
     forced.setattr(nvshmem_bootstrap, "_state", dataclasses.replace(
-        nvshmem_bootstrap.state(), low_latency=dict(LIMITS, hidden=128, row_bytes=128)))
+        nvshmem_bootstrap.state(), low_latency=dict(LIMITS, hidden=128, row_bytes=144)))
     hlo = _lower(f, x, idx)
-    sends = _calls(hlo, "jax_ep_internode_ll_dispatch_send")
-    assert len(sends) == 2
-    assert "f8E4M3FN" in sends[0]["_operands"] and _tensor_shapes(sends[1]["_operands"])[0] == (
-        M, 1)
-    recvs = _calls(hlo, "jax_ep_internode_ll_dispatch_recv")
-    assert [_tensor_shapes(r["_results"])[0] for r in recvs] == [(EL, R * M, 128), (EL, R * M, 1)]
+    assert not _calls(hlo, "jax_ep_internode_ll_dispatch_send")
+    assert not _calls(hlo, "jax_ep_internode_ll_dispatch_recv")
+    sends = _calls(hlo, "jax_ep_internode_ll_dispatch_send_fp8")
+    assert len(sends) == 1 and sends[0]["round_scale"] == 0
+    assert _tensor_shapes(sends[0]["_operands"])[0] == (M, 128)
+    recvs = _calls(hlo, "jax_ep_internode_ll_dispatch_recv_fp8")
+    assert len(recvs) == 1
+    assert "f8E4M3FN" in recvs[0]["_results"]
+    assert _tensor_shapes(recvs[0]["_results"])[:2] == [(EL, R * M, 128), (EL, R * M, 1)]
 
 
 # ----------------------------------------------------------------------------- errors
@@ -333,9 +339,9 @@ def test_bootstrap_for_the_low_latency_mode_only(monkeypatch):
 
 
 def test_hot_path_has_no_host_sync_or_allocation():
-    """The per-call host code of the four targets never waits for the device nor
-    allocates (the area is allocated once at start), and each handler is declared
-    command-buffer compatible."""
+    """The per-call host code of the six targets (the FP8 dispatch's two too) never
+    waits for the device nor allocates (the area is allocated once at start), and each
+    handler is declared command-buffer compatible."""
     import pathlib
     root = pathlib.Path(__file__).resolve().parents[2]
     src = (root / "kernels" / "internode" / "low_latency_kernels.cu").read_text()
@@ -347,8 +353,9 @@ def test_hot_path_has_no_host_sync_or_allocation():
                     "nvshmem_barrier"):
             assert bad not in body, (fn, bad)
     handlers = (root / "xla_ffi" / "internode" / "low_latency_handlers.cc").read_text()
-    assert handlers.count("{ffi::Traits::kCmdBufferCompatible}") == 4
-    for name in ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"):
+    assert handlers.count("{ffi::Traits::kCmdBufferCompatible}") == 6
+    for name in ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv",
+                 "dispatch_send_fp8", "dispatch_recv_fp8"):
         assert f'"jax_ep_internode_ll_{name}"' in handlers
 
 

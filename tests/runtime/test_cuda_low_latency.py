@@ -90,7 +90,7 @@ def test_real_rank_matches_reference_over_repeated_calls(mesh):
     jcuda.check_errors()
 
 
-def test_real_rank_fp8_two_sends_in_flight(mesh):
+def test_real_rank_fp8_cast_in_the_send_kernel(mesh):
     ffi, ref = _program(mesh, "ffi", True, True), _program(mesh, "reference", True, True)
     args = _inputs(7)
     _same(ffi(*args), ref(*args))

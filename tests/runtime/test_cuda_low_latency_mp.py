@@ -1,6 +1,6 @@
 """The low-latency mode on CUDA real ranks with several processes on one GPU (buffers
-shared through CUDA IPC, ranks at their own pace): split halves, the FP8 dispatch (two
-sends in flight) and the gradients (one-slot staging), three steps in a row, bit-exact
+shared through CUDA IPC, ranks at their own pace): split halves, the FP8 dispatch (cast
+in the send kernel) and the gradients (one-slot staging), three steps in a row, bit-exact
 against the reference backend on CPU devices. Marked `gpu` (skipped without one) and
 `slow`; the worker and the comparison also run here with the reference backend on CPU
 processes (gloo), so what a GPU run relies on is checked where no GPU is.
