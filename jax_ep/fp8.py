@@ -60,7 +60,9 @@ def quantize(x, *, block: int = DEFAULT_BLOCK, round_scale: bool = False):
     Each 1 x block run of a row gets `scale = max(amax, AMAX_FLOOR) * float32(1 / 448)`
     (amax / 448 to within one rounding; amax in float32);
     with `round_scale=True` the scale is rounded up to a power of two (UE8M0). The values
-    are `x / scale`, clipped to +-448, rounded to nearest even in FP8.
+    are `x / scale`, clipped to +-448, rounded to nearest even in FP8. The low-latency
+    FP8 dispatch casts in its send kernels and CPU handlers with the same rule, stated
+    once in C++ in kernels/common/fp8_quant.h: a change here must go there too.
     """
     block = _block(block)
     x = jnp.asarray(x)

@@ -6,6 +6,7 @@
 //            jax_ep.fp8._ceil_pow2)
 //   value  = float8_e4m3fn(clip(x / scale, -448, 448)), x / scale an IEEE float32
 //            quotient, the cast round to nearest even (XLA's and ml_dtypes' convert)
+// A block holding a NaN is outside the promise: XLA's reduce-max may drop or keep it.
 // Message of one (token, destination) (kernels/cuda/low_latency_kernels.h,
 // kernels/internode/low_latency_wire.h): H FP8 bytes, then H / 128 float32 scales, padded
 // to 16 bytes.
