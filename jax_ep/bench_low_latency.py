@@ -4,7 +4,8 @@ Times, per backend, jitted `shard_map` programs over `--ranks` devices at the de
 shape (default: 128 tokens per rank, H 7168, top-8 of 256 experts, bfloat16):
 
   dispatch       x, topk_idx -> recv_x [E_local, R * M, H], recv_count, handle
-  dispatch_fp8   the same with fp8=True (quantize, move H + H / 32 bytes a row, unpack)
+  dispatch_fp8   the same with fp8=True (cast in the send half, one message of H + H / 32
+                 bytes a row, split into values and scales)
   combine        y = recv_x, topk_idx, topk_weights, handle -> out [T, H]
   roundtrip      dispatch then combine of recv_x (identity experts)
 
