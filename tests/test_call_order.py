@@ -2,7 +2,9 @@
 independent calls too (jax_ep._order): two EP calls of one rank must never run at once
 (they share per-op state on the GPU), also when XLA runs independent branches of a CUDA
 graph concurrently (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT). Checked on the
-program exported for CUDA: the later call's operands reach the earlier call's results."""
+program exported for CUDA: the later call's operands reach the earlier call's results,
+also across nested jit, scan, cond and checkpoint bodies (the program-wide token), and a
+failed execution does not fail the next one (its token is not kept)."""
 from __future__ import annotations
 
 import os
@@ -99,6 +101,18 @@ def test_the_check_fails_without_the_chain(monkeypatch):
     assert len(calls) == 2
     with pytest.raises(AssertionError, match="does not depend"):
         assert_chained(calls)
+
+
+def test_the_fallback_chains_the_calls_of_one_trace(monkeypatch):
+    """Where JAX lacks what the token needs (order_p is None), the calls of one trace
+    are still chained through a result of the call before."""
+    from jax_ep import _order
+    monkeypatch.setattr(_order, "order_p", None)
+    text = _export_cuda(_two_dispatches, *_inputs())
+    assert "jax.token" not in text
+    calls = ep_calls_with_deps(text)
+    assert [c["target"] for c in calls] == ["jax_ep_dispatch"] * 2
+    assert_chained(calls)
 
 
 def test_dispatch_combine_pairs_and_gradients_are_chained():
