@@ -28,8 +28,10 @@ MUTANTS = [
            "      peer::fence_data();\n    }\n  }\n  __syncthreads();\n  return s_last;\n}",
            "    s_last = prev == gridDim.x - 2;\n    if (s_last) {\n      h->done[counter] = 0;\n"
            "      peer::fence_data();\n    }\n  }\n  __syncthreads();\n  return s_last;\n}",
-           (T_INTRA, "-k", "one_channel or every_block or pipelined or rings"),
-           "off-by-one: the dispatch credit goes out before the last block is done"),
+           (T_INTRA, "tests/emu/test_preemption_emu.py", "-k",
+            "one_channel or every_block or pipelined or rings or preempted_peer"),
+           "off-by-one: the block closing the epoch is not the last to finish (a failed "
+           "call's outputs are not emptied when the error comes from a later block)"),
     # --------------------------------------------------------- intranode combine
     Mutant("combine_row_wait_skipped", INTRA,
            "  if (peer::load_acquire(tail) > pos) return true;\n"

@@ -7,12 +7,14 @@ last-block counter over many consecutive calls. Seeds fix the interleaving; a fa
 names its seed."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from jax_ep.emulator import Emulator
 
-from emu_intranode_util import DISPATCH_KEYS, assert_same, reference, routing, rows
+from emu_intranode_util import DISPATCH_KEYS, assert_same, bits, reference, routing, rows
 
 pytestmark = pytest.mark.emu
 
@@ -76,3 +78,32 @@ def test_many_dispatches_leave_the_last_block_counter_at_zero(monkeypatch):
         got = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
         assert_same(got, reference(x, idx, w, y, g, E=E, C=C), DISPATCH_KEYS, f"call {call}: ")
         assert emu.check_errors() == [], f"call {call}"
+
+
+@pytest.mark.parametrize("seed", [4, 7, 15, 29])
+def test_a_call_a_preempted_peer_fails_empties_every_output(seed, monkeypatch):
+    """Two channels (four blocks per rank), blocks parked for 100 ms, twice the kernels'
+    timeout: a rank whose peer's block is parked mid-call times out inside the channel
+    kernel. The block that closes the epoch must be the last to finish, so that it sees
+    that error and empties every output (the contract's failed call: no row counts as
+    received); a rank closing the epoch one block early ends a failed call with rows in
+    its outputs (seeds 7, 15, 29). A rank without an error of its own is not checked here:
+    a peer that fails after passing this call's site check may have sent only part of its
+    rows, and this rank learns of it in its next call."""
+    monkeypatch.setenv("JAX_EP_NUM_SMS", "4")
+    R, T, H, K, E, C = 2, 24, 8, 2, 4, 48
+    rng = np.random.default_rng(seed)
+    idx = routing("random", R, T, K, E, rng)
+    x = rows("bf16", (R, T, H), rng)
+    w = rng.standard_normal((R, T, K)).astype(np.float32)
+    emu = Emulator(R, seed=seed, resident_blocks=4, preempt_prob=3e-4, preempt_ns=1e8)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    got = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
+    errs = emu.check_errors()
+    failed = {int(m.group(1)) for e in errs for m in [re.search(r"\[GPU (\d+),", e)] if m}
+    assert failed, f"seed {seed}: no call failed (the seed no longer parks a block mid-call)"
+    for r in sorted(failed):
+        what = f"seed {seed} rank {r}"
+        assert int(got["num_recv"][r]) == 0 and int(got["num_dropped"][r]) == 0, what
+        assert (got["src_rank"][r] == -1).all() and (got["recv_idx"][r] == -1).all(), what
+        assert not bits(got["recv_x"][r]).any() and (got["per_expert"][r] == 0).all(), what
