@@ -115,6 +115,22 @@ def test_the_fallback_chains_the_calls_of_one_trace(monkeypatch):
     assert_chained(calls)
 
 
+def _unused_dispatch(x, idx, w):
+    jax_ep.dispatch(x * 2, idx, w, num_experts=E, axis_name="ep", backend="ffi")
+    return x + 1
+
+
+@pytest.mark.parametrize("token", [True, False])
+def test_a_call_with_unused_results_still_runs_with_the_token(token, monkeypatch):
+    """The token takes every call's results, so a call nobody reads is kept (on every
+    rank alike); without the token JAX drops it."""
+    from jax_ep import _order
+    if not token:
+        monkeypatch.setattr(_order, "order_p", None)
+    text = _export_cuda(_unused_dispatch, *_inputs())
+    assert text.count("custom_call @jax_ep_dispatch(") == (1 if token else 0)
+
+
 def test_dispatch_combine_pairs_and_gradients_are_chained():
     def f(x, idx, w):
         def loss(x):
