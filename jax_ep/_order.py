@@ -77,18 +77,22 @@ def _hook_runtime_tokens(effect_type):
     from jax._src import dispatch
     cls = dispatch.RuntimeTokenSet
     keep = cls.set_token_result
-    if getattr(keep, "_jax_ep_hook", False):
+    dropped = getattr(keep, "_jax_ep_dropped", None)
+    if dropped is not None:  # hooked before (this module reloaded): one hook, more types
+        dropped.append(effect_type)
         return
-    # The input side must stay as JAX has it: a fresh token, made once, never replaced.
+    # The input side stays as JAX has it: a fresh token, made once and, since no output
+    # token replaces it, reused by every execution.
     if not callable(getattr(cls, "get_token_input", None)):
         raise AttributeError("RuntimeTokenSet.get_token_input")
+    dropped = [effect_type]
 
     def set_token_result(self, eff, token):
-        if isinstance(eff, effect_type):
+        if isinstance(eff, tuple(dropped)):
             return
         keep(self, eff, token)
 
-    set_token_result._jax_ep_hook = True
+    set_token_result._jax_ep_dropped = dropped
     set_token_result._jax_ep_original = keep
     cls.set_token_result = set_token_result
 
