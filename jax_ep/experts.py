@@ -503,7 +503,7 @@ def _ragged_swiglu(x, rows, weights, sizes, w_gate, w_up, w_down):
 
 
 def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity: int,
-                   tile: int = 128, max_chunk: int = 1024, matmul: str = "tiles"):
+                   tile: int = 32, max_chunk: int = 1024, matmul: str = "tiles"):
     """The experts' part of an MoE layer on one rank.
 
     x[C, H] (received rows), topk_idx[C, K] int32 local ids (-1: elsewhere),
@@ -523,6 +523,10 @@ def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity:
     three `jax.lax.ragged_dot`s; no data-dependent loop (for GPU, where XLA lowers it to
     grouped GEMMs). Its rows are `E_local * capacity`; the same numbers to float32
     rounding. `matmul=None` picks by platform (`default_expert_matmul`).
+
+    `tile` 32: a run's last rows go in chunks of 32, 64, ... so an expert computes at
+    most 31 padding rows (128 padded about 6% of the work at 1024 pairs an expert, and
+    measured slower on CPU; 16 was slower again: docs/performance.md).
     """
     matmul = check_expert_matmul(matmul)
     if x.ndim != 2:

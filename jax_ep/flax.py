@@ -21,7 +21,7 @@ Grouping received rows by expert (`jax_ep.experts`). A received row carries up t
 local expert ids (a token whose several experts live on this rank arrives once). The
 layer packs the (row, slot) pairs by local expert into static places `[E_local, cap]`,
 runs each expert's SwiGLU on its pairs only (in chunks of up to 1024 rows, the last
-rounded up to a 128-row tile; forward and backward), and sums each pair's output, scaled by its top-k weight,
+rounded up to a 32-row tile; forward and backward), and sums each pair's output, scaled by its top-k weight,
 back onto its row (in float32); `jax_ep.combine` then sums the rows of all ranks back
 onto the source tokens. So the work follows the routed pairs. `cap` comes from
 `capacity_factor`: `ceil(capacity_factor * T * top_k / E_local)` places per expert (T

@@ -224,12 +224,15 @@ def test_layer_benchmark_smoke(tmp_path, capsys):
                      for p in ("fwd", "fwd_bwd")}
     for r in report["results"]:
         assert r["median_s"] > 0 and len(r["times_s"]) == 1
+        assert r["cpu_median_s"] > 0 and len(r["cpu_times_s"]) == 1
     for n in ("dense", "moe cf=1.0", "moe cf=None"):
         assert report["memory"][n]["fwd_bwd"]["peak_bytes"] > 0
     assert report["dropped"]["moe cf=None"]["dropped_slots"] == 0
     assert report["dropped"]["moe cf=1.0"]["slots"] == 256 * 2
     assert set(report["targets"]) == {"moe cf=1.0", "moe cf=None"}
-    assert "x dense" in capsys.readouterr().out
+    assert report["targets"]["moe cf=1.0"]["cpu_time_over_dense"]["fwd_bwd"] > 0
+    printed = capsys.readouterr().out
+    assert "x dense" in printed and "cpu ms" in printed and "load average" in printed
     with pytest.raises(SystemExit):
         bench.main(["--layer", "--capacity-factors", "zero"])
 
@@ -248,6 +251,7 @@ def test_layer_profile_smoke():
         assert v["median_s"] > 0 and report["shares_of_layer"][k] > 0, k
     assert report["config"]["receive_rows"] == 128  # 2 * 64: the worst case here
     assert report["config"]["expert_matmul"] == "tiles"
+    assert len(report["load_average"]["start"]) == 3
 
 
 def test_aligned_pairs_layout():
@@ -284,6 +288,35 @@ def test_grouped_swiglu_chunk_sizes(max_chunk):
 
     want, _ = _np_grouped(x, idx, w, *ws, cap)
     ya, va = jax.vjp(jax.jit(chunked), x, w, *ws)
+    np.testing.assert_allclose(ya, want, rtol=2e-5, atol=2e-5)
+    _, vb = jax.vjp(blocks, x, w, *ws)
+    for a, b in zip(va(ct), vb(ct)):
+        assert float(jnp.abs(b).max()) > 0
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_swiglu_defaults_match_numpy_and_blocks():
+    """The layer's settings (tile 32, chunks up to 1024): runs of 60 to 120 pairs take
+    chunks of 64 and 32; outputs against NumPy, every gradient against the blocks."""
+    C, K, el, H, F, cap = 160, 3, 3, 8, 12, 150
+    idx, w = _routing(C, K, el, fill=150, seed=16)
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((C, H)).astype(np.float32)
+    ct = jnp.asarray(rng.standard_normal((C, H)), jnp.float32)
+    ws = _weights(el, H, F, seed=18)
+
+    def default(x, w, wg, wu, wd):
+        return ex.grouped_swiglu(x, idx, w, wg, wu, wd, capacity=cap)[0]
+
+    def blocks(x, w, wg, wu, wd):
+        g = ex.group_by_expert(jnp.asarray(idx), w, el, cap)
+        return ex.scatter_blocks(ex.swiglu_blocks(ex.gather_blocks(x, g.rows), wg, wu, wd),
+                                 g, C)
+
+    counts = np.bincount(idx[idx >= 0], minlength=el)
+    assert np.all(counts % 32) and counts.min() > 32  # every run ends in a padded chunk
+    want, _ = _np_grouped(x, idx, w, *ws, cap)
+    ya, va = jax.vjp(jax.jit(default), x, w, *ws)
     np.testing.assert_allclose(ya, want, rtol=2e-5, atol=2e-5)
     _, vb = jax.vjp(blocks, x, w, *ws)
     for a, b in zip(va(ct), vb(ct)):
