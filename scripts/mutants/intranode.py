@@ -96,17 +96,6 @@ MUTANTS = [
            "if (!warp_wait_counter(a.c, posted, k, q, kOpGather, &avail)) break;\n"
            "      avail = k + 1;",
            GATHER, "skipped wait: the sender reads a request slot before its id is posted"),
-    Mutant("gather_count_not_fenced", INTRA,
-           "    peer::store(&sh->g_req_n[ch][me], cnt);\n    peer::fence_data();\n",
-           "    peer::store(&sh->g_req_n[ch][me], cnt);\n",
-           GATHER, "removed fence: the source reads the count (and site) of an earlier epoch "
-           "behind the epoch's signal"),
-    Mutant("gather_site_not_fenced", INTRA,
-           "    peer::store(&qh->g_arr_site[ch][me], fail ? kSiteFailed : a.c.call_site);\n"
-           "    peer::fence_data();\n",
-           "    peer::store(&qh->g_arr_site[ch][me], fail ? kSiteFailed : a.c.call_site);\n",
-           GATHER, "removed fence: the receiver checks a call site older than the signal "
-           "that announced it"),
     Mutant("gather_skipped_arrival_signal", INTRA,
            "    peer::signal(&qh->g_arr_epoch[ch][me], n);", "", QUICK,
            "skipped signal: receivers never learn the sender's call site and time out"),
