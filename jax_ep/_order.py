@@ -24,6 +24,8 @@ it that token, so every later execution would raise the same error. This effect'
 token is therefore never kept (`_hook_runtime_tokens`): each execution takes the fresh
 token JAX made first. Order across executions needs no token: executions on one device
 run in dispatch order and each one waits for all of its streams before it completes.
+A program compiled ahead of time is called through JAX's Python path (`_hook_aot_calls`):
+JAX's C++ fast path would drop the token argument from its second call on.
 
 Fallback, where this JAX lacks an internal API the effect needs (warned once) and inside
 bodies lowered without tokens (`unordered`: a custom_partitioning op's partition body):
@@ -97,6 +99,34 @@ def _hook_runtime_tokens(effect_type):
     cls.set_token_result = set_token_result
 
 
+def _hook_aot_calls(effect_type):
+    """Keeps a compiled program (`jit(f).lower(...).compile()`) that carries the token on
+    JAX's Python call path. JAX's C++ fast path for such programs checks only for
+    unordered effects; from the second call on it would pass the arguments without the
+    token, which XLA rejects and the runtime then crashes on (jax 0.10.2 and 0.12)."""
+    from jax._src.interpreters import pxla
+    cls = pxla.MeshExecutable
+    make = getattr(cls, "create_cpp_call", None)
+    if make is None:  # no C++ fast path for compiled programs in this JAX
+        return
+    types = getattr(make, "_jax_ep_types", None)
+    if types is not None:  # hooked before (this module reloaded)
+        types.append(effect_type)
+        return
+    types = [effect_type]
+
+    def create_cpp_call(self, params):
+        call = getattr(self, "unsafe_call", None)
+        if any(isinstance(e, tuple(types))
+               for e in getattr(call, "ordered_effects", None) or ()):
+            return None  # JAX then calls the program through Compiled.call
+        return make(self, params)
+
+    create_cpp_call._jax_ep_types = types
+    create_cpp_call._jax_ep_original = make
+    cls.create_cpp_call = create_cpp_call
+
+
 def _make_effect():
     """(effect, primitive) of the program-wide order; raises where an API is missing."""
     from jax._src import effects
@@ -117,6 +147,7 @@ def _make_effect():
         "control_flow_allowed_effects", "custom_derivatives_allowed_effects",
         "remat_allowed_effects")]
     _hook_runtime_tokens(EPOrder)
+    _hook_aot_calls(EPOrder)
     for registry in registries:
         registry.add_type(EPOrder)
 

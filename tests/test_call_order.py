@@ -493,3 +493,55 @@ def test_keeping_the_token_would_fail_the_next(monkeypatch):
             _failing_then_good()
     finally:
         dispatch.runtime_tokens.clear()
+
+
+# ---- programs compiled ahead of time ----
+
+_AOT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+import jax_ep
+from conftest import ep_mesh
+R, T, H, K, E = 4, 6, 8, 2, 8
+def f(x, idx, w):
+    return jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep", backend="ffi")[0]
+g = jax.jit(jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+x = jnp.arange(R * T * H, dtype=jnp.float32).reshape(R * T, H)
+idx = jnp.tile(jnp.arange(K, dtype=jnp.int32) * 3, (R * T, 1))
+w = jnp.ones((R * T, K), jnp.float32)
+{undo}
+c = g.lower(x, idx, w).compile()
+want = np.asarray(g(x, idx, w))
+for i in range(3):  # the C++ fast path takes over from the second call
+    np.testing.assert_array_equal(np.asarray(c(x + i, idx, w)),
+                                  np.asarray(g(x + i, idx, w)))
+print("AOT OK")
+"""
+
+
+def _run_aot(undo: str):
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    return subprocess.run([sys.executable, "-c", _AOT.format(undo=undo)], cwd=here,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_compiled_program_is_called_with_its_token():
+    """`jit(f).lower(...).compile()` called again and again (what jax_ep.bench does)
+    gives the jitted function's results."""
+    r = _run_aot("")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "AOT OK" in r.stdout
+
+
+def test_without_the_hook_a_compiled_program_loses_its_token():
+    """JAX's own C++ fast path for a compiled program passes no token from the second
+    call on: XLA rejects the call ("expected 4") and the process crashes or raises; the
+    case `_hook_aot_calls` exists for."""
+    undo = ("from jax._src.interpreters import pxla;"
+            "pxla.MeshExecutable.create_cpp_call = "
+            "pxla.MeshExecutable.create_cpp_call._jax_ep_original")
+    r = _run_aot(undo)
+    assert r.returncode != 0 and "AOT OK" not in r.stdout
+    assert "arguments but compiled program expected" in r.stderr, r.stderr[-3000:]
