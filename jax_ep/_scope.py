@@ -12,9 +12,10 @@ from jax_ep import _order
 
 
 def named(name: str):
-    # A public op that communicates is also put in program order after the EP calls
-    # traced before it in the same trace (jax_ep._order); its own calls run inside a
-    # custom_vjp body, a trace of their own, so the chain is made here.
+    # A public op that communicates is put in program order as a whole (jax_ep._order).
+    # With the program-wide token its inner calls are ordered anyway; where _order falls
+    # back to chaining per trace, the op's own calls sit in a custom_vjp body (a trace of
+    # their own), and only this chain orders the op against the calls around it.
     ordered = not name.endswith("get_dispatch_layout")
 
     def decorate(fn):
