@@ -7,6 +7,10 @@ mutant names against that build, and reports it killed (a test failed) or surviv
     python scripts/mutate_kernels.py --list     # the table
     python scripts/mutate_kernels.py --only NAME [--only NAME2]
     python scripts/mutate_kernels.py --scratch /tmp/mut   # keep/reuse a scratch directory
+    python scripts/mutate_kernels.py --baseline   # first check the unmutated tests pass
+
+The tests import the scratch copy's jax_ep (not the working tree an editable install
+points at), so editing the working tree during a run does not change its verdicts.
 
 Exit status 0 when every mutant run was killed. A survivor is either killed by a new test
 or explained as equivalent in docs/emulator.md.
@@ -76,12 +80,41 @@ def build(build_dir: Path, env) -> tuple[bool, str]:
     return r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
 
-def run_tests(src: Path, build_dir: Path, py: str, m: Mutant, timeout: int) -> tuple[bool, str]:
-    """True if the mutant's tests pass (the mutant survived)."""
+# The tests import the scratch copy's `jax_ep`, not the one an editable install points at
+# (the working tree, which may change during a long run: an edit there would fail every
+# later mutant's tests for a reason of its own, a false kill). The editable install's
+# import redirection is taken out and the scratch copy put first on the path; the
+# compiled modules come from the installed package (see link_compiled).
+_BOOT = ("import sys;"
+         "sys.meta_path[:] = [f for f in sys.meta_path"
+         " if not type(f).__name__.startswith('ScikitBuild')];"
+         "sys.path.insert(0, sys.argv[1]);"
+         "import jax_ep, os;"
+         "assert os.path.realpath(jax_ep.__file__).startswith(os.path.realpath(sys.argv[1])),"
+         " 'jax_ep imported from ' + jax_ep.__file__;"
+         "import pytest; sys.exit(pytest.main(sys.argv[2:]))")
+
+
+def link_compiled(src: Path, py: str):
+    """Links the installed package's compiled modules (the CPU extension, ...) into the
+    scratch copy's jax_ep/, which has the Python sources only."""
+    r = run([py, "-c", "import importlib.util as u, os;"
+             "print(os.path.dirname(u.find_spec('jax_ep._jax_ep_ext').origin))"], src)
+    if r.returncode != 0:
+        raise SystemExit("jax_ep is not installed in " + py + " (make install):\n" + r.stderr[-2000:])
+    installed = Path(r.stdout.strip())
+    for so in installed.glob("*.so"):
+        dst = src / "jax_ep" / so.name
+        if not dst.exists():
+            dst.symlink_to(so)
+
+
+def run_tests(src: Path, build_dir: Path, py: str, tests, timeout: int) -> tuple[bool, str]:
+    """True if the tests pass (for a mutant's tests: the mutant survived)."""
     env = dict(os.environ, JAX_EP_EMU_MODULE_DIR=str(build_dir),
                XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    cmd = [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore"]
-    cmd += list(m.tests)
+    cmd = [py, "-c", _BOOT, str(src), "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore"]
+    cmd += list(tests)
     try:
         r = run(cmd, src, env, timeout)
     except subprocess.TimeoutExpired:
@@ -96,6 +129,10 @@ def main(argv=None):
     ap.add_argument("--scratch", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per mutant's tests")
     ap.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
+    ap.add_argument("--baseline", action="store_true",
+                    help="first run every selected mutant's tests on the unmutated build "
+                         "and stop if any fails (a failing test would kill every mutant "
+                         "that names it)")
     a = ap.parse_args(argv)
     mutants = MUTANTS
     if a.only:
@@ -115,10 +152,20 @@ def main(argv=None):
         shutil.rmtree(src)
     src.mkdir(parents=True)
     copy_tree(src)
+    link_compiled(src, a.python)
     env = configure(src, bdir, a.python)
     ok, log = build(bdir, env)
     if not ok:
         raise SystemExit("the unmutated emulated module does not build:\n" + log)
+    if a.baseline:
+        for tests in dict.fromkeys(tuple(m.tests) for m in mutants):
+            t0 = time.time()
+            passed, detail = run_tests(src, bdir, a.python, tests, a.timeout)
+            print(f"{'baseline':40s} {'passed' if passed else 'FAILED':28s} "
+                  f"{time.time() - t0:6.0f}s  {' '.join(tests)[:120]}", flush=True)
+            if not passed:
+                raise SystemExit("the unmutated tests fail; every mutant naming them would "
+                                 "count as killed:\n" + detail)
     killed, survived = [], []
     for m in mutants:
         t0 = time.time()
@@ -130,7 +177,7 @@ def main(argv=None):
             if not ok:
                 verdict, detail = "killed (does not compile)", log.splitlines()[-1:] 
             else:
-                passed, detail = run_tests(src, bdir, a.python, m, a.timeout)
+                passed, detail = run_tests(src, bdir, a.python, m.tests, a.timeout)
                 verdict = "SURVIVED" if passed else "killed"
                 detail = detail.strip().splitlines()[-1:] if detail else []
         finally:
