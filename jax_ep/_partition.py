@@ -133,33 +133,47 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
     op.def_partition(partition=partition, infer_sharding_from_operands=infer if gspmd else None,
                      sharding_rule=rule, need_replication_factors=repl, **factors)
 
-    def call(*args):
-        mesh = _concrete_mesh()
-        if mesh.size == 1:
-            # XLA does not partition single-device programs (it would run `abstract`).
-            return jax.shard_map(body, mesh=mesh, in_specs=P(spec.token_axes),
-                                 out_specs=P(spec.token_axes), check_vma=False)(*args)
-        # Pin operands to the token sharding (one reshard if they arrive otherwise); this
-        # also hands the partitioner the concrete mesh.
-        sharding = NamedSharding(mesh, P(spec.token_axes))
-        return _stream.region(op)(*[jax.lax.with_sharding_constraint(a, sharding)
-                                    for a in args])
+    def make():
+        def call(*args):
+            mesh = _concrete_mesh()
+            if mesh.size == 1:
+                # XLA does not partition single-device programs (it would run `abstract`).
+                return jax.shard_map(body, mesh=mesh, in_specs=P(spec.token_axes),
+                                     out_specs=P(spec.token_axes), check_vma=False)(*args)
+            # Pin operands to the token sharding (one reshard if they arrive otherwise);
+            # this also hands the partitioner the concrete mesh.
+            sharding = NamedSharding(mesh, P(spec.token_axes))
+            return _stream.region(op)(*[jax.lax.with_sharding_constraint(a, sharding)
+                                        for a in args])
 
-    # vmap over a leading batch axis: one exchange per batch element, in order.
-    batched_call = jax.custom_batching.custom_vmap(call)
+        # vmap over a leading batch axis: one exchange per batch element, in order.
+        batched_call = jax.custom_batching.custom_vmap(call)
 
-    @batched_call.def_vmap
-    def _vmap_rule(axis_size, in_batched, *args):
-        args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
-                for a, b in zip(args, in_batched)]
-        per_item = [call(*[a[i] for a in args]) for i in range(axis_size)]
-        if n_out == 1:
-            return jnp.stack(per_item), True
-        outs = tuple(jnp.stack([p[j] for p in per_item]) for j in range(n_out))
-        return outs, (True,) * n_out
+        @batched_call.def_vmap
+        def _vmap_rule(axis_size, in_batched, *args):
+            args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                    for a, b in zip(args, in_batched)]
+            per_item = [call(*[a[i] for a in args]) for i in range(axis_size)]
+            if n_out == 1:
+                return jnp.stack(per_item), True
+            outs = tuple(jnp.stack([p[j] for p in per_item]) for j in range(n_out))
+            return outs, (True,) * n_out
 
-    # Run eagerly, the op alone would evaluate `abstract` (zeros): a jit compiles it with
-    # its partitioning. Under an outer jit it is inlined, so the program holds the op
-    # itself rather than a call to a private function (which newer JAX may share between
-    # two identical call sites).
-    return jax.jit(batched_call, inline=True)
+        # Run eagerly, the op alone would evaluate `abstract` (zeros): a jit compiles it
+        # with its partitioning. Under an outer jit it is inlined, so the program holds
+        # the op itself rather than a call to a private function (which newer JAX may
+        # share between two identical call sites).
+        return jax.jit(batched_call, inline=True)
+
+    # One traced program per collective-stream setting: a jit (and custom_vmap) keeps
+    # its first trace, so a setting changed after the first call would otherwise not
+    # take effect at the same shapes.
+    made = {}
+
+    def entry(*args):
+        key = _stream.active()
+        if key not in made:
+            made[key] = make()
+        return made[key](*args)
+
+    return entry

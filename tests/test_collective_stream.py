@@ -212,6 +212,32 @@ def test_global_view_op_sits_in_a_region_before_partitioning():
     assert rep["dot_out"] >= 2 and rep["dot_in"] == 0, rep
 
 
+def test_global_view_setting_changed_after_a_first_trace():
+    """The global-view op traced first with the setting off, then on, at the same shapes:
+    the second program has the region (the op keeps one trace per setting)."""
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,))
+    x, idx, w = (np.concatenate([a, a]) for a in _inputs(4))
+
+    def make():  # a new function each time: JAX keeps the trace of a jitted function
+        def f(x):
+            rx, _, _, h = sh.dispatch(x, idx, w, num_experts=2 * E, mesh_axis="expert",
+                                      backend="ffi")
+            return sh.combine(rx * 2.0, h, backend="ffi")
+        return jax.jit(f)
+
+    reports = []
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("expert")))
+        for on in (False, True, False):
+            with config.override(collective_stream=on):
+                text = make().trace(xs).lower(lowering_platforms=("cuda",)).as_text()
+            reports.append(region_report(text))
+    off, on, off_again = reports
+    assert off["ep_in"] == 0 and off["ep_out"] >= 2, off
+    assert on["ep_out"] == 0 and on["ep_in"] >= 2, on
+    assert off_again == off
+
+
 _GLOBAL_SCRIPT = textwrap.dedent("""
     import glob, re, sys
     import jax, jax.numpy as jnp, numpy as np
