@@ -423,24 +423,7 @@ class MoE(nnx.Module):
         N = x2.shape[0]
         E, K = self.num_experts, self.top_k
 
-        # Router, on the global token array.
-        logits = x2.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
-        bias = None if self.routing_bias is None else jax.lax.stop_gradient(
-            self.routing_bias[...])
-        topk_idx, topk_w, probs = route(logits, K, score=self.score, bias=bias,
-                                        n_groups=self.n_groups,
-                                        topk_groups=self.topk_groups,
-                                        norm_topk_prob=self.norm_topk_prob,
-                                        group_score=self.group_score,
-                                        routed_scaling_factor=self.routed_scaling_factor)
-        tokens_per_expert = _counts(topk_idx, E)
-        lb = _load_balance(probs, tokens_per_expert, topk_idx.size)
-        seqs = shape[0] if len(shape) == 3 else 1
-        seq_lb = sequence_balance_loss(probs.reshape(seqs, -1, E),
-                                       topk_idx.reshape(seqs, -1, K), E)
-        z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-
-        # Expert path, per shard.
+        # Mesh and token shards first: the router's top-k runs per shard.
         mesh, data_axes = self._mesh_and_specs()
         R = mesh.shape[self.mesh_axis]
         if E % R != 0:
@@ -452,12 +435,43 @@ class MoE(nnx.Module):
             raise ValueError(f"the {N} tokens (batch * seq) must split evenly over the "
                              f"{shards} shards of mesh axes {tok_axes}")
         T = N // shards
+        tok = P(tok_axes)
+        explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+        # Router: logits on the global token array, top-k per token shard (left to the
+        # partitioner, XLA would gather every token's logits to every device for TopK).
+        logits = x2.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        bias = None if self.routing_bias is None else jax.lax.stop_gradient(
+            self.routing_bias[...])
+        route_kw = dict(score=self.score, n_groups=self.n_groups,
+                        topk_groups=self.topk_groups, norm_topk_prob=self.norm_topk_prob,
+                        group_score=self.group_score,
+                        routed_scaling_factor=self.routed_scaling_factor)
+        r_args, r_specs = (logits,), (tok,)
+        if bias is not None:
+            r_args, r_specs = (logits, bias), (tok, P())
+        if explicit:
+            r_args = tuple(jax.sharding.reshard(a, s) for a, s in zip(r_args, r_specs))
+        topk_idx, topk_w, probs = jax.shard_map(
+            lambda lg, *b: route(lg, K, bias=b[0] if b else None, **route_kw),
+            mesh=mesh, in_specs=r_specs, out_specs=(tok, tok, tok))(*r_args)
+        if explicit:  # back to the logits' layout, as the global-array code had them
+            spec = jax.typeof(logits).sharding.spec
+            topk_idx, topk_w, probs = (jax.sharding.reshard(a, spec)
+                                       for a in (topk_idx, topk_w, probs))
+        tokens_per_expert = _counts(topk_idx, E)
+        lb = _load_balance(probs, tokens_per_expert, topk_idx.size)
+        seqs = shape[0] if len(shape) == 3 else 1
+        seq_lb = sequence_balance_loss(probs.reshape(seqs, -1, E),
+                                       topk_idx.reshape(seqs, -1, K), E)
+        z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+
+        # Expert path, per shard.
         C = self._capacity(T, R)
         rows = R * T if C is None else C
         el = E // R
         cap = rows if self.capacity_factor is None else experts.expert_capacity(
             T * K, el, self.capacity_factor, limit=rows)
-        tok = P(tok_axes)
         wspec = P(self.mesh_axis)
         dtype = self.dtype
         matmul = experts.check_expert_matmul(self.expert_matmul)
@@ -476,7 +490,6 @@ class MoE(nnx.Module):
         args = (x2.astype(dtype), topk_idx, topk_w, self.w_gate[...], self.w_up[...],
                 self.w_down[...])
         specs = (tok, tok, tok, wspec, wspec, wspec)
-        explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
         if explicit:
             # Explicit axes: shard_map wants its inputs laid out as in_specs already.
             args = tuple(jax.sharding.reshard(a, s) for a, s in zip(args, specs))

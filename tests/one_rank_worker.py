@@ -243,6 +243,7 @@ def run_flax(log):
     """The Flax layer (2 EP groups of 4 on a (data, expert) mesh), its routing spoiled
     on the first shard, the last one, or all of them (through jax_ep.flax.route)."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
@@ -256,11 +257,15 @@ def run_flax(log):
     spoil = {}
 
     def route(logits, top_k, **kw):
+        # The layer routes each token shard apart (inside a shard_map over the token
+        # axes): spoil row 3 of the chosen shards.
         idx, w, probs = real_route(logits, top_k, **kw)
-        rows = spoil.get("rows")
-        if rows is not None:
-            new = 21 if spoil["kind"] == "range" else idx[rows, 0]
-            idx = idx.at[rows, 1].set(new)
+        shards = spoil.get("shards")
+        if shards is not None:
+            me = jax.lax.axis_index(("data", "expert"))
+            hit = jnp.any(me == jnp.asarray(shards))
+            new = 21 if spoil["kind"] == "range" else idx[3, 0]
+            idx = idx.at[3, 1].set(jnp.where(hit, new, idx[3, 1]))
         return idx, w, probs
 
     jf.route = route
@@ -286,8 +291,7 @@ def run_flax(log):
                     for placement, shards in (("first", [0]), ("last", [7]),
                                               ("all", list(range(8)))):
                         label = f"CASE flax_{mode}[{backend}] {placement}"
-                        rows = np.array([s * Tf + 3 for s in shards])
-                        spoil.update(rows=rows, kind=kind)
+                        spoil.update(shards=shards, kind=kind)
                         rank, group = shards[0] % 4, shards[0] // 4
                         at = rf"on rank {rank}(?: of EP group {group})?: "
                         pattern = (at + r"topk_idx\[3, 1\] = 21 is outside" if kind == "range"
