@@ -63,6 +63,12 @@ def _current_trace():
 def _is_chainable(leaf) -> bool:
     if not isinstance(leaf, jax.Array):
         return False
+    # An empty array orders nothing: XLA replaces every empty value by a constant before
+    # scheduling, dropping its edges (so a call whose operands are all empty is not
+    # ordered by data). In the barrier it also aborts XLA 0.12's CSE (an empty constant
+    # given control predecessors cannot be removed).
+    if leaf.size == 0:
+        return False
     return jax.dtypes.issubdtype(leaf.dtype, np.number) or leaf.dtype == np.bool_
 
 

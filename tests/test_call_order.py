@@ -545,3 +545,35 @@ def test_without_the_hook_a_compiled_program_loses_its_token():
     r = _run_aot(undo)
     assert r.returncode != 0 and "AOT OK" not in r.stdout
     assert "arguments but compiled program expected" in r.stderr, r.stderr[-3000:]
+
+
+def _all_eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+
+
+@pytest.mark.parametrize("backend", ["ffi", "reference"])
+def test_empty_operands_stay_out_of_the_order_barrier(backend):
+    """With T == 0 the token's barrier gets no empty array (nothing to order; XLA 0.12's
+    CSE aborts the compile on an empty constant inside it), and the call is still
+    ordered by the non-empty results."""
+    def f(x, idx, w):
+        rx, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                      capacity=4, backend=backend)
+        return jax_ep.combine(rx + 1.0, h, backend=backend)
+
+    g = jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep"))
+    x = jnp.zeros((0, H), jnp.float32)
+    idx, w = jnp.zeros((0, K), jnp.int32), jnp.zeros((0, K), jnp.float32)
+    barriers = [e for e in _all_eqns(jax.make_jaxpr(g)(x, idx, w).jaxpr)
+                if e.primitive.name == "jax_ep_order"]
+    assert barriers, "no EP call was ordered"
+    empty = [v.aval for e in barriers for v in e.invars if v.aval.size == 0]
+    assert not empty, f"empty operands in the order barrier: {empty}"
+    out = jax.jit(g)(x, idx, w)
+    assert out.shape == (0, H)
