@@ -87,6 +87,14 @@ def expert_capacity(num_slots: int, num_local_experts: int, factor: float, *,
     return max(1, int(cap))
 
 
+def _starts(sizes):
+    """int32[E] -> int32[E]: the exclusive prefix sum (where each expert's places begin).
+    A log-depth scan of slices: `jnp.cumsum` exports, from jax 0.12 on, as a composite
+    whose fallback is a `while` loop, and the GPU path must hold no loop."""
+    sizes = sizes.astype(jnp.int32)
+    return jax.lax.associative_scan(jnp.add, sizes) - sizes
+
+
 def group_by_expert(topk_idx, topk_weights, num_local_experts: int, capacity: int) -> Groups:
     """Packs the (row, slot) pairs of `topk_idx[C, K]` (int32 local ids in
     [-1, num_local_experts); -1 = not here) by expert into `[num_local_experts, capacity]`
@@ -106,7 +114,7 @@ def group_by_expert(topk_idx, topk_weights, num_local_experts: int, capacity: in
                      dtype=jnp.int32)                                # [el]
     # Stable: within an expert, pairs stay in (row, slot) order, i.e. received order.
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    starts = jnp.cumsum(counts) - counts
+    starts = _starts(counts)
     place = jnp.arange(capacity, dtype=jnp.int32)
     valid = place[None, :] < counts[:, None]                         # [el, cap]
     pos = jnp.minimum(starts[:, None] + place[None, :], C * K - 1)
@@ -303,7 +311,7 @@ def aligned_pairs(groups: Groups, tile: int, num_rows: int):
     capr = -(-cap // tile) * tile
     kept = jnp.minimum(groups.counts, cap).astype(jnp.int32)
     sizes = (kept + tile - 1) // tile * tile
-    starts = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+    starts = _starts(sizes)
     m = el * capr
     place = jnp.arange(cap, dtype=jnp.int32)
     dest = jnp.where(place[None, :] < kept[:, None], starts[:, None] + place[None, :],
@@ -478,7 +486,7 @@ def packed_pairs(groups: Groups, num_rows: int):
     weight 0."""
     el, cap = groups.rows.shape
     sizes = jnp.minimum(groups.counts, cap).astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
+    starts = _starts(sizes)
     place = jnp.arange(cap, dtype=jnp.int32)
     m = el * cap
     dest = jnp.where(place[None, :] < sizes[:, None], starts[:, None] + place[None, :], m)
