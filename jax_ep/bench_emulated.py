@@ -335,10 +335,11 @@ def model_entry(name: str, points: list[dict]) -> dict:
              "counted_at": [p["shape"] for p in points], "ops": {}, "points": points}
     for op in ("dispatch", "combine"):
         per_dev = []
+        joined = [model.op_chains(p[op]) for p in points]
         for d in range(target["ranks"]):
             src = d % points[0]["shape"]["ranks"]  # the counted GPU standing for this one
             per_dev.append(model.scale_counters(
-                [(p["shape"], p[op][src]) for p in points], target))
+                [(p["shape"], j[src]) for p, j in zip(points, joined)], target))
         entry["ops"][op] = model.op_time(per_dev)
     entry["verdict"] = _verdict(name, entry["ops"])
     return entry

@@ -12,7 +12,8 @@ Per virtual GPU and per op (dispatch or combine), from its counters:
                launched on that GPU (at most 132): a narrower access moves fewer bytes per
                instruction at the same instruction rate
   fixed time = launches * LAUNCH + the longest per-thread chains (counted per launch and
-               added over the launches: "chain:*" counters) of system fences * FENCE_SYS,
+               added over the launches: "chain:*" counters; at each counted shape the
+               longest over the op's GPUs, see op_chains) of system fences * FENCE_SYS,
                GPU fences * FENCE_GPU, release stores * RELEASE and work requests * WR
                (a thread's fences serialize; different threads' overlap)
   time       = max(link time, SM time) + fixed time
@@ -115,7 +116,11 @@ def scale_counters(points: list[tuple[dict, dict[str, int]]], target: dict) -> d
     """Counters at a target shape from counts at small shapes, linearly: each counter is
     fitted as a + b*T + c*T*H (T tokens per rank, H hidden) by least squares over the
     points [(shape {"tokens", "hidden"}, counters)]; a counter that does not grow (launches,
-    blocks) keeps its constant. The scaling is part of the model, not a count."""
+    blocks) keeps its constant. The chains ("chain:*") are fitted as a + b*T: the kernels
+    synchronize per row, per chunk of rows or per call, never per byte, so a difference
+    between H and 2H at the same T is the emulated interleaving, not a law, and scaled by
+    T*H it would turn a one-release difference into thousands. The scaling is part of
+    the model, not a count."""
     import numpy as np
 
     keys = sorted({k for _, c in points for k in c})
@@ -127,6 +132,18 @@ def scale_counters(points: list[tuple[dict, dict[str, int]]], target: dict) -> d
         if key.startswith("kernel:") and not key.endswith(":threads"):
             out[key] = float(y.max())  # launch geometry: the same at every T
             continue
-        coef, *_ = np.linalg.lstsq(A, y, rcond=None)
-        out[key] = max(0.0, float(t @ coef))
+        a, tt = (A[:, :2], t[:2]) if key.startswith("chain:") else (A, t)
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+        out[key] = max(0.0, float(tt @ coef))
     return out
+
+
+def op_chains(per_device: list[dict[str, int]]) -> list[dict[str, int]]:
+    """The GPUs' counters of one op at one shape with each chain ("chain:*") replaced by
+    its longest over the GPUs. Which thread of which GPU the emulated scheduler holds up
+    changes a GPU's chain by a release or two from one shape to the next, and a linear
+    fit carries that difference to the target; the longest over the GPUs is the op's
+    serial path (the op waits for its slowest GPU) and does not depend on that choice."""
+    keys = {k for c in per_device for k in c if k.startswith("chain:")}
+    top = {k: max(c.get(k, 0) for c in per_device) for k in keys}
+    return [dict(c, **top) for c in per_device]

@@ -67,6 +67,49 @@ def test_scale_counters_recovers_a_linear_law():
     assert got["kernel:k:launches"] == 4
 
 
+def test_chains_scale_with_tokens_only():
+    """A chain that grows with T (4 and 6 releases at T = 8 and 16) scales with T; the
+    release more at (T, 2H) than at (T, H), which is interleaving, does not turn into
+    thousands at the target's T*H (fitted in T*H too it would be 2 + 4096/8 +
+    4096*7168/128 = 229890)."""
+    pts = [({"tokens": 8, "hidden": 16}, {"chain:release_stores": 4}),
+           ({"tokens": 16, "hidden": 16}, {"chain:release_stores": 6}),
+           ({"tokens": 8, "hidden": 32}, {"chain:release_stores": 5})]
+    got = model.scale_counters(pts, {"tokens": 4096, "hidden": 7168})
+    # least squares in (1, T) over the three points: 4.5 at T = 8, 6 at T = 16
+    assert got["chain:release_stores"] == pytest.approx(3 + 4096 * 0.1875)
+    assert got["chain:release_stores"] < 1000
+
+
+def test_op_chains_take_the_longest_over_the_gpus():
+    """The GPUs' chains are replaced by their longest; the other counters stay per GPU."""
+    per = [{"chain:release_stores": 16, "chain:wrs": 7, "store_bytes:peer:16": 1},
+           {"chain:release_stores": 12, "store_bytes:peer:16": 2}]
+    got = model.op_chains(per)
+    assert [c["chain:release_stores"] for c in got] == [16, 16]
+    assert [c["chain:wrs"] for c in got] == [7, 7]
+    assert [c["store_bytes:peer:16"] for c in got] == [1, 2]
+    assert per[1]["chain:release_stores"] == 12  # the input is not changed
+
+
+def test_model_entry_does_not_extrapolate_interleaving():
+    """Two GPUs whose chains swap between 12 and 16 from one counted shape to the next (what
+    the emulated scheduler does) give the target the constant 16 of the op's longest
+    chain, not a slope carried to T = 4096."""
+    from jax_ep import bench_emulated as be
+
+    def pt(tokens, hidden, chains):
+        shape = dict(be.TARGETS["intranode"], tokens=tokens, hidden=hidden)
+        per = [{"chain:release_stores": r, "kernel:k:launches": 1, "kernel:k:blocks": 24}
+               for r in chains] * (shape["ranks"] // 2)
+        return {"shape": shape, "dispatch": per, "combine": per}
+
+    e = be.model_entry("intranode", [pt(8, 256, (16, 12)), pt(16, 256, (12, 16)),
+                                     pt(8, 512, (13, 16))])
+    for op in ("dispatch", "combine"):
+        assert e["ops"][op]["fixed_s"] == pytest.approx(3e-6 + 16 * 0.5e-6)
+
+
 @pytest.mark.parametrize("mode", bench.INTERNODE_MODES)
 def test_internode_modes_are_not_timed_in_one_process(mode):
     with pytest.raises(NotImplementedError, match=f"--mode {mode}: not implemented"):

@@ -46,6 +46,21 @@ inline constexpr int kMaxRingTokens = 4096;
 inline constexpr int kChannelThreads = 256;
 inline constexpr int kMaxChannelThreads = 1024;
 
+// Blocks of the hierarchical combine's source role, which sums every token's node partials
+// (each block a slice of the hidden columns, so the reads spread over SMs as DeepEP's
+// combine spreads its reduction); at most one block per 16-byte vector of a row.
+// JAX_EP_HIER_SOURCE_BLOCKS overrides it (a rank-local choice: peers need not agree).
+inline constexpr int kHierSourceBlocks = 16;
+inline constexpr int kMaxHierSourceBlocks = 64;
+
+inline int HierSourceBlocks(long long row_vectors) {
+  const char* v = std::getenv("JAX_EP_HIER_SOURCE_BLOCKS");
+  long long n = (v != nullptr && *v != '\0') ? std::atoll(v)
+                : (row_vectors < kHierSourceBlocks ? row_vectors : kHierSourceBlocks);
+  if (n < 1) n = 1;
+  return static_cast<int>(n > kMaxHierSourceBlocks ? kMaxHierSourceBlocks : n);
+}
+
 // Layout kernel: tokens handled per block and threads per block.
 struct LayoutPreset {
   int tokens_per_block;

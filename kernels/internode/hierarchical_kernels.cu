@@ -33,9 +33,11 @@
 //                   rounded to the row dtype, kernels/common/combine_order.h): one row per
 //                   (token, node) in one RDMA stream (chunked, credited) back to the source,
 //                   as many rows as the dispatch sent this way.
-//   source          one block: per token, the node partials in ascending node order (its
-//                   own node's summed here from the NVLink rings), added in float32, each
-//                   thread 16 bytes of every row at a time.
+//   source          blocks [0, nsrc) (configs.h HierSourceBlocks), each a slice of the
+//                   columns: windows of one token per warp, per token the node partials
+//                   in ascending node order (its own node's summed here from the NVLink
+//                   rings), added in float32, each lane 16 bytes of every row at a time;
+//                   block 0 frees a window's rows once every block has summed its slice.
 // NVLink ring tails are published once per batch of rows (a chunk, 32 tokens, or what the
 // ring holds): one system fence per lane and one release per ring, never one per row.
 //
@@ -51,6 +53,7 @@
 #include <utility>
 
 #include "kernels/common/combine_order.h"
+#include "kernels/common/configs.h"
 #include "kernels/common/dtype_convert.h"
 #include "kernels/common/layout_math.h"
 #include "kernels/common/striping_plan.h"
@@ -73,15 +76,15 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRanks = 1024;
 constexpr int kMaxNodes = 256;
-// The combine source's float32 sums of one token live in shared memory (H floats, beside
-// about 16 KiB of its static shared state, within the 227 KiB an sm_90 block may have).
-constexpr int64_t kMaxHidden = 200 * 1024 / sizeof(float);
 constexpr unsigned kFull = 0xffffffffu;
+// Rows a combine forwarder sums from an NVLink ring before it releases the ring's head.
+constexpr int kHeadBatch = kNvlRingRows >= 4 ? kNvlRingRows / 4 : 1;
 // Wait kinds of this mode in the shared error record (beside wire::SigKind).
 constexpr int kKindCredit = 16;  // RDMA ring credit from the stream's reader
 constexpr int kKindNvl = 17;     // NVLink ring head or tail
 constexpr int kKindRow = 18;     // a row arrived out of order (qp: the ring or stream)
 constexpr int kKindNoPeer = 19;  // a GPU of the node has no NVSHMEM peer pointer
+constexpr int kKindSource = 20;  // a source block of this rank's combine (qp: the block)
 
 struct Geo {
   int R, rank, G, N, node, local;
@@ -945,16 +948,16 @@ __device__ __forceinline__ void PartialAt(char* dst, const char* const* rp, int 
 // 16 bytes (rows start 16-byte aligned: the stride and every ring base are), else none.
 __device__ __forceinline__ int64_t VecElems(const Geo& g) { return g.prow % 16 == 0 ? g.H : 0; }
 
-// The source's sum of one piece, elements [x0, x0 + V): acc += the items rows[0, n) in
-// order, where rows[own0, own0 + nown) are its own node's rows (summed from +0 into the
-// node partial, rounded to E when the order rounds, then added) and the others are the
-// partials of other nodes as they came over RDMA.
+// The source's sum of one token, elements [x0, x0 + V), stored at dst: the items
+// rows[0, n) added in order in float32 from +0, where rows[own0, own0 + nown) are its own
+// node's rows (summed from +0 into the node partial, rounded to E when the order rounds,
+// then added) and the others are the partials of other nodes as they came over RDMA.
 template <typename E, int V>
-__device__ __forceinline__ void SourceAddAt(float* acc, const char* const* rows, int n,
+__device__ __forceinline__ void SourceSumAt(E* dst, const char* const* rows, int n,
                                             int own0, int nown, bool rounds, int64_t x0) {
   float a[V], f[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) a[i] = acc[x0 + i];
+  for (int i = 0; i < V; ++i) a[i] = 0.f;
   for (int k = 0; k < n; ++k) {
     if (k == own0 && nown > 0) {
       float p[V];
@@ -974,8 +977,16 @@ __device__ __forceinline__ void SourceAddAt(float* acc, const char* const* rows,
 #pragma unroll
     for (int i = 0; i < V; ++i) a[i] += f[i];
   }
+  E e[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) acc[x0 + i] = a[i];
+  for (int i = 0; i < V; ++i) e[i] = FromF<E>(a[i]);
+  if constexpr (V == 1) {
+    dst[x0] = e[0];
+  } else {
+    int4 w;
+    __builtin_memcpy(&w, e, sizeof(e));
+    *reinterpret_cast<int4*>(dst + x0) = w;
+  }
 }
 
 // Combine forwarder for the source s = (n, my local index): merges this node's rings of s
@@ -988,7 +999,9 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
   const int lane = Lane();
   const int s = n * g.G + g.local;
   long long left = lane < g.G ? KeptOf(counts, g.R, s, g.node * g.G + lane, g.C) : 0;
-  unsigned long long head = 0;
+  // head: rows of ring `lane` summed; pub: the head its pusher has been told (one release
+  // per kHeadBatch rows, and of all of them before the forwarder waits for anything)
+  unsigned long long head = 0, pub = 0;
   int64_t o = 0;  // partials written
   uint64_t last = NowNs();
   for (int spin = 0;; ++spin) {
@@ -997,6 +1010,10 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
     // every ring with rows left shows its next row: the smallest token is then known
     const bool have = !need || LoadAcq(TailW(v, g, lane, n)) > head;
     if (!__all_sync(kFull, have)) {
+      if (head > pub) {  // the pusher may be waiting for these slots
+        StoreRel(HeadW(v, g, lane, n), head);
+        pub = head;
+      }
       int stop = 0;
       if (lane == 0 && (spin & 255) == 0) {
         if (Failed(g)) stop = 1;
@@ -1028,6 +1045,10 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
     int nr = 0;
     for (unsigned m = mask; m != 0; m &= m - 1) rp[nr++] = ShflPtr(row, __ffs(m) - 1);
     const int64_t c = o / kRdmaChunkRows, j = o % kRdmaChunkRows;
+    if (j == 0 && head > pub) {
+      StoreRel(HeadW(v, g, lane, n), head);
+      pub = head;
+    }
     if (j == 0 && !WaitCredit(g, v, n, s, c)) return;
     char* dst = SendSlot(v, g, n, c) + j * g.stride;
     const int64_t nv = VecElems(g);
@@ -1043,7 +1064,10 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
     if ((mask >> lane) & 1u) {  // the rows are summed: their ring slots are free
       head += 1;
       --left;
-      StoreRel(HeadW(v, g, lane, n), head);
+      if (head - pub >= static_cast<unsigned long long>(kHeadBatch)) {
+        StoreRel(HeadW(v, g, lane, n), head);
+        pub = head;
+      }
     }
     ++o;
     if (j == kRdmaChunkRows - 1) PutChunk(g, v, n, s, c, kRdmaChunkRows);
@@ -1057,29 +1081,41 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
   }
 }
 
-// The source (one block): per token, the node partials in ascending node order
-// (combine_order.h): its own node's rows (NVLink rings, ascending rank) summed here into
-// the node partial, rounded to the row dtype when there are several nodes; every other
-// node's partial as its forwarder sent it over RDMA; all added in float32 into acc[H].
-// A token is read in pieces: a piece ends before the first row of a new RDMA chunk when
-// it already holds rows; its items are added to acc (in node order, so the sum is the
-// same as in one piece; the own node's rows never span two pieces) and the chunks it
-// finished are credited at once. So the source never holds rows of more than one chunk
-// per node while it waits, and a forwarder can always put the chunk it waits for.
+// Windows of the combine source blocks summed since the process started, per block: the
+// call (*counter + 1) in the high 32 bits, the windows of this call in the low ones.
+JEP_DEVICE_GLOBAL uint64_t g_source_done[kMaxHierSourceBlocks];
+
+// The source (blocks [0, B), block sb a slice of the columns): per token, the node
+// partials in ascending node order (combine_order.h): its own node's rows (NVLink rings,
+// ascending rank) summed here into the node partial, rounded to the row dtype when there
+// are several nodes; every other node's partial as its forwarder sent it over RDMA; all
+// added in float32. Every block walks the same windows and waits for the same rows; block
+// 0 frees them (heads, credits) once every block has summed its columns of the window.
+// Tokens go in windows of at most one token per warp, summed by their warps at once. A
+// window holds no more rows of an NVLink ring than the ring has slots past its published
+// head, and no more chunks of a node's stream than the forwarder may put past the chunks
+// credited before the window (kRdmaRingChunks), so every row a window waits for can
+// arrive without anything the window itself frees; the heads and credits move once per
+// window (one release per ring, one signal per stream), not once per token.
 template <typename E>
 __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
-                           const int32_t* send_slot, E* out, float* acc) {
+                           const int32_t* send_slot, E* out, char* smem, int sb, int B) {
   __shared__ int sbase[kMaxRanks];      // min(first row of this rank at d, C)
-  __shared__ int pos[kMaxNodes];        // partials read from node k's stream
+  __shared__ int pos[kMaxNodes];        // partials of node k's stream taken by past windows
   __shared__ int nrows[kMaxNodes];      // partials in node k's stream (tokens kept there)
   __shared__ int credited[kMaxNodes];   // chunks of node k's stream credited
-  __shared__ unsigned long long nvl_head[kMaxGpusPerNode];
-  __shared__ const char* ptrs[kMaxRanks];
-  __shared__ int nptr;
-  __shared__ int own_first, own_count;  // ptrs[own_first, +own_count): own node's rows
-  __shared__ int cursor;  // the first node of the token's next piece
-  __shared__ int last;    // 1: this piece ends the token
-  const int tid = threadIdx.x;
+  __shared__ int wk[kMaxNodes];         // partials of node k's stream in this window
+  __shared__ unsigned long long nvl_head[kMaxGpusPerNode];  // own node's ring rows taken
+  __shared__ int wl[kMaxGpusPerNode];   // rows of own-node ring l in this window
+  __shared__ int s_items[kWarps];       // items of warp w's token (-1: no token)
+  __shared__ int s_t1, s_stop;
+  const int tid = threadIdx.x, lane = Lane(), warp = tid >> 5;
+  const int M = g.G + g.N;  // items of one token at most (own node's ranks, other nodes)
+  // smem: per warp M items (x >= 0: own-node ring x, row y; x < 0: node -1 - x's stream,
+  // partial y), then per warp M row pointers (source_smem_bytes)
+  int2* const items_of = reinterpret_cast<int2*>(smem);
+  const char** const rows_of = reinterpret_cast<const char**>(
+      smem + static_cast<size_t>(kWarps) * M * sizeof(int2));
   const bool rounds = combine_rounds_partials(g.N);
   for (int d = tid; d < g.R; d += blockDim.x) {
     const int64_t b = BaseOf(counts, g.R, g.rank, d);
@@ -1091,7 +1127,7 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
     credited[k] = 0;
   }
   for (int l = tid; l < g.G; l += blockDim.x) nvl_head[l] = 0;
-  if (tid == 0) nptr = 0;
+  if (tid == 0) s_stop = 0;
   __syncthreads();
   // whether rank d keeps a row of token t
   const auto kept = [&](int t, int d) {
@@ -1108,117 +1144,152 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
         }
     }
   __syncthreads();
-  const int64_t nv = VecElems(g);
-  for (int t = 0; t < g.T && nptr >= 0; ++t) {
-    for (int x = tid; x < g.H; x += blockDim.x) acc[x] = 0.f;
-    if (tid == 0) cursor = 0;
-    __syncthreads();
-    for (;;) {
-      if (tid == 0) {
-        int n = 0, k = cursor, own0 = -1, nown = 0;
-        last = 1;
-        for (; k < g.N && n >= 0; ++k) {
+  // this block's columns: vectors [v0, v1) of the 16-byte part, elements [e0, e1) past it
+  const int64_t nv = VecElems(g), nvec = nv / Vec<E>::kN, ns = g.H - nv;
+  const int64_t v0 = nvec * sb / B, v1 = nvec * (sb + 1) / B;
+  const int64_t e0 = nv + ns * sb / B, e1 = nv + ns * (sb + 1) / B;
+  const uint64_t tag = static_cast<uint64_t>(*g.counter + 1ull) << 32;
+  for (int t0 = 0, win = 0; t0 < g.T; ++win) {
+    if (tid == 0) {
+      // the window [t0, s_t1): each token's items in node order, while they fit
+      for (int l = 0; l < g.G; ++l) wl[l] = 0;
+      for (int k = 0; k < g.N; ++k) wk[k] = 0;
+      int t = t0, w = 0;
+      for (; w < kWarps && t < g.T; ++w, ++t) {
+        int2* it = items_of + w * M;
+        int n = 0;
+        bool fits = true;
+        for (int k = 0; k < g.N && fits; ++k) {
           if (k == g.node) {
             for (int l = 0; l < g.G; ++l) {
-              const int d = k * g.G + l;
-              if (!kept(t, d)) continue;
-              const unsigned long long hd = nvl_head[l];
-              uint64_t* tw = TailW(v, g, l, g.node);
-              if (!WaitAtLeast(g, [tw] { return LoadAcq(tw); }, hd + 1, d, kKindNvl,
-                               l * g.N + g.node)) {
-                n = -1;
-                break;
-              }
-              const char* row =
-                  NvlRing(v, g, l, g.node) + nvl_slot(static_cast<int64_t>(hd)) * g.stride;
-              nvl_head[l] = hd + 1;
-              const int32_t* meta = reinterpret_cast<const int32_t*>(row + g.cmeta);
-              const int32_t mt = devcopy::LoadLanded(meta), md = devcopy::LoadLanded(meta + 1);
-              if (mt != t || md != d) {
-                Record(g, wire::kErrMismatch, d, kKindRow, t, static_cast<uint64_t>(t),
-                       static_cast<uint64_t>(static_cast<int64_t>(mt)));
-                n = -1;
-                break;
-              }
-              if (own0 < 0) own0 = n;
-              ++nown;
-              ptrs[n++] = row;
+              if (!kept(t, k * g.G + l)) continue;
+              if (wl[l] + 1 > kNvlRingRows) fits = false;
+              it[n++] = make_int2(l, static_cast<int>(nvl_head[l]) + wl[l]);
             }
             continue;
           }
           bool any = false;
           for (int l = 0; l < g.G && !any; ++l) any = kept(t, k * g.G + l);
           if (!any) continue;
-          const int o = pos[k];
-          const int64_t c = o / kRdmaChunkRows;
-          const int peer = k * g.G + g.local;
-          if (o % kRdmaChunkRows == 0) {
-            if (n > 0) {  // sum and credit what this piece holds before waiting
-              last = 0;
+          const int o = pos[k] + wk[k];
+          if (o / kRdmaChunkRows - pos[k] / kRdmaChunkRows + 1 > kRdmaRingChunks) fits = false;
+          it[n++] = make_int2(-1 - k, o);
+        }
+        if (!fits) break;  // never the window's first token: its rows always fit
+        for (int j = 0; j < n; ++j) {
+          if (it[j].x >= 0) ++wl[it[j].x];
+          else ++wk[-1 - it[j].x];
+        }
+        s_items[w] = n;
+      }
+      for (int r = w; r < kWarps; ++r) s_items[r] = -1;
+      s_t1 = t;
+    }
+    __syncthreads();
+    const int n = s_items[warp];
+    if (n >= 0) {
+      // lane 0 waits for the token's rows and checks them; then every lane sums
+      const int t = t0 + warp;
+      const int2* it = items_of + warp * M;
+      const char** rp = rows_of + warp * M;
+      int ok = 1, own0 = -1, nown = 0;
+      if (lane == 0) {
+        for (int j = 0; j < n && ok; ++j) {
+          const char* row;
+          int d;
+          if (it[j].x >= 0) {
+            const int l = it[j].x;
+            d = g.node * g.G + l;
+            uint64_t* tw = TailW(v, g, l, g.node);
+            if (!WaitAtLeast(g, [tw] { return LoadAcq(tw); },
+                             static_cast<uint64_t>(it[j].y) + 1, d, kKindNvl,
+                             l * g.N + g.node)) {
+              ok = 0;
               break;
             }
+            row = NvlRing(v, g, l, g.node) + nvl_slot(it[j].y) * g.stride;
+            if (own0 < 0) own0 = j;
+            ++nown;
+          } else {
+            const int k = -1 - it[j].x;
+            const int64_t c = it[j].y / kRdmaChunkRows;
+            d = k * g.G + g.local;
             const int q = ChunkQp(g, g.rank, c);
             uint64_t* w = DataWord(v, g, k, q);
             if (!WaitAtLeast(g, [w] { return Tr::fetch(w); },
-                             static_cast<uint64_t>(c / g.nq + 1), peer, wire::kSigCombine,
-                             q)) {
-              n = -1;
+                             static_cast<uint64_t>(c / g.nq + 1), d, wire::kSigCombine, q)) {
+              ok = 0;
               break;
             }
+            row = RecvSlot(v, g, k, c) + (it[j].y % kRdmaChunkRows) * g.stride;
           }
-          const char* row = RecvSlot(v, g, k, c) + (o % kRdmaChunkRows) * g.stride;
-          pos[k] = o + 1;
           const int32_t* meta = reinterpret_cast<const int32_t*>(row + g.cmeta);
           const int32_t mt = devcopy::LoadLanded(meta), md = devcopy::LoadLanded(meta + 1);
-          if (mt != t || md != peer) {
-            Record(g, wire::kErrMismatch, peer, kKindRow, t, static_cast<uint64_t>(t),
+          if (mt != t || md != d) {
+            Record(g, wire::kErrMismatch, d, kKindRow, t, static_cast<uint64_t>(t),
                    static_cast<uint64_t>(static_cast<int64_t>(mt)));
-            n = -1;
+            ok = 0;
             break;
           }
-          ptrs[n++] = row;
+          rp[j] = row;
         }
-        nptr = n;
-        cursor = k;
-        own_first = own0;
-        own_count = nown;
+        if (!ok) s_stop = 1;
       }
-      __syncthreads();
-      const int n = nptr;
-      if (n < 0) break;
-      // every thread a 16-byte vector of each row (float32 sums per element, so the
-      // split across threads does not change a bit)
-      for (int64_t x = static_cast<int64_t>(tid) * Vec<E>::kN; x < nv;
-           x += static_cast<int64_t>(blockDim.x) * Vec<E>::kN)
-        SourceAddAt<E, Vec<E>::kN>(acc, ptrs, n, own_first, own_count, rounds, x);
-      for (int64_t x = nv + tid; x < g.H; x += blockDim.x)
-        SourceAddAt<E, 1>(acc, ptrs, n, own_first, own_count, rounds, x);
-      __syncthreads();
-      if (tid == 0) {
+      __syncwarp();
+      ok = __shfl_sync(kFull, ok, 0);
+      own0 = __shfl_sync(kFull, own0, 0);
+      nown = __shfl_sync(kFull, nown, 0);
+      if (ok) {
+        // each lane 16 bytes of every row at a time (float32 sums per element, so the
+        // split across lanes does not change a bit)
+        E* o = out + static_cast<int64_t>(t) * g.H;
+        for (int64_t i = v0 + lane; i < v1; i += 32)
+          SourceSumAt<E, Vec<E>::kN>(o, rp, n, own0, nown, rounds, i * Vec<E>::kN);
+        for (int64_t x = e0 + lane; x < e1; x += 32)
+          SourceSumAt<E, 1>(o, rp, n, own0, nown, rounds, x);
+      }
+    }
+    __syncthreads();
+    if (s_stop) break;
+    if (tid == 0) {
+      const uint64_t mark = tag | static_cast<uint64_t>(win + 1);
+      if (sb != 0) {
+        // this block's columns of the window are summed (its reads before the release)
+        StoreRel(&g_source_done[sb], mark);
+      } else {
+        for (int b = 1; b < B && !s_stop; ++b) {
+          const uint64_t* w = &g_source_done[b];
+          if (!WaitAtLeast(g, [w] { return LoadAcq(w); }, mark, g.rank, kKindSource, b))
+            s_stop = 1;
+        }
+      }
+      // the window's rows are summed: one release per ring it read, one credit per stream
+      // (block 0 frees them; every block keeps the same positions)
+      for (int l = 0; l < g.G && !s_stop; ++l) {
+        if (wl[l] == 0) continue;
+        nvl_head[l] += static_cast<unsigned long long>(wl[l]);
+        if (sb == 0) StoreRel(HeadW(v, g, l, g.node), nvl_head[l]);
+      }
+      for (int k = 0; k < g.N && !s_stop; ++k) {
+        if (k == g.node) continue;
+        pos[k] += wk[k];
         // every chunk whose rows are summed is free (the last, partial one once the
         // stream is read to its end)
-        for (int k = 0; k < g.N; ++k) {
-          if (k == g.node) continue;
-          const int done = pos[k] == nrows[k] ? (pos[k] + kRdmaChunkRows - 1) / kRdmaChunkRows
-                                              : pos[k] / kRdmaChunkRows;
-          if (done > credited[k]) {
+        const int done = pos[k] == nrows[k] ? (pos[k] + kRdmaChunkRows - 1) / kRdmaChunkRows
+                                            : pos[k] / kRdmaChunkRows;
+        if (done > credited[k]) {
+          if (sb == 0)
             Tr::signal(v.credit + g.node, static_cast<uint64_t>(done), SignalOp::kSet,
                        k * g.G + g.local, wire::kControlQp);
-            credited[k] = done;
-          }
+          credited[k] = done;
         }
       }
-      const int end = last;
-      __syncthreads();
-      if (end) break;
     }
-    if (nptr < 0) break;
-    for (int x = tid; x < g.H; x += blockDim.x)
-      out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc[x]);
-    if (tid == 0)
-      for (int l = 0; l < g.G; ++l) StoreRel(HeadW(v, g, l, g.node), nvl_head[l]);
+    t0 = s_t1;
     __syncthreads();
+    if (s_stop) break;
   }
+  if (sb != 0) return;  // block 0 closes the streams and resets the words
   // Closing waits of every node's stream (also with T == 0: the forwarders still close).
   for (int k = threadIdx.x >> 5; k < g.N; k += kWarps) {
     // warp-uniform: CloseStream's vote needs every lane
@@ -1237,14 +1308,14 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
       out[i] = FromF<E>(__int_as_float(0x7fc00000));
 }
 
-// Block 0: the source; then warps [0, N): forwarders (n != this node), [N, N + np):
-// pushers.
+// Blocks [0, nsrc): the source (a slice of the columns each); then warps [0, N):
+// forwarders (n != this node), [N, N + np): pushers.
 template <typename E>
 __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
                                                         const int32_t* counts,
                                                         const int32_t* send_slot,
                                                         const int32_t* src_index, E* out,
-                                                        int np) {
+                                                        int np, int nsrc) {
   const View v = ViewOf(g);
   __shared__ int failed;
   if (threadIdx.x == 0) failed = Failed(g) ? 1 : 0;
@@ -1255,11 +1326,11 @@ __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
         out[i] = FromF<E>(__int_as_float(0x7fc00000));
     return;
   }
-  if (blockIdx.x == 0) {
-    JEP_DYNAMIC_SMEM(float, acc);  // [H] the source's float32 sums of one token
-    SourceRole<E>(g, v, counts, send_slot, out, acc);
+  if (static_cast<int>(blockIdx.x) < nsrc) {
+    JEP_DYNAMIC_SMEM(char, smem);  // SourceSmemBytes: its warps' items and row pointers
+    SourceRole<E>(g, v, counts, send_slot, out, smem, blockIdx.x, nsrc);
   } else {
-    const int gw = (blockIdx.x - 1) * kWarps + (threadIdx.x >> 5);
+    const int gw = (blockIdx.x - nsrc) * kWarps + (threadIdx.x >> 5);
     if (gw < g.N) {
       if (gw != g.node) CombineForwardRole<E>(g, v, gw, counts);
     } else if (gw < g.N + np) {
@@ -1293,10 +1364,6 @@ std::string MakeGeo(const HierDims& hd, int op, FloatKind elem, Geo* g,
            std::to_string(kMaxGpusPerNode) + "], got " + std::to_string(G);
   if (d.num_ranks > kMaxRanks || d.num_ranks / G > kMaxNodes)
     return "jax_ep internode (hierarchical): at most 1024 ranks and 256 nodes";
-  if (static_cast<int64_t>(d.hidden) > kMaxHidden)
-    return "jax_ep internode (hierarchical): hidden " + std::to_string(d.hidden) +
-           " is more than the combine's float32 sums fit in shared memory (" +
-           std::to_string(kMaxHidden) + ")";
   const int qps = d.num_ports * d.qps_per_port;
   if (d.num_ports < 1 || d.qps_per_port < 1 || qps > transport::kMaxQps || qps > kMaxQps)
     return "jax_ep internode (hierarchical): bad transport config (ports, QPs per port)";
@@ -1442,6 +1509,13 @@ std::string Gather(cudaStream_t stream, const HierDims& d, FloatKind elem, const
                             send_slot, nullptr, o, true, nullptr, nullptr, nullptr, rt);
 }
 
+// Dynamic shared memory of CombineMain: the source block's per-warp items and row
+// pointers of one token (SourceRole), at most G + N of each.
+size_t SourceSmemBytes(const Geo& g) {
+  return static_cast<size_t>(kWarps) * static_cast<size_t>(g.G + g.N) *
+         (sizeof(int2) + sizeof(const char*));
+}
+
 std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, const void* y,
                     const int32_t* counts, const int32_t* send_slot, const int32_t* src_index,
                     void* out) {
@@ -1454,21 +1528,24 @@ std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, cons
   // Header only (no rows): seq, configuration and error flag, as every call.
   JEP_LAUNCH(ExchangeKernel, 1, kThreads, 0, stream)(g, false);
   const int np = (g.R + 31) / 32;
-  const int blocks = 1 + (g.N + np + kWarps - 1) / kWarps;
-  const size_t acc_bytes = sizeof(float) * static_cast<size_t>(g.H);  // the source's sums
+  const int64_t vec_elems = 16 / FloatKindBytes(elem);
+  const int nsrc = HierSourceBlocks(g.prow % 16 == 0 ? g.H / vec_elems : g.H);
+  const int blocks = nsrc + (g.N + np + kWarps - 1) / kWarps;
+  const size_t smem_bytes = SourceSmemBytes(g);
   const char* yc = static_cast<const char*>(y);
   switch (elem) {
     case FloatKind::kF32:
-      e = LaunchCoop(CombineMain<float>, "CombineMain", blocks, acc_bytes, stream, g, yc,
-                     counts, send_slot, src_index, static_cast<float*>(out), np);
+      e = LaunchCoop(CombineMain<float>, "CombineMain", blocks, smem_bytes, stream, g, yc,
+                     counts, send_slot, src_index, static_cast<float*>(out), np, nsrc);
       break;
     case FloatKind::kBF16:
-      e = LaunchCoop(CombineMain<__nv_bfloat16>, "CombineMain", blocks, acc_bytes, stream, g,
-                     yc, counts, send_slot, src_index, static_cast<__nv_bfloat16*>(out), np);
+      e = LaunchCoop(CombineMain<__nv_bfloat16>, "CombineMain", blocks, smem_bytes, stream, g,
+                     yc, counts, send_slot, src_index, static_cast<__nv_bfloat16*>(out), np,
+                     nsrc);
       break;
     case FloatKind::kF16:
-      e = LaunchCoop(CombineMain<__half>, "CombineMain", blocks, acc_bytes, stream, g, yc,
-                     counts, send_slot, src_index, static_cast<__half*>(out), np);
+      e = LaunchCoop(CombineMain<__half>, "CombineMain", blocks, smem_bytes, stream, g, yc,
+                     counts, send_slot, src_index, static_cast<__half*>(out), np, nsrc);
       break;
   }
   if (!e.empty()) return e;
@@ -1510,6 +1587,10 @@ std::string PendingError() {
       m += "timed out (JAX_EP_TIMEOUT_S) on an NVLink ring shared with rank " +
            std::to_string(peer) + " (ring " + std::to_string(qp) +
            "); that rank skipped the call, failed earlier, or is slower than the timeout";
+      break;
+    case kKindSource:
+      m += "timed out (JAX_EP_TIMEOUT_S) waiting for block " + std::to_string(qp) +
+           " of this rank's combine to sum its columns (it stopped on an earlier wait)";
       break;
     case kKindRow:
       m += "a row from rank " + std::to_string(peer) + " arrived out of order (expected " +

@@ -158,6 +158,58 @@ def test_small_rings_wrap_and_credit_per_chunk(N, G, K):
         round_trip(em, "hierarchical_small_rings", x, idx, w, y, g, E=E, C=C, K=K)
 
 
+@pytest.mark.parametrize("source_blocks", ["1", "3"])
+def test_small_rings_own_node_rows_fill_the_source_windows(source_blocks, monkeypatch):
+    """Small rings, every token to K of its own node's ranks (or to K - 1 of them and one
+    rank of the next node): the NVLink rings that bring the source its own node's rows (3
+    slots) hold fewer rows than a window of 8 tokens asks for, and the 2 x 2-row RDMA
+    stream fewer chunks, so the source's windows end at the rings' room; over three
+    consecutive calls every ring wraps; with one and with three source blocks (three blocks
+    for one 16-byte vector of columns: two sum nothing and still join every window)."""
+    monkeypatch.setenv("JAX_EP_HIER_SOURCE_BLOCKS", source_blocks)
+    N, G, K = 2, 4, 4
+    R = N * G
+    T, H, E = 12, 4, 2 * R
+    C = R * T
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=13)
+    rng = np.random.default_rng(17)
+    el = E // R
+    for _ in range(3):
+        x, idx, w, y, g = data(rng, R, T, H, K, E, C, np.float32)
+        for r in range(R):
+            me = r // G
+            for t in range(T):
+                ranks = me * G + rng.permutation(G)[:K]
+                if rng.random() < 0.5:
+                    ranks[K - 1] = ((me + 1) % N) * G + rng.integers(G)
+                idx[r, t] = ranks * el + rng.integers(el, size=K)
+        round_trip(em, "hierarchical_small_rings", x, idx, w, y, g, E=E, C=C, K=K)
+
+
+@pytest.mark.parametrize("source_blocks,blocks", [(None, 8), ("3", 3)])
+def test_combine_source_blocks_split_the_columns(source_blocks, blocks, monkeypatch):
+    """The combine's source runs as several blocks, each summing a slice of the columns: 8
+    by default for rows of 8 16-byte vectors (H = 64 bf16), 3 (uneven slices) when
+    JAX_EP_HIER_SOURCE_BLOCKS asks; bit-exact either way, and the launch has that many
+    source blocks beside the one block of forwarders and pushers."""
+    if source_blocks is not None:
+        monkeypatch.setenv("JAX_EP_HIER_SOURCE_BLOCKS", source_blocks)
+    else:
+        monkeypatch.delenv("JAX_EP_HIER_SOURCE_BLOCKS", raising=False)
+    N, G, T, H, K = 2, 2, 6, 64, 3
+    R = N * G
+    E, C = 2 * R, R * T
+    em = InternodeEmu(R, gpus_per_node=G, seed=21)
+    rng = np.random.default_rng(23)
+    x, idx, w, y, g = data(rng, R, T, H, K, E, C, BF16)
+    em.emu.reset_counters()
+    round_trip(em, "hierarchical", x, idx, w, y, g, E=E, C=C, K=K)
+    c = em.emu.counters()
+    launched = {k: v for k, v in c.items() if k.startswith("kernel:CombineMain")}
+    got = sum(v for k, v in launched.items() if k.endswith(":blocks"))
+    assert got == R * (blocks + 1), launched
+
+
 def test_cooperative_kernels_take_their_ptxas_residency():
     """The cooperative DispatchMain and CombineMain launch under their own names, so on the
     default co-residency (resident_blocks=None: 132 SMs and the kernel's ptxas row) their
