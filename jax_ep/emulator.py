@@ -488,9 +488,11 @@ class InternodeEmulator:
         a.update(attrs)
         return self._call("internode_ll_" + op, ins, outs, a)
 
-    def ll_round(self, x, idx, w, y, *, topk: int, phases=None):
+    def ll_round(self, x, idx, w, y, *, topk: int, phases=None, fp8: bool = False):
         """One low-latency dispatch and combine (send, then receive halves); phases, if a
-        dict, gets each half's counters per rank (reset before each half)."""
+        dict, gets each half's counters per rank (reset before each half). fp8: the
+        dispatch sends FP8 messages (values and 1 x 128 scales, cast in the send kernel;
+        H a multiple of 128), the combine the rows of y as they are."""
         R, S, H = x.shape
         E, M = self.ll["num_experts"], self.ll["max_tokens"]
         el = E // R
@@ -503,13 +505,21 @@ class InternodeEmulator:
                 phases[name] = [counters(r) for r in range(R)]
             return out
 
+        sfx = "_fp8" if fp8 else ""
         tok = phase("dispatch_send", lambda: self._ll(
-            "dispatch_send", [[x[r], idx[r]] for r in range(R)], [[((2,), np.int32)]] * R))
+            "dispatch_send" + sfx, [[x[r], idx[r]] for r in range(R)],
+            [[((2,), np.int32)]] * R, **({"round_scale": 0} if fp8 else {})))
         names = ("recv_x", "recv_count", "src_rank", "src_index", "first_row", "row_count")
         shapes = ((el, R * M, H), (el,), (el, R * M), (el, R * M), (el, R), (el, R))
-        outs = [list(zip(shapes, (x.dtype,) + (np.int32,) * 5))] * R
+        dts = (x.dtype,) + (np.int32,) * 5
+        if fp8:
+            import ml_dtypes
+            names = names[:1] + ("recv_scales",) + names[1:]
+            shapes = shapes[:1] + ((el, R * M, H // 128),) + shapes[1:]
+            dts = (np.dtype(ml_dtypes.float8_e4m3fn), np.float32) + dts[1:]
+        outs = [list(zip(shapes, dts))] * R
         d = phase("dispatch_recv", lambda: [dict(zip(names, o)) for o in self._ll(
-            "dispatch_recv", [[t[0]] for t in tok], outs)])
+            "dispatch_recv" + sfx, [[t[0]] for t in tok], outs)])
         rpd = M * min(topk, el)
         tok = phase("combine_send", lambda: self._ll(
             "combine_send", [[y[r], d[r]["first_row"], d[r]["row_count"]] for r in range(R)],

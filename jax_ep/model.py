@@ -10,7 +10,11 @@ Per virtual GPU and per op (dispatch or combine), from its counters:
   SM time    = sum over spaces and widths of bytes / (per-SM rate at 16 bytes of that
                space * width / 16) / SMs, where SMs = the most blocks one kernel of the op
                launched on that GPU (at most 132): a narrower access moves fewer bytes per
-               instruction at the same instruction rate
+               instruction at the same instruction rate; and at least the busiest
+               block's own time, its accesses ("block_max:accesses:*", each space's
+               maximum over the blocks, added over the launches) times 16 bytes over the
+               per-SM rate of that space: work the kernel leaves on a few blocks does not
+               spread over the others
   fixed time = launches * LAUNCH + the longest per-thread chains (counted per launch and
                added over the launches: "chain:*" counters; at each counted shape the
                longest over the op's GPUs, see op_chains) of system fences * FENCE_SYS,
@@ -92,12 +96,16 @@ def device_time(c: dict[str, int], k: Constants = H200) -> dict[str, Any]:
         sm_s += (ld_p[w] + st_p[w]) / (k.sm_peer_Bps_16 * w / 16)
         sm_s += (ld_l[w] + st_l[w]) / (k.sm_local_Bps_16 * w / 16)
     sm_s /= sms_used
+    busiest_s = max(c.get("block_max:accesses:peer", 0) * 16 / k.sm_peer_Bps_16,
+                    c.get("block_max:accesses:local", 0) * 16 / k.sm_local_Bps_16)
+    sm_s = max(sm_s, busiest_s)
     fixed_s = launches * k.launch_s + (
         c.get("chain:fences:system", 0) * k.fence_sys_s
         + c.get("chain:fences:gpu", 0) * k.fence_gpu_s
         + c.get("chain:release_stores", 0) * k.release_s + c.get("chain:wrs", 0) * k.wr_s)
     t = max(link_s, sm_s) + fixed_s
-    return {"time_s": t, "link_s": link_s, "sm_s": sm_s, "fixed_s": fixed_s,
+    return {"time_s": t, "link_s": link_s, "sm_s": sm_s, "busiest_block_s": busiest_s,
+            "fixed_s": fixed_s,
             "sms": sms, "launches": launches, "nvlink_bytes": nvlink, "rdma_bytes": put_rdma,
             "local_bytes": local, "bound": "fixed" if fixed_s > max(link_s, sm_s) else
             ("link" if link_s >= sm_s else "sm"),

@@ -43,6 +43,22 @@ def test_narrow_accesses_cost_sm_time():
     assert r["nvlink_fraction"] == pytest.approx(0.1 / (0.36 + 3e-6))
 
 
+def test_the_busiest_block_bounds_the_sm_time():
+    """1 GB stored into peers at 16 bytes by a launch of 20 blocks: spread, 1e9 / 25e9 / 20
+    = 2 ms; but one block made 50e6 of those 62.5e6 accesses (the rest spread thin), and
+    its 50e6 * 16 / 25e9 = 32 ms is the SM time. Local accesses of another block: 10e6 *
+    16 / 100e9 = 1.6 ms, less; each space's busiest block counts on its own."""
+    c = {"store_bytes:peer:16": 1_000_000_000, "kernel:k:launches": 1, "kernel:k:blocks": 20,
+         "block_max:accesses:peer": 50_000_000, "block_max:accesses:local": 10_000_000}
+    r = model.device_time(c)
+    assert r["busiest_block_s"] == pytest.approx(0.032)
+    assert r["sm_s"] == pytest.approx(0.032)
+    assert r["bound"] == "sm"
+    even = dict(c, **{"block_max:accesses:peer": 62_500_000 // 20,
+                      "block_max:accesses:local": 0})
+    assert model.device_time(even)["sm_s"] == pytest.approx(0.002)
+
+
 def test_rdma_puts_use_the_nic_rate():
     r = model.device_time({"put_bytes:rdma": 50_000_000_000, "chain:wrs": 1000})
     assert r["link_s"] == pytest.approx(1.0)

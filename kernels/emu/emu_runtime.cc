@@ -150,6 +150,7 @@ struct Block {
   size_t ready_pos = SIZE_MAX;
   double parked_until = 0;  // preempted: none of its threads runs before this virtual time
   size_t parked_pos = SIZE_MAX;
+  uint64_t accesses[2] = {};  // its threads' loads and stores, [0] own GPU's memory, [1] a peer's
 };
 
 struct Kernel {
@@ -160,6 +161,7 @@ struct Kernel {
   int64_t cost = 1;  // the share of its GPU one resident block takes (residency units)
   std::vector<StoreBuf*> bufs;
   uint32_t chain_max[kNumChains] = {};  // the longest of its threads' chains
+  uint64_t block_max[2] = {};           // the most accesses one of its blocks made, by space
 };
 
 struct Op {
@@ -354,6 +356,12 @@ void CountChains(Kernel* k) {
       "chain:fences:system", "chain:fences:gpu", "chain:release_stores", "chain:wrs"};
   for (int i = 0; i < kNumChains; ++i)
     if (k->chain_max[i] != 0) CountDev(k->dev->id, kChainNames[i], k->chain_max[i]);
+  // The busiest block's accesses (one SM's instructions), added per launch likewise:
+  // "block_max:accesses:local|peer" (each the maximum over the blocks on its own).
+  static const char* const kBlockMaxNames[2] = {"block_max:accesses:local",
+                                                "block_max:accesses:peer"};
+  for (int i = 0; i < 2; ++i)
+    if (k->block_max[i] != 0) CountDev(k->dev->id, kBlockMaxNames[i], k->block_max[i]);
 }
 
 
@@ -815,6 +823,7 @@ void FinishBlock(Block* b) {
   k->dev->resident--;
   k->dev->load -= k->cost;
   k->done_blocks++;
+  for (int i = 0; i < 2; ++i) k->block_max[i] = std::max(k->block_max[i], b->accesses[i]);
   delete b;
   if (k->done_blocks == k->total_blocks) FinishKernel(k);
 }
@@ -1362,6 +1371,7 @@ void note_access(int dir, const void* p, int width, size_t n) {
   const int d = dir == kAccessStore ? 1 : 0;
   k.bytes[d][sp][w] += n << w;
   k.accesses[d][sp][w] += n;
+  if (s.cur != nullptr) s.cur->blk->accesses[sp] += n;
 }
 
 void note_copy_share(const void* dst, const void* src, int width, int64_t count, int tid,

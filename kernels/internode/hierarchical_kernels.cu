@@ -27,7 +27,7 @@
 // Combine
 //   pushers         every row this rank holds from source s goes, in token order, into
 //                   the NVLink ring at s's rail peer on this node (s itself when s is on
-//                   this node).
+//                   this node); a warp per source up to 64 ranks (kMaxPushWarps).
 //   forwarder n     merges the rings of the source (n, my local) by token; per token the
 //                   node partial (its rows in ascending rank order summed in float32 and
 //                   rounded to the row dtype, kernels/common/combine_order.h): one row per
@@ -77,6 +77,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRanks = 1024;
 constexpr int kMaxNodes = 256;
 constexpr unsigned kFull = 0xffffffffu;
+// Combine pusher warps at most: each serves ceil(R / kMaxPushWarps) sources (one up to 64
+// ranks, so every source's rows have a warp of their own and the pushers spread over
+// blocks; at most 32, a lane each).
+constexpr int kMaxPushWarps = 64;
 // Rows a combine forwarder sums from an NVLink ring before it releases the ring's head.
 constexpr int kHeadBatch = kNvlRingRows >= 4 ? kNvlRingRows / 4 : 1;
 // Wait kinds of this mode in the shared error record (beside wire::SigKind).
@@ -804,12 +808,13 @@ __device__ __forceinline__ float ToF(__half v) { return f16_to_f32(__half_as_ush
 template <>
 __device__ __forceinline__ __half FromF(float v) { return __ushort_as_half(f32_to_f16(v)); }
 
-// Pusher warp p: lane l owns source s = 32 p + l, the rows this rank holds from s (in
-// token order) into the ring [my local][s's node] at s's rail peer on this node.
-__device__ void PushRole(const Geo& g, const View& v, int p, const char* y,
+// Pusher warp p: lane l < per owns source s = per p + l, the rows this rank holds from s
+// (in token order) into the ring [my local][s's node] at s's rail peer on this node; the
+// whole warp copies each row.
+__device__ void PushRole(const Geo& g, const View& v, int p, int per, const char* y,
                          const int32_t* counts, const int32_t* src_index) {
   const int lane = Lane();
-  const int s = p * 32 + lane;
+  const int s = lane < per ? p * per + lane : g.R;
   const bool mine = s < g.R;
   long long start = 0, n = 0, next = 0;
   unsigned long long tail = 0;
@@ -1309,13 +1314,13 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
 }
 
 // Blocks [0, nsrc): the source (a slice of the columns each); then warps [0, N):
-// forwarders (n != this node), [N, N + np): pushers.
+// forwarders (n != this node), [N, N + np): pushers of `per` sources each.
 template <typename E>
 __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
                                                         const int32_t* counts,
                                                         const int32_t* send_slot,
                                                         const int32_t* src_index, E* out,
-                                                        int np, int nsrc) {
+                                                        int np, int per, int nsrc) {
   const View v = ViewOf(g);
   __shared__ int failed;
   if (threadIdx.x == 0) failed = Failed(g) ? 1 : 0;
@@ -1334,7 +1339,7 @@ __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
     if (gw < g.N) {
       if (gw != g.node) CombineForwardRole<E>(g, v, gw, counts);
     } else if (gw < g.N + np) {
-      PushRole(g, v, gw - g.N, y, counts, src_index);
+      PushRole(g, v, gw - g.N, per, y, counts, src_index);
     }
   }
   __syncwarp();
@@ -1527,7 +1532,8 @@ std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, cons
   if (!e.empty()) return e;
   // Header only (no rows): seq, configuration and error flag, as every call.
   JEP_LAUNCH(ExchangeKernel, 1, kThreads, 0, stream)(g, false);
-  const int np = (g.R + 31) / 32;
+  const int per = (g.R + kMaxPushWarps - 1) / kMaxPushWarps;  // sources per pusher warp
+  const int np = (g.R + per - 1) / per;                         // pusher warps
   const int64_t vec_elems = 16 / FloatKindBytes(elem);
   const int nsrc = HierSourceBlocks(g.prow % 16 == 0 ? g.H / vec_elems : g.H);
   const int blocks = nsrc + (g.N + np + kWarps - 1) / kWarps;
@@ -1536,16 +1542,16 @@ std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, cons
   switch (elem) {
     case FloatKind::kF32:
       e = LaunchCoop(CombineMain<float>, "CombineMain", blocks, smem_bytes, stream, g, yc,
-                     counts, send_slot, src_index, static_cast<float*>(out), np, nsrc);
+                     counts, send_slot, src_index, static_cast<float*>(out), np, per, nsrc);
       break;
     case FloatKind::kBF16:
       e = LaunchCoop(CombineMain<__nv_bfloat16>, "CombineMain", blocks, smem_bytes, stream, g,
                      yc, counts, send_slot, src_index, static_cast<__nv_bfloat16*>(out), np,
-                     nsrc);
+                     per, nsrc);
       break;
     case FloatKind::kF16:
       e = LaunchCoop(CombineMain<__half>, "CombineMain", blocks, smem_bytes, stream, g, yc,
-                     counts, send_slot, src_index, static_cast<__half*>(out), np, nsrc);
+                     counts, send_slot, src_index, static_cast<__half*>(out), np, per, nsrc);
       break;
   }
   if (!e.empty()) return e;

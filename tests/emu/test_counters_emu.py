@@ -43,6 +43,8 @@ def test_probe_16_byte_helpers_count_bytes_per_gpu_width_and_space(probe_emu):
     assert g0["kernel:ProbeCopyKernel:blocks"] == 1
     assert g0["kernel:ProbeCopyKernel:warps"] == 1
     assert g0["kernel:ProbeCopyKernel:threads"] == 32
+    # one block made every access: it is the busiest block of each space
+    assert g0["block_max:accesses:local"] == 16 and g0["block_max:accesses:peer"] == 16
     assert g1.get("acquire_loads", 0) >= 1 and g1["polls"] >= g1["acquire_loads"]
     assert _bytes(g1, "load", "local") == {} and _bytes(g1, "store", "peer") == {}
     assert "fences:system" not in g1 and "release_stores" not in g1
@@ -67,12 +69,27 @@ def test_probe_device_copy_counts_the_width_the_alignment_allows(probe_emu, n, s
     assert g0["chain:fences:system"] == 1
 
 
+@pytest.mark.parametrize("blocks,busiest", [(2, 8), (3, 6)])
+def test_busiest_block_is_the_maximum_over_blocks(probe_emu, blocks, busiest):
+    """256 bytes in 16-byte vectors split into contiguous shares of 2 blocks (8 + 8) or 3
+    (5 + 5 + 6): the busiest block made 8 (or 6) of the 16 loads and of the 16 stores, not
+    their sum; the totals do not change."""
+    with counting() as c:
+        probe_emu.counter_probe(0, 256, threads=32, blocks=blocks)
+    g0 = c.per_device[0]
+    assert g0["kernel:ProbeCopyKernel:blocks"] == blocks
+    assert g0["loads:local:16"] == 16 and g0["stores:peer:16"] == 16
+    assert g0["block_max:accesses:local"] == busiest
+    assert g0["block_max:accesses:peer"] == busiest
+
+
 def test_chains_add_up_over_launches(probe_emu):
     """Two launches in one stream: their chains add (they run one after the other)."""
     with counting() as c:
         probe_emu.counter_probe(0, 64)
         probe_emu.counter_probe(0, 64)
     assert c.per_device[0]["chain:fences:system"] == 2
+    assert c.per_device[0]["block_max:accesses:peer"] == 2 * 64 // 16  # so do busiest blocks
     assert c.per_device[0]["kernel:ProbeCopyKernel:launches"] == 2
     assert c.per_device[0]["store_bytes:peer:16"] == 128
 

@@ -165,13 +165,16 @@ def test_small_rings_own_node_rows_fill_the_source_windows(source_blocks, monkey
     slots) hold fewer rows than a window of 8 tokens asks for, and the 2 x 2-row RDMA
     stream fewer chunks, so the source's windows end at the rings' room; over three
     consecutive calls every ring wraps; with one and with three source blocks (three blocks
-    for one 16-byte vector of columns: two sum nothing and still join every window)."""
+    for one 16-byte vector of columns: two sum nothing and still join every window). Blocks
+    are preempted now and then (parked for 20 us of virtual time), so a block that frees a
+    window's rows before the block summing them has read them shows."""
     monkeypatch.setenv("JAX_EP_HIER_SOURCE_BLOCKS", source_blocks)
     N, G, K = 2, 4, 4
     R = N * G
     T, H, E = 12, 4, 2 * R
     C = R * T
-    em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=13)
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=13,
+                      preempt_prob=0.002, preempt_ns=20000.0)
     rng = np.random.default_rng(17)
     el = E // R
     for _ in range(3):

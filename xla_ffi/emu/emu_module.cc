@@ -227,14 +227,15 @@ std::pair<std::string, std::vector<nb::bytes>> Result(int64_t id) {
 // that one thread of GPU 1 acquires.
 __global__ void ProbeCopyKernel(char* dst, const char* src, int64_t n, uint64_t* flag, int mode) {
   const int t = static_cast<int>(threadIdx.x), stride = static_cast<int>(blockDim.x);
-  if (mode == 0) {
-    for (int64_t i = t; i < n / 16; i += stride)
+  if (mode == 0) {  // block b: the b-th of gridDim.x contiguous shares of the 16-byte vectors
+    const int64_t nv = n / 16, b = blockIdx.x, nb = gridDim.x;
+    for (int64_t i = nv * b / nb + t; i < nv * (b + 1) / nb; i += stride)
       jax_ep::peer::store16(dst + 16 * i, jax_ep::peer::load_nc16(src + 16 * i));
   } else {
     jax_ep::devcopy::CopyBytes(dst, src, n, t, stride);
   }
   __threadfence_system();
-  if (t == 0) jax_ep::peer::signal(flag, 1);
+  if (t == 0 && blockIdx.x == 0) jax_ep::peer::signal(flag, 1);
 }
 __global__ void ProbeWaitKernel(const uint64_t* flag) {
   if (threadIdx.x == 0)
@@ -242,8 +243,10 @@ __global__ void ProbeWaitKernel(const uint64_t* flag) {
     }
 }
 
-void CounterProbe(int mode, int64_t n, int threads, int src_offset, int dst_offset) {
+void CounterProbe(int mode, int64_t n, int threads, int src_offset, int dst_offset, int blocks) {
   if (mode < 0 || mode > 1) throw std::invalid_argument("counter_probe: mode must be 0 or 1");
+  if (blocks < 1 || blocks > 64 || (mode == 1 && blocks != 1))
+    throw std::invalid_argument("counter_probe: blocks in [1, 64], and 1 in mode 1");
   if (n < 0 || threads < 1 || threads > 1024 || src_offset < 0 || src_offset > 15 ||
       dst_offset < 0 || dst_offset > 15)
     throw std::invalid_argument("counter_probe: n >= 0, threads in [1, 1024], offsets in [0, 15]");
@@ -258,7 +261,7 @@ void CounterProbe(int mode, int64_t n, int threads, int src_offset, int dst_offs
   emu::mark_peer_memory(dst, dbytes);
   auto* flag = reinterpret_cast<uint64_t*>(static_cast<char*>(dst) + ((n + 16 + 7) / 8) * 8);
   cudaSetDevice(0);
-  JEP_LAUNCH(ProbeCopyKernel, 1, threads, 0, nullptr)
+  JEP_LAUNCH(ProbeCopyKernel, blocks, threads, 0, nullptr)
   (static_cast<char*>(dst) + dst_offset, static_cast<const char*>(src) + src_offset, n, flag, mode);
   cudaSetDevice(1);
   JEP_LAUNCH(ProbeWaitKernel, 1, 32, 0, nullptr)(flag);
@@ -337,9 +340,10 @@ NB_MODULE(_jax_ep_emu, m) {
         "Test-only: virtual GPU 0 stores one byte at offset `at` of an n-byte buffer on GPU 1 "
         "(at >= n: an out-of-bounds peer write for the sanitizer job).");
   m.def("counter_probe", &CounterProbe, nb::arg("mode"), nb::arg("n"), nb::arg("threads") = 32,
-        nb::arg("src_offset") = 0, nb::arg("dst_offset") = 0,
+        nb::arg("src_offset") = 0, nb::arg("dst_offset") = 0, nb::arg("blocks") = 1,
         "A known access pattern for the counters' tests: virtual GPU 0 copies n bytes into "
-        "GPU 1's memory (mode 0: 16-byte helpers; 1: devcopy::CopyBytes), each thread "
-        "fences at system scope, thread 0 releases a flag GPU 1 acquires.");
+        "GPU 1's memory (mode 0: 16-byte helpers, `blocks` blocks each a contiguous share; "
+        "1: devcopy::CopyBytes, one block), each thread fences at system scope, thread 0 of "
+        "block 0 releases a flag GPU 1 acquires.");
   BindCudaHostFunctions(m.ptr());
 }
