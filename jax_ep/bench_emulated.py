@@ -315,11 +315,14 @@ MODEL_MODE = {"intranode": "intranode", "hierarchical_2x8": "hierarchical",
               "hierarchical_4x8": "hierarchical", "internode_ll": "internode_ll"}
 
 
-def run_model(names, *, seed=0, progress=True) -> list[dict]:
+def run_model(names, *, seed=0, progress=True, bf16_dispatch=False) -> list[dict]:
     out = []
     for name in names:
         mode = MODEL_MODE[name]
-        pts = model_points(mode, MODEL_COUNT[name])
+        base = dict(MODEL_COUNT[name])
+        if bf16_dispatch:
+            base.pop("fp8_dispatch", None)
+        pts = model_points(mode, base)
         if progress:
             print(f"jax_ep.bench --model: counting {mode} at {len(pts)} small shapes "
                   f"({pts[0]}) ...", file=sys.stderr)
@@ -340,7 +343,9 @@ def model_entry(name: str, points: list[dict]) -> dict:
     model without counting again)."""
     from jax_ep import model
 
-    target = TARGETS[name]
+    target = dict(TARGETS[name])
+    if not points[0]["shape"].get("fp8_dispatch"):  # counted with a bf16 dispatch
+        target.pop("fp8_dispatch", None)
     entry = {"target": name, "mode": MODEL_MODE[name], "shape": target,
              "counted_at": [p["shape"] for p in points], "ops": {}, "points": points}
     for op in ("dispatch", "combine"):
@@ -419,6 +424,9 @@ def parse_args(argv=None):
     p.add_argument("--model-from", metavar="JSON",
                    help="recompute the model from the counted points of an earlier --json "
                         "(no counting)")
+    p.add_argument("--bf16-dispatch", action="store_true",
+                   help="count the low-latency model target's dispatch in bf16, not FP8 (for "
+                        "kernels without the FP8 send, as the redesign's starting point)")
     p.add_argument("--json", metavar="PATH", help="write the counts (and model) as JSON")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -466,7 +474,7 @@ def main(argv=None) -> dict:
             entries = [model_entry(e["target"], e["points"]) if "points" in e else e
                        for e in old.get("model", {}).get("entries", [])]
         else:
-            entries = run_model(a.targets, seed=a.seed)
+            entries = run_model(a.targets, seed=a.seed, bf16_dispatch=a.bf16_dispatch)
         report["model"] = {"note": MODEL_NOTE, "constants": model.H200.as_dict(),
                            "entries": entries}
         print(format_model(entries))

@@ -159,7 +159,9 @@ def main(argv=None):
                 shutil.copytree(src, dst, dirs_exist_ok=True)
             else:
                 shutil.copy2(src, dst)
-        before = count(build(wt, a.jobs), os.path.join(a.scratch, "before.json"), [])
+        # its low-latency FP8 went as two dispatches (no FP8 send op): bf16 dispatch
+        before = count(build(wt, a.jobs), os.path.join(a.scratch, "before.json"),
+                       ["--emulated", "--model", "--bf16-dispatch"])
         before["commit"] = f"{BEFORE_COMMIT} with the counting emulator of {head}"
         with open(BEFORE_JSON, "w") as f:  # per-GPU counts and model points: --model-from
             json.dump(before, f)
