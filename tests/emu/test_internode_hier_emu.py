@@ -158,20 +158,21 @@ def test_small_rings_wrap_and_credit_per_chunk(N, G, K):
         round_trip(em, "hierarchical_small_rings", x, idx, w, y, g, E=E, C=C, K=K)
 
 
-@pytest.mark.parametrize("source_blocks", ["1", "3"])
+@pytest.mark.parametrize("source_blocks", ["1", "3", "6"])
 def test_small_rings_own_node_rows_fill_the_source_windows(source_blocks, monkeypatch):
     """Small rings, every token to K of its own node's ranks (or to K - 1 of them and one
     rank of the next node): the NVLink rings that bring the source its own node's rows (3
     slots) hold fewer rows than a window of 8 tokens asks for, and the 2 x 2-row RDMA
     stream fewer chunks, so the source's windows end at the rings' room; over three
-    consecutive calls every ring wraps; with one and with three source blocks (three blocks
-    for one 16-byte vector of columns: two sum nothing and still join every window). Blocks
-    are preempted now and then (parked for 20 us of virtual time), so a block that frees a
-    window's rows before the block summing them has read them shows."""
+    consecutive calls every ring wraps; with one, three and six source blocks for rows of
+    four 16-byte vectors (six: two blocks sum nothing and still join every window). Rows
+    of 64 bytes are copied by four lanes, so a release that does not cover the other lanes'
+    stores shows. Blocks are preempted now and then (parked for 20 us of virtual time), so
+    a block that frees a window's rows before the block summing them has read them shows."""
     monkeypatch.setenv("JAX_EP_HIER_SOURCE_BLOCKS", source_blocks)
     N, G, K = 2, 4, 4
     R = N * G
-    T, H, E = 12, 4, 2 * R
+    T, H, E = 12, 16, 2 * R
     C = R * T
     em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=13,
                       preempt_prob=0.002, preempt_ns=20000.0)
