@@ -72,6 +72,11 @@ def _merge(a: list[dict], b: list[dict]) -> list[dict]:
 _CACHE: dict = {}
 
 
+# Blocks one virtual GPU runs at once for the internode modes (None: each kernel's
+# occupancy-table limit on 132 SMs); --resident-blocks sets it.
+INTERNODE_RESIDENT: int | None = None
+
+
 def count_mode(mode: str, shape: dict, *, seed: int = 0) -> dict[str, Any]:
     """Counts one dispatch and one combine of `mode` at `shape` (after one uncounted
     round, so buffers, credits and parities are in their steady state). Returns
@@ -146,10 +151,10 @@ def _count_mode(mode: str, shape: dict, *, seed: int = 0) -> dict[str, Any]:
             raise ValueError(f"{mode}: ranks {R} must be a multiple of nodes {N}")
         C = R * T
         heap = max(4, (16 * R * T * (H * 2 + 64 * K)) >> 20)
-        # resident_blocks=None: the kernels' ptxas rows on 132 SMs (an H200), so the
-        # cooperative grids of the default configuration are not cut to the emulator's 16
+        # INTERNODE_RESIDENT None: the kernels' ptxas rows on 132 SMs (an H200), so the
+        # cooperative grids of the default configuration are not cut to 16 blocks
         ie = em.InternodeEmulator(R, gpus_per_node=R // N, seed=seed + 1, heap_mib=heap,
-                                  resident_blocks=None)
+                                  resident_blocks=INTERNODE_RESIDENT)
         for counting in (False, True):
             if counting:
                 d = counted("dispatch", lambda: ie.dispatch(x, idx, w, num_experts=E,
@@ -424,6 +429,9 @@ def parse_args(argv=None):
     p.add_argument("--model-from", metavar="JSON",
                    help="recompute the model from the counted points of an earlier --json "
                         "(no counting)")
+    p.add_argument("--resident-blocks", type=int, default=None,
+                   help="blocks a virtual GPU runs at once in the internode modes (default: "
+                        "each kernel's occupancy-table limit on 132 SMs)")
     p.add_argument("--bf16-dispatch", action="store_true",
                    help="count the low-latency model target's dispatch in bf16, not FP8 (for "
                         "kernels without the FP8 send, as the redesign's starting point)")
@@ -442,7 +450,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+    global INTERNODE_RESIDENT
     a = parse_args(argv)
+    INTERNODE_RESIDENT = a.resident_blocks
     shapes = {m: dict(DEFAULTS[m]) for m in MODES}
     for m in MODES:
         for k in ("ranks", "tokens", "hidden", "topk", "experts"):
