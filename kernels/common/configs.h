@@ -61,6 +61,38 @@ inline int HierSourceBlocks(long long row_vectors) {
   return static_cast<int>(n > kMaxHierSourceBlocks ? kMaxHierSourceBlocks : n);
 }
 
+// Hierarchical dispatch: its roles are spread over parts, one warp each, and the warps over
+// kHierDispatchBlocks blocks, consecutive warps of a role on consecutive blocks (DeepEP's
+// channels: every SM holds a slice of every role). A sender to a remote node runs as
+// parts that each own a set of QPs (the largest divisor of the QP count at most
+// kHierSendParts: the chunks of one QP stay in order), a forwarder (local or rail) as
+// parts that each own a set of the node's receivers (at most kHierForwardParts).
+// JAX_EP_HIER_DISPATCH_BLOCKS overrides the block count (rank-local: the wire is the same).
+inline constexpr int kHierDispatchBlocks = 24;
+inline constexpr int kHierSendParts = 4;
+inline constexpr int kHierForwardParts = 8;
+inline constexpr int kMaxHierParts = 32;
+
+inline int HierSendParts(int num_qps) {
+  int p = num_qps < kHierSendParts ? num_qps : kHierSendParts;
+  while (p > 1 && num_qps % p != 0) --p;
+  return p < 1 ? 1 : p;
+}
+inline int HierForwardParts(int gpus_per_node) {
+  const int p = gpus_per_node < kHierForwardParts ? gpus_per_node : kHierForwardParts;
+  return p < 1 ? 1 : (p > kMaxHierParts ? kMaxHierParts : p);
+}
+// Blocks for `warps` role warps: the preset (or the override), at least enough for
+// `per_block` warps a block, at most one block a warp.
+inline int HierDispatchBlocks(int warps, int per_block) {
+  const char* v = std::getenv("JAX_EP_HIER_DISPATCH_BLOCKS");
+  long long n = (v != nullptr && *v != '\0') ? std::atoll(v) : kHierDispatchBlocks;
+  const int least = (warps + per_block - 1) / per_block;
+  if (n < least) n = least;
+  if (n > warps) n = warps;
+  return static_cast<int>(n < 1 ? 1 : n);
+}
+
 // Layout kernel: tokens handled per block and threads per block.
 struct LayoutPreset {
   int tokens_per_block;

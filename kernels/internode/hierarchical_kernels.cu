@@ -89,6 +89,7 @@ constexpr int kKindNvl = 17;     // NVLink ring head or tail
 constexpr int kKindRow = 18;     // a row arrived out of order (qp: the ring or stream)
 constexpr int kKindNoPeer = 19;  // a GPU of the node has no NVSHMEM peer pointer
 constexpr int kKindSource = 20;  // a source block of this rank's combine (qp: the block)
+constexpr int kKindPart = 21;    // a part of this rank's dispatch sender or forwarder (qp: the part)
 
 struct Geo {
   int R, rank, G, N, node, local;
@@ -524,17 +525,45 @@ __device__ bool CloseStream(const Geo& g, const View& v, int n, int peer, int64_
   return __all_sync(kFull, ok) != 0;
 }
 
-// The stream's writer: closing signal on every QP, the final credit wait (no credit of
-// this call may land after the word is reset), then the reset.
+// Dispatch parts that finished a stream or a chunk, per (node, part): the call
+// (*counter + 1) in the high 32 bits, the chunks (forwarders) or 1 (senders) in the low
+// ones. Part 0 of a role waits for the others before it frees what they all read.
+JEP_DEVICE_GLOBAL uint64_t g_send_done[kMaxNodes * kMaxHierParts];
+JEP_DEVICE_GLOBAL uint64_t g_fwd_done[kMaxNodes * kMaxHierParts];
+
+__device__ __forceinline__ uint64_t CallTag(const Geo& g) {
+  return static_cast<uint64_t>(*g.counter + 1ull) << 32;
+}
+
+// Lane 0 of part 0: waits (bounded) until every other part's word of `words` (np parts)
+// reaches `mark`.
+__device__ bool JoinParts(const Geo& g, const uint64_t* words, int np, uint64_t mark) {
+  for (int b = 1; b < np; ++b) {
+    const uint64_t* w = words + b;
+    if (!WaitAtLeast(g, [w] { return LoadAcq(w); }, mark, g.rank, kKindPart, b)) return false;
+  }
+  return true;
+}
+
+// Part p of sp of the stream's writer: the closing signal on its own QPs (those of the
+// chunks it put); then part 0, once every part is done, waits for the final credit (no
+// credit of this call may land after the word is reset) and resets the word.
 __device__ void EndStream(const Geo& g, const View& v, int m, int peer, int64_t chunks,
-                          int data_node) {
-  for (int q = Lane(); q < g.nq; q += 32)
-    Tr::signal(DataWord(v, g, data_node, q), 1, SignalOp::kAdd, peer, q);
+                          int data_node, int p, int sp) {
+  for (int ch = Lane(); ch < g.nq; ch += 32)
+    if (ch % sp == p)
+      Tr::signal(DataWord(v, g, data_node, ChunkQp(g, peer, ch)), 1, SignalOp::kAdd, peer,
+                 ChunkQp(g, peer, ch));
   __syncwarp();
   if (Lane() == 0) {
+    uint64_t* done = g_send_done + static_cast<int64_t>(m) * kMaxHierParts;
+    const uint64_t mark = CallTag(g) | 1u;
     uint64_t* cw = v.credit + m;
-    if (WaitAtLeast(g, [cw] { return Tr::fetch(cw); }, static_cast<uint64_t>(chunks), peer,
-                    kKindCredit, 0))
+    if (p != 0)
+      StoreRel(done + p, mark);  // its credit waits are over
+    else if (JoinParts(g, done, sp, mark) &&
+             WaitAtLeast(g, [cw] { return Tr::fetch(cw); }, static_cast<uint64_t>(chunks),
+                         peer, kKindCredit, 0))
       *cw = 0;
   }
   __syncwarp();
@@ -559,41 +588,64 @@ __device__ __forceinline__ bool WaitCredit(const Geo& g, const View& v, int m, i
   return WarpWaitSig(g, v.credit + m, static_cast<uint64_t>(need), peer, kKindCredit, 0);
 }
 
-// Sender to node m's rail peer: the rows of this rank's tokens with a receiver on m.
-__device__ void SendRole(const Geo& g, const View& v, int m, const char* payload,
-                         const int32_t* topk_idx, const float* topk_w,
+// Sender part p of sp to node m's rail peer: the rows of this rank's tokens with a
+// receiver on m. Every part numbers all the rows; part p writes and puts chunks
+// c = p (mod sp), so the chunks of one QP (sp divides the QP count) go in order.
+__device__ void SendRole(const Geo& g, const View& v, int m, int p, int sp,
+                         const char* payload, const int32_t* topk_idx, const float* topk_w,
                          const int32_t* send_slot) {
   const int peer = m * g.G + g.local;
   int64_t o = 0;
   for (int tb = 0; tb < g.T; tb += 32) {
     const int t = tb + Lane();
     const uint32_t mask = t < g.T ? NodeMask(g, t, m, topk_idx, send_slot) : 0u;
-    unsigned todo = __ballot_sync(kFull, mask != 0);
+    const unsigned any = __ballot_sync(kFull, mask != 0);
+    // the rows of these tokens: o .. o + popc(any); skip them unless a chunk is ours
+    const int64_t c0 = o / kRdmaChunkRows, c1 = (o + __popc(any) - 1) / kRdmaChunkRows;
+    bool mine = false;
+    for (int64_t c = c0; c <= c1 && !mine && any != 0; ++c) mine = c % sp == p;
+    if (!mine) {
+      o += __popc(any);
+      continue;
+    }
+    unsigned todo = any;
     while (todo != 0) {
       const int l = __ffs(todo) - 1;
       todo &= todo - 1;
-      const uint32_t mm = __shfl_sync(kFull, mask, l);
       const int64_t c = o / kRdmaChunkRows, j = o % kRdmaChunkRows;
+      ++o;
+      if (c % sp != p) continue;
+      const uint32_t mm = __shfl_sync(kFull, mask, l);
       if (j == 0 && !WaitCredit(g, v, m, peer, c)) return;
       WriteRow(g, SendSlot(v, g, m, c) + j * g.stride, payload, topk_idx, topk_w, tb + l, mm,
                -1);
-      ++o;
       if (j == kRdmaChunkRows - 1) PutChunk(g, v, m, peer, c, kRdmaChunkRows);
     }
   }
-  if (o % kRdmaChunkRows != 0) PutChunk(g, v, m, peer, o / kRdmaChunkRows, o % kRdmaChunkRows);
-  EndStream(g, v, m, peer, (o + kRdmaChunkRows - 1) / kRdmaChunkRows, g.node);
+  if (o % kRdmaChunkRows != 0 && (o / kRdmaChunkRows) % sp == p)
+    PutChunk(g, v, m, peer, o / kRdmaChunkRows, o % kRdmaChunkRows);
+  EndStream(g, v, m, peer, (o + kRdmaChunkRows - 1) / kRdmaChunkRows, g.node, p, sp);
+}
+
+// The receivers of this node that forwarder part p of fp serves: l = p (mod fp).
+__device__ __forceinline__ uint32_t PartReceivers(const Geo& g, int p, int fp) {
+  uint32_t own = 0;
+  for (int l = p; l < g.G; l += fp) own |= 1u << l;
+  return own;
 }
 
 // This rank's own tokens for its own node: straight into the receivers' rings.
-__device__ void LocalForwardRole(const Geo& g, const View& v, const char* payload,
-                                 const int32_t* topk_idx, const float* topk_w,
-                                 const int32_t* send_slot) {
+// Part p of fp: the rings of its own receivers only (each ring keeps one writer).
+__device__ void LocalForwardRole(const Geo& g, const View& v, int p, int fp,
+                                 const char* payload, const int32_t* topk_idx,
+                                 const float* topk_w, const int32_t* send_slot) {
   FwdLane f;
   if (!FwdSetup(g, v, v.counts, g.R + g.N, g.rank, &f)) return;
+  const uint32_t own = PartReceivers(g, p, fp);
   for (int tb = 0; tb < g.T; tb += 32) {
     const int t = tb + Lane();
-    const uint32_t mask = t < g.T ? NodeMask(g, t, g.node, topk_idx, send_slot) : 0u;
+    const uint32_t mask =
+        t < g.T ? NodeMask(g, t, g.node, topk_idx, send_slot) & own : 0u;
     unsigned todo = __ballot_sync(kFull, mask != 0);
     while (todo != 0) {
       const int l = __ffs(todo) - 1;
@@ -606,13 +658,17 @@ __device__ void LocalForwardRole(const Geo& g, const View& v, const char* payloa
   }
 }
 
-// Rail forwarder for the source (n, my local index): chunk by chunk from the RDMA ring to
-// the receivers of this node, a credit after each chunk.
-__device__ void RailForwardRole(const Geo& g, const View& v, int n) {
+// Rail forwarder part p of fp for the source (n, my local index): chunk by chunk from the
+// RDMA ring to its own receivers of this node; part 0 credits a chunk once every part has
+// published its rows of it, and closes the stream.
+__device__ void RailForwardRole(const Geo& g, const View& v, int n, int p, int fp) {
   const int s = n * g.G + g.local;
   const int cs = g.R + g.N;
   FwdLane f;
   if (!FwdSetup(g, v, v.counts, cs, s, &f)) return;
+  const uint32_t own = PartReceivers(g, p, fp);
+  uint64_t* done = g_fwd_done + static_cast<int64_t>(n) * kMaxHierParts;
+  const uint64_t tag = CallTag(g);
   const int64_t rows = v.counts[static_cast<int64_t>(s) * cs + g.R + g.node];
   const int64_t chunks = (rows + kRdmaChunkRows - 1) / kRdmaChunkRows;
   for (int64_t c = 0; c < chunks; ++c) {
@@ -627,15 +683,24 @@ __device__ void RailForwardRole(const Geo& g, const View& v, int n) {
       const char* row = slot + j * g.stride;
       const uint32_t mask = static_cast<uint32_t>(
           devcopy::LoadLanded(reinterpret_cast<const int32_t*>(row + g.dmeta) + 2));
-      if (!Forward(g, &f, mask, row, nullptr, nullptr, nullptr, 0)) return;
+      if (!Forward(g, &f, mask & own, row, nullptr, nullptr, nullptr, 0)) return;
     }
     NvlFlush(&f);  // the chunk's rows: one release per ring, before the credit frees them
     __syncwarp();
-    if (Lane() == 0)
-      Tr::signal(v.credit + g.node, static_cast<uint64_t>(c + 1), SignalOp::kSet, s,
-                 wire::kControlQp);
+    int ok = 1;
+    if (Lane() == 0) {
+      const uint64_t mark = tag | static_cast<uint64_t>(c + 1);
+      if (p != 0)
+        StoreRel(done + p, mark);  // its reads of the chunk are over
+      else if (JoinParts(g, done, fp, mark))
+        Tr::signal(v.credit + g.node, static_cast<uint64_t>(c + 1), SignalOp::kSet, s,
+                   wire::kControlQp);
+      else
+        ok = 0;
+    }
+    if (!__shfl_sync(kFull, ok, 0)) return;
   }
-  CloseStream(g, v, n, s, chunks, wire::kSigDispatch);
+  if (p == 0) CloseStream(g, v, n, s, chunks, wire::kSigDispatch);
 }
 
 // Writes one received dispatch-pattern row to the outputs.
@@ -726,27 +791,30 @@ __device__ void ReceiveRole(const Geo& g, const View& v, int w, int nw, const Ou
   }
 }
 
-// Warps [0, N): sender to node m (the local forwarder for m == this node); [N, 2N): rail
-// forwarder for node n != this node; [2N, 2N + nw): receivers.
+// Role warps, warp w of the launch at block w % B (consecutive warps of a role on
+// consecutive blocks): [0, (N-1) sp) senders, sp parts per remote node; then fp local
+// forwarder parts; then (N-1) fp rail forwarder parts; then nw receivers.
+__device__ __forceinline__ int RemoteNode(const Geo& g, int i) { return i < g.node ? i : i + 1; }
+
 __global__ void __launch_bounds__(kThreads) DispatchMain(Geo g, const char* payload,
                                                          const int32_t* topk_idx,
                                                          const float* topk_w,
                                                          const int32_t* send_slot, Outs out,
-                                                         int nw, bool gather) {
-  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5);
+                                                         int nw, int sp, int fp, bool gather) {
+  int gw = (threadIdx.x >> 5) * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x);
   int failed = 0;
   if (Lane() == 0) failed = Failed(g) ? 1 : 0;
   if (__shfl_sync(kFull, failed, 0)) return;
   const View v = ViewOf(g);
-  if (gw < g.N) {
-    if (gw == g.node)
-      LocalForwardRole(g, v, payload, topk_idx, topk_w, send_slot);
-    else
-      SendRole(g, v, gw, payload, topk_idx, topk_w, send_slot);
-  } else if (gw < 2 * g.N) {
-    if (gw - g.N != g.node) RailForwardRole(g, v, gw - g.N);
-  } else if (gw < 2 * g.N + nw) {
-    ReceiveRole(g, v, gw - 2 * g.N, nw, out, gather);
+  const int remote = g.N - 1;
+  if (gw < remote * sp) {
+    SendRole(g, v, RemoteNode(g, gw / sp), gw % sp, sp, payload, topk_idx, topk_w, send_slot);
+  } else if ((gw -= remote * sp) < fp) {
+    LocalForwardRole(g, v, gw, fp, payload, topk_idx, topk_w, send_slot);
+  } else if ((gw -= fp) < remote * fp) {
+    RailForwardRole(g, v, RemoteNode(g, gw / fp), gw % fp, fp);
+  } else if ((gw -= remote * fp) < nw) {
+    ReceiveRole(g, v, gw, nw, out, gather);
   }
   __syncwarp();
   if (Lane() == 0) Tr::quiet();
@@ -1078,7 +1146,7 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
     if (j == kRdmaChunkRows - 1) PutChunk(g, v, n, s, c, kRdmaChunkRows);
   }
   if (o % kRdmaChunkRows != 0) PutChunk(g, v, n, s, o / kRdmaChunkRows, o % kRdmaChunkRows);
-  EndStream(g, v, n, s, (o + kRdmaChunkRows - 1) / kRdmaChunkRows, g.node);
+  EndStream(g, v, n, s, (o + kRdmaChunkRows - 1) / kRdmaChunkRows, g.node, 0, 1);
   __syncwarp();
   if (lane < g.G) {
     *HeadW(v, g, lane, n) = 0;
@@ -1458,6 +1526,29 @@ std::string LaunchCoop(void (*kernel)(Args...), const char* name, int blocks, si
 #endif
 }
 
+// Blocks of DispatchMain that can be resident at once within the EP SM budget
+// (configs.h EpSmBudget): its roles wait on each other, so no block may wait to start.
+int DispatchResidentCap() {
+#if defined(JAX_EP_EMU)
+  return static_cast<int>(::emu::resident_limit("DispatchMain", kThreads, 0));
+#else
+  static int sms = 0, per = 0;
+  if (sms == 0) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        sms < 1)
+      sms = 132;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, DispatchMain, kThreads, 0) !=
+            cudaSuccess ||
+        per < 1)
+      per = 1;
+    cudaGetLastError();  // not sticky; the launch must not report it
+  }
+  return EpSmBudget(sms) * per;
+#endif
+}
+
 // Dispatch and gather share the path: x or g rows, routed by topk_idx or the handle.
 std::string RunDispatchPattern(cudaStream_t stream, const Geo& g, const char* payload,
                                const int32_t* topk_idx, const float* topk_w,
@@ -1474,9 +1565,16 @@ std::string RunDispatchPattern(cudaStream_t stream, const Geo& g, const char* pa
   JEP_LAUNCH(CountKernel, g.R + g.N, kThreads, 0, stream)(g, topk_idx, send_slot_in, send_slot_out);
   JEP_LAUNCH(ExchangeKernel, 1, kThreads, 0, stream)(g, true);
   const int nw = g.G * g.N < 32 ? g.G * g.N : 32;
-  const int warps = 2 * g.N + nw;
-  e = LaunchCoop(DispatchMain, "DispatchMain", (warps + kWarps - 1) / kWarps, 0, stream, g,
-                 payload, topk_idx, topk_w, send_slot_in, out, nw, gather);
+  const int sp = HierSendParts(g.nq), fp = HierForwardParts(g.G);
+  const int warps = (g.N - 1) * sp + g.N * fp + nw;
+  // the preset, cut to what stays resident (never below what holds every warp: a launch
+  // that cannot be resident then fails with the co-residency error)
+  int nb = HierDispatchBlocks(warps, kWarps);
+  const int cap = DispatchResidentCap();
+  const int least = (warps + kWarps - 1) / kWarps;
+  if (nb > cap) nb = cap > least ? cap : least;
+  e = LaunchCoop(DispatchMain, "DispatchMain", nb, 0, stream, g,
+                 payload, topk_idx, topk_w, send_slot_in, out, nw, sp, fp, gather);
   if (!e.empty()) return e;
   const int64_t work = static_cast<int64_t>(g.C) * g.prow;
   const int64_t blocks = (work + kThreads - 1) / kThreads;
@@ -1597,6 +1695,10 @@ std::string PendingError() {
     case kKindSource:
       m += "timed out (JAX_EP_TIMEOUT_S) waiting for block " + std::to_string(qp) +
            " of this rank's combine to sum its columns (it stopped on an earlier wait)";
+      break;
+    case kKindPart:
+      m += "timed out (JAX_EP_TIMEOUT_S) waiting for part " + std::to_string(qp) +
+           " of this rank's dispatch sender or forwarder (it stopped on an earlier wait)";
       break;
     case kKindRow:
       m += "a row from rank " + std::to_string(peer) + " arrived out of order (expected " +
