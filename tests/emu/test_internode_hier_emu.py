@@ -190,6 +190,42 @@ def test_small_rings_own_node_rows_fill_the_source_windows(source_blocks, monkey
         round_trip(em, "hierarchical_small_rings", x, idx, w, y, g, E=E, C=C, K=K)
 
 
+@pytest.mark.parametrize("qpp,dispatch_blocks,blocks", [(1, None, 16), (2, "3", 3)])
+def test_small_rings_dispatch_parts_over_blocks(qpp, dispatch_blocks, blocks, monkeypatch):
+    """Small rings, every token to K ranks of the next node: the dispatch's sender to a
+    node runs as parts that each own the chunks of some QPs (2 parts with 2 QPs, 4 with
+    4), its rail forwarder as 4 parts that each own one receiver of the node, and part 0
+    credits a chunk (or resets the credit word) only once every part is done with it. The
+    role warps spread over the preset's blocks cut to the 16 the emulated GPU holds, or
+    packed into the 3 that JAX_EP_HIER_DISPATCH_BLOCKS asks for (18 warps: the least).
+    Blocks are preempted now and then, so a part that lags behind part 0 shows: its rows
+    overwritten in a slot part 0 freed, or its credit word reset under it. Bit-exact over
+    three calls, and the launch has that many blocks."""
+    if dispatch_blocks is None:
+        monkeypatch.delenv("JAX_EP_HIER_DISPATCH_BLOCKS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_EP_HIER_DISPATCH_BLOCKS", dispatch_blocks)
+    N, G, K = 2, 4, 3
+    R = N * G
+    T, H, E = 12, 16, 2 * R
+    C = R * T
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=qpp, seed=29,
+                      preempt_prob=0.002, preempt_ns=20000.0)
+    rng = np.random.default_rng(31)
+    el = E // R
+    em.emu.reset_counters()
+    for _ in range(3):
+        x, idx, w, y, g = data(rng, R, T, H, K, E, C, np.float32)
+        for r in range(R):
+            m = (r // G + 1) % N
+            for t in range(T):
+                idx[r, t] = (m * G + rng.permutation(G)[:K]) * el + rng.integers(el, size=K)
+        round_trip(em, "hierarchical_small_rings", x, idx, w, y, g, E=E, C=C, K=K)
+    c = em.emu.counters()
+    got = {k: v for k, v in c.items() if k.startswith("kernel:DispatchMain")}
+    assert got.get("kernel:DispatchMain:blocks") == 6 * R * blocks, got  # dispatch, gather
+
+
 @pytest.mark.parametrize("source_blocks,blocks", [(None, 8), ("3", 3)])
 def test_combine_source_blocks_split_the_columns(source_blocks, blocks, monkeypatch):
     """The combine's source runs as several blocks, each summing a slice of the columns: 8
@@ -244,7 +280,7 @@ def test_cooperative_kernels_take_their_ptxas_residency():
 
 
 def test_cooperative_launch_past_the_residency_limit_is_refused():
-    """2 x 4: DispatchMain's cooperative grid is 2 blocks (2N + 8 warps); with one block
+    """2 x 4: DispatchMain's cooperative grid is at least 3 blocks (18 role warps); with one block
     resident per GPU every rank's launch is refused, as cudaLaunchKernelEx refuses a
     cooperative grid larger than the device holds (cudaErrorCooperativeLaunchTooLarge),
     and no rank hangs on a block that could never run."""
