@@ -82,11 +82,15 @@ inline int HierForwardParts(int gpus_per_node) {
   const int p = gpus_per_node < kHierForwardParts ? gpus_per_node : kHierForwardParts;
   return p < 1 ? 1 : (p > kMaxHierParts ? kMaxHierParts : p);
 }
-// Blocks for `warps` role warps: the preset (or the override), at least enough for
-// `per_block` warps a block, at most one block a warp.
-inline int HierDispatchBlocks(int warps, int per_block) {
-  const char* v = std::getenv("JAX_EP_HIER_DISPATCH_BLOCKS");
-  long long n = (v != nullptr && *v != '\0') ? std::atoll(v) : kHierDispatchBlocks;
+// The hierarchical combine's forwarders and pushers (one warp each) spread the same way
+// over kHierCombineRoleBlocks blocks beside the source blocks (JAX_EP_HIER_COMBINE_BLOCKS).
+inline constexpr int kHierCombineRoleBlocks = 8;
+
+// Blocks for `warps` role warps: `preset`, or the integer in the environment variable
+// `env`; at least enough for `per_block` warps a block, at most one block a warp.
+inline int HierRoleBlocks(const char* env, int preset, int warps, int per_block) {
+  const char* v = std::getenv(env);
+  long long n = (v != nullptr && *v != '\0') ? std::atoll(v) : preset;
   const int least = (warps + per_block - 1) / per_block;
   if (n < least) n = least;
   if (n > warps) n = warps;

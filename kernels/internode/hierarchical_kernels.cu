@@ -89,7 +89,7 @@ constexpr int kKindNvl = 17;     // NVLink ring head or tail
 constexpr int kKindRow = 18;     // a row arrived out of order (qp: the ring or stream)
 constexpr int kKindNoPeer = 19;  // a GPU of the node has no NVSHMEM peer pointer
 constexpr int kKindSource = 20;  // a source block of this rank's combine (qp: the block)
-constexpr int kKindPart = 21;    // a part of this rank's dispatch sender or forwarder (qp: the part)
+constexpr int kKindPart = 21;    // a part of this rank's dispatch rail forwarder (qp: the part)
 
 struct Geo {
   int R, rank, G, N, node, local;
@@ -525,10 +525,9 @@ __device__ bool CloseStream(const Geo& g, const View& v, int n, int peer, int64_
   return __all_sync(kFull, ok) != 0;
 }
 
-// Dispatch parts that finished a stream or a chunk, per (node, part): the call
-// (*counter + 1) in the high 32 bits, the chunks (forwarders) or 1 (senders) in the low
-// ones. Part 0 of a role waits for the others before it frees what they all read.
-JEP_DEVICE_GLOBAL uint64_t g_send_done[kMaxNodes * kMaxHierParts];
+// Chunks of a stream each rail forwarder part is done with, per (source node, part): the
+// call (*counter + 1) in the high 32 bits, the chunks in the low ones. Part 0 waits for
+// the others before it frees a chunk they all read.
 JEP_DEVICE_GLOBAL uint64_t g_fwd_done[kMaxNodes * kMaxHierParts];
 
 __device__ __forceinline__ uint64_t CallTag(const Geo& g) {
@@ -546,8 +545,9 @@ __device__ bool JoinParts(const Geo& g, const uint64_t* words, int np, uint64_t 
 }
 
 // Part p of sp of the stream's writer: the closing signal on its own QPs (those of the
-// chunks it put); then part 0, once every part is done, waits for the final credit (no
-// credit of this call may land after the word is reset) and resets the word.
+// chunks it put); then part 0 waits for the final credit (no credit of this call may land
+// after the word is reset) and resets the word. No part can still read the word then:
+// the final credit covers every chunk, and a chunk is put only after its part's wait.
 __device__ void EndStream(const Geo& g, const View& v, int m, int peer, int64_t chunks,
                           int data_node, int p, int sp) {
   for (int ch = Lane(); ch < g.nq; ch += 32)
@@ -555,15 +555,10 @@ __device__ void EndStream(const Geo& g, const View& v, int m, int peer, int64_t 
       Tr::signal(DataWord(v, g, data_node, ChunkQp(g, peer, ch)), 1, SignalOp::kAdd, peer,
                  ChunkQp(g, peer, ch));
   __syncwarp();
-  if (Lane() == 0) {
-    uint64_t* done = g_send_done + static_cast<int64_t>(m) * kMaxHierParts;
-    const uint64_t mark = CallTag(g) | 1u;
+  if (Lane() == 0 && p == 0) {
     uint64_t* cw = v.credit + m;
-    if (p != 0)
-      StoreRel(done + p, mark);  // its credit waits are over
-    else if (JoinParts(g, done, sp, mark) &&
-             WaitAtLeast(g, [cw] { return Tr::fetch(cw); }, static_cast<uint64_t>(chunks),
-                         peer, kKindCredit, 0))
+    if (WaitAtLeast(g, [cw] { return Tr::fetch(cw); }, static_cast<uint64_t>(chunks), peer,
+                    kKindCredit, 0))
       *cw = 0;
   }
   __syncwarp();
@@ -1381,14 +1376,15 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
       out[i] = FromF<E>(__int_as_float(0x7fc00000));
 }
 
-// Blocks [0, nsrc): the source (a slice of the columns each); then warps [0, N):
-// forwarders (n != this node), [N, N + np): pushers of `per` sources each.
+// Blocks [0, nsrc): the source (a slice of the columns each); then `roles` blocks of role
+// warps: [0, N) forwarders (n != this node), [N, N + np) pushers of `per` sources each.
 template <typename E>
 __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
                                                         const int32_t* counts,
                                                         const int32_t* send_slot,
                                                         const int32_t* src_index, E* out,
-                                                        int np, int per, int nsrc) {
+                                                        int np, int per, int nsrc,
+                                                        int roles) {
   const View v = ViewOf(g);
   __shared__ int failed;
   if (threadIdx.x == 0) failed = Failed(g) ? 1 : 0;
@@ -1403,7 +1399,8 @@ __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
     JEP_DYNAMIC_SMEM(char, smem);  // SourceSmemBytes: its warps' items and row pointers
     SourceRole<E>(g, v, counts, send_slot, out, smem, blockIdx.x, nsrc);
   } else {
-    const int gw = (blockIdx.x - nsrc) * kWarps + (threadIdx.x >> 5);
+    // warp w of the roles at role block w % roles (consecutive warps on consecutive blocks)
+    const int gw = (threadIdx.x >> 5) * roles + (static_cast<int>(blockIdx.x) - nsrc);
     if (gw < g.N) {
       if (gw != g.node) CombineForwardRole<E>(g, v, gw, counts);
     } else if (gw < g.N + np) {
@@ -1526,26 +1523,37 @@ std::string LaunchCoop(void (*kernel)(Args...), const char* name, int blocks, si
 #endif
 }
 
-// Blocks of DispatchMain that can be resident at once within the EP SM budget
-// (configs.h EpSmBudget): its roles wait on each other, so no block may wait to start.
-int DispatchResidentCap() {
+// Blocks of a cooperative kernel (`name` on the emulated GPU) with `smem` bytes of dynamic
+// shared memory that can be resident at once within the EP SM budget (configs.h
+// EpSmBudget): its roles wait on each other, so no block may wait to start. `per_cache`:
+// the kernel's blocks per SM, found once.
+template <typename K>
+int ResidentCap(K kernel, const char* name, size_t smem, int* per_cache) {
 #if defined(JAX_EP_EMU)
-  return static_cast<int>(::emu::resident_limit("DispatchMain", kThreads, 0));
+  (void)kernel;
+  (void)per_cache;
+  return static_cast<int>(::emu::resident_limit(name, kThreads, smem));
 #else
-  static int sms = 0, per = 0;
+  (void)name;
+  static int sms = 0;
   if (sms == 0) {
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
         sms < 1)
       sms = 132;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, DispatchMain, kThreads, 0) !=
+    cudaGetLastError();  // not sticky; the launch must not report it
+  }
+  if (*per_cache == 0) {
+    int per = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kThreads, smem) !=
             cudaSuccess ||
         per < 1)
       per = 1;
-    cudaGetLastError();  // not sticky; the launch must not report it
+    cudaGetLastError();
+    *per_cache = per;
   }
-  return EpSmBudget(sms) * per;
+  return EpSmBudget(sms) * *per_cache;
 #endif
 }
 
@@ -1569,8 +1577,9 @@ std::string RunDispatchPattern(cudaStream_t stream, const Geo& g, const char* pa
   const int warps = (g.N - 1) * sp + g.N * fp + nw;
   // the preset, cut to what stays resident (never below what holds every warp: a launch
   // that cannot be resident then fails with the co-residency error)
-  int nb = HierDispatchBlocks(warps, kWarps);
-  const int cap = DispatchResidentCap();
+  int nb = HierRoleBlocks("JAX_EP_HIER_DISPATCH_BLOCKS", kHierDispatchBlocks, warps, kWarps);
+  static int per_sm = 0;
+  const int cap = ResidentCap(DispatchMain, "DispatchMain", 0, &per_sm);
   const int least = (warps + kWarps - 1) / kWarps;
   if (nb > cap) nb = cap > least ? cap : least;
   e = LaunchCoop(DispatchMain, "DispatchMain", nb, 0, stream, g,
@@ -1634,22 +1643,32 @@ std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, cons
   const int np = (g.R + per - 1) / per;                         // pusher warps
   const int64_t vec_elems = 16 / FloatKindBytes(elem);
   const int nsrc = HierSourceBlocks(g.prow % 16 == 0 ? g.H / vec_elems : g.H);
-  const int blocks = nsrc + (g.N + np + kWarps - 1) / kWarps;
   const size_t smem_bytes = SourceSmemBytes(g);
+  // forwarder and pusher warps over role blocks beside the source's, cut to what stays
+  // resident (one instantiation's occupancy stands for the three: same code but the type)
+  static int per_sm = 0;
+  const int least = (g.N + np + kWarps - 1) / kWarps;
+  int roles = HierRoleBlocks("JAX_EP_HIER_COMBINE_BLOCKS", kHierCombineRoleBlocks, g.N + np,
+                             kWarps);
+  const int room = ResidentCap(CombineMain<float>, "CombineMain", smem_bytes, &per_sm) - nsrc;
+  if (roles > room) roles = room > least ? room : least;
+  const int blocks = nsrc + roles;
   const char* yc = static_cast<const char*>(y);
   switch (elem) {
     case FloatKind::kF32:
       e = LaunchCoop(CombineMain<float>, "CombineMain", blocks, smem_bytes, stream, g, yc,
-                     counts, send_slot, src_index, static_cast<float*>(out), np, per, nsrc);
+                     counts, send_slot, src_index, static_cast<float*>(out), np, per, nsrc,
+                     roles);
       break;
     case FloatKind::kBF16:
       e = LaunchCoop(CombineMain<__nv_bfloat16>, "CombineMain", blocks, smem_bytes, stream, g,
                      yc, counts, send_slot, src_index, static_cast<__nv_bfloat16*>(out), np,
-                     per, nsrc);
+                     per, nsrc, roles);
       break;
     case FloatKind::kF16:
       e = LaunchCoop(CombineMain<__half>, "CombineMain", blocks, smem_bytes, stream, g, yc,
-                     counts, send_slot, src_index, static_cast<__half*>(out), np, per, nsrc);
+                     counts, send_slot, src_index, static_cast<__half*>(out), np, per, nsrc,
+                     roles);
       break;
   }
   if (!e.empty()) return e;
@@ -1698,7 +1717,7 @@ std::string PendingError() {
       break;
     case kKindPart:
       m += "timed out (JAX_EP_TIMEOUT_S) waiting for part " + std::to_string(qp) +
-           " of this rank's dispatch sender or forwarder (it stopped on an earlier wait)";
+           " of this rank's dispatch rail forwarder (it stopped on an earlier wait)";
       break;
     case kKindRow:
       m += "a row from rank " + std::to_string(peer) + " arrived out of order (expected " +

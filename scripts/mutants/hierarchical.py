@@ -68,12 +68,6 @@ MUTANTS = [
            "      else if (JoinParts(g, done, fp, mark - 1))",
            (T_HIER, "-k", "dispatch_parts"),
            "part 0 credits chunk c once the other parts are done with chunk c - 1"),
-    Mutant("hier_send_join_skipped", HIER,
-           "    else if (JoinParts(g, done, sp, mark) &&",
-           "    else if (JoinParts(g, done, 1, mark) &&",
-           (T_HIER, "-k", "dispatch_parts"),
-           "the sender's part 0 resets the credit word while another part may still wait on "
-           "it"),
     Mutant("hier_send_closing_one_part", HIER,
            "    if (ch % sp == p)\n",
            "    if (ch % sp == 0)\n",
