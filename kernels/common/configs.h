@@ -82,9 +82,18 @@ inline int HierForwardParts(int gpus_per_node) {
   const int p = gpus_per_node < kHierForwardParts ? gpus_per_node : kHierForwardParts;
   return p < 1 ? 1 : (p > kMaxHierParts ? kMaxHierParts : p);
 }
-// The hierarchical combine's forwarders and pushers (one warp each) spread the same way
+// The hierarchical combine's forwarder to a remote node runs as parts, a warp each
+// summing a slice of the columns (at most one per 16-byte vector of a row, at most
+// kHierCombineForwardParts); its parts and the pushers (a warp each) spread the same way
 // over kHierCombineRoleBlocks blocks beside the source blocks (JAX_EP_HIER_COMBINE_BLOCKS).
-inline constexpr int kHierCombineRoleBlocks = 8;
+inline constexpr int kHierCombineForwardParts = 8;
+inline constexpr int kHierCombineRoleBlocks = 16;
+
+inline int HierCombineForwardParts(long long row_vectors) {
+  long long n = row_vectors < kHierCombineForwardParts ? row_vectors : kHierCombineForwardParts;
+  if (n < 1) n = 1;
+  return static_cast<int>(n > kMaxHierParts ? kMaxHierParts : n);
+}
 
 // Blocks for `warps` role warps: `preset`, or the integer in the environment variable
 // `env`; at least enough for `per_block` warps a block, at most one block a warp.

@@ -81,8 +81,6 @@ constexpr unsigned kFull = 0xffffffffu;
 // ranks, so every source's rows have a warp of their own and the pushers spread over
 // blocks; at most 32, a lane each).
 constexpr int kMaxPushWarps = 64;
-// Rows a combine forwarder sums from an NVLink ring before it releases the ring's head.
-constexpr int kHeadBatch = kNvlRingRows >= 4 ? kNvlRingRows / 4 : 1;
 // Wait kinds of this mode in the shared error record (beside wire::SigKind).
 constexpr int kKindCredit = 16;  // RDMA ring credit from the stream's reader
 constexpr int kKindNvl = 17;     // NVLink ring head or tail
@@ -1057,20 +1055,57 @@ __device__ __forceinline__ void SourceSumAt(E* dst, const char* const* rows, int
   }
 }
 
-// Combine forwarder for the source s = (n, my local index): merges this node's rings of s
-// (ring l: rank (my node, l)'s rows of s in token order) by token and sends ONE row per
-// token back to s, the node partial (its rows in ascending rank order summed in float32,
-// rounded to the row dtype), as one credited RDMA stream: the same rows per token as the
-// dispatch sent here.
+// Chunks of a combine stream each forwarder part has written, per (source node, part):
+// the call (*counter + 1) in the high 32 bits, the chunks in the low ones.
+JEP_DEVICE_GLOBAL uint64_t g_cfwd_done[kMaxNodes * kMaxHierParts];
+
+// A forwarder part holds the rows it summed for the chunk it writes (fewer than a chunk's
+// from one ring) until every part is done with the chunk, while it may wait for the next
+// row of that ring: the ring must have room for that row beside them.
+static_assert(kNvlRingRows >= kRdmaChunkRows,
+              "a combine forwarder releases its NVLink rings' heads once per RDMA chunk");
+
+// Combine forwarder part p of cp for the source s = (n, my local index): merges this
+// node's rings of s (ring l: rank (my node, l)'s rows of s in token order) by token and
+// sends ONE row per token back to s, the node partial (its rows in ascending rank order
+// summed in float32, rounded to the row dtype), as one credited RDMA stream: the same rows
+// per token as the dispatch sent here. Every part walks the same merge; part p sums a
+// slice of the columns into the staging row, and part 0, once every part has written a
+// chunk, releases the rings' heads past the chunk's rows and puts it.
 template <typename E>
-__device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int32_t* counts) {
+__device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int32_t* counts,
+                                   int p, int cp) {
   const int lane = Lane();
   const int s = n * g.G + g.local;
   long long left = lane < g.G ? KeptOf(counts, g.R, s, g.node * g.G + lane, g.C) : 0;
-  // head: rows of ring `lane` summed; pub: the head its pusher has been told (one release
-  // per kHeadBatch rows, and of all of them before the forwarder waits for anything)
-  unsigned long long head = 0, pub = 0;
-  int64_t o = 0;  // partials written
+  unsigned long long head = 0, pub = 0;  // rows of ring `lane` summed, and released
+  int64_t o = 0;                          // partials written
+  uint64_t* done = g_cfwd_done + static_cast<int64_t>(n) * kMaxHierParts;
+  const uint64_t tag = CallTag(g);
+  // this part's columns: vectors [v0, v1) of the 16-byte part, elements [e0, e1) past it
+  const int64_t nv = VecElems(g), nvec = nv / Vec<E>::kN, ns = g.H - nv;
+  const int64_t v0 = nvec * p / cp, v1 = nvec * (p + 1) / cp;
+  const int64_t e0 = nv + ns * p / cp, e1 = nv + ns * (p + 1) / cp;
+  // part 0: writes chunk c's last row, then (all parts done) frees the rows and puts it
+  const auto finish_chunk = [&](int64_t c, int64_t rows) -> bool {
+    __threadfence();  // this part's columns before its mark (part 0's put reads them)
+    __syncwarp();
+    int ok = 1;
+    if (lane == 0) {
+      const uint64_t mark = tag | static_cast<uint64_t>(c + 1);
+      if (p != 0) StoreRel(done + p, mark);
+      else ok = JoinParts(g, done, cp, mark) ? 1 : 0;
+    }
+    if (!__shfl_sync(kFull, ok, 0)) return false;
+    if (p == 0) {
+      if (lane < g.G && head > pub) {
+        StoreRel(HeadW(v, g, lane, n), head);
+        pub = head;
+      }
+      PutChunk(g, v, n, s, c, rows);
+    }
+    return true;
+  };
   uint64_t last = NowNs();
   for (int spin = 0;; ++spin) {
     const bool need = left > 0;
@@ -1078,10 +1113,6 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
     // every ring with rows left shows its next row: the smallest token is then known
     const bool have = !need || LoadAcq(TailW(v, g, lane, n)) > head;
     if (!__all_sync(kFull, have)) {
-      if (head > pub) {  // the pusher may be waiting for these slots
-        StoreRel(HeadW(v, g, lane, n), head);
-        pub = head;
-      }
       int stop = 0;
       if (lane == 0 && (spin & 255) == 0) {
         if (Failed(g)) stop = 1;
@@ -1113,34 +1144,26 @@ __device__ void CombineForwardRole(const Geo& g, const View& v, int n, const int
     int nr = 0;
     for (unsigned m = mask; m != 0; m &= m - 1) rp[nr++] = ShflPtr(row, __ffs(m) - 1);
     const int64_t c = o / kRdmaChunkRows, j = o % kRdmaChunkRows;
-    if (j == 0 && head > pub) {
-      StoreRel(HeadW(v, g, lane, n), head);
-      pub = head;
-    }
     if (j == 0 && !WaitCredit(g, v, n, s, c)) return;
     char* dst = SendSlot(v, g, n, c) + j * g.stride;
-    const int64_t nv = VecElems(g);
-    for (int64_t x = static_cast<int64_t>(lane) * Vec<E>::kN; x < nv; x += 32 * Vec<E>::kN)
-      PartialAt<E, Vec<E>::kN>(dst, rp, nr, x);
-    for (int64_t x = nv + lane; x < g.H; x += 32) PartialAt<E, 1>(dst, rp, nr, x);
-    if (lane == 0) {
+    for (int64_t i = v0 + lane; i < v1; i += 32)
+      PartialAt<E, Vec<E>::kN>(dst, rp, nr, i * Vec<E>::kN);
+    for (int64_t x = e0 + lane; x < e1; x += 32) PartialAt<E, 1>(dst, rp, nr, x);
+    if (lane == 0 && p == 0) {
       int32_t* meta = reinterpret_cast<int32_t*>(dst + g.cmeta);
       meta[0] = t;
       meta[1] = g.rank;
     }
     __syncwarp();
-    if ((mask >> lane) & 1u) {  // the rows are summed: their ring slots are free
+    if ((mask >> lane) & 1u) {  // the rows are summed (their slots freed with the chunk)
       head += 1;
       --left;
-      if (head - pub >= static_cast<unsigned long long>(kHeadBatch)) {
-        StoreRel(HeadW(v, g, lane, n), head);
-        pub = head;
-      }
     }
     ++o;
-    if (j == kRdmaChunkRows - 1) PutChunk(g, v, n, s, c, kRdmaChunkRows);
+    if (j == kRdmaChunkRows - 1 && !finish_chunk(c, kRdmaChunkRows)) return;
   }
-  if (o % kRdmaChunkRows != 0) PutChunk(g, v, n, s, o / kRdmaChunkRows, o % kRdmaChunkRows);
+  if (o % kRdmaChunkRows != 0 && !finish_chunk(o / kRdmaChunkRows, o % kRdmaChunkRows)) return;
+  if (p != 0) return;
   EndStream(g, v, n, s, (o + kRdmaChunkRows - 1) / kRdmaChunkRows, g.node, 0, 1);
   __syncwarp();
   if (lane < g.G) {
@@ -1377,14 +1400,15 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
 }
 
 // Blocks [0, nsrc): the source (a slice of the columns each); then `roles` blocks of role
-// warps: [0, N) forwarders (n != this node), [N, N + np) pushers of `per` sources each.
+// warps: [0, (N-1) cp) forwarders, cp parts per remote node, then np pushers of `per`
+// sources each.
 template <typename E>
 __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
                                                         const int32_t* counts,
                                                         const int32_t* send_slot,
                                                         const int32_t* src_index, E* out,
                                                         int np, int per, int nsrc,
-                                                        int roles) {
+                                                        int roles, int cp) {
   const View v = ViewOf(g);
   __shared__ int failed;
   if (threadIdx.x == 0) failed = Failed(g) ? 1 : 0;
@@ -1401,11 +1425,11 @@ __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
   } else {
     // warp w of the roles at role block w % roles (consecutive warps on consecutive blocks)
     const int gw = (threadIdx.x >> 5) * roles + (static_cast<int>(blockIdx.x) - nsrc);
-    if (gw < g.N) {
-      if (gw != g.node) CombineForwardRole<E>(g, v, gw, counts);
-    } else if (gw < g.N + np) {
-      PushRole(g, v, gw - g.N, per, y, counts, src_index);
-    }
+    const int fw = (g.N - 1) * cp;
+    if (gw < fw)
+      CombineForwardRole<E>(g, v, RemoteNode(g, gw / cp), counts, gw % cp, cp);
+    else if (gw < fw + np)
+      PushRole(g, v, gw - fw, per, y, counts, src_index);
   }
   __syncwarp();
   if (Lane() == 0) Tr::quiet();
@@ -1642,14 +1666,16 @@ std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, cons
   const int per = (g.R + kMaxPushWarps - 1) / kMaxPushWarps;  // sources per pusher warp
   const int np = (g.R + per - 1) / per;                         // pusher warps
   const int64_t vec_elems = 16 / FloatKindBytes(elem);
-  const int nsrc = HierSourceBlocks(g.prow % 16 == 0 ? g.H / vec_elems : g.H);
+  const int64_t row_units = g.prow % 16 == 0 ? g.H / vec_elems : g.H;
+  const int nsrc = HierSourceBlocks(row_units);
+  const int cp = HierCombineForwardParts(row_units);
   const size_t smem_bytes = SourceSmemBytes(g);
   // forwarder and pusher warps over role blocks beside the source's, cut to what stays
   // resident (one instantiation's occupancy stands for the three: same code but the type)
   static int per_sm = 0;
-  const int least = (g.N + np + kWarps - 1) / kWarps;
-  int roles = HierRoleBlocks("JAX_EP_HIER_COMBINE_BLOCKS", kHierCombineRoleBlocks, g.N + np,
-                             kWarps);
+  const int rw = (g.N - 1) * cp + np;
+  const int least = (rw + kWarps - 1) / kWarps;
+  int roles = HierRoleBlocks("JAX_EP_HIER_COMBINE_BLOCKS", kHierCombineRoleBlocks, rw, kWarps);
   const int room = ResidentCap(CombineMain<float>, "CombineMain", smem_bytes, &per_sm) - nsrc;
   if (roles > room) roles = room > least ? room : least;
   const int blocks = nsrc + roles;
@@ -1658,17 +1684,17 @@ std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, cons
     case FloatKind::kF32:
       e = LaunchCoop(CombineMain<float>, "CombineMain", blocks, smem_bytes, stream, g, yc,
                      counts, send_slot, src_index, static_cast<float*>(out), np, per, nsrc,
-                     roles);
+                     roles, cp);
       break;
     case FloatKind::kBF16:
       e = LaunchCoop(CombineMain<__nv_bfloat16>, "CombineMain", blocks, smem_bytes, stream, g,
                      yc, counts, send_slot, src_index, static_cast<__nv_bfloat16*>(out), np,
-                     per, nsrc, roles);
+                     per, nsrc, roles, cp);
       break;
     case FloatKind::kF16:
       e = LaunchCoop(CombineMain<__half>, "CombineMain", blocks, smem_bytes, stream, g, yc,
                      counts, send_slot, src_index, static_cast<__half*>(out), np, per, nsrc,
-                     roles);
+                     roles, cp);
       break;
   }
   if (!e.empty()) return e;

@@ -190,21 +190,28 @@ def test_small_rings_own_node_rows_fill_the_source_windows(source_blocks, monkey
         round_trip(em, "hierarchical_small_rings", x, idx, w, y, g, E=E, C=C, K=K)
 
 
-@pytest.mark.parametrize("qpp,dispatch_blocks,blocks", [(1, None, 16), (2, "3", 3)])
-def test_small_rings_dispatch_parts_over_blocks(qpp, dispatch_blocks, blocks, monkeypatch):
-    """Small rings, every token to K ranks of the next node: the dispatch's sender to a
-    node runs as parts that each own the chunks of some QPs (2 parts with 2 QPs, 4 with
-    4), its rail forwarder as 4 parts that each own one receiver of the node, and part 0
-    credits a chunk (or resets the credit word) only once every part is done with it. The
-    role warps spread over the preset's blocks cut to the 16 the emulated GPU holds, or
-    packed into the 3 that JAX_EP_HIER_DISPATCH_BLOCKS asks for (18 warps: the least).
-    Blocks are preempted now and then, so a part that lags behind part 0 shows: its rows
-    overwritten in a slot part 0 freed, or its credit word reset under it. Bit-exact over
-    three calls, and the launch has that many blocks."""
-    if dispatch_blocks is None:
-        monkeypatch.delenv("JAX_EP_HIER_DISPATCH_BLOCKS", raising=False)
-    else:
-        monkeypatch.setenv("JAX_EP_HIER_DISPATCH_BLOCKS", dispatch_blocks)
+@pytest.mark.parametrize("qpp,dispatch_blocks,combine_blocks,blocks,role_blocks",
+                         [(1, None, None, 16, 12), (2, "3", "2", 3, 2)])
+def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks, blocks,
+                                            role_blocks, monkeypatch):
+    """Small rings, every token to K ranks of the next node. The dispatch's sender to a node
+    runs as parts that each own the chunks of some QPs (2 parts with 2 QPs, 4 with 4), its
+    rail forwarder as 4 parts that each own one receiver of the node, and part 0 credits a
+    chunk only once every part is done with it. The combine's forwarder runs as 4 parts
+    that each sum a slice of the columns (rows of four 16-byte vectors), and part 0 frees
+    a chunk's ring rows and puts the chunk only once every part has written it. The role
+    warps spread over the presets' blocks cut to the 16 the emulated GPU holds (dispatch
+    16; combine 4 source blocks and 12 role blocks, one per warp), or packed into the
+    fewest that JAX_EP_HIER_DISPATCH_BLOCKS / _COMBINE_BLOCKS ask for (3 for 18 warps, 2
+    for 12). Blocks are preempted now and then, so a part that lags behind part 0 shows.
+    Bit-exact over three calls, and the launches have that many blocks."""
+    for var, val in (("JAX_EP_HIER_DISPATCH_BLOCKS", dispatch_blocks),
+                     ("JAX_EP_HIER_COMBINE_BLOCKS", combine_blocks)):
+        if val is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, val)
+    monkeypatch.delenv("JAX_EP_HIER_SOURCE_BLOCKS", raising=False)
     N, G, K = 2, 4, 3
     R = N * G
     T, H, E = 12, 16, 2 * R
@@ -224,19 +231,25 @@ def test_small_rings_dispatch_parts_over_blocks(qpp, dispatch_blocks, blocks, mo
     c = em.emu.counters()
     got = {k: v for k, v in c.items() if k.startswith("kernel:DispatchMain")}
     assert got.get("kernel:DispatchMain:blocks") == 6 * R * blocks, got  # dispatch, gather
+    launched = sum(v for k, v in c.items()
+                   if k.startswith("kernel:CombineMain") and k.endswith(":blocks"))
+    assert launched == 3 * R * (4 + role_blocks), launched
 
 
-@pytest.mark.parametrize("source_blocks,blocks", [(None, 8), ("3", 3)])
-def test_combine_source_blocks_split_the_columns(source_blocks, blocks, monkeypatch):
+@pytest.mark.parametrize("source_blocks,blocks,role_blocks", [(None, 8, 8), ("3", 3, 12)])
+def test_combine_source_blocks_split_the_columns(source_blocks, blocks, role_blocks,
+                                                 monkeypatch):
     """The combine's source runs as several blocks, each summing a slice of the columns: 8
     by default for rows of 8 16-byte vectors (H = 64 bf16), 3 (uneven slices) when
     JAX_EP_HIER_SOURCE_BLOCKS asks; bit-exact either way, and the launch has that many
-    source blocks beside the role blocks: one per forwarder or pusher warp (2 + 4) while
-    they are fewer than configs.h's 8."""
+    source blocks beside the role blocks: one per role warp (8 forwarder parts, one per
+    vector, and 4 pushers: 12) up to what the 16 resident blocks leave (8 beside 8 source
+    blocks)."""
     if source_blocks is not None:
         monkeypatch.setenv("JAX_EP_HIER_SOURCE_BLOCKS", source_blocks)
     else:
         monkeypatch.delenv("JAX_EP_HIER_SOURCE_BLOCKS", raising=False)
+    monkeypatch.delenv("JAX_EP_HIER_COMBINE_BLOCKS", raising=False)
     N, G, T, H, K = 2, 2, 6, 64, 3
     R = N * G
     E, C = 2 * R, R * T
@@ -248,7 +261,7 @@ def test_combine_source_blocks_split_the_columns(source_blocks, blocks, monkeypa
     c = em.emu.counters()
     launched = {k: v for k, v in c.items() if k.startswith("kernel:CombineMain")}
     got = sum(v for k, v in launched.items() if k.endswith(":blocks"))
-    assert got == R * (blocks + 6), launched
+    assert got == R * (blocks + role_blocks), launched
 
 
 def test_cooperative_kernels_take_their_ptxas_residency():
