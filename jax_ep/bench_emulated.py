@@ -72,23 +72,22 @@ def _merge(a: list[dict], b: list[dict]) -> list[dict]:
 _CACHE: dict = {}
 
 
-# Blocks one virtual GPU runs at once for the internode modes (None: each kernel's
-# occupancy-table limit on 132 SMs); --resident-blocks sets it.
-INTERNODE_RESIDENT: int | None = None
-
-
-def count_mode(mode: str, shape: dict, *, seed: int = 0) -> dict[str, Any]:
+def count_mode(mode: str, shape: dict, *, seed: int = 0,
+               resident_blocks: int | None = None) -> dict[str, Any]:
     """Counts one dispatch and one combine of `mode` at `shape` (after one uncounted
     round, so buffers, credits and parities are in their steady state). Returns
     {"dispatch": [counters of each virtual GPU], "combine": [...], "seconds": wall}.
-    A shape counted before in this process is not counted again."""
-    key = (mode, json.dumps(shape, sort_keys=True), seed)
+    resident_blocks: blocks one virtual GPU runs at once in the internode modes (None:
+    each kernel's occupancy-table limit on 132 SMs). A (mode, shape, seed, resident_blocks)
+    counted before in this process is not counted again."""
+    key = (mode, json.dumps(shape, sort_keys=True), seed, resident_blocks)
     if key not in _CACHE:
-        _CACHE[key] = _count_mode(mode, shape, seed=seed)
+        _CACHE[key] = _count_mode(mode, shape, seed=seed, resident_blocks=resident_blocks)
     return _CACHE[key]
 
 
-def _count_mode(mode: str, shape: dict, *, seed: int = 0) -> dict[str, Any]:
+def _count_mode(mode: str, shape: dict, *, seed: int = 0,
+                resident_blocks: int | None = None) -> dict[str, Any]:
     from jax_ep import emulator as em
 
     t0 = time.perf_counter()
@@ -151,10 +150,10 @@ def _count_mode(mode: str, shape: dict, *, seed: int = 0) -> dict[str, Any]:
             raise ValueError(f"{mode}: ranks {R} must be a multiple of nodes {N}")
         C = R * T
         heap = max(4, (16 * R * T * (H * 2 + 64 * K)) >> 20)
-        # INTERNODE_RESIDENT None: the kernels' ptxas rows on 132 SMs (an H200), so the
+        # resident_blocks None: the kernels' ptxas rows on 132 SMs (an H200), so the
         # cooperative grids of the default configuration are not cut to 16 blocks
         ie = em.InternodeEmulator(R, gpus_per_node=R // N, seed=seed + 1, heap_mib=heap,
-                                  resident_blocks=INTERNODE_RESIDENT)
+                                  resident_blocks=resident_blocks)
         for counting in (False, True):
             if counting:
                 d = counted("dispatch", lambda: ie.dispatch(x, idx, w, num_experts=E,
@@ -276,14 +275,14 @@ def format_markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def count_all(modes, shapes, *, seed=0, progress=True) -> list[dict]:
+def count_all(modes, shapes, *, seed=0, progress=True, resident_blocks=None) -> list[dict]:
     rows = []
     for mode in modes:
         shape = shapes[mode]
         if progress:
             print(f"jax_ep.bench --emulated: counting {mode} at {shape} ...", file=sys.stderr)
         try:
-            res = count_mode(mode, shape, seed=seed)
+            res = count_mode(mode, shape, seed=seed, resident_blocks=resident_blocks)
         except Exception as e:  # noqa: BLE001  (one mode's failure must not hide the rest)
             msg = f"{type(e).__name__}: {e}"
             for op in ("dispatch", "combine"):
@@ -320,7 +319,8 @@ MODEL_MODE = {"intranode": "intranode", "hierarchical_2x8": "hierarchical",
               "hierarchical_4x8": "hierarchical", "internode_ll": "internode_ll"}
 
 
-def run_model(names, *, seed=0, progress=True, bf16_dispatch=False) -> list[dict]:
+def run_model(names, *, seed=0, progress=True, bf16_dispatch=False,
+              resident_blocks=None) -> list[dict]:
     out = []
     for name in names:
         mode = MODEL_MODE[name]
@@ -332,7 +332,8 @@ def run_model(names, *, seed=0, progress=True, bf16_dispatch=False) -> list[dict
             print(f"jax_ep.bench --model: counting {mode} at {len(pts)} small shapes "
                   f"({pts[0]}) ...", file=sys.stderr)
         try:
-            counted = [(p, count_mode(mode, p, seed=seed)) for p in pts]
+            counted = [(p, count_mode(mode, p, seed=seed, resident_blocks=resident_blocks))
+                       for p in pts]
         except Exception as e:  # noqa: BLE001
             out.append({"target": name, "error": f"{type(e).__name__}: {e}"[:2000]})
             continue
@@ -450,9 +451,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    global INTERNODE_RESIDENT
     a = parse_args(argv)
-    INTERNODE_RESIDENT = a.resident_blocks
     shapes = {m: dict(DEFAULTS[m]) for m in MODES}
     for m in MODES:
         for k in ("ranks", "tokens", "hidden", "topk", "experts"):
@@ -475,7 +474,7 @@ def main(argv=None) -> dict:
         report["results"] = rows
         print(format_table(rows))
     elif not a.model_only:
-        rows = count_all(a.modes, shapes, seed=a.seed)
+        rows = count_all(a.modes, shapes, seed=a.seed, resident_blocks=a.resident_blocks)
         report["results"] = rows
         print(format_table(rows))
     if old is not None or a.model or a.model_only:
@@ -484,7 +483,8 @@ def main(argv=None) -> dict:
             entries = [model_entry(e["target"], e["points"]) if "points" in e else e
                        for e in old.get("model", {}).get("entries", [])]
         else:
-            entries = run_model(a.targets, seed=a.seed, bf16_dispatch=a.bf16_dispatch)
+            entries = run_model(a.targets, seed=a.seed, bf16_dispatch=a.bf16_dispatch,
+                                resident_blocks=a.resident_blocks)
         report["model"] = {"note": MODEL_NOTE, "constants": model.H200.as_dict(),
                            "entries": entries}
         print(format_model(entries))

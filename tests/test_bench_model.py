@@ -155,3 +155,23 @@ def test_gpu_check_bench_stage_records_the_bench_json():
     assert 's{n}*.json' in report
     doc = open(os.path.join(root, "docs", "performance.md")).read()
     assert "`bash scripts/gpu_check.sh --only bench`" in doc
+
+
+def test_count_mode_keys_its_cache_on_the_resident_blocks(monkeypatch):
+    """A count at one co-residency is not returned for another (--resident-blocks): the
+    cache key holds it."""
+    from jax_ep import bench_emulated as be
+
+    calls = []
+
+    def fake(mode, shape, *, seed=0, resident_blocks=None):
+        calls.append(resident_blocks)
+        return {"resident": resident_blocks}
+
+    monkeypatch.setattr(be, "_count_mode", fake)
+    monkeypatch.setattr(be, "_CACHE", {})
+    shape = {"ranks": 2, "tokens": 1, "hidden": 8, "topk": 1, "experts": 2}
+    assert be.count_mode("hierarchical", shape, resident_blocks=16)["resident"] == 16
+    assert be.count_mode("hierarchical", shape)["resident"] is None
+    assert be.count_mode("hierarchical", shape, resident_blocks=16)["resident"] == 16
+    assert calls == [16, None]
