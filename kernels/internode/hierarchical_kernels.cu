@@ -24,6 +24,11 @@
 //                   the closing signals, the reader resets its data words.
 //   receivers       poll the NVLink rings [forwarder][source node] of this rank without
 //                   blocking on any one, write each row at its destination row.
+//   The sender and forwarders run as parts, a warp each (configs.h): a sender's part owns
+//   the chunks of a set of QPs (so each QP's chunks stay in order), a forwarder's part a
+//   set of the node's receivers (so each NVLink ring keeps one writer); the rail
+//   forwarder's part 0 credits a chunk once every part is done with it. The role warps
+//   spread over kHierDispatchBlocks blocks, each block a slice of every role.
 // Combine
 //   pushers         every row this rank holds from source s goes, in token order, into
 //                   the NVLink ring at s's rail peer on this node (s itself when s is on
@@ -32,7 +37,8 @@
 //                   node partial (its rows in ascending rank order summed in float32 and
 //                   rounded to the row dtype, kernels/common/combine_order.h): one row per
 //                   (token, node) in one RDMA stream (chunked, credited) back to the source,
-//                   as many rows as the dispatch sent this way.
+//                   as many rows as the dispatch sent this way. Parts, a warp each, sum
+//                   slices of the columns; part 0 frees and puts a chunk all have written.
 //   source          blocks [0, nsrc) (configs.h HierSourceBlocks), each a slice of the
 //                   columns: windows of one token per warp, per token the node partials
 //                   in ascending node order (its own node's summed here from the NVLink
