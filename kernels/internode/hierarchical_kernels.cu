@@ -1360,26 +1360,27 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
             s_stop = 1;
         }
       }
-      // the window's rows are summed: one release per ring it read, one credit per stream
-      // (block 0 frees them; every block keeps the same positions)
-      for (int l = 0; l < g.G && !s_stop; ++l) {
-        if (wl[l] == 0) continue;
-        nvl_head[l] += static_cast<unsigned long long>(wl[l]);
-        if (sb == 0) StoreRel(HeadW(v, g, l, g.node), nvl_head[l]);
-      }
-      for (int k = 0; k < g.N && !s_stop; ++k) {
-        if (k == g.node) continue;
-        pos[k] += wk[k];
-        // every chunk whose rows are summed is free (the last, partial one once the
-        // stream is read to its end)
-        const int done = pos[k] == nrows[k] ? (pos[k] + kRdmaChunkRows - 1) / kRdmaChunkRows
-                                            : pos[k] / kRdmaChunkRows;
-        if (done > credited[k]) {
-          if (sb == 0)
-            Tr::signal(v.credit + g.node, static_cast<uint64_t>(done), SignalOp::kSet,
-                       k * g.G + g.local, wire::kControlQp);
-          credited[k] = done;
-        }
+    }
+    __syncthreads();
+    // the window's rows are summed: one release per ring it read (thread l: ring l), one
+    // credit per stream (thread k: node k's), from threads of their own, so no thread's
+    // releases grow with the rings (block 0 frees them; every block keeps the positions)
+    if (!s_stop && tid < g.G && wl[tid] != 0) {
+      nvl_head[tid] += static_cast<unsigned long long>(wl[tid]);
+      if (sb == 0) StoreRel(HeadW(v, g, tid, g.node), nvl_head[tid]);
+    }
+    if (!s_stop && tid < g.N && tid != g.node) {
+      const int k = tid;
+      pos[k] += wk[k];
+      // every chunk whose rows are summed is free (the last, partial one once the
+      // stream is read to its end)
+      const int done = pos[k] == nrows[k] ? (pos[k] + kRdmaChunkRows - 1) / kRdmaChunkRows
+                                          : pos[k] / kRdmaChunkRows;
+      if (done > credited[k]) {
+        if (sb == 0)
+          Tr::signal(v.credit + g.node, static_cast<uint64_t>(done), SignalOp::kSet,
+                     k * g.G + g.local, wire::kControlQp);
+        credited[k] = done;
       }
     }
     t0 = s_t1;

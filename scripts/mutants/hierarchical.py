@@ -12,8 +12,8 @@ MUTANTS = [
            (T_HIER, "-k", "small_rings"),
            "credit returned early: the sender overwrites a ring slot not yet forwarded"),
     Mutant("hier_source_credit_early", HIER,
-           "                                            : pos[k] / kRdmaChunkRows;",
-           "                                            : (pos[k] + kRdmaChunkRows - 1) / kRdmaChunkRows;",
+           "                                          : pos[k] / kRdmaChunkRows;",
+           "                                          : (pos[k] + kRdmaChunkRows - 1) / kRdmaChunkRows;",
            (T_HIER, "-k", "small_rings"),
            "the combine source credits the chunk it is still reading: the forwarder "
            "overwrites partials not yet summed"),
@@ -30,8 +30,8 @@ MUTANTS = [
            "a source window spans more chunks of a node's stream than the forwarder may put "
            "before the window's own credit"),
     Mutant("hier_source_head_past_window", HIER,
-           "        if (sb == 0) StoreRel(HeadW(v, g, l, g.node), nvl_head[l]);",
-           "        if (sb == 0) StoreRel(HeadW(v, g, l, g.node), nvl_head[l] + 1);",
+           "      if (sb == 0) StoreRel(HeadW(v, g, tid, g.node), nvl_head[tid]);",
+           "      if (sb == 0) StoreRel(HeadW(v, g, tid, g.node), nvl_head[tid] + 1);",
            (T_HIER, "-k", "small_rings"),
            "the source's head release frees one slot more than its windows read: the pusher "
            "overwrites a row not yet summed"),
