@@ -93,7 +93,7 @@ constexpr int kKindNvl = 17;     // NVLink ring head or tail
 constexpr int kKindRow = 18;     // a row arrived out of order (qp: the ring or stream)
 constexpr int kKindNoPeer = 19;  // a GPU of the node has no NVSHMEM peer pointer
 constexpr int kKindSource = 20;  // a source block of this rank's combine (qp: the block)
-constexpr int kKindPart = 21;    // a part of this rank's dispatch rail forwarder (qp: the part)
+constexpr int kKindPart = 21;    // a forwarder part (dispatch rail or combine; qp: the part)
 
 struct Geo {
   int R, rank, G, N, node, local;
@@ -1750,7 +1750,8 @@ std::string PendingError() {
       break;
     case kKindPart:
       m += "timed out (JAX_EP_TIMEOUT_S) waiting for part " + std::to_string(qp) +
-           " of this rank's dispatch rail forwarder (it stopped on an earlier wait)";
+           " of one of this rank's dispatch rail forwarders or combine forwarders (it stopped on an "
+           "earlier wait)";
       break;
     case kKindRow:
       m += "a row from rank " + std::to_string(peer) + " arrived out of order (expected " +
