@@ -68,7 +68,7 @@ def measure_device_copy(total_bytes: int, repeats: int = 5) -> dict:
     import jax
     import jax.numpy as jnp
 
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]  # this process's (the first of several processes')
     n = max(total_bytes // 4, 1 << 18)
     x = jax.device_put(jnp.ones((n,), jnp.float32), dev)
     f = jax.jit(lambda a: a[::-1])
@@ -80,5 +80,5 @@ def measure_device_copy(total_bytes: int, repeats: int = 5) -> dict:
         times.append(time.perf_counter() - t0)
     gbps = 4 * n / statistics.median(times) / 1e9
     return {"GBps": gbps, "method": f"jitted reversal of a float32 array on {dev.platform} "
-                                    "device 0; bytes copied (counted once) per second",
+                                    f"device {dev.id}; bytes copied (counted once) per second",
             "bytes": int(4 * n)}

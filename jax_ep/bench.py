@@ -70,15 +70,8 @@ VIRTUAL_NOTE = ("{R} virtual ranks on device 0 through the CUDA harness (jax_ep.
                 "harness_*), standing for backend 'ffi': the same intranode kernels, each "
                 "phase launched for every rank in turn on one GPU; memory is of that GPU, "
                 "all ranks together")
-# The internode modes run one process per GPU under NVSHMEM; this single-process command
-# does not time them.
+# The internode modes run one process per GPU (NVSHMEM PEs): jax_ep/bench_launch.py.
 INTERNODE_MODES = ("internode", "hierarchical", "internode_low_latency")
-INTERNODE_NOT_TIMED = (
-    "jax_ep.bench --mode {mode}: not implemented. The internode modes need one process per "
-    "GPU (NVSHMEM PEs) and this single-process benchmark does not launch them; their kernels "
-    "are counted on the emulated GPU by `python -m jax_ep.bench --emulated --modes "
-    "direct,hierarchical,internode_ll` and checked on a GPU by `bash scripts/gpu_check.sh "
-    "--only internode` (docs/performance.md, \"GPU benchmarks\").")
 VIRTUAL_SKIP = ("cannot run R ranks on one device: it is a shard_map program over a mesh "
                 "of R devices; only the CUDA harness (ffi) has virtual ranks")
 
@@ -228,6 +221,17 @@ def _make_inputs(sharding, lead, *, n_sets, hidden, topk, experts, dtype, seed):
     return sets, host_idx
 
 
+def _global_sum(a) -> int:
+    """The sum of a global array's elements, also where this process holds only some of
+    its shards (several processes)."""
+    import numpy as np
+
+    if not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        a = multihost_utils.process_allgather(a, tiled=True)
+    return int(np.asarray(a).sum())
+
+
 def _memory(compiled) -> dict:
     ma = compiled.memory_analysis()
     if ma is None:
@@ -292,7 +296,7 @@ def run_bench(*, backends, ops=OPS, ranks, tokens, hidden, topk, experts, dtype,
             comb_sets.append((rx, packed))
         jax.block_until_ready(comb_sets)
         # The rows the op kept (sum of num_recv), next to rows_per_set from the routing.
-        kept_rows[backend] = [int(np.asarray(p[0]).sum()) for _, p in comb_sets]
+        kept_rows[backend] = [_global_sum(p[0]) for _, p in comb_sets]
         memory[backend] = {}
         for op in ops:
             args = {"dispatch": [s[:3] for s in sets], "combine": comb_sets,
@@ -477,8 +481,23 @@ def parse_args(argv=None):
                    help="'low_latency': time the low-latency (decode) mode instead, "
                         "fused and split send/receive (`--mode low_latency -h` lists its "
                         "flags; see jax_ep/bench_low_latency.py); default: normal. The "
-                        "internode modes need one process per GPU and are not timed by "
-                        "this command (it says which command to use)")
+                        "internode modes ('internode': direct, 'hierarchical', "
+                        "'internode_low_latency') run one process per rank on GPUs, as "
+                        "--processes does (jax_ep/bench_launch.py)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="run the ranks as this many processes of this machine (= --ranks), "
+                        "one device each, joined by jax.distributed; on CPU one CPU device "
+                        "each with gloo. The JSON is the same; each median is the slowest "
+                        "process's (jax_ep/bench_launch.py)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="with --processes: JAX_EP_GPUS_PER_NODE of the workers (virtual "
+                        "nodes, e.g. for --mode hierarchical on one machine)")
+    p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="with --processes: the workers' platform (default: gpu if this "
+                        "machine shows one)")
+    p.add_argument("--launch-timeout", type=float, default=None,
+                   help="with --processes: seconds before every process still running is "
+                        "killed (default 1800)")
     p.add_argument("--emulated", action="store_true",
                    help="instead of timing: COUNT what the CUDA kernels do on the emulated "
                         "GPU, per mode (`--emulated -h` lists its flags; see "
@@ -516,11 +535,18 @@ def main(argv=None) -> dict:
     if any(a in argv for a in ("--emulated", "--model", "--model-only", "--model-from")):
         from jax_ep import bench_emulated
         return bench_emulated.main([x for x in argv if x != "--emulated"])
+    # `--processes N`, and the internode modes: one process per rank (jax_ep/bench_launch.py).
+    mode = argv[argv.index("--mode") + 1] if "--mode" in argv[:-1] else None
+    if any(a == "--processes" or a.startswith("--processes=") for a in argv) or (
+            mode in INTERNODE_MODES):
+        if "--virtual-ranks" in argv:
+            raise SystemExit("jax_ep.bench: --virtual-ranks runs every rank in this process; "
+                             "it does not go with --processes or an internode --mode")
+        from jax_ep import bench_launch
+        return bench_launch.launch_main(argv)
     if "--mode" in argv:
         i = argv.index("--mode")
         mode = argv[i + 1] if i + 1 < len(argv) else ""
-        if mode in INTERNODE_MODES:
-            raise NotImplementedError(INTERNODE_NOT_TIMED.format(mode=mode))
         if mode not in ("normal", "low_latency"):
             raise SystemExit(f"jax_ep.bench: --mode must be 'normal' or 'low_latency', "
                              f"got {mode!r}")
@@ -583,6 +609,16 @@ def main(argv=None) -> dict:
             token_list = sorted({int(t) for t in args.sweep_tokens.split(",")} | {args.tokens})
         else:
             token_list = sorted({max(1, args.tokens // d) for d in (8, 4, 2, 1)})
+
+    if platform == "gpu" and not virtual and "ffi" in backends:
+        # The intranode kernels' buffers (once per GPU), for the largest shape of the run.
+        import numpy as np
+        t_max = max(token_list)
+        jax_ep.cuda.setup(
+            jax.sharding.Mesh(np.array(jax.devices()[:args.ranks]), (AXIS,),
+                              axis_types=(jax.sharding.AxisType.Auto,)), AXIS,
+            num_tokens=t_max, hidden=args.hidden, topk=args.topk, dtype=args.dtype,
+            capacity=args.capacity if args.capacity is not None else args.ranks * t_max)
 
     steps = len(token_list) * len(backends) * len(args.ops) * (args.warmup + args.repeats)
     try:

@@ -231,6 +231,10 @@ def main(argv=None) -> dict:
             put = [tuple(jnp.asarray(a.reshape((R, T) + a.shape[1:])) for a in s)
                    for s in sets]
         else:
+            if backend == "ffi" and platform == "gpu":
+                # The low-latency area of the intranode kernels (once per GPU).
+                jax_ep.cuda.setup(mesh, "ep", num_tokens=None, hidden=H, topk=K, dtype=dtype,
+                                  max_tokens_per_rank=M, num_experts=E)
             progs = _programs(mesh, backend, E=E, M=M)
             sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep"))
             put = [tuple(jax.device_put(a, sharding) for a in s) for s in sets]

@@ -31,7 +31,10 @@
 #                 dispatch, combine, gradients bit-exact vs CPU; one process killed
 #   4 internode   NVSHMEM PEs (2 and 4) on the GPU, bit-exact vs CPU (skipped without
 #                 NVSHMEM); under MPS with active thread percentages summing to 100, which
-#                 NVSHMEM needs for full support of several PEs on one GPU
+#                 NVSHMEM needs for full support of several PEs on one GPU; then the
+#                 internode benchmarks, 4 PEs each: python -m jax_ep.bench --mode
+#                 hierarchical (2 virtual nodes of 2), internode (direct) and
+#                 internode_low_latency (jax_ep/bench_launch.py)
 #   5 sanitizer   compute-sanitizer memcheck, racecheck, synccheck on a small harness run
 #                 (phased launches only, short kernel timeout); the tool is looked for on
 #                 PATH, in /usr/local/cuda/bin and /usr/local/cuda/compute-sanitizer
@@ -74,7 +77,8 @@ NAMES=(build tests multiprocess internode sanitizer bench)
 MP_BOX=140      # stage 3: tests/runtime/test_mp_cuda.py -k "not internode"
 LL_MP_BOX=170   # stage 3: tests/runtime/test_cuda_low_latency_mp.py
 IN_BOX=150      # stage 4: tests/runtime/test_mp_cuda.py -k internode
-BUDGETS=(160 90 $((MP_BOX + LL_MP_BOX + 15)) $((IN_BOX + 15)) 60 60)
+IN_BENCH_BOX=150  # stage 4: python -m jax_ep.bench --mode ... (4 PEs), three launches
+BUDGETS=(160 90 $((MP_BOX + LL_MP_BOX + 15)) $((IN_BOX + IN_BENCH_BOX + 15)) 60 60)
 OVERHEAD=20     # GPU query, MPS start/stop, the report
 LIMIT=540       # 9 minutes: one device call must end well inside its 10
 
@@ -222,9 +226,29 @@ stage_internode() {
   # Several PEs on one GPU: NCCL cannot run there (NVSHMEM says so and turns it off).
   export NVSHMEM_DISABLE_NCCL=1
   # The inner box ends before the stage's, so its junit report and reason still come back.
+  local rc=0 mode secs
   boxed "$IN_BOX" "tests/runtime/test_mp_cuda.py -k internode" "$PY" -m pytest -q -rs \
     -p no:cacheprovider -m gpu tests/runtime/test_mp_cuda.py -k internode \
-    --junitxml="$WORK/s4.xml"
+    --junitxml="$WORK/s4.xml" || rc=1
+  # The internode benchmarks: one process (PE) per rank on this GPU; each launch's own
+  # deadline ends before its box, so the launcher still names the processes it killed.
+  for spec in hierarchical:60 internode:45 internode_low_latency:45; do
+    IFS=: read -r mode secs <<<"$spec"
+    echo "== python -m jax_ep.bench --mode $mode --processes 4 (limit ${secs}s)"
+    if [ "$mode" = internode_low_latency ]; then
+      boxed "$secs" "jax_ep.bench --mode $mode" "$PY" -m jax_ep.bench --mode "$mode" \
+        --processes 4 --ranks 4 --tokens 128 --hidden 7168 --topk 8 --experts 32 \
+        --repeats 5 --warmup 1 --input-sets 1 --memcpy-mib 64 \
+        --launch-timeout $((secs - 5)) --json "$WORK/s4_bench_$mode.json" || rc=1
+    else
+      boxed "$secs" "jax_ep.bench --mode $mode" "$PY" -m jax_ep.bench --mode "$mode" \
+        --processes 4 --ranks 4 --gpus-per-node 2 --tokens 1024 --hidden 7168 --topk 4 \
+        --experts 32 --dtype bfloat16 --ops dispatch,combine --repeats 3 --warmup 1 \
+        --input-sets 1 --memcpy-mib 64 --launch-timeout $((secs - 5)) \
+        --json "$WORK/s4_bench_$mode.json" || rc=1
+    fi
+  done
+  return $rc
 }
 
 stage_sanitizer() {
@@ -289,14 +313,14 @@ stage_bench() {
 
 export -f boxed find_sanitizer stage_build stage_tests stage_multiprocess stage_internode \
   stage_sanitizer stage_bench
-export MP_BOX LL_MP_BOX IN_BOX
+export MP_BOX LL_MP_BOX IN_BOX IN_BENCH_BOX
 
 describe() {
   case "$1" in
     1) echo "$PY -m pip install --no-build-isolation --no-deps --no-index -e . (JAX_EP_CUDA=ON), then build_info()" ;;
     2) echo "$PY -m pytest -m gpu tests/runtime/test_cuda.py; tests/test_low_latency.py tests/runtime/test_cuda_low_latency.py -k 'cuda_harness or real_rank'" ;;
     3) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k 'not internode'; tests/runtime/test_cuda_low_latency_mp.py (CUDA MPS started if available)" ;;
-    4) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k internode (skipped without NVSHMEM)" ;;
+    4) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k internode; $PY -m jax_ep.bench --mode hierarchical|internode|internode_low_latency --processes 4 ... (skipped without NVSHMEM)" ;;
     5) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PY scripts/gpu_sanitize_run.py --paths phased (found at: $(find_sanitizer || echo 'not found: the stage would be skipped'))" ;;
     6) echo "$PY -m jax_ep.bench --virtual-ranks ...; $PY -m jax_ep.bench --mode low_latency --virtual-ranks ...; $PY scripts/cuda_harness_bench.py --concurrent" ;;
   esac

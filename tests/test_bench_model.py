@@ -127,9 +127,13 @@ def test_model_entry_does_not_extrapolate_interleaving():
 
 
 @pytest.mark.parametrize("mode", bench.INTERNODE_MODES)
-def test_internode_modes_are_not_timed_in_one_process(mode):
-    with pytest.raises(NotImplementedError, match=f"--mode {mode}: not implemented"):
-        bench.main(["--mode", mode])
+def test_internode_modes_without_gpus_and_nvshmem_say_why(mode, monkeypatch):
+    """They launch one process per rank (jax_ep/bench_launch.py), which needs GPUs and an
+    NVSHMEM build: without them the call names both before any process starts."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, whatever this machine has
+    with pytest.raises(NotImplementedError, match=f"--mode {mode}: the internode modes run "
+                       "one NVSHMEM PE per process on GPUs; here the platform is 'cpu'"):
+        bench.main(["--mode", mode, "--ranks", "2"])
 
 
 def test_gpu_check_bench_stage_records_the_bench_json():

@@ -98,10 +98,11 @@ def _budgets():
     """The script's inner boxes and stage budgets, as bash evaluates them."""
     text = open(SCRIPT).read()
     block = re.search(r"^MP_BOX=.*?^BUDGETS=\(.*?\)$", text, re.M | re.S).group(0)
-    out = subprocess.run(["bash", "-c", block + '\necho "$MP_BOX $LL_MP_BOX $IN_BOX"'
-                          '\necho "${BUDGETS[@]}"'], capture_output=True, text=True,
-                         check=True).stdout.splitlines()
-    box = dict(zip(("MP_BOX", "LL_MP_BOX", "IN_BOX"), map(int, out[0].split())))
+    out = subprocess.run(["bash", "-c", block + '\necho "$MP_BOX $LL_MP_BOX $IN_BOX '
+                          '$IN_BENCH_BOX"\necho "${BUDGETS[@]}"'], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    box = dict(zip(("MP_BOX", "LL_MP_BOX", "IN_BOX", "IN_BENCH_BOX"),
+                   map(int, out[0].split())))
     return box, [int(v) for v in out[1].split()]
 
 
@@ -109,7 +110,17 @@ def test_time_boxes_fit_their_stage_and_the_measured_runs():
     box, budgets = _budgets()
     # inner boxes end before their stage's box, so the junit report and reason come back
     assert budgets[2] > box["MP_BOX"] + box["LL_MP_BOX"]
-    assert budgets[3] > box["IN_BOX"]
+    assert budgets[3] > box["IN_BOX"] + box["IN_BENCH_BOX"]
+    # the internode benchmarks' own boxes fit theirs, each launch's deadline inside its box
+    text = open(SCRIPT).read()
+    stage = text[text.index("stage_internode() {"):]
+    stage = stage[:stage.index("\n}\n")]
+    specs = re.search(r"for spec in (.*?); do", stage).group(1).split()
+    secs = {m: int(t) for m, t in (sp.split(":") for sp in specs)}
+    assert set(secs) == {"hierarchical", "internode", "internode_low_latency"}
+    assert sum(secs.values()) <= box["IN_BENCH_BOX"]
+    assert stage.count("--launch-timeout $((secs - 5))") == 2
+    assert stage.count('--json "$WORK/s4_bench_$mode.json"') == 2
     # no shorter than the CPU runs of the same tests measured for them (the script's
     # comment): 32 s per 2-process run of the first kind (three runs in stage 3 and in
     # stage 4), 87 s for the 2-process low-latency run (two runs)
