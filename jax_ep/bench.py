@@ -113,25 +113,37 @@ def op_bytes(rows: int, hidden: int, itemsize: int) -> dict:
 def _programs(mesh, backend, *, num_experts, capacity):
     """Jitted per-op programs over `mesh` (axis AXIS) for one backend."""
     import jax
+    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     import jax_ep
-    from jax_ep._types import DispatchHandle
 
-    R = mesh.shape[AXIS]
     spec = P(AXIS)
 
     def disp(x, idx, w):
         return jax_ep.dispatch(x, idx, w, num_experts=num_experts, axis_name=AXIS,
                                capacity=capacity, backend=backend)
 
+    # The handle crosses from the dispatch program to the combine program as its array
+    # leaves (the backend's `extra` too: the internode kernels' counts and send slots),
+    # scalars with a leading axis for the shard_map outputs; its structure is kept here
+    # when dispatch is traced (before combine is).
+    handle_tree = {}
+
     def pack(h):
-        return (h.num_recv[None], h.num_dropped[None], h.num_recv_tokens_per_expert,
-                h.src_rank, h.src_index, h.send_row)
+        leaves, handle_tree["def"] = jax.tree.flatten(h)
+        handle_tree["scalar"] = [jnp.ndim(v) == 0 for v in leaves]
+        return tuple(v[None] if sc else v for v, sc in zip(leaves, handle_tree["scalar"]))
 
     def unpack(p, C):
-        return DispatchHandle(p[0][0], p[1][0], p[2], p[3], p[4], p[5], num_experts, R, C,
-                              AXIS)
+        if "def" not in handle_tree:
+            raise RuntimeError("jax_ep.bench: the combine program is traced before dispatch")
+        h = jax.tree.unflatten(handle_tree["def"], [v[0] if sc else v for v, sc in
+                                                    zip(p, handle_tree["scalar"])])
+        if h.capacity != C:
+            raise ValueError(f"jax_ep.bench: combine's y has {C} rows, the handle's "
+                             f"capacity is {h.capacity}")
+        return h
 
     def f_dispatch(x, idx, w):
         rx, ri, rw, h = disp(x, idx, w)

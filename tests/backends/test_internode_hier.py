@@ -209,3 +209,29 @@ def test_bootstrap_sizes_the_heap_for_the_mode_it_can_pick(monkeypatch, mode, gp
         assert args == {}
     else:
         assert args == dict(gpus_per_node=want, num_qps=8)
+
+
+@pytest.mark.parametrize("mode", ["hierarchical", "direct"])
+def test_bench_combine_program_keeps_the_internode_handle(monkeypatch, mode):
+    """python -m jax_ep.bench times combine as its own program on the handle dispatch
+    returned: the internode parts of the handle (counts, send slots) must cross with it,
+    or the internode combine refuses the handle."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_ep import bench
+
+    _fake_state(monkeypatch, mode, "4")
+    mesh = ep_mesh(R)
+    C = R * T
+    progs = bench._programs(mesh, "internode", num_experts=E, capacity=C)
+    x, idx, w = _inputs()
+    disp = progs["dispatch"].trace(x, idx, w)
+    rx, _, _, packed = disp.out_info
+    assert len(packed) == 8  # six handle fields, then the internode counts and send slots
+    sh = NamedSharding(mesh, P("ep"))
+    args = (jax.ShapeDtypeStruct(rx.shape, rx.dtype, sharding=sh),
+            tuple(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sh) for p in packed))
+    hlo = progs["combine"].trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    prefix = "jax_ep_internode_hier_" if mode == "hierarchical" else "jax_ep_internode_"
+    (c,) = _calls(hlo, prefix + "combine")
+    assert _tensor_shapes(c["_operands"])[:3] == [(C, H), (R, R), (T, R)]
