@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 # --- mirror of kernels/internode/hierarchical_layout.h (tests compare the two) -------
-RDMA_CHUNK_ROWS = 16
+RDMA_CHUNK_ROWS = 8
 RDMA_RING_CHUNKS = 8
 NVL_RING_ROWS = 32
 MAX_GPUS_PER_NODE = 32

@@ -38,7 +38,7 @@ namespace hier {
 // may shrink them (-DJAX_EP_HIER_CHUNK_ROWS=..., the emulated GPU's small-ring tests) to
 // make the rings wrap and fill with few tokens.
 #ifndef JAX_EP_HIER_CHUNK_ROWS
-#define JAX_EP_HIER_CHUNK_ROWS 16
+#define JAX_EP_HIER_CHUNK_ROWS 8
 #endif
 #ifndef JAX_EP_HIER_RING_CHUNKS
 #define JAX_EP_HIER_RING_CHUNKS 8
