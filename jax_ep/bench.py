@@ -536,6 +536,20 @@ def parse_args(argv=None):
     return args
 
 
+def _launch_check(kind: str, argv: list[str]) -> None:
+    """The bench's own argument errors, raised by the launcher before any process starts."""
+    if kind == "normal":
+        parse_args(list(argv))
+    else:
+        from jax_ep import bench_low_latency
+        bench_low_latency.parse_args(list(argv))
+
+
+def _launch_table(report: dict) -> str:
+    return format_table(report["results"], report["memcpy_GBps"], report.get("memory"),
+                        report.get("skipped_backends"))
+
+
 def main(argv=None) -> dict:
     # `--layer`: the Flax MoE layer against a dense SwiGLU (jax_ep/bench_layer.py).
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -555,7 +569,7 @@ def main(argv=None) -> dict:
             raise SystemExit("jax_ep.bench: --virtual-ranks runs every rank in this process; "
                              "it does not go with --processes or an internode --mode")
         from jax_ep import bench_launch
-        return bench_launch.launch_main(argv)
+        return bench_launch.launch_main(argv, validate=_launch_check, table=_launch_table)
     if "--mode" in argv:
         i = argv.index("--mode")
         mode = argv[i + 1] if i + 1 < len(argv) else ""

@@ -15,9 +15,10 @@ machine with GPUs take GPU `process % GPUs` (several processes share a GPU when 
 fewer GPUs than processes: CUDA MPS shares are set, NVSHMEM stays on this node); without
 GPUs (or with --platform cpu) they run on one CPU device each, with gloo collectives.
 
-On several machines, start the worker yourself in every process (srun, mpirun, ...):
+On several machines, start the worker (jax_ep/bench_worker.py) yourself in every
+process (srun, mpirun, ...), then merge:
 
-    python -m jax_ep.bench_launch worker --process-id I --num-processes N \\
+    python -m jax_ep.bench_worker --process-id I --num-processes N \\
         --coordinator HOST:PORT --out DIR --kind normal -- <bench arguments>
     python -m jax_ep.bench_launch merge --out DIR --num-processes N --json merged.json
 """
@@ -30,7 +31,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import traceback
 
 # --mode -> (worker kind, JAX_EP_INTERNODE_MODE); None: not an internode mode
 MODES = {"normal": ("normal", None), "low_latency": ("low_latency", None),
@@ -54,7 +54,7 @@ def _pop(argv: list[str], flag: str, default=None):
     return default
 
 
-def _value(argv: list[str], flag: str, default=None):
+def arg_value(argv: list[str], flag: str, default=None):
     """The value of `flag` in argv without removing it."""
     rest = list(argv)
     return _pop(rest, flag, default)
@@ -97,8 +97,12 @@ def worker_env(*, processes: int, gpus: int, internode_mode, gpus_per_node,
     return env
 
 
-def launch_main(argv: list[str]) -> dict:
-    """The parent: starts the processes, waits (one deadline), merges their JSON."""
+def launch_main(argv: list[str], *, validate=None, table=None) -> dict:
+    """The parent: starts the processes, waits (one deadline), merges their JSON.
+    validate(kind, argv): raises on the bench's own argument errors (before any process
+    starts); table(report): the merged normal-mode table to print. jax_ep.bench passes
+    both, so this module imports neither benchmark (the workers do:
+    jax_ep/bench_worker.py)."""
     from jax_ep._launch import free_port, run_workers
 
     argv = list(argv)
@@ -107,7 +111,7 @@ def launch_main(argv: list[str]) -> dict:
         raise SystemExit(f"jax_ep.bench: --mode must be one of {', '.join(MODES)}, got "
                          f"{mode!r}")
     kind, internode_mode = MODES[mode]
-    ranks = int(_value(argv, "--ranks", "8"))
+    ranks = int(arg_value(argv, "--ranks", "8"))
     processes = int(_pop(argv, "--processes", str(ranks)))
     gpus_per_node = _pop(argv, "--gpus-per-node")
     platform = _pop(argv, "--platform", "auto")
@@ -124,7 +128,8 @@ def launch_main(argv: list[str]) -> dict:
                          f"{processes}, got {gpus_per_node}")
     if platform not in ("auto", "cpu", "gpu"):
         raise SystemExit(f"jax_ep.bench: --platform must be auto, cpu or gpu, got {platform!r}")
-    _sizes(kind, argv)  # the bench's own argument errors, here rather than in N processes
+    if validate is not None:
+        validate(kind, argv)  # the bench's own argument errors, here, not in N processes
     gpus = local_gpus() if platform != "cpu" else 0
     if platform == "auto":
         platform = "gpu" if gpus else "cpu"
@@ -141,13 +146,13 @@ def launch_main(argv: list[str]) -> dict:
                 f"nvshmem={info.get('nvshmem')} (build_info()). Their kernels are counted "
                 "on the emulated GPU by `python -m jax_ep.bench --emulated --modes "
                 "direct,hierarchical,internode_ll`.")
-        if _value(argv, "--backends") is None:
+        if arg_value(argv, "--backends") is None:
             argv += ["--backends", "internode"]
     out = tempfile.mkdtemp(prefix="jax_ep_bench_")
     port = free_port()
     env = worker_env(processes=processes, gpus=gpus, internode_mode=internode_mode,
                      gpus_per_node=gpus_per_node, platform=platform)
-    argvs = [[sys.executable, "-m", "jax_ep.bench_launch", "worker", "--process-id",
+    argvs = [[sys.executable, "-m", "jax_ep.bench_worker", "--process-id",
               str(i), "--num-processes", str(processes), "--coordinator",
               f"localhost:{port}", "--out", out, "--kind", kind, "--platform", platform,
               "--local-device", str(i % gpus if gpus else 0), "--"] + argv
@@ -164,7 +169,7 @@ def launch_main(argv: list[str]) -> dict:
     report["launch"].update(mode=mode, platform=platform, gpus=gpus,
                             internode_mode=internode_mode, gpus_per_node=gpus_per_node,
                             log_dir=out)
-    _print(report, kind)
+    _print(report, kind, table)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=1)
@@ -207,11 +212,9 @@ def merge(out: str, processes: int, logs: str = "") -> dict:
     return report
 
 
-def _print(report: dict, kind: str) -> None:
-    if kind == "normal":
-        from jax_ep import bench
-        print(bench.format_table(report["results"], report["memcpy_GBps"],
-                                 report.get("memory"), report.get("skipped_backends")))
+def _print(report: dict, kind: str, table=None) -> None:
+    if kind == "normal" and table is not None:
+        print(table(report))
     else:
         for r in report["results"]:
             print(f"{r['backend']:>9} {r['op']:>13}: median {r['median_s'] * 1e3:9.2f} ms "
@@ -222,99 +225,8 @@ def _print(report: dict, kind: str) -> None:
           "process's median")
 
 
-def _sizes(kind: str, argv: list[str]) -> dict:
-    """The shapes the bench arguments ask for (the buffers are sized from them)."""
-    if kind == "normal":
-        from jax_ep import bench
-        a = bench.parse_args(list(argv))
-        tokens = a.tokens
-        if a.plot and a.sweep_tokens:
-            tokens = max([tokens] + [int(t) for t in a.sweep_tokens.split(",")])
-        return dict(tokens=tokens, hidden=a.hidden, topk=a.topk, experts=a.experts,
-                    dtype=a.dtype, ranks=a.ranks,
-                    capacity=a.capacity if a.capacity is not None else a.ranks * tokens)
-    from jax_ep import bench_low_latency
-    a = bench_low_latency.parse_args(list(argv))
-    return dict(tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts=a.experts,
-                dtype=a.dtype, ranks=a.ranks, capacity=None)
-
-
-def worker_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m jax_ep.bench_launch worker")
-    p.add_argument("--process-id", type=int, required=True)
-    p.add_argument("--num-processes", type=int, required=True)
-    p.add_argument("--coordinator", required=True, help="HOST:PORT of process 0")
-    p.add_argument("--out", required=True, help="directory for proc<i>.json")
-    p.add_argument("--kind", choices=("normal", "low_latency"), default="normal")
-    p.add_argument("--platform", choices=("cpu", "gpu"), default="gpu")
-    p.add_argument("--local-device", type=int, default=None,
-                   help="GPU of this machine for this process (default: local rank)")
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
-    a = p.parse_args(argv)
-    bench_args = [x for x in a.bench_args if x != "--"]
-    pid, n = a.process_id, a.num_processes
-    out_json = os.path.join(a.out, f"proc{pid}.json")
-
-    def fail(msg: str) -> int:
-        with open(out_json, "w") as f:
-            json.dump({"error": msg}, f)
-        print(f"process {pid}: {msg}", file=sys.stderr, flush=True)
-        return 1
-
-    try:
-        sizes = _sizes(a.kind, bench_args)
-        if sizes["ranks"] != n:
-            return fail(f"--ranks {sizes['ranks']} differs from the {n} processes")
-        if a.platform == "cpu":
-            os.environ["JAX_PLATFORMS"] = "cpu"
-            os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-        import jax
-
-        if a.platform == "cpu":
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=a.coordinator, num_processes=n, process_id=pid,
-            local_device_ids=None if a.platform == "cpu" else [
-                a.local_device if a.local_device is not None else pid],
-            initialization_timeout=120)
-        if len(jax.devices()) != n:
-            return fail(f"{len(jax.devices())} devices over {n} processes: one each is "
-                        "needed")
-        import jax_ep
-
-        backends = _value(bench_args, "--backends", "")
-        if "internode" in backends.split(","):
-            s = sizes
-            if a.kind == "normal":
-                jax_ep.nvshmem_bootstrap.initialize(
-                    max_tokens=s["tokens"], hidden=s["hidden"], topk=s["topk"],
-                    capacity=s["capacity"], x_dtype=s["dtype"], y_dtype=s["dtype"])
-            else:
-                jax_ep.nvshmem_bootstrap.initialize(low_latency=dict(
-                    max_tokens_per_rank=s["tokens"], hidden=s["hidden"], topk=s["topk"],
-                    num_experts=s["experts"], dtype=s["dtype"]))
-        if a.kind == "normal":
-            from jax_ep import bench
-            bench.main(bench_args + ["--json", out_json, "--no-progress"])
-        else:
-            from jax_ep import bench_low_latency
-            bench_low_latency.main(bench_args + ["--json", out_json])
-    except SystemExit as e:
-        return fail(f"exited: {e}")
-    except Exception as e:  # noqa: BLE001  (reported to the launcher, which says it)
-        traceback.print_exc()
-        return fail(f"{type(e).__name__}: {e}")
-    print(f"process {pid}: done", flush=True)
-    return 0
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["worker"]:
-        rc = worker_main(argv[1:])
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)  # no shutdown barrier: a failed peer must not hold this one
     if argv[:1] == ["merge"]:
         p = argparse.ArgumentParser(prog="python -m jax_ep.bench_launch merge")
         p.add_argument("--out", required=True)
@@ -326,8 +238,9 @@ def main(argv=None) -> int:
             json.dump(report, f, indent=1)
         print(f"wrote {a.json}")
         return 0
-    launch_main(argv)
-    return 0
+    raise SystemExit("python -m jax_ep.bench_launch merge --out DIR --num-processes N "
+                     "--json PATH merges the workers' reports; to launch, run "
+                     "python -m jax_ep.bench --processes N ...")
 
 
 if __name__ == "__main__":
