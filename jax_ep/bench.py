@@ -518,6 +518,14 @@ def parse_args(argv=None):
                    help="time dispatch of bf16 rows against FP8 pairs (values + one "
                         "float32 scale per 128) instead (`--fp8 -h` lists its flags)")
     args = p.parse_args(argv)
+    # The launcher (jax_ep/bench_launch.py) takes these before this parser sees the rest.
+    given = [f for f, v in (("--processes", args.processes),
+                            ("--gpus-per-node", args.gpus_per_node),
+                            ("--launch-timeout", args.launch_timeout)) if v is not None]
+    if args.platform != "auto":
+        given.append("--platform")
+    if given:
+        p.error(f"{', '.join(given)} only go with --processes or an internode --mode")
     base = QUICK if args.quick else FULL
     for k in ("tokens", "hidden", "repeats", "warmup", "input_sets", "memcpy_mib"):
         if getattr(args, k) is None:

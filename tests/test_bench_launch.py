@@ -145,3 +145,11 @@ def test_local_gpus_reads_cuda_visible_devices(monkeypatch):
     assert bench_launch.local_gpus() == 3
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     assert bench_launch.local_gpus() == 0
+
+
+@pytest.mark.parametrize("flag", [["--gpus-per-node", "2"], ["--platform", "cpu"],
+                                  ["--launch-timeout", "5"]])
+def test_launch_flags_without_processes_are_refused(flag, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ranks", "2", *flag])
+    assert f"{flag[0]} only go with --processes" in capsys.readouterr().err
