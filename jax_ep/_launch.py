@@ -46,3 +46,24 @@ def run_workers(log_dir, argvs, env, deadline_s: float, tail: int = 3000):
         text.append(f"--- process {pid} (rc {procs[pid].returncode}) ---\n{log.read()[-tail:]}")
         log.close()
     return procs, hung, "\n".join(text)
+
+
+def process_env(environ=None, **extra) -> dict:
+    """The environment of a worker process: `environ` (default this one's) without the CPU
+    device count or a platform pin (each worker sets its own), with unbuffered output and
+    no GPU memory preallocation (processes may share a GPU), plus `extra`."""
+    env = {k: v for k, v in (os.environ if environ is None else environ).items()
+           if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false", **extra)
+    return env
+
+
+def mps_share(env: dict, processes_per_gpu: int) -> dict:
+    """`env` for processes sharing one GPU: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE =
+    100 // processes_per_gpu (unless set), so under MPS the shares add up to at most 100:
+    kernels that wait for each other all stay resident, and NVSHMEM gives several PEs on
+    one GPU full support only then. Without MPS the variable has no effect."""
+    if processes_per_gpu < 1:
+        raise ValueError(f"processes per GPU must be >= 1, got {processes_per_gpu}")
+    env.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(100 // processes_per_gpu))
+    return env

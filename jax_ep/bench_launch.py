@@ -32,10 +32,11 @@ import subprocess
 import sys
 import tempfile
 
-# --mode -> (worker kind, JAX_EP_INTERNODE_MODE); None: not an internode mode
-MODES = {"normal": ("normal", None), "low_latency": ("low_latency", None),
-         "internode": ("normal", "direct"), "hierarchical": ("normal", "hierarchical"),
-         "internode_low_latency": ("low_latency", "auto")}
+# --mode -> (worker kind, NVSHMEM PEs, JAX_EP_INTERNODE_MODE or None)
+MODES = {"normal": ("normal", False, None), "low_latency": ("low_latency", False, None),
+         "internode": ("normal", True, "direct"),
+         "hierarchical": ("normal", True, "hierarchical"),
+         "internode_low_latency": ("low_latency", True, None)}
 DEFAULT_TIMEOUT_S = 1800.0
 
 
@@ -76,24 +77,23 @@ def local_gpus() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
-def worker_env(*, processes: int, gpus: int, internode_mode, gpus_per_node,
-               platform: str, environ=None) -> dict:
-    """The workers' environment: unbuffered output, no GPU memory preallocation, the
-    internode mode and node size, and for processes sharing a GPU the CUDA MPS share
-    (100 / processes per GPU, so every rank's waiting kernels stay resident) and NVSHMEM
-    on this node only."""
-    env = {k: v for k, v in (os.environ if environ is None else environ).items()
-           if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+def worker_env(*, processes: int, gpus: int, nvshmem: bool, internode_mode,
+               gpus_per_node, platform: str, environ=None) -> dict:
+    """The workers' environment (jax_ep._launch.process_env): the internode mode and node
+    size, NVSHMEM on this machine only, and for processes sharing a GPU their CUDA MPS
+    share (jax_ep._launch.mps_share) with NCCL off for NVSHMEM (it cannot share a GPU)."""
+    from jax_ep._launch import mps_share, process_env
+
+    env = process_env(environ)
+    if nvshmem:
+        env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one machine: peer to peer
     if internode_mode is not None:
         env["JAX_EP_INTERNODE_MODE"] = internode_mode
-        env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one machine: peer to peer
     if gpus_per_node is not None:
         env["JAX_EP_GPUS_PER_NODE"] = str(gpus_per_node)
     if platform == "gpu" and gpus and processes > gpus:
-        per_gpu = -(-processes // gpus)
-        env.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(100 // per_gpu))
-        env.setdefault("NVSHMEM_DISABLE_NCCL", "1")  # NCCL cannot share a GPU between PEs
+        mps_share(env, -(-processes // gpus))
+        env.setdefault("NVSHMEM_DISABLE_NCCL", "1")
     return env
 
 
@@ -110,7 +110,7 @@ def launch_main(argv: list[str], *, validate=None, table=None) -> dict:
     if mode not in MODES:
         raise SystemExit(f"jax_ep.bench: --mode must be one of {', '.join(MODES)}, got "
                          f"{mode!r}")
-    kind, internode_mode = MODES[mode]
+    kind, nvshmem, internode_mode = MODES[mode]
     ranks = int(arg_value(argv, "--ranks", "8"))
     processes = int(_pop(argv, "--processes", str(ranks)))
     gpus_per_node = _pop(argv, "--gpus-per-node")
@@ -136,7 +136,7 @@ def launch_main(argv: list[str], *, validate=None, table=None) -> dict:
     if platform == "gpu" and not gpus:
         raise SystemExit("jax_ep.bench: --platform gpu, but this machine shows no GPU "
                          "(CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
-    if internode_mode is not None:
+    if nvshmem:
         import jax_ep
         info = jax_ep.build_info()
         if platform != "gpu" or not info.get("nvshmem"):
@@ -150,7 +150,8 @@ def launch_main(argv: list[str], *, validate=None, table=None) -> dict:
             argv += ["--backends", "internode"]
     out = tempfile.mkdtemp(prefix="jax_ep_bench_")
     port = free_port()
-    env = worker_env(processes=processes, gpus=gpus, internode_mode=internode_mode,
+    env = worker_env(processes=processes, gpus=gpus, nvshmem=nvshmem,
+                     internode_mode=internode_mode,
                      gpus_per_node=gpus_per_node, platform=platform)
     argvs = [[sys.executable, "-m", "jax_ep.bench_worker", "--process-id",
               str(i), "--num-processes", str(processes), "--coordinator",

@@ -2,15 +2,10 @@
 killed and reported, log tails) and their workers' environment."""
 from __future__ import annotations
 
-import os
-
-from jax_ep._launch import free_port, run_workers  # noqa: F401  (re-exported)
+from jax_ep._launch import free_port, process_env, run_workers  # noqa: F401  (re-exported)
 
 
 def worker_env(timeout_s: str = "30", **extra) -> dict:
-    """This process's environment without the CPU device count or a platform pin, with
-    the kernels' timeout, no GPU memory preallocation and unbuffered output."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(JAX_EP_TIMEOUT_S=timeout_s, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               PYTHONUNBUFFERED="1", **extra)
-    return env
+    """This process's environment for a worker (jax_ep._launch.process_env) with the
+    kernels' timeout."""
+    return process_env(JAX_EP_TIMEOUT_S=timeout_s, **extra)

@@ -126,18 +126,24 @@ def test_bench_argument_errors_come_from_the_launcher(capsys):
 def test_worker_environment():
     base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
             "HOME": "/h"}
-    e = bench_launch.worker_env(processes=4, gpus=1, internode_mode="hierarchical",
-                                gpus_per_node="2", platform="gpu", environ=base)
+    e = bench_launch.worker_env(processes=4, gpus=1, nvshmem=True,
+                                internode_mode="hierarchical", gpus_per_node="2",
+                                platform="gpu", environ=base)
     assert "XLA_FLAGS" not in e and "JAX_PLATFORMS" not in e and e["HOME"] == "/h"
     assert (e["JAX_EP_INTERNODE_MODE"], e["JAX_EP_GPUS_PER_NODE"]) == ("hierarchical", "2")
     assert e["NVSHMEM_REMOTE_TRANSPORT"] == "none" and e["NVSHMEM_DISABLE_NCCL"] == "1"
     assert e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"  # 4 processes on one GPU
-    e = bench_launch.worker_env(processes=8, gpus=8, internode_mode=None, gpus_per_node=None,
-                                platform="gpu", environ=base)
+    e = bench_launch.worker_env(processes=8, gpus=8, nvshmem=False, internode_mode=None,
+                                gpus_per_node=None, platform="gpu", environ=base)
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in e and "JAX_EP_INTERNODE_MODE" not in e
-    e = bench_launch.worker_env(processes=6, gpus=4, internode_mode=None, gpus_per_node=None,
-                                platform="gpu", environ=base)
+    e = bench_launch.worker_env(processes=6, gpus=4, nvshmem=False, internode_mode=None,
+                                gpus_per_node=None, platform="gpu", environ=base)
     assert e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"  # at most 2 processes a GPU
+    # the internode low-latency mode: NVSHMEM on this machine, no normal-mode choice
+    e = bench_launch.worker_env(processes=2, gpus=2, nvshmem=True, internode_mode=None,
+                                gpus_per_node=None, platform="gpu", environ=base)
+    assert e["NVSHMEM_REMOTE_TRANSPORT"] == "none" and "JAX_EP_INTERNODE_MODE" not in e
+    assert bench_launch.MODES["internode_low_latency"] == ("low_latency", True, None)
 
 
 def test_local_gpus_reads_cuda_visible_devices(monkeypatch):

@@ -26,14 +26,9 @@ CAPACITY = 36  # below the worst case R * T: rank 0 drops rows
 
 
 def mps_env(env: dict, nproc: int) -> dict:
-    """`env` for nproc processes sharing one GPU: each gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
-    = 100 // nproc (unless set), so under MPS the shares add up to at most 100: kernels
-    that wait for each other all stay resident, and NVSHMEM gives several PEs on one GPU
-    full support only then. Without MPS the variable has no effect."""
-    if nproc < 1:
-        raise ValueError(f"nproc must be >= 1, got {nproc}")
-    env.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(100 // nproc))
-    return env
+    """`env` for nproc processes sharing one GPU (jax_ep._launch.mps_share)."""
+    from jax_ep._launch import mps_share
+    return mps_share(env, nproc)
 
 
 def experts(nproc: int) -> int:
