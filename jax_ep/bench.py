@@ -510,6 +510,10 @@ def parse_args(argv=None):
     p.add_argument("--launch-timeout", type=float, default=None,
                    help="with --processes: seconds before every process still running is "
                         "killed (default 1800)")
+    p.add_argument("--log-dir", default=None,
+                   help="with --processes: keep every process's log and JSON in this (empty "
+                        "or new) folder; by default a temporary one, removed after a "
+                        "successful run and kept, its path printed, after a failure")
     p.add_argument("--emulated", action="store_true",
                    help="instead of timing: COUNT what the CUDA kernels do on the emulated "
                         "GPU, per mode (`--emulated -h` lists its flags; see "
@@ -521,7 +525,8 @@ def parse_args(argv=None):
     # The launcher (jax_ep/bench_launch.py) takes these before this parser sees the rest.
     given = [f for f, v in (("--processes", args.processes),
                             ("--gpus-per-node", args.gpus_per_node),
-                            ("--launch-timeout", args.launch_timeout)) if v is not None]
+                            ("--launch-timeout", args.launch_timeout),
+                            ("--log-dir", args.log_dir)) if v is not None]
     if args.platform != "auto":
         given.append("--platform")
     if given:

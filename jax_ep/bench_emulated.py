@@ -49,9 +49,17 @@ TARGETS = {
 }
 
 
-def _routing(rng, R, T, K, E):
-    """Each token picks K distinct experts uniformly (the top-k of random scores)."""
-    return np.argsort(rng.random((R, T, E)), axis=2)[:, :, :K].astype(np.int32)
+def _routing(seed, R, T, K, E):
+    """Each token picks K distinct experts uniformly (the top-k of random scores), from a
+    stream per rank of its own: the routing does not depend on H, and the first T tokens
+    at 2T are those at T. So the model's points (T, H), (2T, H) and (T, 2H) differ only in
+    what they add (jax_ep.model.scale_counters), not in a fresh draw of the most loaded
+    GPU, block or ring, whose noise a linear fit would carry to the target's T H."""
+    out = np.empty((R, T, K), np.int32)
+    for r in range(R):
+        scores = np.random.default_rng([seed, 1, r]).random((T, E))
+        out[r] = np.argsort(scores, axis=1)[:, :K]
+    return out
 
 
 def _rows(rng, shape):
@@ -95,7 +103,7 @@ def _count_mode(mode: str, shape: dict, *, seed: int = 0,
     if E % R:
         raise ValueError(f"{mode}: experts {E} must be a multiple of ranks {R}")
     rng = np.random.default_rng(seed)
-    x, idx = _rows(rng, (R, T, H)), _routing(rng, R, T, K, E)
+    x, idx = _rows(rng, (R, T, H)), _routing(seed, R, T, K, E)
     w = rng.random((R, T, K)).astype(np.float32)
     out: dict[str, Any] = {}
 

@@ -117,6 +117,7 @@ def launch_main(argv: list[str], *, validate=None, table=None) -> dict:
     platform = _pop(argv, "--platform", "auto")
     timeout_s = float(_pop(argv, "--launch-timeout", str(DEFAULT_TIMEOUT_S)))
     json_path = _pop(argv, "--json")
+    log_dir = _pop(argv, "--log-dir")
     if processes < 1:
         raise SystemExit(f"jax_ep.bench: --processes must be >= 1, got {processes}")
     if ranks != processes:
@@ -148,7 +149,15 @@ def launch_main(argv: list[str], *, validate=None, table=None) -> dict:
                 "direct,hierarchical,internode_ll`.")
         if arg_value(argv, "--backends") is None:
             argv += ["--backends", "internode"]
-    out = tempfile.mkdtemp(prefix="jax_ep_bench_")
+    # the processes' logs and JSON: kept in --log-dir; a temporary folder otherwise, removed
+    # once merged and kept (its path printed) when a process fails or hangs
+    if log_dir is not None:
+        os.makedirs(log_dir, exist_ok=True)
+        stale = [f for f in os.listdir(log_dir) if f.startswith("proc") and f.endswith(".json")]
+        if stale:
+            raise SystemExit(f"jax_ep.bench: --log-dir {log_dir} already holds {sorted(stale)} "
+                             "from an earlier run; give an empty folder")
+    out = log_dir if log_dir is not None else tempfile.mkdtemp(prefix="jax_ep_bench_")
     port = free_port()
     env = worker_env(processes=processes, gpus=gpus, nvshmem=nvshmem,
                      internode_mode=internode_mode,
@@ -160,16 +169,19 @@ def launch_main(argv: list[str], *, validate=None, table=None) -> dict:
              for i in range(processes)]
     print(f"jax_ep.bench: {processes} processes ({platform}"
           + (f", {gpus} GPU(s)" if platform == "gpu" else "")
-          + (f", mode {mode}" if mode != "normal" else "") + f"), logs in {out}",
+          + (f", mode {mode}" if mode != "normal" else "") + f"), logs in {out}"
+          + ("" if log_dir is not None else " (removed after a successful run)"),
           file=sys.stderr)
     procs, hung, logs = run_workers(out, argvs, env, timeout_s, tail=4000)
     if hung:
         raise SystemExit(f"jax_ep.bench: processes {hung} still ran after {timeout_s:.0f} s "
-                         f"(--launch-timeout) and were killed\n{logs}")
+                         f"(--launch-timeout) and were killed; logs in {out}\n{logs}")
     report = merge(out, processes, logs=logs)
     report["launch"].update(mode=mode, platform=platform, gpus=gpus,
                             internode_mode=internode_mode, gpus_per_node=gpus_per_node,
-                            log_dir=out)
+                            log_dir=log_dir)
+    if log_dir is None:
+        shutil.rmtree(out, ignore_errors=True)
     _print(report, kind, table)
     if json_path:
         with open(json_path, "w") as f:
@@ -191,8 +203,8 @@ def merge(out: str, processes: int, logs: str = "") -> dict:
     failed = {i: r["error"] for i, r in enumerate(reports) if "error" in r}
     if failed:
         first = min(failed)
-        raise SystemExit(f"jax_ep.bench: {len(failed)} of {processes} processes failed; "
-                         f"process {first}: {failed[first]}")
+        raise SystemExit(f"jax_ep.bench: {len(failed)} of {processes} processes failed "
+                         f"(logs in {out}); process {first}: {failed[first]}")
     report = reports[0]
     keyed = [{(r["backend"], r["op"]): r for r in rep["results"]} for rep in reports]
     if any(set(k) != set(keyed[0]) for k in keyed):

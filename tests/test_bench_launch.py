@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -44,6 +45,9 @@ def test_two_cpu_processes_time_every_op_and_keep_the_routed_rows(tmp_path):
         assert len(meds) == 2 and x["median_s"] == max(meds)
         assert x["GBps"] == pytest.approx(x["bytes"] / x["median_s"] / 1e9)
     assert rep["launch"]["processes"] == 2 and rep["launch"]["platform"] == "cpu"
+    # without --log-dir the processes' folder is temporary: gone after a successful run
+    logs = re.search(r"logs in (\S+) \(removed after a successful run\)", r.stderr)
+    assert logs and rep["launch"]["log_dir"] is None and not os.path.exists(logs.group(1))
     # The CPU ffi backend moves rows between the devices of one process only.
     assert "ffi" not in {x["backend"] for x in rep["results"]}
 
@@ -51,11 +55,14 @@ def test_two_cpu_processes_time_every_op_and_keep_the_routed_rows(tmp_path):
 @pytest.mark.slow
 def test_two_cpu_processes_low_latency(tmp_path):
     out = tmp_path / "ll.json"
+    logs = tmp_path / "logs"
     r = _run(["--mode", "low_latency", "--processes", "2", "--platform", "cpu",
               "--backends", "reference,ffi", *SMALL, "--hidden", "128",  # FP8: 128 | H
-              "--json", str(out)])
+              "--json", str(out), "--log-dir", str(logs)])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = json.loads(out.read_text())
+    assert rep["launch"]["log_dir"] == str(logs)  # --log-dir keeps every process's files
+    assert sorted(os.listdir(logs)) == ["proc0.json", "proc0.log", "proc1.json", "proc1.log"]
     assert {x["op"] for x in rep["results"]} == {"dispatch", "dispatch_fp8", "combine",
                                                 "roundtrip"}
     assert "ffi" in rep["skipped_backends"] and "2 processes" in rep["skipped_backends"]["ffi"]
@@ -67,6 +74,8 @@ def test_processes_still_running_at_the_deadline_are_killed_and_named(tmp_path):
               "--launch-timeout", "1", *SMALL])
     assert r.returncode != 0
     assert "processes [0, 1] still ran after 1 s (--launch-timeout) and were killed" in r.stderr
+    logs = re.search(r"were killed; logs in (\S+)", r.stderr)
+    assert logs and os.path.exists(os.path.join(logs.group(1), "proc1.log"))  # kept
 
 
 def _proc_json(tmp_path, i, results=None, error=None):
@@ -97,7 +106,7 @@ def test_merge_names_a_failed_or_silent_process(tmp_path):
     with pytest.raises(SystemExit, match="process 1 wrote no result"):
         bench_launch.merge(str(tmp_path), 2)
     _proc_json(tmp_path, 1, error="RuntimeError: jax_ep: timed out")
-    with pytest.raises(SystemExit, match="1 of 2 processes failed; process 1: RuntimeError"):
+    with pytest.raises(SystemExit, match=r"1 of 2 processes failed \(logs in .*\); process 1: RuntimeError"):
         bench_launch.merge(str(tmp_path), 2)
     _proc_json(tmp_path, 1, [_res("combine", 2.0, 1.0, 3.0)])
     with pytest.raises(SystemExit, match="timed different"):
@@ -153,8 +162,15 @@ def test_local_gpus_reads_cuda_visible_devices(monkeypatch):
     assert bench_launch.local_gpus() == 0
 
 
+def test_a_log_dir_holding_an_earlier_run_is_refused(tmp_path):
+    (tmp_path / "proc0.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"--log-dir .* already holds \['proc0.json'\]"):
+        bench.main(["--processes", "2", "--ranks", "2", "--platform", "cpu",
+                    "--log-dir", str(tmp_path)])
+
+
 @pytest.mark.parametrize("flag", [["--gpus-per-node", "2"], ["--platform", "cpu"],
-                                  ["--launch-timeout", "5"]])
+                                  ["--launch-timeout", "5"], ["--log-dir", "logs"]])
 def test_launch_flags_without_processes_are_refused(flag, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--ranks", "2", *flag])

@@ -83,6 +83,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRanks = 1024;
 constexpr int kMaxNodes = 256;
 constexpr unsigned kFull = 0xffffffffu;
+// SourceRole moves each node's credit and each own-node ring's head from a thread of its
+// own (tid == node, tid == local rank) after one __syncthreads, with no loop.
+static_assert(kMaxNodes <= kThreads && kMaxGpusPerNode <= kThreads,
+              "SourceRole's per-node and per-ring releases take one thread each");
 // Combine pusher warps at most: each serves ceil(R / kMaxPushWarps) sources (one up to 64
 // ranks, so every source's rows have a warp of their own and the pushers spread over
 // blocks; at most 32, a lane each).
