@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 # --- mirror of kernels/internode/hierarchical_layout.h (tests compare the two) -------
-RDMA_CHUNK_ROWS = 8
+RDMA_CHUNK_ROWS = 16
 RDMA_RING_CHUNKS = 8
-NVL_RING_ROWS = 32
+NVL_RING_ROWS = 64
 MAX_GPUS_PER_NODE = 32
 META_WORDS = 4
 _ALIGN = 256

@@ -67,7 +67,9 @@ def test_bit_exact_against_the_model(mode, N, G, seed):
 
 def test_header_ring_sizes_wrap_with_enough_tokens():
     # the layout constants of the header (via jax_ep.network.modes), no override
-    x, idx, w, y, E, C = make_inputs(2, 2, T=90, H=2, K=4, seed=4, unused=0.0)
+    # tokens enough for a source's stream to the other node (most tokens) to exceed a ring
+    T = 3 * modes.RDMA_CHUNK_ROWS * modes.RDMA_RING_CHUNKS // 2
+    x, idx, w, y, E, C = make_inputs(2, 2, T=T, H=2, K=4, seed=4, unused=0.0)
     cfg = hs.Config(2, 2, seed=4)
     assert (cfg.chunk_rows, cfg.ring_chunks, cfg.nvl_rows) == (
         modes.RDMA_CHUNK_ROWS, modes.RDMA_RING_CHUNKS, modes.NVL_RING_ROWS)
