@@ -179,3 +179,19 @@ def test_count_mode_keys_its_cache_on_the_resident_blocks(monkeypatch):
     assert be.count_mode("hierarchical", shape)["resident"] is None
     assert be.count_mode("hierarchical", shape, resident_blocks=16)["resident"] == 16
     assert calls == [16, None]
+
+
+def test_counting_routing_is_prefix_stable_and_distinct_per_token():
+    # The model's points (T, H), (2T, H), (T, 2H) must differ only in what they add: the
+    # routing has no H, and the first T tokens at 2T route as at T.
+    import numpy as np
+
+    from jax_ep.bench_emulated import _routing
+    R, T, K, E = 4, 24, 8, 64
+    a, b = _routing(0, R, T, K, E), _routing(0, R, 2 * T, K, E)
+    np.testing.assert_array_equal(b[:, :T], a)
+    assert not np.array_equal(b[:, T:2 * T], a)  # the added tokens are fresh draws
+    assert a.dtype == np.int32 and a.min() >= 0 and a.max() < E
+    assert all(len(set(t)) == K for t in a.reshape(-1, K).tolist())
+    assert not np.array_equal(_routing(1, R, T, K, E), a)  # the seed matters
+    assert not np.array_equal(a[0], a[1])  # ranks draw their own streams
