@@ -879,6 +879,24 @@ __device__ __forceinline__ float ToF(__half v) { return f16_to_f32(__half_as_ush
 template <>
 __device__ __forceinline__ __half FromF(float v) { return __ushort_as_half(f32_to_f16(v)); }
 
+// A combine pusher writes a ring's rows in batches of kPushRows (fewer only for a
+// source's last rows) and waits until the ring has room for a whole batch: each system
+// fence and tail release then covers kPushRows rows however far the reader lags, not the
+// few rows one head release frees once the ring is full. Half the ring, so the reader
+// takes one half while the pusher writes the other. No deadlock: a reader waiting for a
+// ring's next row holds fewer than kHeldRows + 1 of its rows unreleased (a forwarder
+// releases them once per RDMA chunk, the source once per window of at most kWarps
+// tokens), so the ring then has room for a batch.
+constexpr int Least(int a, int b) { return a < b ? a : b; }
+constexpr int kHeldRows = Least(kRdmaChunkRows, kNvlRingRows) > Least(kWarps, kNvlRingRows)
+                              ? Least(kRdmaChunkRows, kNvlRingRows) - 1
+                              : Least(kWarps, kNvlRingRows) - 1;
+constexpr int kPushRows = Least(kNvlRingRows / 2, kNvlRingRows - kHeldRows) > 1
+                              ? Least(kNvlRingRows / 2, kNvlRingRows - kHeldRows)
+                              : 1;
+static_assert(kPushRows >= 1 && kPushRows + kHeldRows <= kNvlRingRows,
+              "a pusher's batch fits beside the rows a waiting reader holds");
+
 // Pusher warp p: lane l < per owns source s = per p + l, the rows this rank holds from s
 // (in token order) into the ring [my local][s's node] at s's rail peer on this node; the
 // whole warp copies each row.
@@ -911,13 +929,14 @@ __device__ void PushRole(const Geo& g, const View& v, int p, int per, const char
   for (int spin = 0;; ++spin) {
     const bool active = next < n;
     if (!__any_sync(kFull, active)) break;
-    // rows this lane may write now: up to the ring's free slots
+    // this lane's next batch, once the ring has room for all of it
     long long batch = 0;
     if (active) {
       const unsigned long long hd =
           tail < static_cast<unsigned long long>(kNvlRingRows) ? 0ull : LoadAcq(head);
       const long long room = static_cast<long long>(hd + kNvlRingRows - tail);
-      batch = n - next < room ? n - next : room;
+      const long long want = n - next < kPushRows ? n - next : kPushRows;
+      batch = room >= want ? want : 0;
     }
     unsigned ready = __ballot_sync(kFull, batch > 0);
     if (ready == 0) {

@@ -18,7 +18,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_ep.network.hier_layout import hier_layout
+from jax_ep import emulator
+from jax_ep.network.hier_layout import NVL_RING_ROWS, hier_layout
 
 sys.path.insert(0, os.path.dirname(__file__))
 from internode_emu_util import (SIGNAL_ADD, InternodeEmu, _reference_program,  # noqa: E402
@@ -359,6 +360,38 @@ def test_combine_inter_node_bytes_equal_dispatch():
     assert rows_d == pairs
     assert rows_c == rows_d, (f"payload bytes between nodes: dispatch {rows_d * H * 2}, "
                               f"combine {rows_c * H * 2}")
+
+
+def test_combine_pushers_write_half_a_ring_per_release():
+    """The shipped rings filled: 2 x 2, float32, 200 tokens, topk 4 of 8 experts, so every
+    source's rows at a rank (about 160) wrap its 64-row NVLink ring twice. Bit-exact against
+    the reference; and each combine pusher (one warp per source up to 64 ranks) publishes a
+    source's rows in batches of half a ring, however far its reader lags: the longest chain
+    of system fences over a rank's threads (pushers are the combine's only system-fence
+    writers) is ceil(rows / (ring / 2)) for the source with the most rows there."""
+    N, G, T, H, K = 2, 2, 200, 8, 4
+    R = N * G
+    E, C = 2 * R, R * T
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=3, heap_mib=16)
+    rng = np.random.default_rng(41)
+    x, idx, w, y, g = data(rng, R, T, H, K, E, C, np.float32)
+    ref = reference_in_nodes(G, x, idx, w, y, g, E=E, C=C)
+    outs, errs = em.dispatch(x, idx, w, num_experts=E, capacity=C, mode="hierarchical")
+    assert errs == [""] * R and em.errors() == [""] * R, errs
+    counts = np.stack([o["counts"] for o in outs])
+    slot = np.stack([o["send_slot"] for o in outs])
+    src_index = np.stack([o["src_index"] for o in outs])
+    emulator.reset_counters()
+    out, errs = em.combine(y, counts, slot, topk=K, src_index=src_index, mode="hierarchical")
+    assert errs == [""] * R and em.errors() == [""] * R, errs
+    half = NVL_RING_ROWS // 2
+    for r in range(R):
+        assert (bits(out[r]) == bits(ref["out"][r])).all(), f"combine rank {r}"
+        src = np.asarray(outs[r]["src_rank"]).ravel()
+        rows = np.bincount(src[src >= 0], minlength=R)
+        assert rows.min() > 2 * NVL_RING_ROWS, rows  # every ring wraps twice
+        batches = int(-(-rows.max() // half))
+        assert emulator.counters(r)["chain:fences:system"] == batches, (r, rows)
 
 
 @full
