@@ -95,6 +95,23 @@ inline int HierCombineForwardParts(long long row_vectors) {
   return static_cast<int>(n > kMaxHierParts ? kMaxHierParts : n);
 }
 
+// A combine pusher (one (source, receiver) pair's rows) runs as parts on consecutive
+// blocks, a warp each copying a slice of every row's 16-byte vectors (part 0 releases a
+// batch once every part has written it): the pair's rows spread over blocks, so no block
+// holds a whole pair's, however the routing loads one pair. Parts per pusher: up to
+// kHierPushParts, as long as the pushers keep to about kHierPushWarps warps in all (and
+// never more parts than a row has vectors).
+inline constexpr int kHierPushParts = 4;
+inline constexpr int kHierPushWarps = 64;
+
+inline int HierPushParts(int pushers, long long row_vectors) {
+  long long n = pushers > 0 ? kHierPushWarps / pushers : 1;
+  if (n > kHierPushParts) n = kHierPushParts;
+  if (n > row_vectors) n = row_vectors;
+  if (n < 1) n = 1;
+  return static_cast<int>(n > kMaxHierParts ? kMaxHierParts : n);
+}
+
 // Blocks for `warps` role warps: `preset`, or the integer in the environment variable
 // `env`; at least enough for `per_block` warps a block, at most one block a warp.
 inline int HierRoleBlocks(const char* env, int preset, int warps, int per_block) {

@@ -32,7 +32,10 @@
 // Combine
 //   pushers         every row this rank holds from source s goes, in token order, into
 //                   the NVLink ring at s's rail peer on this node (s itself when s is on
-//                   this node); a warp per source up to 64 ranks (kMaxPushWarps).
+//                   this node); a pusher per source up to 64 ranks (kMaxPushWarps),
+//                   as parts (configs.h HierPushParts) on consecutive blocks, a warp
+//                   each copying a slice of every row; part 0 releases a batch all
+//                   have written, in batches of half a ring (kPushRows).
 //   forwarder n     merges the rings of the source (n, my local) by token; per token the
 //                   node partial (its rows in ascending rank order summed in float32 and
 //                   rounded to the row dtype, kernels/common/combine_order.h): one row per
@@ -87,8 +90,8 @@ constexpr unsigned kFull = 0xffffffffu;
 // own (tid == node, tid == local rank) after one __syncthreads, with no loop.
 static_assert(kMaxNodes <= kThreads && kMaxGpusPerNode <= kThreads,
               "SourceRole's per-node and per-ring releases take one thread each");
-// Combine pusher warps at most: each serves ceil(R / kMaxPushWarps) sources (one up to 64
-// ranks, so every source's rows have a warp of their own and the pushers spread over
+// Combine pushers at most: each serves ceil(R / kMaxPushWarps) sources (one up to 64
+// ranks, so every source's rows have a pusher of their own and the pushers spread over
 // blocks; at most 32, a lane each).
 constexpr int kMaxPushWarps = 64;
 // Wait kinds of this mode in the shared error record (beside wire::SigKind).
@@ -97,7 +100,7 @@ constexpr int kKindNvl = 17;     // NVLink ring head or tail
 constexpr int kKindRow = 18;     // a row arrived out of order (qp: the ring or stream)
 constexpr int kKindNoPeer = 19;  // a GPU of the node has no NVSHMEM peer pointer
 constexpr int kKindSource = 20;  // a source block of this rank's combine (qp: the block)
-constexpr int kKindPart = 21;    // a forwarder part (dispatch rail or combine; qp: the part)
+constexpr int kKindPart = 21;    // a forwarder or pusher part (qp: the part)
 
 struct Geo {
   int R, rank, G, N, node, local;
@@ -897,12 +900,24 @@ constexpr int kPushRows = Least(kNvlRingRows / 2, kNvlRingRows - kHeldRows) > 1
 static_assert(kPushRows >= 1 && kPushRows + kHeldRows <= kNvlRingRows,
               "a pusher's batch fits beside the rows a waiting reader holds");
 
-// Pusher warp p: lane l < per owns source s = per p + l, the rows this rank holds from s
-// (in token order) into the ring [my local][s's node] at s's rail peer on this node; the
-// whole warp copies each row.
-__device__ void PushRole(const Geo& g, const View& v, int p, int per, const char* y,
-                         const int32_t* counts, const int32_t* src_index) {
+// Rows of a source each combine pusher part has written, per (source, part): the call
+// (*counter + 1) in the high 32 bits, the rows in the low ones. Part 0 waits for the
+// others before it releases a batch they all wrote.
+JEP_DEVICE_GLOBAL uint64_t g_push_done[kMaxRanks * kHierPushParts];
+
+// Pusher p, part `part` of pp (a warp each): lane l < per owns source s = per p + l, the
+// rows this rank holds from s (in token order) into the ring [my local][s's node] at s's
+// rail peer on this node. Every part walks the same batches (their sizes do not depend
+// on timing) and copies its slice of each row's 16-byte vectors; part 0 writes the row's
+// words and releases a batch's tail once every part has marked the batch written.
+__device__ void PushRole(const Geo& g, const View& v, int p, int per, int part, int pp,
+                         const char* y, const int32_t* counts, const int32_t* src_index) {
   const int lane = Lane();
+  const int64_t units = (g.prow + 15) / 16;
+  const int64_t b0 = 16 * (units * part / pp) < g.prow ? 16 * (units * part / pp) : g.prow;
+  const int64_t b1 =
+      16 * (units * (part + 1) / pp) < g.prow ? 16 * (units * (part + 1) / pp) : g.prow;
+  const uint64_t tag = CallTag(g);
   const int s = lane < per ? p * per + lane : g.R;
   const bool mine = s < g.R;
   long long start = 0, n = 0, next = 0;
@@ -962,12 +977,13 @@ __device__ void PushRole(const Geo& g, const View& v, int p, int per, const char
       const long long i0 = __shfl_sync(kFull, start + next, l);
       const long long cnt = __shfl_sync(kFull, batch, l);
       const unsigned long long tl = __shfl_sync(kFull, tail, l);
+      const int ls = __shfl_sync(kFull, s, l);
       char* rb = ShflPtr(ring, l);
       uint64_t* tw = ShflPtr(tailw, l);
       for (long long k = 0; k < cnt; ++k) {
         char* dst = rb + nvl_slot(static_cast<int64_t>(tl + k)) * g.stride;
-        CopyBytes(dst, y + (i0 + k) * g.prow, g.prow, lane, 32);
-        if (lane == 0) {
+        CopyBytes(dst + b0, y + (i0 + k) * g.prow + b0, b1 - b0, lane, 32);
+        if (lane == 0 && part == 0) {
           int32_t* meta = reinterpret_cast<int32_t*>(dst + g.cmeta);
           StoreWord(meta + 0, src_index[i0 + k]);
           StoreWord(meta + 1, static_cast<int32_t>(g.rank));
@@ -976,7 +992,17 @@ __device__ void PushRole(const Geo& g, const View& v, int p, int per, const char
       // the batch's rows, then one release of the tail (one fence per lane per batch)
       __threadfence_system();
       __syncwarp();
-      if (lane == 0) StoreRel(tw, tl + cnt);
+      // parts past 0 mark their slice of the batch written; part 0 joins them, then
+      // releases the tail once for the batch
+      uint64_t* done = g_push_done + static_cast<int64_t>(ls) * kHierPushParts;
+      const uint64_t mark = tag | static_cast<uint64_t>(tl + cnt);
+      int joined = 1;
+      if (lane == 0) {
+        if (part != 0) StoreRel(done + part, mark);
+        else if (JoinParts(g, done, pp, mark)) StoreRel(tw, tl + cnt);
+        else joined = 0;
+      }
+      if (!__shfl_sync(kFull, joined, 0)) return;
       if (lane == l) {
         tail = tl + cnt;
         next += cnt;
@@ -1431,14 +1457,14 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
 
 // Blocks [0, nsrc): the source (a slice of the columns each); then `roles` blocks of role
 // warps: [0, (N-1) cp) forwarders, cp parts per remote node, then np pushers of `per`
-// sources each.
+// sources each, pp parts per pusher.
 template <typename E>
 __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
                                                         const int32_t* counts,
                                                         const int32_t* send_slot,
                                                         const int32_t* src_index, E* out,
-                                                        int np, int per, int nsrc,
-                                                        int roles, int cp) {
+                                                        int np, int per, int pp,
+                                                        int nsrc, int roles, int cp) {
   const View v = ViewOf(g);
   __shared__ int failed;
   if (threadIdx.x == 0) failed = Failed(g) ? 1 : 0;
@@ -1458,8 +1484,8 @@ __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
     const int fw = (g.N - 1) * cp;
     if (gw < fw)
       CombineForwardRole<E>(g, v, RemoteNode(g, gw / cp), counts, gw % cp, cp);
-    else if (gw < fw + np)
-      PushRole(g, v, gw - fw, per, y, counts, src_index);
+    else if (gw < fw + np * pp)
+      PushRole(g, v, (gw - fw) / pp, per, (gw - fw) % pp, pp, y, counts, src_index);
   }
   __syncwarp();
   if (Lane() == 0) Tr::quiet();
@@ -1694,16 +1720,17 @@ std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, cons
   // Header only (no rows): seq, configuration and error flag, as every call.
   JEP_LAUNCH(ExchangeKernel, 1, kThreads, 0, stream)(g, false);
   const int per = (g.R + kMaxPushWarps - 1) / kMaxPushWarps;  // sources per pusher warp
-  const int np = (g.R + per - 1) / per;                         // pusher warps
+  const int np = (g.R + per - 1) / per;                         // pushers
   const int64_t vec_elems = 16 / FloatKindBytes(elem);
   const int64_t row_units = g.prow % 16 == 0 ? g.H / vec_elems : g.H;
   const int nsrc = HierSourceBlocks(row_units);
   const int cp = HierCombineForwardParts(row_units);
+  const int pp = HierPushParts(np, (g.prow + 15) / 16);  // parts per pusher
   const size_t smem_bytes = SourceSmemBytes(g);
   // forwarder and pusher warps over role blocks beside the source's, cut to what stays
   // resident (one instantiation's occupancy stands for the three: same code but the type)
   static int per_sm = 0;
-  const int rw = (g.N - 1) * cp + np;
+  const int rw = (g.N - 1) * cp + np * pp;
   const int least = (rw + kWarps - 1) / kWarps;
   int roles = HierRoleBlocks("JAX_EP_HIER_COMBINE_BLOCKS", kHierCombineRoleBlocks, rw, kWarps);
   const int room = ResidentCap(CombineMain<float>, "CombineMain", smem_bytes, &per_sm) - nsrc;
@@ -1713,18 +1740,18 @@ std::string Combine(cudaStream_t stream, const HierDims& d, FloatKind elem, cons
   switch (elem) {
     case FloatKind::kF32:
       e = LaunchCoop(CombineMain<float>, "CombineMain", blocks, smem_bytes, stream, g, yc,
-                     counts, send_slot, src_index, static_cast<float*>(out), np, per, nsrc,
-                     roles, cp);
+                     counts, send_slot, src_index, static_cast<float*>(out), np, per, pp,
+                     nsrc, roles, cp);
       break;
     case FloatKind::kBF16:
       e = LaunchCoop(CombineMain<__nv_bfloat16>, "CombineMain", blocks, smem_bytes, stream, g,
                      yc, counts, send_slot, src_index, static_cast<__nv_bfloat16*>(out), np,
-                     per, nsrc, roles, cp);
+                     per, pp, nsrc, roles, cp);
       break;
     case FloatKind::kF16:
       e = LaunchCoop(CombineMain<__half>, "CombineMain", blocks, smem_bytes, stream, g, yc,
-                     counts, send_slot, src_index, static_cast<__half*>(out), np, per, nsrc,
-                     roles, cp);
+                     counts, send_slot, src_index, static_cast<__half*>(out), np, per, pp,
+                     nsrc, roles, cp);
       break;
   }
   if (!e.empty()) return e;

@@ -192,7 +192,7 @@ def test_small_rings_own_node_rows_fill_the_source_windows(source_blocks, monkey
 
 
 @pytest.mark.parametrize("qpp,dispatch_blocks,combine_blocks,blocks,role_blocks",
-                         [(1, None, None, 16, 12), (2, "3", "2", 3, 2)])
+                         [(1, None, None, 16, 12), (2, "3", "2", 3, 5)])
 def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks, blocks,
                                             role_blocks, monkeypatch):
     """Small rings, every token to K ranks of the next node. The dispatch's sender to a node
@@ -200,12 +200,15 @@ def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks
     rail forwarder as 4 parts that each own one receiver of the node, and part 0 credits a
     chunk only once every part is done with it. The combine's forwarder runs as 4 parts
     that each sum a slice of the columns (rows of four 16-byte vectors), and part 0 frees
-    a chunk's ring rows and puts the chunk only once every part has written it. The role
-    warps spread over the presets' blocks cut to the 16 the emulated GPU holds (dispatch
-    16; combine 4 source blocks and 12 role blocks, one per warp), or packed into the
-    fewest that JAX_EP_HIER_DISPATCH_BLOCKS / _COMBINE_BLOCKS ask for (3 for 18 warps, 2
-    for 12). Blocks are preempted now and then, so a part that lags behind part 0 shows.
-    Bit-exact over three calls, and the launches have that many blocks."""
+    a chunk's ring rows and puts the chunk only once every part has written it; each
+    pusher runs as 4 parts that each copy one 16-byte vector of every row, and part 0
+    releases a batch only once every part has written it. The role warps spread over the
+    presets' blocks cut to the 16 the emulated GPU holds (dispatch 16; combine 4 source
+    blocks and 12 role blocks), or packed into the fewest that
+    JAX_EP_HIER_DISPATCH_BLOCKS / _COMBINE_BLOCKS ask for (3 for 18 warps; 5 for the
+    combine's 36, below the 2 asked). Blocks are preempted now and then, so a part that
+    lags behind part 0 shows. Bit-exact over three calls, and the launches have that many
+    blocks."""
     for var, val in (("JAX_EP_HIER_DISPATCH_BLOCKS", dispatch_blocks),
                      ("JAX_EP_HIER_COMBINE_BLOCKS", combine_blocks)):
         if val is None:
@@ -237,15 +240,15 @@ def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks
     assert launched == 3 * R * (4 + role_blocks), launched
 
 
-@pytest.mark.parametrize("source_blocks,blocks,role_blocks", [(None, 8, 8), ("3", 3, 12)])
+@pytest.mark.parametrize("source_blocks,blocks,role_blocks", [(None, 8, 8), ("3", 3, 13)])
 def test_combine_source_blocks_split_the_columns(source_blocks, blocks, role_blocks,
                                                  monkeypatch):
     """The combine's source runs as several blocks, each summing a slice of the columns: 8
     by default for rows of 8 16-byte vectors (H = 64 bf16), 3 (uneven slices) when
     JAX_EP_HIER_SOURCE_BLOCKS asks; bit-exact either way, and the launch has that many
     source blocks beside the role blocks: one per role warp (8 forwarder parts, one per
-    vector, and 4 pushers: 12) up to what the 16 resident blocks leave (8 beside 8 source
-    blocks)."""
+    vector, and 4 pushers of 4 parts: 24) up to what the 16 resident blocks leave (8
+    beside 8 source blocks, 13 beside 3)."""
     if source_blocks is not None:
         monkeypatch.setenv("JAX_EP_HIER_SOURCE_BLOCKS", source_blocks)
     else:
