@@ -126,8 +126,8 @@ MUTANTS = [
            "the rail forwarder never publishes a chunk's NVLink rows (only a full ring is "
            "flushed): the receivers wait for rows already written"),
     Mutant("hier_push_release_one_row", HIER,
-           "      if (lane == 0) StoreRel(tw, tl + cnt);",
-           "      if (lane == 0) StoreRel(tw, tl + 1);",
+           "        else if (JoinParts(g, done, pp, mark)) StoreRel(tw, tl + cnt);",
+           "        else if (JoinParts(g, done, pp, mark)) StoreRel(tw, tl + 1);",
            (T_HIER, "-k", "matches_reference or small_rings"),
            "the combine pusher's one release per batch publishes one row of the batch"),
     Mutant("hier_push_batch_past_room", HIER,
@@ -148,6 +148,18 @@ MUTANTS = [
            (T_HIER, "-k", "half_a_ring"),
            "the combine pusher writes whatever the ring has free (no wait for room for a "
            "batch): once the ring is full it publishes a few rows per system fence"),
+    Mutant("hier_push_tail_before_parts", HIER,
+           "        else if (JoinParts(g, done, pp, mark)) StoreRel(tw, tl + cnt);",
+           "        else if (JoinParts(g, done, 1, mark)) StoreRel(tw, tl + cnt);",
+           (T_HIER, "-k", "role_parts or small_rings_wrap"),
+           "the combine pusher's part 0 releases a batch without waiting for the other parts: "
+           "the reader sums slices of rows they have not written yet"),
+    Mutant("hier_push_part_marks_another_word", HIER,
+           "        if (part != 0) StoreRel(done + part, mark);",
+           "        if (part != 0) StoreRel(done + 1, mark);",
+           (T_HIER, "-k", "role_parts or small_rings_wrap"),
+           "every pusher part past 0 marks part 1's word: part 0 waits for parts 2 and up "
+           "until the timeout"),
     Mutant("hier_partial_not_rounded", HIER,
            "      for (int i = 0; i < V; ++i) a[i] += rounds ? RoundTo<E>(p[i]) : p[i];",
            "      for (int i = 0; i < V; ++i) a[i] += p[i];",
