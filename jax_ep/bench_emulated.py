@@ -320,11 +320,11 @@ def model_points(mode: str, base: dict) -> list[dict]:
 # more tokens at a smaller H (still 16 vectors a row, so the source and forwarder parts
 # are those of the target): a stream then holds several 16-row chunks, and the busiest
 # (source, receiver) pair's share of a rank's tokens, which the busiest block carries, is
-# nearer the target's (2x8: 0.61 T at 64 tokens, 0.69 at 16, 0.43 at 4096). About half
-# an hour on 2 cores in all.
+# nearer the target's (2x8: 0.56 T at 128 tokens, 0.61 at 64, 0.69 at 16, 0.43 at 4096).
+# About an hour on 2 cores in all.
 MODEL_COUNT = {
     "intranode": dict(TARGETS["intranode"], tokens=48, hidden=256),
-    "hierarchical_2x8": dict(TARGETS["hierarchical_2x8"], tokens=64, hidden=128),
+    "hierarchical_2x8": dict(TARGETS["hierarchical_2x8"], tokens=128, hidden=128),
     "hierarchical_4x8": dict(TARGETS["hierarchical_4x8"], tokens=32, hidden=128),
     "internode_ll": dict(TARGETS["internode_ll"], tokens=16, hidden=256),
 }

@@ -100,12 +100,15 @@ inline int HierCombineForwardParts(long long row_vectors) {
 // batch once every part has written it): the pair's rows spread over blocks, so no block
 // holds a whole pair's, however the routing loads one pair. Parts per pusher: up to
 // kHierPushParts, as long as the pushers keep to about kHierPushWarps warps in all (and
-// never more parts than a row has vectors).
+// never more parts than a row has vectors). JAX_EP_HIER_PUSH_PARTS overrides it (up to
+// kHierPushParts; rank-local: the wire is the same).
 inline constexpr int kHierPushParts = 4;
 inline constexpr int kHierPushWarps = 64;
 
 inline int HierPushParts(int pushers, long long row_vectors) {
-  long long n = pushers > 0 ? kHierPushWarps / pushers : 1;
+  const char* v = std::getenv("JAX_EP_HIER_PUSH_PARTS");
+  long long n = (v != nullptr && *v != '\0') ? std::atoll(v)
+                : (pushers > 0 ? kHierPushWarps / pushers : 1);
   if (n > kHierPushParts) n = kHierPushParts;
   if (n > row_vectors) n = row_vectors;
   if (n < 1) n = 1;

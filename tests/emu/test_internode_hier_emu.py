@@ -105,10 +105,16 @@ def test_hierarchical_matches_reference(shape):
                kind_differs=True)
 
 
-def test_hierarchical_node_partials_rounded():
+@pytest.mark.parametrize("push_parts", [None, "1"])
+def test_hierarchical_node_partials_rounded(push_parts, monkeypatch):
     """2 x 2, bfloat16, every token to every rank: each token has two rows on each node, so
     rounding both nodes' partials (the source's own included) to bfloat16 shows in the
-    bits against summing in one node."""
+    bits against summing in one node. The combine pushers as 4 parts (the default for
+    rows of four 16-byte vectors) and as one (JAX_EP_HIER_PUSH_PARTS=1)."""
+    if push_parts is None:
+        monkeypatch.delenv("JAX_EP_HIER_PUSH_PARTS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_EP_HIER_PUSH_PARTS", push_parts)
     N, G, T, H, K = 2, 2, 8, 32, 4
     R = N * G
     E, C = 2 * R, R * T
