@@ -197,10 +197,11 @@ def test_small_rings_own_node_rows_fill_the_source_windows(source_blocks, monkey
         round_trip(em, "hierarchical_small_rings", x, idx, w, y, g, E=E, C=C, K=K)
 
 
-@pytest.mark.parametrize("qpp,dispatch_blocks,combine_blocks,blocks,role_blocks",
-                         [(1, None, None, 16, 12), (2, "3", "2", 3, 5)])
+@pytest.mark.parametrize("qpp,dispatch_blocks,combine_blocks,blocks,role_blocks,push_parts",
+                         [(1, None, None, 16, 12, None), (2, "3", "2", 3, 5, None),
+                          (2, "3", "2", 3, 2, "1")])
 def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks, blocks,
-                                            role_blocks, monkeypatch):
+                                            role_blocks, push_parts, monkeypatch):
     """Small rings, every token to K ranks of the next node. The dispatch's sender to a node
     runs as parts that each own the chunks of some QPs (2 parts with 2 QPs, 4 with 4), its
     rail forwarder as 4 parts that each own one receiver of the node, and part 0 credits a
@@ -212,11 +213,13 @@ def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks
     presets' blocks cut to the 16 the emulated GPU holds (dispatch 16; combine 4 source
     blocks and 12 role blocks), or packed into the fewest that
     JAX_EP_HIER_DISPATCH_BLOCKS / _COMBINE_BLOCKS ask for (3 for 18 warps; 5 for the
-    combine's 36, below the 2 asked). Blocks are preempted now and then, so a part that
-    lags behind part 0 shows. Bit-exact over three calls, and the launches have that many
-    blocks."""
+    combine's 36, below the 2 asked; 2 for its 12 with one part a pusher,
+    JAX_EP_HIER_PUSH_PARTS=1, where each pusher's lanes share every row). Blocks are
+    preempted now and then, so a part that lags behind part 0 shows. Bit-exact over three
+    calls, and the launches have that many blocks."""
     for var, val in (("JAX_EP_HIER_DISPATCH_BLOCKS", dispatch_blocks),
-                     ("JAX_EP_HIER_COMBINE_BLOCKS", combine_blocks)):
+                     ("JAX_EP_HIER_COMBINE_BLOCKS", combine_blocks),
+                     ("JAX_EP_HIER_PUSH_PARTS", push_parts)):
         if val is None:
             monkeypatch.delenv(var, raising=False)
         else:
