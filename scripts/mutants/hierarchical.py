@@ -185,7 +185,8 @@ MUTANTS = [
            "      // the batch's rows, then one release of the tail (one fence per lane per batch)\n"
            "      __threadfence_system();\n",
            "      // the batch's rows, then one release of the tail (one fence per lane per batch)\n",
-           (T_HIER, "-k", "partials_rounded or matches_reference or small_rings"),
+           (T_HIER, "-k",
+            "partials_rounded or matches_reference or small_rings or source_blocks_split"),
            "removed fence: the combine pusher's row stores into the forwarder's ring are not "
            "ordered before the tail's release"),
     Mutant("hier_forward_slot_word_unordered", HIER,

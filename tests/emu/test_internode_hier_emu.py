@@ -403,7 +403,7 @@ def test_combine_pushers_write_half_a_ring_per_release():
         rows = np.bincount(src[src >= 0], minlength=R)
         assert rows.min() > 2 * NVL_RING_ROWS, rows  # every ring wraps twice
         batches = int(-(-rows.max() // half))
-        assert emulator.counters(r)["chain:fences:system"] == batches, (r, rows)
+        assert emulator.counters(r).get("chain:fences:system", 0) == batches, (r, rows)
 
 
 @full
