@@ -377,10 +377,11 @@ def test_combine_inter_node_bytes_equal_dispatch():
 def test_combine_pushers_write_half_a_ring_per_release():
     """The shipped rings filled: 2 x 2, float32, 200 tokens, topk 4 of 8 experts, so every
     source's rows at a rank (about 160) wrap its 64-row NVLink ring twice. Bit-exact against
-    the reference; and each combine pusher (one warp per source up to 64 ranks) publishes a
-    source's rows in batches of half a ring, however far its reader lags: the longest chain
-    of system fences over a rank's threads (pushers are the combine's only system-fence
-    writers) is ceil(rows / (ring / 2)) for the source with the most rows there."""
+    the reference; and each combine pusher (one per source up to 64 ranks, each of its
+    parts a warp that fences once per batch) publishes a source's rows in batches of half
+    a ring, however far its reader lags: the longest chain of system fences over a rank's
+    threads (pushers are the combine's only system-fence writers) is ceil(rows / (ring /
+    2)) for the source with the most rows there."""
     N, G, T, H, K = 2, 2, 200, 8, 4
     R = N * G
     E, C = 2 * R, R * T
