@@ -70,6 +70,28 @@ namespace jax_ep {
 
 constexpr int kMaxRanks = 32;  // ranks of one intranode group (a 32-bit mask per token)
 constexpr int kMaxChannels = 16;  // channels of the dispatch/combine kernels at most
+// Warps of the dispatch and combine channel blocks (docs/intranode.md, "Kernels per call").
+// Both blocks of channel ch send, block 2ch to the even ranks and block 2ch + 1 to the odd
+// ones, so the peer stores (an SM's slowest accesses) spread over every block; block 2ch + 1
+// also receives, with the warps after its senders'. With more than kMaxSplitSendRanks ranks
+// both roles' warps do not fit one block, and block 2ch sends to every rank.
+constexpr int kMaxSplitSendRanks = 16;
+JEP_HDX bool ChannelSendSplit(int num_ranks) { return num_ranks <= kMaxSplitSendRanks; }
+// Sending warps of a block (warp i sends to rank 2i + (block & 1) when split, else to i).
+JEP_HDX int ChannelSendWarps(int num_ranks) {
+  return ChannelSendSplit(num_ranks) ? (num_ranks + 1) / 2 : num_ranks;
+}
+// Receiving warps: one per source (its ring), at least 8 (the combine receiver sums one
+// token per warp).
+JEP_HDX int ChannelRecvWarps(int num_ranks) { return num_ranks > 8 ? num_ranks : 8; }
+// The first receiving warp of block 2ch + 1.
+JEP_HDX int ChannelRecvWarp0(int num_ranks) {
+  return ChannelSendSplit(num_ranks) ? ChannelSendWarps(num_ranks) : 0;
+}
+JEP_HDX int ChannelRoleThreads(int num_ranks) {
+  return 32 * (ChannelRecvWarp0(num_ranks) + ChannelRecvWarps(num_ranks));
+}
+
 enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpGather = 2, kNumOpKinds = 3 };
 // Last-block counters, one per kernel that ends with a signal.
 enum DoneCounter : int { kDoneDispatchChannel = 0, kDoneGatherChannel = 1, kNumDoneCounters = 2 };

@@ -206,6 +206,9 @@ struct Elems<FloatKind::kF16> : Elems16<FloatKind::kF16> {};
 
 // ============================ channels (shared) ============================
 
+// The named barrier of a channel block's receiving warps (barrier 0 is __syncthreads).
+constexpr int kRecvBarrier = 1;
+
 // First token of channel ch of nch over T tokens (channels own contiguous ranges).
 __device__ __forceinline__ int channel_begin(int T, int ch, int nch) {
   return static_cast<int>(static_cast<int64_t>(T) * ch / nch);
@@ -493,36 +496,39 @@ __device__ void dispatch_empty_outputs(const DispatchArgs& a) {
   }
 }
 
-// The channel kernel: block 2 ch sends channel ch's tokens (warp d to receiver d), block
-// 2 ch + 1 receives channel ch of every source (warp s from source s). Receiving blocks
-// also fill the rows past the received ones. The last block to finish hands the epoch's
-// credit to every sender.
+// The channel kernel: both blocks of channel ch send its tokens (ChannelSendWarps, a warp
+// per receiver: block 2 ch to the even ranks, 2 ch + 1 to the odd ones), block 2 ch + 1
+// also receives channel ch of every source (a warp per source, after its senders). Every
+// warp then fills its share of the rows past the received ones (a warp with no ring
+// starts at once). The last block to finish hands the epoch's credit to every sender.
 __global__ void __launch_bounds__(kMaxChannelThreads) dispatch_channel_kernel(DispatchArgs a) {
   __shared__ bool s_fail;
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int ch = blockIdx.x >> 1;
-  const bool sender = (blockIdx.x & 1) == 0;
+  const int ch = blockIdx.x >> 1, half = blockIdx.x & 1;
+  const bool split = ChannelSendSplit(R);
+  const int sw = (split || half == 0) ? ChannelSendWarps(R) : 0, rw0 = ChannelRecvWarp0(R);
   RankHeader* hdr = peer::header(a.c.peers, me);
   const uint64_t n = *reinterpret_cast<const volatile uint64_t*>(&hdr->seq[kOpDispatch]);
   if (threadIdx.x == 0) s_fail = failed();
   __syncthreads();
-  if (sender) {
-    if (warp < R) dispatch_send(a, ch, warp, s_fail, n);
-  } else {
-    if (warp < R) dispatch_recv(a, ch, warp, s_fail, n);
-    if (!s_fail) {
-      const int kept = *a.num_recv;
-      const int nw = blockDim.x >> 5;
-      for (int i = kept + ch * nw + warp; i < a.C; i += a.c.channels * nw) {
-        warp_zero_row(static_cast<char*>(a.recv_x) + static_cast<int64_t>(i) * a.row_bytes, a.row_bytes, lane);
-        for (int k = lane; k < a.K; k += 32) {
-          a.recv_idx[static_cast<int64_t>(i) * a.K + k] = -1;
-          a.recv_w[static_cast<int64_t>(i) * a.K + k] = 0.0f;
-        }
-        if (lane == 0) {
-          a.src_rank[i] = -1;
-          a.src_index[i] = -1;
-        }
+  if (warp < sw) {
+    const int d = split ? 2 * warp + half : warp;
+    if (d < R) dispatch_send(a, ch, d, s_fail, n);
+  } else if (half == 1 && warp >= rw0 && warp - rw0 < R) {
+    dispatch_recv(a, ch, warp - rw0, s_fail, n);
+  }
+  if (!s_fail) {
+    const int kept = *a.num_recv;
+    const int nw = blockDim.x >> 5;
+    for (int i = kept + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw) {
+      warp_zero_row(static_cast<char*>(a.recv_x) + static_cast<int64_t>(i) * a.row_bytes, a.row_bytes, lane);
+      for (int k = lane; k < a.K; k += 32) {
+        a.recv_idx[static_cast<int64_t>(i) * a.K + k] = -1;
+        a.recv_w[static_cast<int64_t>(i) * a.K + k] = 0.0f;
+      }
+      if (lane == 0) {
+        a.src_rank[i] = -1;
+        a.src_index[i] = -1;
       }
     }
   }
@@ -653,52 +659,57 @@ __device__ __forceinline__ bool wait_row(const CommonArgs& c, const uint64_t* ta
   return false;
 }
 
-// The channel kernel: block 2 ch sends (warp d the rows token owner d's channel ch asked
-// for), block 2 ch + 1 sums channel ch's tokens, a chunk of tokens at a time (one per
-// warp): out[t] = sum over r ascending of r's row for t, in float32.
+// The channel kernel: both blocks of channel ch send (ChannelSendWarps, warp i the rows
+// token owner d = 2 i + (block & 1), or i, asked for from its channel ch), block 2 ch + 1
+// also sums channel ch's tokens with the warps after its senders, a chunk of tokens at a
+// time (one per warp): out[t] = sum over r ascending of r's row for t, in float32. The
+// summing warps meet at their own barrier (kRecvBarrier), never waiting for the senders
+// beside them: those wait for credits from other ranks' summing warps.
 template <FloatKind kKind>
 __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(CombineArgs a) {
   using E = Elems<kKind>;
   __shared__ uint64_t s_base[kMaxRanks];   // ring (ch, r): rows consumed before this call
   __shared__ int32_t s_lo[kMaxRanks], s_cnt[kMaxRanks], s_used[kMaxRanks];
   __shared__ size_t s_off[kMaxChannelThreads / 32][kMaxRanks];  // per warp: its token's slot in ring (ch, r)
-  __shared__ uint64_t s_n;
-  __shared__ bool s_fail;
-  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nw = blockDim.x >> 5;
-  const int ch = blockIdx.x >> 1;
-  const bool sender = (blockIdx.x & 1) == 0;
+  __shared__ bool s_fail_send, s_fail;
+  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
+  const int ch = blockIdx.x >> 1, half = blockIdx.x & 1;
+  const bool split = ChannelSendSplit(R);
+  const int sw = (split || half == 0) ? ChannelSendWarps(R) : 0, rw0 = ChannelRecvWarp0(R);
+  const int nw = ChannelRecvWarps(R);                // summing warps of block 2 ch + 1
+  const int warp = (threadIdx.x >> 5) - rw0;         // its summing warp (when half == 1)
+  const int tid = static_cast<int>(threadIdx.x) - 32 * rw0;
   RankHeader* hdr = peer::header(a.c.peers, me);
-  if (threadIdx.x == 0) {
-    s_n = hdr->seq[kOpCombine];
-    if (sender) {
-      // Every token owner posted its request of epoch n (it consumed epoch n - 1's rows).
-      s_fail = wait_and_check(a.c, hdr->request[kOpCombine], hdr->site_req[kOpCombine], s_n,
-                              kOpCombine);
-      if (blockIdx.x == 0) {  // my call site before any row, for the owners' check
-        const int64_t site = site_to_send(a.c);
-        for (int d = 0; d < R; ++d) peer::store(&peer::header(a.c.peers, d)->site_arr[kOpCombine][me], site);
-        peer::fence_data();
-        for (int d = 0; d < R; ++d) peer::signal(&peer::header(a.c.peers, d)->arrive[kOpCombine][me], s_n);
-        s_fail = failed();
-      }
-    } else {
-      s_fail = wait_and_check(a.c, hdr->arrive[kOpCombine], hdr->site_arr[kOpCombine], s_n,
-                              kOpCombine);
+  const uint64_t n = *reinterpret_cast<const volatile uint64_t*>(&hdr->seq[kOpCombine]);
+  if (threadIdx.x == 0 && sw > 0) {
+    // Every token owner posted its request of epoch n (it consumed epoch n - 1's rows).
+    s_fail_send = wait_and_check(a.c, hdr->request[kOpCombine], hdr->site_req[kOpCombine], n,
+                                 kOpCombine);
+    if (blockIdx.x == 0) {  // my call site before any row, for the owners' check
+      const int64_t site = site_to_send(a.c);
+      for (int d = 0; d < R; ++d) peer::store(&peer::header(a.c.peers, d)->site_arr[kOpCombine][me], site);
+      peer::fence_data();
+      for (int d = 0; d < R; ++d) peer::signal(&peer::header(a.c.peers, d)->arrive[kOpCombine][me], n);
+      s_fail_send = failed();
     }
   }
+  if (half == 1 && tid == 0)
+    s_fail = wait_and_check(a.c, hdr->arrive[kOpCombine], hdr->site_arr[kOpCombine], n, kOpCombine);
   __syncthreads();
-  if (sender) {
-    if (warp < R) combine_send(a, ch, warp, s_fail);
+  if (static_cast<int>(threadIdx.x >> 5) < sw) {
+    const int d = split ? 2 * static_cast<int>(threadIdx.x >> 5) + half : static_cast<int>(threadIdx.x >> 5);
+    if (d < R) combine_send(a, ch, d, s_fail_send);
     return;
   }
-  if (threadIdx.x < R) {
-    s_lo[threadIdx.x] = hdr->c_own_lo[ch][threadIdx.x];
-    s_cnt[threadIdx.x] = hdr->c_own_n[ch][threadIdx.x];
-    s_base[threadIdx.x] = hdr->ring[1].read[ch][threadIdx.x];
-    s_used[threadIdx.x] = 0;
+  if (half == 0 || tid < 0) return;
+  const int rthreads = 32 * nw;
+  if (tid < R) {
+    s_lo[tid] = hdr->c_own_lo[ch][tid];
+    s_cnt[tid] = hdr->c_own_n[ch][tid];
+    s_base[tid] = hdr->ring[1].read[ch][tid];
+    s_used[tid] = 0;
   }
-  __syncthreads();
+  peer::sync_threads(kRecvBarrier, rthreads);
   const bool fail = s_fail;  // then the rows are drained unread and the outputs are zero
   const size_t rb = CombineRingBytes(a.c.ring_tokens, a.row_bytes);
   const size_t stride = RowStride(a.row_bytes);
@@ -781,12 +792,12 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
       __syncwarp();
     }
     // Every warp's reads of the chunk's slots are done: hand them back.
-    __syncthreads();
-    if (threadIdx.x < R) {
-      const uint64_t h = s_base[threadIdx.x] + static_cast<uint64_t>(s_used[threadIdx.x]);
-      if (!fail) peer::signal(&peer::header(a.c.peers, threadIdx.x)->ring[1].head[ch][me], h);
+    peer::sync_threads(kRecvBarrier, rthreads);
+    if (tid < R) {
+      const uint64_t h = s_base[tid] + static_cast<uint64_t>(s_used[tid]);
+      if (!fail) peer::signal(&peer::header(a.c.peers, tid)->ring[1].head[ch][me], h);
     }
-    __syncthreads();
+    peer::sync_threads(kRecvBarrier, rthreads);
   }
   // Every row asked for is in (a failed rank drains them unread, handing slots back as
   // they fill, so a sender with more rows than slots is never stuck), then all go back.
@@ -1064,7 +1075,7 @@ cudaError_t LaunchDispatchPhase(int phase, const DispatchArgs& a, const Intranod
       JEP_LAUNCH(dispatch_notify_kernel, 1, kPlanThreads, 0, stream)(a);
       break;
     case kPhaseChannel:
-      JEP_LAUNCH(dispatch_channel_kernel, 2 * a.c.channels, ChannelThreads(R), 0, stream)(a);
+      JEP_LAUNCH(dispatch_channel_kernel, 2 * a.c.channels, ChannelRoleThreads(R), 0, stream)(a);
       break;
     default:
       return cudaErrorInvalidValue;
@@ -1079,7 +1090,7 @@ cudaError_t LaunchCombinePhase(int phase, const CombineArgs& a, const IntranodeP
   if (R < 1 || R > kMaxRanks || a.c.channels < 1 || a.c.channels > kMaxChannels ||
       a.c.ring_tokens < 1)
     return cudaErrorInvalidValue;
-  const int blocks = 2 * a.c.channels, threads = ChannelThreads(R);
+  const int blocks = 2 * a.c.channels, threads = ChannelRoleThreads(R);
   switch (phase) {
     case kPhaseNotify:
       JEP_LAUNCH(combine_notify_kernel, 1, kPlanThreads, 0, stream)(a);

@@ -75,6 +75,11 @@ __device__ __forceinline__ unsigned lanemask_lt() {
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
   return m;
 }
+// Barrier `id` (1..15) of `threads` threads (whole warps) of the block: a role's warps
+// meet without waiting for the block's other roles (__syncthreads is barrier 0, all).
+__device__ __forceinline__ void sync_threads(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 // A plain store into memory a peer reads (its buffer through a peer pointer). Ordered
 // before a later signal only by fence_data(); the emulated GPU buffers it until then.
 template <typename T>

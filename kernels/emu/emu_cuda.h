@@ -208,6 +208,8 @@ enum WarpOp : int { kWarpSync = 0, kWarpBallot, kWarpAny, kWarpAll, kWarpShfl, k
 
 void yield(int kind);
 void syncthreads();
+// bar.sync id, threads (id 1..15): a barrier of `threads` threads of the block.
+void named_barrier(int id, int threads);
 // Lanes of `mask` meet; returns this lane's result (the value is up to 8 bytes).
 uint64_t warp_collective(int op, unsigned mask, uint64_t value, int arg, int width);
 unsigned activemask();

@@ -6,6 +6,7 @@
 //   store*        peer stores: buffered per thread until a fence or release drains them
 // Each counts its bytes by width and space (emu::note_access, via store_bytes for stores).
 //   global_timer  the virtual clock
+//   sync_threads  a named barrier (bar.sync id, threads)
 
 inline void signal(uint64_t* flag, uint64_t value) { ::emu::release_store64(flag, value); }
 
@@ -36,6 +37,8 @@ inline uint32_t load_cg4(const void* p) {
 }
 
 inline unsigned lanemask_lt() { return (1u << ::emu::g_ctx->lane) - 1u; }
+
+inline void sync_threads(int id, int threads) { ::emu::named_barrier(id, threads); }
 
 template <typename T>
 inline void store(T* p, T v) {

@@ -143,6 +143,8 @@ struct Block {
   std::vector<Fiber> fibers;
   std::vector<Fiber*> runnable;
   std::vector<Fiber*> at_barrier;
+  // Named barriers 1..15 (bar.sync id, threads): the threads waiting at each.
+  std::vector<Fiber*> at_named[16];
   std::vector<WarpState> warps;
   int live = 0;
   std::vector<unsigned char> smem_image;  // the __shared__ section while not loaded
@@ -1095,6 +1097,28 @@ void syncthreads() {
   if (static_cast<int>(b->at_barrier.size()) == b->live) {
     for (Fiber* g : b->at_barrier) MakeRunnable(g);
     b->at_barrier.clear();
+  }
+  SwitchToHost(f, false);
+}
+
+// bar.sync id, threads: the first `threads` threads to arrive go on together. Threads that
+// exited do not count (a barrier short of them never completes: the deadlock report).
+void named_barrier(int id, int threads) {
+  State& s = S();
+  Fiber* f = s.cur;
+  if (f == nullptr) return;
+  if (id < 1 || id > 15 || threads <= 0 || threads % 32 != 0) {
+    std::fprintf(stderr, "emu: named barrier %d with %d threads (ids 1..15, warps of 32)\n", id,
+                 threads);
+    std::abort();
+  }
+  Block* b = f->blk;
+  auto& at = b->at_named[id];
+  f->state = FState::kBlocked;
+  at.push_back(f);
+  if (static_cast<int>(at.size()) == threads) {
+    for (Fiber* g : at) MakeRunnable(g);
+    at.clear();
   }
   SwitchToHost(f, false);
 }

@@ -62,13 +62,42 @@ MUTANTS = [
            "off[lane] = lane * rb + ((pos + 1) % Q) * stride;",
            RINGS, "wrong ring slot: the token owner sums the next slot's row"),
     Mutant("combine_early_credit", INTRA,
-           "const uint64_t h = s_base[threadIdx.x] + static_cast<uint64_t>(s_used[threadIdx.x]);",
-           "const uint64_t h = s_base[threadIdx.x] + static_cast<uint64_t>(s_used[threadIdx.x]) + 1;",
+           "const uint64_t h = s_base[tid] + static_cast<uint64_t>(s_used[tid]);",
+           "const uint64_t h = s_base[tid] + static_cast<uint64_t>(s_used[tid]) + 1;",
            RINGS, "early credit: one slot more handed back than the chunk consumed"),
     Mutant("combine_send_ignores_credit", INTRA,
            "      if (!warp_wait_counter(a.c, &hdr->ring[1].head[ch][d], k - Q + 1, d, kOpCombine, &credit)) break;",
            "      credit = k - Q + 1;",
            RINGS, "a full ring not waited for: the sender overwrites rows not yet summed"),
+    # --------------------------------------------------------- channel blocks' roles
+    Mutant("dispatch_both_halves_send_to_even_ranks", INTRA,
+           "    if (d < R) dispatch_send(a, ch, d, s_fail, n);",
+           "    if (d < R) dispatch_send(a, ch, d & ~1, s_fail, n);",
+           QUICK, "both blocks of a channel send to the even ranks: the odd ranks' rings get "
+           "nothing and the even ones' two writers"),
+    Mutant("combine_both_halves_send_to_even_ranks", INTRA,
+           "    if (d < R) combine_send(a, ch, d, s_fail_send);",
+           "    if (d < R) combine_send(a, ch, d & ~1, s_fail_send);",
+           QUICK, "both blocks of a channel answer the even ranks: the odd ones' sums miss rows"),
+    Mutant("combine_recv_barrier_short", INTRA,
+           "    // Every warp's reads of the chunk's slots are done: hand them back.\n"
+           "    peer::sync_threads(kRecvBarrier, rthreads);",
+           "    // Every warp's reads of the chunk's slots are done: hand them back.\n"
+           "    peer::sync_threads(kRecvBarrier, rthreads - 32);",
+           RINGS, "the receiving warps' barrier one warp short: a chunk's slots go back "
+           "before its last warp read them"),
+    Mutant("combine_recv_barrier_waits_for_senders", INTRA,
+           "    // Every warp's reads of the chunk's slots are done: hand them back.\n"
+           "    peer::sync_threads(kRecvBarrier, rthreads);",
+           "    // Every warp's reads of the chunk's slots are done: hand them back.\n"
+           "    __syncthreads();",
+           RINGS, "the summing warps meet at the whole block's barrier: they wait for the "
+           "sending warps beside them, which wait for credits from other ranks' summing "
+           "warps (a deadlock once the rings fill)"),
+    Mutant("dispatch_fill_skips_first_row", INTRA,
+           "for (int i = kept + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw) {",
+           "for (int i = kept + 1 + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw) {",
+           QUICK, "the first row past the received ones is not filled"),
     # --------------------------------------------------------- intranode gather (cached dispatch)
     Mutant("gather_early_credit", INTRA,
            "if (posted < end && room >= (want < chunk ? want : chunk)) post(k + Q < end ? k + Q : end);",

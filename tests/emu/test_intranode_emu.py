@@ -215,7 +215,9 @@ def test_call_site_mismatch_is_reported():
 
 def test_counters_report_the_launches():
     """Blocks and warps per kernel, as the presets launch them (counted, not measured): a
-    notify block and 2 x channels blocks of one warp per peer (at least 8 warps)."""
+    notify block and 2 x channels blocks; gather's of one warp per peer (at least 8),
+    dispatch's of its sending warps (one per peer of its half: ceil(R / 2)) beside as many
+    receiving ones."""
     R, T, H, K, E, C = 2, 4, 16, 2, 4, 8
     emu = Emulator(R, seed=15)
     emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
@@ -226,7 +228,7 @@ def test_counters_report_the_launches():
     preset = next(p for p in emu.m.cuda_presets() if R <= p["max_ranks"])
     assert c["kernel:dispatch_notify_kernel:launches"] == R
     assert c["kernel:dispatch_channel_kernel:blocks"] == R * preset["num_sms"]
-    assert c["kernel:dispatch_channel_kernel:warps"] == R * preset["num_sms"] * max(8, R)
+    assert c["kernel:dispatch_channel_kernel:warps"] == R * preset["num_sms"] * (1 + 8)
     assert not any(k.startswith(("kernel:dispatch_push", "kernel:dispatch_finish")) for k in c)
     assert c["release_stores"] >= 2 * R * R  # arrivals and credits, one per peer
     assert c["fences:system"] > 0 and c["polls"] > 0
