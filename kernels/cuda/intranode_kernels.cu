@@ -1,7 +1,8 @@
 // Intranode dispatch, combine and gather (combine's transpose) over peer pointers.
 // Buffer layout and protocol: kernels/cuda/intranode_buffer.h, docs/intranode.md.
-// Dispatch and combine are a notify kernel and one channel kernel per rank (even blocks
-// send through per-(channel, peer) rings, odd blocks receive); gather (cached dispatch) is
+// Dispatch and combine are a notify kernel and one channel kernel per rank (both blocks of
+// a channel send through per-(channel, peer) rings, to the even and to the odd ranks; the
+// odd block also receives); gather (cached dispatch) is
 // its channel kernel alone (kernels/cuda/cuda_kernels.h). Rows land in the XLA outputs in
 // the contract's order (source rank, then token), with the routing math of
 // kernels/layout_math.h, so results match the CPU backend bit for bit.
