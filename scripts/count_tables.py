@@ -88,6 +88,8 @@ def counts_markdown(before, after):
 
 
 def model_markdown(before, after):
+    from jax_ep.bench_emulated import verdict_words
+
     out = ["| target | op | before: model us | bound | SMs | NVLink frac | RDMA GB/s | "
            "after: model us | bound | SMs | NVLink frac | RDMA GB/s | target met (after) |",
            "|---|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
@@ -104,8 +106,7 @@ def model_markdown(before, after):
     for t in list(dict.fromkeys(list(b) + list(a))):
         for op in ("dispatch", "combine"):
             ae = a.get(t)
-            met = ("" if ae is None or "error" in ae else
-                   f"{ae['verdict']['target']}: {'yes' if ae['verdict']['met'] else 'no'}")
+            met = ("" if ae is None or "error" in ae else verdict_words(ae["verdict"], op))
             err = ""
             for side, e in (("before", b.get(t)), ("after", ae)):
                 if e is not None and "error" in e and op == "dispatch":
