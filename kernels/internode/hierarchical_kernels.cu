@@ -26,9 +26,12 @@
 //                   blocking on any one, write each row at its destination row.
 //   The sender and forwarders run as parts, a warp each (configs.h): a sender's part owns
 //   the chunks of a set of QPs (so each QP's chunks stay in order), a forwarder's part a
-//   set of the node's receivers (so each NVLink ring keeps one writer); the rail
-//   forwarder's part 0 credits a chunk once every part is done with it. The role warps
-//   spread over kHierDispatchBlocks blocks, each block a slice of every role.
+//   set of the node's receivers, itself as column parts (HierForwardColumns) on
+//   consecutive blocks that each copy a slice of every row; column part 0 writes the
+//   row's words and releases a ring's tail once every column part has marked its rows
+//   written (so each ring's tail keeps one writer). The rail forwarder's part 0 credits
+//   a chunk once every part is done with it. The role warps spread over
+//   kHierDispatchBlocks blocks, each block a slice of every role.
 // Combine
 //   pushers         every row this rank holds from source s goes, in token order, into
 //                   the NVLink ring at s's rail peer on this node (s itself when s is on
@@ -379,12 +382,16 @@ struct Outs {
   int32_t* src_index;
 };
 
-// Writes a dispatch-pattern row: payload, K ids and weights (dispatch), metadata.
+// Writes a dispatch-pattern row: payload bytes [b0, b1) (all when b1 < 0), and with
+// `words` the K ids and weights (dispatch) and the metadata.
 __device__ __forceinline__ void WriteRow(const Geo& g, char* dst, const char* payload,
                                          const int32_t* topk_idx, const float* topk_w, int t,
-                                         uint32_t mask, int64_t dest) {
+                                         uint32_t mask, int64_t dest, int64_t b0 = 0,
+                                         int64_t b1 = -1, bool words = true) {
   const int lane = Lane();
-  CopyBytes(dst, payload + static_cast<int64_t>(t) * g.prow, g.prow, lane, 32);
+  if (b1 < 0) b1 = g.prow;
+  CopyBytes(dst + b0, payload + static_cast<int64_t>(t) * g.prow + b0, b1 - b0, lane, 32);
+  if (!words) return;
   if (topk_idx != nullptr) {
     int32_t* ids = reinterpret_cast<int32_t*>(dst + meta_offset(g.prow));
     float* ws = reinterpret_cast<float*>(ids + g.K);
@@ -400,6 +407,29 @@ __device__ __forceinline__ void WriteRow(const Geo& g, char* dst, const char* pa
     StoreWord(meta + 2, static_cast<int32_t>(mask));
     StoreWord(meta + 3, static_cast<int32_t>(dest));
   }
+}
+
+// Chunks of a stream each rail forwarder part is done with, per (source node, part): the
+// call (*counter + 1) in the high 32 bits, the chunks in the low ones. Part 0 waits for
+// the others before it frees a chunk they all read.
+JEP_DEVICE_GLOBAL uint64_t g_fwd_done[kMaxNodes * kMaxHierParts];
+// Rows each column part of a forwarder has written, per (source node, part): FwdCols.
+JEP_DEVICE_GLOBAL uint64_t g_fwd_cols[kMaxNodes * kMaxHierParts];
+static_assert(kHierForwardParts * kHierForwardColumns <= kMaxHierParts,
+              "a forwarder's receiver and column parts index one word each");
+
+__device__ __forceinline__ uint64_t CallTag(const Geo& g) {
+  return static_cast<uint64_t>(*g.counter + 1ull) << 32;
+}
+
+// Lane 0 of part 0: waits (bounded) until every other part's word of `words` (np parts)
+// reaches `mark`.
+__device__ bool JoinParts(const Geo& g, const uint64_t* words, int np, uint64_t mark) {
+  for (int b = 1; b < np; ++b) {
+    const uint64_t* w = words + b;
+    if (!WaitAtLeast(g, [w] { return LoadAcq(w); }, mark, g.rank, kKindPart, b)) return false;
+  }
+  return true;
 }
 
 // A forwarder's view of the receivers of its node for one source: lane l < G holds
@@ -437,24 +467,57 @@ __device__ __forceinline__ P* ShflPtr(P* p, int src) {
       __shfl_sync(kFull, reinterpret_cast<unsigned long long>(p), src));
 }
 
+// A forwarder part's column slice: part q of cq copies payload bytes [b0, b1) of every
+// row it forwards (part 0 also the row's words). All parts of a forwarder forward the
+// same rows in the same order; `writes` counts them. Before part 0 releases a tail, every
+// other part has fenced its slices of the rows behind it and marked its count in
+// words[q] (the call's tag in the high 32 bits).
+struct FwdCols {
+  uint64_t* words = nullptr;
+  uint64_t tag = 0;
+  long long writes = 0;
+  int64_t b0 = 0, b1 = 0;
+  int q = 0, cq = 1;
+};
+
+// Columns [b0, b1) of part q of cq over a row of `bytes` bytes: whole 16-byte vectors.
+__device__ __forceinline__ void ColumnSlice(int64_t bytes, int q, int cq, int64_t* b0,
+                                            int64_t* b1) {
+  const int64_t units = (bytes + 15) / 16;
+  *b0 = 16 * (units * q / cq) < bytes ? 16 * (units * q / cq) : bytes;
+  *b1 = 16 * (units * (q + 1) / cq) < bytes ? 16 * (units * (q + 1) / cq) : bytes;
+}
+
 // Publishes every ring's rows written since its last publication: one system fence per
 // lane (each lane wrote a part of the rows) and one release of each tail that moved, per
-// chunk of rows, never per row.
-__device__ void NvlFlush(FwdLane* f) {
+// chunk of rows, never per row. With column parts only part 0 releases, once every part
+// has marked the rows written. False when that wait timed out.
+__device__ bool NvlFlush(const Geo& g, FwdLane* f, FwdCols* c) {
   const bool dirty = f->tail > f->pub;
-  if (!__any_sync(kFull, dirty)) return;
+  if (!__any_sync(kFull, dirty)) return true;
   __threadfence_system();
   __syncwarp();
+  if (c->cq > 1) {
+    int ok = 1;
+    if (Lane() == 0) {
+      const uint64_t mark = c->tag | static_cast<uint64_t>(c->writes);
+      if (c->q != 0) StoreRel(c->words + c->q, mark);
+      else ok = JoinParts(g, c->words, c->cq, mark) ? 1 : 0;
+    }
+    if (!__shfl_sync(kFull, ok, 0)) return false;
+  }
   if (dirty) {
-    StoreRel(f->tailw, f->tail);
+    if (c->q == 0) StoreRel(f->tailw, f->tail);
     f->pub = f->tail;
   }
   __syncwarp();
+  return true;
 }
 
 // Waits (lane 0, bounded) for room in receiver l's ring; its slot, or null on failure.
-// A full ring is flushed first, so its reader can free it.
-__device__ char* NvlReserve(const Geo& g, FwdLane* f, int l) {
+// A full ring is flushed first, so its reader can free it. Every column part waits for the
+// same room: a part behind part 0 finds it there, since part 0 passed the same wait.
+__device__ char* NvlReserve(const Geo& g, FwdLane* f, FwdCols* c, int l) {
   const unsigned long long tail = __shfl_sync(kFull, f->tail, l);
   uint64_t* head = ShflPtr(f->head, l);
   int wait = 0;
@@ -462,7 +525,7 @@ __device__ char* NvlReserve(const Geo& g, FwdLane* f, int l) {
     wait = LoadAcq(head) < tail + 1 - kNvlRingRows ? 1 : 0;
   int ok = 1;
   if (__shfl_sync(kFull, wait, 0)) {
-    NvlFlush(f);
+    if (!NvlFlush(g, f, c)) return nullptr;
     if (Lane() == 0)
       ok = WaitAtLeast(g, [head] { return LoadAcq(head); }, tail + 1 - kNvlRingRows,
                        g.node * g.G + l, kKindNvl, l) ? 1 : 0;
@@ -472,15 +535,17 @@ __device__ char* NvlReserve(const Geo& g, FwdLane* f, int l) {
 }
 
 // Counts the row just written into receiver l's ring; NvlFlush publishes it.
-__device__ __forceinline__ void NvlWritten(FwdLane* f, int l) {
+__device__ __forceinline__ void NvlWritten(FwdLane* f, FwdCols* c, int l) {
   __syncwarp();
   if (Lane() == l) f->tail += 1;
+  c->writes += 1;
   __syncwarp();
 }
 
 // Hands one row (at `row`, already in this GPU's memory, or composed from the inputs
-// when `row` is null) to every receiver of this node in `mask` that keeps it.
-__device__ bool Forward(const Geo& g, FwdLane* f, uint32_t mask, const char* row,
+// when `row` is null) to every receiver of this node in `mask` that keeps it: this
+// column part's slice of it (part 0 also its words).
+__device__ bool Forward(const Geo& g, FwdLane* f, FwdCols* c, uint32_t mask, const char* row,
                         const char* payload, const int32_t* topk_idx, const float* topk_w,
                         int t) {
   while (mask != 0) {
@@ -491,18 +556,22 @@ __device__ bool Forward(const Geo& g, FwdLane* f, uint32_t mask, const char* row
     const long long base = __shfl_sync(kFull, f->base, l);
     if (Lane() == l) f->sent = slot + 1;
     if (slot >= kept) continue;  // past the capacity there: dropped, never forwarded
-    char* dst = NvlReserve(g, f, l);
+    char* dst = NvlReserve(g, f, c, l);
     if (dst == nullptr) return false;
     if (row != nullptr) {
-      devcopy::CopyLanded(dst, row, g.stride, Lane(), 32);
-      __syncwarp();
-      if (Lane() == 0)
-        StoreWord(reinterpret_cast<int32_t*>(dst + g.dmeta) + 3,
-                  static_cast<int32_t>(base + slot));
+      devcopy::CopyLanded(dst + c->b0, row + c->b0, c->b1 - c->b0, Lane(), 32);
+      if (c->q == 0) {
+        const int64_t m0 = meta_offset(g.prow);
+        devcopy::CopyLanded(dst + m0, row + m0, g.stride - m0, Lane(), 32);
+        __syncwarp();
+        if (Lane() == 0)
+          StoreWord(reinterpret_cast<int32_t*>(dst + g.dmeta) + 3,
+                    static_cast<int32_t>(base + slot));
+      }
     } else {
-      WriteRow(g, dst, payload, topk_idx, topk_w, t, 0, base + slot);
+      WriteRow(g, dst, payload, topk_idx, topk_w, t, 0, base + slot, c->b0, c->b1, c->q == 0);
     }
-    NvlWritten(f, l);
+    NvlWritten(f, c, l);
   }
   return true;
 }
@@ -534,25 +603,6 @@ __device__ bool CloseStream(const Geo& g, const View& v, int n, int peer, int64_
     *w = 0;
   }
   return __all_sync(kFull, ok) != 0;
-}
-
-// Chunks of a stream each rail forwarder part is done with, per (source node, part): the
-// call (*counter + 1) in the high 32 bits, the chunks in the low ones. Part 0 waits for
-// the others before it frees a chunk they all read.
-JEP_DEVICE_GLOBAL uint64_t g_fwd_done[kMaxNodes * kMaxHierParts];
-
-__device__ __forceinline__ uint64_t CallTag(const Geo& g) {
-  return static_cast<uint64_t>(*g.counter + 1ull) << 32;
-}
-
-// Lane 0 of part 0: waits (bounded) until every other part's word of `words` (np parts)
-// reaches `mark`.
-__device__ bool JoinParts(const Geo& g, const uint64_t* words, int np, uint64_t mark) {
-  for (int b = 1; b < np; ++b) {
-    const uint64_t* w = words + b;
-    if (!WaitAtLeast(g, [w] { return LoadAcq(w); }, mark, g.rank, kKindPart, b)) return false;
-  }
-  return true;
 }
 
 // Part p of sp of the stream's writer: the closing signal on its own QPs (those of the
@@ -640,13 +690,26 @@ __device__ __forceinline__ uint32_t PartReceivers(const Geo& g, int p, int fp) {
   return own;
 }
 
+// Column part q of cq of forwarder part p of fp for source node n.
+__device__ FwdCols ColumnsOf(const Geo& g, int n, int p, int q, int cq) {
+  FwdCols c;
+  c.words = g_fwd_cols + static_cast<int64_t>(n) * kMaxHierParts + p * cq;
+  c.tag = CallTag(g);
+  c.q = q;
+  c.cq = cq;
+  ColumnSlice(g.prow, q, cq, &c.b0, &c.b1);
+  return c;
+}
+
 // This rank's own tokens for its own node: straight into the receivers' rings.
-// Part p of fp: the rings of its own receivers only (each ring keeps one writer).
-__device__ void LocalForwardRole(const Geo& g, const View& v, int p, int fp,
+// Part p of fp: the rings of its own receivers only (each ring's rows written by that
+// part's cq column parts, released by column part 0).
+__device__ void LocalForwardRole(const Geo& g, const View& v, int p, int fp, int q, int cq,
                                  const char* payload, const int32_t* topk_idx,
                                  const float* topk_w, const int32_t* send_slot) {
   FwdLane f;
   if (!FwdSetup(g, v, v.counts, g.R + g.N, g.rank, &f)) return;
+  FwdCols cols = ColumnsOf(g, g.node, p, q, cq);
   const uint32_t own = PartReceivers(g, p, fp);
   for (int tb = 0; tb < g.T; tb += 32) {
     const int t = tb + Lane();
@@ -656,31 +719,34 @@ __device__ void LocalForwardRole(const Geo& g, const View& v, int p, int fp,
     while (todo != 0) {
       const int l = __ffs(todo) - 1;
       todo &= todo - 1;
-      if (!Forward(g, &f, __shfl_sync(kFull, mask, l), nullptr, payload, topk_idx, topk_w,
-                   tb + l))
+      if (!Forward(g, &f, &cols, __shfl_sync(kFull, mask, l), nullptr, payload, topk_idx,
+                   topk_w, tb + l))
         return;
     }
-    NvlFlush(&f);  // the rows of these 32 tokens: one release per ring
+    if (!NvlFlush(g, &f, &cols)) return;  // the rows of these 32 tokens: one release per ring
   }
 }
 
-// Rail forwarder part p of fp for the source (n, my local index): chunk by chunk from the
-// RDMA ring to its own receivers of this node; part 0 credits a chunk once every part has
-// published its rows of it, and closes the stream.
-__device__ void RailForwardRole(const Geo& g, const View& v, int n, int p, int fp) {
+// Rail forwarder part p of fp, column part q of cq, for the source (n, my local index):
+// chunk by chunk from the RDMA ring to its own receivers of this node; part (0, 0)
+// credits a chunk once every part has published its rows of it, and closes the stream.
+__device__ void RailForwardRole(const Geo& g, const View& v, int n, int p, int fp, int q,
+                                int cq) {
   const int s = n * g.G + g.local;
   const int cs = g.R + g.N;
   FwdLane f;
   if (!FwdSetup(g, v, v.counts, cs, s, &f)) return;
+  FwdCols cols = ColumnsOf(g, n, p, q, cq);
+  const int part = p * cq + q;
   const uint32_t own = PartReceivers(g, p, fp);
   uint64_t* done = g_fwd_done + static_cast<int64_t>(n) * kMaxHierParts;
   const uint64_t tag = CallTag(g);
   const int64_t rows = v.counts[static_cast<int64_t>(s) * cs + g.R + g.node];
   const int64_t chunks = (rows + kRdmaChunkRows - 1) / kRdmaChunkRows;
   for (int64_t c = 0; c < chunks; ++c) {
-    const int q = ChunkQp(g, g.rank, c);
-    if (!WarpWaitSig(g, DataWord(v, g, n, q), static_cast<uint64_t>(c / g.nq + 1), s,
-                     wire::kSigDispatch, q))
+    const int qp = ChunkQp(g, g.rank, c);
+    if (!WarpWaitSig(g, DataWord(v, g, n, qp), static_cast<uint64_t>(c / g.nq + 1), s,
+                     wire::kSigDispatch, qp))
       return;
     const char* slot = RecvSlot(v, g, n, c);
     const int64_t nr = rows - c * kRdmaChunkRows < kRdmaChunkRows ? rows - c * kRdmaChunkRows
@@ -689,16 +755,17 @@ __device__ void RailForwardRole(const Geo& g, const View& v, int n, int p, int f
       const char* row = slot + j * g.stride;
       const uint32_t mask = static_cast<uint32_t>(
           devcopy::LoadLanded(reinterpret_cast<const int32_t*>(row + g.dmeta) + 2));
-      if (!Forward(g, &f, mask & own, row, nullptr, nullptr, nullptr, 0)) return;
+      if (!Forward(g, &f, &cols, mask & own, row, nullptr, nullptr, nullptr, 0)) return;
     }
-    NvlFlush(&f);  // the chunk's rows: one release per ring, before the credit frees them
+    // the chunk's rows: one release per ring, before the credit frees them
+    if (!NvlFlush(g, &f, &cols)) return;
     __syncwarp();
     int ok = 1;
     if (Lane() == 0) {
       const uint64_t mark = tag | static_cast<uint64_t>(c + 1);
-      if (p != 0)
-        StoreRel(done + p, mark);  // its reads of the chunk are over
-      else if (JoinParts(g, done, fp, mark))
+      if (part != 0)
+        StoreRel(done + part, mark);  // its reads of the chunk are over
+      else if (JoinParts(g, done, fp * cq, mark))
         Tr::signal(v.credit + g.node, static_cast<uint64_t>(c + 1), SignalOp::kSet, s,
                    wire::kControlQp);
       else
@@ -706,7 +773,7 @@ __device__ void RailForwardRole(const Geo& g, const View& v, int n, int p, int f
     }
     if (!__shfl_sync(kFull, ok, 0)) return;
   }
-  if (p == 0) CloseStream(g, v, n, s, chunks, wire::kSigDispatch);
+  if (part == 0) CloseStream(g, v, n, s, chunks, wire::kSigDispatch);
 }
 
 // Writes one received dispatch-pattern row to the outputs.
@@ -798,15 +865,17 @@ __device__ void ReceiveRole(const Geo& g, const View& v, int w, int nw, const Ou
 }
 
 // Role warps, warp w of the launch at block w % B (consecutive warps of a role on
-// consecutive blocks): [0, (N-1) sp) senders, sp parts per remote node; then fp local
-// forwarder parts; then (N-1) fp rail forwarder parts; then nw receivers.
+// consecutive blocks): [0, (N-1) sp) senders, sp parts per remote node; then fp cq local
+// forwarder parts; then (N-1) fp cq rail forwarder parts (cq column parts of each
+// receiver part, consecutive); then nw receivers.
 __device__ __forceinline__ int RemoteNode(const Geo& g, int i) { return i < g.node ? i : i + 1; }
 
 __global__ void __launch_bounds__(kThreads) DispatchMain(Geo g, const char* payload,
                                                          const int32_t* topk_idx,
                                                          const float* topk_w,
                                                          const int32_t* send_slot, Outs out,
-                                                         int nw, int sp, int fp, bool gather) {
+                                                         int nw, int sp, int fp, int cq,
+                                                         bool gather) {
   int gw = (threadIdx.x >> 5) * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x);
   int failed = 0;
   if (Lane() == 0) failed = Failed(g) ? 1 : 0;
@@ -815,11 +884,12 @@ __global__ void __launch_bounds__(kThreads) DispatchMain(Geo g, const char* payl
   const int remote = g.N - 1;
   if (gw < remote * sp) {
     SendRole(g, v, RemoteNode(g, gw / sp), gw % sp, sp, payload, topk_idx, topk_w, send_slot);
-  } else if ((gw -= remote * sp) < fp) {
-    LocalForwardRole(g, v, gw, fp, payload, topk_idx, topk_w, send_slot);
-  } else if ((gw -= fp) < remote * fp) {
-    RailForwardRole(g, v, RemoteNode(g, gw / fp), gw % fp, fp);
-  } else if ((gw -= remote * fp) < nw) {
+  } else if ((gw -= remote * sp) < fp * cq) {
+    LocalForwardRole(g, v, gw / cq, fp, gw % cq, cq, payload, topk_idx, topk_w, send_slot);
+  } else if ((gw -= fp * cq) < remote * fp * cq) {
+    const int r = gw % (fp * cq);
+    RailForwardRole(g, v, RemoteNode(g, gw / (fp * cq)), r / cq, fp, r % cq, cq);
+  } else if ((gw -= remote * fp * cq) < nw) {
     ReceiveRole(g, v, gw, nw, out, gather);
   }
   __syncwarp();
@@ -1654,7 +1724,8 @@ std::string RunDispatchPattern(cudaStream_t stream, const Geo& g, const char* pa
   JEP_LAUNCH(ExchangeKernel, 1, kThreads, 0, stream)(g, true);
   const int nw = g.G * g.N < 32 ? g.G * g.N : 32;
   const int sp = HierSendParts(g.nq), fp = HierForwardParts(g.G);
-  const int warps = (g.N - 1) * sp + g.N * fp + nw;
+  const int cq = HierForwardColumns(g.N * fp, (g.prow + 15) / 16);
+  const int warps = (g.N - 1) * sp + g.N * fp * cq + nw;
   // the preset, cut to what stays resident (never below what holds every warp: a launch
   // that cannot be resident then fails with the co-residency error)
   int nb = HierRoleBlocks("JAX_EP_HIER_DISPATCH_BLOCKS", kHierDispatchBlocks, warps, kWarps);
@@ -1663,7 +1734,7 @@ std::string RunDispatchPattern(cudaStream_t stream, const Geo& g, const char* pa
   const int least = (warps + kWarps - 1) / kWarps;
   if (nb > cap) nb = cap > least ? cap : least;
   e = LaunchCoop(DispatchMain, "DispatchMain", nb, 0, stream, g,
-                 payload, topk_idx, topk_w, send_slot_in, out, nw, sp, fp, gather);
+                 payload, topk_idx, topk_w, send_slot_in, out, nw, sp, fp, cq, gather);
   if (!e.empty()) return e;
   const int64_t work = static_cast<int64_t>(g.C) * g.prow;
   const int64_t blocks = (work + kThreads - 1) / kThreads;

@@ -58,14 +58,14 @@ MUTANTS = [
            "each source block's column slice starts one vector late: those columns of the "
            "output are never written"),
     Mutant("hier_fwd_join_skipped", HIER,
-           "      else if (JoinParts(g, done, fp, mark))",
+           "      else if (JoinParts(g, done, fp * cq, mark))",
            "      else if (JoinParts(g, done, 1, mark))",
            (T_HIER, "-k", "role_parts"),
            "the rail forwarder's part 0 credits a chunk without waiting for the other parts: "
            "the sender overwrites rows a lagging part has not forwarded yet"),
     Mutant("hier_fwd_join_one_chunk_behind", HIER,
-           "      else if (JoinParts(g, done, fp, mark))",
-           "      else if (JoinParts(g, done, fp, mark - 1))",
+           "      else if (JoinParts(g, done, fp * cq, mark))",
+           "      else if (JoinParts(g, done, fp * cq, mark - 1))",
            (T_HIER, "-k", "role_parts"),
            "part 0 credits chunk c once the other parts are done with chunk c - 1"),
     Mutant("hier_send_closing_one_part", HIER,
@@ -120,7 +120,8 @@ MUTANTS = [
            (T_HIER, "-k", "matches_reference"),
            "count zeroed: the dispatch handle loses its count matrix"),
     Mutant("hier_chunk_release_dropped", HIER,
-           "    NvlFlush(&f);  // the chunk's rows: one release per ring, before the credit frees them\n",
+           "    // the chunk's rows: one release per ring, before the credit frees them\n"
+           "    if (!NvlFlush(g, &f, &cols)) return;\n",
            "",
            (T_HIER, "-k", "matches_reference or small_rings"),
            "the rail forwarder never publishes a chunk's NVLink rows (only a full ring is "
@@ -176,8 +177,8 @@ MUTANTS = [
     # of 64 payload bytes or more (partials_rounded, H = 32 bf16); with shorter rows the
     # lanes that copy are the lanes that release, and a release drains its own lane.
     Mutant("hier_nvl_flush_no_fence", HIER,
-           "  if (!__any_sync(kFull, dirty)) return;\n  __threadfence_system();\n",
-           "  if (!__any_sync(kFull, dirty)) return;\n",
+           "  if (!__any_sync(kFull, dirty)) return true;\n  __threadfence_system();\n",
+           "  if (!__any_sync(kFull, dirty)) return true;\n",
            (T_HIER, "-k", "partials_rounded or matches_reference or small_rings"),
            "removed fence: the forwarder's lanes' row stores into a peer's NVLink ring are not "
            "ordered before the tail's release (only the releasing lane's are)"),
@@ -190,9 +191,28 @@ MUTANTS = [
            "removed fence: the combine pusher's row stores into the forwarder's ring are not "
            "ordered before the tail's release"),
     Mutant("hier_forward_slot_word_unordered", HIER,
-           "      devcopy::CopyLanded(dst, row, g.stride, Lane(), 32);\n      __syncwarp();\n",
-           "      devcopy::CopyLanded(dst, row, g.stride, Lane(), 32);\n",
+           "        devcopy::CopyLanded(dst + m0, row + m0, g.stride - m0, Lane(), 32);\n"
+           "        __syncwarp();\n",
+           "        devcopy::CopyLanded(dst + m0, row + m0, g.stride - m0, Lane(), 32);\n",
            (T_HIER, "-k", "matches_reference or small_rings"),
            "dropped barrier: lane 0's slot word and the lane copying that part of the row race, "
            "the row's old word (-1) can land last"),
+    Mutant("hier_fwd_tail_before_columns", HIER,
+           "      else ok = JoinParts(g, c->words, c->cq, mark) ? 1 : 0;",
+           "      else ok = 1;",
+           (T_HIER, "-k", "role_parts"),
+           "a forwarder's column part 0 releases a ring's tail without waiting for the other "
+           "column parts: the receiver copies slices a lagging part has not written"),
+    Mutant("hier_fwd_column_marks_another_word", HIER,
+           "      if (c->q != 0) StoreRel(c->words + c->q, mark);",
+           "      if (c->q != 0) StoreRel(c->words + 1, mark);",
+           (T_HIER, "-k", "role_parts"),
+           "every column part marks part 1's word: part 0 waits for the others' marks until "
+           "the timeout (or takes part 1's for theirs)"),
+    Mutant("hier_fwd_columns_one_slice_twice", HIER,
+           "  ColumnSlice(g.prow, q, cq, &c.b0, &c.b1);",
+           "  ColumnSlice(g.prow, q > 0 ? q - 1 : 0, cq, &c.b0, &c.b1);",
+           (T_HIER, "-k", "matches_reference or role_parts"),
+           "column part q copies part q - 1's slice: one slice of every forwarded row is "
+           "never written"),
 ]

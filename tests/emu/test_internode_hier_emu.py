@@ -197,29 +197,36 @@ def test_small_rings_own_node_rows_fill_the_source_windows(source_blocks, monkey
         round_trip(em, "hierarchical_small_rings", x, idx, w, y, g, E=E, C=C, K=K)
 
 
-@pytest.mark.parametrize("qpp,dispatch_blocks,combine_blocks,blocks,role_blocks,push_parts",
-                         [(1, None, None, 16, 12, None), (2, "3", "2", 3, 5, None),
-                          (2, "3", "2", 3, 2, "1")])
+@pytest.mark.parametrize(
+    "qpp,dispatch_blocks,combine_blocks,blocks,role_blocks,push_parts,fwd_columns",
+    [(1, None, None, 16, 12, None, None), (2, "3", "2", 6, 5, None, None),
+     (2, "3", "2", 3, 2, "1", "1")])
 def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks, blocks,
-                                            role_blocks, push_parts, monkeypatch):
+                                            role_blocks, push_parts, fwd_columns,
+                                            monkeypatch):
     """Small rings, every token to K ranks of the next node. The dispatch's sender to a node
     runs as parts that each own the chunks of some QPs (2 parts with 2 QPs, 4 with 4), its
-    rail forwarder as 4 parts that each own one receiver of the node, and part 0 credits a
-    chunk only once every part is done with it. The combine's forwarder runs as 4 parts
+    local and rail forwarders as 4 parts that each own one receiver of the node, each of
+    them as 4 column parts that copy one 16-byte vector of every row (column part 0
+    releases a ring's tail only once every column part has marked its rows written), and
+    part 0 credits a chunk only once every part is done with it. The combine's forwarder runs as 4 parts
     that each sum a slice of the columns (rows of four 16-byte vectors), and part 0 frees
     a chunk's ring rows and puts the chunk only once every part has written it; each
     pusher runs as 4 parts that each copy one 16-byte vector of every row, and part 0
     releases a batch only once every part has written it. The role warps spread over the
     presets' blocks cut to the 16 the emulated GPU holds (dispatch 16; combine 4 source
     blocks and 12 role blocks), or packed into the fewest that
-    JAX_EP_HIER_DISPATCH_BLOCKS / _COMBINE_BLOCKS ask for (3 for 18 warps; 5 for the
+    JAX_EP_HIER_DISPATCH_BLOCKS / _COMBINE_BLOCKS ask for (6 for the dispatch's 44
+    warps, 3 for its 20 with one column part a forwarder part,
+    JAX_EP_HIER_FORWARD_COLUMNS=1, where one warp copies each row whole; 5 for the
     combine's 36, below the 2 asked; 2 for its 12 with one part a pusher,
     JAX_EP_HIER_PUSH_PARTS=1, where each pusher's lanes share every row). Blocks are
     preempted now and then, so a part that lags behind part 0 shows. Bit-exact over three
     calls, and the launches have that many blocks."""
     for var, val in (("JAX_EP_HIER_DISPATCH_BLOCKS", dispatch_blocks),
                      ("JAX_EP_HIER_COMBINE_BLOCKS", combine_blocks),
-                     ("JAX_EP_HIER_PUSH_PARTS", push_parts)):
+                     ("JAX_EP_HIER_PUSH_PARTS", push_parts),
+                     ("JAX_EP_HIER_FORWARD_COLUMNS", fwd_columns)):
         if val is None:
             monkeypatch.delenv(var, raising=False)
         else:
