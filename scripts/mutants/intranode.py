@@ -79,6 +79,12 @@ MUTANTS = [
            "    if (d < R) combine_send(a, ch, d, s_fail_send);",
            "    if (d < R) combine_send(a, ch, d & ~1, s_fail_send);",
            QUICK, "both blocks of a channel answer the even ranks: the odd ones' sums miss rows"),
+    Mutant("combine_unsplit_sender_shifted", INTRA,
+           "    if (d < R) combine_send(a, ch, d, s_fail_send);",
+           "    if (d < R) combine_send(a, ch, split ? d : (d + 1) % R, s_fail_send);",
+           (T_INTRA, "-k", "both_sides"),
+           "past kMaxSplitSendRanks, sending warp i answers rank i + 1: every ring gets the "
+           "wrong owner's rows"),
     Mutant("combine_recv_barrier_short", INTRA,
            "    // Every warp's reads of the chunk's slots are done: hand them back.\n"
            "    peer::sync_threads(kRecvBarrier, rthreads);",

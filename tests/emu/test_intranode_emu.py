@@ -3,6 +3,10 @@ the emulated GPU through the CUDA backend's own handlers, bit for bit against th
 reference backend. Seeds fix the interleaving; a failure names its seed."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -97,6 +101,31 @@ def test_dispatch_combine_gather(R, T, H, dtype, kind, seed):
 @pytest.mark.parametrize("R,T,H,dtype,kind,seed", FULL)
 def test_dispatch_combine_gather_full(R, T, H, dtype, kind, seed):
     test_dispatch_combine_gather(R, T, H, dtype, kind, seed)
+
+
+@pytest.mark.emu_full
+@pytest.mark.parametrize("R", [16, 18])
+def test_dispatch_combine_gather_both_sides_of_the_send_split(R):
+    """16 ranks: both blocks of a channel send (8 sending warps, then 16 receiving ones in
+    block 2ch + 1); 18 (past kMaxSplitSendRanks): block 2ch sends to every rank and block
+    2ch + 1 only receives. Bit-exact against the reference, which needs R CPU devices: in a
+    process of its own (about a minute or two each)."""
+    child = (
+        "import sys; sys.path[:0] = sys.argv[2:]\n"
+        "import test_intranode_emu as t\n"
+        "from jax_ep.emulator import Emulator\n"
+        "R, T, H = int(sys.argv[1]), 6, 16\n"
+        "K, E = t._shape(R, T)\n"
+        "C = R * T\n"
+        "emu = Emulator(R, seed=5)\n"
+        "emu.setup(tokens=T, capacity=C, row_bytes=2 * H, topk=K)\n"
+        "t._check(emu, *t._case(R, T, H, K, E, C, 'bf16', 'random', 5), E, C, f'R {R}: ')\n"
+        "print('bit-exact')\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=32")
+    r = subprocess.run([sys.executable, "-c", child, str(R), here, os.path.dirname(here)],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0 and "bit-exact" in r.stdout, (r.stdout + r.stderr)[-3000:]
 
 
 @pytest.mark.emu_full
