@@ -82,26 +82,6 @@ inline int HierForwardParts(int gpus_per_node) {
   const int p = gpus_per_node < kHierForwardParts ? gpus_per_node : kHierForwardParts;
   return p < 1 ? 1 : (p > kMaxHierParts ? kMaxHierParts : p);
 }
-// Each dispatch forwarder part (one set of a node's receivers) runs as column parts on
-// consecutive blocks, a warp each copying a slice of every row's 16-byte vectors (column
-// part 0 also the row's words, and it releases a ring's tail once every column part has
-// marked its rows written): one (source, receiver) pair's rows spread over blocks, however
-// the routing loads one pair. Up to kHierForwardColumns, as long as the forwarders keep to
-// about kHierForwardWarps warps in all (never more than a row has vectors).
-// JAX_EP_HIER_FORWARD_COLUMNS overrides it (rank-local: the wire is the same).
-inline constexpr int kHierForwardColumns = 4;
-inline constexpr int kHierForwardWarps = 64;
-
-inline int HierForwardColumns(int forwarders, long long row_vectors) {
-  const char* v = std::getenv("JAX_EP_HIER_FORWARD_COLUMNS");
-  long long n = (v != nullptr && *v != '\0') ? std::atoll(v)
-                : (forwarders > 0 ? kHierForwardWarps / forwarders : 1);
-  if (n > kHierForwardColumns) n = kHierForwardColumns;
-  if (n > row_vectors) n = row_vectors;
-  if (n < 1) n = 1;
-  return static_cast<int>(n);
-}
-
 // The hierarchical combine's forwarder to a remote node runs as parts, a warp each
 // summing a slice of the columns (at most one per 16-byte vector of a row, at most
 // kHierCombineForwardParts); its parts and the pushers (a warp each) spread the same way
@@ -125,14 +105,35 @@ inline int HierCombineForwardParts(long long row_vectors) {
 inline constexpr int kHierPushParts = 4;
 inline constexpr int kHierPushWarps = 64;
 
-inline int HierPushParts(int pushers, long long row_vectors) {
-  const char* v = std::getenv("JAX_EP_HIER_PUSH_PARTS");
-  long long n = (v != nullptr && *v != '\0') ? std::atoll(v)
-                : (pushers > 0 ? kHierPushWarps / pushers : 1);
-  if (n > kHierPushParts) n = kHierPushParts;
+// Parts per role: the integer in `env` when set, else as many as keep `roles` roles to
+// about `warps` warps; at most `most` (and kMaxHierParts), at most a row's 16-byte
+// vectors, at least one.
+inline int PartsPerRole(const char* env, int most, int warps, int roles, long long row_vectors) {
+  const char* v = std::getenv(env);
+  long long n = (v != nullptr && *v != '\0') ? std::atoll(v) : (roles > 0 ? warps / roles : 1);
+  if (n > most) n = most;
   if (n > row_vectors) n = row_vectors;
   if (n < 1) n = 1;
   return static_cast<int>(n > kMaxHierParts ? kMaxHierParts : n);
+}
+inline int HierPushParts(int pushers, long long row_vectors) {
+  return PartsPerRole("JAX_EP_HIER_PUSH_PARTS", kHierPushParts, kHierPushWarps, pushers,
+                      row_vectors);
+}
+
+// Each dispatch forwarder part (one set of a node's receivers) runs as column parts on
+// consecutive blocks, a warp each copying a slice of every row's 16-byte vectors (column
+// part 0 also the row's words, and it releases a ring's tail once every column part has
+// marked its rows written): one (source, receiver) pair's rows spread over blocks, however
+// the routing loads one pair. Up to kHierForwardColumns, as long as the forwarders keep to
+// about kHierForwardWarps warps in all (never more than a row has vectors).
+// JAX_EP_HIER_FORWARD_COLUMNS overrides it (rank-local: the wire is the same).
+inline constexpr int kHierForwardColumns = 4;
+inline constexpr int kHierForwardWarps = 64;
+
+inline int HierForwardColumns(int forwarders, long long row_vectors) {
+  return PartsPerRole("JAX_EP_HIER_FORWARD_COLUMNS", kHierForwardColumns, kHierForwardWarps,
+                      forwarders, row_vectors);
 }
 
 // Blocks for `warps` role warps: `preset`, or the integer in the environment variable

@@ -474,20 +474,23 @@ __device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, u
   __syncwarp();
 }
 
+// Row i of the dispatch outputs as nothing received it: zeros, ids -1, no source.
+__device__ void dispatch_empty_row(const DispatchArgs& a, int i, int lane) {
+  warp_zero_row(static_cast<char*>(a.recv_x) + static_cast<int64_t>(i) * a.row_bytes, a.row_bytes, lane);
+  for (int k = lane; k < a.K; k += 32) {
+    a.recv_idx[static_cast<int64_t>(i) * a.K + k] = -1;
+    a.recv_w[static_cast<int64_t>(i) * a.K + k] = 0.0f;
+  }
+  if (lane == 0) {
+    a.src_rank[i] = -1;
+    a.src_index[i] = -1;
+  }
+}
+
 // Empties every dispatch output of this rank (a failed call: nothing counts as received).
 __device__ void dispatch_empty_outputs(const DispatchArgs& a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  for (int i = warp; i < a.C; i += nw) {
-    warp_zero_row(static_cast<char*>(a.recv_x) + static_cast<int64_t>(i) * a.row_bytes, a.row_bytes, lane);
-    for (int k = lane; k < a.K; k += 32) {
-      a.recv_idx[static_cast<int64_t>(i) * a.K + k] = -1;
-      a.recv_w[static_cast<int64_t>(i) * a.K + k] = 0.0f;
-    }
-    if (lane == 0) {
-      a.src_rank[i] = -1;
-      a.src_index[i] = -1;
-    }
-  }
+  for (int i = warp; i < a.C; i += nw) dispatch_empty_row(a, i, lane);
   const int64_t n_sr = static_cast<int64_t>(a.T) * a.c.num_ranks;
   for (int64_t e = threadIdx.x; e < n_sr; e += blockDim.x) a.send_row[e] = -1;
   for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) a.recv_per_expert[e] = 0;
@@ -521,17 +524,8 @@ __global__ void __launch_bounds__(kMaxChannelThreads) dispatch_channel_kernel(Di
   if (!s_fail) {
     const int kept = *a.num_recv;
     const int nw = blockDim.x >> 5;
-    for (int i = kept + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw) {
-      warp_zero_row(static_cast<char*>(a.recv_x) + static_cast<int64_t>(i) * a.row_bytes, a.row_bytes, lane);
-      for (int k = lane; k < a.K; k += 32) {
-        a.recv_idx[static_cast<int64_t>(i) * a.K + k] = -1;
-        a.recv_w[static_cast<int64_t>(i) * a.K + k] = 0.0f;
-      }
-      if (lane == 0) {
-        a.src_rank[i] = -1;
-        a.src_index[i] = -1;
-      }
-    }
+    for (int i = kept + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw)
+      dispatch_empty_row(a, i, lane);
   }
   if (last_block(a.c, kDoneDispatchChannel)) {
     // An error anywhere in this call empties every output (the contract's failed call).

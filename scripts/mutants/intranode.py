@@ -101,8 +101,8 @@ MUTANTS = [
            "sending warps beside them, which wait for credits from other ranks' summing "
            "warps (a deadlock once the rings fill)"),
     Mutant("dispatch_fill_skips_first_row", INTRA,
-           "for (int i = kept + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw) {",
-           "for (int i = kept + 1 + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw) {",
+           "for (int i = kept + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw)\n",
+           "for (int i = kept + 1 + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw)\n",
            QUICK, "the first row past the received ones is not filled"),
     # --------------------------------------------------------- intranode gather (cached dispatch)
     Mutant("gather_early_credit", INTRA,
