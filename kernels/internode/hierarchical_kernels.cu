@@ -983,10 +983,8 @@ JEP_DEVICE_GLOBAL uint64_t g_push_done[kMaxRanks * kHierPushParts];
 __device__ void PushRole(const Geo& g, const View& v, int p, int per, int part, int pp,
                          const char* y, const int32_t* counts, const int32_t* src_index) {
   const int lane = Lane();
-  const int64_t units = (g.prow + 15) / 16;
-  const int64_t b0 = 16 * (units * part / pp) < g.prow ? 16 * (units * part / pp) : g.prow;
-  const int64_t b1 =
-      16 * (units * (part + 1) / pp) < g.prow ? 16 * (units * (part + 1) / pp) : g.prow;
+  int64_t b0 = 0, b1 = 0;
+  ColumnSlice(g.prow, part, pp, &b0, &b1);
   const uint64_t tag = CallTag(g);
   const int s = lane < per ? p * per + lane : g.R;
   const bool mine = s < g.R;
