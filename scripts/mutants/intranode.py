@@ -79,12 +79,16 @@ MUTANTS = [
            "    if (d < R) combine_send(a, ch, d, s_fail_send);",
            "    if (d < R) combine_send(a, ch, d & ~1, s_fail_send);",
            QUICK, "both blocks of a channel answer the even ranks: the odd ones' sums miss rows"),
-    Mutant("combine_unsplit_sender_shifted", INTRA,
-           "    if (d < R) combine_send(a, ch, d, s_fail_send);",
-           "    if (d < R) combine_send(a, ch, split ? d : (d + 1) % R, s_fail_send);",
+    Mutant("dispatch_unsplit_odd_block_sends", INTRA,
+           "ChannelSendWarps(R) : 0, rw0 = ChannelRecvWarp0(R);\n"
+           "  RankHeader* hdr = peer::header(a.c.peers, me);\n"
+           "  const uint64_t n = *reinterpret_cast<const volatile uint64_t*>(&hdr->seq[kOpDispatch]);",
+           "ChannelSendWarps(R) : ChannelSendWarps(R), rw0 = ChannelRecvWarp0(R);\n"
+           "  RankHeader* hdr = peer::header(a.c.peers, me);\n"
+           "  const uint64_t n = *reinterpret_cast<const volatile uint64_t*>(&hdr->seq[kOpDispatch]);",
            (T_INTRA, "-k", "both_sides"),
-           "past kMaxSplitSendRanks, sending warp i answers rank i + 1: every ring gets the "
-           "wrong owner's rows"),
+           "past kMaxSplitSendRanks, block 2ch + 1 sends to every rank too: two writers per "
+           "ring, and its warps never receive"),
     Mutant("combine_recv_barrier_short", INTRA,
            "    // Every warp's reads of the chunk's slots are done: hand them back.\n"
            "    peer::sync_threads(kRecvBarrier, rthreads);",
