@@ -187,9 +187,11 @@ MUTANTS = [
            "      __threadfence_system();\n",
            "      // the batch's rows, then one release of the tail (one fence per lane per batch)\n",
            (T_HIER, "-k",
-            "partials_rounded or matches_reference or small_rings or source_blocks_split"),
+            "partials_rounded or matches_reference or small_rings or source_blocks_split or "
+            "pushers_write"),
            "removed fence: the combine pusher's row stores into the forwarder's ring are not "
-           "ordered before the tail's release"),
+           "ordered before the tail's release (a stale row in some interleavings; the "
+           "pushers' fence chain always)"),
     Mutant("hier_forward_slot_word_unordered", HIER,
            "        devcopy::CopyLanded(dst + m0, row + m0, g.stride - m0, Lane(), 32);\n"
            "        __syncwarp();\n",
