@@ -121,18 +121,19 @@ inline int HierPushParts(int pushers, long long row_vectors) {
                       row_vectors);
 }
 
-// Each dispatch forwarder part (one set of a node's receivers) runs as column parts on
+// Each dispatch forwarder part (one set of a node's receivers) can run as column parts on
 // consecutive blocks, a warp each copying a slice of every row's 16-byte vectors (column
 // part 0 also the row's words, and it releases a ring's tail once every column part has
-// marked its rows written): one (source, receiver) pair's rows spread over blocks, however
-// the routing loads one pair. Up to kHierForwardColumns, as long as the forwarders keep to
-// about kHierForwardWarps warps in all (never more than a row has vectors).
-// JAX_EP_HIER_FORWARD_COLUMNS overrides it (rank-local: the wire is the same).
+// marked its rows written), so one (source, receiver) pair's rows spread over blocks.
+// One column part by default: counted at 2 x 8 with 4 (docs/performance.md), the model
+// read the dispatch slower at the preset's 24 blocks (the busiest block became one where
+// receivers and column parts stack, and each column part reads every row's words).
+// JAX_EP_HIER_FORWARD_COLUMNS asks for up to kHierForwardColumns (rank-local: the wire
+// is the same), for a GPU run to decide.
 inline constexpr int kHierForwardColumns = 4;
-inline constexpr int kHierForwardWarps = 64;
 
 inline int HierForwardColumns(int forwarders, long long row_vectors) {
-  return PartsPerRole("JAX_EP_HIER_FORWARD_COLUMNS", kHierForwardColumns, kHierForwardWarps,
+  return PartsPerRole("JAX_EP_HIER_FORWARD_COLUMNS", kHierForwardColumns, forwarders,
                       forwarders, row_vectors);
 }
 

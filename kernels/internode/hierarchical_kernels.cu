@@ -26,8 +26,8 @@
 //                   blocking on any one, write each row at its destination row.
 //   The sender and forwarders run as parts, a warp each (configs.h): a sender's part owns
 //   the chunks of a set of QPs (so each QP's chunks stay in order), a forwarder's part a
-//   set of the node's receivers, itself as column parts (HierForwardColumns) on
-//   consecutive blocks that each copy a slice of every row; column part 0 writes the
+//   set of the node's receivers, itself as column parts (HierForwardColumns, one by
+//   default) on consecutive blocks that each copy a slice of every row; column part 0 writes the
 //   row's words and releases a ring's tail once every column part has marked its rows
 //   written (so each ring's tail keeps one writer). The rail forwarder's part 0 credits
 //   a chunk once every part is done with it. The role warps spread over

@@ -199,17 +199,18 @@ def test_small_rings_own_node_rows_fill_the_source_windows(source_blocks, monkey
 
 @pytest.mark.parametrize(
     "qpp,dispatch_blocks,combine_blocks,blocks,role_blocks,push_parts,fwd_columns",
-    [(1, None, None, 16, 12, None, None), (2, "3", "2", 6, 5, None, None),
-     (2, "3", "2", 3, 2, "1", "1")])
+    [(1, None, None, 16, 12, None, "4"), (2, "3", "2", 6, 5, None, "4"),
+     (2, "3", "2", 3, 2, "1", None)])
 def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks, blocks,
                                             role_blocks, push_parts, fwd_columns,
                                             monkeypatch):
     """Small rings, every token to K ranks of the next node. The dispatch's sender to a node
     runs as parts that each own the chunks of some QPs (2 parts with 2 QPs, 4 with 4), its
     local and rail forwarders as 4 parts that each own one receiver of the node, each of
-    them as 4 column parts that copy one 16-byte vector of every row (column part 0
-    releases a ring's tail only once every column part has marked its rows written), and
-    part 0 credits a chunk only once every part is done with it. The combine's forwarder runs as 4 parts
+    them (JAX_EP_HIER_FORWARD_COLUMNS=4; one by default) as 4 column parts that copy one
+    16-byte vector of every row (column part 0 releases a ring's tail only once every
+    column part has marked its rows written), and part 0 credits a chunk only once every
+    part is done with it. The combine's forwarder runs as 4 parts
     that each sum a slice of the columns (rows of four 16-byte vectors), and part 0 frees
     a chunk's ring rows and puts the chunk only once every part has written it; each
     pusher runs as 4 parts that each copy one 16-byte vector of every row, and part 0
@@ -217,8 +218,8 @@ def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks
     presets' blocks cut to the 16 the emulated GPU holds (dispatch 16; combine 4 source
     blocks and 12 role blocks), or packed into the fewest that
     JAX_EP_HIER_DISPATCH_BLOCKS / _COMBINE_BLOCKS ask for (6 for the dispatch's 44
-    warps, 3 for its 20 with one column part a forwarder part,
-    JAX_EP_HIER_FORWARD_COLUMNS=1, where one warp copies each row whole; 5 for the
+    warps, 3 for its 20 with the default of one column part per forwarder part, where one
+    warp copies each row whole; 5 for the
     combine's 36, below the 2 asked; 2 for its 12 with one part a pusher,
     JAX_EP_HIER_PUSH_PARTS=1, where each pusher's lanes share every row). Blocks are
     preempted now and then, so a part that lags behind part 0 shows. Bit-exact over three
