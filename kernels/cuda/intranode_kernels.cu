@@ -334,10 +334,49 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_notify_kernel(DispatchA
   }
 }
 
+// The sending warp of channel ch towards this rank itself: its rows go straight into the
+// outputs. Ring (ch, me) on this rank stays unused (no receiving warp waits on it): a row
+// through it would be copied twice more on this GPU, and the outputs are this kernel's to
+// write, so no late write can land after the call.
+__device__ void dispatch_self(const DispatchArgs& a, int ch, bool fail) {
+  if (fail) return;
+  const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, el = a.experts_per_rank;
+  const int t0 = channel_begin(a.T, ch, a.c.channels), t1 = channel_begin(a.T, ch + 1, a.c.channels);
+  for (int tb = t0; tb < t1; tb += 32) {
+    const int t = tb + lane;
+    const int32_t row = t < t1 ? a.send_row[static_cast<int64_t>(t) * R + me] : -1;
+    for (uint32_t m = __ballot_sync(kFullMask, row >= 0); m != 0; m &= m - 1) {
+      const int l = __ffs(m) - 1;
+      const int tt = tb + l;
+      const int32_t rr = __shfl_sync(kFullMask, row, l);
+      warp_copy_row<true>(static_cast<char*>(a.recv_x) + static_cast<int64_t>(rr) * a.row_bytes,
+                          static_cast<const char*>(a.x) + static_cast<int64_t>(tt) * a.row_bytes, a.row_bytes, lane);
+      const int32_t* idx = a.topk_idx + static_cast<int64_t>(tt) * a.K;
+      const float* wt = a.topk_w + static_cast<int64_t>(tt) * a.K;
+      int32_t* oidx = a.recv_idx + static_cast<int64_t>(rr) * a.K;
+      float* ow = a.recv_w + static_cast<int64_t>(rr) * a.K;
+      for (int j = lane; j < a.K; j += 32) {
+        const int32_t local = local_expert_id(sanitized(idx[j], a.E), el, me);
+        oidx[j] = local;
+        ow[j] = local >= 0 ? wt[j] : 0.0f;
+        if (local >= 0 && local < el) atomicAdd(&a.recv_per_expert[local], 1);
+      }
+      if (lane == 0) {
+        a.src_rank[rr] = me;
+        a.src_index[rr] = tt;
+      }
+    }
+  }
+}
+
 // Sending warp of channel ch towards receiver d: its tokens' rows for d, in token order,
-// through ring (ch, me) on d.
+// through ring (ch, me) on d (this rank's own rows: dispatch_self).
 __device__ void dispatch_send(const DispatchArgs& a, int ch, int d, bool fail, uint64_t n) {
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
+  if (d == me) {
+    dispatch_self(a, ch, fail);
+    return;
+  }
   RankHeader* hdr = peer::header(a.c.peers, me);
   RankHeader* dh = peer::header(a.c.peers, d);
   const DispatchRing ring = DispatchRing::Make(a.c.ring_tokens, a.row_bytes, a.K);
@@ -502,7 +541,8 @@ __device__ void dispatch_empty_outputs(const DispatchArgs& a) {
 
 // The channel kernel: both blocks of channel ch send its tokens (ChannelSendWarps, a warp
 // per receiver: block 2 ch to the even ranks, 2 ch + 1 to the odd ones), block 2 ch + 1
-// also receives channel ch of every source (a warp per source, after its senders). Every
+// also receives channel ch of every other source (a warp per source, after its senders;
+// a rank's own rows skip the rings, dispatch_self). Every
 // warp then fills its share of the rows past the received ones (a warp with no ring
 // starts at once). The last block to finish hands the epoch's credit to every sender.
 __global__ void __launch_bounds__(kMaxChannelThreads) dispatch_channel_kernel(DispatchArgs a) {
@@ -518,7 +558,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) dispatch_channel_kernel(Di
   if (warp < sw) {
     const int d = split ? 2 * warp + half : warp;
     if (d < R) dispatch_send(a, ch, d, s_fail, n);
-  } else if (half == 1 && warp >= rw0 && warp - rw0 < R) {
+  } else if (half == 1 && warp >= rw0 && warp - rw0 < R && warp - rw0 != me) {
     dispatch_recv(a, ch, warp - rw0, s_fail, n);
   }
   if (!s_fail) {

@@ -104,6 +104,23 @@ MUTANTS = [
            RINGS, "the summing warps meet at the whole block's barrier: they wait for the "
            "sending warps beside them, which wait for credits from other ranks' summing "
            "warps (a deadlock once the rings fill)"),
+    Mutant("dispatch_self_rows_uncounted", INTRA,
+           "        if (local >= 0 && local < el) atomicAdd(&a.recv_per_expert[local], 1);\n      }\n"
+           "      if (lane == 0) {\n        a.src_rank[rr] = me;",
+           "      }\n      if (lane == 0) {\n        a.src_rank[rr] = me;",
+           QUICK, "a rank's own rows (written straight into the outputs) left out of its "
+           "per-expert counts"),
+    Mutant("dispatch_self_wrong_source_index", INTRA,
+           "        a.src_index[rr] = tt;", "        a.src_index[rr] = tt + 1;",
+           QUICK, "a rank's own rows name the next token as their source"),
+    Mutant("dispatch_receiver_waits_on_own_ring", INTRA,
+           "warp - rw0 < R && warp - rw0 != me) {", "warp - rw0 < R) {",
+           QUICK, "a receiving warp waits on ring (ch, me), which no sender fills (own rows "
+           "skip the rings): the call times out"),
+    Mutant("dispatch_self_rows_through_ring", INTRA,
+           "  if (d == me) {\n    dispatch_self(a, ch, fail);", "  if (false) {\n    dispatch_self(a, ch, fail);",
+           QUICK, "a rank's own rows go into ring (ch, me), which no receiving warp reads: "
+           "they never reach the outputs"),
     Mutant("dispatch_fill_skips_first_row", INTRA,
            "for (int i = kept + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw)\n",
            "for (int i = kept + 1 + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw)\n",
