@@ -934,12 +934,31 @@ __device__ void gather_send(const GatherArgs& a, int ch, int q, uint64_t n) {
   __syncwarp();
 }
 
+// Receiving warp of channel ch for this rank's own rows [lo, lo + cnt): copied from g
+// straight into place. Its rings (ch, me) stay unused, as in dispatch (dispatch_self):
+// through them each row would be stored and loaded once more on this GPU.
+__device__ void gather_self(const GatherArgs& a, int32_t lo, int32_t cnt, bool fail) {
+  const int lane = threadIdx.x & 31;
+  if (fail) return;
+  const char* g = static_cast<const char*>(a.g);
+  for (int32_t j = 0; j < cnt; ++j) {
+    const int64_t i = static_cast<int64_t>(lo) + j;
+    warp_copy_row<true>(static_cast<char*>(a.out) + i * a.row_bytes,
+                        g + static_cast<int64_t>(a.src_index[i]) * a.row_bytes, a.row_bytes, lane);
+  }
+}
+
 // Receiving warp of channel ch for source s: rows [lo, lo + cnt) of the outputs come from
 // s's channel ch. Posts their token ids into request ring (ch, me) on s, a ring's worth
-// ahead of the rows read, and copies each row of data ring (ch, s) into place.
+// ahead of the rows read, and copies each row of data ring (ch, s) into place (this
+// rank's own rows: gather_self).
 __device__ void gather_recv(const GatherArgs& a, int ch, int s, int32_t lo, int32_t cnt, bool fail,
                             uint64_t n) {
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
+  if (s == me) {
+    gather_self(a, lo, cnt, fail);
+    return;
+  }
   RankHeader* hdr = peer::header(a.c.peers, me);
   RankHeader* sh = peer::header(a.c.peers, s);
   const GatherRing ring = GatherRing::Make(a.c.ring_tokens, a.row_bytes);
@@ -1007,7 +1026,8 @@ __device__ void gather_recv(const GatherArgs& a, int ch, int s, int32_t lo, int3
 }
 
 // The channel kernel: block 2 ch sends (warp q the rows receiver q's channel ch asks
-// for), block 2 ch + 1 receives channel ch of every source (warp s from source s). A
+// for), block 2 ch + 1 receives channel ch of every source (warp s from source s; its
+// own rows straight from g, gather_self). A
 // receiving block finds, for each source, the contiguous range of its rows whose token is
 // in that source's channel ch (dispatch ordered rows by source, then token), and zeroes
 // the rows nothing fills. The last block to finish closes the epoch.
@@ -1034,7 +1054,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) gather_channel_kernel(Gath
   __syncthreads();
   const uint64_t n = s_n;
   if (sender) {
-    if (warp < R) gather_send(a, ch, warp, n);
+    if (warp < R && warp != me) gather_send(a, ch, warp, n);  // own rows: gather_self
   } else {
     const bool fail = s_fail;
     const int t0 = channel_begin(a.T, ch, nch), t1 = channel_begin(a.T, ch + 1, nch);

@@ -126,6 +126,17 @@ MUTANTS = [
            "for (int i = kept + 1 + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw)\n",
            QUICK, "the first row past the received ones is not filled"),
     # --------------------------------------------------------- intranode gather (cached dispatch)
+    Mutant("gather_self_wrong_token", INTRA,
+           "g + static_cast<int64_t>(a.src_index[i]) * a.row_bytes", "g + static_cast<int64_t>(a.src_index[i] + 1) * a.row_bytes",
+           GATHER, "a rank's own rows (copied straight from g) taken from the next token"),
+    Mutant("gather_self_rows_through_rings", INTRA,
+           "  if (s == me) {\n    gather_self(a, lo, cnt, fail);", "  if (false) {\n    gather_self(a, lo, cnt, fail);",
+           GATHER, "a rank's own rows asked for through rings (ch, me), which no sending "
+           "warp answers: the call times out"),
+    Mutant("gather_sender_answers_itself", INTRA,
+           "if (warp < R && warp != me) gather_send(a, ch, warp, n);", "if (warp < R) gather_send(a, ch, warp, n);",
+           GATHER, "a sending warp waits for its own rank's ids, which gather_self never "
+           "posts: the call times out"),
     Mutant("gather_early_credit", INTRA,
            "if (posted < end && room >= (want < chunk ? want : chunk)) post(k + Q < end ? k + Q : end);",
            "if (posted < end && room >= (want < chunk ? want : chunk)) post(k + Q + 1 < end ? k + Q + 1 : end);",
