@@ -643,9 +643,11 @@ __global__ void __launch_bounds__(kPlanThreads) combine_notify_kernel(CombineArg
 
 // Sending warp of channel ch towards token owner d: the rows of y d's channel ch asked
 // for, in order, through ring (ch, me) on d. A failed rank moves the tail without data
-// (its receivers know from its call site and only drain).
+// (its receivers know from its call site and only drain). This rank's own rows stay in y:
+// its summing warps read them there (ring (ch, me) stays unused, as in dispatch).
 __device__ void combine_send(const CombineArgs& a, int ch, int d, bool fail) {
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
+  if (d == me) return;
   RankHeader* hdr = peer::header(a.c.peers, me);
   RankHeader* dh = peer::header(a.c.peers, d);
   const size_t rb = CombineRingBytes(a.c.ring_tokens, a.row_bytes);
@@ -705,7 +707,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
   using E = Elems<kKind>;
   __shared__ uint64_t s_base[kMaxRanks];   // ring (ch, r): rows consumed before this call
   __shared__ int32_t s_lo[kMaxRanks], s_cnt[kMaxRanks], s_used[kMaxRanks];
-  __shared__ size_t s_off[kMaxChannelThreads / 32][kMaxRanks];  // per warp: its token's slot in ring (ch, r)
+  __shared__ const char* s_src[kMaxChannelThreads / 32][kMaxRanks];  // per warp: its token's row from r
   __shared__ bool s_fail_send, s_fail;
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   const int ch = blockIdx.x >> 1, half = blockIdx.x & 1;
@@ -760,7 +762,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
     if (warp < span && t < t1) {
       char* out = static_cast<char*>(a.out) + static_cast<int64_t>(t) * a.row_bytes;
       uint32_t valid = 0;
-      size_t* off = s_off[warp];
+      const char** src = s_src[warp];
       if (!fail) {
         int32_t j_l = -1;
         if (lane < R) {
@@ -769,14 +771,17 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
           if (v >= 0 && v < a.C && j >= 0 && j < s_cnt[lane]) j_l = static_cast<int32_t>(j);
         }
         valid = __ballot_sync(kFullMask, j_l >= 0);
-        if (j_l >= 0) {
+        if (j_l >= 0 && lane == me) {
+          // this rank's own row: in y, where the sender would have copied it from
+          src[lane] = static_cast<const char*>(a.y) + (static_cast<int64_t>(s_lo[lane]) + j_l) * a.row_bytes;
+        } else if (j_l >= 0) {
           const uint64_t pos = s_base[lane] + static_cast<uint64_t>(j_l);
-          off[lane] = lane * rb + (pos % Q) * stride;
+          src[lane] = area + lane * rb + (pos % Q) * stride;
           atomicMax(&s_used[lane], j_l + 1);
         }
-        // Lane 0 waits for each rank's row in turn (ascending), then the warp reads them.
+        // Lane 0 waits for each peer's row in turn (ascending), then the warp reads them.
         int good = 1;
-        for (uint32_t m = valid; m != 0 && good; m &= m - 1) {
+        for (uint32_t m = valid & ~(1u << me); m != 0 && good; m &= m - 1) {
           const int r = __ffs(m) - 1;
           const int32_t j = __shfl_sync(kFullMask, j_l, r);
           if (lane == 0)
@@ -804,7 +809,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
             }
 #pragma unroll
             for (int u = 0; u < kCopyUnroll; ++u)
-              if (rr[u] >= 0) q[u] = peer::load_cg16(area + off[rr[u]] + c * 16);
+              if (rr[u] >= 0) q[u] = peer::load_cg16(src[rr[u]] + c * 16);
 #pragma unroll
             for (int u = 0; u < kCopyUnroll; ++u)
               if (rr[u] >= 0) {
@@ -819,7 +824,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
           float acc = 0.0f;
           for (uint32_t m = valid; m != 0; m &= m - 1) {
             const int r = __ffs(m) - 1;
-            acc += E::load1(area + off[r] + static_cast<size_t>(h) * E::kBytes);
+            acc += E::load1(src[r] + static_cast<size_t>(h) * E::kBytes);
           }
           E::store1(out + static_cast<size_t>(h) * E::kBytes, acc);
         }
@@ -828,7 +833,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
     }
     // Every warp's reads of the chunk's slots are done: hand them back.
     peer::sync_threads(kRecvBarrier, rthreads);
-    if (tid < R) {
+    if (tid < R && tid != me) {
       const uint64_t h = s_base[tid] + static_cast<uint64_t>(s_used[tid]);
       if (!fail) peer::signal(&peer::header(a.c.peers, tid)->ring[1].head[ch][me], h);
     }
@@ -836,7 +841,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
   }
   // Every row asked for is in (a failed rank drains them unread, handing slots back as
   // they fill, so a sender with more rows than slots is never stuck), then all go back.
-  if (warp < R && lane == 0) {
+  if (warp < R && warp != me && lane == 0) {
     const int r = warp;
     const uint64_t* tail = &hdr->ring[1].tail[ch][r];
     uint64_t* head = &peer::header(a.c.peers, r)->ring[1].head[ch][me];

@@ -282,9 +282,9 @@ def _ring_rows(emu, op):
 @pytest.mark.parametrize("resident_blocks", [2, 8])
 def test_rings_wrap_within_and_across_calls(resident_blocks, monkeypatch):
     """Rings of 2 slots: every (channel, peer) ring of dispatch, combine and gather (cached
-    dispatch) wraps at least 3 times in one call and again in the next (but a rank's own
-    ring of dispatch and gather, which its own rows skip), bit for bit against
-    the reference, with two co-residency limits (2: a channel's two blocks at a time)."""
+    dispatch) but a rank's own (its own rows skip it, and it stays put) wraps at least 3
+    times in one call and again in the next, bit for bit against the reference, with two
+    co-residency limits (2: a channel's two blocks at a time)."""
     monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
     R, T, H, K, E, C = 2, 128, 16, 3, 4, 256
     emu = Emulator(R, seed=21, resident_blocks=resident_blocks)
@@ -298,11 +298,10 @@ def test_rings_wrap_within_and_across_calls(resident_blocks, monkeypatch):
         for op in ops:
             now = _ring_rows(emu, op)[:, :nch, :R]
             wraps = (now - before[op]) // 2
-            if op in (0, 2):
-                # dispatch, gather: a rank's own rows skip ring (ch, me), which stays put
-                own = np.arange(R)
-                assert (now[own, :, own] == before[op][own, :, own]).all(), (call, now)
-                wraps = np.stack([wraps[r, :, p] for r in range(R) for p in range(R) if p != r])
+            # a rank's own rows skip its ring (ch, me) in every op: it stays put
+            own = np.arange(R)
+            assert (now[own, :, own] == before[op][own, :, own]).all(), (op, call, now)
+            wraps = np.stack([wraps[r, :, p] for r in range(R) for p in range(R) if p != r])
             assert wraps.min() >= 3, (op, call, wraps)
             before[op] = now
         # every slot handed back: what each receiver read is what its sender wrote (gather's
