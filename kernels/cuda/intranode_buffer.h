@@ -10,10 +10,12 @@
 // offsets. docs/intranode.md describes the design.
 //
 // Dispatch and combine run as channels (DeepEP's design): a small notify kernel, then
-// one channel kernel of 2 x channels blocks, even blocks sending and odd blocks
-// receiving. Channel ch of a rank owns a contiguous range of its tokens. The dispatch
-// area of receiver d holds one ring of `ring_tokens` slots per (channel ch, source s);
-// the combine area of token owner s one ring per (channel ch, data owner r). Ring
+// one channel kernel of 2 x channels blocks, both blocks of a channel sending (to the even
+// and to the odd ranks, ChannelSendSplit) and the odd one also receiving. Channel ch of
+// a rank owns a contiguous range of its tokens. The dispatch area of receiver d holds one
+// ring of `ring_tokens` slots per (channel ch, source s); the combine area of token owner
+// s one ring per (channel ch, data owner r). A rank's own rows skip its ring (ch, me) in
+// every op (its kernels write or read them in place), so that ring stays unused. Ring
 // counters are cumulative over calls (never reset but by reset()):
 //   tail  written by the sender into the receiver's header (release, after a fence of
 //         the rows it covers): rows written so far;
