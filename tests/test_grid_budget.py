@@ -20,16 +20,15 @@ SMS = 132  # H100 SXM / H200
 REGS_PER_SM, REG_UNIT, MAX_THREADS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 256, 2048, 32
 SMEM_PER_SM, SMEM_PER_BLOCK_RESERVED = 233472, 1024
 
-# kernel -> ("channel" | "roles" | "plan", extra dynamic smem (bytes) as a function of threads).
-# Channel kernels: num_sms blocks; gather's ("channel", cached dispatch) of
-# max(kChannelThreads, 32 R) threads, dispatch's and combine's ("roles") of their sending
-# warps beside the receiving ones (intranode_buffer.h ChannelRoleThreads).
+# kernel -> ("roles" | "plan", extra dynamic smem (bytes) as a function of threads).
+# Channel kernels ("roles"): num_sms blocks of their sending warps beside the receiving
+# ones (intranode_buffer.h ChannelRoleThreads), gather's (cached dispatch) too.
 KERNELS = {
     "dispatch_notify_kernel": ("plan", None),
     "dispatch_channel_kernel": ("roles", None),
     "combine_notify_kernel": ("plan", None),
     "combine_channel_kernel": ("roles", None),
-    "gather_channel_kernel": ("channel", None),
+    "gather_channel_kernel": ("roles", None),
 }
 
 
@@ -58,7 +57,7 @@ def configs():
 
 
 def role_threads(cfg: dict, R: int) -> int:
-    """Threads of a dispatch/combine channel block at R ranks: block 2ch + 1 holds half
+    """Threads of a channel block (all three ops) at R ranks: block 2ch + 1 holds half
     the sending warps (when R <= kMaxSplitSendRanks) and max(8, R) receiving ones."""
     send = (R + 1) // 2 if R <= cfg["split_ranks"] else 0
     return 32 * (send + max(cfg["channel_threads"] // 32, R))
@@ -105,7 +104,6 @@ def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
                 continue
             regs, smem = usage[kernel]
             threads = {"plan": cfg["plan_threads"],
-                       "channel": max(cfg["channel_threads"], 32 * p["max_ranks"]),
                        "roles": role_threads(cfg, p["max_ranks"])}[role]
             if threads > cfg["max_channel_threads"]:
                 out.append(f"{p['name']}: {kernel} needs {threads} threads per block")
@@ -118,7 +116,7 @@ def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
             if occ < need:
                 out.append(f"{p['name']}: {kernel} ({regs} registers, {smem} B smem) holds "
                            f"{occ} block(s) of {threads} threads per SM, {need} assumed")
-            grid = {"plan": 1, "channel": p["num_sms"], "roles": p["num_sms"]}[role]
+            grid = {"plan": 1, "roles": p["num_sms"]}[role]
             if grid > budget:
                 out.append(f"{p['name']}: {kernel} launches {grid} blocks; {sms} SMs less "
                            f"{cfg['reserved']} for other work hold {budget}")

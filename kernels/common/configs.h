@@ -41,8 +41,9 @@ inline constexpr int kMaxIntranodeChannels = 16;
 // Ring slots per (channel, peer) by default, and the most JAX_EP_RING_TOKENS may ask for.
 inline constexpr int kRingTokens = 128;
 inline constexpr int kMaxRingTokens = 4096;
-// Threads per block of the channel kernels at least (32 x ranks when more), and at most
-// (32 ranks; the kernels are compiled for it, which bounds their registers).
+// Receiving threads of a channel block at least (32 x ranks when more: a warp per source
+// ring; intranode_buffer.h ChannelRecvWarps), and threads of a block at most (the
+// kernels are compiled for it, which bounds their registers).
 inline constexpr int kChannelThreads = 256;
 inline constexpr int kMaxChannelThreads = 1024;
 
@@ -164,7 +165,7 @@ inline constexpr int kMaxSmemLocalExperts = 8192;
 // SMs left to other work when no budget is set (JAX_EP_NUM_SMS): the EP kernels use at
 // most device SMs - kReservedSms.
 inline constexpr int kReservedSms = 16;
-// Blocks of one channel kernel resident per SM at its threads per block (ChannelThreads):
+// Blocks of one channel kernel resident per SM at its threads per block (ChannelRoleThreads):
 // one. tests/test_grid_budget.py checks it against `nvcc -Xptxas -v`.
 inline constexpr int kAssumedBlocksPerSm = 1;
 
@@ -198,13 +199,6 @@ inline int IntranodeRingTokens() {
   int n = (v != nullptr && *v != '\0') ? std::atoi(v) : kRingTokens;
   if (n < 1) n = 1;
   return n > kMaxRingTokens ? kMaxRingTokens : n;
-}
-
-// Threads per block of the channel kernels: one warp per peer (its ring), at least
-// kChannelThreads (the combine receiver sums one token per warp).
-inline int ChannelThreads(int num_ranks) {
-  const int t = 32 * num_ranks;
-  return t > kChannelThreads ? t : kChannelThreads;
 }
 
 inline const IntranodePreset& SelectIntranodePreset(int num_ranks) {

@@ -60,6 +60,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/common/configs.h"
 #include "kernels/common/dtype_convert.h"
 
 #if defined(__CUDACC__)
@@ -72,7 +73,7 @@ namespace jax_ep {
 
 constexpr int kMaxRanks = 32;  // ranks of one intranode group (a 32-bit mask per token)
 constexpr int kMaxChannels = 16;  // channels of the dispatch/combine kernels at most
-// Warps of the dispatch and combine channel blocks (docs/intranode.md, "Kernels per call").
+// Warps of the channel blocks of all three ops (docs/intranode.md, "Kernels per call").
 // Both blocks of channel ch send, block 2ch to the even ranks and block 2ch + 1 to the odd
 // ones, so the peer stores (an SM's slowest accesses) spread over every block; block 2ch + 1
 // also receives, with the warps after its senders'. With more than kMaxSplitSendRanks ranks
@@ -83,9 +84,11 @@ JEP_HDX bool ChannelSendSplit(int num_ranks) { return num_ranks <= kMaxSplitSend
 JEP_HDX int ChannelSendWarps(int num_ranks) {
   return ChannelSendSplit(num_ranks) ? (num_ranks + 1) / 2 : num_ranks;
 }
-// Receiving warps: one per source (its ring), at least 8 (the combine receiver sums one
-// token per warp).
-JEP_HDX int ChannelRecvWarps(int num_ranks) { return num_ranks > 8 ? num_ranks : 8; }
+// Receiving warps: one per source (its ring), at least kChannelThreads / 32 (the combine
+// receiver sums one token per warp).
+JEP_HDX int ChannelRecvWarps(int num_ranks) {
+  return num_ranks > kChannelThreads / 32 ? num_ranks : kChannelThreads / 32;
+}
 // The first receiving warp of block 2ch + 1.
 JEP_HDX int ChannelRecvWarp0(int num_ranks) {
   return ChannelSendSplit(num_ranks) ? ChannelSendWarps(num_ranks) : 0;

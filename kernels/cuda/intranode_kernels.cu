@@ -2,8 +2,8 @@
 // Buffer layout and protocol: kernels/cuda/intranode_buffer.h, docs/intranode.md.
 // Dispatch and combine are a notify kernel and one channel kernel per rank (both blocks of
 // a channel send through per-(channel, peer) rings, to the even and to the odd ranks; the
-// odd block also receives); gather (cached dispatch) is
-// its channel kernel alone (kernels/cuda/cuda_kernels.h). Rows land in the XLA outputs in
+// odd block also receives; a rank's own rows skip the rings); gather (cached dispatch) is
+// its channel kernel alone, with the same roles (kernels/cuda/cuda_kernels.h). Rows land in the XLA outputs in
 // the contract's order (source rank, then token), with the routing math of
 // kernels/layout_math.h, so results match the CPU backend bit for bit.
 //
@@ -1030,20 +1030,26 @@ __device__ void gather_recv(const GatherArgs& a, int ch, int s, int32_t lo, int3
   __syncwarp();
 }
 
-// The channel kernel: block 2 ch sends (warp q the rows receiver q's channel ch asks
-// for), block 2 ch + 1 receives channel ch of every source (warp s from source s; its
-// own rows straight from g, gather_self). A
-// receiving block finds, for each source, the contiguous range of its rows whose token is
-// in that source's channel ch (dispatch ordered rows by source, then token), and zeroes
-// the rows nothing fills. The last block to finish closes the epoch.
+// The channel kernel: both blocks of channel ch send (ChannelSendWarps, warp i the rows
+// receiver q = 2 i + (block & 1), or i, asks for from its channel ch), block 2 ch + 1 also
+// receives channel ch of every source (its warps after its senders, warp s from source s;
+// its own rows straight from g, gather_self). The receiving warps find, for each source,
+// the contiguous range of its rows whose token is in that source's channel ch (dispatch
+// ordered rows by source, then token), and zero the rows nothing fills; they meet at
+// their own barrier (kRecvBarrier), never waiting for the senders beside them, which wait
+// for other ranks' receivers to ask. The last block to finish closes the epoch.
 __global__ void __launch_bounds__(kMaxChannelThreads) gather_channel_kernel(GatherArgs a) {
   __shared__ uint64_t s_n;
   __shared__ bool s_fail;
   __shared__ int32_t s_lo[kMaxRanks], s_hi[kMaxRanks], s_cnt[kMaxRanks];
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nw = blockDim.x >> 5, nch = a.c.channels;
-  const int ch = blockIdx.x >> 1;
-  const bool sender = (blockIdx.x & 1) == 0;
+  const int ch = blockIdx.x >> 1, half = blockIdx.x & 1;
+  const bool split = ChannelSendSplit(R);
+  const int sw = (split || half == 0) ? ChannelSendWarps(R) : 0, rw0 = ChannelRecvWarp0(R);
+  const int rnw = ChannelRecvWarps(R);          // receiving warps of block 2 ch + 1
+  const int rwarp = warp - rw0;                 // its receiving warp (when half == 1)
+  const int rtid = static_cast<int>(threadIdx.x) - 32 * rw0;
   RankHeader* hdr = peer::header(a.c.peers, me);
   if (threadIdx.x == 0) {
     // Every block reads the epoch before the last one stores it (below).
@@ -1058,12 +1064,14 @@ __global__ void __launch_bounds__(kMaxChannelThreads) gather_channel_kernel(Gath
   }
   __syncthreads();
   const uint64_t n = s_n;
-  if (sender) {
-    if (warp < R && warp != me) gather_send(a, ch, warp, n);  // own rows: gather_self
-  } else {
+  if (warp < sw) {
+    const int q = split ? 2 * warp + half : warp;
+    if (q < R && q != me) gather_send(a, ch, q, n);  // own rows: gather_self
+  } else if (half == 1 && rwarp >= 0 && rwarp < rnw) {
     const bool fail = s_fail;
+    const int rthreads = 32 * rnw;
     const int t0 = channel_begin(a.T, ch, nch), t1 = channel_begin(a.T, ch + 1, nch);
-    for (int i = fail ? a.C : threadIdx.x; i < a.C; i += blockDim.x) {
+    for (int i = fail ? a.C : rtid; i < a.C; i += rthreads) {
       const int32_t s = a.src_rank[i], t = a.src_index[i];
       if (s == -1) continue;
       if (s < 0 || s >= R || t < 0 || t >= a.T) {
@@ -1075,17 +1083,16 @@ __global__ void __launch_bounds__(kMaxChannelThreads) gather_channel_kernel(Gath
       atomicMax(&s_hi[s], i);
       atomicAdd(&s_cnt[s], 1);
     }
-    __syncthreads();
-    if (threadIdx.x < R && s_cnt[threadIdx.x] > 0 &&
-        s_hi[threadIdx.x] - s_lo[threadIdx.x] + 1 != s_cnt[threadIdx.x]) {
+    peer::sync_threads(kRecvBarrier, rthreads);
+    if (rtid < R && s_cnt[rtid] > 0 && s_hi[rtid] - s_lo[rtid] + 1 != s_cnt[rtid]) {
       // Not a handle from dispatch: these rows are not contiguous. Reported, left zero.
-      report(a.c, kErrBadHandle, -1, threadIdx.x, s_cnt[threadIdx.x], kOpGather);
-      s_cnt[threadIdx.x] = -1;
+      report(a.c, kErrBadHandle, -1, rtid, s_cnt[rtid], kOpGather);
+      s_cnt[rtid] = -1;
     }
-    __syncthreads();
+    peer::sync_threads(kRecvBarrier, rthreads);
     // Rows no ring fills: empty or bad ones (spread over the channels), and this
     // channel's rows of a rejected range.
-    for (int b = fail ? a.C : warp * 32; b < a.C; b += nw * 32) {
+    for (int b = fail ? a.C : rwarp * 32; b < a.C; b += rnw * 32) {
       const int i = b + lane;
       bool zero = false;
       if (i < a.C) {
@@ -1099,9 +1106,9 @@ __global__ void __launch_bounds__(kMaxChannelThreads) gather_channel_kernel(Gath
         warp_zero_row(static_cast<char*>(a.out) + static_cast<int64_t>(b + __ffs(m) - 1) * a.row_bytes,
                       a.row_bytes, lane);
     }
-    if (warp < R) {
-      const int32_t cnt = s_cnt[warp] > 0 ? s_cnt[warp] : 0;
-      gather_recv(a, ch, warp, cnt > 0 ? s_lo[warp] : 0, cnt, fail, n);
+    if (rwarp < R) {
+      const int32_t cnt = s_cnt[rwarp] > 0 ? s_cnt[rwarp] : 0;
+      gather_recv(a, ch, rwarp, cnt > 0 ? s_lo[rwarp] : 0, cnt, fail, n);
     }
   }
   if (last_block(a.c, kDoneGatherChannel)) {
@@ -1181,7 +1188,7 @@ cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePre
   if (R < 1 || R > kMaxRanks || a.c.channels < 1 || a.c.channels > kMaxChannels ||
       a.c.ring_tokens < 1 || phase != 0)
     return cudaErrorInvalidValue;
-  JEP_LAUNCH(gather_channel_kernel, 2 * a.c.channels, ChannelThreads(R), 0, stream)(a);
+  JEP_LAUNCH(gather_channel_kernel, 2 * a.c.channels, ChannelRoleThreads(R), 0, stream)(a);
   return cudaGetLastError();
 }
 

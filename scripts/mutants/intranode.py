@@ -154,6 +154,26 @@ MUTANTS = [
            "if (warp < R && warp != me) gather_send(a, ch, warp, n);", "if (warp < R) gather_send(a, ch, warp, n);",
            GATHER, "a sending warp waits for its own rank's ids, which gather_self never "
            "posts: the call times out"),
+    Mutant("gather_both_halves_send_to_even_ranks", INTRA,
+           "    const int q = split ? 2 * warp + half : warp;", "    const int q = split ? 2 * warp : warp;",
+           GATHER, "both blocks of a channel answer the even ranks: the odd ones' ids go "
+           "unanswered (and the even ones' rings get two writers)"),
+    Mutant("gather_unsplit_odd_block_sends", INTRA,
+           "ChannelSendWarps(R) : 0, rw0 = ChannelRecvWarp0(R);\n  const int rnw = ChannelRecvWarps(R);",
+           "ChannelSendWarps(R) : ChannelSendWarps(R), rw0 = ChannelRecvWarp0(R);\n  const int rnw = ChannelRecvWarps(R);",
+           (T_INTRA, "-k", "both_sides"),
+           "past kMaxSplitSendRanks, gather's block 2ch + 1 answers every rank too: two "
+           "writers per ring, and its warps never receive"),
+    Mutant("gather_recv_barrier_waits_for_senders", INTRA,
+           "      atomicAdd(&s_cnt[s], 1);\n    }\n    peer::sync_threads(kRecvBarrier, rthreads);",
+           "      atomicAdd(&s_cnt[s], 1);\n    }\n    __syncthreads();",
+           GATHER, "gather's receiving warps meet at the whole block's barrier: they wait for "
+           "the sending warps beside them, which wait for other ranks' receivers to ask"),
+    Mutant("gather_recv_barrier_short", INTRA,
+           "      atomicAdd(&s_cnt[s], 1);\n    }\n    peer::sync_threads(kRecvBarrier, rthreads);",
+           "      atomicAdd(&s_cnt[s], 1);\n    }\n    peer::sync_threads(kRecvBarrier, rthreads - 32);",
+           GATHER, "gather's receiving warps' barrier one warp short: a source's range is "
+           "read before the last warp counted its rows"),
     Mutant("gather_early_credit", INTRA,
            "if (posted < end && room >= (want < chunk ? want : chunk)) post(k + Q < end ? k + Q : end);",
            "if (posted < end && room >= (want < chunk ? want : chunk)) post(k + Q + 1 < end ? k + Q + 1 : end);",
