@@ -151,7 +151,7 @@ MUTANTS = [
            GATHER, "a rank's own rows asked for through rings (ch, me), which no sending "
            "warp answers: the call times out"),
     Mutant("gather_sender_answers_itself", INTRA,
-           "if (warp < R && warp != me) gather_send(a, ch, warp, n);", "if (warp < R) gather_send(a, ch, warp, n);",
+           "if (q < R && q != me) gather_send(a, ch, q, n);", "if (q < R) gather_send(a, ch, q, n);",
            GATHER, "a sending warp waits for its own rank's ids, which gather_self never "
            "posts: the call times out"),
     Mutant("gather_both_halves_send_to_even_ranks", INTRA,
@@ -207,8 +207,8 @@ MUTANTS = [
            "peer::store(&sh->g_req_n[ch][me], cnt);", "peer::store(&sh->g_req_n[ch][me], cnt + 1);",
            GATHER, "off-by-one count: the sender waits for an id that never comes"),
     Mutant("gather_range_not_checked", INTRA,
-           "        s_hi[threadIdx.x] - s_lo[threadIdx.x] + 1 != s_cnt[threadIdx.x]) {",
-           "        s_hi[threadIdx.x] - s_lo[threadIdx.x] + 1 != s_cnt[threadIdx.x] && false) {",
+           "if (rtid < R && s_cnt[rtid] > 0 && s_hi[rtid] - s_lo[rtid] + 1 != s_cnt[rtid]) {",
+           "if (rtid < R && s_cnt[rtid] > 0 && s_hi[rtid] - s_lo[rtid] + 1 != s_cnt[rtid] && false) {",
            (T_INTRA, "-k", "gather_foreign"),
            "a foreign handle's broken range taken as contiguous: wrong rows, nothing reported"),
     Mutant("gather_epoch_not_advanced", INTRA,
