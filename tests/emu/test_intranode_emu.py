@@ -315,6 +315,19 @@ def test_rings_wrap_within_and_across_calls(resident_blocks, monkeypatch):
                         assert k[s]["head"][ch][d] == k[s]["sent"][ch][d]
 
 
+def test_rings_full_at_four_ranks_every_role_waits_on_its_own_barrier(monkeypatch):
+    """Rings of 2 slots at 4 ranks: the odd ranks' sending warps (in block 2ch + 1, beside
+    the receiving ones) wait for each other's receivers, 1 for 3 and 3 for 1. Receiving
+    warps that met at the whole block's barrier would wait for those senders: a deadlock
+    (at 2 ranks the odd block's only sender is the rank itself, which skips its ring, so
+    no cycle forms there). Bit for bit against the reference, no device errors."""
+    monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
+    R, T, H, K, E, C = 4, 48, 16, 3, 8, 4 * 48
+    emu = Emulator(R, seed=23)
+    emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+    _check(emu, *_case(R, T, H, K, E, C, "bf16", "random", 80), E, C, "4 ranks: ")
+
+
 def test_default_grid_and_staging_do_not_grow_with_tokens():
     """At 8 ranks the default channel kernels use at most 24 blocks (DeepEP's 20-24 SMs),
     a launch runs that many, and the staging the setup reports is the same for 4096 and
