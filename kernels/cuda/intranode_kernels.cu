@@ -3,9 +3,9 @@
 // Dispatch and combine are a notify kernel and one channel kernel per rank (both blocks of
 // a channel send through per-(channel, peer) rings, to the even and to the odd ranks; the
 // odd block also receives; a rank's own rows skip the rings); gather (cached dispatch) is
-// its channel kernel alone, with the same roles (kernels/cuda/cuda_kernels.h). Rows land in the XLA outputs in
-// the contract's order (source rank, then token), with the routing math of
-// kernels/layout_math.h, so results match the CPU backend bit for bit.
+// its channel kernel alone, with the same roles (kernels/cuda/cuda_kernels.h). Rows land
+// in the XLA outputs in the contract's order (source rank, then token), with the routing
+// math of kernels/layout_math.h, so results match the CPU backend bit for bit.
 //
 // Failing safely (see intranode_buffer.h): every kernel keeps the protocol going (epochs,
 // requests, signals) whatever happened, so ranks never fall out of step; after a protocol
