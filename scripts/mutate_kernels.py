@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -61,7 +62,18 @@ def check_table(mutants):
 
 
 def run(cmd, cwd, env=None, timeout=None):
-    return subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True)
+    """subprocess.run in a session of its own: on a timeout the whole group is killed, so
+    a test's own child processes (the many-rank cases run in one) do not outlive it and
+    slow every later mutant."""
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def configure(src: Path, build: Path, py: str):
