@@ -218,6 +218,8 @@ def row_of(mode: str, op: str, shape: dict, per_device: list[dict]) -> dict[str,
         "peer_bytes": sum(v for sp in ("peer",) for d in ("load", "store")
                           for v in b[d].get(sp, {}).values()),
         "local_bytes": sum(v for d in ("load", "store") for v in b[d].get("local", {}).values()),
+        # bulk copies (TMA), apart from the threads' own loads and stores above
+        "tma_bytes": sum(v for k, v in tot.items() if k.startswith("tma_bytes:")),
         "puts": puts, "qps": s["qps"],
         "fences": s["fences"],
         "release_stores": s.get("release_stores", 0),
@@ -235,7 +237,7 @@ def _w(b: dict, d: str, sp: str, w: int) -> int:
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'mode':<13} {'op':<9} {'GPUs':>4} {'launch':>6} {'blk/l':>5} {'warps':>6} "
-            f"{'peer16 KB':>9} {'peer<16 KB':>10} {'local KB':>9} {'RDMA KB':>8} "
+            f"{'peer16 KB':>9} {'peer<16 KB':>10} {'local KB':>9} {'TMA KB':>8} {'RDMA KB':>8} "
             f"{'puts':>6} {'WRs':>6} {'sig':>5} {'f.sys':>6} {'f.gpu':>6} {'rel':>5} "
             f"{'acq':>6}")
     lines = [NOTE, "(totals over the GPUs of one call; KB = 1000 bytes)", head, "-" * len(head)]
@@ -252,7 +254,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['mode']:<13} {r['op']:<9} {r['gpus']:>4} {r['launches']:>6} "
             f"{r['max_blocks_per_launch']:>5} {r['warps']:>6} {p16 / 1e3:>9.1f} "
             f"{plo / 1e3:>10.1f} {r['local_bytes'] / 1e3:>9.1f} "
-            f"{rd.get('bytes', 0) / 1e3:>8.1f} {rd.get('puts', 0) + pp.get('puts', 0):>6} "
+            f"{r.get('tma_bytes', 0) / 1e3:>8.1f} {rd.get('bytes', 0) / 1e3:>8.1f} {rd.get('puts', 0) + pp.get('puts', 0):>6} "
             f"{rd.get('wrs', 0) + pp.get('wrs', 0):>6} "
             f"{rd.get('signals', 0) + pp.get('signals', 0):>5} "
             f"{r['fences'].get('system', 0):>6} {r['fences'].get('gpu', 0):>6} "
@@ -263,13 +265,13 @@ def format_table(rows: list[dict]) -> str:
 def format_markdown(rows: list[dict]) -> str:
     """The rows as a markdown table (docs/performance.md)."""
     out = ["| mode | op | GPUs | launches | blocks/launch (max) | warps | NVLink bytes at 16 B "
-           "| NVLink bytes < 16 B | local bytes | RDMA bytes | puts | WRs | fences sys/gpu "
-           "| release | acquire |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| NVLink bytes < 16 B | local bytes | bulk (TMA) bytes | RDMA bytes | puts | WRs "
+           "| fences sys/gpu | release | acquire |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['mode']} | {r['op']} | not counted: {r['error'][:120]} "
-                       "|  |  |  |  |  |  |  |  |  |  |  |  |")
+                       "|  |  |  |  |  |  |  |  |  |  |  |  |  |")
             continue
         b = r["bytes"]
         p16 = _w(b, "load", "peer", 16) + _w(b, "store", "peer", 16)
@@ -277,7 +279,7 @@ def format_markdown(rows: list[dict]) -> str:
         out.append(
             f"| {r['mode']} | {r['op']} | {r['gpus']} | {r['launches']} | "
             f"{r['max_blocks_per_launch']} | {r['warps']} | {p16} | {r['peer_bytes'] - p16 + pp.get('bytes', 0)} | "
-            f"{r['local_bytes']} | {rd.get('bytes', 0)} | {rd.get('puts', 0) + pp.get('puts', 0)} | "
+            f"{r['local_bytes']} | {r.get('tma_bytes', 0)} | {rd.get('bytes', 0)} | {rd.get('puts', 0) + pp.get('puts', 0)} | "
             f"{rd.get('wrs', 0) + pp.get('wrs', 0)} | {r['fences'].get('system', 0)}/"
             f"{r['fences'].get('gpu', 0)} | {r['release_stores']} | {r['acquire_loads']} |")
     return "\n".join(out)
@@ -410,7 +412,9 @@ def format_model(entries: list[dict]) -> str:
              f"constants: NVLink {k.nvlink_Bps / 1e9:.0f} GB/s per direction, RDMA "
              f"{k.rdma_Bps / 1e9:.0f} GB/s (2 x 200 Gb/s), HBM {k.hbm_Bps / 1e12:.1f} TB/s, "
              f"per SM at 16 B: peer {k.sm_peer_Bps_16 / 1e9:.0f} GB/s, local "
-             f"{k.sm_local_Bps_16 / 1e9:.0f} GB/s (w/16 of that at width w), launch "
+             f"{k.sm_local_Bps_16 / 1e9:.0f} GB/s (w/16 of that at width w), bulk copies (TMA) "
+             f"{k.sm_tma_Bps / 1e9:.0f} GB/s "
+             f"{'beside the warps' if k.tma_overlaps else 'after the warps'}, launch "
              f"{k.launch_s * 1e6:.1f} us, fence sys {k.fence_sys_s * 1e6:.1f} us, gpu "
              f"{k.fence_gpu_s * 1e6:.1f} us, release {k.release_s * 1e6:.1f} us, WR "
              f"{k.wr_s * 1e6:.2f} us",

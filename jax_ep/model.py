@@ -6,7 +6,8 @@ below; change them with `Constants(...)`.
 Per virtual GPU and per op (dispatch or combine), from its counters:
   link time  = max(NVLink bytes / NVLINK, RDMA bytes / RDMA, local bytes / HBM)
                (NVLink bytes: loads + stores that touch another GPU's memory, plus puts to
-               a PE of the same node; RDMA bytes: puts to another node, as sent)
+               a PE of the same node; RDMA bytes: puts to another node, as sent; local
+               bytes include the bulk copies')
   SM time    = sum over spaces and widths of bytes / (per-SM rate at 16 bytes of that
                space * width / 16) / SMs, where SMs = the most blocks one kernel of the op
                launched on that GPU (at most 132): a narrower access moves fewer bytes per
@@ -14,7 +15,10 @@ Per virtual GPU and per op (dispatch or combine), from its counters:
                block's own time, its accesses ("block_max:accesses:*", each space's
                maximum over the blocks, added over the launches) times 16 bytes over the
                per-SM rate of that space: work the kernel leaves on a few blocks does not
-               spread over the others
+               spread over the others. The bulk copies (TMA: "tma_bytes:*", the busiest
+               block's "block_max:tma_bytes") take their bytes over the per-SM bulk rate,
+               beside the warps' accesses (the larger of the two times, for all blocks
+               and for the busiest), or after them with TMA_OVERLAPS off (the sum)
   fixed time = launches * LAUNCH + the longest per-thread chains (counted per launch and
                added over the launches: "chain:*" counters; at each counted shape the
                longest over the op's GPUs, see op_chains) of system fences * FENCE_SYS,
@@ -39,13 +43,20 @@ class Constants:
     per GPU (DeepEP's test machines); HBM3e 4.8 TB/s. The per-SM copy rates and the fixed
     costs are assumptions of this model, not measured here: an SM keeps a limited number
     of 16-byte accesses in flight, which caps it at about NVLink's latency-bound rate of
-    one SM for remote accesses and higher for local ones."""
+    one SM for remote accesses and higher for local ones. Bulk copies (the TMA) keep whole
+    pieces in flight without the warps' registers; their per-SM rate is an assumption
+    too: HBM's rate over the 24 SMs of the intranode target (4.8 TB/s / 24), bytes
+    loaded plus bytes stored. An SM's bulk copies run on its TMA unit beside its warps'
+    loads and stores (tma_overlaps; an assumption: the peer stores are bound by the
+    accesses a warp keeps in flight, not by the SM's port to L2)."""
     nvlink_Bps: float = 450e9            # per direction, per GPU
     rdma_Bps: float = 2 * 200e9 / 8      # one NIC of 2 x 200 Gb/s per GPU = 50 GB/s
     hbm_Bps: float = 4.8e12
     num_sms: int = 132
     sm_peer_Bps_16: float = 25e9         # one SM, 16-byte accesses to a peer over NVLink
     sm_local_Bps_16: float = 100e9       # one SM, 16-byte accesses to its own HBM
+    sm_tma_Bps: float = 200e9            # one SM, bulk copies (TMA), loads + stores
+    tma_overlaps: bool = True            # bulk copies beside the warps' accesses (max, not sum)
     launch_s: float = 3e-6               # per kernel launch in a stream (launch + tail)
     fence_sys_s: float = 0.8e-6          # __threadfence_system
     fence_gpu_s: float = 0.3e-6          # __threadfence
@@ -78,8 +89,10 @@ def device_time(c: dict[str, int], k: Constants = H200) -> dict[str, Any]:
     ld_l, st_l = _bytes(c, "load_bytes", "local"), _bytes(c, "store_bytes", "local")
     ld_p, st_p = _bytes(c, "load_bytes", "peer"), _bytes(c, "store_bytes", "peer")
     put_peer, put_rdma = int(c.get("put_bytes:peer", 0)), int(c.get("put_bytes:rdma", 0))
-    local = sum(ld_l.values()) + sum(st_l.values())
-    nvlink = sum(ld_p.values()) + sum(st_p.values()) + put_peer
+    tma_l = int(c.get("tma_bytes:load:local", 0)) + int(c.get("tma_bytes:store:local", 0))
+    tma_p = int(c.get("tma_bytes:load:peer", 0)) + int(c.get("tma_bytes:store:peer", 0))
+    local = sum(ld_l.values()) + sum(st_l.values()) + tma_l
+    nvlink = sum(ld_p.values()) + sum(st_p.values()) + put_peer + tma_p
     kernels = {}
     for name, v in c.items():
         if name.startswith("kernel:"):  # kernel:<name, maybe with "::">:<field>
@@ -96,8 +109,14 @@ def device_time(c: dict[str, int], k: Constants = H200) -> dict[str, Any]:
         sm_s += (ld_p[w] + st_p[w]) / (k.sm_peer_Bps_16 * w / 16)
         sm_s += (ld_l[w] + st_l[w]) / (k.sm_local_Bps_16 * w / 16)
     sm_s /= sms_used
+    tma_s = (tma_l + tma_p) / k.sm_tma_Bps / sms_used
     busiest_s = max(c.get("block_max:accesses:peer", 0) * 16 / k.sm_peer_Bps_16,
                     c.get("block_max:accesses:local", 0) * 16 / k.sm_local_Bps_16)
+    busiest_tma_s = c.get("block_max:tma_bytes", 0) / k.sm_tma_Bps
+    if k.tma_overlaps:
+        sm_s, busiest_s = max(sm_s, tma_s), max(busiest_s, busiest_tma_s)
+    else:
+        sm_s, busiest_s = sm_s + tma_s, busiest_s + busiest_tma_s
     sm_s = max(sm_s, busiest_s)
     fixed_s = launches * k.launch_s + (
         c.get("chain:fences:system", 0) * k.fence_sys_s
@@ -107,7 +126,7 @@ def device_time(c: dict[str, int], k: Constants = H200) -> dict[str, Any]:
     return {"time_s": t, "link_s": link_s, "sm_s": sm_s, "busiest_block_s": busiest_s,
             "fixed_s": fixed_s,
             "sms": sms, "launches": launches, "nvlink_bytes": nvlink, "rdma_bytes": put_rdma,
-            "local_bytes": local, "bound": "fixed" if fixed_s > max(link_s, sm_s) else
+            "local_bytes": local, "tma_bytes": tma_l + tma_p, "bound": "fixed" if fixed_s > max(link_s, sm_s) else
             ("link" if link_s >= sm_s else "sm"),
             "nvlink_fraction": nvlink / t / k.nvlink_Bps if t > 0 else 0.0,
             "rdma_GBps": put_rdma / t / 1e9 if t > 0 else 0.0}

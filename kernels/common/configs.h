@@ -46,6 +46,23 @@ inline constexpr int kMaxRingTokens = 4096;
 // kernels are compiled for it, which bounds their registers).
 inline constexpr int kChannelThreads = 256;
 inline constexpr int kMaxChannelThreads = 1024;
+// Bulk copies (the TMA) of the dispatch channel kernel, which moves the received rows from
+// the rings into recv_x, a rank's own rows from x, and zeros into the rows past the
+// received ones: a block's shared memory holds two staging pieces per source rank (one
+// loads while the previous one stores) in kBulkStagingBytes, pieces of at most
+// kBulkPieceBytes, and kBulkZeroBytes of zeros the empty rows are stored from.
+// Under 48 KiB in all at any rank count (intranode_buffer.h DispatchChannelSmemBytes).
+inline constexpr int kBulkStagingBytes = 32 * 1024;
+inline constexpr int kBulkPieceBytes = 2048;
+inline constexpr int kBulkZeroBytes = 2048;
+
+// Bytes of one bulk-copy piece at `num_ranks` ranks (a multiple of 16): two per rank in
+// kBulkStagingBytes, at most kBulkPieceBytes.
+inline constexpr int DispatchBulkPieceBytes(int num_ranks) {
+  return (kBulkStagingBytes / (2 * num_ranks)) / 16 * 16 < kBulkPieceBytes
+             ? (kBulkStagingBytes / (2 * num_ranks)) / 16 * 16
+             : kBulkPieceBytes;
+}
 
 // Blocks of the hierarchical combine's source role, which sums every token's node partials
 // (each block a slice of the hidden columns, so the reads spread over SMs as DeepEP's
@@ -199,6 +216,17 @@ inline int IntranodeRingTokens() {
   int n = (v != nullptr && *v != '\0') ? std::atoi(v) : kRingTokens;
   if (n < 1) n = 1;
   return n > kMaxRingTokens ? kMaxRingTokens : n;
+}
+
+// The bulk-copy piece of the dispatch channel kernel: JAX_EP_BULK_PIECE_BYTES when set
+// (tests use a few vectors, so a row moves in several pieces), a multiple of 16 within
+// [16, DispatchBulkPieceBytes], else DispatchBulkPieceBytes.
+inline int IntranodeBulkPieceBytes(int num_ranks) {
+  const int most = DispatchBulkPieceBytes(num_ranks < 1 ? 1 : num_ranks);
+  const char* v = std::getenv("JAX_EP_BULK_PIECE_BYTES");
+  if (v == nullptr || *v == '\0') return most;
+  const int n = std::atoi(v) / 16 * 16;
+  return n < 16 ? 16 : (n > most ? most : n);
 }
 
 inline const IntranodePreset& SelectIntranodePreset(int num_ranks) {

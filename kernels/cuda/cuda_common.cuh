@@ -102,6 +102,50 @@ __device__ __forceinline__ void warp_zero_row(void* dst, size_t n, int lane) {
   }
 }
 
+// ---- bulk (TMA) row copies, issued by one thread ----
+// Two staging pieces in shared memory with an mbarrier each; `phase` bit b is the parity
+// the next wait on mbar[b] waits for. One thread (a warp's lane 0) owns it.
+struct BulkStage {
+  char* buf[2];
+  uint64_t* mbar[2];
+  uint32_t bytes;  // a piece (a multiple of 16)
+  uint32_t phase;
+};
+
+// Copies `n` bytes (16-byte aligned and sized) from global `src` to global `dst` through
+// the stage, piece by piece: piece p + 1 loads while piece p stores. The stores are left
+// in flight; bulk_wait_all() before the kernel ends (or before anything reads dst).
+__device__ __forceinline__ void bulk_copy_row(BulkStage& st, char* dst, const char* src, size_t n) {
+  const uint32_t np = static_cast<uint32_t>((n + st.bytes - 1) / st.bytes);
+  auto len = [&](uint32_t p) {
+    const size_t left = n - static_cast<size_t>(p) * st.bytes;
+    return static_cast<uint32_t>(left < st.bytes ? left : st.bytes);
+  };
+  // The previous row's last stores have read the pieces.
+  peer::bulk_wait_read<0>();
+  peer::bulk_load(st.buf[0], src, len(0), st.mbar[0]);
+  for (uint32_t p = 0; p < np; ++p) {
+    const uint32_t b = p & 1u;
+    if (p + 1 < np) {
+      peer::bulk_wait_read<0>();  // piece p - 1's store has read buf[b ^ 1]
+      peer::bulk_load(st.buf[b ^ 1u], src + static_cast<size_t>(p + 1) * st.bytes, len(p + 1),
+                      st.mbar[b ^ 1u]);
+    }
+    peer::mbar_wait(st.mbar[b], (st.phase >> b) & 1u);
+    st.phase ^= 1u << b;
+    peer::bulk_store(dst + static_cast<size_t>(p) * st.bytes, st.buf[b], len(p));
+    peer::bulk_commit();
+  }
+}
+
+// Stores `n` zero bytes (16-byte aligned and sized) at `dst` from `zeros` (`zbytes` of
+// zeros in shared memory, never rewritten while stores read them).
+__device__ __forceinline__ void bulk_zero_row(const char* zeros, uint32_t zbytes, char* dst, size_t n) {
+  for (size_t off = 0; off < n; off += zbytes)
+    peer::bulk_store(dst + off, zeros, static_cast<uint32_t>(n - off < zbytes ? n - off : zbytes));
+  peer::bulk_commit();
+}
+
 // Lanes below `lane` in the warp.
 __device__ __forceinline__ unsigned lanemask_lt() { return peer::lanemask_lt(); }
 

@@ -11,7 +11,8 @@
 //
 // Dispatch and combine run as channels (DeepEP's design): a small notify kernel, then
 // one channel kernel of 2 x channels blocks, both blocks of a channel sending (to the even
-// and to the odd ranks, ChannelSendSplit) and the odd one also receiving. Channel ch of
+// and to the odd ranks, ChannelSendSplit) and receiving (dispatch: from the even and the
+// odd sources; combine and gather: the odd block receives from all). Channel ch of
 // a rank owns a contiguous range of its tokens. The dispatch area of receiver d holds one
 // ring of `ring_tokens` slots per (channel ch, source s); the combine area of token owner
 // s one ring per (channel ch, data owner r). A rank's own rows skip its ring (ch, me) in
@@ -89,7 +90,8 @@ JEP_HDX int ChannelSendWarps(int num_ranks) {
 JEP_HDX int ChannelRecvWarps(int num_ranks) {
   return num_ranks > kChannelThreads / 32 ? num_ranks : kChannelThreads / 32;
 }
-// The first receiving warp of block 2ch + 1.
+// The first receiving warp of a block (dispatch: of both blocks of a channel; combine and
+// gather: of block 2ch + 1).
 JEP_HDX int ChannelRecvWarp0(int num_ranks) {
   return ChannelSendSplit(num_ranks) ? ChannelSendWarps(num_ranks) : 0;
 }
@@ -172,6 +174,16 @@ struct ErrorRecord {
 JEP_HDX size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 JEP_HDX size_t RowStride(size_t row_bytes) { return AlignUp(row_bytes, 16); }
 
+// The dispatch channel kernel's dynamic shared memory with bulk-copy pieces of `piece`
+// bytes (configs.h IntranodeBulkPieceBytes): kBulkZeroBytes of zeros, then per rank r two
+// mbarriers (at kBulkZeroBytes + 16 r) and two pieces (at DispatchBulkStagingOff(R) +
+// 2 r piece).
+JEP_HDX size_t DispatchBulkStagingOff(int num_ranks) {
+  return static_cast<size_t>(kBulkZeroBytes) + 16 * static_cast<size_t>(num_ranks);
+}
+JEP_HDX size_t DispatchChannelSmemBytes(int num_ranks, int piece) {
+  return DispatchBulkStagingOff(num_ranks) + 2 * static_cast<size_t>(num_ranks) * piece;
+}
 
 // One dispatch ring slot: the row, then [row on the receiver, source token, K local ids,
 // K weights] as 32-bit words.
@@ -265,6 +277,7 @@ struct DispatchArgs {
   int32_t* src_rank;
   int32_t* src_index;
   int32_t* send_row;
+  int32_t bulk_piece;  // bytes of a bulk-copy piece (set by LaunchDispatchPhase)
 };
 
 struct CombineArgs {

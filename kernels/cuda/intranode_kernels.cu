@@ -334,13 +334,32 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_notify_kernel(DispatchA
   }
 }
 
+// The bulk-copy stage (cuda_common.cuh BulkStage) of source rank r in the dispatch channel
+// kernel's shared memory `sm` (layout: intranode_buffer.h DispatchChannelSmemBytes).
+__device__ __forceinline__ BulkStage dispatch_stage(const DispatchArgs& a, char* sm, int r) {
+  BulkStage st;
+  uint64_t* mb = reinterpret_cast<uint64_t*>(sm + kBulkZeroBytes) + 2 * r;
+  const int R = a.c.num_ranks, pb = a.bulk_piece;
+  char* b = sm + DispatchBulkStagingOff(R) + 2 * static_cast<size_t>(r) * pb;
+  st.buf[0] = b;
+  st.buf[1] = b + pb;
+  st.mbar[0] = mb;
+  st.mbar[1] = mb + 1;
+  st.bytes = static_cast<uint32_t>(pb);
+  st.phase = 0;
+  return st;
+}
+
 // The sending warp of channel ch towards this rank itself: its rows go straight into the
 // outputs. Ring (ch, me) on this rank stays unused (no receiving warp waits on it): a row
 // through it would be copied twice more on this GPU, and the outputs are this kernel's to
 // write, so no late write can land after the call.
-__device__ void dispatch_self(const DispatchArgs& a, int ch, bool fail) {
+// Lane 0 copies the rows with bulk copies when they are 16-byte aligned.
+__device__ void dispatch_self(const DispatchArgs& a, int ch, bool fail, char* sm) {
   if (fail) return;
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, el = a.experts_per_rank;
+  const bool bulk = aligned16(a.recv_x, a.x, a.row_bytes);
+  BulkStage st = dispatch_stage(a, sm, me);
   const int t0 = channel_begin(a.T, ch, a.c.channels), t1 = channel_begin(a.T, ch + 1, a.c.channels);
   for (int tb = t0; tb < t1; tb += 32) {
     const int t = tb + lane;
@@ -349,8 +368,10 @@ __device__ void dispatch_self(const DispatchArgs& a, int ch, bool fail) {
       const int l = __ffs(m) - 1;
       const int tt = tb + l;
       const int32_t rr = __shfl_sync(kFullMask, row, l);
-      warp_copy_row<true>(static_cast<char*>(a.recv_x) + static_cast<int64_t>(rr) * a.row_bytes,
-                          static_cast<const char*>(a.x) + static_cast<int64_t>(tt) * a.row_bytes, a.row_bytes, lane);
+      char* dst = static_cast<char*>(a.recv_x) + static_cast<int64_t>(rr) * a.row_bytes;
+      const char* src = static_cast<const char*>(a.x) + static_cast<int64_t>(tt) * a.row_bytes;
+      if (!bulk) warp_copy_row<true>(dst, src, a.row_bytes, lane);
+      else if (lane == 0) bulk_copy_row(st, dst, src, a.row_bytes);
       const int32_t* idx = a.topk_idx + static_cast<int64_t>(tt) * a.K;
       const float* wt = a.topk_w + static_cast<int64_t>(tt) * a.K;
       int32_t* oidx = a.recv_idx + static_cast<int64_t>(rr) * a.K;
@@ -371,10 +392,10 @@ __device__ void dispatch_self(const DispatchArgs& a, int ch, bool fail) {
 
 // Sending warp of channel ch towards receiver d: its tokens' rows for d, in token order,
 // through ring (ch, me) on d (this rank's own rows: dispatch_self).
-__device__ void dispatch_send(const DispatchArgs& a, int ch, int d, bool fail, uint64_t n) {
+__device__ void dispatch_send(const DispatchArgs& a, int ch, int d, bool fail, uint64_t n, char* sm) {
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   if (d == me) {
-    dispatch_self(a, ch, fail);
+    dispatch_self(a, ch, fail, sm);
     return;
   }
   RankHeader* hdr = peer::header(a.c.peers, me);
@@ -461,8 +482,10 @@ __device__ bool wait_ring(const CommonArgs& c, const uint64_t* tail, const uint6
 }
 
 // Receiving warp of channel ch for source s: copies each slot of ring (ch, s) into its
-// row of the XLA outputs and hands the slots back (head) once read.
-__device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, uint64_t n) {
+// row of the XLA outputs and hands the slots back (head) once read. Lane 0 copies the
+// rows with bulk copies when they are 16-byte aligned; its waits for their loads come
+// before the head it releases.
+__device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, uint64_t n, char* sm) {
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   RankHeader* hdr = peer::header(a.c.peers, me);
   const DispatchRing ring = DispatchRing::Make(a.c.ring_tokens, a.row_bytes, a.K);
@@ -474,11 +497,16 @@ __device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, u
   const uint64_t chunk = Q > 2 ? Q / 2 : 1;  // rows per credit
   uint64_t* head = &peer::header(a.c.peers, s)->ring[0].head[ch][me];
   const int el = a.experts_per_rank;
+  const bool bulk = aligned16(a.recv_x, rbase, a.row_bytes);
+  BulkStage st = dispatch_stage(a, sm, s);
   uint64_t k = hdr->ring[0].read[ch][s];
   while (true) {
     uint64_t t = 0;
     int ok = 1;
-    if (lane == 0) ok = wait_ring(a.c, &hdr->ring[0].tail[ch][s], &hdr->d_end[ch][s], k, n, s, &t) ? 1 : 0;
+    if (lane == 0) {
+      ok = wait_ring(a.c, &hdr->ring[0].tail[ch][s], &hdr->d_end[ch][s], k, n, s, &t) ? 1 : 0;
+      if (bulk) peer::fence_bulk_global();  // the rows the tail covers, for the bulk loads
+    }
     __syncwarp();
     ok = __shfl_sync(kFullMask, ok, 0);
     t = __shfl_sync(kFullMask, static_cast<unsigned long long>(t), 0);
@@ -489,8 +517,9 @@ __device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, u
       const int32_t* w = meta + slot * words;
       const int32_t row = peer::load_cg_s32(&w[0]);
       if (fail || row < 0 || row >= a.C) continue;  // a failed rank drains without copying
-      warp_copy_row<false>(static_cast<char*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes,
-                           rbase + slot * stride, a.row_bytes, lane);
+      char* dst = static_cast<char*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes;
+      if (!bulk) warp_copy_row<false>(dst, rbase + slot * stride, a.row_bytes, lane);
+      else if (lane == 0) bulk_copy_row(st, dst, rbase + slot * stride, a.row_bytes);
       int32_t* oidx = a.recv_idx + static_cast<int64_t>(row) * a.K;
       float* ow = a.recv_w + static_cast<int64_t>(row) * a.K;
       for (int j = lane; j < a.K; j += 32) {
@@ -513,9 +542,13 @@ __device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, u
   __syncwarp();
 }
 
-// Row i of the dispatch outputs as nothing received it: zeros, ids -1, no source.
-__device__ void dispatch_empty_row(const DispatchArgs& a, int i, int lane) {
-  warp_zero_row(static_cast<char*>(a.recv_x) + static_cast<int64_t>(i) * a.row_bytes, a.row_bytes, lane);
+// Row i of the dispatch outputs as nothing received it: zeros, ids -1, no source. With
+// `zeros` (kBulkZeroBytes in shared memory), lane 0 stores the row's zeros as bulk copies
+// of a piece each.
+__device__ void dispatch_empty_row(const DispatchArgs& a, int i, int lane, const char* zeros = nullptr) {
+  char* row = static_cast<char*>(a.recv_x) + static_cast<int64_t>(i) * a.row_bytes;
+  if (zeros == nullptr) warp_zero_row(row, a.row_bytes, lane);
+  else if (lane == 0) bulk_zero_row(zeros, static_cast<uint32_t>(a.bulk_piece), row, a.row_bytes);
   for (int k = lane; k < a.K; k += 32) {
     a.recv_idx[static_cast<int64_t>(i) * a.K + k] = -1;
     a.recv_w[static_cast<int64_t>(i) * a.K + k] = 0.0f;
@@ -540,33 +573,49 @@ __device__ void dispatch_empty_outputs(const DispatchArgs& a) {
 }
 
 // The channel kernel: both blocks of channel ch send its tokens (ChannelSendWarps, a warp
-// per receiver: block 2 ch to the even ranks, 2 ch + 1 to the odd ones), block 2 ch + 1
-// also receives channel ch of every other source (a warp per source, after its senders;
-// a rank's own rows skip the rings, dispatch_self). Every
-// warp then fills its share of the rows past the received ones (a warp with no ring
-// starts at once). The last block to finish hands the epoch's credit to every sender.
+// per receiver: block 2 ch to the even ranks, 2 ch + 1 to the odd ones) and receive
+// channel ch of the other sources (a warp per source, after the senders: block 2 ch from
+// the even sources, 2 ch + 1 from the odd ones; a rank's own rows skip the rings,
+// dispatch_self). Above kMaxSplitSendRanks ranks block 2 ch sends to every rank and
+// 2 ch + 1 receives from every source. Every warp then fills its share of the rows past
+// the received ones (a warp with no ring starts at once). The last block to finish hands
+// the epoch's credit to every sender. Rows move as bulk copies (the TMA) through shared
+// memory when 16-byte aligned (DispatchChannelSmemBytes of it), leaving the warps' own
+// loads and stores to the sends over NVLink; with the receiving split too, both blocks
+// of a channel carry the same work.
 __global__ void __launch_bounds__(kMaxChannelThreads) dispatch_channel_kernel(DispatchArgs a) {
   __shared__ bool s_fail;
+  JEP_DYNAMIC_SMEM(uint4, s_bulk);
+  char* const sm = reinterpret_cast<char*>(s_bulk);
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int ch = blockIdx.x >> 1, half = blockIdx.x & 1;
   const bool split = ChannelSendSplit(R);
-  const int sw = (split || half == 0) ? ChannelSendWarps(R) : 0, rw0 = ChannelRecvWarp0(R);
+  const int sw = (split || half == 0) ? ChannelSendWarps(R) : 0;
+  const int src = warp - ChannelRecvWarp0(R);  // the source a receiving warp reads
   RankHeader* hdr = peer::header(a.c.peers, me);
   const uint64_t n = *reinterpret_cast<const volatile uint64_t*>(&hdr->seq[kOpDispatch]);
   if (threadIdx.x == 0) s_fail = failed();
+  for (int i = threadIdx.x; i < kBulkZeroBytes / 16; i += blockDim.x) s_bulk[i] = make_uint4(0, 0, 0, 0);
+  if (threadIdx.x == 0)
+    for (int i = 0; i < 2 * R; ++i) peer::mbar_init(reinterpret_cast<uint64_t*>(sm + kBulkZeroBytes) + i);
+  peer::fence_bulk_shared();  // the zeros and mbarriers, before any bulk copy uses them
   __syncthreads();
   if (warp < sw) {
     const int d = split ? 2 * warp + half : warp;
-    if (d < R) dispatch_send(a, ch, d, s_fail, n);
-  } else if (half == 1 && warp >= rw0 && warp - rw0 < R && warp - rw0 != me) {
-    dispatch_recv(a, ch, warp - rw0, s_fail, n);
+    if (d < R) dispatch_send(a, ch, d, s_fail, n, sm);
+  } else if (src >= 0 && src < R && src != me && (split ? (src & 1) == half : half == 1)) {
+    dispatch_recv(a, ch, src, s_fail, n, sm);
   }
   if (!s_fail) {
     const int kept = *a.num_recv;
     const int nw = blockDim.x >> 5;
+    const char* zeros = aligned16(a.recv_x, a.recv_x, a.row_bytes) ? sm : nullptr;
     for (int i = kept + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw)
-      dispatch_empty_row(a, i, lane);
+      dispatch_empty_row(a, i, lane, zeros);
   }
+  // This thread's bulk stores have landed before the block counts as finished (an error
+  // found by the last block rewrites every row).
+  peer::bulk_wait_all();
   if (last_block(a.c, kDoneDispatchChannel)) {
     // An error anywhere in this call empties every output (the contract's failed call).
     if (failed()) {
@@ -1141,9 +1190,13 @@ cudaError_t LaunchDispatchPhase(int phase, const DispatchArgs& a, const Intranod
     case kPhaseNotify:
       JEP_LAUNCH(dispatch_notify_kernel, 1, kPlanThreads, 0, stream)(a);
       break;
-    case kPhaseChannel:
-      JEP_LAUNCH(dispatch_channel_kernel, 2 * a.c.channels, ChannelRoleThreads(R), 0, stream)(a);
+    case kPhaseChannel: {
+      DispatchArgs b = a;
+      b.bulk_piece = IntranodeBulkPieceBytes(R);
+      JEP_LAUNCH(dispatch_channel_kernel, 2 * a.c.channels, ChannelRoleThreads(R),
+                 DispatchChannelSmemBytes(R, b.bulk_piece), stream)(b);
       break;
+    }
     default:
       return cudaErrorInvalidValue;
   }

@@ -91,6 +91,67 @@ template <typename T>
 __device__ __forceinline__ void store_volatile(T* p, T v) {
   *reinterpret_cast<volatile T*>(p) = v;
 }
+
+// ---- bulk copies (Hopper's TMA, cp.async.bulk): one thread moves a whole 16-byte aligned
+// range between global and shared memory, without the warp's loads and stores in flight.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// An mbarrier of one arrival per phase (the thread that issues the phase's loads).
+__device__ __forceinline__ void mbar_init(uint64_t* mbar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(mbar)) : "memory");
+}
+// After mbar_init, before the bulk copies use the mbarriers or the shared memory a thread
+// wrote (the copies run in the async proxy).
+__device__ __forceinline__ void fence_bulk_shared() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// After an acquire that makes peers' writes to global memory visible, before bulk loads
+// read them.
+__device__ __forceinline__ void fence_bulk_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+// `n` bytes from global `src` into shared `smem`; completes the current phase of `mbar`.
+__device__ __forceinline__ void bulk_load(void* smem, const void* src, uint32_t n, uint64_t* mbar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(mbar)),
+               "r"(n)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(smem)),
+      "l"(src), "r"(n), "r"(smem_addr(mbar))
+      : "memory");
+}
+// Waits until the phase of `mbar` with this parity has completed (its loads landed).
+__device__ __forceinline__ void mbar_wait(uint64_t* mbar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(mbar)), "r"(parity)
+        : "memory");
+  }
+}
+// `n` bytes from shared `smem` to global `dst`, in this thread's open bulk group.
+__device__ __forceinline__ void bulk_store(void* dst, const void* smem, uint32_t n) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(smem_addr(smem)), "r"(n)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until at most the newest `keep` of this thread's groups still read their shared memory.
+template <int keep>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(keep) : "memory");
+}
+// Until every bulk store of this thread has landed in global memory.
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
 #endif
 
 __device__ __forceinline__ int32_t load_volatile(const int32_t* p) {

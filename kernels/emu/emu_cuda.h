@@ -246,6 +246,21 @@ void buffered_store(void* dst, const void* src, size_t n);
 // (mark_peer_memory) that another virtual GPU owns.
 bool remote_store(const void* dst);
 void release_store64(uint64_t* p, uint64_t v);
+// Bulk asynchronous copies (the TMA's cp.async.bulk, peer_transport.cuh bulk_*): a load
+// into shared memory completes an mbarrier phase (mbar_wait waits for it); a store from
+// shared memory belongs to its thread's open group (bulk_commit closes it, bulk_wait
+// waits for all but the newest `keep`). Each copy lands, seeded, either at its issue or
+// at its wait, the two ends of what a GPU may do: so shared memory read before its load's
+// wait, rewritten before a store's wait, or stored before its load's wait shows.
+// A load never waited for, a wait on a phase nothing completes (a hang on a GPU) and a
+// store group still pending when its thread exits are faults. Counted apart from the
+// threads' own accesses: "tma_bytes:load|store:local|peer", "block_max:tma_bytes".
+void mbar_init(uint64_t* mbar);
+void bulk_load(void* smem, const void* src, size_t n, uint64_t* mbar);
+void mbar_wait(uint64_t* mbar, uint32_t parity);
+void bulk_store(void* dst, const void* smem, size_t n);
+void bulk_commit();
+void bulk_wait(int keep);
 // Host: a fault the emulator found in a kernel (an exited lane in a collective's mask...).
 void fault(const char* what);
 

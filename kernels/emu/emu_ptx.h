@@ -7,6 +7,8 @@
 // Each counts its bytes by width and space (emu::note_access, via store_bytes for stores).
 //   global_timer  the virtual clock
 //   sync_threads  a named barrier (bar.sync id, threads)
+//   bulk_*, mbar_*  bulk copies (TMA): land at the waits (emu_cuda.h, "Bulk asynchronous
+//                 copies"); the proxy fences have nothing to order here
 
 inline void signal(uint64_t* flag, uint64_t value) { ::emu::release_store64(flag, value); }
 
@@ -49,3 +51,18 @@ template <typename T>
 inline void store_volatile(T* p, T v) {
   ::emu::store_bytes(p, &v, sizeof(T));
 }
+
+inline void mbar_init(uint64_t* mbar) { ::emu::mbar_init(mbar); }
+inline void fence_bulk_shared() {}
+inline void fence_bulk_global() {}
+inline void bulk_load(void* smem, const void* src, uint32_t n, uint64_t* mbar) {
+  ::emu::bulk_load(smem, src, n, mbar);
+}
+inline void mbar_wait(uint64_t* mbar, uint32_t parity) { ::emu::mbar_wait(mbar, parity); }
+inline void bulk_store(void* dst, const void* smem, uint32_t n) { ::emu::bulk_store(dst, smem, n); }
+inline void bulk_commit() { ::emu::bulk_commit(); }
+template <int keep>
+inline void bulk_wait_read() {
+  ::emu::bulk_wait(keep);
+}
+inline void bulk_wait_all() { ::emu::bulk_wait(0); }

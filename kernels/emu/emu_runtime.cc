@@ -109,6 +109,14 @@ struct StoreBuf {
 
 enum class FState { kNew, kRunnable, kBlocked, kSleeping, kDone };
 
+// One bulk copy (cp.async.bulk) issued and not yet waited for.
+struct BulkCopy {
+  void* dst;
+  const void* src;
+  size_t n;
+  bool landed = false;
+};
+
 struct Fiber {
   FiberCtx ctx;
   Block* blk = nullptr;
@@ -120,6 +128,8 @@ struct Fiber {
   StoreBuf* sbuf = nullptr;
   void* asan_fake = nullptr;
   uint32_t chain[kNumChains] = {};  // this thread's fences, releases, work requests
+  std::vector<BulkCopy> bulk_open;                 // bulk stores since its last commit
+  std::vector<std::vector<BulkCopy>> bulk_groups;  // committed groups, oldest first
 };
 
 struct Coll {
@@ -153,6 +163,8 @@ struct Block {
   double parked_until = 0;  // preempted: none of its threads runs before this virtual time
   size_t parked_pos = SIZE_MAX;
   uint64_t accesses[2] = {};  // its threads' loads and stores, [0] own GPU's memory, [1] a peer's
+  uint64_t tma_bytes = 0;     // bytes of its bulk copies (loads and stores)
+  std::map<const void*, std::vector<BulkCopy>> bulk_loads;  // by mbarrier: not yet waited
 };
 
 struct Kernel {
@@ -164,6 +176,7 @@ struct Kernel {
   std::vector<StoreBuf*> bufs;
   uint32_t chain_max[kNumChains] = {};  // the longest of its threads' chains
   uint64_t block_max[2] = {};           // the most accesses one of its blocks made, by space
+  uint64_t block_max_tma = 0;           // the most bulk-copy bytes one of its blocks moved
 };
 
 struct Op {
@@ -222,6 +235,9 @@ struct State {
   Config cfg;
   std::vector<Device*> devices;
   std::mt19937_64 rng{1};
+  // When each bulk copy lands (at its issue or at its wait): a stream of its own, so the
+  // scheduler's interleavings stay what they were for a seed.
+  std::mt19937_64 bulk_rng{1};
   int current = 0;  // host's current device
   cudaError_t last_error = cudaSuccess;
   double now_ns = 0;
@@ -364,6 +380,7 @@ void CountChains(Kernel* k) {
                                                 "block_max:accesses:peer"};
   for (int i = 0; i < 2; ++i)
     if (k->block_max[i] != 0) CountDev(k->dev->id, kBlockMaxNames[i], k->block_max[i]);
+  if (k->block_max_tma != 0) CountDev(k->dev->id, "block_max:tma_bytes", k->block_max_tma);
 }
 
 
@@ -553,6 +570,13 @@ void FiberExit(Fiber* f) {
   if (f->sbuf != nullptr) {
     b->k->bufs.push_back(f->sbuf);
     f->sbuf = nullptr;
+  }
+  if (!f->bulk_open.empty() || !f->bulk_groups.empty()) {
+    // On a GPU the block's shared memory may go to another block before these read it.
+    Fault(std::string("kernel ") + b->k->spec.name + ": a thread exited with bulk stores "
+          "not waited for (cp.async.bulk.wait_group)");
+    f->bulk_open.clear();
+    f->bulk_groups.clear();
   }
   // A barrier waits for the threads that have not exited.
   if (!b->at_barrier.empty() && static_cast<int>(b->at_barrier.size()) == b->live) {
@@ -826,6 +850,11 @@ void FinishBlock(Block* b) {
   k->dev->load -= k->cost;
   k->done_blocks++;
   for (int i = 0; i < 2; ++i) k->block_max[i] = std::max(k->block_max[i], b->accesses[i]);
+  k->block_max_tma = std::max(k->block_max_tma, b->tma_bytes);
+  for (const auto& [mbar, copies] : b->bulk_loads)
+    if (!copies.empty())
+      Fault(std::string("kernel ") + k->spec.name + ": a bulk load into shared memory was "
+            "never waited for (its mbarrier phase) before the block exited");
   delete b;
   if (k->done_blocks == k->total_blocks) FinishKernel(k);
 }
@@ -1043,6 +1072,7 @@ void ResetAll(const Config& c) {
   }
   s.cfg = c;
   s.rng.seed(c.seed);
+  s.bulk_rng.seed(c.seed ^ 0x5bd1e995u);
   while (static_cast<int>(s.devices.size()) < c.num_devices) {
     auto* d = new Device();
     d->id = static_cast<int>(s.devices.size());
@@ -1264,6 +1294,94 @@ void release_store64(uint64_t* p, uint64_t v) {
 }
 
 void fault(const char* what) { Fault(what); }
+
+// ---- bulk copies (TMA) ----
+namespace {
+void NoteBulk(int dir, const void* global, size_t n) {
+  State& s = S();
+  const int me = s.cur != nullptr ? s.cur->blk->dev->id : s.current;
+  const int owner = OwnerOf(global);
+  const bool peer = owner >= 0 && owner != me;
+  Count(std::string(dir == kAccessLoad ? "tma_bytes:load:" : "tma_bytes:store:") +
+            (peer ? "peer" : "local"), n);
+  Count("tma_ops");
+  if (s.cur != nullptr) s.cur->blk->tma_bytes += n;
+}
+void LandStore(Fiber* f, BulkCopy& c) {
+  if (c.landed) return;
+  if (Remote(f, c.dst)) buffered_store(c.dst, c.src, c.n);
+  else std::memcpy(c.dst, c.src, c.n);
+  c.landed = true;
+}
+// A bulk copy may land any time from its issue to its wait: the emulator picks one end,
+// seeded. At the issue, it shows shared memory still in use by an earlier copy (a load
+// over a piece a store has not read yet) or not yet filled (a store of a piece before the
+// wait for its load); at the wait, a read before the wait.
+bool LandAtIssue() { return (S().bulk_rng() & 1u) != 0; }
+}  // namespace
+
+void mbar_init(uint64_t* mbar) {
+  Fiber* f = S().cur;
+  *mbar = 0;  // phase 0
+  if (f != nullptr) f->blk->bulk_loads.erase(mbar);
+}
+
+void bulk_load(void* smem, const void* src, size_t n, uint64_t* mbar) {
+  Fiber* f = S().cur;
+  if (f == nullptr) throw std::logic_error("emu: bulk_load outside a kernel");
+  NoteBulk(kAccessLoad, src, n);
+  BulkCopy c{smem, src, n};
+  if (LandAtIssue()) {
+    std::memcpy(smem, src, n);
+    c.landed = true;
+  }
+  f->blk->bulk_loads[mbar].push_back(c);
+}
+
+void mbar_wait(uint64_t* mbar, uint32_t parity) {
+  Fiber* f = S().cur;
+  if (f == nullptr) throw std::logic_error("emu: mbar_wait outside a kernel");
+  yield(kYieldPoll);
+  if ((*mbar & 1u) != (parity & 1u)) return;  // that phase has completed already
+  auto it = f->blk->bulk_loads.find(mbar);
+  if (it == f->blk->bulk_loads.end() || it->second.empty()) {
+    Fault(std::string("kernel ") + f->blk->k->spec.name + ": a wait on an mbarrier phase "
+          "that no bulk load completes (it would never return on a GPU)");
+    return;
+  }
+  // Loads not landed at their issue land now: they read what the source holds now.
+  for (const BulkCopy& c : it->second)
+    if (!c.landed) std::memcpy(c.dst, c.src, c.n);
+  it->second.clear();
+  *mbar += 1;
+}
+
+void bulk_store(void* dst, const void* smem, size_t n) {
+  Fiber* f = S().cur;
+  if (f == nullptr) throw std::logic_error("emu: bulk_store outside a kernel");
+  NoteBulk(kAccessStore, dst, n);
+  f->bulk_open.push_back(BulkCopy{dst, smem, n});
+  if (LandAtIssue()) LandStore(f, f->bulk_open.back());
+}
+
+void bulk_commit() {
+  Fiber* f = S().cur;
+  if (f == nullptr) return;
+  f->bulk_groups.push_back(std::move(f->bulk_open));
+  f->bulk_open.clear();
+}
+
+void bulk_wait(int keep) {
+  Fiber* f = S().cur;
+  if (f == nullptr) return;
+  yield(kYieldPoll);
+  // The groups past the newest `keep` that have not landed read their shared memory
+  // and land now.
+  while (f->bulk_groups.size() > static_cast<size_t>(keep < 0 ? 0 : keep)) {
+    for (BulkCopy& c : f->bulk_groups.front()) LandStore(f, c);
+    f->bulk_groups.erase(f->bulk_groups.begin());
+  }
+}
 
 cudaError_t enqueue_kernel(LaunchSpec spec) {
   EnsureInit();

@@ -1,5 +1,6 @@
 """Kernel and test paths the mutant tables name."""
 INTRA = "kernels/cuda/intranode_kernels.cu"
+COMMON = "kernels/cuda/cuda_common.cuh"
 LAYOUT = "kernels/cuda/layout_kernels.cu"
 LL = "kernels/cuda/low_latency_kernels.cu"
 T_INTRA = "tests/emu/test_intranode_emu.py"

@@ -7,6 +7,7 @@ from ._paths import *  # noqa: F401,F403
 QUICK = (T_INTRA, "-k", "test_dispatch_combine_gather and not full")
 RINGS = (T_INTRA, "-k", "rings")
 GATHER = (T_INTRA, "-k", "gather_ or rings")
+BULK = (T_INTRA, "-k", "bulk")
 
 MUTANTS = [
     # --------------------------------------------------------- intranode dispatch
@@ -88,8 +89,8 @@ MUTANTS = [
            RINGS, "a full ring not waited for: the sender overwrites rows not yet summed"),
     # --------------------------------------------------------- channel blocks' roles
     Mutant("dispatch_both_halves_send_to_even_ranks", INTRA,
-           "    if (d < R) dispatch_send(a, ch, d, s_fail, n);",
-           "    if (d < R) dispatch_send(a, ch, d & ~1, s_fail, n);",
+           "    if (d < R) dispatch_send(a, ch, d, s_fail, n, sm);",
+           "    if (d < R) dispatch_send(a, ch, d & ~1, s_fail, n, sm);",
            QUICK, "both blocks of a channel send to the even ranks: the odd ranks' rings get "
            "nothing and the even ones' two writers"),
     Mutant("combine_both_halves_send_to_even_ranks", INTRA,
@@ -97,12 +98,8 @@ MUTANTS = [
            "    if (d < R) combine_send(a, ch, d & ~1, s_fail_send);",
            QUICK, "both blocks of a channel answer the even ranks: the odd ones' sums miss rows"),
     Mutant("dispatch_unsplit_odd_block_sends", INTRA,
-           "ChannelSendWarps(R) : 0, rw0 = ChannelRecvWarp0(R);\n"
-           "  RankHeader* hdr = peer::header(a.c.peers, me);\n"
-           "  const uint64_t n = *reinterpret_cast<const volatile uint64_t*>(&hdr->seq[kOpDispatch]);",
-           "ChannelSendWarps(R) : ChannelSendWarps(R), rw0 = ChannelRecvWarp0(R);\n"
-           "  RankHeader* hdr = peer::header(a.c.peers, me);\n"
-           "  const uint64_t n = *reinterpret_cast<const volatile uint64_t*>(&hdr->seq[kOpDispatch]);",
+           "ChannelSendWarps(R) : 0;\n  const int src = warp - ChannelRecvWarp0(R);",
+           "ChannelSendWarps(R) : ChannelSendWarps(R);\n  const int src = warp - ChannelRecvWarp0(R);",
            (T_INTRA, "-k", "both_sides"),
            "past kMaxSplitSendRanks, block 2ch + 1 sends to every rank too: two writers per "
            "ring, and its warps never receive"),
@@ -131,17 +128,51 @@ MUTANTS = [
            "        a.src_index[rr] = tt;", "        a.src_index[rr] = tt + 1;",
            QUICK, "a rank's own rows name the next token as their source"),
     Mutant("dispatch_receiver_waits_on_own_ring", INTRA,
-           "warp - rw0 < R && warp - rw0 != me) {", "warp - rw0 < R) {",
+           "src >= 0 && src < R && src != me && (split", "src >= 0 && src < R && (split",
            QUICK, "a receiving warp waits on ring (ch, me), which no sender fills (own rows "
            "skip the rings): the call times out"),
     Mutant("dispatch_self_rows_through_ring", INTRA,
-           "  if (d == me) {\n    dispatch_self(a, ch, fail);", "  if (false) {\n    dispatch_self(a, ch, fail);",
+           "  if (d == me) {\n    dispatch_self(a, ch, fail, sm);", "  if (false) {\n    dispatch_self(a, ch, fail, sm);",
            QUICK, "a rank's own rows go into ring (ch, me), which no receiving warp reads: "
            "they never reach the outputs"),
     Mutant("dispatch_fill_skips_first_row", INTRA,
            "for (int i = kept + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw)\n",
            "for (int i = kept + 1 + blockIdx.x * nw + warp; i < a.C; i += gridDim.x * nw)\n",
            QUICK, "the first row past the received ones is not filled"),
+    # --------------------------------------------------------- dispatch's bulk copies (TMA)
+    Mutant("bulk_load_not_waited", COMMON,
+           "    peer::mbar_wait(st.mbar[b], (st.phase >> b) & 1u);\n", "",
+           BULK, "a piece is stored from shared memory without waiting for its load"),
+    Mutant("bulk_wait_wrong_parity", COMMON,
+           "(st.phase >> b) & 1u);", "((st.phase >> b) & 1u) ^ 1u);",
+           BULK, "the wait asks for the phase before (done already): it returns before the "
+           "load lands"),
+    Mutant("bulk_piece_reused_before_read", COMMON,
+           "      peer::bulk_wait_read<0>();  // piece p - 1's store has read buf[b ^ 1]\n", "",
+           BULK, "piece p + 1 loads into the buffer piece p - 1's store may still read"),
+    Mutant("bulk_row_start_not_waited", COMMON,
+           "  // The previous row's last stores have read the pieces.\n  peer::bulk_wait_read<0>();\n",
+           "",
+           BULK, "a row's first piece loads into a buffer the previous row's last store may "
+           "still read"),
+    Mutant("bulk_next_piece_wrong_offset", COMMON,
+           "src + static_cast<size_t>(p + 1) * st.bytes", "src + static_cast<size_t>(p) * st.bytes",
+           BULK, "piece p + 1 loads piece p's bytes again"),
+    Mutant("bulk_zero_first_piece_only", COMMON,
+           "for (size_t off = 0; off < n; off += zbytes)", "for (size_t off = 0; off < zbytes; off += zbytes)",
+           BULK, "an empty row gets zeros in its first piece only"),
+    Mutant("bulk_stores_not_waited_at_exit", INTRA,
+           "  peer::bulk_wait_all();\n  if (last_block(a.c, kDoneDispatchChannel)) {",
+           "  if (last_block(a.c, kDoneDispatchChannel)) {",
+           BULK, "a block finishes with its bulk stores in flight: its shared memory may go "
+           "to another block before they read it"),
+    Mutant("bulk_stage_of_wrong_source", INTRA,
+           "  BulkStage st = dispatch_stage(a, sm, s);", "  BulkStage st = dispatch_stage(a, sm, 0);",
+           BULK, "two receiving warps of a block share one source's staging pieces and "
+           "mbarriers"),
+    Mutant("dispatch_both_blocks_receive_every_source", INTRA,
+           "(split ? (src & 1) == half : half == 1)", "(split ? true : half == 1)",
+           QUICK, "both blocks of a channel receive every source: two warps drain each ring"),
     # --------------------------------------------------------- intranode gather (cached dispatch)
     Mutant("gather_self_wrong_token", INTRA,
            "g + static_cast<int64_t>(a.src_index[i]) * a.row_bytes", "g + static_cast<int64_t>(a.src_index[i] + 1) * a.row_bytes",

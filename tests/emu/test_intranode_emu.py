@@ -272,6 +272,34 @@ def test_counters_report_the_launches():
     assert [k for k in c if k.startswith("kernel:") and "gather_channel" not in k] == []
 
 
+@pytest.mark.parametrize("seed", [21, 22])
+def test_dispatch_bulk_copies_in_pieces(seed, monkeypatch):
+    """Dispatch moves rows as bulk copies (the TMA) through two staging pieces per source;
+    with 32-byte pieces an 80-byte row goes as 32 + 32 + 16, so piece p + 1 loads while
+    piece p stores, and the mbarrier phases carry over rows, ring wraps (2 slots) and
+    calls. Every output row is stored by bulk copies exactly once (received rows and the
+    zeros past them), and every row loaded once: counted, per GPU."""
+    monkeypatch.setenv("JAX_EP_BULK_PIECE_BYTES", "32")
+    monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
+    R, T, H, K, E = 4, 12, 40, 2, 8
+    emu = Emulator(R, seed=seed)
+    row = H * 2
+    for call, C in enumerate((3 * T, T // 2)):  # room for every row, then overflow
+        emu.setup(tokens=T, capacity=C, row_bytes=row, topk=K)
+        x, idx, w, y, g = _case(R, T, H, K, E, C, "bf16", "skewed" if call else "random",
+                                seed + call)
+        emu.reset_counters()
+        got = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
+        want = reference(x, idx, w, y, g, E=E, C=C)
+        assert_same(got, want, DISPATCH_KEYS, f"seed {seed} call {call}: ")
+        assert emu.check_errors() == []
+        for r in range(R):
+            c = emu.counters(r)
+            kept = int(np.asarray(got["num_recv"])[r])
+            assert c.get("tma_bytes:load:local", 0) == kept * row, (r, c)
+            assert c.get("tma_bytes:store:local", 0) == C * row, (r, c)
+
+
 # ------------------------------------------------------------------------------ rings
 
 def _ring_rows(emu, op):

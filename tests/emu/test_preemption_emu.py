@@ -80,16 +80,17 @@ def test_many_dispatches_leave_the_last_block_counter_at_zero(monkeypatch):
         assert emu.check_errors() == [], f"call {call}"
 
 
-@pytest.mark.parametrize("seed", [4, 6, 8, 27])
+@pytest.mark.parametrize("seed", [4, 7, 11, 15, 28])
 def test_a_call_a_preempted_peer_fails_empties_every_output(seed, monkeypatch):
     """Two channels (four blocks per rank), blocks parked for 100 ms, twice the kernels'
     timeout: a rank whose peer's block is parked mid-call times out inside the channel
     kernel. The block that closes the epoch must be the last to finish, so that it sees
     that error and empties every output (the contract's failed call: no row counts as
     received); a rank closing the epoch one block early ends a failed call with rows in
-    its outputs (seeds 6, 8, 27). A rank without an error of its own is not checked here:
-    a peer that fails after passing this call's site check may have sent only part of its
-    rows, and this rank learns of it in its next call."""
+    its outputs (seeds 7, 11, 15, 28: a scan of seeds 1 to 40 on a build of the mutant
+    `last_block_counter_bound` found those and 17, 19, 40). A rank without an error of
+    its own is not checked here: a peer that fails after passing this call's site check
+    may have sent only part of its rows, and this rank learns of it in its next call."""
     monkeypatch.setenv("JAX_EP_NUM_SMS", "4")
     R, T, H, K, E, C = 2, 24, 8, 2, 4, 48
     rng = np.random.default_rng(seed)
