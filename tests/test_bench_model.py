@@ -59,6 +59,27 @@ def test_the_busiest_block_bounds_the_sm_time():
     assert model.device_time(even)["sm_s"] == pytest.approx(0.002)
 
 
+def test_bulk_copies_take_their_own_rate_beside_the_warps():
+    """Bulk copies (TMA) of 48 GB local over 24 blocks: HBM 48e9 / 4.8e12 = 10 ms of link
+    time (added to 24 GB of the warps' local accesses: 15 ms), 48e9 / 200e9 / 24 = 10 ms
+    of SM time beside the warps' 24e9 / 100e9 / 24 = 10 ms (the larger: 10 ms), or after
+    them (the sum, 20 ms) with tma_overlaps off. The busiest block likewise: its 2.4e9
+    bulk bytes take 12 ms at 200 GB/s beside its accesses' 1e8 * 16 / 100e9 = 16 ms."""
+    c = {"tma_bytes:load:local": 24_000_000_000, "tma_bytes:store:local": 24_000_000_000,
+         "load_bytes:local:16": 24_000_000_000, "kernel:k:launches": 1, "kernel:k:blocks": 24}
+    r = model.device_time(c)
+    assert r["local_bytes"] == 72_000_000_000 and r["tma_bytes"] == 48_000_000_000
+    assert r["link_s"] == pytest.approx(0.015)
+    assert r["sm_s"] == pytest.approx(0.010)
+    serial = model.Constants(tma_overlaps=False)
+    assert model.device_time(c, serial)["sm_s"] == pytest.approx(0.020)
+    busy = dict(c, **{"block_max:tma_bytes": 2_400_000_000, "block_max:accesses:local": 100_000_000})
+    assert model.device_time(busy)["busiest_block_s"] == pytest.approx(0.016)
+    assert model.device_time(busy, serial)["busiest_block_s"] == pytest.approx(0.028)
+    assert model.device_time(busy, model.Constants(sm_tma_Bps=100e9))["busiest_block_s"] == (
+        pytest.approx(0.024))
+
+
 def test_rdma_puts_use_the_nic_rate():
     r = model.device_time({"put_bytes:rdma": 50_000_000_000, "chain:wrs": 1000})
     assert r["link_s"] == pytest.approx(1.0)
