@@ -20,12 +20,13 @@ SMS = 132  # H100 SXM / H200
 REGS_PER_SM, REG_UNIT, MAX_THREADS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 256, 2048, 32
 SMEM_PER_SM, SMEM_PER_BLOCK_RESERVED = 233472, 1024
 
-# kernel -> ("roles" | "plan", extra dynamic smem (bytes) as a function of threads).
+# kernel -> ("roles" | "plan", extra dynamic smem: None, or "bulk" for the dispatch's
+# bulk-copy pieces, intranode_buffer.h DispatchChannelSmemBytes).
 # Channel kernels ("roles"): num_sms blocks of their sending warps beside the receiving
 # ones (intranode_buffer.h ChannelRoleThreads), gather's (cached dispatch) too.
 KERNELS = {
     "dispatch_notify_kernel": ("plan", None),
-    "dispatch_channel_kernel": ("roles", None),
+    "dispatch_channel_kernel": ("roles", "bulk"),
     "combine_notify_kernel": ("plan", None),
     "combine_channel_kernel": ("roles", None),
     "gather_channel_kernel": ("roles", None),
@@ -51,9 +52,19 @@ def configs():
                 per_sm=_const(text, "kAssumedBlocksPerSm"),
                 plan_threads=_const(text, "kPlanThreads"),
                 smem_experts=_const(text, "kMaxSmemLocalExperts"),
+                bulk_staging=_const(text, "kBulkStagingBytes"),
+                bulk_piece=_const(text, "kBulkPieceBytes"),
+                bulk_zero=_const(text, "kBulkZeroBytes"),
                 max_ranks=_const(_read("kernels/cuda/intranode_buffer.h"), "kMaxRanks"),
                 split_ranks=_const(_read("kernels/cuda/intranode_buffer.h"),
                                    "kMaxSplitSendRanks"))
+
+
+def dispatch_bulk_smem(cfg: dict, R: int) -> int:
+    """The dispatch channel kernel's dynamic shared memory at R ranks: zeros, two mbarriers
+    and two bulk-copy pieces per rank (configs.h DispatchBulkPieceBytes)."""
+    piece = min(cfg["bulk_piece"], (cfg["bulk_staging"] // (2 * R)) // 16 * 16)
+    return cfg["bulk_zero"] + 16 * R + 2 * R * piece
 
 
 def role_threads(cfg: dict, R: int) -> int:
@@ -111,6 +122,8 @@ def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
                 smem += 4 * cfg["smem_experts"]
             elif dyn == "warps":
                 smem += 4 * cfg["max_ranks"] * (threads // 32)
+            elif dyn == "bulk":
+                smem += dispatch_bulk_smem(cfg, p["max_ranks"])
             occ = occupancy(regs, smem, threads)
             need = 1 if role == "plan" else cfg["per_sm"]
             if occ < need:
@@ -150,9 +163,24 @@ def test_the_check_fails_on_grids_or_registers_that_do_not_fit(usage):
                for p in problems(cfg, heavy))
     heavy = dict(usage, gather_channel_kernel=(130, 0))
     assert any("gather_channel_kernel" in p and "0 block" in p for p in problems(cfg, heavy))
+    staging = dict(cfg, bulk_staging=8 * 233472, bulk_piece=233472)  # pieces past an SM
+    assert any("dispatch_channel_kernel" in p and "0 block" in p
+               for p in problems(staging, usage))
     gone = {k: v for k, v in usage.items() if k != "gather_channel_kernel"}
     assert any("no ptxas record" in p and "gather_channel_kernel" in p
                for p in problems(cfg, gone))
+
+
+def test_dispatch_bulk_smem_fits_without_an_opt_in(usage):
+    """The dispatch channel kernel launches without cudaFuncSetAttribute, so its static
+    plus dynamic shared memory (bulk-copy pieces, zeros, mbarriers) stays within the
+    default 48 KiB at every rank count, and its pieces are 16-byte multiples."""
+    cfg = configs()
+    static = usage["dispatch_channel_kernel"][1]
+    for R in range(1, cfg["max_ranks"] + 1):
+        piece = min(cfg["bulk_piece"], (cfg["bulk_staging"] // (2 * R)) // 16 * 16)
+        assert piece >= 16 and piece % 16 == 0, R
+        assert static + dispatch_bulk_smem(cfg, R) <= 48 * 1024, R
 
 
 def test_occupancy_model():

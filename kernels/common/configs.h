@@ -52,7 +52,7 @@ inline constexpr int kMaxChannelThreads = 1024;
 // loads while the previous one stores) in kBulkStagingBytes, pieces of at most
 // kBulkPieceBytes, and kBulkZeroBytes of zeros the empty rows are stored from.
 // Under 48 KiB in all at any rank count (intranode_buffer.h DispatchChannelSmemBytes).
-inline constexpr int kBulkStagingBytes = 32 * 1024;
+inline constexpr int kBulkStagingBytes = 32768;
 inline constexpr int kBulkPieceBytes = 2048;
 inline constexpr int kBulkZeroBytes = 2048;
 
