@@ -335,11 +335,15 @@ MODEL_MODE = {"intranode": "intranode", "hierarchical_2x8": "hierarchical",
 
 
 def run_model(names, *, seed=0, progress=True, bf16_dispatch=False,
-              resident_blocks=None) -> list[dict]:
+              resident_blocks=None, tokens=None, constants=None) -> list[dict]:
+    """Counts each target of `names` at its small shapes (MODEL_COUNT; `tokens` replaces
+    their T) and models it with `constants` (jax_ep.model.H200 when None)."""
     out = []
     for name in names:
         mode = MODEL_MODE[name]
         base = dict(MODEL_COUNT[name])
+        if tokens is not None:
+            base["tokens"] = int(tokens)
         if bf16_dispatch:
             base.pop("fp8_dispatch", None)
         pts = model_points(mode, base)
@@ -354,16 +358,17 @@ def run_model(names, *, seed=0, progress=True, bf16_dispatch=False,
             continue
         points = [{"shape": p, "dispatch": c["dispatch"], "combine": c["combine"]}
                   for p, c in counted]
-        out.append(model_entry(name, points))
+        out.append(model_entry(name, points, constants))
     return out
 
 
-def model_entry(name: str, points: list[dict]) -> dict:
+def model_entry(name: str, points: list[dict], constants=None) -> dict:
     """The model at target `name` from its counted points [{"shape", "dispatch": [per
     GPU counters], "combine": [...]}] (kept in the JSON, so `--model-from` recomputes the
-    model without counting again)."""
+    model without counting again), with `constants` (jax_ep.model.H200 when None)."""
     from jax_ep import model
 
+    k = model.H200 if constants is None else constants
     target = dict(TARGETS[name])
     if not points[0]["shape"].get("fp8_dispatch"):  # counted with a bf16 dispatch
         target.pop("fp8_dispatch", None)
@@ -376,7 +381,7 @@ def model_entry(name: str, points: list[dict]) -> dict:
             src = d % points[0]["shape"]["ranks"]  # the counted GPU standing for this one
             per_dev.append(model.scale_counters(
                 [(p["shape"], j[src]) for p, j in zip(points, joined)], target))
-        entry["ops"][op] = model.op_time(per_dev)
+        entry["ops"][op] = model.op_time(per_dev, k)
     entry["verdict"] = _verdict(name, entry["ops"])
     return entry
 
@@ -404,10 +409,10 @@ def verdict_words(verdict: dict, op: str) -> str:
                   f" (both ops: {'yes' if verdict['met'] else 'no'})")
 
 
-def format_model(entries: list[dict]) -> str:
+def format_model(entries: list[dict], constants=None) -> str:
     from jax_ep import model
 
-    k = model.H200
+    k = model.H200 if constants is None else constants
     lines = [MODEL_NOTE,
              f"constants: NVLink {k.nvlink_Bps / 1e9:.0f} GB/s per direction, RDMA "
              f"{k.rdma_Bps / 1e9:.0f} GB/s (2 x 200 Gb/s), HBM {k.hbm_Bps / 1e12:.1f} TB/s, "
@@ -435,6 +440,40 @@ def format_model(entries: list[dict]) -> str:
 
 # ----------------------------------------------------------------------------- CLI
 
+def model_constants(settings: list[str]):
+    """jax_ep.model.H200 with each "name=value" of `settings` applied (--model-set): a
+    float for the rates and costs, an int for num_sms, true/false (1/0) for tma_overlaps.
+    ValueError names the setting that is not one."""
+    import dataclasses
+
+    from jax_ep import model
+
+    fields = {f.name: f for f in dataclasses.fields(model.Constants)}
+    changes: dict[str, Any] = {}
+    for item in settings:
+        name, eq, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or name not in fields:
+            raise ValueError(f"--model-set {item!r}: expected NAME=VALUE with NAME one of "
+                             f"{', '.join(fields)}")
+        kind = type(getattr(model.H200, name))
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                changes[name] = value.lower() in ("true", "1")
+            elif kind is int:
+                changes[name] = int(value)
+            else:
+                changes[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--model-set {item!r}: {name} takes a {kind.__name__}, got "
+                             f"{value!r}") from None
+        if kind is not bool and changes[name] <= 0:
+            raise ValueError(f"--model-set {item!r}: {name} must be positive")
+    return dataclasses.replace(model.H200, **changes)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m jax_ep.bench --emulated",
@@ -453,6 +492,13 @@ def parse_args(argv=None):
     p.add_argument("--model-only", action="store_true", help="only the model")
     p.add_argument("--targets", default=",".join(TARGETS),
                    help=f"--model's targets, a subset of {','.join(TARGETS)}")
+    p.add_argument("--model-tokens", type=int, metavar="T",
+                   help="count the model's targets at T and 2T tokens per rank instead of "
+                        "their defaults (intranode 48): a larger T brings the busiest "
+                        "block's share nearer the target's, at a longer count")
+    p.add_argument("--model-set", action="append", default=[], metavar="NAME=VALUE",
+                   help="change one of the model's constants (jax_ep.model.Constants), e.g. "
+                        "sm_tma_Bps=100e9 or tma_overlaps=false; repeatable")
     p.add_argument("--model-from", metavar="JSON",
                    help="recompute the model from the counted points of an earlier --json "
                         "(no counting)")
@@ -469,6 +515,13 @@ def parse_args(argv=None):
     bad = [m for m in a.modes if m not in MODES]
     if bad:
         p.error(f"--modes must name some of {', '.join(MODES)}, got {bad}")
+    if a.model_tokens is not None and a.model_tokens < 1:
+        p.error(f"--model-tokens must be a positive number of tokens per rank, got "
+                f"{a.model_tokens}")
+    try:
+        a.constants = model_constants(a.model_set)
+    except ValueError as e:
+        p.error(str(e))
     a.targets = [t.strip() for t in a.targets.split(",") if t.strip()]
     bad = [t for t in a.targets if t not in TARGETS]
     if bad:
@@ -506,14 +559,15 @@ def main(argv=None) -> dict:
     if old is not None or a.model or a.model_only:
         from jax_ep import model
         if old is not None:
-            entries = [model_entry(e["target"], e["points"]) if "points" in e else e
-                       for e in old.get("model", {}).get("entries", [])]
+            entries = [model_entry(e["target"], e["points"], a.constants) if "points" in e
+                       else e for e in old.get("model", {}).get("entries", [])]
         else:
             entries = run_model(a.targets, seed=a.seed, bf16_dispatch=a.bf16_dispatch,
-                                resident_blocks=a.resident_blocks)
-        report["model"] = {"note": MODEL_NOTE, "constants": model.H200.as_dict(),
+                                resident_blocks=a.resident_blocks, tokens=a.model_tokens,
+                                constants=a.constants)
+        report["model"] = {"note": MODEL_NOTE, "constants": a.constants.as_dict(),
                            "entries": entries}
-        print(format_model(entries))
+        print(format_model(entries, a.constants))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -216,3 +216,80 @@ def test_counting_routing_is_prefix_stable_and_distinct_per_token():
     assert all(len(set(t)) == K for t in a.reshape(-1, K).tolist())
     assert not np.array_equal(_routing(1, R, T, K, E), a)  # the seed matters
     assert not np.array_equal(a[0], a[1])  # ranks draw their own streams
+
+
+def test_model_set_changes_constants_and_names_a_bad_setting(capsys):
+    """--model-set NAME=VALUE: each constant in its own type; an unknown name, a value of
+    the wrong type or a rate that is not positive is refused, naming the setting."""
+    from jax_ep import bench_emulated as be
+    from jax_ep import model
+
+    k = be.model_constants(["sm_tma_Bps=100e9", "tma_overlaps=false", "num_sms=24"])
+    assert (k.sm_tma_Bps, k.tma_overlaps, k.num_sms) == (100e9, False, 24)
+    assert k.nvlink_Bps == model.H200.nvlink_Bps  # the others as they were
+    assert be.model_constants(["tma_overlaps=1"]).tma_overlaps is True
+    for bad, words in [("nvlink=1", "NAME one of nvlink_Bps"), ("sm_tma_Bps", "NAME=VALUE"),
+                       ("tma_overlaps=maybe", "tma_overlaps takes a bool"),
+                       ("num_sms=1.5", "num_sms takes a int"),
+                       ("sm_tma_Bps=-1", "sm_tma_Bps must be positive")]:
+        with pytest.raises(ValueError, match=words):
+            be.model_constants([bad])
+    with pytest.raises(SystemExit):
+        be.parse_args(["--model-from", "x.json", "--model-set", "fence_s=1"])
+    assert "--model-set 'fence_s=1'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        be.parse_args(["--model-only", "--model-tokens", "0"])
+    assert "--model-tokens must be a positive number" in capsys.readouterr().err
+
+
+def test_model_from_remodels_with_the_set_constants(tmp_path):
+    """`--model-from JSON --model-set ...` remodels saved counts with other constants: the
+    bulk copies beside the warps' accesses (the larger time) or after them (the sum), by
+    hand. Counters equal at every counted shape scale to themselves."""
+    import json
+
+    from jax_ep import bench_emulated as be
+
+    c = {"kernel:k:launches": 1, "kernel:k:blocks": 24,
+         "block_max:accesses:peer": 1_000_000,  # 16 MB at 25 GB/s: 640 us
+         "block_max:tma_bytes": 40_000_000,     # 200 us at 200 GB/s, 400 at 100
+         "tma_bytes:load:local": 480_000_000}   # 100 us over 24 SMs at 200 GB/s
+    pts = [{"shape": dict(be.TARGETS["intranode"], tokens=t, hidden=h),
+            "dispatch": [c] * 8, "combine": [c] * 8} for t, h in ((8, 256), (16, 256), (8, 512))]
+    saved = tmp_path / "counts.json"
+    saved.write_text(json.dumps({"model": {"entries": [{"target": "intranode", "points": pts}]}}))
+
+    def time_us(*settings):
+        args = ["--model-from", str(saved), "--json", str(tmp_path / "out.json")]
+        for s in settings:
+            args += ["--model-set", s]
+        rep = be.main(args)
+        return rep["model"]["entries"][0]["ops"]["dispatch"]["time_s"] * 1e6, rep
+
+    beside, rep = time_us()
+    assert beside == pytest.approx(640 + 3)  # + one launch
+    assert rep["model"]["constants"]["tma_overlaps"] is True
+    after, rep = time_us("tma_overlaps=false")
+    assert after == pytest.approx(640 + 200 + 3)
+    assert rep["model"]["constants"]["tma_overlaps"] is False
+    assert time_us("tma_overlaps=0", "sm_tma_Bps=100e9")[0] == pytest.approx(640 + 400 + 3)
+
+
+def test_model_tokens_sets_the_counted_shapes(monkeypatch):
+    """--model-tokens T: the targets are counted at T and 2T tokens (and T at 2H)."""
+    from jax_ep import bench_emulated as be
+
+    seen = []
+
+    def fake(mode, shape, *, seed=0, resident_blocks=None):
+        seen.append((shape["tokens"], shape["hidden"]))
+        per = [{"kernel:k:launches": 1, "kernel:k:blocks": 24}] * shape["ranks"]
+        return {"dispatch": per, "combine": per}
+
+    monkeypatch.setattr(be, "count_mode", fake)
+    e = be.run_model(["intranode"], progress=False, tokens=96)[0]
+    assert seen == [(96, 256), (192, 256), (96, 512)]
+    assert [p["tokens"] for p in e["counted_at"]] == [96, 192, 96]
+    seen.clear()
+    be.run_model(["intranode"], progress=False)
+    assert seen[0] == (be.MODEL_COUNT["intranode"]["tokens"], 256)
