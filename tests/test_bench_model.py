@@ -293,3 +293,41 @@ def test_model_tokens_sets_the_counted_shapes(monkeypatch):
     seen.clear()
     be.run_model(["intranode"], progress=False)
     assert seen[0] == (be.MODEL_COUNT["intranode"]["tokens"], 256)
+
+
+def test_stored_intranode_counts_remodel_to_the_documented_numbers():
+    """docs/model_counts holds the intranode counts that docs/performance.md's model table
+    (T = 48) and its counting-shape sensitivity (T = 192) were modelled from: remodelled
+    by today's code they give the documented times and fractions."""
+    import json
+    import os
+    import re
+
+    from jax_ep import bench_emulated as be
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    doc = open(os.path.join(root, "docs", "performance.md")).read()
+
+    def remodel(t, *settings):
+        with open(os.path.join(root, "docs", "model_counts", f"intranode_t{t}.json")) as f:
+            e = json.load(f)["model"]["entries"][0]
+        assert e["counted_at"][0]["tokens"] == t
+        return be.model_entry("intranode", e["points"], be.model_constants(list(settings)))["ops"]
+
+    ops = remodel(48)
+    table = doc[doc.index("<!-- model:begin -->"):doc.index("<!-- model:end -->")]
+    for op in ("dispatch", "combine"):
+        row = re.search(rf"^\| intranode \| {op} \|(.*)$", table, re.M).group(1).split("|")
+        after_us, after_frac = float(row[5]), float(row[8])
+        assert ops[op]["time_s"] * 1e6 == pytest.approx(after_us, abs=0.05)
+        assert round(ops[op]["nvlink_fraction"], 2) == after_frac
+    for t, label in ((48, "T = 48, 96 (the table above)"), (192, "T = 192, 384")):
+        row = re.search(rf"^\s*\| {re.escape(label)} \| (\d+) us, ([\d.]+) .*\| ([\d.]+) / "
+                        rf"([\d.]+) / ([\d.]+) \|$", doc, re.M)
+        assert row, label
+        d = remodel(t)["dispatch"]
+        assert round(d["time_s"] * 1e6) == int(row.group(1))
+        assert round(d["nvlink_fraction"], 2) == float(row.group(2))
+        for rate, want in zip(("100e9", "200e9", "400e9"), row.group(3, 4, 5)):
+            frac = remodel(t, f"sm_tma_Bps={rate}", "tma_overlaps=false")["dispatch"]
+            assert round(frac["nvlink_fraction"], 2) == float(want), (t, rate)
