@@ -448,7 +448,7 @@ def model_constants(settings: list[str]):
 
     from jax_ep import model
 
-    fields = {f.name: f for f in dataclasses.fields(model.Constants)}
+    fields = [f.name for f in dataclasses.fields(model.Constants)]
     changes: dict[str, Any] = {}
     for item in settings:
         name, eq, value = item.partition("=")
@@ -557,7 +557,6 @@ def main(argv=None) -> dict:
         report["results"] = rows
         print(format_table(rows))
     if old is not None or a.model or a.model_only:
-        from jax_ep import model
         if old is not None:
             entries = [model_entry(e["target"], e["points"], a.constants) if "points" in e
                        else e for e in old.get("model", {}).get("entries", [])]
