@@ -68,12 +68,16 @@ class Emulator:
     timeout_s: the kernels' own timeout, in virtual seconds; weak_stores: stores into
     peers' buffers become visible late (fences and release stores drain them);
     preempt_prob, preempt_ns: after each scheduler step the block that ran is parked (none
-    of its threads runs) for preempt_ns virtual nanoseconds with chance preempt_prob (0: off).
+    of its threads runs) for preempt_ns virtual nanoseconds with chance preempt_prob (0: off);
+    idle_after_ns: once the threads have only polled and slept for this much virtual time,
+    their sleeps lengthen (at most timeout_s / 50), so a kernel waiting for a peer that
+    never comes reaches its timeout quickly (0: off; docs/emulator.md).
     """
 
     def __init__(self, num_ranks: int, *, seed: int = 1, resident_blocks: int | None = None,
                  timeout_s: float = 0.05, weak_stores: bool = True, group: int = 0,
-                 preempt_prob: float = 0.0, preempt_ns: float = 0.0):
+                 preempt_prob: float = 0.0, preempt_ns: float = 0.0,
+                 idle_after_ns: float = 250e3):
         if not 1 <= num_ranks <= 32:
             raise ValueError(f"num_ranks must be in [1, 32], got {num_ranks}")
         if resident_blocks is not None and (isinstance(resident_blocks, bool)
@@ -89,7 +93,7 @@ class Emulator:
         self.m.configure(num_devices=max(num_ranks, 8), seed=seed,
                          resident_blocks=resident_blocks or 0, timeout_s=timeout_s,
                          weak_stores=weak_stores, preempt_prob=preempt_prob,
-                         preempt_ns=preempt_ns)
+                         preempt_ns=preempt_ns, idle_after_ns=idle_after_ns)
         self.m.cuda_reset()
 
     # ---- group set-up (jax_ep.cuda.setup's work) ----

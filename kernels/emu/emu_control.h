@@ -32,6 +32,15 @@ struct Config {
   // that waits behind other work; 0: off (the default; no random draw is made then).
   double preempt_prob = 0.0;
   double preempt_ns = 0.0;
+  // Idle fast-forward. Once every thread has only polled or slept for idle_after_ns of
+  // virtual time (no store, atomic, fence, bulk copy, transport delivery or block change,
+  // no store buffer or transport operation pending), a __nanosleep lasts a quarter of that
+  // idle time, at most idle_sleep_max_ns (which bounds how late a waiter sees a change).
+  // A kernel polling for a peer that never comes then reaches its own timeout after a few
+  // hundred wake-ups rather than timeout / min_sleep_ns of them. Runs that are never idle
+  // that long are not changed at all (the same steps and draws for a seed). 0: off.
+  double idle_after_ns = 250e3;
+  double idle_sleep_max_ns = 1e6;
 };
 
 // Blocks of `kernel` (its name as launched; namespace and template arguments are ignored)
@@ -43,6 +52,14 @@ int64_t resident_limit(const char* kernel, int threads, size_t dynamic_smem);
 int occupancy_registers(const char* kernel);
 // Kernels launched so far that the table lacks (each took Config::fallback_blocks).
 std::vector<std::string>& occupancy_fallbacks();
+
+// Memory changed outside a thread's store, atomic and copy helpers (a transport
+// delivered, an emulated library wrote): the scheduler is not idle (Config::idle_after_ns).
+void note_work();
+// Another part of the emulated world with work the scheduler's steps carry forward
+// (the emulated NVSHMEM's undelivered operations): while `pending()` holds the scheduler
+// is not idle. One probe; null removes it.
+void set_pending_probe(bool (*pending)());
 
 // Resets every virtual GPU (memory stays allocated; streams, errors, counters cleared).
 void configure(const Config& c);
@@ -62,7 +79,7 @@ std::vector<std::string> take_faults();
 // "kernel:<name>:launches|blocks|warps|threads", "load_bytes|store_bytes:<local|peer>:<width>"
 // and "loads|stores:<space>:<width>" (accesses) through the named load/store/copy helpers,
 // "fences:block|gpu|system", "release_stores", "acquire_loads", "polls", "sleeps",
-// "atomics", "peer_stores", "nvshmem:*" (the emulated NVSHMEM's), "steps", "virtual_ns".
+// "idle_sleeps", "atomics", "peer_stores", "nvshmem:*" (the emulated NVSHMEM's), "steps", "virtual_ns".
 std::map<std::string, uint64_t> counters();
 // The same for one virtual GPU (what its threads did; no "steps"/"virtual_ns").
 std::map<std::string, uint64_t> device_counters(int device);

@@ -266,6 +266,11 @@ struct State {
   std::map<uintptr_t, std::pair<size_t, int>> allocs;  // base -> (bytes, owning GPU; -1 host)
   std::vector<unsigned char> device_pristine;
   bool in_scheduler = false;
+  // Idle fast-forward (Config::idle_after_ns): when memory last changed, and whether the
+  // step running now changed it.
+  double idle_since = 0;
+  bool step_work = false;
+  bool (*pending_probe)() = nullptr;
 };
 
 State& S() {
@@ -460,6 +465,16 @@ void MakeRunnable(Fiber* f) {
 
 bool SleepLess(const Fiber* a, const Fiber* b) { return a->wake > b->wake; }
 
+// Idle fast-forward (Config::idle_after_ns): once nothing has changed memory for a while, a
+// wait lasts a quarter of the idle time so far, at most idle_sleep_max_ns; 0 otherwise. A
+// longer wait changes nothing then but how soon the kernels' own timeouts fire.
+double IdleWaitNs() {
+  const State& s = S();
+  const double idle = s.now_ns - s.idle_since;
+  if (s.cfg.idle_after_ns <= 0 || idle <= s.cfg.idle_after_ns) return 0;
+  return std::min(idle / 4, s.cfg.idle_sleep_max_ns);
+}
+
 // ---- store buffers ----
 bool IsPeer(const void* p) {
   const char* c = static_cast<const char*>(p);
@@ -500,6 +515,7 @@ void NoteGranules(StoreBuf* b, const Pending& p, bool add) {
   }
 }
 void Drain(StoreBuf* b, size_t n) {
+  if (n > 0 && !b->q.empty()) S().step_work = true;
   while (n-- > 0 && !b->q.empty()) {
     Pending& p = b->q.front();
     std::memcpy(p.dst, p.data, p.n);
@@ -561,6 +577,7 @@ void CheckColls(Block* b, int w);
 void FiberExit(Fiber* f) {
   State& s = S();
   Block* b = f->blk;
+  s.step_work = true;
   f->state = FState::kDone;
   --b->live;
   --s.live_fibers;
@@ -950,6 +967,7 @@ void Unpark() {
     }
     SetRemove<Block, &Block::parked_pos>(s.parked, b);
     b->parked_until = 0;
+    s.idle_since = s.now_ns;
     if (!b->runnable.empty()) ReadyAdd(b);
   }
 }
@@ -988,6 +1006,14 @@ std::string Describe() {
 
 bool Busy(const std::function<bool()>& done) { return !done(); }
 
+// Virtual time one step takes: a round of every live thread is quantum_ns, or, in an idle
+// stretch, as long as a lengthened sleep. So threads that poll without sleeping (the
+// internode kernels' spins) reach their timeouts as fast as sleepers.
+double StepNs() {
+  const double live = static_cast<double>(std::max<uint64_t>(1, S().live_fibers));
+  return std::max(S().cfg.quantum_ns, IdleWaitNs()) / live;
+}
+
 // Runs the virtual GPUs until `done()` holds.
 void RunUntil(const std::function<bool()>& done) {
   State& s = S();
@@ -998,8 +1024,9 @@ void RunUntil(const std::function<bool()>& done) {
   s.loaded_block_dead = false;
   std::uniform_real_distribution<double> u(0.0, 1.0);
   uint64_t steps = 0;
+  s.idle_since = s.now_ns;  // the host has just enqueued work
   for (;;) {
-    Advance();
+    if (Advance()) s.idle_since = s.now_ns;
     if (!Busy(done)) break;
     WakeSleepers();
     if (!s.parked.empty()) Unpark();
@@ -1014,7 +1041,10 @@ void RunUntil(const std::function<bool()>& done) {
         s.now_ns = std::max(s.now_ns, next);
         continue;
       }
-      if (Advance()) continue;
+      if (Advance()) {
+        s.idle_since = s.now_ns;
+        continue;
+      }
       AbandonAll("deadlock: no thread can run (blocked at a barrier, a warp collective, or "
                  "an event) in" + Describe());
       break;
@@ -1030,13 +1060,17 @@ void RunUntil(const std::function<bool()>& done) {
     b->runnable.pop_back();
     if (b->runnable.empty()) ReadyRemove(b);
     s.last_block = b;
+    s.step_work = false;
     RunFiber(f);
     ++steps;
-    s.now_ns += s.cfg.quantum_ns / static_cast<double>(std::max<uint64_t>(1, s.live_fibers));
     if (!s.dirty.empty() && u(s.rng) < s.cfg.drain_prob) {
       StoreBuf* sb = s.dirty[s.rng() % s.dirty.size()];
       Drain(sb, 1 + s.rng() % (sb->q.size()));
     }
+    // Pending stores or transport operations drain at later steps: not idle until they have.
+    if (s.step_work || !s.dirty.empty() || (s.pending_probe != nullptr && s.pending_probe()))
+      s.idle_since = s.now_ns;
+    s.now_ns += StepNs();
     if (b->live == 0) FinishBlock(b);
     else if (s.cfg.preempt_prob > 0 && u(s.rng) < s.cfg.preempt_prob) Park(b);
   }
@@ -1095,6 +1129,8 @@ void ResetAll(const Config& c) {
   s.last_block = nullptr;
   s.live_fibers = 0;
   s.now_ns = 0;
+  s.idle_since = 0;
+  s.pending_probe = nullptr;  // a world set up after this reset installs its own
   s.current = 0;
   s.last_error = cudaSuccess;
   s.faults.clear();
@@ -1114,6 +1150,8 @@ void yield(int kind) {
   State& s = S();
   if (s.cur == nullptr) return;  // host code calling a device helper
   if (kind == kYieldAtomic) Hot(kHotAtomics)++;
+  // A poll reads and a sleep waits; every other kind writes or orders memory.
+  if (kind != kYieldPoll && kind != kYieldSleep) s.step_work = true;
   Suspend(true);
 }
 
@@ -1214,7 +1252,12 @@ void nanosleep_ns(unsigned ns) {
   Fiber* f = s.cur;
   if (f == nullptr) return;
   Hot(kHotSleeps)++;
-  f->wake = s.now_ns + std::max<double>(ns, s.cfg.min_sleep_ns);
+  double d = std::max<double>(ns, s.cfg.min_sleep_ns);
+  if (IdleWaitNs() > d) {
+    d = IdleWaitNs();
+    Count("idle_sleeps");
+  }
+  f->wake = s.now_ns + d;
   f->state = FState::kSleeping;
   s.sleepers.push_back(f);
   std::push_heap(s.sleepers.begin(), s.sleepers.end(), SleepLess);
@@ -1255,6 +1298,7 @@ bool remote_store(const void* dst) { return Remote(S().cur, dst); }
 
 void buffered_store(void* dst, const void* src, size_t n) {
   State& s = S();
+  s.step_work = true;
   Fiber* f = s.cur;
   if (!Remote(f, dst)) {
     std::memcpy(dst, src, n);
@@ -1285,6 +1329,7 @@ void buffered_store(void* dst, const void* src, size_t n) {
 
 void release_store64(uint64_t* p, uint64_t v) {
   State& s = S();
+  s.step_work = true;
   Hot(kHotRelease)++;
   note_chain(kChainRelease);
   Fiber* f = s.cur;
@@ -1293,7 +1338,13 @@ void release_store64(uint64_t* p, uint64_t v) {
   *reinterpret_cast<volatile uint64_t*>(p) = v;
 }
 
-void fault(const char* what) { Fault(what); }
+void fault(const char* what) {
+  S().step_work = true;
+  Fault(what);
+}
+
+void note_work() { S().step_work = true; }
+void set_pending_probe(bool (*pending)()) { S().pending_probe = pending; }
 
 // ---- bulk copies (TMA) ----
 namespace {
@@ -1309,6 +1360,7 @@ void NoteBulk(int dir, const void* global, size_t n) {
 }
 void LandStore(Fiber* f, BulkCopy& c) {
   if (c.landed) return;
+  S().step_work = true;
   if (Remote(f, c.dst)) buffered_store(c.dst, c.src, c.n);
   else std::memcpy(c.dst, c.src, c.n);
   c.landed = true;
@@ -1330,6 +1382,7 @@ void bulk_load(void* smem, const void* src, size_t n, uint64_t* mbar) {
   Fiber* f = S().cur;
   if (f == nullptr) throw std::logic_error("emu: bulk_load outside a kernel");
   NoteBulk(kAccessLoad, src, n);
+  S().step_work = true;
   BulkCopy c{smem, src, n};
   if (LandAtIssue()) {
     std::memcpy(smem, src, n);
@@ -1350,6 +1403,7 @@ void mbar_wait(uint64_t* mbar, uint32_t parity) {
     return;
   }
   // Loads not landed at their issue land now: they read what the source holds now.
+  S().step_work = true;
   for (const BulkCopy& c : it->second)
     if (!c.landed) std::memcpy(c.dst, c.src, c.n);
   it->second.clear();
@@ -1360,6 +1414,7 @@ void bulk_store(void* dst, const void* smem, size_t n) {
   Fiber* f = S().cur;
   if (f == nullptr) throw std::logic_error("emu: bulk_store outside a kernel");
   NoteBulk(kAccessStore, dst, n);
+  S().step_work = true;
   f->bulk_open.push_back(BulkCopy{dst, smem, n});
   if (LandAtIssue()) LandStore(f, f->bulk_open.back());
 }

@@ -131,6 +131,7 @@ void Count(const std::string& k, uint64_t v = 1) {
 void FlushLate(int pe) {
   auto it = W().late.find(pe);
   if (it == W().late.end()) return;
+  emu::note_work();
   for (const Late& l : it->second) std::memcpy(l.dst, l.bytes.data(), l.bytes.size());
   W().late.erase(it);
 }
@@ -141,6 +142,7 @@ void FlushLate(int pe) {
 // destination receives anything else, or someone quiets, so a relaxed poll that sees the
 // signal and reads at once reads stale bytes.
 void Apply(const Op& op, int dst_pe) {
+  emu::note_work();
   FlushLate(dst_pe);  // an earlier payload never lands over a later one
   if (op.bytes > 0 && op.sig != nullptr && std::bernoulli_distribution(0.5)(W().rng)) {
     Late l{op.dst, std::vector<char>(op.src_ptr, op.src_ptr + op.bytes)};
@@ -279,6 +281,8 @@ void reset(const WorldConfig& c) {
   w.log.clear();
   w.counters.clear();
   w.late.clear();
+  // Undelivered operations reach their destinations only at later transport steps.
+  emu::set_pending_probe([] { return W().pending > 0; });
 }
 
 void grow(int num_pes) {

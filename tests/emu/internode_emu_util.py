@@ -36,13 +36,14 @@ class InternodeEmu:
 
     def __init__(self, R, *, gpus_per_node=1, num_ports=2, qps_per_port=1, chunk_bytes=256,
                  seed=1, max_delay=32, qp_api=True, heap_mib=4, resident_blocks=16,
-                 timeout_s=0.05, preempt_prob=0.0, preempt_ns=0.0):
+                 timeout_s=0.05, preempt_prob=0.0, preempt_ns=0.0, idle_after_ns=250e3):
         self.R, self.G = R, gpus_per_node
         self.P, self.Q, self.chunk = num_ports, qps_per_port, chunk_bytes
         self.qp_api = qp_api
         self.seed = seed
         self.emu = Emulator(R, seed=seed, resident_blocks=resident_blocks, timeout_s=timeout_s,
-                            preempt_prob=preempt_prob, preempt_ns=preempt_ns)
+                            preempt_prob=preempt_prob, preempt_ns=preempt_ns,
+                            idle_after_ns=idle_after_ns)
         self.calls = 0
         world = dict(num_pes=R, gpus_per_node=gpus_per_node, num_ports=num_ports,
                      qps_per_port=qps_per_port, seed=seed, max_delay=max_delay,

@@ -117,13 +117,15 @@ std::vector<cudaStream_t> g_streams;
 
 void Configure(int num_devices, uint64_t seed, int resident_blocks, double timeout_s,
                bool weak_stores, double quantum_ns, double drain_prob, double stay_prob,
-               double preempt_prob, double preempt_ns) {
+               double preempt_prob, double preempt_ns, double idle_after_ns) {
   if (num_devices < 1 || num_devices > 64) throw std::invalid_argument("jax_ep emu: num_devices must be in [1, 64]");
   if (resident_blocks < 0)
     throw std::invalid_argument("jax_ep emu: resident_blocks must be >= 1, or 0 (from each kernel's ptxas usage)");
   if (!(timeout_s > 0)) throw std::invalid_argument("jax_ep emu: timeout_s must be > 0");
   if (!(preempt_prob >= 0 && preempt_prob < 1) || !(preempt_ns >= 0))
     throw std::invalid_argument("jax_ep emu: preempt_prob must be in [0, 1) and preempt_ns >= 0");
+  if (!(idle_after_ns >= 0))
+    throw std::invalid_argument("jax_ep emu: idle_after_ns must be >= 0 (0: no idle fast-forward)");
   Calls().clear();
   emu::Config c;
   c.num_devices = num_devices;
@@ -136,6 +138,9 @@ void Configure(int num_devices, uint64_t seed, int resident_blocks, double timeo
   c.preempt_prob = preempt_prob;
   c.preempt_ns = preempt_ns;
   c.max_virtual_ns = std::max(60e9, timeout_s * 1e9 * 50);
+  // A waiter sees a change at most 1/50 of the kernels' timeout late in an idle stretch.
+  c.idle_after_ns = idle_after_ns;
+  c.idle_sleep_max_ns = timeout_s * 1e9 / 50;
   emu::configure(c);
   g_timeout_s = timeout_s;
   g_streams.clear();
@@ -302,9 +307,12 @@ NB_MODULE(_jax_ep_emu, m) {
         nb::arg("weak_stores") = true, nb::arg("quantum_ns") = 100.0,
         nb::arg("drain_prob") = 0.002, nb::arg("stay_prob") = 0.9,
         nb::arg("preempt_prob") = 0.0, nb::arg("preempt_ns") = 0.0,
+        nb::arg("idle_after_ns") = 250e3,
         "Resets the virtual GPUs: count, scheduler seed, co-residency limit, the kernels' "
         "timeout in virtual seconds, weak visibility of peer stores, preemption of blocks "
-        "(each step parks the block that ran with chance preempt_prob, for preempt_ns).");
+        "(each step parks the block that ran with chance preempt_prob, for preempt_ns), "
+        "idle fast-forward (sleeps lengthen after idle_after_ns of virtual time in which "
+        "threads only polled; 0: off).");
   m.def("resident_limit",
         [](const std::string& kernel, int threads, size_t dynamic_smem) {
           return emu::resident_limit(kernel.c_str(), threads, dynamic_smem);
