@@ -265,6 +265,11 @@ struct State {
   std::vector<DevCounters> dev_ctr;          // per virtual GPU (counters.cc section below)
   std::map<uintptr_t, std::pair<size_t, int>> allocs;  // base -> (bytes, owning GPU; -1 host)
   std::vector<unsigned char> device_pristine;
+  // Device globals by mapping (DeviceMap): one memory file, a page-aligned slot per virtual
+  // GPU after the host's (slot 0: the pristine values the host sees after a reset); -1:
+  // swapped by copying instead.
+  int device_fd = -1;
+  size_t device_slots = 0;
   bool in_scheduler = false;
   // Idle fast-forward (Config::idle_after_ns): when memory last changed, and whether the
   // step running now changed it.
@@ -407,11 +412,53 @@ Stream* Resolve(cudaStream_t st) {
 }
 
 // ---- section swapping ----
+// The section shows slot `slot` of the device file (no bytes copied; the pages that the
+// next steps touch fault in). False: the mapping failed, swap by copying.
+bool MapDeviceSlot(size_t slot) {
+  State& s = S();
+  const size_t n = DeviceBytes();
+  void* p = mmap(__jep_emu_device_begin, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                 s.device_fd, static_cast<off_t>(slot * n));
+  return p == static_cast<void*>(__jep_emu_device_begin);
+}
+
+// Every device slot (and the host's) holds the pristine values, in a file large enough
+// for `devices` virtual GPUs; the host's slot is mapped. Swapping 100s of KB of device
+// globals by copying on every change of virtual GPU was most of the emulator's time.
+void ResetDeviceMap(size_t devices) {
+  State& s = S();
+  const size_t n = DeviceBytes();
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (n == 0 || reinterpret_cast<uintptr_t>(__jep_emu_device_begin) % page != 0 || n % page != 0)
+    return;  // not whole pages (another linker script): copy
+  if (s.device_fd < 0) {
+    s.device_fd = memfd_create("jax_ep_emu_device_globals", MFD_CLOEXEC);
+    if (s.device_fd < 0) return;
+  }
+  bool ok = s.device_slots >= devices + 1 ||
+            ftruncate(s.device_fd, static_cast<off_t>((devices + 1) * n)) == 0;
+  if (ok) s.device_slots = std::max(s.device_slots, devices + 1);
+  for (size_t k = 0; ok && k < s.device_slots; ++k)
+    ok = pwrite(s.device_fd, s.device_pristine.data(), n, static_cast<off_t>(k * n)) ==
+         static_cast<ssize_t>(n);
+  if (ok && MapDeviceSlot(0)) return;
+  // Back to the module's own pages, holding the pristine values.
+  if (s.device_slots > 0)
+    mmap(__jep_emu_device_begin, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  std::memcpy(__jep_emu_device_begin, s.device_pristine.data(), n);
+  close(s.device_fd);
+  s.device_fd = -1;
+  s.device_slots = 0;
+}
+
 void LoadDevice(Device* d) {
   State& s = S();
   if (s.loaded_device == d) return;
   const size_t n = DeviceBytes();
-  if (n > 0) {
+  if (s.device_fd >= 0) {
+    if (!MapDeviceSlot(static_cast<size_t>(d->id) + 1))
+      throw std::runtime_error("emu: cannot map a virtual GPU's device globals");
+  } else if (n > 0) {
     if (s.loaded_device != nullptr) std::memcpy(s.loaded_device->globals.data(), __jep_emu_device_begin, n);
     std::memcpy(__jep_emu_device_begin, d->globals.data(), n);
   }
@@ -1113,13 +1160,17 @@ void ResetAll(const Config& c) {
     d->streams.push_back(new Stream{d, {}, false});
     s.devices.push_back(d);
   }
+  ResetDeviceMap(s.devices.size());
   for (Device* d : s.devices) {
     d->resident = 0;
     d->load = 0;
-    d->globals = s.device_pristine;
-    d->globals.resize(DeviceBytes());
+    if (s.device_fd < 0) {
+      d->globals = s.device_pristine;
+      d->globals.resize(DeviceBytes());
+    }
   }
-  if (DeviceBytes() > 0) std::memcpy(__jep_emu_device_begin, s.device_pristine.data(), DeviceBytes());
+  if (s.device_fd < 0 && DeviceBytes() > 0)
+    std::memcpy(__jep_emu_device_begin, s.device_pristine.data(), DeviceBytes());
   s.ready.clear();
   s.parked.clear();
   s.sleepers.clear();
