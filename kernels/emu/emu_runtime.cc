@@ -265,7 +265,7 @@ struct State {
   std::vector<DevCounters> dev_ctr;          // per virtual GPU (counters.cc section below)
   std::map<uintptr_t, std::pair<size_t, int>> allocs;  // base -> (bytes, owning GPU; -1 host)
   std::vector<unsigned char> device_pristine;
-  // Device globals by mapping (DeviceMap): one memory file, a page-aligned slot per virtual
+  // Device globals by mapping (ResetDeviceMap): one memory file, a page-aligned slot per virtual
   // GPU after the host's (slot 0: the pristine values the host sees after a reset); -1:
   // swapped by copying instead.
   int device_fd = -1;
