@@ -84,6 +84,8 @@ std::map<std::string, uint64_t> counters();
 // The same for one virtual GPU (what its threads did; no "steps"/"virtual_ns").
 std::map<std::string, uint64_t> device_counters(int device);
 int num_counted_devices();
+// The streams of every virtual GPU, each one's default stream included.
+int num_streams();
 void reset_counters();
 void add_counter(const std::string& name, uint64_t v = 1);
 

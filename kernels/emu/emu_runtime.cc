@@ -1585,6 +1585,11 @@ std::map<std::string, uint64_t> device_counters(int device) {
   return c;
 }
 int num_counted_devices() { return static_cast<int>(S().dev_ctr.size()); }
+int num_streams() {
+  size_t n = 0;
+  for (const Device* d : S().devices) n += d->streams.size();
+  return static_cast<int>(n);
+}
 void reset_counters() {
   State& s = S();
   s.counters.clear();

@@ -88,3 +88,21 @@ def test_low_latency_failed_state_outlives_check_errors():
     d = emu.ll_dispatch_recv(s, num_experts=EL, max_tokens=M, H=H, dtype=x.dtype)
     assert emu.check_errors() == []
     assert d["recv_count"].sum() == (idx >= 0).sum()
+
+
+def test_a_new_emulator_keeps_none_of_the_last_ones_streams():
+    """Each emulator (configure) makes one stream per virtual GPU; the last one's streams
+    go with it. The scheduler visits every stream at every step, so kept streams would
+    slow every later run of the process (they did: twice as slow late in the suite), and
+    a stream destroyed too eagerly would break the next call."""
+    counts = []
+    for seed in (31, 32, 33):
+        emu = Emulator(R, seed=seed)
+        counts.append(emu.m.num_streams())
+        emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
+        x, idx, w = _case(seed)
+        got = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
+        assert emu.check_errors() == []
+        want = reference(x, idx, w, np.zeros((R, C, H), x.dtype), np.zeros_like(x), E=E, C=C)
+        assert_same(got, want, DISPATCH_KEYS)
+    assert counts[0] == counts[1] == counts[2], counts

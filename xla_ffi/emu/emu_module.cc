@@ -143,6 +143,9 @@ void Configure(int num_devices, uint64_t seed, int resident_blocks, double timeo
   c.idle_sleep_max_ns = timeout_s * 1e9 / 50;
   emu::configure(c);
   g_timeout_s = timeout_s;
+  // The last configuration's streams go: the scheduler visits every stream at every step,
+  // so streams kept from earlier emulators would slow every later run.
+  for (cudaStream_t s : g_streams) cudaStreamDestroy(s);
   g_streams.clear();
   for (int d = 0; d < num_devices; ++d) {
     cudaSetDevice(d);
@@ -313,6 +316,8 @@ NB_MODULE(_jax_ep_emu, m) {
         "(each step parks the block that ran with chance preempt_prob, for preempt_ns), "
         "idle fast-forward (sleeps lengthen after idle_after_ns of virtual time in which "
         "threads only polled; 0: off).");
+  m.def("num_streams", [] { return emu::num_streams(); },
+        "The streams of every virtual GPU (each GPU's default one included).");
   m.def("resident_limit",
         [](const std::string& kernel, int threads, size_t dynamic_smem) {
           return emu::resident_limit(kernel.c_str(), threads, dynamic_smem);
