@@ -86,6 +86,9 @@ std::map<std::string, uint64_t> device_counters(int device);
 int num_counted_devices();
 // The streams of every virtual GPU, each one's default stream included.
 int num_streams();
+// How a change of block gives the block its __shared__ variables: true, by pointing this
+// module's TLS entry at the block's image; false, by copying the image in and out.
+bool shared_by_pointer();
 void reset_counters();
 void add_counter(const std::string& name, uint64_t v = 1);
 

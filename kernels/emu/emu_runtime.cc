@@ -157,7 +157,8 @@ struct Block {
   std::vector<Fiber*> at_named[16];
   std::vector<WarpState> warps;
   int live = 0;
-  std::vector<unsigned char> smem_image;  // the __shared__ section while not loaded
+  std::vector<unsigned char> smem_store;  // holds its __shared__ image (aligned: smem_image)
+  unsigned char* smem_image = nullptr;
   std::vector<unsigned char> dyn_smem;
   size_t ready_pos = SIZE_MAX;
   double parked_until = 0;  // preempted: none of its threads runs before this virtual time
@@ -295,6 +296,8 @@ thread_local volatile char g_tls_anchor;
 struct TlsBlock {
   char* base = nullptr;
   size_t size = 0;
+  size_t align = 16;
+  size_t modid = 0;
 };
 int FindTls(struct dl_phdr_info* info, size_t, void* data) {
   auto* out = static_cast<TlsBlock*>(data);
@@ -305,11 +308,15 @@ int FindTls(struct dl_phdr_info* info, size_t, void* data) {
     const ElfW(Phdr)& p = info->dlpi_phdr[i];
     const uintptr_t lo = info->dlpi_addr + p.p_vaddr;
     if (p.p_type == PT_LOAD && self >= lo && self < lo + p.p_memsz) mine = true;
-    if (p.p_type == PT_TLS) tls = p.p_memsz;
+    if (p.p_type == PT_TLS) {
+      tls = p.p_memsz;
+      out->align = std::max<size_t>(16, p.p_align);
+    }
   }
   if (!mine) return 0;
   out->base = static_cast<char*>(info->dlpi_tls_data);
   out->size = tls;
+  out->modid = info->dlpi_tls_modid;
   return 1;
 }
 // Not itself thread_local: the block it describes is swapped with every block's copy.
@@ -327,6 +334,55 @@ TlsBlock& Tls() {
 }
 size_t SharedBytes() { return Tls().size; }
 char* SharedBase() { return Tls().base; }
+
+// A block's __shared__ variables live in its own image; two ways to give the running block
+// its image. By pointer (where it works): glibc's __tls_get_addr returns the thread's DTV
+// entry for this module plus the variable's offset (the module is built position
+// independent, so every access to a thread_local goes through it), so pointing that entry
+// at the image makes the block's accesses land there, and a change of block copies nothing.
+// By copy (the fallback, and under AddressSanitizer, which tracks the DTV itself): the
+// image is copied into the thread's TLS block and back out.
+// x86-64 glibc: %fs:8 holds the DTV, an array of 16-byte entries whose first word is the
+// block's address.
+void** DtvEntry() {
+#if defined(__x86_64__) && defined(__GLIBC__)
+  char* dtv;
+  asm volatile("mov %%fs:8, %0" : "=r"(dtv));
+  return reinterpret_cast<void**>(dtv + 16 * Tls().modid);
+#else
+  return nullptr;
+#endif
+}
+__attribute__((noinline)) const volatile char* AnchorAddress() {
+  asm volatile("" ::: "memory");  // computed afresh, not kept from an earlier call
+  return &g_tls_anchor;
+}
+bool ProbeTlsByPointer() {
+#if defined(JEP_EMU_ASAN) || !defined(__x86_64__) || !defined(__GLIBC__)
+  return false;
+#else
+  if (std::getenv("JAX_EP_EMU_TLS_COPY") != nullptr) return false;
+  const TlsBlock& t = Tls();
+  void** e = DtvEntry();
+  if (t.modid == 0 || e == nullptr || *e != t.base) return false;
+  const size_t at = static_cast<size_t>(const_cast<const char*>(AnchorAddress()) - t.base);
+  if (at >= t.size) return false;
+  alignas(64) static char probe[64];
+  bool ok = true;
+  if (t.align <= 64) {
+    *e = probe - at;  // only the anchor's address is taken, never dereferenced
+    ok = const_cast<const char*>(AnchorAddress()) == probe;
+    *e = t.base;
+  } else {
+    ok = false;
+  }
+  return ok && const_cast<const char*>(AnchorAddress()) == t.base + at;
+#endif
+}
+bool TlsByPointer() {
+  static const bool by_pointer = ProbeTlsByPointer();
+  return by_pointer;
+}
 size_t DeviceBytes() { return static_cast<size_t>(__jep_emu_device_end - __jep_emu_device_begin); }
 
 // Stacks come in chunks (one mapping each: the kernel limits the number of mappings, and a
@@ -470,11 +526,13 @@ void LoadBlock(Block* b) {
   if (!s.loaded_block_dead && s.loaded_block == b) return;
   const size_t n = SharedBytes();
   char* base = SharedBase();
-  std::vector<unsigned char>& from = s.loaded_block != nullptr ? s.loaded_block->smem_image : s.host_tls;
-  std::vector<unsigned char>& to = b != nullptr ? b->smem_image : s.host_tls;
-  if (n > 0) {
-    if (!s.loaded_block_dead) std::memcpy(from.data(), base, n);
-    std::memcpy(base, to.data(), n);
+  if (TlsByPointer()) {
+    *DtvEntry() = b != nullptr ? static_cast<void*>(b->smem_image) : base;
+  } else if (n > 0) {
+    unsigned char* from = s.loaded_block != nullptr ? s.loaded_block->smem_image : s.host_tls.data();
+    unsigned char* to = b != nullptr ? b->smem_image : s.host_tls.data();
+    if (!s.loaded_block_dead) std::memcpy(from, base, n);
+    std::memcpy(base, to, n);
   }
   s.loaded_block = b;
   s.loaded_block_dead = false;
@@ -863,7 +921,10 @@ void StartBlock(Kernel* k) {
   // Shared memory starts with garbage, as on a GPU: a kernel that reads it before writing
   // it gets a seeded pattern.
   const unsigned char fill = static_cast<unsigned char>(0x80 | (s.rng() & 0x7f));
-  b->smem_image.assign(SharedBytes(), fill);
+  const size_t align = Tls().align;
+  b->smem_store.assign(SharedBytes() + align, fill);
+  b->smem_image = b->smem_store.data() +
+                  ((align - reinterpret_cast<uintptr_t>(b->smem_store.data()) % align) % align);
   b->dyn_smem.assign(k->spec.smem + 16, fill);
   for (int i = 0; i < n; ++i) {
     Fiber& f = b->fibers[i];
@@ -907,6 +968,7 @@ void FinishBlock(Block* b) {
   if (s.loaded_block == b) {
     s.loaded_block = nullptr;  // its memory may hold the next block
     s.loaded_block_dead = true;
+    if (TlsByPointer()) *DtvEntry() = SharedBase();  // not left pointing at freed memory
   }
   if (s.last_block == b) s.last_block = nullptr;
   Kernel* k = b->k;
@@ -1585,6 +1647,7 @@ std::map<std::string, uint64_t> device_counters(int device) {
   return c;
 }
 int num_counted_devices() { return static_cast<int>(S().dev_ctr.size()); }
+bool shared_by_pointer() { return TlsByPointer(); }
 int num_streams() {
   size_t n = 0;
   for (const Device* d : S().devices) n += d->streams.size();

@@ -316,6 +316,10 @@ NB_MODULE(_jax_ep_emu, m) {
         "(each step parks the block that ran with chance preempt_prob, for preempt_ns), "
         "idle fast-forward (sleeps lengthen after idle_after_ns of virtual time in which "
         "threads only polled; 0: off).");
+  m.def("shared_by_pointer", [] { return emu::shared_by_pointer(); },
+        "True where a change of block points this thread's TLS entry at the block's "
+        "__shared__ image; false where it copies the image (JAX_EP_EMU_TLS_COPY set, or "
+        "AddressSanitizer).");
   m.def("num_streams", [] { return emu::num_streams(); },
         "The streams of every virtual GPU (each GPU's default one included).");
   m.def("resident_limit",
