@@ -381,6 +381,10 @@ SMALL = ["--batch", "8", "--seq", "32", "--layers", "1", "--hidden", "32", "--he
 def _train(out, *extra):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
+    # The runs of one test compile the same programs: they share a compilation cache.
+    env.update(JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(str(out)), "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_moe.py"),
                         *SMALL, "--out", str(out), *extra], env=env, capture_output=True,
                        text=True, timeout=300)
