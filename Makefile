@@ -29,7 +29,7 @@ build: $(STAMP)
 	$(VPY) -c "import jax_ep, json; print(json.dumps(jax_ep.build_info()))"
 
 test: build
-	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) -m pytest -q -x -m "not emu_full" tests
+	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) -m pytest -q -x tests
 
 # The CUDA kernel sources on the emulated GPU (kernels/emu): the whole matrix.
 test-emu: build

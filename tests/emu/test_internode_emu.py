@@ -2,7 +2,8 @@
 own FFI handlers, bit-exact against the reference backend; its failure outputs, faults
 ending in errors on every rank, and the transport log against the striping plan.
 
-The cases marked emu_full run under `make test-emu`; the rest in every `make test`.
+The cases marked emu_full are the larger ones (`-m "not emu_full"` leaves them out of a
+quick run); `make test` and `make test-emu` run them all.
 """
 from __future__ import annotations
 

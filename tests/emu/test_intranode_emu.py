@@ -65,7 +65,7 @@ def test_layout_bad_id_is_recorded():
     np.testing.assert_array_equal(got["per_expert"][1], want.num_tokens_per_expert)
 
 
-# (R, T, H, K, E, C, dtype, routing, seed): the representative subset of `make test`.
+# (R, T, H, K, E, C, dtype, routing, seed): QUICK, the cases a `-m "not emu_full"` run keeps.
 QUICK = [
     (2, 12, 40, "bf16", "random", 1),
     (4, 6, 20, "f32", "skewed", 2),
