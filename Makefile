@@ -28,8 +28,11 @@ build: $(STAMP)
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(VPY) -c "import jax_ep, json; print(json.dumps(jax_ep.build_info()))"
 
+# Two pytest workers (pytest-xdist): most tests hold one core (the emulator's scheduler,
+# XLA's compiles), so two share the 2-core CI machines. TEST_JOBS=0 runs in one process.
+TEST_JOBS ?= 2
 test: build
-	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) -m pytest -q -x tests
+	XLA_FLAGS=$(XLA_FLAGS_8) $(VPY) -m pytest -q -x -n $(TEST_JOBS) tests
 
 # The CUDA kernel sources on the emulated GPU (kernels/emu): the whole matrix.
 test-emu: build
