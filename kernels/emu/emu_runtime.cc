@@ -364,19 +364,14 @@ bool ProbeTlsByPointer() {
   if (std::getenv("JAX_EP_EMU_TLS_COPY") != nullptr) return false;
   const TlsBlock& t = Tls();
   void** e = DtvEntry();
-  if (t.modid == 0 || e == nullptr || *e != t.base) return false;
+  if (t.modid == 0 || t.align > 64 || e == nullptr || *e != t.base) return false;
   const size_t at = static_cast<size_t>(const_cast<const char*>(AnchorAddress()) - t.base);
   if (at >= t.size) return false;
   alignas(64) static char probe[64];
-  bool ok = true;
-  if (t.align <= 64) {
-    *e = probe - at;  // only the anchor's address is taken, never dereferenced
-    ok = const_cast<const char*>(AnchorAddress()) == probe;
-    *e = t.base;
-  } else {
-    ok = false;
-  }
-  return ok && const_cast<const char*>(AnchorAddress()) == t.base + at;
+  *e = probe - at;  // only the anchor's address is taken, never dereferenced
+  const bool moved = const_cast<const char*>(AnchorAddress()) == probe;
+  *e = t.base;
+  return moved && const_cast<const char*>(AnchorAddress()) == t.base + at;
 #endif
 }
 bool TlsByPointer() {
