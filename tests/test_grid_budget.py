@@ -20,13 +20,14 @@ SMS = 132  # H100 SXM / H200
 REGS_PER_SM, REG_UNIT, MAX_THREADS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 256, 2048, 32
 SMEM_PER_SM, SMEM_PER_BLOCK_RESERVED = 233472, 1024
 
-# kernel -> ("roles" | "plan", extra dynamic smem: None, or "bulk" for the dispatch's
-# bulk-copy pieces, intranode_buffer.h DispatchChannelSmemBytes).
-# Channel kernels ("roles"): num_sms blocks of their sending warps beside the receiving
-# ones (intranode_buffer.h ChannelRoleThreads), gather's (cached dispatch) too.
+# kernel -> ("roles" | "dispatch" | "plan", extra dynamic smem: None, or "bulk" for the
+# dispatch's bulk-copy pieces, intranode_buffer.h DispatchChannelSmemBytes).
+# Channel kernels: num_sms blocks of their sending warps beside the receiving ones
+# ("roles": combine's and gather's, intranode_buffer.h ChannelRoleThreads; "dispatch": a
+# channel per block, DispatchRoleThreads).
 KERNELS = {
     "dispatch_notify_kernel": ("plan", None),
-    "dispatch_channel_kernel": ("roles", "bulk"),
+    "dispatch_channel_kernel": ("dispatch", "bulk"),
     "combine_notify_kernel": ("plan", None),
     "combine_channel_kernel": ("roles", None),
     "gather_channel_kernel": ("roles", None),
@@ -68,9 +69,17 @@ def dispatch_bulk_smem(cfg: dict, R: int) -> int:
 
 
 def role_threads(cfg: dict, R: int) -> int:
-    """Threads of a channel block (all three ops) at R ranks: block 2ch + 1 holds half
+    """Threads of a combine or gather channel block at R ranks: block 2ch + 1 holds half
     the sending warps (when R <= kMaxSplitSendRanks) and max(8, R) receiving ones."""
     send = (R + 1) // 2 if R <= cfg["split_ranks"] else 0
+    return 32 * (send + max(cfg["channel_threads"] // 32, R))
+
+
+def dispatch_threads(cfg: dict, R: int) -> int:
+    """Threads of a dispatch channel block at R ranks: a sending warp per rank (when
+    R <= kMaxSplitSendRanks; above it the receiving block has none) and max(8, R)
+    receiving ones."""
+    send = R if R <= cfg["split_ranks"] else 0
     return 32 * (send + max(cfg["channel_threads"] // 32, R))
 
 
@@ -115,7 +124,8 @@ def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
                 continue
             regs, smem = usage[kernel]
             threads = {"plan": cfg["plan_threads"],
-                       "roles": role_threads(cfg, p["max_ranks"])}[role]
+                       "roles": role_threads(cfg, p["max_ranks"]),
+                       "dispatch": dispatch_threads(cfg, p["max_ranks"])}[role]
             if threads > cfg["max_channel_threads"]:
                 out.append(f"{p['name']}: {kernel} needs {threads} threads per block")
             if dyn == "hist":
@@ -129,7 +139,7 @@ def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
             if occ < need:
                 out.append(f"{p['name']}: {kernel} ({regs} registers, {smem} B smem) holds "
                            f"{occ} block(s) of {threads} threads per SM, {need} assumed")
-            grid = {"plan": 1, "roles": p["num_sms"]}[role]
+            grid = 1 if role == "plan" else p["num_sms"]
             if grid > budget:
                 out.append(f"{p['name']}: {kernel} launches {grid} blocks; {sms} SMs less "
                            f"{cfg['reserved']} for other work hold {budget}")

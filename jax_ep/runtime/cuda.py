@@ -57,7 +57,7 @@ from jax_ep._common import axis_names as _axis_names
 from jax_ep.runtime.nvshmem import _kv_client
 
 __all__ = [
-    "available", "buffer_bytes", "channels", "ring_tokens", "low_latency_layout", "low_latency_area", "setup",
+    "available", "buffer_bytes", "channels", "dispatch_channels", "ring_tokens", "low_latency_layout", "low_latency_area", "setup",
     "check_errors", "reset", "presets", "set_num_sms", "HarnessDispatch", "harness_dispatch",
     "harness_combine", "harness_gather",
 ]
@@ -80,6 +80,7 @@ _ALIGN = 256
 _CHANNEL_PRESETS = (("ep2", 2, 16), ("ep4", 4, 20), ("ep8", 8, 24), ("ep16", 16, 24),
                     ("ep32", 32, 32))
 _MAX_CHANNELS = 16
+_MAX_SPLIT_SEND_RANKS = 16  # kMaxSplitSendRanks: up to it dispatch runs a channel per block
 _RING_TOKENS, _MAX_RING_TOKENS = 128, 4096
 _LL_HEADER_BYTES = 4096  # kLowLatencyHeaderBytes (kernels/cuda/low_latency_kernels.h)
 # The low-latency area of the last setup (dict of its shapes), None before one asked for it.
@@ -189,6 +190,14 @@ def channels(num_ranks: int) -> int:
     return min(max(row[2] & ~1, 2), 2 * _MAX_CHANNELS) // 2
 
 
+def dispatch_channels(num_ranks: int) -> int:
+    """Channels of the dispatch kernel (kernels/cuda/intranode_buffer.h DispatchChannels):
+    up to 16 ranks every block of the channel kernel is a channel of its own (2 x
+    channels(num_ranks)), above that two blocks share one."""
+    ch = channels(num_ranks)
+    return 2 * ch if num_ranks <= _MAX_SPLIT_SEND_RANKS else ch
+
+
 def ring_tokens() -> int:
     """Slots of each (channel, peer) ring: JAX_EP_RING_TOKENS when set (read at setup and at
     each launch; keep it the same on every rank), else 128."""
@@ -204,8 +213,9 @@ def buffer_bytes(num_ranks: int, num_tokens: int | None, hidden: int, topk: int,
     """Bytes of communication buffer each op kind needs on every GPU for these per-rank
     shapes (the same formulas as kernels/cuda/intranode_buffer.h). Dispatch, combine
     and gather (combine's transpose, cached dispatch) stage rows in channels x ranks rings
-    of ring_tokens() slots: their bytes depend on the ranks, the row size and topk, not on
-    num_tokens or capacity ("channels" and "ring_tokens" report the settings).
+    of ring_tokens() slots (dispatch: dispatch_channels() x ranks): their bytes depend on
+    the ranks, the row size and topk, not on num_tokens or capacity ("channels",
+    "dispatch_channels" and "ring_tokens" report the settings).
     num_tokens=None: no normal-mode areas (zero bytes). With max_tokens_per_rank and num_experts, also the
     "low_latency" area: a function of (R, M, H, K, E) and dtype only, holding any call of
     at most M tokens per rank, top-K routing and rows of at most H elements of dtype."""
@@ -217,12 +227,12 @@ def buffer_bytes(num_ranks: int, num_tokens: int | None, hidden: int, topk: int,
         out = {"dispatch": 0, "combine": 0, "gather": 0, "header": _HEADER_BYTES}
     else:
         stride = _align(row, 16)
-        ch, q = channels(R), ring_tokens()
+        ch, dch, q = channels(R), dispatch_channels(R), ring_tokens()
         ring = _align(q * stride) + _align(q * (2 + 2 * K) * 4)  # rows, then their words
         gather = _align(q * stride) + _align(q * 4)  # rows, then the token ids asked for
-        out = {"dispatch": ch * R * ring, "combine": ch * R * _align(q * stride),
+        out = {"dispatch": dch * R * ring, "combine": ch * R * _align(q * stride),
                "gather": ch * R * gather, "header": _HEADER_BYTES, "channels": ch,
-               "ring_tokens": q}
+               "dispatch_channels": dch, "ring_tokens": q}
     if max_tokens_per_rank is not None:
         M, E = _check_ll_shapes(R, max_tokens_per_rank, num_experts, K, H)
         out["low_latency"] = _align(low_latency_layout(R, M, row, K, E)["bytes"])

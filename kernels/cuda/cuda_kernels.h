@@ -21,8 +21,9 @@ cudaError_t LaunchLayout(cudaStream_t stream, const int32_t* topk_idx, int T, in
 // Dispatch and combine run as two kernels per rank, in this order on the rank's stream:
 //   kPhaseNotify   one block: next epoch, positions and counts (dispatch) or row ranges
 //                  (combine), exchanged with the peers
-//   kPhaseChannel  2 x channels blocks: even blocks send through the (channel, peer)
-//                  rings, odd blocks receive, in one kernel (intranode_buffer.h)
+//   kPhaseChannel  the channel kernel: sending and receiving warps through the
+//                  (channel, peer) rings in one kernel (intranode_buffer.h: dispatch a
+//                  channel per block, DispatchBlocks; combine 2 x channels blocks)
 // Gather (combine's transpose, cached dispatch) runs the channel kernel only: the handle
 // holds the layout, and the counts travel with the requests (kNumGatherPhases).
 // The channel kernels of all ranks of a group must run at once (their blocks wait on each
@@ -30,7 +31,8 @@ cudaError_t LaunchLayout(cudaStream_t stream, const int32_t* topk_idx, int T, in
 enum ChannelPhase : int { kPhaseNotify = 0, kPhaseChannel = 1, kNumChannelPhases = 2 };
 constexpr int kNumGatherPhases = 1;
 
-// `p.num_sms` carries the channel kernel's blocks (2 x a.c.channels is what runs).
+// `p.num_sms` carries the channel kernel's blocks (what runs: DispatchBlocks(R,
+// a.c.channels) for dispatch, 2 x a.c.channels for combine and gather).
 cudaError_t LaunchDispatchPhase(int phase, const DispatchArgs& a, const IntranodePreset& p,
                                 cudaStream_t stream);
 cudaError_t LaunchCombinePhase(int phase, const CombineArgs& a, const IntranodePreset& p,
@@ -48,8 +50,8 @@ inline int SetupChannels(int num_ranks) {
 // rows of `row_bytes` (top-`topk`; gather's the same): set by the channels and ring slots, not by the
 // tokens per call or the capacity.
 inline size_t SetupDispatchBytes(int num_ranks, size_t row_bytes, int topk) {
-  return DispatchAreaBytes(num_ranks, SetupChannels(num_ranks), IntranodeRingTokens(), row_bytes,
-                           topk);
+  return DispatchAreaBytes(num_ranks, DispatchChannels(num_ranks, SetupChannels(num_ranks)),
+                           IntranodeRingTokens(), row_bytes, topk);
 }
 inline size_t SetupCombineBytes(int num_ranks, size_t row_bytes) {
   return CombineAreaBytes(num_ranks, SetupChannels(num_ranks), IntranodeRingTokens(), row_bytes);

@@ -10,12 +10,14 @@
 // offsets. docs/intranode.md describes the design.
 //
 // Dispatch and combine run as channels (DeepEP's design): a small notify kernel, then
-// one channel kernel of 2 x channels blocks, both blocks of a channel sending (to the even
-// and to the odd ranks, ChannelSendSplit) and receiving (dispatch: from the even and the
-// odd sources; combine and gather: the odd block receives from all). Channel ch of
-// a rank owns a contiguous range of its tokens. The dispatch area of receiver d holds one
-// ring of `ring_tokens` slots per (channel ch, source s); the combine area of token owner
-// s one ring per (channel ch, data owner r). A rank's own rows skip its ring (ch, me) in
+// one channel kernel of 2 x channels blocks. Channel ch of a rank owns a contiguous range
+// of its tokens. Combine and gather: both blocks of a channel send (to the even and to
+// the odd ranks, ChannelSendSplit), the odd block receives from all. Dispatch (up to
+// kMaxSplitSendRanks ranks): every block is a channel of its own (DispatchChannels), which
+// sends its tokens to every rank and receives that channel from every source, so each
+// SM carries the same share of the NVLink stores and of the received rows. The dispatch
+// area of receiver d holds one ring of `ring_tokens` slots per (dispatch channel ch,
+// source s); the combine area of token owner s one ring per (channel ch, data owner r). A rank's own rows skip its ring (ch, me) in
 // every op (its kernels write or read them in place), so that ring stays unused. Ring
 // counters are cumulative over calls (never reset but by reset()):
 //   tail  written by the sender into the receiver's header (release, after a fence of
@@ -73,7 +75,7 @@
 namespace jax_ep {
 
 constexpr int kMaxRanks = 32;  // ranks of one intranode group (a 32-bit mask per token)
-constexpr int kMaxChannels = 16;  // channels of the dispatch/combine kernels at most
+constexpr int kMaxChannels = 16;  // channels of the combine/gather kernels at most
 // Warps of the channel blocks of all three ops (docs/intranode.md, "Kernels per call").
 // Both blocks of channel ch send, block 2ch to the even ranks and block 2ch + 1 to the odd
 // ones, so the peer stores (an SM's slowest accesses) spread over every block; block 2ch + 1
@@ -98,6 +100,28 @@ JEP_HDX int ChannelRecvWarp0(int num_ranks) {
 JEP_HDX int ChannelRoleThreads(int num_ranks) {
   return 32 * (ChannelRecvWarp0(num_ranks) + ChannelRecvWarps(num_ranks));
 }
+// Dispatch's channels. With the split, two blocks that each sent to half the ranks left
+// 4 peers on one SM and 3 on the other at 8 ranks (7 peers), and the receives likewise:
+// the busiest SM carried 8/7 of the average's NVLink stores. A block per channel, sending
+// to every rank and receiving from every source, gives every SM the same share; it costs
+// twice the rings (one set per block), each of `ring_tokens` slots. Above
+// kMaxSplitSendRanks, block 2ch sends channel ch to every rank and 2ch + 1 receives it.
+constexpr int kMaxDispatchChannels = 2 * kMaxChannels;
+JEP_HDX int DispatchChannels(int num_ranks, int channels) {
+  return ChannelSendSplit(num_ranks) ? 2 * channels : channels;
+}
+JEP_HDX int DispatchBlocks(int num_ranks, int dispatch_channels) {
+  return ChannelSendSplit(num_ranks) ? dispatch_channels : 2 * dispatch_channels;
+}
+// A dispatch block's warps: a sending warp per rank (warp d to rank d; its own rows skip
+// the rings), then a receiving warp per source (ChannelRecvWarps); above
+// kMaxSplitSendRanks the receiving block's warps start at 0.
+JEP_HDX int DispatchRecvWarp0(int num_ranks) {
+  return ChannelSendSplit(num_ranks) ? num_ranks : 0;
+}
+JEP_HDX int DispatchRoleThreads(int num_ranks) {
+  return 32 * (DispatchRecvWarp0(num_ranks) + ChannelRecvWarps(num_ranks));
+}
 
 enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpGather = 2, kNumOpKinds = 3 };
 // Last-block counters, one per kernel that ends with a signal.
@@ -106,13 +130,17 @@ enum DoneCounter : int { kDoneDispatchChannel = 0, kDoneGatherChannel = 1, kNumD
 constexpr size_t kHeaderBytes = 128 * 1024;
 constexpr size_t kAreaAlign = 256;
 
-// Ring counters of one op kind's channels (see the top).
-struct RingCounters {
-  uint64_t tail[kMaxChannels][kMaxRanks];  // by sender p: rows written into ring (ch, p) here
-  uint64_t head[kMaxChannels][kMaxRanks];  // by receiver p: rows of my ring (ch) on p consumed
-  uint64_t sent[kMaxChannels][kMaxRanks];  // own: rows I wrote into ring (ch, me) on p
-  uint64_t read[kMaxChannels][kMaxRanks];  // own: rows I consumed from ring (ch, p)
+// Ring counters of one op kind's channels (see the top), for up to N channels.
+template <int N>
+struct RingCountersOf {
+  static constexpr int kChannels = N;
+  uint64_t tail[N][kMaxRanks];  // by sender p: rows written into ring (ch, p) here
+  uint64_t head[N][kMaxRanks];  // by receiver p: rows of my ring (ch) on p consumed
+  uint64_t sent[N][kMaxRanks];  // own: rows I wrote into ring (ch, me) on p
+  uint64_t read[N][kMaxRanks];  // own: rows I consumed from ring (ch, p)
 };
+using RingCounters = RingCountersOf<kMaxChannels>;
+using DispatchRingCounters = RingCountersOf<kMaxDispatchChannels>;
 
 struct alignas(128) RankHeader {
   int32_t rank;       // identity written at setup (-1 in the virtual-rank harness)
@@ -127,9 +155,10 @@ struct alignas(128) RankHeader {
   int32_t counts[kMaxRanks][kMaxRanks];    // dispatch: row s = tokens s sends each rank
   int64_t site_req[kNumOpKinds][kMaxRanks];  // written by peer p before request[k][p]
   int64_t site_arr[kNumOpKinds][kMaxRanks];  // written by peer p before arrive[k][p]
-  RingCounters ring[kNumOpKinds];          // dispatch (0), combine (1), gather (2) channels;
-                                           // gather's head is the ids posted (see the top)
-  uint64_t d_end[kMaxChannels][kMaxRanks];   // dispatch: by source p, ring (ch, p) ended epoch n
+  DispatchRingCounters d_ring;             // dispatch channels
+  RingCounters c_ring;                     // combine channels
+  RingCounters g_ring;                     // gather channels; head is the ids posted (see the top)
+  uint64_t d_end[kMaxDispatchChannels][kMaxRanks];  // dispatch: by source p, ring (ch, p) ended epoch n
   int32_t c_req_lo[kMaxChannels][kMaxRanks]; // combine: first of my rows peer p's channel wants
   int32_t c_req_n[kMaxChannels][kMaxRanks];
   int32_t c_own_lo[kMaxChannels][kMaxRanks]; // combine scratch: my channel's request to rank r
@@ -199,8 +228,8 @@ struct DispatchRing {
     return r;
   }
 };
-// Dispatch area: channels x R rings, ring (ch, s) at (ch * R + s) * ring bytes. The same
-// for any tokens per call or capacity.
+// Dispatch area: dispatch channels (DispatchChannels) x R rings, ring (ch, s) at
+// (ch * R + s) * ring bytes. The same for any tokens per call or capacity.
 JEP_HDX size_t DispatchAreaBytes(int R, int channels, int ring_tokens, size_t row_bytes, int K) {
   return static_cast<size_t>(channels) * R * DispatchRing::Make(ring_tokens, row_bytes, K).bytes;
 }
@@ -257,7 +286,8 @@ struct CommonArgs {
   ErrorRecord* host_err;    // mapped host mirror (may be null)
   int64_t timeout_ns;
   int64_t call_site;        // the call's id (same on every rank of a correct program)
-  int channels;             // channels (the channel kernel has twice the blocks)
+  int channels;             // channels (combine, gather: the channel kernel has twice the
+                            // blocks; dispatch: DispatchChannels, DispatchBlocks of them)
   int ring_tokens;          // slots of each (channel, peer) ring
 };
 

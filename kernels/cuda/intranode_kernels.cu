@@ -1,9 +1,11 @@
 // Intranode dispatch, combine and gather (combine's transpose) over peer pointers.
 // Buffer layout and protocol: kernels/cuda/intranode_buffer.h, docs/intranode.md.
-// Dispatch and combine are a notify kernel and one channel kernel per rank (both blocks of
-// a channel send through per-(channel, peer) rings, to the even and to the odd ranks; the
-// odd block also receives; a rank's own rows skip the rings); gather (cached dispatch) is
-// its channel kernel alone, with the same roles (kernels/cuda/cuda_kernels.h). Rows land
+// Dispatch and combine are a notify kernel and one channel kernel per rank, sending
+// through per-(channel, peer) rings (a rank's own rows skip them). Dispatch: every block a
+// channel, sending to every rank and receiving from every source; combine: both blocks of
+// a channel send, to the even and to the odd ranks, and the odd block also receives.
+// Gather (cached dispatch) is its channel kernel alone, with combine's roles
+// (kernels/cuda/cuda_kernels.h). Rows land
 // in the XLA outputs in the contract's order (source rank, then token), with the routing
 // math of kernels/layout_math.h, so results match the CPU backend bit for bit.
 //
@@ -407,8 +409,8 @@ __device__ void dispatch_send(const DispatchArgs& a, int ch, int d, bool fail, u
   int32_t* meta = reinterpret_cast<int32_t*>(rbase + ring.meta_off);
   const uint64_t Q = static_cast<uint64_t>(a.c.ring_tokens);
   const uint64_t chunk = Q > 4 ? Q / 4 : 1;  // rows per published tail
-  uint64_t* tail = &dh->ring[0].tail[ch][me];
-  const uint64_t base = hdr->ring[0].sent[ch][d];
+  uint64_t* tail = &dh->d_ring.tail[ch][me];
+  const uint64_t base = hdr->d_ring.sent[ch][d];
   uint64_t k = base, published = base, credit = base;
   bool ok = !fail;
   const int t0 = channel_begin(a.T, ch, a.c.channels), t1 = channel_begin(a.T, ch + 1, a.c.channels);
@@ -425,7 +427,7 @@ __device__ void dispatch_send(const DispatchArgs& a, int ch, int d, bool fail, u
           publish_tail(tail, k);
           published = k;
         }
-        ok = warp_wait_counter(a.c, &hdr->ring[0].head[ch][d], k - Q + 1, d, kOpDispatch, &credit);
+        ok = warp_wait_counter(a.c, &hdr->d_ring.head[ch][d], k - Q + 1, d, kOpDispatch, &credit);
         if (!ok) break;
       }
       const uint64_t slot = k % Q;
@@ -455,7 +457,7 @@ __device__ void dispatch_send(const DispatchArgs& a, int ch, int d, bool fail, u
   publish_tail(tail, k);
   if (lane == 0) {
     peer::signal(&dh->d_end[ch][me], n);
-    hdr->ring[0].sent[ch][d] = k;
+    hdr->d_ring.sent[ch][d] = k;
   }
   __syncwarp();
 }
@@ -495,16 +497,16 @@ __device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, u
   const int32_t* meta = reinterpret_cast<const int32_t*>(rbase + ring.meta_off);
   const uint64_t Q = static_cast<uint64_t>(a.c.ring_tokens);
   const uint64_t chunk = Q > 2 ? Q / 2 : 1;  // rows per credit
-  uint64_t* head = &peer::header(a.c.peers, s)->ring[0].head[ch][me];
+  uint64_t* head = &peer::header(a.c.peers, s)->d_ring.head[ch][me];
   const int el = a.experts_per_rank;
   const bool bulk = aligned16(a.recv_x, rbase, a.row_bytes);
   BulkStage st = dispatch_stage(a, sm, s);
-  uint64_t k = hdr->ring[0].read[ch][s];
+  uint64_t k = hdr->d_ring.read[ch][s];
   while (true) {
     uint64_t t = 0;
     int ok = 1;
     if (lane == 0) {
-      ok = wait_ring(a.c, &hdr->ring[0].tail[ch][s], &hdr->d_end[ch][s], k, n, s, &t) ? 1 : 0;
+      ok = wait_ring(a.c, &hdr->d_ring.tail[ch][s], &hdr->d_end[ch][s], k, n, s, &t) ? 1 : 0;
       if (bulk) peer::fence_bulk_global();  // the rows the tail covers, for the bulk loads
     }
     __syncwarp();
@@ -538,7 +540,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, u
     if (lane == 0) peer::signal(head, k);
     __syncwarp();
   }
-  if (lane == 0) hdr->ring[0].read[ch][s] = k;
+  if (lane == 0) hdr->d_ring.read[ch][s] = k;
   __syncwarp();
 }
 
@@ -572,26 +574,25 @@ __device__ void dispatch_empty_outputs(const DispatchArgs& a) {
   }
 }
 
-// The channel kernel: both blocks of channel ch send its tokens (ChannelSendWarps, a warp
-// per receiver: block 2 ch to the even ranks, 2 ch + 1 to the odd ones) and receive
-// channel ch of the other sources (a warp per source, after the senders: block 2 ch from
-// the even sources, 2 ch + 1 from the odd ones; a rank's own rows skip the rings,
-// dispatch_self). Above kMaxSplitSendRanks ranks block 2 ch sends to every rank and
-// 2 ch + 1 receives from every source. Every warp then fills its share of the rows past
-// the received ones (a warp with no ring starts at once). The last block to finish hands
-// the epoch's credit to every sender. Rows move as bulk copies (the TMA) through shared
-// memory when 16-byte aligned (DispatchChannelSmemBytes of it), leaving the warps' own
-// loads and stores to the sends over NVLink; with the receiving split too, both blocks
-// of a channel carry the same work.
+// The channel kernel: block ch is channel ch (DispatchChannels): a warp per receiver
+// sends its tokens (warp d to rank d; a rank's own rows skip the rings, dispatch_self),
+// and a warp per source after them receives channel ch of the other sources, so every
+// block carries the same share of the NVLink stores and of the received rows. Above
+// kMaxSplitSendRanks block 2 ch sends channel ch to every rank and 2 ch + 1 receives it
+// from every source. Every warp then fills its share of the rows past the received ones
+// (a warp with no ring starts at once). The last block to finish hands the epoch's credit
+// to every sender. Rows move as bulk copies (the TMA) through shared memory when 16-byte
+// aligned (DispatchChannelSmemBytes of it), leaving the warps' own loads and stores to
+// the sends over NVLink.
 __global__ void __launch_bounds__(kMaxChannelThreads) dispatch_channel_kernel(DispatchArgs a) {
   __shared__ bool s_fail;
   JEP_DYNAMIC_SMEM(uint4, s_bulk);
   char* const sm = reinterpret_cast<char*>(s_bulk);
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int ch = blockIdx.x >> 1, half = blockIdx.x & 1;
   const bool split = ChannelSendSplit(R);
-  const int sw = (split || half == 0) ? ChannelSendWarps(R) : 0;
-  const int src = warp - ChannelRecvWarp0(R);  // the source a receiving warp reads
+  const int ch = split ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x >> 1);
+  const bool sends = split || (blockIdx.x & 1) == 0, receives = split || (blockIdx.x & 1) == 1;
+  const int src = warp - DispatchRecvWarp0(R);  // the source a receiving warp reads
   RankHeader* hdr = peer::header(a.c.peers, me);
   const uint64_t n = *reinterpret_cast<const volatile uint64_t*>(&hdr->seq[kOpDispatch]);
   if (threadIdx.x == 0) s_fail = failed();
@@ -600,10 +601,9 @@ __global__ void __launch_bounds__(kMaxChannelThreads) dispatch_channel_kernel(Di
     for (int i = 0; i < 2 * R; ++i) peer::mbar_init(reinterpret_cast<uint64_t*>(sm + kBulkZeroBytes) + i);
   peer::fence_bulk_shared();  // the zeros and mbarriers, before any bulk copy uses them
   __syncthreads();
-  if (warp < sw) {
-    const int d = split ? 2 * warp + half : warp;
-    if (d < R) dispatch_send(a, ch, d, s_fail, n, sm);
-  } else if (src >= 0 && src < R && src != me && (split ? (src & 1) == half : half == 1)) {
+  if (sends && warp < R) {
+    dispatch_send(a, ch, warp, s_fail, n, sm);
+  } else if (receives && src >= 0 && src < R && src != me) {
     dispatch_recv(a, ch, src, s_fail, n, sm);
   }
   if (!s_fail) {
@@ -704,7 +704,7 @@ __device__ void combine_send(const CombineArgs& a, int ch, int d, bool fail) {
   char* rbase = peer::peer_ptr(a.c.peers, d, a.c.area_off + (static_cast<size_t>(ch) * R + me) * rb);
   const uint64_t Q = static_cast<uint64_t>(a.c.ring_tokens);
   const uint64_t chunk = Q > 4 ? Q / 4 : 1;
-  uint64_t* tail = &dh->ring[1].tail[ch][me];
+  uint64_t* tail = &dh->c_ring.tail[ch][me];
   int32_t lo = peer::load_volatile(&hdr->c_req_lo[ch][d]);
   int32_t cnt = peer::load_volatile(&hdr->c_req_n[ch][d]);
   if (lo < 0 || cnt < 0 || static_cast<int64_t>(lo) + cnt > a.C) {
@@ -712,7 +712,7 @@ __device__ void combine_send(const CombineArgs& a, int ch, int d, bool fail) {
     lo = 0;
     cnt = 0;
   }
-  const uint64_t base = hdr->ring[1].sent[ch][d];
+  const uint64_t base = hdr->c_ring.sent[ch][d];
   const uint64_t end = base + static_cast<uint64_t>(cnt);
   uint64_t k = base, published = base, credit = base;
   const char* y = static_cast<const char*>(a.y);
@@ -722,7 +722,7 @@ __device__ void combine_send(const CombineArgs& a, int ch, int d, bool fail) {
         publish_tail(tail, k);
         published = k;
       }
-      if (!warp_wait_counter(a.c, &hdr->ring[1].head[ch][d], k - Q + 1, d, kOpCombine, &credit)) break;
+      if (!warp_wait_counter(a.c, &hdr->c_ring.head[ch][d], k - Q + 1, d, kOpCombine, &credit)) break;
     }
     warp_copy_row<true>(rbase + (k % Q) * stride, y + static_cast<int64_t>(lo + j) * a.row_bytes,
                         a.row_bytes, lane);
@@ -732,7 +732,7 @@ __device__ void combine_send(const CombineArgs& a, int ch, int d, bool fail) {
     }
   }
   publish_tail(tail, fail ? end : k);
-  if (lane == 0) hdr->ring[1].sent[ch][d] = fail ? end : k;
+  if (lane == 0) hdr->c_ring.sent[ch][d] = fail ? end : k;
   __syncwarp();
 }
 
@@ -792,7 +792,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
   if (tid < R) {
     s_lo[tid] = hdr->c_own_lo[ch][tid];
     s_cnt[tid] = hdr->c_own_n[ch][tid];
-    s_base[tid] = hdr->ring[1].read[ch][tid];
+    s_base[tid] = hdr->c_ring.read[ch][tid];
     s_used[tid] = 0;
   }
   peer::sync_threads(kRecvBarrier, rthreads);
@@ -834,7 +834,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
           const int r = __ffs(m) - 1;
           const int32_t j = __shfl_sync(kFullMask, j_l, r);
           if (lane == 0)
-            good = wait_row(a.c, &hdr->ring[1].tail[ch][r], s_base[r] + static_cast<uint64_t>(j), r) ? 1 : 0;
+            good = wait_row(a.c, &hdr->c_ring.tail[ch][r], s_base[r] + static_cast<uint64_t>(j), r) ? 1 : 0;
           good = __shfl_sync(kFullMask, good, 0);
         }
         __syncwarp();
@@ -884,7 +884,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
     peer::sync_threads(kRecvBarrier, rthreads);
     if (tid < R && tid != me) {
       const uint64_t h = s_base[tid] + static_cast<uint64_t>(s_used[tid]);
-      if (!fail) peer::signal(&peer::header(a.c.peers, tid)->ring[1].head[ch][me], h);
+      if (!fail) peer::signal(&peer::header(a.c.peers, tid)->c_ring.head[ch][me], h);
     }
     peer::sync_threads(kRecvBarrier, rthreads);
   }
@@ -892,8 +892,8 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
   // they fill, so a sender with more rows than slots is never stuck), then all go back.
   if (warp < R && warp != me && lane == 0) {
     const int r = warp;
-    const uint64_t* tail = &hdr->ring[1].tail[ch][r];
-    uint64_t* head = &peer::header(a.c.peers, r)->ring[1].head[ch][me];
+    const uint64_t* tail = &hdr->c_ring.tail[ch][r];
+    uint64_t* head = &peer::header(a.c.peers, r)->c_ring.head[ch][me];
     const uint64_t end = s_base[r] + static_cast<uint64_t>(s_cnt[r]);
     for (uint64_t k = s_base[r] + static_cast<uint64_t>(s_used[r]); k < end;) {
       if (!wait_row(a.c, tail, k, r)) break;
@@ -901,7 +901,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
       k = t < end ? t : end;
       peer::signal(head, k);
     }
-    hdr->ring[1].read[ch][r] = end;
+    hdr->c_ring.read[ch][r] = end;
   }
   __syncwarp();
 }
@@ -925,8 +925,8 @@ __device__ void gather_send(const GatherArgs& a, int ch, int q, uint64_t n) {
       ring.req_off);
   const uint64_t Q = static_cast<uint64_t>(a.c.ring_tokens);
   const uint64_t chunk = Q > 4 ? Q / 4 : 1;  // rows per published tail
-  uint64_t* tail = &qh->ring[kOpGather].tail[ch][me];
-  const uint64_t* posted = &hdr->ring[kOpGather].head[ch][q];
+  uint64_t* tail = &qh->g_ring.tail[ch][me];
+  const uint64_t* posted = &hdr->g_ring.head[ch][q];
   // q's count of epoch n and its call site.
   uint64_t seen = 0;
   const bool ok = warp_wait_counter(a.c, &hdr->g_req_epoch[ch][q], n, q, kOpGather, &seen);
@@ -951,7 +951,7 @@ __device__ void gather_send(const GatherArgs& a, int ch, int q, uint64_t n) {
     peer::signal(&qh->g_arr_epoch[ch][me], n);
   }
   __syncwarp();
-  const uint64_t base = hdr->ring[kOpGather].sent[ch][q];
+  const uint64_t base = hdr->g_ring.sent[ch][q];
   const uint64_t end = base + static_cast<uint64_t>(cnt);
   uint64_t k = fail ? end : base, published = base, avail = base;
   const char* g = static_cast<const char*>(a.g);
@@ -984,7 +984,7 @@ __device__ void gather_send(const GatherArgs& a, int ch, int q, uint64_t n) {
     k = stop;
   }
   publish_tail(tail, k);
-  if (lane == 0) hdr->ring[kOpGather].sent[ch][q] = k;
+  if (lane == 0) hdr->g_ring.sent[ch][q] = k;
   __syncwarp();
 }
 
@@ -1023,8 +1023,8 @@ __device__ void gather_recv(const GatherArgs& a, int ch, int s, int32_t lo, int3
       ring.req_off);
   const uint64_t Q = static_cast<uint64_t>(a.c.ring_tokens);
   const uint64_t chunk = Q > 2 ? Q / 2 : 1;  // free slots per batch of ids
-  uint64_t* posted_ctr = &sh->ring[kOpGather].head[ch][me];
-  const uint64_t* tail = &hdr->ring[kOpGather].tail[ch][s];
+  uint64_t* posted_ctr = &sh->g_ring.head[ch][me];
+  const uint64_t* tail = &hdr->g_ring.tail[ch][s];
   if (fail) cnt = 0;  // a failed rank asks for nothing
   if (lane == 0) {
     peer::store(&sh->g_req_site[ch][me], fail ? kSiteFailed : a.c.call_site);
@@ -1033,7 +1033,7 @@ __device__ void gather_recv(const GatherArgs& a, int ch, int s, int32_t lo, int3
     peer::signal(&sh->g_req_epoch[ch][me], n);
   }
   __syncwarp();
-  const uint64_t base = hdr->ring[kOpGather].read[ch][s];
+  const uint64_t base = hdr->g_ring.read[ch][s];
   const uint64_t end = base + static_cast<uint64_t>(cnt);
   uint64_t posted = base;
   // Ids [posted, upto) into their slots, fenced before the count that publishes them.
@@ -1075,7 +1075,7 @@ __device__ void gather_recv(const GatherArgs& a, int ch, int s, int32_t lo, int3
     const uint64_t room = k + Q - posted, want = end - posted;
     if (posted < end && room >= (want < chunk ? want : chunk)) post(k + Q < end ? k + Q : end);
   }
-  if (lane == 0) hdr->ring[kOpGather].read[ch][s] = skip ? end : k;
+  if (lane == 0) hdr->g_ring.read[ch][s] = skip ? end : k;
   __syncwarp();
 }
 
@@ -1183,7 +1183,8 @@ cudaError_t LaunchDispatchPhase(int phase, const DispatchArgs& a, const Intranod
                                 cudaStream_t stream) {
   (void)p;
   const int R = a.c.num_ranks;
-  if (R < 1 || R > kMaxRanks || a.c.channels < 1 || a.c.channels > kMaxChannels ||
+  if (R < 1 || R > kMaxRanks || a.c.channels < 1 ||
+      a.c.channels > (ChannelSendSplit(R) ? kMaxDispatchChannels : kMaxChannels) ||
       a.c.ring_tokens < 1)
     return cudaErrorInvalidValue;
   switch (phase) {
@@ -1193,7 +1194,7 @@ cudaError_t LaunchDispatchPhase(int phase, const DispatchArgs& a, const Intranod
     case kPhaseChannel: {
       DispatchArgs b = a;
       b.bulk_piece = IntranodeBulkPieceBytes(R);
-      JEP_LAUNCH(dispatch_channel_kernel, 2 * a.c.channels, ChannelRoleThreads(R),
+      JEP_LAUNCH(dispatch_channel_kernel, DispatchBlocks(R, a.c.channels), DispatchRoleThreads(R),
                  DispatchChannelSmemBytes(R, b.bulk_piece), stream)(b);
       break;
     }

@@ -84,22 +84,22 @@ MUTANTS = [
            "const uint64_t h = s_base[tid] + static_cast<uint64_t>(s_used[tid]) + 1;",
            RINGS, "early credit: one slot more handed back than the chunk consumed"),
     Mutant("combine_send_ignores_credit", INTRA,
-           "      if (!warp_wait_counter(a.c, &hdr->ring[1].head[ch][d], k - Q + 1, d, kOpCombine, &credit)) break;",
+           "      if (!warp_wait_counter(a.c, &hdr->c_ring.head[ch][d], k - Q + 1, d, kOpCombine, &credit)) break;",
            "      credit = k - Q + 1;",
            RINGS, "a full ring not waited for: the sender overwrites rows not yet summed"),
     # --------------------------------------------------------- channel blocks' roles
-    Mutant("dispatch_both_halves_send_to_even_ranks", INTRA,
-           "    if (d < R) dispatch_send(a, ch, d, s_fail, n, sm);",
-           "    if (d < R) dispatch_send(a, ch, d & ~1, s_fail, n, sm);",
-           QUICK, "both blocks of a channel send to the even ranks: the odd ranks' rings get "
-           "nothing and the even ones' two writers"),
+    Mutant("dispatch_warps_send_to_even_ranks", INTRA,
+           "    dispatch_send(a, ch, warp, s_fail, n, sm);",
+           "    dispatch_send(a, ch, warp & ~1, s_fail, n, sm);",
+           QUICK, "the sending warp of an odd rank sends to the even rank below it: the odd "
+           "ranks' rings get nothing and the even ones' two writers"),
     Mutant("combine_both_halves_send_to_even_ranks", INTRA,
            "    if (d < R) combine_send(a, ch, d, s_fail_send);",
            "    if (d < R) combine_send(a, ch, d & ~1, s_fail_send);",
            QUICK, "both blocks of a channel answer the even ranks: the odd ones' sums miss rows"),
     Mutant("dispatch_unsplit_odd_block_sends", INTRA,
-           "ChannelSendWarps(R) : 0;\n  const int src = warp - ChannelRecvWarp0(R);",
-           "ChannelSendWarps(R) : ChannelSendWarps(R);\n  const int src = warp - ChannelRecvWarp0(R);",
+           "const bool sends = split || (blockIdx.x & 1) == 0,",
+           "const bool sends = true,",
            (T_INTRA, "-k", "both_sides"),
            "past kMaxSplitSendRanks, block 2ch + 1 sends to every rank too: two writers per "
            "ring, and its warps never receive"),
@@ -128,7 +128,7 @@ MUTANTS = [
            "        a.src_index[rr] = tt;", "        a.src_index[rr] = tt + 1;",
            QUICK, "a rank's own rows name the next token as their source"),
     Mutant("dispatch_receiver_waits_on_own_ring", INTRA,
-           "src >= 0 && src < R && src != me && (split", "src >= 0 && src < R && (split",
+           "receives && src >= 0 && src < R && src != me)", "receives && src >= 0 && src < R)",
            QUICK, "a receiving warp waits on ring (ch, me), which no sender fills (own rows "
            "skip the rings): the call times out"),
     Mutant("dispatch_self_rows_through_ring", INTRA,
@@ -170,9 +170,12 @@ MUTANTS = [
            "  BulkStage st = dispatch_stage(a, sm, s);", "  BulkStage st = dispatch_stage(a, sm, 0);",
            BULK, "two receiving warps of a block share one source's staging pieces and "
            "mbarriers"),
-    Mutant("dispatch_both_blocks_receive_every_source", INTRA,
-           "(split ? (src & 1) == half : half == 1)", "(split ? true : half == 1)",
-           QUICK, "both blocks of a channel receive every source: two warps drain each ring"),
+    Mutant("dispatch_two_blocks_one_channel", INTRA,
+           "const int ch = split ? static_cast<int>(blockIdx.x) :",
+           "const int ch = split ? static_cast<int>(blockIdx.x >> 1) :",
+           QUICK, "blocks 2ch and 2ch + 1 both take channel ch (a block per channel is the "
+           "design): two writers and two readers per ring, and the odd channels' tokens "
+           "never sent"),
     # --------------------------------------------------------- intranode gather (cached dispatch)
     Mutant("gather_self_wrong_token", INTRA,
            "g + static_cast<int64_t>(a.src_index[i]) * a.row_bytes", "g + static_cast<int64_t>(a.src_index[i] + 1) * a.row_bytes",

@@ -245,8 +245,8 @@ def test_call_site_mismatch_is_reported():
 def test_counters_report_the_launches():
     """Blocks and warps per kernel, as the presets launch them (counted, not measured): a
     notify block and 2 x channels blocks; gather's of one warp per peer (at least 8),
-    dispatch's of its sending warps (one per peer of its half: ceil(R / 2)) beside as many
-    receiving ones."""
+    dispatch's (a channel per block) of a sending warp per rank beside one receiving warp
+    per peer (at least 8)."""
     R, T, H, K, E, C = 2, 4, 16, 2, 4, 8
     emu = Emulator(R, seed=15)
     emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
@@ -257,7 +257,7 @@ def test_counters_report_the_launches():
     preset = next(p for p in emu.m.cuda_presets() if R <= p["max_ranks"])
     assert c["kernel:dispatch_notify_kernel:launches"] == R
     assert c["kernel:dispatch_channel_kernel:blocks"] == R * preset["num_sms"]
-    assert c["kernel:dispatch_channel_kernel:warps"] == R * preset["num_sms"] * (1 + 8)
+    assert c["kernel:dispatch_channel_kernel:warps"] == R * preset["num_sms"] * (R + 8)
     assert not any(k.startswith(("kernel:dispatch_push", "kernel:dispatch_finish")) for k in c)
     assert c["release_stores"] >= 2 * R * R  # arrivals and credits, one per peer
     assert c["fences:system"] > 0 and c["polls"] > 0
@@ -312,19 +312,22 @@ def test_rings_wrap_within_and_across_calls(resident_blocks, monkeypatch):
     """Rings of 2 slots: every (channel, peer) ring of dispatch, combine and gather (cached
     dispatch) but a rank's own (its own rows skip it, and it stays put) wraps at least 3
     times in one call and again in the next, bit for bit against the reference, with two
-    co-residency limits (2: a channel's two blocks at a time)."""
+    co-residency limits (2: a combine channel's two blocks, or two dispatch channels, at a
+    time). 256 tokens: dispatch's 16 channels (a block each) bring about 12 rows a ring."""
     monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
-    R, T, H, K, E, C = 2, 128, 16, 3, 4, 256
+    R, T, H, K, E, C = 2, 256, 16, 3, 4, 512
     emu = Emulator(R, seed=21, resident_blocks=resident_blocks)
     emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
-    nch = emu.m.cuda_area_bytes(R, T, C, H * 2, K)["channels"]
+    area = emu.m.cuda_area_bytes(R, T, C, H * 2, K)
+    # dispatch runs a channel per block, combine and gather one per two blocks
+    nch = {0: area["dispatch_channels"], 1: area["channels"], 2: area["channels"]}
     ops = (0, 1, 2)
-    before = [_ring_rows(emu, op)[:, :nch, :R] for op in ops]
+    before = [_ring_rows(emu, op)[:, :nch[op], :R] for op in ops]
     for call in range(2):
         case = _case(R, T, H, K, E, C, "bf16", "random", 70 + call)
         _check(emu, *case, E, C, f"call {call}: ")
         for op in ops:
-            now = _ring_rows(emu, op)[:, :nch, :R]
+            now = _ring_rows(emu, op)[:, :nch[op], :R]
             wraps = (now - before[op]) // 2
             # a rank's own rows skip its ring (ch, me) in every op: it stays put
             own = np.arange(R)
@@ -338,7 +341,7 @@ def test_rings_wrap_within_and_across_calls(resident_blocks, monkeypatch):
             k = [emu.m.intranode_ring_counters(r, op) for r in range(R)]
             for d in range(R):
                 for s in range(R):
-                    for ch in range(nch):
+                    for ch in range(nch[op]):
                         assert k[d]["tail"][ch][s] == k[d]["read"][ch][s] == k[s]["sent"][ch][d]
                         assert k[s]["head"][ch][d] == k[s]["sent"][ch][d]
 
@@ -369,9 +372,10 @@ def test_default_grid_and_staging_do_not_grow_with_tokens():
     for op in ("dispatch", "combine", "gather"):
         assert small[op] == big[op], op
     assert small["channels"] == ep8["num_sms"] // 2
+    assert small["dispatch_channels"] == ep8["num_sms"]  # a channel per block
     q, row = small["ring_tokens"], H * 2
-    # rings of 128 rows x 8 peers x channels: the rows, their ids and weights
-    assert small["dispatch"] >= small["channels"] * 8 * q * (row + 8 * 8 + 8)
+    # rings of 128 rows x 8 peers x dispatch channels: the rows, their ids and weights
+    assert small["dispatch"] >= small["dispatch_channels"] * 8 * q * (row + 8 * 8 + 8)
     # gather: a data ring and a ring of token ids per (channel, peer), nothing per token
     ring = -(-q * row // 256) * 256 + -(-q * 4 // 256) * 256
     assert small["gather"] == small["channels"] * 8 * ring

@@ -67,10 +67,12 @@ def test_buffer_bytes_formulas():
     b = jcuda.buffer_bytes(8, 4096, 7168, 8, jnp.bfloat16)
     row = 7168 * 2
     # Dispatch, combine and gather stage rows in channels x ranks rings (ids and weights
-    # beside the dispatch rows, token ids beside gather's), whatever the tokens or capacity.
+    # beside the dispatch rows, token ids beside gather's), whatever the tokens or capacity;
+    # dispatch runs a channel per block (two per combine channel) up to 16 ranks.
     ch, q = b["channels"], b["ring_tokens"]
     assert 1 <= ch <= 12 and q >= 1
-    assert b["dispatch"] >= ch * 8 * q * (row + 8 * 8 + 8)
+    assert b["dispatch_channels"] == 2 * ch
+    assert b["dispatch"] >= 2 * ch * 8 * q * (row + 8 * 8 + 8)
     assert b["combine"] >= ch * 8 * q * row
     assert b["gather"] >= ch * 8 * q * (row + 4)
     small = jcuda.buffer_bytes(8, 4096, 7168, 8, jnp.bfloat16, capacity=100)
@@ -80,6 +82,7 @@ def test_buffer_bytes_formulas():
     assert small["gather"] == b["gather"] == big["gather"]
     for k in ("dispatch", "combine", "gather", "header"):
         assert b[k] % 256 == 0
+    assert jcuda.buffer_bytes(32, 16, 16, 2)["dispatch_channels"] == jcuda.channels(32)
     with pytest.raises(ValueError, match="num_ranks"):
         jcuda.buffer_bytes(33, 16, 16, 2)
 
@@ -109,7 +112,8 @@ def test_presets_header_is_one_table():
     """Launch sizes live in kernels/common/configs.h only, not as literals in the kernels."""
     with open(os.path.join(ROOT, "kernels", "cuda", "intranode_kernels.cu")) as f:
         src = f.read()
-    assert src.count("2 * a.c.channels, ChannelRoleThreads(R)") == 2  # dispatch, gather
+    assert src.count("2 * a.c.channels, ChannelRoleThreads(R)") == 1  # gather
+    assert "DispatchBlocks(R, a.c.channels), DispatchRoleThreads(R)" in src  # dispatch
     assert "blocks = 2 * a.c.channels, threads = ChannelRoleThreads(R)" in src  # combine
     assert not re.search(r"JEP_LAUNCH\(\w+(<[^>]*>)?,\s*[^,]+,\s*\d", src), "a literal block size"
     assert "kPlanThreads" in src

@@ -377,7 +377,7 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                            capacity, &a);
   if (!err.empty()) return Invalid(err);
   const int R = static_cast<int>(num_ranks);
-  a.c.channels = CallChannels(harness, ordinal, R);
+  a.c.channels = DispatchChannels(R, CallChannels(harness, ordinal, R));
   a.c.ring_tokens = IntranodeRingTokens();
   const size_t need = DispatchAreaBytes(R, a.c.channels, a.c.ring_tokens, a.row_bytes, a.K);
   Ranks k;

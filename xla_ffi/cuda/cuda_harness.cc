@@ -305,6 +305,7 @@ nb::dict AreaBytes(int num_ranks, int64_t tokens, int64_t capacity, uint64_t row
   d["dispatch"] = SetupDispatchBytes(num_ranks, row_bytes, topk);
   d["combine"] = SetupCombineBytes(num_ranks, row_bytes);
   d["channels"] = SetupChannels(num_ranks);
+  d["dispatch_channels"] = DispatchChannels(num_ranks, SetupChannels(num_ranks));
   d["ring_tokens"] = IntranodeRingTokens();
   d["gather"] = SetupGatherBytes(num_ranks, row_bytes);
   d["header"] = kHeaderBytes;

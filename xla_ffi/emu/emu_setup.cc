@@ -5,6 +5,8 @@
 #include "xla_ffi/cuda/cuda_harness.cc"  // NOLINT(build/include): the setup code itself
 #include "kernels/emu/emu_control.h"
 
+#include <type_traits>
+
 namespace jax_ep {
 namespace emu_driver {
 
@@ -57,17 +59,21 @@ nanobind::dict ReadRingCounters(int rank, int op) {
   if (rank < 0 || rank >= static_cast<int>(GroupBuffers().size()) || op < 0 || op >= kNumOpKinds)
     throw std::invalid_argument("jax_ep emu: ring_counters needs a set-up rank and op 0, 1 or 2");
   const RankHeader* h = static_cast<const RankHeader*>(GroupBuffers()[rank]);
-  const jax_ep::RingCounters& c = h->ring[op];
-  auto grid = [](const uint64_t (&v)[kMaxChannels][kMaxRanks]) {
-    std::vector<std::vector<uint64_t>> out(kMaxChannels);
-    for (int ch = 0; ch < kMaxChannels; ++ch) out[ch].assign(v[ch], v[ch] + kMaxRanks);
-    return out;
-  };
   nanobind::dict d;
-  d["tail"] = grid(c.tail);
-  d["head"] = grid(c.head);
-  d["sent"] = grid(c.sent);
-  d["read"] = grid(c.read);
+  auto fill = [&d](const auto& c) {
+    constexpr int n = std::decay_t<decltype(c)>::kChannels;
+    auto grid = [](const uint64_t (&v)[n][kMaxRanks]) {
+      std::vector<std::vector<uint64_t>> out(n);
+      for (int ch = 0; ch < n; ++ch) out[ch].assign(v[ch], v[ch] + kMaxRanks);
+      return out;
+    };
+    d["tail"] = grid(c.tail);
+    d["head"] = grid(c.head);
+    d["sent"] = grid(c.sent);
+    d["read"] = grid(c.read);
+  };
+  if (op == kOpDispatch) fill(h->d_ring);
+  else fill(op == kOpCombine ? h->c_ring : h->g_ring);
   return d;
 }
 }  // namespace
