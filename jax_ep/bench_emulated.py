@@ -316,7 +316,8 @@ def model_points(mode: str, base: dict) -> list[dict]:
 
 
 # Small shapes at the targets' ranks, experts and top-k. The tokens are enough for every
-# channel of the intranode default (12) to get a few and for the random routing's load on
+# dispatch channel of the intranode default (24, a block each: 8 tokens at 192) to get a
+# few and for the random routing's load on
 # the busiest GPU to be near the mean, whose excess a linear fit would carry to the target
 # (at 2 tokens per rank one GPU can get twice the mean). The hierarchical targets count
 # more tokens at a smaller H (still 16 vectors a row, so the source and forwarder parts
@@ -325,7 +326,7 @@ def model_points(mode: str, base: dict) -> list[dict]:
 # nearer the target's (2x8: 0.56 T at 128 tokens, 0.61 at 64, 0.69 at 16, 0.43 at 4096).
 # About an hour on 2 cores in all.
 MODEL_COUNT = {
-    "intranode": dict(TARGETS["intranode"], tokens=48, hidden=256),
+    "intranode": dict(TARGETS["intranode"], tokens=192, hidden=256),
     "hierarchical_2x8": dict(TARGETS["hierarchical_2x8"], tokens=128, hidden=128),
     "hierarchical_4x8": dict(TARGETS["hierarchical_4x8"], tokens=32, hidden=128),
     "internode_ll": dict(TARGETS["internode_ll"], tokens=16, hidden=256),
