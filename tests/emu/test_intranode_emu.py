@@ -278,10 +278,12 @@ def test_dispatch_bulk_copies_in_pieces(seed, monkeypatch):
     with 32-byte pieces an 80-byte row goes as 32 + 32 + 16, so piece p + 1 loads while
     piece p stores, and the mbarrier phases carry over rows, ring wraps (2 slots) and
     calls. Every output row is stored by bulk copies exactly once (received rows and the
-    zeros past them), and every row loaded once: counted, per GPU."""
+    zeros past them), and every row loaded once: counted, per GPU. 96 tokens: the 20
+    dispatch channels at 4 ranks (a block each) then hold about 5 tokens, so a receiving
+    warp copies several rows one after another through the same pieces."""
     monkeypatch.setenv("JAX_EP_BULK_PIECE_BYTES", "32")
     monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
-    R, T, H, K, E = 4, 12, 40, 2, 8
+    R, T, H, K, E = 4, 96, 40, 2, 8
     emu = Emulator(R, seed=seed)
     row = H * 2
     for call, C in enumerate((3 * T, T // 2)):  # room for every row, then overflow
