@@ -75,7 +75,8 @@ _reset_calls = itertools.count()
 _HEADER_BYTES = 128 * 1024
 _ALIGN = 256
 # The dispatch/combine channel settings (kernels/common/configs.h): the presets' name,
-# max ranks and channel-kernel blocks (num_sms; channels = num_sms / 2, at most 16), and
+# max ranks and channel-kernel blocks (num_sms; channels = num_sms / 2, at most 16; dispatch
+# up to 16 ranks: a channel per block), and
 # the ring slots per (channel, peer), JAX_EP_RING_TOKENS or kRingTokens.
 _CHANNEL_PRESETS = (("ep2", 2, 16), ("ep4", 4, 20), ("ep8", 8, 24), ("ep16", 16, 24),
                     ("ep32", 32, 32))

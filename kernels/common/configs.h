@@ -16,8 +16,9 @@ namespace jax_ep {
 struct IntranodePreset {
   const char* name;
   int max_ranks;     // row applies to num_ranks <= max_ranks (first match wins)
-  int num_sms;       // blocks of the dispatch/combine/gather channel kernels, num_sms / 2
-                     // channels of two blocks each; DeepEP's Buffer.num_sms
+  int num_sms;       // blocks of the dispatch/combine/gather channel kernels: num_sms / 2
+                     // channels of two blocks each for combine and gather, a channel per
+                     // block for dispatch up to 16 ranks; DeepEP's Buffer.num_sms
 };
 
 // Ordered by max_ranks; the last row catches everything. Every grid fits the default SM
@@ -198,7 +199,7 @@ inline int EpSmBudget(int device_sms) {
 }
 
 // `p` with its grids cut to what `sm_budget` SMs hold resident. The channel kernels keep
-// an even block count of at least 2 (two blocks per channel).
+// an even block count of at least 2 (two blocks per combine or gather channel).
 inline IntranodePreset FitPresetToSms(IntranodePreset p, int sm_budget) {
   const int cap = (sm_budget < 1 ? 1 : sm_budget) * kAssumedBlocksPerSm;
   if (p.num_sms > cap) p.num_sms = cap;
