@@ -92,8 +92,8 @@ JEP_HDX int ChannelSendWarps(int num_ranks) {
 JEP_HDX int ChannelRecvWarps(int num_ranks) {
   return num_ranks > kChannelThreads / 32 ? num_ranks : kChannelThreads / 32;
 }
-// The first receiving warp of a block (dispatch: of both blocks of a channel; combine and
-// gather: of block 2ch + 1).
+// The first receiving warp of a combine or gather block 2ch + 1 (dispatch:
+// DispatchRecvWarp0).
 JEP_HDX int ChannelRecvWarp0(int num_ranks) {
   return ChannelSendSplit(num_ranks) ? ChannelSendWarps(num_ranks) : 0;
 }
