@@ -324,9 +324,17 @@ def aligned_pairs(groups: Groups, tile: int, num_rows: int):
 
 
 def _chunk_sizes(tile, max_chunk, m):
-    """Static chunk lengths: tile, 2 tile, 4 tile, ... up to max(tile, max_chunk) and m."""
+    """Static chunk lengths: tile, 2 tile, 4 tile, ... up to max(tile, max_chunk), each
+    below m (the packed length) but the first.
+
+    Never a chunk of all m rows: its slices of the packed arrays would be the whole
+    arrays (a dynamic slice of full length has a constant offset), so XLA's loop-invariant
+    code motion hoists that chunk's gathers and matmuls out of its while loop, and they
+    run on every call even when no run is that long. At the demo's shape (m = 1024 =
+    max_chunk) that tripled the layer's forward+backward (docs/performance.md);
+    tests/test_experts.py checks that no matmul sits outside the loops."""
     sizes = [tile]
-    while sizes[-1] * 2 <= max(tile, max_chunk) and sizes[-1] * 2 <= m:
+    while sizes[-1] * 2 <= max(tile, max_chunk) and sizes[-1] * 2 < m:
         sizes.append(sizes[-1] * 2)
     return tuple(sizes)
 

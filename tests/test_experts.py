@@ -329,3 +329,51 @@ def test_grouped_swiglu_max_chunk_checked():
     ws = _weights(2, 4, 4, seed=15)
     with pytest.raises(ValueError, match="max_chunk"):
         ex.grouped_swiglu(np.ones((8, 4), np.float32), idx, w, *ws, capacity=8, max_chunk=0)
+
+
+def _dots_outside_loops(hlo: str) -> list[str]:
+    """The dot instructions of compiled HLO text that no while loop's body reaches."""
+    import re
+
+    comps, cur = {}, None
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
+        if m and line.rstrip().endswith("{"):
+            cur = m.group(1)
+            comps[cur] = []
+        elif cur is not None:
+            comps[cur].append(line)
+    callees = {c: set(re.findall(r"(?:calls|body|condition|to_apply|branch_computations)"
+                                 r"=\{?%?([\w.\-]+)", " ".join(ls)))
+               for c, ls in comps.items()}
+    stack = [b for ls in comps.values() for b in re.findall(r"body=%?([\w.\-]+)",
+                                                            " ".join(ls))]
+    inside = set()
+    while stack:
+        c = stack.pop()
+        if c not in inside:
+            inside.add(c)
+            stack += list(callees.get(c, ()))
+    return [ln.strip() for c, ls in comps.items() if c not in inside for ln in ls
+            if re.search(r" dot\(", ln)]
+
+
+@pytest.mark.parametrize("el,cap", [(2, 512), (1, 1024), (4, 256)])
+def test_grouped_swiglu_matmuls_stay_in_their_loops(el, cap):
+    """With the packed length M = el * cap equal to max_chunk (the demo's shape: 2
+    experts of 512 places, chunks up to 1024), a chunk of all M rows would slice whole
+    arrays at a constant offset, and XLA would hoist its matmuls out of its loop to run
+    on every call (3x the demo layer's time). No matmul of the forward or backward may
+    sit outside the loops."""
+    C, K, H, F = 1024, 2, 16, 32
+    idx, w = _routing(C, K, el, fill=C, seed=21)
+    x = np.ones((C, H), np.float32)
+    ws = _weights(el, H, F, seed=22)
+
+    def loss(x, w, wg, wu, wd):
+        y, _ = ex.grouped_swiglu(x, idx, w, wg, wu, wd, capacity=cap, max_chunk=1024)
+        return jnp.sum(y * y)
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(x, w, *ws).compile()
+    assert _dots_outside_loops(hlo.as_text()) == []
+    assert ex._chunk_sizes(32, 1024, el * cap)[-1] < el * cap
