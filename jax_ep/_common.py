@@ -94,27 +94,31 @@ def _innermost_trace():
     return traces[-1] if traces else None
 
 
-def _op_key(trace) -> str:
+def _op_key(trace, types: bool = True) -> str:
     """The function JAX is tracing the op in (jax_ep's own custom_vjp body: the op kind,
-    or the body a backward pass is traced into) and its operand types."""
+    or the body a backward pass is traced into) and, with `types`, its operand types."""
     if trace is None:
         return "<eager>"
     frame = trace.frame
     src = str(getattr(getattr(frame, "debug_info", None), "func_src_info", None) or "?")
     name, _, where = src.rpartition(" at ")  # the directory may differ between hosts
     src = f"{name} at {os.path.basename(where)}" if name else os.path.basename(src)
+    if not types:
+        return f"{src}(...)"
     avals = ",".join(str(getattr(v, "aval", "?")) for v in getattr(frame, "invars", ()))
     return f"{src}({avals})"
 
 
-def next_call_site(*static) -> int:
+def next_call_site(*static, types: bool = True) -> int:
     """The call-site id of the EP call being traced: the same on every process for the
     same program point, distinct for the EP calls of one traced function (see above).
     `static`: more of the call's static configuration to hash in; its repr must not
-    depend on the process."""
+    depend on the process. `types=False` leaves the operand types out, so a process
+    that calls the same program point with other shapes gets the same id (the
+    multi-process arrival barrier, jax_ep/_arrival.py, then names the difference)."""
     scope = _scope_of_caller()
     trace = _innermost_trace()
-    op = _op_key(trace)
+    op = _op_key(trace, types)
     if scope is None and trace is not None:
         # No user function on the stack (a backward pass JAX traces after the forward
         # function returned): the body JAX is tracing the calls into is the scope.

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ep import _order, _stream, ops
+from jax_ep import _arrival, _order, _stream, ops
 from jax_ep._common import Cfg, concrete_mesh as _concrete_mesh
 
 
@@ -104,13 +104,25 @@ def _shardings(mesh, spec: _Spec, n):
     return tuple(NamedSharding(mesh, P(spec.token_axes)) for _ in range(n))
 
 
-def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
+def _without_barriers(body):
+    """body, traced with no per-shard arrival barrier (a host callback inside a
+    partitioned body is not safe; the op's own barrier runs before it)."""
+    def traced(*args):
+        with _arrival.partitioned_body():
+            return body(*args)
+
+    return traced
+
+
+def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, kind=None, **factors):
     """A custom_partitioning op whose every operand and result is sharded on dim 0 over
-    the token axes; `body` is the per-shard function, `abstract` gives global shapes."""
+    the token axes; `body` is the per-shard function, `abstract` gives global shapes.
+    `kind` names an op whose body communicates: on several processes (CPU) it waits for
+    the arrival barrier first (jax_ep/_arrival.py); None: no barrier (no collective)."""
     op = custom_partitioning(abstract)
     # On GPU the op sits in a collective-stream region; the body, traced by the
     # partitioner inside it, emits plain EP calls (jax_ep._stream).
-    partition_body = _stream.partitioned_body(body)
+    partition_body = _stream.partitioned_body(_without_barriers(body))
     # XLA's partitioner lowers the body with no call-order token; the op itself is
     # ordered in the enclosing program (jax_ep._order, through jax_ep._scope.named).
     partition_body = _order.unordered(partition_body)
@@ -138,7 +150,8 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
             mesh = _concrete_mesh()
             if mesh.size == 1:
                 # XLA does not partition single-device programs (it would run `abstract`).
-                return jax.shard_map(body, mesh=mesh, in_specs=P(spec.token_axes),
+                return jax.shard_map(_without_barriers(body), mesh=mesh,
+                                     in_specs=P(spec.token_axes),
                                      out_specs=P(spec.token_axes), check_vma=False)(*args)
             # Pin operands to the token sharding (one reshard if they arrive otherwise);
             # this also hands the partitioner the concrete mesh.
@@ -171,6 +184,10 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, **factors):
     made = {}
 
     def entry(*args):
+        if kind is not None:
+            # Here, not in the jit below: that one's trace is cached by types, and the
+            # barrier's call-site id must come from this call's program point.
+            args = _arrival.arrive_global(kind, args, spec.token_axes)
         key = _stream.active()
         if key not in made:
             made[key] = make()

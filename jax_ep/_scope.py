@@ -4,11 +4,21 @@ the transposed calls of its gradient) carries the name, and profiles (XProf, Nsi
 Systems via XLA's NVTX ranges) show which op an exchange belongs to."""
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import jax
 
 from jax_ep import _order
+
+# The public op being traced (innermost), for messages that name it; None outside one
+# (a backward pass is traced after its op returned).
+_current = contextvars.ContextVar("jax_ep_public_op", default=None)
+
+
+def current_op():
+    """The name of the public op being traced, e.g. 'jax_ep.dispatch', or None."""
+    return _current.get()
 
 
 def named(name: str):
@@ -21,6 +31,13 @@ def named(name: str):
     def decorate(fn):
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
+            token = _current.set(name)
+            try:
+                return _run(args, kwargs)
+            finally:
+                _current.reset(token)
+
+        def _run(args, kwargs):
             with jax.named_scope(name):
                 if not ordered:
                     return fn(*args, **kwargs)

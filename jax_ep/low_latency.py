@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import backends
+from jax_ep import _arrival, backends
 from jax_ep._common import Cfg, after, ep_size
 from jax_ep._scope import named
 from jax_ep.ops import _check_tokens, _static_int, resolve_backend
@@ -189,7 +189,8 @@ def combine_rows(y, idx, w, first_row, row_count, cfg: Cfg, stage_rows: int, top
     """y[E_local, R*M, H], idx/w[T, K'] -> out[T, H], per shard, no autodiff. `topk` is
     the K of the dispatch that made the handle (it bounds the rows per destination)."""
     sent = _send_combine(y, first_row, row_count, cfg, topk)
-    return _recv_combine(sent, idx, w, cfg, stage_rows)
+    with _arrival.covered():  # the send half's arrival barrier covers the whole call
+        return _recv_combine(sent, idx, w, cfg, stage_rows)
 
 
 def make_differentiable(dispatch_fn, combine_fn):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _cpu_pool, _ext, _value_check, backends, fp8
+from jax_ep import _arrival, _cpu_pool, _ext, _value_check, backends, fp8
 from jax_ep._common import FLOAT_DTYPES, Cfg, after, ep_size, unify_varying
 from jax_ep._scope import named
 from jax_ep._types import DispatchHandle, DispatchLayout
@@ -154,7 +154,10 @@ def _layout_impl(topk_idx, num_experts, num_ranks, backend, check_ids=True):
                       or (backend == "ffi" and jax.default_backend() == "cpu")):
         # No exchange follows in the op, but the program's next collective does: inside
         # shard_map every shard agrees on the check first, so all raise or none does
-        # (the CPU kernel's own check would stop one shard alone).
+        # (the CPU kernel's own check would stop one shard alone). Its all-gather is a
+        # collective: on several processes (CPU) every peer arrives first.
+        topk_idx = _arrival.arrive("get_dispatch_layout", topk_idx,
+                                   f"; num_experts={num_experts}, num_ranks={num_ranks}")
         topk_idx = _value_check.checked(topk_idx, num_experts)
     cfg = Cfg(num_experts, num_ranks, backend=backend, check_ids=check_ids)
     return backends.get(backend).layout(topk_idx, cfg)

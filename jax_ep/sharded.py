@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _value_check, fp8, ops
+from jax_ep import _arrival, _value_check, fp8, ops
 from jax_ep import sharded_low_latency as low_latency  # the mode's global view
 from jax_ep._partition import _context_mesh, _group_axes, _partitioned, _spec, _Spec
 from jax_ep._scope import named
@@ -100,6 +100,8 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, mesh_axis: str, batch_axe
     if spec.backend == "reference" or (spec.backend == "ffi"
                                        and jax.default_backend() == "cpu"):
         # Every shard agrees before any raises (the CPU kernel's check stops one alone).
+        # The check is a collective: on several processes (CPU) every peer arrives first.
+        topk_idx = _arrival.arrive_global("get_dispatch_layout", topk_idx, spec.token_axes)
         topk_idx = ops._check_ids_reference(topk_idx, spec)
     return DispatchLayout(*_layout_op(spec)(topk_idx))
 
@@ -163,7 +165,7 @@ def _dispatch_op(spec: _Spec, H: int, K: int, dtype):
 
     rule = "(s t) h, (s t) k, (s t) k -> (s c) h, (s c) k, (s c) k, " + _handle_rule(spec)
     return _partitioned(spec, body, abstract, rule, 3, 11 if with_parts else 9,
-                        **_handle_factors(spec, "h", "k"))
+                        kind="dispatch", **_handle_factors(spec, "h", "k"))
 
 
 @functools.cache
@@ -192,7 +194,9 @@ def _handle_driven_op(spec: _Spec, H: int, dtype, transpose: bool, internode_met
     bias_rule = "".join(f", {tokens}" for _ in range(n_bias))
     rule = f"{src}, {_handle_rule(spec)}{bias_rule} -> {dst}"
     n_in = 1 + n_handle + n_bias
-    return _partitioned(spec, body, abstract, rule, n_in, 1, **_handle_factors(spec, "h"))
+    return _partitioned(spec, body, abstract, rule, n_in, 1,
+                        kind="gather" if transpose else "combine",
+                        **_handle_factors(spec, "h"))
 
 
 def _internode_parts(h: ShardedDispatchHandle, what: str) -> InternodeHandleParts:
@@ -276,9 +280,14 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, mesh_axis: str, cap
     num_experts = ops._static_int("num_experts", num_experts, 1)
     ops._check_routing(topk_idx, topk_weights, x.shape[0], num_experts, 1)
     spec = _spec(x.shape[0], num_experts, mesh_axis, capacity, backend, batch_axes)
+    # Several processes on CPU: every peer arrives before the check's collective and the
+    # exchange (jax_ep/_arrival.py), one barrier for both.
+    x, topk_idx, topk_weights = _arrival.arrive_global(
+        "dispatch", (x, topk_idx, topk_weights), spec.token_axes)
     if _value_check.global_check_needed(spec):
         topk_idx = ops._check_ids_reference(topk_idx, spec)
-    recv_x, recv_idx, recv_w, handle = _dispatch(x, topk_idx, topk_weights, spec)
+    with _arrival.covered():
+        recv_x, recv_idx, recv_w, handle = _dispatch(x, topk_idx, topk_weights, spec)
     if block is not None:
         recv_x = fp8.unpack(recv_x, block=block)
     return recv_x, recv_idx, recv_w, handle

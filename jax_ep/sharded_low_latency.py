@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_ep import _arrival
 from jax_ep import low_latency as ll
 from jax_ep import ops
 from jax_ep import _partition as _sh
@@ -69,7 +70,8 @@ def _dispatch_op(spec, T: int, K: int, H: int, dtype, stage_rows: int):
         return ll.dispatch_rows(x, idx, spec.cfg, stage_rows)
 
     rule = "(s t) h, (s t) k -> (s e) m h, (s e), (s e) m, (s e) m, (s e) r, (s e) r"
-    return _sh._partitioned(spec, body, abstract, rule, 2, 6, s=S, t=T, e=el,
+    return _sh._partitioned(spec, body, abstract, rule, 2, 6, kind="low_latency.dispatch",
+                            s=S, t=T, e=el,
                             need_replication_factors=("h", "k", "m", "r", "e"))
 
 
@@ -97,7 +99,8 @@ def _dispatch_fp8_op(spec, T: int, K: int, H: int, dtype, stage_rows: int, round
 
     rule = ("(s t) h, (s t) k -> (s e) m h, (s e) m b, (s e), (s e) m, (s e) m, (s e) r, "
             "(s e) r")
-    return _sh._partitioned(spec, body, abstract, rule, 2, 7, s=S, t=T, e=el,
+    return _sh._partitioned(spec, body, abstract, rule, 2, 7,
+                            kind="low_latency.dispatch_fp8", s=S, t=T, e=el,
                             need_replication_factors=("h", "k", "m", "r", "e", "b"))
 
 
@@ -120,7 +123,8 @@ def _combine_op(spec, T: int, K: int, H: int, dtype, stage_rows: int, topk: int)
         return ll.combine_rows(y, idx, w, first, count, spec.cfg, stage_rows, topk)
 
     rule = "(s e) m h, (s t) k, (s t) k, (s e) r, (s e) r -> (s t) h"
-    return _sh._partitioned(spec, body, abstract, rule, 5, 1, s=S, t=T, e=el,
+    return _sh._partitioned(spec, body, abstract, rule, 5, 1, kind="low_latency.combine",
+                            s=S, t=T, e=el,
                             need_replication_factors=("h", "k", "m", "r", "e"))
 
 
@@ -153,11 +157,16 @@ def dispatch(x, topk_idx, *, num_experts: int, mesh_axis: str, max_tokens_per_ra
     E, M = ll.check_dispatch_args(x, topk_idx, num_experts, 1, max_tokens_per_rank, fp8)
     spec = _sh._spec(x.shape[0], E, mesh_axis, M, backend, batch_axes)
     ll._check_T(spec.tokens_per_shard, M)
+    # Several processes on CPU: every peer arrives before the check's collective and the
+    # exchange (jax_ep/_arrival.py), one barrier for both.
+    x, topk_idx = _arrival.arrive_global("low_latency.dispatch", (x, topk_idx),
+                                         spec.token_axes)
     if global_check_needed(spec):
         # Agreed by every shard before the partitioned op (jax_ep/_value_check.py).
         topk_idx = checked_global(topk_idx, spec, repeats=True, where="jax_ep.low_latency")
-    outs = (_fp8_dispatch(x, topk_idx, spec, bool(round_scale)) if fp8
-            else _dispatch(x, topk_idx, spec))
+    with _arrival.covered():
+        outs = (_fp8_dispatch(x, topk_idx, spec, bool(round_scale)) if fp8
+                else _dispatch(x, topk_idx, spec))
     handle = ShardedLowLatencyHandle(outs[2], outs[3], outs[4], outs[5], E, spec.num_ranks,
                                      M, mesh_axis, spec.token_axes, x.shape[0],
                                      topk_idx.shape[1], spec)
@@ -181,6 +190,11 @@ def combine(y, topk_idx, topk_weights, handle: ShardedLowLatencyHandle, *, backe
     if int(mesh.shape[handle.mesh_axis]) != handle.num_ranks:
         raise ValueError("the mesh in context does not match the handle's mesh")
     spec = dataclasses.replace(spec, backend=ops.resolve_backend(backend))
+    first_row, row_count = handle.first_row, handle.row_count
+    y, topk_idx, topk_weights, first_row, row_count = _arrival.arrive_global(
+        "low_latency.combine", (y, topk_idx, topk_weights, first_row, row_count),
+        spec.token_axes)
     if global_check_needed(spec):
         topk_idx = checked_global(topk_idx, spec, repeats=True, where="jax_ep.low_latency")
-    return _combine(y, topk_idx, topk_weights, handle.first_row, handle.row_count, spec)
+    with _arrival.covered():
+        return _combine(y, topk_idx, topk_weights, first_row, row_count, spec)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_ep import _arrival
 from jax_ep._common import Cfg, axis_names
 from jax_ep._value_check import checked, neutralized
 from jax_ep._types import DispatchHandle, DispatchLayout
@@ -51,8 +52,19 @@ def _a2a(v, axis_name):
     return jax.lax.all_to_all(v, axis_name, 0, 0, tiled=False)
 
 
+def _static(cfg: Cfg) -> str:
+    """The static attributes every rank of one call must share (the arrival barrier's
+    signature)."""
+    return (f"; num_experts={cfg.num_experts}, num_ranks={cfg.num_ranks}, "
+            f"capacity={cfg.capacity}, axis_name={cfg.axis_name!r}")
+
+
 def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     num_experts, R, C, axis_name = cfg.num_experts, cfg.num_ranks, cfg.capacity, cfg.axis_name
+    # Several processes on CPU: every peer has arrived before the first collective
+    # (jax_ep/_arrival.py); elsewhere a no-op.
+    x, topk_idx, topk_weights = _arrival.arrive("dispatch", (x, topk_idx, topk_weights),
+                                                _static(cfg))
     if cfg.check_ids:
         # Agreed on every rank before the first all_to_all (jax_ep/_value_check.py).
         topk_idx = checked(topk_idx, num_experts, axis_name=axis_name, groups=cfg.group_axes)
@@ -117,6 +129,7 @@ def combine(y, handle: DispatchHandle, cfg: Cfg):
 def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias, node_size=None):
     """combine, plus each [T, H] array of `bias` in order, added in float32 before the
     cast to y.dtype. node_size: G of the order (None: combine_node_size)."""
+    y, handle, bias = _arrival.arrive("combine", (y, handle, tuple(bias)), _static(cfg))
     R = handle.num_ranks
     G = combine_node_size(R) if node_size is None else int(node_size)
     G = R if G <= 0 or G >= R else G
@@ -153,6 +166,7 @@ def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias, node_size=None)
 
 def gather(g, handle: DispatchHandle, cfg: Cfg):
     """Transpose of combine: out[C, H] with out[i] = g_{src_rank[i]}[src_index[i]]."""
+    g, handle = _arrival.arrive("gather", (g, handle), _static(cfg))
     R = handle.num_ranks
     mask = (handle.send_row >= 0).T  # [R(dest), T]
     gb = _as_bits(g)
@@ -198,6 +212,7 @@ def ll_slot_positions(topk_idx, num_experts):
 def ll_dispatch_send(x, topk_idx, cfg: Cfg):
     E, R, M = cfg.num_experts, cfg.num_ranks, cfg.capacity
     el = E // R
+    x, topk_idx = _arrival.arrive("low_latency.dispatch_send", (x, topk_idx), _static(cfg))
     if cfg.check_ids:
         # Agreed on every rank before the all_to_all (jax_ep/_value_check.py).
         topk_idx = checked(topk_idx, E, axis_name=cfg.axis_name, groups=cfg.group_axes,
@@ -259,6 +274,8 @@ def ll_dispatch_recv_fp8(sent, cfg: Cfg, hidden: int):
 
 
 def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):
+    y, first_row, row_count = _arrival.arrive("low_latency.combine_send",
+                                              (y, first_row, row_count), _static(cfg))
     R, M = cfg.num_ranks, cfg.capacity
     el, RM, H = y.shape
     j = jnp.arange(M, dtype=jnp.int32)
@@ -274,6 +291,11 @@ def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):
 def ll_combine_recv(sent, topk_idx, topk_weights, cfg: Cfg):
     """out[S, H]: sum over k ascending of w[t, k] * row(t, k) in float32, cast to y's
     dtype; -1 slots are skipped."""
+    if cfg.check_ids:
+        # The check's all-gather is a collective of its own: the split API's
+        # combine_recv has a barrier too (`combine` covers it with its send's).
+        sent, topk_idx, topk_weights = _arrival.arrive(
+            "low_latency.combine_recv", (sent, topk_idx, topk_weights), _static(cfg))
     (back,) = sent
     el = cfg.experts_per_rank
     M = cfg.capacity
