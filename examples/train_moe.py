@@ -52,6 +52,10 @@ def parse_args(argv=None):
                    help="the balance loss weighted by --aux-coef (MoE aux_loss)")
     p.add_argument("--routed-scaling-factor", type=float, default=1.0,
                    help="scale of the routed experts' weights (DeepSeek-V3: 2.5)")
+    p.add_argument("--dense", action="store_true",
+                   help="a dense SwiGLU of width top-k * ffn in place of each MoE (the same "
+                        "active FLOPs): the yardstick of `python -m jax_ep.bench "
+                        "--train-step`")
     p.add_argument("--backend", choices=("auto", "ffi", "reference"), default="auto")
     p.add_argument("--dispatch-dtype", choices=("default", "fp8"), default="default",
                    help="fp8: tokens dispatched as FP8 with 1 x 128 block scales "
@@ -93,7 +97,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
-from jax_ep.flax import MoE  # noqa: E402
+from jax_ep.flax import MoE, SwiGLU  # noqa: E402
 
 VOCAB = 256
 
@@ -153,6 +157,11 @@ class Block(nnx.Module):
         self.norm1 = nnx.RMSNorm(a.hidden, rngs=rngs)
         self.attn = Attention(a.hidden, a.heads, rngs=rngs)
         self.norm2 = nnx.RMSNorm(a.hidden, rngs=rngs)
+        self.experts = a.experts
+        if a.dense:
+            self.moe = None
+            self.ffn = SwiGLU(a.hidden, a.top_k * a.ffn, rngs=rngs)
+            return
         self.moe = MoE(a.hidden, a.ffn, a.experts, a.top_k, mesh_axis="expert",
                        backend=a.backend, capacity=a.capacity or None,
                        capacity_factor=a.capacity_factor or None, score=a.score,
@@ -163,6 +172,12 @@ class Block(nnx.Module):
 
     def __call__(self, x):
         x = x + self.attn(self.norm1(x))
+        if self.moe is None:  # --dense: no routing, so no balance terms or drops
+            zero, none = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+            return x + self.ffn(self.norm2(x)), {
+                "load_balance_loss": zero, "router_z_loss": zero, "dropped": none,
+                "dropped_rows": none,
+                "tokens_per_expert": jnp.zeros((self.experts,), jnp.int32)}
         y, aux = self.moe(self.norm2(x))
         return x + y, aux
 
@@ -215,7 +230,7 @@ def make_steps(a, mesh):
         grad_fn = nnx.value_and_grad(lambda m: lm_loss(m, tokens, a), has_aux=True)
         (loss, (ce, lb, load, dropped)), grads = grad_fn(model)
         opt.update(model, grads)
-        if a.routing_bias:
+        if a.routing_bias and not a.dense:
             for blk, l in zip(model.blocks, load):
                 blk.moe.update_routing_bias(l)
         return {"loss": ce, "total_loss": loss, "lb_loss": lb, "load": load,

@@ -488,6 +488,10 @@ def parse_args(argv=None):
     p.add_argument("--layer", action="store_true",
                    help="benchmark the Flax MoE layer against a dense SwiGLU instead "
                         "(`--layer -h` lists its flags; see jax_ep/bench_layer.py)")
+    p.add_argument("--train-step", action="store_true",
+                   help="steps/s of the demo's training step (examples/train_moe.py) "
+                        "against its dense twin, with --baseline to flag a regression "
+                        "(`--train-step -h` lists its flags)")
     p.add_argument("--mode", choices=("normal", "low_latency") + INTERNODE_MODES,
                    default="normal",
                    help="'low_latency': time the low-latency (decode) mode instead, "
@@ -596,6 +600,9 @@ def main(argv=None) -> dict:
     if "--layer" in argv:
         from jax_ep import bench_layer
         return bench_layer.main([x for x in argv if x != "--layer"])
+    if "--train-step" in argv:  # the demo's training step (jax_ep/bench_layer.py)
+        from jax_ep import bench_layer
+        return bench_layer.train_step_main([x for x in argv if x != "--train-step"])
     if "--fp8" in argv:  # FP8 pairs against bf16 rows (fp8_main below)
         return fp8_main([x for x in argv if x != "--fp8"])
     args = parse_args(argv)

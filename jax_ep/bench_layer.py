@@ -25,6 +25,12 @@ initial weights on random normal tokens).
 Targets: MoE fwd_bwd median <= 1.5x the dense one, peak memory <= 2x; the
 JSON's "targets" holds both ratios per capacity factor.
 
+User call (unless `--no-user-call`): the layer as a user's training step calls it,
+`MoE(H, F, num_experts=E, top_k=K)` with every other argument at its default, and the
+dense SwiGLU, each under `nnx.jit(nnx.grad(loss))` of a plain loss (mean of y^2) over its
+parameters; `--repeats` rounds of `--user-calls` back-to-back calls of each program in
+turn. Target: the default layer at most 1.3x dense ("user_call" in the JSON).
+
 `--profile` (with the first capacity factor) times the pieces of the MoE's fwd_bwd as
 programs of their own on the same mesh and tokens, round robin with the whole layer and
 the dense one, and reports each as a share of the layer's time (shares of one run hold
@@ -42,6 +48,7 @@ under a steady load, where absolute times do not):
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -49,8 +56,10 @@ import sys
 import time
 
 DEFAULTS = dict(tokens=8192, hidden=512, ffn=512, experts=16, topk=4, data=2, expert=4,
-                capacity_factors="2.0", dtype="float32", repeats=5, warmup=2, input_sets=2)
-QUICK = dict(tokens=256, hidden=64, ffn=64, experts=8, topk=2, repeats=2, warmup=1)
+                capacity_factors="2.0", dtype="float32", repeats=5, warmup=2, input_sets=2,
+                user_calls=3)
+QUICK = dict(tokens=256, hidden=64, ffn=64, experts=8, topk=2, repeats=2, warmup=1,
+             user_calls=2)
 
 
 def parse_args(argv=None):
@@ -84,15 +93,21 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="time the MoE's pieces (router, exchange, grouping sort, expert "
                         "loop, bare matmuls) as shares of the layer (first capacity factor)")
+    p.add_argument("--user-calls", type=int, default=None,
+                   help="back-to-back calls per round of the user-call programs (default "
+                        f"{DEFAULTS['user_calls']})")
+    p.add_argument("--no-user-call", action="store_true",
+                   help="skip the default-argument layer under nnx.jit(nnx.grad(loss))")
     p.add_argument("--expert-matmul", default=None, choices=("tiles", "ragged_dot"),
                    help="the MoE's expert_matmul (default: by platform)")
     a = p.parse_args(argv)
     base = dict(DEFAULTS, **(QUICK if a.quick else {}))
-    for k in ("tokens", "hidden", "ffn", "experts", "topk", "repeats", "warmup"):
+    for k in ("tokens", "hidden", "ffn", "experts", "topk", "repeats", "warmup",
+              "user_calls"):
         if getattr(a, k) is None:
             setattr(a, k, base[k])
     for k in ("tokens", "hidden", "ffn", "experts", "topk", "data", "expert", "repeats",
-              "input_sets"):
+              "input_sets", "user_calls"):
         if getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
     if a.warmup < 0:
@@ -197,6 +212,83 @@ def _programs(module, has_aux):
     return state, jax.jit(fwd), jax.jit(fwd_bwd)
 
 
+def _user_step(module, has_aux, x):
+    """`nnx.jit(nnx.grad(loss))` of a plain loss over the module's parameters, as a
+    user's training step calls the layer: loss = mean(y^2) (y the layer's output); the
+    tokens x are an argument (closed over, a sharded array would become a constant of
+    the program, replicated)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    def loss(m, x):
+        y = m(x)
+        y = y[0] if has_aux else y
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    @nnx.jit
+    def step(m, x):
+        return nnx.grad(loss)(m, x)
+
+    return functools.partial(step, x=x)
+
+
+def _time_user_calls(steps, warmup, repeats, calls):
+    """steps: {key: (step, module)} -> {key: timing}: `warmup` calls each; then `repeats`
+    rounds, each timing `calls` back-to-back calls of every step in turn (blocking on the
+    last), as a training loop runs; per-call seconds."""
+    for step, m in steps.values():
+        for _ in range(max(warmup, 1)):
+            jax_block(step(m))
+    times = {k: [] for k in steps}
+    cpu = {k: [] for k in steps}
+    for _ in range(repeats):
+        for k, (step, m) in steps.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(calls):
+                g = step(m)
+            jax_block(g)
+            times[k].append((time.perf_counter() - t0) / calls)
+            cpu[k].append((time.process_time() - c0) / calls)
+            del g
+    return {k: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
+                "times_s": t, "cpu_median_s": statistics.median(cpu[k]),
+                "cpu_times_s": cpu[k], "calls_per_round": calls}
+            for k, t in times.items()}
+
+
+def user_call(a, mesh, x) -> dict:
+    """The layer as a user calls it: `MoE(H, F, num_experts=E, top_k=K)` with every other
+    argument left at its default, and the dense SwiGLU, each under
+    `nnx.jit(nnx.grad(loss))` of a plain loss over its parameters; timed as separate
+    programs in a loop of back-to-back calls (`_time_user_calls`). Returns
+    {"results": {name: timing}, "moe_over_dense": ratio of medians,
+    "capacity_factor": the MoE's default}."""
+    import jax
+    from flax import nnx
+
+    from jax_ep.flax import MoE, SwiGLU
+
+    with jax.set_mesh(mesh):
+        moe = MoE(a.hidden, a.ffn, num_experts=a.experts, top_k=a.topk,
+                  rngs=nnx.Rngs(a.seed))
+        dense = SwiGLU(a.hidden, a.topk * a.ffn, rngs=nnx.Rngs(a.seed))
+        steps = {"moe default": (_user_step(moe, True, x), moe),
+                 "dense": (_user_step(dense, False, x), dense)}
+        timing = _time_user_calls(steps, a.warmup, a.repeats, a.user_calls)
+    return {"results": timing,
+            "moe_over_dense": timing["moe default"]["median_s"]
+            / timing["dense"]["median_s"],
+            "cpu_moe_over_dense": timing["moe default"]["cpu_median_s"]
+            / max(timing["dense"]["cpu_median_s"], 1e-9),
+            "capacity_factor": moe.capacity_factor,
+            "expert_matmul": experts_default()}
+
+
+def experts_default():
+    from jax_ep import experts
+    return experts.check_expert_matmul(None)
+
+
 def run(a) -> dict:
     import jax
     import jax.numpy as jnp
@@ -253,6 +345,7 @@ def run(a) -> dict:
                                  "slots": int(np.sum(aux["tokens_per_expert"]))}
         timing = _time_round_robin(progs, a.warmup, a.repeats)
     del progs
+    user = None if a.no_user_call else user_call(a, mesh, xs[0])
     results = [{"layer": name, "capacity_factor": cf, "program": prog,
                 "compile_s": compile_s[(name, prog)], **timing[(name, prog)]}
                for (kind, cf) in layers
@@ -285,6 +378,7 @@ def run(a) -> dict:
               "build": jax_ep.build_info(), "quick": bool(a.quick),
               "dense": f"SwiGLU({a.hidden}, {a.topk} * {a.ffn}), replicated weights"}
     return {"config": config, "results": results, "memory": memory, "dropped": dropped,
+            "user_call": user,
             "memory_method": "XLA compiled memory_analysis() per device: peak = argument "
                              "+ output + temp - alias bytes",
             "targets": targets}
@@ -426,6 +520,16 @@ def format_table(report) -> str:
                      f"{r['cpu_median_s'] * 1e3:>8.1f} "
                      f"{r['cpu_median_s'] / d['cpu_median_s']:>8.2f} {pk / 2**20:>9.1f} "
                      f"{pk / max(dpk, 1):>8.2f}")
+    u = report.get("user_call")
+    if u:
+        for name, r in u["results"].items():
+            lines.append(f"{'user: ' + name:<23} {r['median_s'] * 1e3:>10.1f} "
+                         f"{r['min_s'] * 1e3:>9.1f} {r['max_s'] * 1e3:>9.1f} "
+                         f"{r['median_s'] / u['results']['dense']['median_s']:>8.2f} "
+                         f"{r['cpu_median_s'] * 1e3:>8.1f}")
+        lines.append(f"user call: MoE(H, F, num_experts, top_k) with default arguments "
+                     f"(capacity_factor={u['capacity_factor']}) under "
+                     f"nnx.jit(nnx.grad(loss)): {u['moe_over_dense']:.2f}x dense")
     for name, d in report["dropped"].items():
         lines.append(f"{name}: dropped {d['dropped_slots']} of {d['slots']} top-k slots "
                      f"({d['dropped_rows']} rows at dispatch)")
@@ -473,6 +577,9 @@ def main(argv=None) -> dict:
                                         "peak_x_dense": round(v["peak_memory_over_dense"]
                                                               ["fwd_bwd"], 3)}
                                     for k, v in report["targets"].items()}))
+    u = report.get("user_call")
+    if u:
+        u["target_1.3x_met"] = u["moe_over_dense"] <= 1.3
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -482,3 +589,170 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+# ----------------------------------------------------------------------------- train step
+
+TRAIN_STEP_DEFAULTS = dict(steps=10, rounds=5, warmup=2)
+# The demo's model made small for a smoke run (`--quick`).
+TRAIN_STEP_QUICK = ["--batch", "8", "--seq", "32", "--layers", "1", "--hidden", "32",
+                    "--heads", "2", "--ffn", "32", "--experts", "4", "--data", "1",
+                    "--expert", "4"]
+REGRESSION_TOLERANCE = 0.15
+
+
+def _demo_script(path=None):
+    """The demo's training script, `examples/train_moe.py` of the checkout this package
+    runs from (or `path`), loaded as a module."""
+    import importlib.util
+    import os
+
+    if path is None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.path.join(root, "examples", "train_moe.py")
+    if not os.path.isfile(path):
+        raise SystemExit(f"jax_ep.bench --train-step: no demo script at {path}; run it "
+                         "from a checkout of the repository or pass --script PATH")
+    spec = importlib.util.spec_from_file_location("_jax_ep_demo_train", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, path
+
+
+def parse_train_step_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m jax_ep.bench --train-step",
+        description="Steps/s of the demo's training step (examples/train_moe.py at its "
+                    "default arguments, as `make demo` runs it) against the same model "
+                    "with a dense SwiGLU of the same active FLOPs in place of each MoE, "
+                    "timed in turn in one process.")
+    p.add_argument("--steps", type=int, default=TRAIN_STEP_DEFAULTS["steps"],
+                   help="steps per timed round (default 10)")
+    p.add_argument("--rounds", type=int, default=TRAIN_STEP_DEFAULTS["rounds"],
+                   help="timed rounds of each configuration, in turn (default 5)")
+    p.add_argument("--warmup", type=int, default=TRAIN_STEP_DEFAULTS["warmup"],
+                   help="untimed steps first (default 2)")
+    p.add_argument("--script", default=None, help="the demo script (default: the "
+                   "checkout's examples/train_moe.py)")
+    p.add_argument("--baseline", metavar="JSON", default=None,
+                   help="a recorded run of this benchmark: exit 1 when this run's "
+                        f"demo/dense time ratio exceeds it by more than "
+                        f"{REGRESSION_TOLERANCE * 100:.0f}%%")
+    p.add_argument("--quick", action="store_true", help="a small model, few steps")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    a = p.parse_args(argv)
+    for k in ("steps", "rounds"):
+        if getattr(a, k) < 1:
+            p.error(f"--{k} must be >= 1, got {getattr(a, k)}")
+    if a.warmup < 0:
+        p.error("--warmup must be >= 0")
+    return a
+
+
+def train_step(a) -> dict:
+    """{"config", "results": {"demo"|"dense": timing per step}, "demo_over_dense",
+    "steps_per_s"}: both configurations built from the demo script's own `build` and
+    `make_steps`, fed its own batches; round r runs `steps` steps of each in turn."""
+    import jax
+
+    mod, path = _demo_script(a.script)
+    extra = TRAIN_STEP_QUICK if a.quick else []
+    configs = {"demo": mod.parse_args(extra + ["--no-progress"]),
+               "dense": mod.parse_args(extra + ["--no-progress", "--dense"])}
+    d = configs["demo"]
+    mesh = jax.make_mesh((d.data, d.expert), ("data", "expert"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:d.data * d.expert])
+    data, _ = mod.load_corpus()
+    runs = {}
+    with jax.set_mesh(mesh):
+        for name, args in configs.items():
+            model, opt = mod.build(args, mesh)
+            step, _, put = mod.make_steps(args, mesh)
+            t0 = time.perf_counter()
+            for s in range(max(a.warmup, 1)):
+                m = step(model, opt, put(mod.batch_at(data, args.seed, s, args.batch,
+                                                      args.seq)))
+            jax_block(m)
+            runs[name] = (step, model, opt, put, args, time.perf_counter() - t0)
+            print(f"  compiled {name}", file=sys.stderr, flush=True)
+        times = {k: [] for k in runs}
+        cpu = {k: [] for k in runs}
+        for r in range(a.rounds):
+            for name, (step, model, opt, put, args, _) in runs.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                for s in range(a.steps):
+                    # The demo's loop: a host batch put on the mesh, then the step.
+                    m = step(model, opt, put(mod.batch_at(data, args.seed, 1000 + s,
+                                                          args.batch, args.seq)))
+                jax_block(m)
+                times[name].append((time.perf_counter() - t0) / a.steps)
+                cpu[name].append((time.process_time() - c0) / a.steps)
+    results = {k: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
+                   "times_s": t, "cpu_median_s": statistics.median(cpu[k]),
+                   "steps_per_s": 1.0 / statistics.median(t),
+                   "first_steps_s": runs[k][5]} for k, t in times.items()}
+    from jax_ep import experts
+    return {"config": {"script": path, "demo_args": "default" if not a.quick else
+                       " ".join(extra), "steps": a.steps, "rounds": a.rounds,
+                       "warmup": a.warmup, "mesh": {"data": d.data, "expert": d.expert},
+                       "hidden": d.hidden, "ffn": d.ffn, "experts": d.experts,
+                       "top_k": d.top_k, "tokens_per_step": d.batch * d.seq,
+                       "expert_matmul": experts.check_expert_matmul(
+                           None if d.expert_matmul == "auto" else d.expert_matmul),
+                       "platform": jax.default_backend(), "jax": jax.__version__},
+            "results": results,
+            "demo_over_dense": results["demo"]["median_s"] / results["dense"]["median_s"],
+            "steps_per_s": results["demo"]["steps_per_s"]}
+
+
+def compare_to_baseline(report, baseline) -> tuple[bool, str]:
+    """(regressed, message): this run's demo/dense time ratio against a recorded one's;
+    a regression is a ratio more than REGRESSION_TOLERANCE above it (steps/s themselves
+    move with the machine, the ratio of two programs timed in turn much less)."""
+    now, then = report["demo_over_dense"], baseline["demo_over_dense"]
+    change = now / then - 1.0
+    regressed = change > REGRESSION_TOLERANCE
+    return regressed, (f"demo/dense step time {now:.3f} against the baseline's "
+                       f"{then:.3f} ({change:+.1%}; the limit is "
+                       f"+{REGRESSION_TOLERANCE:.0%}): "
+                       + ("REGRESSION" if regressed else "ok"))
+
+
+def format_train_step(report) -> str:
+    lines = [f"{'config':<8} {'steps/s':>8} {'median ms':>10} {'min ms':>9} {'max ms':>9} "
+             f"{'x dense':>8} {'cpu ms':>8}"]
+    dense = report["results"]["dense"]["median_s"]
+    for k, r in report["results"].items():
+        lines.append(f"{k:<8} {r['steps_per_s']:>8.2f} {r['median_s'] * 1e3:>10.1f} "
+                     f"{r['min_s'] * 1e3:>9.1f} {r['max_s'] * 1e3:>9.1f} "
+                     f"{r['median_s'] / dense:>8.2f} {r['cpu_median_s'] * 1e3:>8.1f}")
+    return "\n".join(lines)
+
+
+def train_step_main(argv=None) -> dict:
+    a = parse_train_step_args(argv)
+    baseline = None
+    if a.baseline:
+        with open(a.baseline) as f:
+            baseline = json.load(f)
+    from jax_ep._bench_util import set_host_device_count
+
+    set_host_device_count(8)
+    load0 = _loadavg()
+    report = train_step(a)
+    report["load_average"] = {"start": load0, "end": _loadavg()}
+    print(format_train_step(report))
+    print(f"load average (1, 5, 15 min): start {load0} end {report['load_average']['end']}")
+    regressed = False
+    if baseline is not None:
+        regressed, msg = compare_to_baseline(report, baseline)
+        report["baseline"] = {"path": a.baseline, "regressed": regressed, "message": msg}
+        print(msg)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {a.json}")
+    if regressed:
+        raise SystemExit(1)
+    return report

@@ -394,19 +394,21 @@ def _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile,
     return y, gus
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _chunked(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile, max_chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _chunked(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile, max_chunk,
+             need_dx):
     return _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile,
                            max_chunk, save=False)[0]
 
 
-def _chunked_fwd(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile, max_chunk):
+def _chunked_fwd(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile, max_chunk,
+                 need_dx):
     y, gus = _chunk_fwd_loop(x, rows, weights, starts, sizes, w_gate, w_up, w_down, tile,
                              max_chunk, save=True)
     return y, (x, rows, weights, starts, sizes, w_gate, w_up, w_down, gus)
 
 
-def _chunked_bwd(tile, max_chunk, res, dy):
+def _chunked_bwd(tile, max_chunk, need_dx, res, dy):
     x, rows, weights, starts, sizes, w_gate, w_up, w_down, gus = res
     c_rows, h = x.shape
     m = rows.shape[0]
@@ -421,7 +423,7 @@ def _chunked_bwd(tile, max_chunk, res, dy):
         # The transposed weights of one expert, once per expert (XLA:CPU's matmul with
         # a transposed right operand ran at about half the speed of the plain layout),
         # in the loop body so that one buffer serves every expert.
-        wgu_t = jnp.concatenate([wg.T, wu.T], axis=0)          # [2F, H]
+        wgu_t = jnp.concatenate([wg.T, wu.T], axis=0) if need_dx else None  # [2F, H]
         wd_t = wd.T                                             # [H, F]
 
         def step(s):
@@ -442,10 +444,11 @@ def _chunked_bwd(tile, max_chunk, res, dy):
                 dyw = (dyt * wt[:, None]).astype(dt)
                 dgu = jnp.concatenate([dh * u * (sg * (1 + g * (1 - sg))), dh * act],
                                       axis=1).astype(dt)
-                dxt = jnp.matmul(dgu, wgu_t, preferred_element_type=f32)
                 dwgu = dwgu + jnp.matmul(xt.T, dgu, preferred_element_type=f32)
                 dwd = dwd + jnp.matmul(hid.astype(dt).T, dyw, preferred_element_type=f32)
-                dx = dx.at[rt].add(dxt, mode="drop")
+                if need_dx:  # a third of the backward's matmuls
+                    dxt = jnp.matmul(dgu, wgu_t, preferred_element_type=f32)
+                    dx = dx.at[rt].add(dxt, mode="drop")
                 dpw = jax.lax.dynamic_update_slice_in_dim(dpw, dsc, o, 0)
                 return o + s, dx, dpw, dwgu, dwd
             return run
@@ -455,10 +458,12 @@ def _chunked_bwd(tile, max_chunk, res, dy):
         return (dx, dpw), (dwgu[:, :f].astype(wg.dtype), dwgu[:, f:].astype(wu.dtype),
                            dwd.astype(wd.dtype))
 
-    dx0 = _vary(jnp.zeros((c_rows, h), f32), axes)
+    # Without need_dx the rows' cotangent stays zero: a [0, H] carry, nothing to fill.
+    dx0 = _vary(jnp.zeros((c_rows if need_dx else 0, h), f32), axes)
     dp0 = _vary(jnp.zeros((m,), f32), axes)
     (dx, dpw), (dwg, dwu, dwd) = jax.lax.scan(per_expert, (dx0, dp0),
                                               (w_gate, w_up, w_down, starts, sizes))
+    dx = dx if need_dx else _vary(jnp.zeros((c_rows, h), f32), axes)
     return dx.astype(dt), None, dpw, None, None, dwg, dwu, dwd
 
 
@@ -519,7 +524,8 @@ def _ragged_swiglu(x, rows, weights, sizes, w_gate, w_up, w_down):
 
 
 def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity: int,
-                   tile: int = 32, max_chunk: int = 1024, matmul: str = "tiles"):
+                   tile: int = 32, max_chunk: int = 1024, matmul: str = "tiles",
+                   need_dx: bool = True):
     """The experts' part of an MoE layer on one rank.
 
     x[C, H] (received rows), topk_idx[C, K] int32 local ids (-1: elsewhere),
@@ -539,6 +545,10 @@ def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity:
     three `jax.lax.ragged_dot`s; no data-dependent loop (for GPU, where XLA lowers it to
     grouped GEMMs). Its rows are `E_local * capacity`; the same numbers to float32
     rounding. `matmul=None` picks by platform (`default_expert_matmul`).
+
+    `need_dx=False`: the caller never uses x's cotangent (x is stop_gradient'ed
+    upstream); "tiles" then returns zeros for it and skips its matmuls (a third of the
+    backward's).
 
     `tile` 32: a run's last rows go in chunks of 32, 64, ... so an expert computes at
     most 31 padding rows (128 padded about 6% of the work at 1024 pairs an expert, and
@@ -565,5 +575,5 @@ def grouped_swiglu(x, topk_idx, topk_weights, w_gate, w_up, w_down, *, capacity:
     args = (x, rows, weights, starts, sizes, *(w.astype(dt) for w in (w_gate, w_up,
                                                                         w_down)))
     axes = frozenset().union(*(_varying(a) for a in args))
-    y = _chunked(*(_vary(a, axes) for a in args), tile, int(max_chunk))
+    y = _chunked(*(_vary(a, axes) for a in args), tile, int(max_chunk), bool(need_dx))
     return y, groups

@@ -509,22 +509,71 @@ class MoE(nnx.Module):
         return y.reshape(shape).astype(x.dtype), aux
 
 
-def _experts_per_shard(x, topk_idx, topk_w, w_gate, w_up, w_down, *, num_experts,
-                       axis_name, capacity, expert_capacity, backend, dispatch_dtype=None,
-                       expert_matmul="tiles"):
-    """Dispatch, grouped SwiGLU over the local experts, combine (inside shard_map).
-    Returns (y[T, H], int32[3]: pairs computed here, rows this rank dropped at receive,
-    pairs of received rows past their expert's places)."""
+def _experts_per_shard(x, topk_idx, topk_w, w_gate, w_up, w_down, **kw):
+    """Dispatch, grouped SwiGLU over the local experts, combine (inside shard_map);
+    keywords num_experts, axis_name, capacity, expert_capacity, backend, dispatch_dtype,
+    expert_matmul. Returns (y[T, H], int32[3]: pairs computed here, rows this rank dropped
+    at receive, pairs of received rows past their expert's places).
+
+    Under autodiff, the tokens' cotangent is computed only where x is differentiated: a
+    gradient over the parameters alone (x the data) skips the received rows' cotangent
+    (a third of the experts' backward matmuls) and its combine (`_routed`)."""
+    return _routed(x, topk_idx, topk_w, w_gate, w_up, w_down, tuple(sorted(kw.items())))
+
+
+def _experts_impl(x, topk_idx, topk_w, w_gate, w_up, w_down, *, num_experts, axis_name,
+                  capacity, expert_capacity, backend, dispatch_dtype=None,
+                  expert_matmul="tiles", need_dx=True):
     dispatch = _dispatch_fp8 if dispatch_dtype == "fp8" else ops.dispatch
     recv_x, recv_idx, recv_w, handle = dispatch(
         x, topk_idx, topk_w, num_experts=num_experts, axis_name=axis_name,
         capacity=capacity, backend=backend)
+    if not need_dx:
+        # The rows' cotangent only ever reaches x (dispatch's transpose), which nothing
+        # differentiates here.
+        recv_x = jax.lax.stop_gradient(recv_x)
     y, groups = experts.grouped_swiglu(recv_x, recv_idx, recv_w, w_gate, w_up, w_down,
-                                       capacity=expert_capacity, matmul=expert_matmul)
+                                       capacity=expert_capacity, matmul=expert_matmul,
+                                       need_dx=need_dx)
     y = ops.combine(y.astype(x.dtype), handle, backend=backend)
     computed = jnp.sum(jnp.minimum(groups.counts, expert_capacity), dtype=jnp.int32)
     return y, jnp.stack([computed, handle.num_dropped.astype(jnp.int32),
                          groups.dropped.astype(jnp.int32)])
+
+
+def _routed_primal(x, topk_idx, topk_w, w_gate, w_up, w_down, kw):
+    return _experts_impl(x, topk_idx, topk_w, w_gate, w_up, w_down, **dict(kw))
+
+
+def _routed_fwd(*args):
+    # symbolic_zeros: every argument comes with whether autodiff perturbs it, known only
+    # here (a trace-time test of x would be wrong under grad of jit, which traces first).
+    *prims, kw = args
+    vals = [p.value for p in prims]
+    live = [i for i, p in enumerate(prims) if p.perturbed]
+
+    def f(*d):
+        a = list(vals)
+        for i, v in zip(live, d):
+            a[i] = v
+        return _experts_impl(*a, **dict(kw), need_dx=0 in live)
+
+    y, vjp, counts = jax.vjp(f, *(vals[i] for i in live), has_aux=True)
+    # Which arguments are live, as the residual's structure (static for the backward).
+    return (y, counts), (vjp, tuple(() if p.perturbed else None for p in prims))
+
+
+def _routed_bwd(kw, res, cts):
+    vjp, live = res
+    d_y = cts[0]
+    if isinstance(d_y, jax.custom_derivatives.SymbolicZero):
+        return (None,) * len(live)
+    grads = iter(vjp(d_y))
+    return tuple(None if m is None else next(grads) for m in live)
+
+
+_routed = jax.custom_vjp(_routed_primal, nondiff_argnums=(6,))
+_routed.defvjp(_routed_fwd, _routed_bwd, symbolic_zeros=True)
 
 
 # ----------------------------------------------------------------------------- FP8 dispatch

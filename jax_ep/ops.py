@@ -188,30 +188,55 @@ def _dispatch_impl(x, topk_idx, topk_weights, cfg: Cfg):
 
 
 def _dispatch_fwd(x, topk_idx, topk_weights, cfg):
-    out = _dispatch_impl(x, topk_idx, topk_weights, cfg)
-    return out, (out[1], out[3])
+    # symbolic_zeros: each differentiable argument comes wrapped with whether it is
+    # perturbed. x is not when only the weights' gradient is asked for (a layer's tokens
+    # under a gradient over its parameters): its cotangent, a whole combine of the
+    # received rows, is then skipped (`want_x` None), and XLA drops the rows' cotangent.
+    out = _dispatch_impl(x.value, topk_idx.value, topk_weights.value, cfg)
+    return out, (out[1], out[3], () if x.perturbed else None)
 
 
-def dispatch_transpose(combine_fn, recv_idx, cts):
+def dispatch_transpose(combine_fn, recv_idx, cts, want_x=True):
     """Cotangents (x, topk_idx, topk_weights) of dispatch from those of its outputs, for
-    a `combine_fn(rows) -> tokens` bound to the dispatch's handle (per shard or global)."""
+    a `combine_fn(rows) -> tokens` bound to the dispatch's handle (per shard or global).
+    With `want_x` False (x not differentiated) x's cotangent is None and its combine is
+    not run."""
     d_recv_x, _, d_recv_w, _ = cts
-    d_x = combine_fn(d_recv_x)
+    d_x = combine_fn(d_recv_x) if want_x else None
     # Each slot's weight lives on exactly one rank: masking the others and summing over
     # ranks returns the owner's cotangent exactly (zero where dropped). The two combines
     # are independent: chain them so they never run at once (they share transport state).
-    d_w = combine_fn(after(d_x, jnp.where(recv_idx >= 0, d_recv_w, 0.0)))
+    masked = jnp.where(recv_idx >= 0, d_recv_w, 0.0)
+    d_w = combine_fn(masked if d_x is None else after(d_x, masked))
     return d_x, None, d_w
 
 
+def _dense_ct(ct, recv_idx):
+    """A cotangent of dispatch's rows or weights as an array: a symbolic zero (an output
+    the loss does not use) becomes zeros of its shape, varying like `recv_idx` (shard_map's
+    checks)."""
+    if not isinstance(ct, jax.custom_derivatives.SymbolicZero):
+        return ct
+    return (jnp.zeros(ct.shape, ct.dtype)
+            + jnp.zeros_like(recv_idx[..., :1], ct.dtype).reshape(
+                recv_idx.shape[:-1] + (1,) * (len(ct.shape) - recv_idx.ndim + 1)))
+
+
 def _dispatch_bwd(cfg, res, cts):
-    recv_idx, handle = res
+    recv_idx, handle, want_x = res
+    d_recv_x, d_idx, d_recv_w, d_handle = cts
+    zero = jax.custom_derivatives.SymbolicZero
+    if want_x is None and isinstance(d_recv_w, zero):
+        return None, None, None
+    cts = (None if want_x is None else _dense_ct(d_recv_x, recv_idx), d_idx,
+           _dense_ct(d_recv_w, recv_idx), d_handle)
     return dispatch_transpose(
-        lambda v: _combine_impl(v, handle, cfg.backend, cfg.group_axes), recv_idx, cts)
+        lambda v: _combine_impl(v, handle, cfg.backend, cfg.group_axes), recv_idx, cts,
+        want_x=want_x is not None)
 
 
 _dispatch = jax.custom_vjp(_dispatch_impl, nondiff_argnums=(3,))
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
 
 
 def as_payload(x):

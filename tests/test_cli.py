@@ -34,7 +34,7 @@ def test_plan_help_lists_its_subcommands():
     assert rc == 0 and "usage: python -m jax_ep.plan modes" in sub, sub
 
 
-@pytest.mark.parametrize("flag", ["--layer", "--mode", "--fp8"])
+@pytest.mark.parametrize("flag", ["--layer", "--mode", "--fp8", "--train-step"])
 def test_bench_help_lists_the_alternative_benchmarks(flag):
     rc, out = _run("jax_ep.bench", "--help")
     assert rc == 0, out
@@ -52,6 +52,7 @@ def test_bench_help_names_the_low_latency_mode_value():
     (["--mode", "low_latency", "--help"], "jax_ep.bench --mode low_latency"),
     (["--mode=low_latency", "--help"], "jax_ep.bench --mode low_latency"),
     (["--fp8", "--help"], "jax_ep.bench --fp8"),
+    (["--train-step", "--help"], "jax_ep.bench --train-step"),
 ])
 def test_each_alternative_has_its_own_help(args, prog):
     rc, out = _run("jax_ep.bench", *args)

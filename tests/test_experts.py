@@ -377,3 +377,35 @@ def test_grouped_swiglu_matmuls_stay_in_their_loops(el, cap):
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(x, w, *ws).compile()
     assert _dots_outside_loops(hlo.as_text()) == []
     assert ex._chunk_sizes(32, 1024, el * cap)[-1] < el * cap
+
+
+def test_train_step_benchmark_smoke(tmp_path, capsys):
+    """`python -m jax_ep.bench --train-step`, small: the demo script's step and its dense
+    twin timed in one run, the ratio written, and `--baseline` flags a ratio more than
+    15% above a recorded one (exit 1) and passes one within it."""
+    import json
+
+    from jax_ep import bench, bench_layer
+
+    out = tmp_path / "train.json"
+    quick = ["--train-step", "--quick", "--steps", "1", "--rounds", "2", "--warmup", "1"]
+    report = bench.main(quick + ["--json", str(out)])
+    assert set(report["results"]) == {"demo", "dense"}
+    for r in report["results"].values():
+        assert r["median_s"] > 0 and len(r["times_s"]) == 2 and r["steps_per_s"] > 0
+    ratio = report["demo_over_dense"]
+    assert ratio == pytest.approx(report["results"]["demo"]["median_s"]
+                                  / report["results"]["dense"]["median_s"])
+    assert json.loads(out.read_text())["demo_over_dense"] == pytest.approx(ratio)
+    assert "steps/s" in capsys.readouterr().out
+
+    assert bench_layer.compare_to_baseline({"demo_over_dense": 1.14},
+                                           {"demo_over_dense": 1.0})[0] is False
+    regressed, msg = bench_layer.compare_to_baseline({"demo_over_dense": 1.16},
+                                                     {"demo_over_dense": 1.0})
+    assert regressed and "REGRESSION" in msg
+    slow = tmp_path / "recorded.json"
+    slow.write_text(json.dumps({"demo_over_dense": ratio / 2}))
+    with pytest.raises(SystemExit) as e:
+        bench.main(quick + ["--baseline", str(slow)])
+    assert e.value.code == 1
