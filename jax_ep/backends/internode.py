@@ -79,7 +79,9 @@ def transport_report(config=None, num_peers: int | None = None) -> dict:
     it, the device and NIC port it is on from the fabric table the bootstrap recorded
     (jax_ep.network.fabric.recorded_qp_table; under a RoCE LAG the member its LAG
     affinity pins it to), and whether that is the plan's port), fabric (the node's class
-    and selected ports), nvshmem_env (the NVSHMEM settings in force), notes.
+    and selected ports), nvshmem_env (the NVSHMEM settings in force), bootstrap_interface
+    (NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME: the interface, "user" / "loopback" / "route" /
+    "none" (unset) and why; jax_ep.network.bootstrap_iface), notes.
     """
     from jax_ep.network.transport import TransportConfig
 
@@ -137,6 +139,9 @@ def transport_report(config=None, num_peers: int | None = None) -> dict:
                     "lag_affinity": fab.lag_affinity, "shim_armed": fab.shim_armed,
                     "messages": list(fab.messages)} if fab is not None else None),
         "nvshmem_env": dict(st.env) if st is not None else cfg.nvshmem_env(),
+        "bootstrap_interface": (fab.bootstrap_iface.to_json()
+                                if fab is not None and fab.bootstrap_iface is not None
+                                else None),
         "notes": notes,
     }
 

@@ -548,7 +548,8 @@ class FabricSetup:
 
     fabric: Fabric
     config: object            # TransportConfig
-    env: dict                 # NVSHMEM_* device selection (merged into the library's)
+    env: dict                 # NVSHMEM_* device selection and bootstrap interface
+                              # (merged into the library's)
     lag_affinity: str         # "alternate" | "none"
     shim_armed: bool = False
     messages: list = dataclasses.field(default_factory=list)
@@ -556,6 +557,8 @@ class FabricSetup:
     world: int = 1
     handle_order: list | None = None  # logical QP q uses the handle created order[q]-th
     created_handles: list | None = None  # the explicit QP handles in creation order
+    # NVSHMEM's bootstrap interface and why (jax_ep.network.bootstrap_iface)
+    bootstrap_iface: object | None = None
 
 
 _setup: FabricSetup | None = None
@@ -592,14 +595,22 @@ def _gpu_bus_id() -> str | None:
 
 def setup_for_bootstrap(cfg, environ, rank: int, world: int, client, *, key_prefix: str,
                         timeout_ms: int, sysfs: str | None = None,
-                        gpu: str | None = None) -> FabricSetup:
+                        gpu: str | None = None, coordinator: str | None = None,
+                        route_table: str | None = None) -> FabricSetup:
     """Discovery, the config the wire can carry, NVSHMEM's device selection, agreement
-    across processes and (RoCE) the LAG shim, before NVSHMEM starts.
+    across processes and (RoCE) the LAG shim, before NVSHMEM starts; and NVSHMEM's
+    bootstrap interface.
 
-    JAX_EP_FABRIC=off skips all of it (NVSHMEM's own selection, the plan unchecked);
-    JAX_EP_SYSFS points discovery at another sysfs root; JAX_EP_LAG_AFFINITY=none leaves
-    the QPs' LAG affinity alone. Processes that classify their nodes differently are an
-    error (their plans would differ), naming each process.
+    JAX_EP_FABRIC=off skips the fabric part (NVSHMEM's own selection, the plan
+    unchecked); JAX_EP_SYSFS points discovery at another sysfs root; JAX_EP_LAG_AFFINITY=none
+    leaves the QPs' LAG affinity alone. Processes that classify their nodes differently
+    are an error (their plans would differ), naming each process.
+
+    The bootstrap interface (NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME, unless set) is the one
+    that routes to `coordinator` (default: jax.distributed's) in `route_table` (default:
+    JAX_EP_ROUTE_TABLE, else /proc/net/route); see jax_ep.network.bootstrap_iface. It is
+    chosen per node, so it is not part of any agreement; where none can be chosen and
+    there are several processes, that is said with the fix.
     """
     global _setup
     off = (environ.get("JAX_EP_FABRIC") or "").strip().lower() in ("off", "0", "none")
@@ -625,6 +636,12 @@ def setup_for_bootstrap(cfg, environ, rank: int, world: int, client, *, key_pref
                if k not in ("NVSHMEM_HCA_LIST", "NVSHMEM_ENABLE_NIC_PE_MAPPING")}
         msgs.append("jax_ep: NVSHMEM_HCA_PE_MAPPING is set, so jax_ep sets no "
                     "NVSHMEM_HCA_LIST: the device order on every node is the user's")
+    from jax_ep.network import bootstrap_iface as _bi
+    iface = _bi.choose(coordinator if coordinator is not None else _bi.jax_coordinator(),
+                       environ, route_table=route_table or environ.get("JAX_EP_ROUTE_TABLE"))
+    env = {**env, **iface.env()}
+    if iface.warning and world > 1:  # one process reaches itself on any interface
+        msgs.append(iface.warning)
     if world > 1 and not off and client is not None and hasattr(
             client, "blocking_key_value_get_bytes"):
         diffs = _agree_bytes(f.summary(), client, rank, world, key_prefix, timeout_ms)
@@ -640,7 +657,8 @@ def setup_for_bootstrap(cfg, environ, rank: int, world: int, client, *, key_pref
             msgs.append(why)
     for m in msgs:
         _say(m)
-    _setup = FabricSetup(f, new_cfg, env, lag_aff, armed, msgs, None, world)
+    _setup = FabricSetup(f, new_cfg, env, lag_aff, armed, msgs, None, world,
+                         bootstrap_iface=iface)
     return _setup
 
 

@@ -26,6 +26,11 @@ its QP count, multi-port and heap settings were fixed then. `initialize` adopts 
 if the environment already holds every NVSHMEM_* value the plan needs (NVSHMEM read them
 at its start); otherwise it refuses, naming what to set.
 
+Bootstrap interface: NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME, unless set, becomes the interface
+this node routes to `jax.distributed`'s coordinator through, so process 0 gives the
+other nodes an address they reach (`jax_ep.network.bootstrap_iface`; reported in
+`transport_report()["bootstrap_interface"]`).
+
 Memory: XLA preallocates a fraction of GPU memory (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75
 by default) before this runs; the symmetric heap must fit in the rest. `initialize`
 checks this from the device's memory stats and refuses with the fraction to set.
@@ -679,6 +684,8 @@ def startup_params(*, cfg, qp_api: bool, heap_bytes: int, sym_bytes: int, ll, en
                    versions, adopt: bool) -> dict:
     """The values every process must share before NVSHMEM starts (JSON-able)."""
     from jax_ep import __version__
+    # the plan's settings only: the device list and the bootstrap interface
+    # (NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME) are chosen per node and may differ
     nv_env = {k: env.get(k) for k in sorted(cfg.nvshmem_env()) if k in env}
     cfg_text = repr(sorted(dataclasses.asdict(cfg).items())) if dataclasses.is_dataclass(
         cfg) else repr(cfg)

@@ -125,6 +125,8 @@ def test_heap_sized_once_and_qps_from_config(two_processes):
         assert r["env"]["NVSHMEM_SYMMETRIC_SIZE"] == str(r["heap"])
         assert r["env"]["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
         assert r["env"]["NVSHMEM_ENABLE_MULTI_PORT"] == "1"
+        # the coordinator is 127.0.0.1: NVSHMEM's start-up sockets on the loopback
+        assert r["env"]["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "lo"
     # a value the user set is kept (with a warning), not overwritten
     assert two_processes[1]["env"]["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "99"
     assert two_processes[0]["env"]["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "99"
