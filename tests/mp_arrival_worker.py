@@ -49,16 +49,11 @@ def program(mesh):
 def main(argv):
     pid, nproc, port, out_dir, scenario = (int(argv[1]), int(argv[2]), int(argv[3]),
                                            argv[4], argv[5])
-    os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count="
-                               f"{DEVICES_PER_PROCESS}")
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
+    import mp_init
+
+    jax = mp_init.start(pid, nproc, port, DEVICES_PER_PROCESS)
     import numpy as np
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}",
-                               num_processes=nproc, process_id=pid,
-                               initialization_timeout=60)
     import jax_ep  # noqa: F401  (before the CPU client exists: its thread pool)
 
     timeout = float(os.environ["JAX_EP_TIMEOUT_S"])

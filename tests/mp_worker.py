@@ -47,16 +47,11 @@ def program(mesh, backend):
 
 def main(argv):
     pid, nproc, port, out_dir = int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
-    os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count="
-                               f"{DEVICES_PER_PROCESS}")
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
+    import mp_init
+
+    jax = mp_init.start(pid, nproc, port, DEVICES_PER_PROCESS)
     import numpy as np
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}",
-                               num_processes=nproc, process_id=pid,
-                               initialization_timeout=60)
     import jax_ep
 
     assert jax.process_count() == nproc and len(jax.devices()) == R, jax.devices()

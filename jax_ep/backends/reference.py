@@ -52,11 +52,13 @@ def _a2a(v, axis_name):
     return jax.lax.all_to_all(v, axis_name, 0, 0, tiled=False)
 
 
-def _static(cfg: Cfg) -> str:
+def _static(cfg: Cfg, handle: DispatchHandle | None = None) -> str:
     """The static attributes every rank of one call must share (the arrival barrier's
-    signature)."""
-    return (f"; num_experts={cfg.num_experts}, num_ranks={cfg.num_ranks}, "
-            f"capacity={cfg.capacity}, axis_name={cfg.axis_name!r}")
+    signature): cfg's, or the handle's where the caller passes no cfg (combine and
+    gather may)."""
+    src = cfg if cfg is not None else handle
+    return (f"; num_experts={src.num_experts}, num_ranks={src.num_ranks}, "
+            f"capacity={src.capacity}, axis_name={src.axis_name!r}")
 
 
 def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
@@ -129,7 +131,8 @@ def combine(y, handle: DispatchHandle, cfg: Cfg):
 def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias, node_size=None):
     """combine, plus each [T, H] array of `bias` in order, added in float32 before the
     cast to y.dtype. node_size: G of the order (None: combine_node_size)."""
-    y, handle, bias = _arrival.arrive("combine", (y, handle, tuple(bias)), _static(cfg))
+    y, handle, bias = _arrival.arrive("combine", (y, handle, tuple(bias)),
+                                      _static(cfg, handle))
     R = handle.num_ranks
     G = combine_node_size(R) if node_size is None else int(node_size)
     G = R if G <= 0 or G >= R else G
@@ -166,7 +169,7 @@ def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias, node_size=None)
 
 def gather(g, handle: DispatchHandle, cfg: Cfg):
     """Transpose of combine: out[C, H] with out[i] = g_{src_rank[i]}[src_index[i]]."""
-    g, handle = _arrival.arrive("gather", (g, handle), _static(cfg))
+    g, handle = _arrival.arrive("gather", (g, handle), _static(cfg, handle))
     R = handle.num_ranks
     mask = (handle.send_row >= 0).T  # [R(dest), T]
     gb = _as_bits(g)

@@ -160,25 +160,14 @@ def test_initialize_sets_it_and_transport_report_says_why(tmp_path, monkeypatch)
     from jax_ep.backends import internode
     from jax_ep.runtime import nvshmem as nb
 
-    class Rt:
+    from test_fabric import StandInClient as Client, StandInRuntime
+
+    class Rt(StandInRuntime):
         seen = None
 
         def unique_id(self):
             Rt.seen = env.get(ENV)  # what NVSHMEM reads when it makes the unique id
-            return b"\0" * 128
-
-        def init(self, *a):
-            pass
-
-        def finalize(self):
-            pass
-
-    class Client:
-        def key_value_set_bytes(self, k, v):
-            pass
-
-        def wait_at_barrier(self, k, t):
-            pass
+            return super().unique_id()
 
     monkeypatch.setattr(nb, "_state", None)
     monkeypatch.setattr(nb, "_check_one_process_per_gpu", lambda: None)

@@ -301,27 +301,34 @@ def test_setup_for_bootstrap_disagreement_is_an_error(monkeypatch):
                                key_prefix="k", timeout_ms=10)
 
 
+class StandInRuntime:
+    """What `nvshmem.initialize` calls of NVSHMEM, doing nothing (init's arguments kept)."""
+
+    def unique_id(self):
+        return b"\0" * 128
+
+    def init(self, *a):
+        self.args = a
+
+    def finalize(self):
+        pass
+
+
+class StandInClient:
+    """The jax.distributed client calls of a one-process start-up, doing nothing."""
+
+    def key_value_set_bytes(self, k, v):
+        pass
+
+    def wait_at_barrier(self, k, t):
+        pass
+
+
 def test_bootstrap_sets_device_selection_and_report_has_the_table(monkeypatch):
     from jax_ep.backends import internode
     from jax_ep.runtime import nvshmem as nb
 
-    class Rt:
-        def unique_id(self):
-            return b"\0" * 128
-
-        def init(self, *a):
-            self.args = a
-
-        def finalize(self):
-            pass
-
-    class Client:
-        def key_value_set_bytes(self, k, v):
-            pass
-
-        def wait_at_barrier(self, k, t):
-            pass
-
+    Rt, Client = StandInRuntime, StandInClient
     monkeypatch.setattr(nb, "_state", None)
     monkeypatch.setattr(nb, "_check_one_process_per_gpu", lambda: None)
     env = {"JAX_EP_SYSFS": tree("ib_dualport"), "JAX_EP_GPU_PCI_BUS_ID": GPU}

@@ -12,7 +12,7 @@ from jax_ep.network import fabric as fb
 from jax_ep.network import lag_affinity as la
 from jax_ep.network.transport import TransportConfig
 
-from test_fabric import GPU, tree
+from test_fabric import GPU, StandInClient, StandInRuntime, tree
 
 WORLD = 3  # each handle owns WORLD - 1 RC QPs in the shim's record
 CFG = TransportConfig(num_ports=2, qps_per_port=2)
@@ -127,23 +127,10 @@ def test_the_bootstrap_applies_the_order(monkeypatch):
     runtime whose table is laid out [0, 0, 1, 1] ends with its handles reordered."""
     from jax_ep.runtime import nvshmem as nb
 
-    class Rt(Runtime):
-        def unique_id(self):
-            return b"\0" * 128
+    class Rt(Runtime, StandInRuntime):
+        pass
 
-        def init(self, *a):
-            pass
-
-        def finalize(self):
-            pass
-
-    class Client:
-        def key_value_set_bytes(self, k, v):
-            pass
-
-        def wait_at_barrier(self, k, t):
-            pass
-
+    Client = StandInClient
     laid = [{"wire_port": p, "handle": h} for p, h in zip((0, 0, 1, 1), CREATED)]
     monkeypatch.setattr(fb, "recorded_qp_table",
                         lambda cfg, handles: [dict(r) for r in laid])
