@@ -217,9 +217,7 @@ def _dense_ct(ct, recv_idx):
     checks)."""
     if not isinstance(ct, jax.custom_derivatives.SymbolicZero):
         return ct
-    return (jnp.zeros(ct.shape, ct.dtype)
-            + jnp.zeros_like(recv_idx[..., :1], ct.dtype).reshape(
-                recv_idx.shape[:-1] + (1,) * (len(ct.shape) - recv_idx.ndim + 1)))
+    return jnp.zeros(ct.shape, ct.dtype) + jnp.zeros_like(recv_idx[..., :1], ct.dtype)
 
 
 def _dispatch_bwd(cfg, res, cts):
