@@ -216,7 +216,7 @@ def test_single_device_mesh_is_not_zeros():
 
 
 def test_readme_training_step_runs_and_learns():
-    """examples/global_view_step.py is the README's global-view training step."""
+    """examples/global_view_step.py is the global-view training step of docs/guide.md."""
     import importlib.util
     import os
     path = os.path.join(os.path.dirname(__file__), "..", "examples", "global_view_step.py")

@@ -178,7 +178,7 @@ def combine_node_size(num_ranks: int, platform: str | None = None,
     return detect(num_ranks, local_ranks, env).gpus_per_node
 
 
-# Whether a GPU run has verified the hierarchical kernels (README "verified on" table).
+# Whether a GPU run has verified the hierarchical kernels (README "verified on" table, docs/verification.md).
 # Until then "auto" never picks them; mode="hierarchical" still runs them on request.
 HIERARCHICAL_VERIFIED = False
 
