@@ -9,6 +9,7 @@ list(APPEND JAX_EP_EMU_KERNELS
      xla_ffi/internode/emu_hier_small_rings.cc)
 list(APPEND JAX_EP_EMU_SOURCES
      kernels/emu/nvshmem_emu.cc
+     kernels/internode/nvshmem_select.cc
      xla_ffi/internode/emu_direct.cc
      xla_ffi/internode/emu_hier.cc
      xla_ffi/internode/emu_ll.cc)

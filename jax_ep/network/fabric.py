@@ -358,6 +358,85 @@ def _classify(sysfs, gpu, devices, multi_port) -> Fabric:
     return fab("unknown", [], f"unknown link layer {layer!r}")
 
 
+# --- NVSHMEM's own selection, modelled (kernels/internode/nvshmem_select.h) ---------------
+
+def node_gpus(sysfs: str = "/sys") -> list[str]:
+    """The node's NVIDIA GPUs (vendor 0x10de, display class 0x03xxxx) as PCI bus ids in
+    PCI order: local PE i is taken to drive the i-th (one process per GPU, the usual
+    launch)."""
+    base = os.path.join(sysfs, "bus", "pci", "devices")
+    out = []
+    for a in _listdir(base):
+        if (_read(os.path.join(base, a, "vendor")) or "").lower() == "0x10de" and (
+                _read(os.path.join(base, a, "class")) or "").lower().startswith("0x03"):
+            out.append(a)
+    return out
+
+
+def _sys_path(chain: list[str]) -> str:
+    """The sysfs path NVSHMEM's realpath gives for a PCI chain (root complex first), as
+    /sys/devices/pciDDDD:BB/..., whatever root the tree was read from."""
+    if not chain:
+        return ""
+    return "/sys/devices/pci" + chain[0][:7] + "/" + "/".join(chain)
+
+
+def _ext():
+    from jax_ep import _jax_ep_ext  # type: ignore[attr-defined]
+    return _jax_ep_ext
+
+
+def nvshmem_node(sysfs: str, devices: list[RdmaDevice], gpus: list[str]) -> dict:
+    """The node as the model takes it: devices (in name order, which the fixtures and
+    `ibv_devices` on usual hosts show; NVSHMEM goes by ibv_get_device_list's order) with
+    their PCI paths and ports, and the GPUs of the node's PEs."""
+    devs = [(d.name, _sys_path(d.pci_path), -1 if d.numa_node is None else d.numa_node,
+             [(p.num, p.active, p.link_layer in ("InfiniBand", "Ethernet"))
+              for p in d.ports]) for d in sorted(devices, key=lambda d: d.name)]
+    paths, numa = [], []
+    for g in gpus:
+        link = os.path.join(sysfs, "bus", "pci", "devices", g)
+        paths.append(_sys_path(_pci_chain(sysfs, link)[1]))
+        n = _read(os.path.join(link, "numa_node"))
+        numa.append(int(n) if n and n.lstrip("-").isdigit() else -1)
+    return {"devices": devs, "gpu_paths": paths, "gpu_numa": numa}
+
+
+def node_ports(sysfs: str, gpus: list[str], multi_port: bool = True) -> list[str]:
+    """Every port some GPU of the node would stripe over (its closest devices' active
+    ports, or its bond), as dev:port in device-name order: the node's list that
+    `nvshmem_env_for` hands every PE, so NVSHMEM counts all of the node's devices."""
+    want = set()
+    for g in gpus:
+        want.update(discover(sysfs, g, multi_port).selected)
+    return [f"{d}:{p}" for d, p in sorted(want)]
+
+
+def nvshmem_selection(env: dict, *, sysfs: str, gpu: str, pes_per_node: int,
+                      num_qps: int, qp_api: bool = True,
+                      devices: list[RdmaDevice] | None = None) -> dict:
+    """What NVSHMEM opens for `gpu`'s PE with `env` (its NVSHMEM_* variables) when the
+    node runs `pes_per_node` PEs on its first GPUs: {"list", "max_devices_per_pe",
+    "devices", "distance", "qp_ports" (handle i's device:port, creation order),
+    "default_handles", "note", "error"}."""
+    gpus = node_gpus(sysfs)
+    g = _normalize_pci(gpu)
+    if pes_per_node < 1:
+        raise ValueError(f"pes_per_node must be >= 1, got {pes_per_node}")
+    if g not in gpus:
+        raise ValueError(f"gpu {gpu} is not an NVIDIA GPU under {sysfs}/bus/pci/devices "
+                         f"(found {', '.join(gpus) or 'none'})")
+    pe_gpus = gpus[:pes_per_node]
+    if g not in pe_gpus:  # this PE's GPU replaces the last of the first N
+        pe_gpus = pe_gpus[:-1] + [g]
+    if devices is None:
+        devices = discover(sysfs, g).devices
+    node = nvshmem_node(sysfs, devices, pe_gpus)
+    return dict(_ext().nvshmem_select(node["devices"], node["gpu_paths"], node["gpu_numa"],
+                                      {k: str(v) for k, v in env.items()},
+                                      pe_gpus.index(g), int(num_qps), bool(qp_api)))
+
+
 # --- what the bootstrap does with it ------------------------------------------------------
 
 def plan_config_for(fabric: Fabric, cfg, lag_affinity: str = "alternate"):

@@ -2,13 +2,17 @@
 // kernels use one function; and the heap layout of kernels/internode_layout.h.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
 #include <vector>
 
 #include "kernels/internode/internode_layout.h"
+#include "kernels/internode/nvshmem_select.h"
 #include "kernels/common/striping_plan.h"
 #include "kernels/internode/wire_protocol.h"
 #include "xla_ffi/common/transport_bindings.h"
@@ -32,9 +36,56 @@ void QpForArray(In peer, In channel, In chunk, int num_ports, int qps_per_port, 
     port(i) = r.port;
   }
 }
+// (name, pci_path, numa, [(port, active, rdma_link), ...]) per device.
+using DeviceTuple =
+    std::tuple<std::string, std::string, int, std::vector<std::tuple<int, bool, bool>>>;
+
+nb::dict NvshmemSelect(const std::vector<DeviceTuple>& devices,
+                       const std::vector<std::string>& gpu_paths,
+                       const std::vector<int>& gpu_numa,
+                       const std::map<std::string, std::string>& env, int pe_node,
+                       int num_qps, bool qp_api) {
+  namespace ns = nvshmem_select;
+  ns::NodeDesc node;
+  for (const DeviceTuple& t : devices) {
+    ns::DeviceDesc d;
+    d.name = std::get<0>(t);
+    d.pci_path = std::get<1>(t);
+    d.numa = std::get<2>(t);
+    for (const auto& p : std::get<3>(t))
+      d.ports.push_back({std::get<0>(p), std::get<1>(p), std::get<2>(p)});
+    node.devices.push_back(d);
+  }
+  node.gpu_paths = gpu_paths;
+  node.gpu_numa = gpu_numa;
+  ns::EnvDesc e = ns::EnvFrom(env);
+  e.qp_api = qp_api;
+  const ns::Selection s = ns::Select(node, e, pe_node, num_qps);
+  auto names = [&](const std::vector<ns::Entry>& v) {
+    std::vector<std::string> out;
+    for (const ns::Entry& x : v) out.push_back(ns::EntryName(node, x));
+    return out;
+  };
+  nb::dict d;
+  d["list"] = names(s.list);
+  d["max_devices_per_pe"] = s.max_devices_per_pe;
+  d["devices"] = names(s.devices);
+  d["distance"] = s.distance;
+  d["qp_ports"] = names(s.qps);
+  d["default_handles"] = s.default_handles;
+  d["multi_port"] = e.multi_port;
+  d["note"] = s.note;
+  d["error"] = s.error;
+  return d;
+}
 }  // namespace
 
 void AddTransportBindings(nb::module_& m) {
+  // NVSHMEM's device and port selection (kernels/internode/nvshmem_select.h).
+  m.def("nvshmem_select", &NvshmemSelect, nb::arg("devices"), nb::arg("gpu_paths"),
+        nb::arg("gpu_numa"), nb::arg("env"), nb::arg("pe_node"), nb::arg("num_qps"),
+        nb::arg("qp_api") = true);
+  m.def("nvshmem_pci_distance", &nvshmem_select::PciDistance);
   m.def("striping_qp_for",
         [](int peer, int channel, int64_t chunk, int num_ports, int qps_per_port) {
           const QpPort r = qp_for(peer, channel, chunk, num_ports, qps_per_port);
