@@ -8,11 +8,13 @@ RST->INIT->RTR->RTS with `mlx5dv_devx_obj_modify` PRM commands; it sets no affin
 the same UDP source port (0xC000) on every RC QP, so switches cannot spread them either.
 
 jax-ep changes those commands on their way to the device (`xla_ffi/internode/
-lag_shim.c`, loaded before NVSHMEM so its `mlx5dv_devx_obj_modify` is the one NVSHMEM's
-transport binds to), and then issues one RTS->RTS modify per QP with the affinity again
-(some firmware only honours it there). This module is the Python statement of exactly
-which bits those commands set, used by the tests (synthetic PRM buffers, compared with
-the shim's C code) and by the bootstrap's decision logic.
+lag_shim.cc`, loaded before NVSHMEM so its `mlx5dv_devx_obj_modify` is the one NVSHMEM's
+transport binds to, and armed only while NVSHMEM starts), and then issues one RTS->RTS
+modify per QP with the affinity again (some firmware only honours it there). A command
+the device refuses with the shim's change is sent again as NVSHMEM wrote it, and the
+refusal is recorded (`patched` bits below). This module is the Python statement of
+exactly which bits those commands set, used by the tests (synthetic PRM buffers,
+compared with the shim's C code) and by the bootstrap's decision logic.
 
 Layout (mlx5 PRM, big-endian bit numbering: bit 0 is the MSB of byte 0):
 
@@ -24,12 +26,17 @@ Layout (mlx5 PRM, big-endian bit numbering: bit 0 is the MSB of byte 0):
   [0x110, 0x120);
 - `rts2rts_qp_in` also has `opt_param_mask_95_32` (64 bits) at bit 0x840 (byte 264).
 
-opt_param_mask bits: LAG_TX_AFF = 1 << 15 (INIT->RTR and RTS->RTS); the UDP source
-port in RTS->RTS is bit 2 of `opt_param_mask_95_32`. In INIT->RTR the address path is
-mandatory, so its `udp_sport` needs no mask bit.
+The affinity goes only where every device takes it: RST->INIT's qpc (the whole context
+is given there, no mask bit) and RTS->RTS with opt_param_mask bit LAG_TX_AFF = 1 << 15.
+INIT->RTR takes that bit only on devices reporting the HCA capability
+`init2_lag_tx_port_affinity` (the Linux driver, drivers/infiniband/hw/mlx5/qp.c, checks
+it), which the shim cannot see, so INIT->RTR's affinity and bit 15 are never touched.
+The UDP source port in RTS->RTS is bit 2 of `opt_param_mask_95_32`. In INIT->RTR the
+address path is mandatory, so its `udp_sport` needs no mask bit.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 __all__ = ["OP_RST2INIT", "OP_INIT2RTR", "OP_RTR2RTS", "OP_RTS2RTS", "CMD_BYTES",
@@ -58,6 +65,13 @@ UDP_SPORT_BIT, UDP_SPORT_W = ADS_BIT + 0x110, 16
 
 OPTPAR_LAG_TX_AFF = 1 << 15
 OPT32_UDP_SPORT = 1 << 2
+
+# the shim's per-QP `patched` bits
+PATCHED_RST2INIT_AFFINITY = 1   # affinity in RST->INIT's qpc, accepted
+PATCHED_INIT2RTR_SPORT = 2      # UDP source port in INIT->RTR, accepted
+PATCHED_RTS2RTS_AFFINITY = 4    # the shim's RTS->RTS with the affinity, accepted
+REFUSED_RST2INIT_AFFINITY = 8   # RST->INIT refused with the affinity; sent without it
+REFUSED_INIT2RTR_SPORT = 16     # INIT->RTR refused with the source port; sent without it
 
 ROCE_SPORT_MIN = 0xC000  # RoCEv2 source ports live in the dynamic range 49152-65535
 
@@ -131,13 +145,13 @@ def rts2rts_cmd(qpn: int, affinity: int | None = None, udp_sport: int | None = N
     return bytes(buf)
 
 
-def patch_modify_cmd(cmd: bytearray, affinity: int | None, udp_sport: int | None,
-                     init2rtr_affinity: bool = True) -> list[str]:
+def patch_modify_cmd(cmd: bytearray, affinity: int | None,
+                     udp_sport: int | None) -> list[str]:
     """Changes a QP modify command the transport is about to issue, in place, as the
     shim does: RST->INIT gets the affinity in its qpc (no mask bit needed at that
-    transition); INIT->RTR gets the UDP source port in its primary address path and, when
-    the device reports `init2_lag_tx_port_affinity` (init2rtr_affinity), the affinity
-    with its mask bit. Other commands are left alone. Returns the fields changed."""
+    transition); INIT->RTR gets the UDP source port in its primary address path and
+    nothing else (its affinity and opt_param_mask stay as sent). Other commands are left
+    alone. Returns the fields changed."""
     if len(cmd) * 8 < QPC_BIT + QPC_BITS:
         return []
     op = get_bits(cmd, OPCODE_BIT, OPCODE_W)
@@ -145,15 +159,9 @@ def patch_modify_cmd(cmd: bytearray, affinity: int | None, udp_sport: int | None
     if op == OP_RST2INIT and affinity:
         set_bits(cmd, QPC_BIT + LAG_AFF_BIT, LAG_AFF_W, _check_affinity(affinity))
         changed.append("lag_tx_port_affinity")
-    elif op == OP_INIT2RTR:
-        if udp_sport is not None:
-            set_bits(cmd, QPC_BIT + UDP_SPORT_BIT, UDP_SPORT_W, _check_sport(udp_sport))
-            changed.append("udp_sport")
-        if affinity and init2rtr_affinity:
-            set_bits(cmd, QPC_BIT + LAG_AFF_BIT, LAG_AFF_W, _check_affinity(affinity))
-            m = get_bits(cmd, OPT_MASK_BIT, OPT_MASK_W) | OPTPAR_LAG_TX_AFF
-            set_bits(cmd, OPT_MASK_BIT, OPT_MASK_W, m)
-            changed.append("lag_tx_port_affinity")
+    elif op == OP_INIT2RTR and udp_sport is not None:
+        set_bits(cmd, QPC_BIT + UDP_SPORT_BIT, UDP_SPORT_W, _check_sport(udp_sport))
+        changed.append("udp_sport")
     return changed
 
 
@@ -218,7 +226,15 @@ def shim_path() -> str | None:
 
 class Shim:
     """The loaded shim (ctypes). Load it before NVSHMEM starts: its mlx5dv_devx_obj_*
-    must be in the global symbol scope when NVSHMEM dlopens its IBGDA transport."""
+    must be in the global symbol scope when NVSHMEM dlopens its IBGDA transport.
+
+    It changes QPs only while armed, so arm it just around NVSHMEM's initialisation:
+
+        shim.configure(members=2, group=world - 1, devices=["mlx5_bond_0"], arm=False)
+        with shim.armed():
+            nvshmem_init()
+        shim.table()
+    """
 
     def __init__(self, path: str):
         import ctypes
@@ -226,20 +242,24 @@ class Shim:
         self.path = path
         self.lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         c = ctypes
-        self.lib.jax_ep_lag_patch.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int]
+        self.lib.jax_ep_lag_patch.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_int]
         self.lib.jax_ep_lag_rts2rts.argtypes = [c.c_void_p, c.c_size_t, c.c_uint32, c.c_int,
                                                 c.c_int]
         self.lib.jax_ep_lag_rts2rts.restype = c.c_size_t
-        self.lib.jax_ep_lag_configure.argtypes = [c.c_int] * 4
+        self.lib.jax_ep_lag_configure.argtypes = [c.c_int] * 3
+        self.lib.jax_ep_lag_devices.argtypes = [c.c_char_p]
+        for name in ("jax_ep_lag_arm", "jax_ep_lag_disarm"):
+            getattr(self.lib, name).argtypes = []
+        self.lib.jax_ep_lag_armed.argtypes = []
         self.lib.jax_ep_lag_table.argtypes = [c.c_void_p] * 5 + [c.c_int]
         self.lib.jax_ep_lag_device.argtypes = [c.c_int, c.c_char_p, c.c_int]
 
-    def patch(self, cmd: bytearray, affinity: int, sport: int, init2rtr_affinity: bool) -> int:
+    def patch(self, cmd: bytearray, affinity: int, sport: int) -> int:
         import ctypes
 
         buf = (ctypes.c_uint8 * len(cmd)).from_buffer(cmd)
         return int(self.lib.jax_ep_lag_patch(ctypes.addressof(buf), len(cmd), int(affinity),
-                                             int(sport), int(bool(init2rtr_affinity))))
+                                             int(sport)))
 
     def rts2rts(self, qpn: int, affinity: int, sport: int) -> bytes:
         import ctypes
@@ -249,21 +269,58 @@ class Shim:
         return bytes(out[:n])
 
     def configure(self, members: int, group: int = 1, sport_base: int = ROCE_SPORT_MIN,
-                  init2rtr_affinity: bool = True) -> None:
-        rc = self.lib.jax_ep_lag_configure(int(members), int(group), int(sport_base),
-                                           int(bool(init2rtr_affinity)))
+                  devices=None, arm: bool = True, init2rtr_affinity=None) -> None:
+        """Sets what the shim does to the RC QPs created while it is armed and forgets
+        earlier records: `members` LAG members alternated per `group` QPs (0: no
+        affinity), UDP source ports from `sport_base` (0: unchanged), only on the RDMA
+        devices named in `devices` (None: every device). `arm` opens the window now,
+        for callers that configure right before NVSHMEM starts and `disable()` after.
+
+        `init2rtr_affinity` is accepted and ignored: the shim never sets the affinity at
+        INIT->RTR, whatever a caller asks (see the module's docstring)."""
+        del init2rtr_affinity
+        names = [] if devices is None else [str(d) for d in devices]
+        if any("," in d or not d for d in names):
+            raise ValueError(f"devices must be non-empty names without ',', got {names}")
+        if self.lib.jax_ep_lag_devices(",".join(names).encode()) != 0:
+            raise ValueError(f"the shim refused devices={names} (at most 16 names of "
+                             f"fewer than 64 characters)")
+        rc = self.lib.jax_ep_lag_configure(int(members), int(group), int(sport_base))
         if rc != 0:
             raise ValueError(f"the shim refused members={members} group={group} "
                              f"sport_base={sport_base:#x}")
+        if arm:
+            self.arm()
+
+    def arm(self) -> None:
+        """From now on, RC QPs created (on the configured devices) are taken."""
+        self.lib.jax_ep_lag_arm()
+
+    def disarm(self) -> None:
+        """From now on the shim takes no new QP and changes no command; the table stays."""
+        self.lib.jax_ep_lag_disarm()
 
     def disable(self) -> None:
-        self.lib.jax_ep_lag_disable()
+        self.disarm()
+
+    def is_armed(self) -> bool:
+        return bool(self.lib.jax_ep_lag_armed())
+
+    @contextlib.contextmanager
+    def armed(self):
+        """Armed inside the `with` block (NVSHMEM's initialisation), disarmed after it
+        however it ends."""
+        self.arm()
+        try:
+            yield self
+        finally:
+            self.disarm()
 
     def table(self, max_qps: int = 1 << 16) -> list[dict]:
-        """Per RC QP seen since configure, in creation order: qpn, affinity, udp_sport,
-        patched (1 RST2INIT affinity, 2 INIT2RTR sport, 4 INIT2RTR affinity), the
-        status of the RTS2RTS re-apply (-1 not issued, 0 ok) and the RDMA device the QP
-        was created on ("ctx:<address>" where libibverbs' name is not available)."""
+        """Per RC QP taken since configure, in creation order: qpn, affinity, udp_sport,
+        patched (the PATCHED_* / REFUSED_* bits), the status of the RTS2RTS re-apply
+        (-1 not issued, 0 ok, else the device's refusal) and the RDMA device the QP was
+        created on ("ctx:<address>" where libibverbs' name is not available)."""
         import ctypes
 
         n = self.lib.jax_ep_lag_table(None, None, None, None, None, 0)

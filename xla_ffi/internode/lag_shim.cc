@@ -4,14 +4,32 @@
 // creates and moves its RC QPs with mlx5dv_devx_obj_create / mlx5dv_devx_obj_modify PRM
 // commands. This small library defines those two symbols (version MLX5_1.7, as the
 // transport binds them); jax_ep loads it with RTLD_GLOBAL before NVSHMEM starts, so the
-// transport's calls come here first. Every call is forwarded to the real libmlx5; while
-// jax_ep_lag_configure has enabled it:
+// transport's calls come here first. Every call is forwarded to the real libmlx5.
+//
+// Where the affinity may go. RST2INIT carries the whole QPC, so lag_tx_port_affinity is
+// taken there with no opt_param bit: the Linux driver (drivers/infiniband/hw/mlx5/qp.c,
+// __mlx5_ib_modify_qp / get_tx_affinity) writes it into the QPC at RST2INIT. After that
+// the field changes only as an optional parameter, opt_param_mask bit 15
+// (MLX5_QP_OPTPAR_LAG_TX_AFF): rdma-core's mlx5dv_modify_qp_lag_port sends it with
+// RTS2RTS, and the driver sends it with INIT2RTR only when the device reports the HCA
+// capability init2_lag_tx_port_affinity. The shim cannot read that capability, and a
+// device without it answers bad_param, which NVSHMEM turns into an aborted job: so the
+// shim never touches an INIT2RTR's affinity or its bit 15, and uses only RST2INIT's
+// QPC and an RTS2RTS of its own once the QP is in RTS.
+//
+// What it does, and only inside an armed window (jax_ep_lag_arm .. jax_ep_lag_disarm,
+// opened around NVSHMEM's initialisation) and only for QPs on the configured devices
+// (jax_ep_lag_devices; none configured: any device), so other libraries' QPs are left
+// as they were sent:
 //   - each RC QP created (CREATE_QP with qpc.st == RC) is numbered k = 0, 1, ... and
 //     gets member affinity (k / group) % members + 1 and UDP source port sport_base + k;
 //   - RST2INIT carries the affinity in its qpc, INIT2RTR the UDP source port in its
-//     primary address path (and, if init2rtr_affinity, the affinity with its mask bit);
-//   - after a successful RTR2RTS the shim issues RTS2RTS with the affinity (and the
-//     mask bit), which some firmware needs to honour it; its status is recorded;
+//     primary address path (a mandatory field there, so no mask bit);
+//   - after a successful RTR2RTS the shim issues RTS2RTS with the affinity and bit 15,
+//     which some firmware needs to honour it; its status is recorded;
+//   - a command the device refuses with the shim's change is sent again as NVSHMEM
+//     wrote it, so NVSHMEM's transition never fails because of the shim, and the refusal
+//     is recorded; a refused RTS2RTS (the shim's own command) is recorded, nothing more;
 //   - each RC QP's device (ibv_get_device_name of the context it was created on) is
 //     recorded, so the QP -> device table is what NVSHMEM did, not a model of it.
 // members == 0 and sport_base == 0 only record.
@@ -24,6 +42,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <vector>
 
 namespace {
@@ -46,8 +65,18 @@ constexpr size_t kLagAffBit = 0x4;            // in qpc
 constexpr size_t kStBit = 0x8;                // in qpc: service type, RC = 0
 constexpr size_t kUdpSportBit = 0xC0 + 0x110;  // in qpc: primary_address_path.udp_sport
 constexpr size_t kOutQpnBit = 0x48;           // in create_qp_out
-constexpr uint32_t kOptLagTxAff = 1u << 15;
+constexpr uint32_t kOptLagTxAff = 1u << 15;   // RTS2RTS only (see the top of this file)
 constexpr uint64_t kOpt32UdpSport = 1u << 2;
+
+// QpRecord::patched bits; jax_ep/network/lag_affinity.py names the same values.
+constexpr int kAffRst2Init = 1;       // affinity in RST2INIT's qpc, accepted
+constexpr int kSportInit2Rtr = 2;     // UDP source port in INIT2RTR, accepted
+constexpr int kAffRts2Rts = 4;        // the shim's RTS2RTS with the affinity, accepted
+constexpr int kAffRst2InitRefused = 8;   // RST2INIT refused with it; sent as NVSHMEM wrote it
+constexpr int kSportRefused = 16;        // INIT2RTR refused with it; sent as NVSHMEM wrote it
+
+constexpr size_t kMaxDevices = 16;
+constexpr size_t kDeviceChars = 64;
 
 uint64_t GetBits(const uint8_t* buf, size_t bit, size_t width) {
   uint64_t v = 0;
@@ -71,22 +100,22 @@ void SetBits(uint8_t* buf, size_t bit, size_t width, uint64_t value) {
 }
 
 struct QpRecord {
-  void* obj;
+  void* obj;  // nullptr once the address was handed out again for a newer object
   void* context;
-  char device[64];
+  char device[kDeviceChars];
   uint32_t qpn;
   int affinity;
   int sport;
-  int patched;        // bit 0: affinity in RST2INIT, bit 1: sport in INIT2RTR, bit 2: INIT2RTR aff
+  int patched;         // kAffRst2Init | kSportInit2Rtr | kAffRts2Rts | ...Refused
   int rts2rts_status;  // -1 not issued, else the modify's return code (0 = ok)
 };
 
 struct Config {
-  bool enabled = false;
+  bool armed = false;
   int members = 0;  // 0: no affinity
   int group = 1;
   int sport_base = 0;  // 0: leave the UDP source port alone
-  bool init2rtr_affinity = false;
+  std::vector<std::string> devices;  // empty: every device
 };
 
 using CreateFn = void* (*)(void*, const void*, size_t, void*, size_t);
@@ -134,6 +163,16 @@ void DeviceName(void* context, char* out, size_t cap) {
   }
 }
 
+// A device filter names devices, so a context whose name libibverbs cannot give
+// ("ctx:...") never matches one: unknown QPs stay untouched.
+bool DeviceWanted(const char* device) {
+  if (g_cfg.devices.empty()) return true;
+  for (const auto& d : g_cfg.devices) {
+    if (d == device) return true;
+  }
+  return false;
+}
+
 QpRecord* Find(void* obj) {
   for (auto& r : g_qps) {
     if (r.obj == obj) return &r;
@@ -146,29 +185,21 @@ QpRecord* Find(void* obj) {
 extern "C" {
 
 // Changes a QP modify command in place as the shim does before forwarding it.
-// Returns the fields changed: 1 affinity (RST2INIT), 2 UDP sport (INIT2RTR),
-// 4 affinity with its mask bit (INIT2RTR).
+// Returns the fields changed: 1 affinity (RST2INIT's qpc), 2 UDP sport (INIT2RTR).
+// An INIT2RTR's affinity and opt_param_mask are never changed.
 __attribute__((visibility("default"))) int jax_ep_lag_patch(uint8_t* cmd, size_t len,
-                                                            int affinity, int sport,
-                                                            int init2rtr_affinity) {
+                                                            int affinity, int sport) {
   if (cmd == nullptr || len * 8 < kQpcBit + kQpcBits) return 0;
   uint32_t op = static_cast<uint32_t>(GetBits(cmd, kOpcodeBit, 16));
-  int changed = 0;
   if (op == kOpRst2Init && affinity > 0 && affinity < 16) {
     SetBits(cmd, kQpcBit + kLagAffBit, 4, static_cast<uint64_t>(affinity));
-    changed |= 1;
-  } else if (op == kOpInit2Rtr) {
-    if (sport >= 0xC000 && sport <= 0xFFFF) {
-      SetBits(cmd, kQpcBit + kUdpSportBit, 16, static_cast<uint64_t>(sport));
-      changed |= 2;
-    }
-    if (init2rtr_affinity && affinity > 0 && affinity < 16) {
-      SetBits(cmd, kQpcBit + kLagAffBit, 4, static_cast<uint64_t>(affinity));
-      SetBits(cmd, kOptMaskBit, 32, GetBits(cmd, kOptMaskBit, 32) | kOptLagTxAff);
-      changed |= 4;
-    }
+    return kAffRst2Init;
   }
-  return changed;
+  if (op == kOpInit2Rtr && sport >= 0xC000 && sport <= 0xFFFF) {
+    SetBits(cmd, kQpcBit + kUdpSportBit, 16, static_cast<uint64_t>(sport));
+    return kSportInit2Rtr;
+  }
+  return 0;
 }
 
 // Builds an RTS2RTS modify setting the affinity (if > 0) and/or UDP sport (if >= 0xC000).
@@ -193,31 +224,61 @@ __attribute__((visibility("default"))) size_t jax_ep_lag_rts2rts(uint8_t* out, s
   return kCmdBytes;
 }
 
-// Enables the shim for the RC QPs created from now on (members 0: no affinity;
-// sport_base 0: UDP source port unchanged) and forgets earlier records.
+// Sets what the next armed window does to the RC QPs created in it (members 0: no
+// affinity; sport_base 0: UDP source port unchanged) and forgets earlier records.
+// It does not arm.
 __attribute__((visibility("default"))) int jax_ep_lag_configure(int members, int group,
-                                                                int sport_base,
-                                                                int init2rtr_affinity) {
+                                                                int sport_base) {
   if (members < 0 || members > 15 || group < 1 ||
       (sport_base != 0 && (sport_base < 0xC000 || sport_base > 0xFFFF))) {
     return -1;
   }
   std::lock_guard<std::recursive_mutex> lock(g_mu);
-  g_cfg.enabled = true;
   g_cfg.members = members;
   g_cfg.group = group;
   g_cfg.sport_base = sport_base;
-  g_cfg.init2rtr_affinity = init2rtr_affinity != 0;
   g_qps.clear();
   return 0;
 }
 
-__attribute__((visibility("default"))) void jax_ep_lag_disable() {
+// The devices whose QPs the shim takes, comma-separated ("" or nullptr: every device).
+__attribute__((visibility("default"))) int jax_ep_lag_devices(const char* csv) {
+  std::vector<std::string> names;
+  if (csv != nullptr) {
+    std::string s(csv);
+    size_t start = 0;
+    while (start <= s.size()) {
+      size_t end = s.find(',', start);
+      if (end == std::string::npos) end = s.size();
+      if (end > start) {
+        if (end - start >= kDeviceChars) return -1;
+        names.push_back(s.substr(start, end - start));
+      }
+      start = end + 1;
+    }
+  }
+  if (names.size() > kMaxDevices) return -1;
   std::lock_guard<std::recursive_mutex> lock(g_mu);
-  g_cfg.enabled = false;
+  g_cfg.devices = names;
+  return 0;
 }
 
-// Copies up to `max` records (creation order); returns how many RC QPs were seen.
+__attribute__((visibility("default"))) void jax_ep_lag_arm() {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  g_cfg.armed = true;
+}
+
+__attribute__((visibility("default"))) void jax_ep_lag_disarm() {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  g_cfg.armed = false;
+}
+
+__attribute__((visibility("default"))) int jax_ep_lag_armed() {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  return g_cfg.armed ? 1 : 0;
+}
+
+// Copies up to `max` records (creation order); returns how many RC QPs were taken.
 __attribute__((visibility("default"))) int jax_ep_lag_table(uint32_t* qpn, int32_t* affinity,
                                                             int32_t* sport, int32_t* patched,
                                                             int32_t* rts2rts_status, int max) {
@@ -256,15 +317,22 @@ __attribute__((visibility("default"))) void* mlx5dv_devx_obj_create(void* contex
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   if (!Resolve()) return nullptr;
   void* obj = g_create(context, in, inlen, out, outlen);
+  if (obj == nullptr) return obj;
+  // libmlx5 frees destroyed objects without passing through here, so an address may
+  // come back for an unrelated object: the old record must not claim it.
+  for (auto& old : g_qps) {
+    if (old.obj == obj) old.obj = nullptr;
+  }
   const uint8_t* cmd = static_cast<const uint8_t*>(in);
-  if (obj != nullptr && g_cfg.enabled && cmd != nullptr && inlen * 8 >= kQpcBit + kQpcBits &&
+  if (g_cfg.armed && cmd != nullptr && inlen * 8 >= kQpcBit + kQpcBits &&
       GetBits(cmd, kOpcodeBit, 16) == kOpCreateQp && GetBits(cmd, kQpcBit + kStBit, 8) == 0 &&
       out != nullptr && outlen * 8 >= kOutQpnBit + 24) {
-    int k = static_cast<int>(g_qps.size());
     QpRecord r{};
+    DeviceName(context, r.device, sizeof(r.device));
+    if (!DeviceWanted(r.device)) return obj;
+    int k = static_cast<int>(g_qps.size());
     r.obj = obj;
     r.context = context;
-    DeviceName(context, r.device, sizeof(r.device));
     r.qpn = static_cast<uint32_t>(GetBits(static_cast<const uint8_t*>(out), kOutQpnBit, 24));
     r.affinity = g_cfg.members > 0 ? (k / g_cfg.group) % g_cfg.members + 1 : 0;
     r.sport = g_cfg.sport_base != 0 ? 0xC000 + (g_cfg.sport_base - 0xC000 + k) % 0x4000 : 0;
@@ -280,20 +348,34 @@ __attribute__((visibility("default"))) int mlx5dv_devx_obj_modify(void* obj, con
                                                                  size_t outlen) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   if (!Resolve()) return -1;
-  QpRecord* r = g_cfg.enabled ? Find(obj) : nullptr;
+  QpRecord* r = g_cfg.armed ? Find(obj) : nullptr;
   const uint8_t* cmd = static_cast<const uint8_t*>(in);
   if (r == nullptr || cmd == nullptr || inlen * 8 < kQpcBit + kQpcBits) {
     return g_modify(obj, in, inlen, out, outlen);
   }
   std::vector<uint8_t> copy(cmd, cmd + inlen);
-  r->patched |= jax_ep_lag_patch(copy.data(), copy.size(), r->affinity, r->sport,
-                                 g_cfg.init2rtr_affinity ? 1 : 0);
-  int ret = g_modify(obj, copy.data(), copy.size(), out, outlen);
+  int changed = jax_ep_lag_patch(copy.data(), copy.size(), r->affinity, r->sport);
+  int ret;
+  if (changed == 0) {
+    ret = g_modify(obj, in, inlen, out, outlen);
+  } else {
+    ret = g_modify(obj, copy.data(), copy.size(), out, outlen);
+    if (ret == 0) {
+      r->patched |= changed;
+    } else {
+      // A refused modify leaves the QP where it was, so NVSHMEM's own command can still
+      // be sent; only if that one succeeds was the refusal about the shim's field.
+      ret = g_modify(obj, in, inlen, out, outlen);
+      if (ret == 0) r->patched |= changed == kAffRst2Init ? kAffRst2InitRefused : kSportRefused;
+    }
+  }
   if (ret == 0 && GetBits(cmd, kOpcodeBit, 16) == kOpRtr2Rts && r->affinity > 0) {
     uint8_t again[kCmdBytes];
     uint8_t again_out[16] = {};
     size_t n = jax_ep_lag_rts2rts(again, sizeof(again), r->qpn, r->affinity, 0);
+    // Its failure is recorded, never returned: the RTR2RTS NVSHMEM asked for succeeded.
     r->rts2rts_status = n ? g_modify(obj, again, n, again_out, sizeof(again_out)) : -1;
+    if (r->rts2rts_status == 0) r->patched |= kAffRts2Rts;
   }
   return ret;
 }
