@@ -418,6 +418,77 @@ def summarize(c: dict[str, int]) -> dict[str, Any]:
     return out
 
 
+_standard_nodes: dict = {}
+
+
+def standard_node(gpus: int, ports: int) -> str:
+    """A sysfs tree of the standard node (jax_ep.network.fixtures.standard), written once
+    per process into a temporary folder."""
+    key = (gpus, ports)
+    if key not in _standard_nodes:
+        import tempfile
+
+        from jax_ep.network import fixtures
+        root = tempfile.mkdtemp(prefix=f"jax_ep_node_g{gpus}_p{ports}_")
+        _standard_nodes[key] = fixtures.standard(root, gpus, ports)
+    return _standard_nodes[key]
+
+
+class EmulatedFabric:
+    """The node every emulated node is, and the NVSHMEM_* environment each PE starts with,
+    for the emulated NVSHMEM (nvshmem_emu.h set_fabric).
+
+    sysfs: a node's tree (default: the standard node, one HCA of num_ports ports per GPU);
+    env_for(fabric, cfg) -> dict: a PE's NVSHMEM variables from its GPU's Fabric (default:
+    what the bootstrap sets, jax_ep.network.fabric.nvshmem_env_for); lag_affinity: the
+    QPs of bonded devices carry a LAG TX affinity (the shim's, as the bootstrap arms it).
+    `own_ports[pe]`: the wire ports of that PE's GPU's own NIC (ports, or bond members),
+    in the plan's order: the log's port column is a put's place in them (-1: elsewhere).
+    """
+
+    def __init__(self, num_pes: int, gpus_per_node: int, cfg, *, sysfs: str | None = None,
+                 env_for=None, lag_affinity: bool = True):
+        from jax_ep.network import fabric as fb
+
+        root = sysfs or standard_node(gpus_per_node, cfg.num_ports)
+        gpus = fb.node_gpus(root)
+        if len(gpus) < gpus_per_node:
+            raise ValueError(f"the node under {root} has {len(gpus)} GPUs, fewer than "
+                             f"gpus_per_node={gpus_per_node}")
+        gpus = gpus[:gpus_per_node]
+        env_for = env_for or fb.nvshmem_env_for
+        devices = fb.discover(root).devices
+        node = fb.nvshmem_node(root, devices, gpus)
+        bonds = {d.name: d.bond.slaves for d in devices if d.bond and len(d.bond.slaves) > 1}
+        lines = []
+        for name, path, numa, ports in node["devices"]:
+            pts = ",".join(f"{n}:{int(a)}:{int(r)}" for n, a, r in ports)
+            lines.append(f"dev {name} {numa} {path} {pts}" +
+                         (f" {','.join(bonds[name])}" if name in bonds else ""))
+        for path, numa in zip(node["gpu_paths"], node["gpu_numa"]):
+            lines.append(f"gpu {numa} {path}")
+        self.gpus, self.fabrics, self.own_ports, self.env = gpus, [], [], []
+        for g in gpus:
+            f = fb.discover(root, g)
+            self.fabrics.append(f)
+            if f.fabric_class == "roce-lag" and f.bond:
+                self.own_ports.append(list(f.bond.slaves))
+            else:
+                self.own_ports.append([f"{d}:{p}" for d, p in sorted(f.selected)])
+        for pe in range(num_pes):
+            env = dict(env_for(self.fabrics[pe % gpus_per_node], cfg))
+            self.env.append(env)
+            lines.append(f"env {pe} " + ";".join(f"{k}={v}" for k, v in sorted(env.items())))
+        lines.append(f"lag_affinity {int(lag_affinity)}")
+        self.sysfs, self.G = root, gpus_per_node
+        self.text = "\n".join(lines) + "\n"
+
+    def port_index(self, src: int, name: str) -> int:
+        """The place of wire port `name` among PE src's own NIC ports, -1 if not one."""
+        own = self.own_ports[src % self.G]
+        return own.index(name) if name in own else -1
+
+
 class InternodeEmulator:
     """The internode (NVSHMEM) modes' handlers on the emulated GPU: R virtual GPUs, one
     emulated NVSHMEM PE each, G per node (a driver for counting and benchmarks; the tests'
@@ -437,6 +508,12 @@ class InternodeEmulator:
                      qps_per_port=qps_per_port, seed=seed, max_delay=max_delay, qp_api=1)
         _, errs = self.emu.run("internode_world", [[]] * R, [[]] * R, world, skip=range(1, R))
         _raise(errs)
+        from jax_ep.network.transport import TransportConfig
+        self.fabric = EmulatedFabric(R, gpus_per_node, TransportConfig(
+            num_ports=num_ports, qps_per_port=qps_per_port))
+        err = self.emu.m.nvshmem_set_fabric(self.fabric.text)
+        if err:
+            raise RuntimeError(err)
         init = dict(num_pes=R, heap_bytes=(32 << 20) + (heap_mib << 20),
                     num_qps=num_ports * qps_per_port, qp_api=1)
         _, errs = self.emu.run("internode_init", [[]] * R, [[]] * R, init)

@@ -480,27 +480,76 @@ def plan_config_for(fabric: Fabric, cfg, lag_affinity: str = "alternate"):
     return cfg, msgs
 
 
-def nvshmem_env_for(fabric: Fabric, cfg) -> dict:
-    """NVSHMEM device selection matching the plan: multi-port on where the plan has several
-    ports on separate devices/ports, the device list in a fixed (sorted) order so every
-    node lays QPs out alike, PE mapping off. Empty for an unknown fabric (NVSHMEM's own
-    choice is left alone)."""
+def nvshmem_env_for(fabric: Fabric, cfg, node_list: list[str] | None = None) -> dict:
+    """NVSHMEM's device selection for the plan, the same on every PE of the node: the
+    node's whole port list (`node_list`, default `node_ports` of the fabric's tree), multi-
+    port on where the plan has several ports, PE mapping off. NVSHMEM then gives each PE
+    n_devices / PEs-per-node devices, the closest (nvshmem_select.h): both ports of its
+    own NIC on the standard node. A list of one PE's own ports would leave it
+    2 / 8 -> 1 device. Empty for an unknown fabric (NVSHMEM's own choice is left alone)."""
     cls = fabric.fabric_class
     if cls == "unknown" or not fabric.selected:
         return {}
-    env = {"NVSHMEM_ENABLE_NIC_PE_MAPPING": "0"}
-    sel = sorted(fabric.selected)
-    if cls == "roce-lag":
-        env["NVSHMEM_HCA_LIST"] = ",".join(f"{n}:{p}" for n, p in sel[:1])
-        env["NVSHMEM_ENABLE_MULTI_PORT"] = "0"
-        env["NVSHMEM_IBGDA_ENABLE_MULTI_PORT"] = "0"
-        return env
-    n = cfg.num_ports if cls != "single-port" else 1
-    env["NVSHMEM_HCA_LIST"] = ",".join(f"{d}:{p}" for d, p in sel[:max(n, 1)])
+    if node_list is None:
+        gpus = node_gpus(fabric.sysfs)
+        node_list = node_ports(fabric.sysfs, gpus) if gpus else []
+        if not node_list:  # no GPUs in the tree: this GPU's own ports
+            node_list = [f"{d}:{p}" for d, p in sorted(fabric.selected)]
+    env = {"NVSHMEM_ENABLE_NIC_PE_MAPPING": "0", "NVSHMEM_HCA_LIST": ",".join(node_list)}
+    n = 1 if cls in ("roce-lag", "single-port") else cfg.num_ports
     multi = "1" if n > 1 else "0"
     env["NVSHMEM_ENABLE_MULTI_PORT"] = multi
     env["NVSHMEM_IBGDA_ENABLE_MULTI_PORT"] = multi
     return env
+
+
+def nvshmem_plan(fabric: Fabric, cfg, pes_per_node: int, env: dict | None = None,
+                 environ: dict | None = None):
+    """The plan checked against NVSHMEM's own selection before it starts: (cfg, env,
+    selection, [loud messages]). env: what jax_ep sets (default `nvshmem_env_for`); the
+    user's NVSHMEM_* variables in `environ` win, as the bootstrap keeps them. Where
+    NVSHMEM would open fewer devices for this GPU than the plan has ports (the QPs would
+    share them), the plan shrinks to what it opens, loudly; where it would open none, or
+    none of this GPU's closest ports, that is a RuntimeError naming the fabric and the
+    fix."""
+    import dataclasses as dc
+    if env is None:
+        env = nvshmem_env_for(fabric, cfg)
+    user = {k: v for k, v in (environ or {}).items() if k.startswith("NVSHMEM_") and k in (
+        "NVSHMEM_HCA_LIST", "NVSHMEM_HCA_PE_MAPPING", "NVSHMEM_ENABLE_MULTI_PORT",
+        "NVSHMEM_IBGDA_ENABLE_MULTI_PORT", "NVSHMEM_ENABLE_NIC_PE_MAPPING")}
+    msgs = []
+    if not env or fabric.gpu is None:
+        return cfg, env, None, msgs
+    sel = nvshmem_selection({**env, **user}, sysfs=fabric.sysfs, gpu=fabric.gpu,
+                            pes_per_node=pes_per_node, num_qps=cfg.num_qps,
+                            devices=fabric.devices)
+    eff = ", ".join(f"{k}={v}" for k, v in sorted({**env, **user}.items()))
+    if sel["error"]:
+        raise RuntimeError(
+            f"jax_ep: on this {fabric.fabric_class} node NVSHMEM would open no RDMA device "
+            f"for GPU {fabric.gpu} ({sel['error']}; {eff}). Fix: unset the NVSHMEM_* "
+            f"device variables above so jax_ep chooses, or JAX_EP_FABRIC=off")
+    own = {f"{d}:{p}" for d, p in fabric.selected}
+    opened = sel["devices"]
+    if not set(opened) <= own:
+        raise RuntimeError(
+            f"jax_ep: on this {fabric.fabric_class} node NVSHMEM would open "
+            f"{', '.join(opened)} for GPU {fabric.gpu}, not its closest ports "
+            f"({', '.join(sorted(own))}): its traffic would cross the PCI tree to another "
+            f"GPU's NIC ({eff}). Fix: unset NVSHMEM_HCA_LIST / NVSHMEM_HCA_PE_MAPPING / "
+            f"NVSHMEM_ENABLE_NIC_PE_MAPPING so jax_ep chooses, or JAX_EP_FABRIC=off")
+    wire = len(opened) if fabric.fabric_class != "roce-lag" else cfg.num_ports
+    if wire < cfg.num_ports:
+        why = sel["note"] or "its selection rules"
+        msgs.append(f"jax_ep: NVSHMEM opens {', '.join(opened)} for GPU {fabric.gpu} "
+                    f"({why}) on this {fabric.fabric_class} node, so the plan's "
+                    f"{cfg.num_ports} ports would share {wire}: running on {wire}")
+        cfg = cfg.single_port() if wire == 1 else dc.replace(cfg, num_ports=wire,
+                                                             num_channels=None)
+        return nvshmem_plan(fabric, cfg, pes_per_node, nvshmem_env_for(fabric, cfg),
+                            environ)[:3] + (msgs,)
+    return cfg, env, sel, msgs
 
 
 def qp_table(fabric: Fabric, cfg, handles, lag_affinity: str = "alternate",
@@ -603,15 +652,58 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", default=None, help="PCI bus id of the GPU (e.g. 0000:18:00.0)")
     ap.add_argument("--no-multi-port", action="store_true",
                     help="model NVSHMEM with multi-port off")
+    ap.add_argument("--pes-per-node", type=int, default=None, metavar="N",
+                    help="with --gpu: NVSHMEM's selection for that GPU's PE when the node "
+                         "runs N PEs (what jax_ep sets, the devices it opens, each planned "
+                         "QP's device:port)")
+    ap.add_argument("--num-ports", type=int, default=2, help="the plan's ports (default 2)")
+    ap.add_argument("--qps-per-port", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:
         f = discover(a.sysfs, a.gpu, multi_port=not a.no_multi_port)
-    except ValueError as e:
+        out = f.to_json()
+        if a.pes_per_node is not None:
+            if a.gpu is None:
+                raise ValueError("--pes-per-node needs --gpu")
+            out["nvshmem"] = nvshmem_report(f, a.pes_per_node, a.num_ports, a.qps_per_port)
+    except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(f.to_json(), indent=1) if a.json else format_report(f))
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_report(f))
+        if "nvshmem" in out:
+            n = out["nvshmem"]
+            print("nvshmem env: " + " ".join(f"{k}={v}" for k, v in n["env"].items()))
+            print(f"nvshmem opens: {', '.join(n['devices'])}; planned QPs on: "
+                  f"{', '.join(n['qp_ports'])}")
+            for m in n["messages"]:
+                print(m)
     return 0
+
+
+def nvshmem_report(f: Fabric, pes_per_node: int, num_ports: int = 2,
+                   qps_per_port: int = 1) -> dict:
+    """The CLI's "nvshmem" object: what the bootstrap sets for this GPU's PE, the devices
+    NVSHMEM opens (modelled), and the device:port of each planned QP (logical QP q uses
+    the handle `handle_order_for_plan` gives it, as the runtime orders them)."""
+    from jax_ep.network.transport import TransportConfig
+    cfg, msgs = plan_config_for(f, TransportConfig(num_ports=num_ports,
+                                                   qps_per_port=qps_per_port))
+    cfg, env, sel, more = nvshmem_plan(f, cfg, pes_per_node)
+    if sel is None:
+        return {"env": env, "devices": [], "qp_ports": [], "messages": msgs + more}
+    created = sel["qp_ports"]
+    if f.fabric_class == "roce-lag" and f.bond:  # the member each QP's affinity names
+        m = len(f.bond.slaves)
+        created = [f"{c}@{f.bond.slaves[i % m]}" for i, c in enumerate(created)]
+    own = [x for x in dict.fromkeys(created)]
+    table = [{"wire_port": own.index(c)} for c in created]
+    order = handle_order_for_plan(table, cfg.num_ports) or list(range(len(created)))
+    return {"env": env, "devices": sel["devices"], "qp_ports": [created[h] for h in order],
+            "num_ports": cfg.num_ports, "messages": msgs + more}
 
 
 if __name__ == "__main__":
@@ -638,6 +730,8 @@ class FabricSetup:
     created_handles: list | None = None  # the explicit QP handles in creation order
     # NVSHMEM's bootstrap interface and why (jax_ep.network.bootstrap_iface)
     bootstrap_iface: object | None = None
+    # NVSHMEM's selection for this PE as modelled before it started (nvshmem_selection)
+    nvshmem: dict | None = None
 
 
 _setup: FabricSetup | None = None
@@ -709,6 +803,12 @@ def setup_for_bootstrap(cfg, environ, rank: int, world: int, client, *, key_pref
     if off or not f.devices:
         msgs = []  # nothing to check against: no RDMA here (one node) or discovery off
     env = nvshmem_env_for(f, new_cfg) if not off else {}
+    selection = None
+    if env and not off and f.gpu is not None and not environ.get("NVSHMEM_HCA_PE_MAPPING"):
+        from jax_ep.network import topology as _topo
+        ppn = _topo.detect(world, environ=environ).gpus_per_node
+        new_cfg, env, selection, more = nvshmem_plan(f, new_cfg, ppn, env, dict(environ))
+        msgs.extend(more)
     if env and environ.get("NVSHMEM_HCA_PE_MAPPING"):
         # the user's mapping wins; NVSHMEM refuses it together with an HCA list
         env = {k: v for k, v in env.items()
@@ -737,7 +837,7 @@ def setup_for_bootstrap(cfg, environ, rank: int, world: int, client, *, key_pref
     for m in msgs:
         _say(m)
     _setup = FabricSetup(f, new_cfg, env, lag_aff, armed, msgs, None, world,
-                         bootstrap_iface=iface)
+                         bootstrap_iface=iface, nvshmem=selection)
     return _setup
 
 
@@ -782,7 +882,7 @@ def _arm_shim(f: Fabric, cfg, lag_aff: str, world: int) -> tuple[bool, str | Non
     # per handle: a group of world - 1 QPs shares a slot, so the member alternates slot
     # by slot, i.e. handle by handle.
     shim.configure(members=members, group=max(world - 1, 1),
-                   sport_base=la.ROCE_SPORT_MIN if roce else 0, init2rtr_affinity=True)
+                   sport_base=la.ROCE_SPORT_MIN if roce else 0)
     return True, None
 
 
@@ -818,8 +918,9 @@ def after_nvshmem_start() -> None:
              f"affinity is the firmware's and may put every QP on ONE member. Fix: import "
              f"jax_ep before anything loads libmlx5, or LD_PRELOAD=libjax_ep_lag_shim.so")
         return
-    failed = [r for r in s.shim_table if r["rts2rts_status"] not in (0,) or not (
-        r["patched"] & 1)]
+    # the affinity holds where RST2INIT carried it or the RTS2RTS after RTS was accepted
+    failed = [r for r in s.shim_table if not (r["patched"] & (la.PATCHED_RST2INIT_AFFINITY |
+                                                              la.PATCHED_RTS2RTS_AFFINITY))]
     if failed:
         _say(f"jax_ep: the LAG affinity did not reach {len(failed)} of "
              f"{len(s.shim_table)} RC QPs on {dev} (first: qpn {failed[0]['qpn']:#x}, "

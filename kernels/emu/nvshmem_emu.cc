@@ -7,10 +7,12 @@
 #include <deque>
 #include <map>
 #include <random>
+#include <sstream>
 #include <tuple>
 
 #include "kernels/emu/emu_control.h"
 #include "kernels/emu/emu_cuda.h"
+#include "kernels/internode/nvshmem_select.h"
 
 namespace nvshmem_emu {
 namespace {
@@ -25,11 +27,27 @@ struct Alloc {
   size_t bytes;
 };
 
+namespace ns = jax_ep::nvshmem_select;
+
 struct Pe {
   bool initialized = false;
   std::vector<Alloc> heap;  // k-th symmetric allocation of this PE (nullptr once freed)
   int num_handles = 0;
   std::vector<nvshmemx_qp_handle_t> handles;
+  std::vector<ns::Entry> opened;   // the devices NVSHMEM opened for it (its selection)
+  std::vector<ns::Entry> qp_dev;   // the device of each handle, in creation order
+};
+
+// The node and the environments the world's PEs start with (set_fabric).
+struct Fabric {
+  bool set = false;
+  ns::NodeDesc node;
+  std::vector<std::vector<std::string>> members;  // per device: bond members, or none
+  std::map<int, std::map<std::string, std::string>> env;  // per PE
+  bool lag_affinity = false;
+  std::vector<std::string> names;                 // wire port id -> name
+  std::map<std::pair<int, int>, int> port_id;     // (device, port) -> id
+  std::map<std::pair<int, int>, int> member_id;   // (device, member) -> id
 };
 
 struct Op {
@@ -66,6 +84,7 @@ struct World {
   std::map<std::string, uint64_t> counters;
   int64_t call = 0;
   std::map<int, std::deque<Late>> late;  // per destination PE, in delivery order
+  Fabric fabric;
 };
 
 World& W() {
@@ -189,8 +208,10 @@ bool WarpLeader() {
   return mask == 0 || lane == __ffs(mask) - 1;
 }
 
-// Logical QP and the queue slot of a call: handle >= 0 is an explicit QP handle.
+// Logical QP and the queue slot of a call: handle >= 0 is an explicit QP handle;
+// NVSHMEMX_QP_DEFAULT (what a transport without custom QPs returns) is -1, NVSHMEM's own.
 int QpOfHandle(nvshmemx_qp_handle_t h) {
+  if (h == NVSHMEMX_QP_DEFAULT && W().cfg.default_handles) return -1;
   const int q = (h - kHandleBase) / kHandleStride;
   if (h < kHandleBase || (h - kHandleBase) % kHandleStride != 0 ||
       q >= W().pes[CurrentPe()].num_handles) {
@@ -198,6 +219,56 @@ int QpOfHandle(nvshmemx_qp_handle_t h) {
     return 0;
   }
   return q;
+}
+
+// NVSHMEM's selection for PE `me` on the world's node with its environment: the devices
+// it opens and the devices of `n` QP handles. False where NVSHMEM would fail to start.
+bool Open(int me, int n) {
+  World& w = W();
+  Pe& pe = w.pes[me];
+  pe.opened.clear();
+  pe.qp_dev.clear();
+  if (!w.fabric.set) return true;
+  ns::NodeDesc node = w.fabric.node;
+  const int g = w.cfg.gpus_per_node > 0 ? w.cfg.gpus_per_node : 1;
+  if (static_cast<int>(node.gpu_paths.size()) < g) {
+    emu::fault("nvshmem: the fabric's node has fewer GPUs than gpus_per_node");
+    return false;
+  }
+  node.gpu_paths.resize(static_cast<size_t>(g));
+  node.gpu_numa.resize(static_cast<size_t>(g));
+  auto it = w.fabric.env.find(me);
+  ns::EnvDesc env = ns::EnvFrom(it != w.fabric.env.end()
+                                    ? it->second : std::map<std::string, std::string>{});
+  env.qp_api = !w.cfg.default_handles;
+  const ns::Selection s = ns::Select(node, env, me % g, n);
+  if (!s.error.empty()) return false;
+  pe.opened = s.devices;
+  pe.qp_dev = s.qps;
+  return true;
+}
+
+// The wire port id a put from `src` to `dst` leaves on: the device of its handle (or, for
+// NVSHMEM's own QPs, of its CTA's QP: IBGDA spreads a PE's default QPs over its devices),
+// and on a bond the member: the QP's LAG TX affinity where set (one per handle, members
+// in turn), else the bond's layer3+4 hash of the pair, the same for every QP of it since
+// IBGDA gives every QP one UDP source port (0xC000). -1 with no fabric.
+int WirePort(int src, int dst, int qp, int block) {
+  World& w = W();
+  const Fabric& f = w.fabric;
+  const Pe& pe = w.pes[src];
+  if (!f.set || pe.opened.empty()) return -1;
+  const bool own = qp < 0;
+  const int k = own ? block % w.cfg.default_qps : qp;
+  const ns::Entry e = own ? pe.opened[static_cast<size_t>(k) % pe.opened.size()]
+                          : pe.qp_dev[static_cast<size_t>(qp)];
+  const std::vector<std::string>& m = f.members[static_cast<size_t>(e.device)];
+  if (m.empty()) return f.port_id.at({e.device, e.port});
+  const int n = static_cast<int>(m.size());
+  const uint32_t pair = static_cast<uint32_t>(src) * 2654435761u ^
+                        static_cast<uint32_t>(dst) * 40503u ^ 0xC000u;
+  const int member = (f.lag_affinity && !own) ? k % n : static_cast<int>((pair >> 7) % n);
+  return f.member_id.at({e.device, member});
 }
 
 void Enqueue(int src, int dst_pe, int qp, int handle, void* dst, const void* src_ptr,
@@ -214,11 +285,12 @@ void Enqueue(int src, int dst_pe, int qp, int handle, void* dst, const void* src
   op.sig_op = sig_op;
   std::uniform_int_distribution<int> delay(0, w.cfg.max_delay > 0 ? w.cfg.max_delay : 0);
   op.ready = w.step + static_cast<uint64_t>(delay(w.rng));
-  // Without a handle NVSHMEM picks the QP itself (by CTA); the emulator keeps one queue.
-  const int slot = handle >= 0 ? qp : -1;
+  // Without a handle of its own (none, or NVSHMEMX_QP_DEFAULT) a put takes NVSHMEM's QP
+  // for its CTA (IBGDA's RC map by CTA): CTAs' puts to one PE may pass each other.
+  const int slot = qp >= 0 ? qp : -1 - static_cast<int>(blockIdx.x) % w.cfg.default_qps;
   w.queues[{src, dst_pe, slot}].ops.push_back(op);
   ++w.pending;
-  const std::string key = handle >= 0 ? "qp" + std::to_string(qp) : std::string("fallback");
+  const std::string key = qp >= 0 ? "qp" + std::to_string(qp) : std::string("fallback");
   // By space as well, in the emulator's own names: a put between nodes is RDMA, one to a
   // PE of the same node travels over NVLink ("peer").
   const int g = w.cfg.gpus_per_node > 0 ? w.cfg.gpus_per_node : 1;
@@ -239,8 +311,8 @@ void Enqueue(int src, int dst_pe, int qp, int handle, void* dst, const void* src
     r.src = src;
     r.dst = dst_pe;
     r.handle = handle;
-    r.qp = handle >= 0 ? qp : -1;
-    r.port = handle >= 0 ? qp % (w.cfg.num_ports > 0 ? w.cfg.num_ports : 1) : -1;
+    r.qp = qp;
+    r.port = WirePort(src, dst_pe, qp, static_cast<int>(blockIdx.x));
     r.block = static_cast<int>(blockIdx.x);
     r.bytes = static_cast<int64_t>(bytes);
     r.sig_op = sig != nullptr ? sig_op : -1;
@@ -281,6 +353,7 @@ void reset(const WorldConfig& c) {
   w.log.clear();
   w.counters.clear();
   w.late.clear();
+  w.fabric = Fabric{};
   // Undelivered operations reach their destinations only at later transport steps.
   emu::set_pending_probe([] { return W().pending > 0; });
 }
@@ -291,6 +364,83 @@ void grow(int num_pes) {
 }
 
 const WorldConfig& world_config() { return W().cfg; }
+
+std::string set_fabric(const std::string& text) {
+  Fabric f;
+  std::istringstream in(text);
+  std::string line;
+  int n = 0;
+  auto bad = [&](const std::string& why) {
+    return "nvshmem emu: fabric line " + std::to_string(n) + " (" + line + "): " + why;
+  };
+  while (std::getline(in, line)) {
+    ++n;
+    std::istringstream ls(line);
+    std::string kind;
+    if (!(ls >> kind)) continue;
+    if (kind == "dev") {
+      ns::DeviceDesc d;
+      std::string ports, members;
+      if (!(ls >> d.name >> d.numa >> d.pci_path >> ports)) return bad("dev needs 4 fields");
+      std::istringstream ps(ports);
+      std::string item;
+      while (std::getline(ps, item, ',')) {
+        int num = 0, active = 0, rdma = 0;
+        if (std::sscanf(item.c_str(), "%d:%d:%d", &num, &active, &rdma) != 3)
+          return bad("port " + item + " is not num:active:rdma");
+        d.ports.push_back({num, active != 0, rdma != 0});
+      }
+      std::vector<std::string> m;
+      if (ls >> members) {
+        std::istringstream ms(members);
+        while (std::getline(ms, item, ',')) m.push_back(item);
+      }
+      f.node.devices.push_back(d);
+      f.members.push_back(m);
+    } else if (kind == "gpu") {
+      int numa = -1;
+      std::string path;
+      if (!(ls >> numa >> path)) return bad("gpu needs numa and path");
+      f.node.gpu_numa.push_back(numa);
+      f.node.gpu_paths.push_back(path);
+    } else if (kind == "env") {
+      int pe = -1;
+      std::string kvs, item;
+      if (!(ls >> pe)) return bad("env needs a PE");
+      f.env[pe];  // a PE with nothing set has NVSHMEM's defaults
+      if (ls >> kvs) {
+        std::istringstream ks(kvs);
+        while (std::getline(ks, item, ';')) {
+          const size_t eq = item.find('=');
+          if (eq == std::string::npos) return bad(item + " is not KEY=VALUE");
+          f.env[pe][item.substr(0, eq)] = item.substr(eq + 1);
+        }
+      }
+    } else if (kind == "lag_affinity") {
+      int v = 0;
+      if (!(ls >> v)) return bad("lag_affinity needs 0 or 1");
+      f.lag_affinity = v != 0;
+    } else {
+      return bad("unknown kind " + kind);
+    }
+  }
+  for (size_t d = 0; d < f.node.devices.size(); ++d) {
+    const ns::DeviceDesc& dev = f.node.devices[d];
+    for (const ns::PortDesc& p : dev.ports) {
+      f.port_id[{static_cast<int>(d), p.num}] = static_cast<int>(f.names.size());
+      f.names.push_back(dev.name + ":" + std::to_string(p.num));
+    }
+    for (size_t m = 0; m < f.members[d].size(); ++m) {
+      f.member_id[{static_cast<int>(d), static_cast<int>(m)}] = static_cast<int>(f.names.size());
+      f.names.push_back(f.members[d][m]);
+    }
+  }
+  f.set = true;
+  W().fabric = std::move(f);
+  return {};
+}
+
+std::vector<std::string> port_names() { return W().fabric.names; }
 void set_call(int64_t call) { W().call = call; }
 const std::vector<PutRecord>& put_log() { return W().log; }
 void clear_log() {
@@ -344,6 +494,7 @@ int nvshmemx_init_attr(unsigned flags, nvshmemx_init_attr_t* attr) {
   auto& w = W();
   if (attr->nranks != static_cast<int>(w.pes.size()) || attr->rank != emu::current_device())
     return 1;  // a PE of another world (the real library would exit)
+  if (!nvshmem_emu::Open(attr->rank, 0)) return 1;  // no device NVSHMEM could open
   w.pes[attr->rank].initialized = true;
   const int pe = attr->rank;
   return cudaMemcpyToSymbol(nvshmem_emu::g_emu_pe, &pe, sizeof(pe)) == cudaSuccess ? 0 : 1;
@@ -383,12 +534,18 @@ void nvshmem_free(void* p) {
 // host thread, so there is nothing to wait for.
 void nvshmem_barrier_all() {}
 
+// The handles' devices follow NVSHMEM's selection for this PE (nvshmem_select.h) on the
+// world's node with the PE's environment; a selection NVSHMEM would refuse fails here.
 int nvshmemx_qp_create(int n, nvshmemx_qp_handle_t** handles) {
   auto& w = W();
-  nvshmem_emu::Pe& pe = w.pes[nvshmem_emu::CurrentPe()];
+  const int me = nvshmem_emu::CurrentPe();
+  nvshmem_emu::Pe& pe = w.pes[me];
+  if (!nvshmem_emu::Open(me, n)) return 1;  // NVSHMEM's init would have failed
   pe.handles.assign(static_cast<size_t>(n), 0);
   for (int i = 0; i < n; ++i)
-    pe.handles[i] = nvshmem_emu::kHandleBase + nvshmem_emu::kHandleStride * i;
+    pe.handles[i] = w.cfg.default_handles
+                        ? NVSHMEMX_QP_DEFAULT
+                        : nvshmem_emu::kHandleBase + nvshmem_emu::kHandleStride * i;
   pe.num_handles = n;
   *handles = pe.handles.data();
   return 0;

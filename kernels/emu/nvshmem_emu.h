@@ -10,9 +10,15 @@
 //     queues, after a seeded random number of transport steps; the source bytes are read at
 //     delivery (as the NIC reads them), the signal applied after its data. nvshmem_quiet
 //     delivers every operation the calling PE issued.
-//   * QP handles (nvshmemx_qp_create) are opaque numbers that map back to a logical QP; every
-//     put is logged as (source, destination, QP handle, logical QP, port = QP % num_ports,
-//     bytes), and counted per QP (puts, signals, work requests, bytes).
+//   * QP handles (nvshmemx_qp_create) are opaque numbers that map back to a logical QP. The
+//     device and port each handle sits on come from NVSHMEM's own selection rules
+//     (kernels/internode/nvshmem_select.h) applied to the world's node and each PE's
+//     NVSHMEM_* environment (set_fabric); on a bonded device the member is the QP's LAG
+//     TX affinity where one is set, else the bond's hash of the pair. Every put is logged
+//     as (source, destination, QP handle, logical QP, wire port id, bytes) and counted per
+//     QP (puts, signals, work requests, bytes); port_names() names the ids.
+//   * Without custom QPs (default_handles) every handle is NVSHMEMX_QP_DEFAULT and, as
+//     NVSHMEM's IBGDA maps its default QPs, a put travels on the QP of its CTA.
 //   * nvshmem_ptr gives a pointer only between PEs of one emulated node (gpus_per_node).
 #pragma once
 
@@ -56,6 +62,7 @@ struct nvshmemx_init_attr_t {
 #define NVSHMEMX_INIT_ATTR_INITIALIZER \
   {}
 typedef int nvshmemx_qp_handle_t;
+#define NVSHMEMX_QP_DEFAULT 1
 
 // Host API.
 int nvshmemx_get_uniqueid(nvshmemx_uniqueid_t* id);
@@ -103,12 +110,25 @@ uint64_t load_acquire(const uint64_t* p);
 struct WorldConfig {
   int num_pes = 2;
   int gpus_per_node = 1;     // nvshmem_ptr reaches PEs of the same node only
-  int num_ports = 2;         // port of logical QP q: q % num_ports (striping_plan.h)
+  int num_ports = 2;         // the plan's ports (the wire's come from the fabric)
   int qps_per_port = 1;
   uint64_t seed = 1;
   int max_delay = 64;        // transport steps an operation may wait before delivery
   bool qp_api = true;        // nvshmemx_qp_create exists (NVSHMEM >= 3.8 host library)
+  bool default_handles = false;  // it exists but returns NVSHMEMX_QP_DEFAULT for all
+  int default_qps = 2;       // QPs a PE's default (handle-less) puts spread over, by CTA
 };
+
+// The node every emulated node is, and each PE's NVSHMEM_* environment, as text lines:
+//   dev <name> <numa> <pci_path> <port>:<active>:<rdma>[,...] [<member>,<member>...]
+//   gpu <numa> <pci_path>
+//   env <pe> KEY=VALUE;KEY=VALUE...
+//   lag_affinity <0|1>      (the QPs of a bonded device carry a LAG TX affinity)
+// Devices with members are bonds (their one port's traffic goes out on a member). An
+// error names the bad line. Must follow reset and come before the PEs' init.
+std::string set_fabric(const std::string& text);
+// The name of each wire port id of the put log ("mlx5_0:1", or a bond member's netdev).
+std::vector<std::string> port_names();
 
 // Starts a fresh world (every PE uninitialised, heaps freed, log and counters cleared).
 void reset(const WorldConfig& c);

@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep._common import Cfg
 from jax_ep.backends import reference as ref_backend
-from jax_ep.emulator import Emulator, EmuError  # noqa: F401  (re-exported for the tests)
+from jax_ep.emulator import Emulator, EmuError, EmulatedFabric  # noqa: F401  (re-exported)
+from jax_ep.network.transport import TransportConfig
 
 # Emulated heap: the slack the layout reserves plus room for both modes' halves.
 HEAP_SLACK = 32 << 20
@@ -32,11 +33,16 @@ class InternodeEmu:
     num_ports, qps_per_port, chunk_bytes: the TransportConfig of every call; max_delay:
     transport steps an operation may wait before delivery; qp_api: explicit QP handles
     (False: NVSHMEM's own QP choice). seed fixes both the scheduler and the transport.
+    sysfs, env_for, lag_affinity: the node and the NVSHMEM environment of each PE
+    (jax_ep.emulator.EmulatedFabric; default the standard node with what the bootstrap
+    sets), from which the emulated NVSHMEM places every QP handle on a wire port.
+    default_handles: nvshmemx_qp_create returns NVSHMEMX_QP_DEFAULT for every handle.
     """
 
     def __init__(self, R, *, gpus_per_node=1, num_ports=2, qps_per_port=1, chunk_bytes=256,
                  seed=1, max_delay=32, qp_api=True, heap_mib=4, resident_blocks=16,
-                 timeout_s=0.05, preempt_prob=0.0, preempt_ns=0.0, idle_after_ns=250e3):
+                 timeout_s=0.05, preempt_prob=0.0, preempt_ns=0.0, idle_after_ns=250e3,
+                 sysfs=None, env_for=None, lag_affinity=True, default_handles=False):
         self.R, self.G = R, gpus_per_node
         self.P, self.Q, self.chunk = num_ports, qps_per_port, chunk_bytes
         self.qp_api = qp_api
@@ -47,10 +53,16 @@ class InternodeEmu:
         self.calls = 0
         world = dict(num_pes=R, gpus_per_node=gpus_per_node, num_ports=num_ports,
                      qps_per_port=qps_per_port, seed=seed, max_delay=max_delay,
-                     qp_api=int(qp_api))
+                     qp_api=int(qp_api), default_handles=int(default_handles))
         _, errs = self.emu.run("internode_world", [[]] * R, [[]] * R, world,
                                skip=range(1, R))
         self._raise(errs)
+        self.fabric = EmulatedFabric(
+            R, gpus_per_node, TransportConfig(num_ports=num_ports, qps_per_port=qps_per_port),
+            sysfs=sysfs, env_for=env_for, lag_affinity=lag_affinity)
+        err = self.emu.m.nvshmem_set_fabric(self.fabric.text)
+        if err:
+            raise RuntimeError(err)
         init = dict(num_pes=R, heap_bytes=HEAP_SLACK + (heap_mib << 20),
                     num_qps=num_ports * qps_per_port, qp_api=int(qp_api))
         _, errs = self.emu.run("internode_init", [[]] * R, [[]] * R, init)
@@ -175,19 +187,26 @@ class InternodeEmu:
         return errs
 
     def log(self):
-        """The puts since the last log() as dicts {src, dst, qp, port, handle, bytes,
-        sig_op (SIGNAL_ADD: a data chunk, SIGNAL_SET: a header or count row), call,
+        """The puts since the last log() as dicts {src, dst, qp, port, wire, handle,
+        bytes, sig_op (SIGNAL_ADD: a data chunk, SIGNAL_SET: a header or count row), call,
         block}, as jax_ep.network.plan.check_wire_log reads them, and the operations still
-        queued (a finished call leaves none)."""
+        queued (a finished call leaves none). `wire` is the device:port (or bond member)
+        the emulated NVSHMEM put it on; `port` its place among the source GPU's own NIC
+        ports (-1: not one of them)."""
         one = dict(skip=range(1, self.R))
         res, _ = self.emu.run("internode_log_size", [[]] * self.R,
                               [[((2,), np.int32)]] * self.R, {}, **one)
         n, pending = (int(v) for v in res[0][0])
         res, _ = self.emu.run("internode_log", [[]] * self.R,
                               [[((n, len(LOG_COLS)), np.int32)]] * self.R, {}, **one)
+        names = self.emu.m.nvshmem_port_names()
         recs = []
         for row in res[0][0]:
-            recs.append(dict(zip(LOG_COLS, (int(v) for v in row))))
+            r = dict(zip(LOG_COLS, (int(v) for v in row)))
+            r["wire"] = names[r["port"]] if 0 <= r["port"] < len(names) else None
+            r["port"] = -1 if r["wire"] is None else self.fabric.port_index(r["src"],
+                                                                            r["wire"])
+            recs.append(r)
         return recs, pending
 
     def counters(self):

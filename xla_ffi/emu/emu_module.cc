@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/emu/emu_control.h"
+#include "kernels/emu/nvshmem_emu.h"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/peer_transport.cuh"
 #include "kernels/internode/device_copy.cuh"
@@ -342,6 +343,11 @@ NB_MODULE(_jax_ep_emu, m) {
         nb::arg("array_attrs") = std::map<std::string, std::vector<int64_t>>{},
         "Runs one handler on a virtual GPU's stream: inputs are (bytes, shape, dtype), "
         "outputs (shape, dtype). Returns a call id for result().");
+  m.def("nvshmem_set_fabric", &nvshmem_emu::set_fabric, nb::arg("text"),
+        "The emulated NVSHMEM world's node and PEs' environments (nvshmem_emu.h); '' or "
+        "the error.");
+  m.def("nvshmem_port_names", &nvshmem_emu::port_names,
+        "The name of each wire port id in the emulated NVSHMEM's put log.");
   m.def("synchronize", &Synchronize, "Runs the virtual GPUs until idle; returns emulator faults.");
   m.def("result", &Result, nb::arg("call"), "(handler error or '', output bytes) of a call.");
   m.def(

@@ -31,6 +31,7 @@ std::string Invoke(const CallArgs& a, bool* known) {
     w.seed = static_cast<uint64_t>(a.attr("seed"));
     w.max_delay = static_cast<int>(a.attr("max_delay"));
     w.qp_api = a.attr("qp_api") != 0;
+    w.default_handles = a.attrs.count("default_handles") && a.attr("default_handles") != 0;
     nvshmem_emu::grow(w.num_pes);  // PEs a smaller world in between left out
     for (int r = 0; r < w.num_pes; ++r) {  // a previous world's heaps
       cudaSetDevice(r);

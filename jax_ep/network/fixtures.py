@@ -1,11 +1,12 @@
-"""The 8-GPU fixture nodes (tests/data/sysfs/node8_*): sysfs trees with their PCI topology.
+"""Fixture nodes: sysfs trees of whole GPU nodes with their PCI topology, for the fabric
+model and the emulated NVSHMEM (tests/data/sysfs/node8_* are these, checked in).
 
-    python tests/data/sysfs/make_nodes.py [OUT_DIR]   # default: this folder
+    python -m jax_ep.network.fixtures OUT_DIR   # writes every node8_* tree under OUT_DIR
 
 Two sockets (root complexes pci0000:00 on NUMA 0 for GPUs 0-3, pci0000:80 on NUMA 1 for
 GPUs 4-7); each GPU (and its NIC) below a PCIe switch of its own, except where a NIC is
 shared. tests/network/test_nvshmem_select.py checks the checked-in trees equal a fresh
-run, so edit this file and rerun it rather than the trees.
+run, so edit this file and rerun it (into tests/data/sysfs) rather than the trees.
 
   node8_ib_dualport    (a) one dual-port InfiniBand HCA per GPU (mlx5_<g>, ports 1 and 2)
   node8_roce_pairs     (b) two single-port RoCE functions per GPU (mlx5_<2g>, mlx5_<2g+1>)
@@ -126,6 +127,17 @@ def build(kind: str, root: str) -> None:
             raise ValueError(f"unknown fixture node {kind!r}")
 
 
+def standard(root: str, gpus: int, ports: int) -> str:
+    """The standard node at any size: `gpus` GPUs, each below its own switch with one
+    InfiniBand HCA of `ports` ports (mlx5_<g>). Returns root."""
+    node = _Node(root, max(gpus, 2))
+    for g in range(gpus):
+        node.gpu(g, 0)
+        node.rdma(f"mlx5_{g}", node.nic(g, 1), tuple(range(1, ports + 1)), "InfiniBand",
+                  guid=_guid(g))
+    return root
+
+
 KINDS = ("node8_ib_dualport", "node8_roce_pairs", "node8_roce_bond", "node8_shared_nic",
          "node8_multi_plane", "node8_single_port")
 
@@ -138,4 +150,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__)))
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m jax_ep.network.fixtures OUT_DIR")
+    main(sys.argv[1])

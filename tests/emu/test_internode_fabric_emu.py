@@ -1,0 +1,153 @@
+"""Both NIC ports on 8-GPU nodes: the internode kernels on the emulated GPU over 2 nodes of
+8 PEs, where the emulated NVSHMEM places every QP handle by NVSHMEM's own selection rules
+(kernels/internode/nvshmem_select.h) from a fixture node's sysfs tree
+(tests/data/sysfs/node8_*) and the NVSHMEM environment the bootstrap sets for each PE.
+
+Each RDMA stream (source, destination, call) must split its data bytes over the source
+GPU's own NIC ports as the plan splits them over its ports, within 10% of the stream;
+the ports each GPU should use are written out here by hand from the fixtures' layout, not
+taken from the model. The same run with the per-PE HCA list the bootstrap used to set
+(each PE's own ports only) puts every stream on one port, and fails.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from jax_ep.network import fabric as fb
+from jax_ep.network.transport import TransportConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+from internode_emu_util import SIGNAL_ADD, InternodeEmu  # noqa: E402
+from test_internode_emu import Case, inputs  # noqa: E402
+
+pytestmark = pytest.mark.emu
+full = pytest.mark.emu_full
+SYSFS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "sysfs")
+G, NODES = 8, 2
+R = G * NODES
+
+# GPU g's wire ports in the plan's port order (the fixtures' layout, by hand).
+EXPECT = {
+    "node8_ib_dualport": lambda g: [f"mlx5_{g}:1", f"mlx5_{g}:2"],
+    "node8_roce_pairs": lambda g: [f"mlx5_{2 * g}:1", f"mlx5_{2 * g + 1}:1"],
+    "node8_roce_bond": lambda g: [f"ens{g}f0np0", f"ens{g}f1np1"],
+    # two GPUs share each HCA: one port each (NVSHMEM moves the pair's first GPU off the
+    # shared port 1, topo.cpp's second loop)
+    "node8_shared_nic": lambda g: [f"mlx5_{g // 2}:{2 - g % 2}"],
+    "node8_multi_plane": lambda g: [f"mlx5_{2 * g}:1", f"mlx5_{2 * g + 1}:1"],
+    "node8_single_port": lambda g: [f"mlx5_{g}:1"],
+}
+
+
+def bootstrap_plan(kind):
+    """(cfg, env_for, messages) as the bootstrap decides them on this node."""
+    root = os.path.join(SYSFS, kind)
+    gpus = fb.node_gpus(root)
+    f0 = fb.discover(root, gpus[0])
+    cfg, msgs = fb.plan_config_for(f0, TransportConfig(num_ports=2, qps_per_port=1,
+                                                       chunk_bytes=64))
+    cfg, _, _, more = fb.nvshmem_plan(f0, cfg, G)
+
+    def env_for(f, c):
+        return fb.nvshmem_plan(f, c, G)[1]
+    return cfg, env_for, msgs + more
+
+
+def per_pe_env(f, cfg):
+    """The environment the bootstrap set before: each PE's own closest ports only."""
+    n = cfg.num_ports
+    own = ",".join(f"{d}:{p}" for d, p in sorted(f.selected)[:max(n, 1)])
+    multi = "1" if n > 1 else "0"
+    return {"NVSHMEM_ENABLE_NIC_PE_MAPPING": "0", "NVSHMEM_HCA_LIST": own,
+            "NVSHMEM_ENABLE_MULTI_PORT": multi, "NVSHMEM_IBGDA_ENABLE_MULTI_PORT": multi}
+
+
+def split_errors(kind, cfg, log):
+    """Streams whose data bytes per wire port differ from the plan's split by more than 10%
+    of the stream, or that leave on a port of another GPU's NIC. The plan's split: the
+    kernels put each chunk on a logical QP q, which the plan binds to port q % num_ports,
+    the k-th of the GPU's own ports (EXPECT)."""
+    streams = {}
+    for r in log:
+        if r["src"] // G == r["dst"] // G or r["sig_op"] != SIGNAL_ADD:
+            continue
+        s = streams.setdefault((r["call"], r["src"], r["dst"]), ({}, {}))
+        want_port = EXPECT[kind](r["src"] % G)[r["qp"] % cfg.num_ports]
+        s[0][want_port] = s[0].get(want_port, 0) + r["bytes"]
+        s[1][r["wire"]] = s[1].get(r["wire"], 0) + r["bytes"]
+    bad = []
+    for (call, src, dst), (want, got) in sorted(streams.items()):
+        total = sum(got.values())
+        for name in set(want) | set(got):
+            if abs(got.get(name, 0) - want.get(name, 0)) > 0.10 * total:
+                bad.append(f"call {call} {src}->{dst}: {name} carried {got.get(name, 0)} "
+                           f"of {total} bytes, the plan {want.get(name, 0)}")
+    return bad, len(streams)
+
+
+def run_modes(em, c, modes):
+    x, idx, w, y, g = inputs(c)
+    for mode in modes:
+        outs, errs = em.dispatch(x, idx, w, num_experts=c.E, capacity=c.C, mode=mode)
+        assert errs == [""] * c.R, errs
+        counts = np.stack([o["counts"] for o in outs])
+        slot = np.stack([o["send_slot"] for o in outs])
+        src_index = np.stack([o["src_index"] for o in outs])
+        out, errs = em.combine(y, counts, slot, topk=c.K, src_index=src_index, mode=mode)
+        assert errs == [""] * c.R, errs
+
+
+CASE = Case("fabric", R=R, T=4, H=64, K=2, E=16, C=16, chunk=64)
+
+
+@pytest.mark.parametrize("kind", [
+    "node8_ib_dualport", "node8_roce_bond", "node8_shared_nic",
+    pytest.param("node8_roce_pairs", marks=full), pytest.param("node8_multi_plane", marks=full),
+    "node8_single_port"])
+def test_bytes_per_port_follow_the_plan(kind):
+    cfg, env_for, msgs = bootstrap_plan(kind)
+    ports = len(EXPECT[kind](0))
+    assert cfg.num_ports == ports, (cfg, msgs)
+    if ports == 1:  # said, with the reason
+        assert msgs and ("one" in msgs[0] or "share" in msgs[0]), msgs
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=cfg.num_ports,
+                      qps_per_port=cfg.qps_per_port, chunk_bytes=64, seed=3, resident_blocks=64,
+                      sysfs=os.path.join(SYSFS, kind), env_for=env_for)
+    run_modes(em, CASE, ("direct", "hierarchical"))
+    log, pending = em.log()
+    assert pending == 0
+    bad, n = split_errors(kind, cfg, log)
+    assert n >= NODES * G, f"{n} RDMA streams"
+    assert not bad, bad[:5]
+
+
+@pytest.mark.parametrize("kind", ["node8_ib_dualport", "node8_roce_pairs"])
+def test_per_pe_hca_list_runs_on_one_port(kind):
+    """Today's-before settings (each PE's own ports in NVSHMEM_HCA_LIST): NVSHMEM gives
+    each PE 2 / 8 -> 1 device, so every stream sits on one port and the check fails."""
+    cfg, _, _ = bootstrap_plan(kind)
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=cfg.num_ports,
+                      qps_per_port=cfg.qps_per_port, chunk_bytes=64, seed=3, resident_blocks=64,
+                      sysfs=os.path.join(SYSFS, kind), env_for=per_pe_env)
+    run_modes(em, CASE, ("direct",))
+    log, _ = em.log()
+    bad, n = split_errors(kind, cfg, log)
+    assert n and len(bad) >= n // 2, (len(bad), n)
+
+
+def test_lag_without_affinity_sits_on_one_member():
+    """A bond whose QPs carry no LAG TX affinity: the bond hashes each pair's QPs (one
+    UDP source port) onto one member, so each stream uses half the NIC: caught."""
+    kind = "node8_roce_bond"
+    cfg, env_for, _ = bootstrap_plan(kind)
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=cfg.num_ports,
+                      qps_per_port=cfg.qps_per_port, chunk_bytes=64, seed=3, resident_blocks=64,
+                      sysfs=os.path.join(SYSFS, kind), env_for=env_for, lag_affinity=False)
+    run_modes(em, CASE, ("direct",))
+    log, _ = em.log()
+    bad, n = split_errors(kind, cfg, log)
+    assert n and len(bad) >= n // 2, (len(bad), n)
