@@ -361,14 +361,15 @@ def _classify(sysfs, gpu, devices, multi_port) -> Fabric:
 # --- NVSHMEM's own selection, modelled (kernels/internode/nvshmem_select.h) ---------------
 
 def node_gpus(sysfs: str = "/sys") -> list[str]:
-    """The node's NVIDIA GPUs (vendor 0x10de, display class 0x03xxxx) as PCI bus ids in
-    PCI order: local PE i is taken to drive the i-th (one process per GPU, the usual
-    launch)."""
+    """The node's NVIDIA GPUs (vendor 0x10de, display class 0x03xxxx where the class is
+    there) as PCI bus ids in PCI order: local PE i is taken to drive the i-th (one process
+    per GPU, the usual launch)."""
     base = os.path.join(sysfs, "bus", "pci", "devices")
     out = []
     for a in _listdir(base):
-        if (_read(os.path.join(base, a, "vendor")) or "").lower() == "0x10de" and (
-                _read(os.path.join(base, a, "class")) or "").lower().startswith("0x03"):
+        cls = (_read(os.path.join(base, a, "class")) or "0x03").lower()
+        if (_read(os.path.join(base, a, "vendor")) or "").lower() == "0x10de" and \
+                cls.startswith("0x03"):
             out.append(a)
     return out
 
@@ -423,12 +424,11 @@ def nvshmem_selection(env: dict, *, sysfs: str, gpu: str, pes_per_node: int,
     g = _normalize_pci(gpu)
     if pes_per_node < 1:
         raise ValueError(f"pes_per_node must be >= 1, got {pes_per_node}")
-    if g not in gpus:
-        raise ValueError(f"gpu {gpu} is not an NVIDIA GPU under {sysfs}/bus/pci/devices "
-                         f"(found {', '.join(gpus) or 'none'})")
     pe_gpus = gpus[:pes_per_node]
     if g not in pe_gpus:  # this PE's GPU replaces the last of the first N
-        pe_gpus = pe_gpus[:-1] + [g]
+        pe_gpus = pe_gpus[:pes_per_node - 1] + [g]
+    # PEs whose GPU the tree does not show: counted beside this one (same distances)
+    pe_gpus += [g] * (pes_per_node - len(pe_gpus))
     if devices is None:
         devices = discover(sysfs, g).devices
     node = nvshmem_node(sysfs, devices, pe_gpus)

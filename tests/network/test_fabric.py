@@ -402,9 +402,11 @@ def test_plan_with_more_ports_than_the_node(tmp_path):
     cfg = TransportConfig(num_ports=4, qps_per_port=1)
     c, msgs = fb.plan_config_for(fb.discover(tree("ib_dualport"), GPU), cfg)
     assert c == cfg and "this node has 2" in msgs[0] and "JAX_EP_NUM_PORTS=2" in msgs[0]
-    # a plan of 2 on 4 ports: the HCA list names the first two, so the plan holds
+    # a plan of 2: the HCA list names the ports closest to some GPU of the node (the one
+    # GPU here: mlx5_0 and mlx5_1), multi-port on; NVSHMEM's selection decides the rest
     env = fb.nvshmem_env_for(fb.discover(tree("ib_dualport")), TransportConfig(num_ports=2))
     assert env["NVSHMEM_HCA_LIST"] == "mlx5_0:1,mlx5_1:1"
+    assert env["NVSHMEM_ENABLE_MULTI_PORT"] == "1"
 
 
 def test_lag_shim_that_saw_nothing_is_said(monkeypatch):
