@@ -894,6 +894,9 @@ void* HostSymbol(const char* name) {
 }
 
 using QpHandle = int;  // nvshmemx_qp_handle_t in 3.8
+// NVSHMEMX_QP_DEFAULT (device_host_transport/nvshmem_constants.h): what nvshmemx_qp_create
+// returns for every handle when the remote transport has no custom QPs (init.cu).
+constexpr QpHandle kQpDefault = 1;
 using QpCreateFn = int (*)(int, QpHandle**);
 using VersionFn = void (*)(int*, int*, int*);
 }  // namespace
@@ -1026,6 +1029,23 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
     QpHandle* arr = nullptr;
     if (create(num_qps, &arr) != 0 || arr == nullptr)
       return "jax_ep internode: nvshmemx_qp_create(" + std::to_string(num_qps) + ") failed";
+    // Each logical QP must be one QP on the wire: the protocols order a chunk's data before
+    // its signal per QP, and fence_qp orders one QP. A default handle is routed to the
+    // QP of the calling CTA (IBGDA's RC map), and shared handles mix logical QPs, so
+    // counts could overtake their rows: refuse rather than run.
+    static_assert(kQpDefault == NVSHMEMX_QP_DEFAULT, "NVSHMEM's default QP handle moved");
+    for (int i = 0; i < num_qps; ++i) {
+      bool shared = arr[i] == kQpDefault;
+      for (int j = 0; j < i && !shared; ++j) shared = arr[j] == arr[i];
+      if (shared)
+        return "jax_ep internode: nvshmemx_qp_create(" + std::to_string(num_qps) +
+               ") returned " + (arr[i] == kQpDefault ? std::string("NVSHMEMX_QP_DEFAULT")
+                                                     : "a repeated handle") +
+               " for QP " + std::to_string(i) + ": this NVSHMEM transport has no custom "
+               "QPs (only IBGDA has them), and default QPs are chosen per CTA, which the "
+               "internode protocols cannot order. Fix: NVSHMEM_IB_ENABLE_IBGDA=1 (and "
+               "NVSHMEM_REMOTE_TRANSPORT=ibgda if set)";
+    }
     for (int i = 0; i < num_qps; ++i) Rt().handles[i] = Rt().created[i] = arr[i];
     e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_qp_handles, Rt().handles,
                                    sizeof(int) * num_qps), "QP handles");
