@@ -3,6 +3,7 @@
 // and delivers them later, in order within a queue, in a seeded random order across them.
 #include "kernels/emu/nvshmem_emu.h"
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -13,6 +14,7 @@
 #include "kernels/emu/emu_control.h"
 #include "kernels/emu/emu_cuda.h"
 #include "kernels/internode/nvshmem_select.h"
+#include "xla_ffi/internode/lag_rule.h"
 
 namespace nvshmem_emu {
 namespace {
@@ -267,7 +269,11 @@ int WirePort(int src, int dst, int qp, int block) {
   const int n = static_cast<int>(m.size());
   const uint32_t pair = static_cast<uint32_t>(src) * 2654435761u ^
                         static_cast<uint32_t>(dst) * 40503u ^ 0xC000u;
-  const int member = (f.lag_affinity && !own) ? k % n : static_cast<int>((pair >> 7) % n);
+  // handle k's QPs are the k-th group of num_pes - 1 the shim numbers (one per peer)
+  const int group = std::max(static_cast<int>(w.pes.size()) - 1, 1);
+  const int member = (f.lag_affinity && !own)
+                         ? jax_ep::lag_rule::Affinity(k * group, group, n) - 1
+                         : static_cast<int>((pair >> 7) % n);
   return f.member_id.at({e.device, member});
 }
 

@@ -140,7 +140,7 @@ def built(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("lag"))
     shim = os.path.join(tmp, la.SHIM_NAME)
     subprocess.run(["g++", "-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Wextra",
-                    "-Werror", "-Wno-unused-parameter", "-o", shim, SHIM_SRC,
+                    "-Werror", "-Wno-unused-parameter", "-I", ROOT, "-o", shim, SHIM_SRC,
                     f"-Wl,--version-script={SHIM_MAP}", "-ldl"], check=True)
     map_ = os.path.join(tmp, "mlx5.map")
     with open(map_, "w") as f:

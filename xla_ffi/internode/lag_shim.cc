@@ -45,6 +45,8 @@
 #include <string>
 #include <vector>
 
+#include "xla_ffi/internode/lag_rule.h"
+
 namespace {
 
 constexpr uint32_t kOpCreateQp = 0x500;
@@ -334,8 +336,8 @@ __attribute__((visibility("default"))) void* mlx5dv_devx_obj_create(void* contex
     r.obj = obj;
     r.context = context;
     r.qpn = static_cast<uint32_t>(GetBits(static_cast<const uint8_t*>(out), kOutQpnBit, 24));
-    r.affinity = g_cfg.members > 0 ? (k / g_cfg.group) % g_cfg.members + 1 : 0;
-    r.sport = g_cfg.sport_base != 0 ? 0xC000 + (g_cfg.sport_base - 0xC000 + k) % 0x4000 : 0;
+    r.affinity = jax_ep::lag_rule::Affinity(k, g_cfg.group, g_cfg.members);
+    r.sport = jax_ep::lag_rule::SourcePort(k, g_cfg.sport_base);
     r.patched = 0;
     r.rts2rts_status = -1;
     g_qps.push_back(r);
