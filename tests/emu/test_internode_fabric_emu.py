@@ -23,6 +23,7 @@ from jax_ep.network.transport import TransportConfig
 sys.path.insert(0, os.path.dirname(__file__))
 from internode_emu_util import SIGNAL_ADD, InternodeEmu  # noqa: E402
 from test_internode_emu import Case, inputs  # noqa: E402
+from test_internode_ll_emu import inputs as ll_inputs  # noqa: E402
 
 pytestmark = pytest.mark.emu
 full = pytest.mark.emu_full
@@ -73,7 +74,9 @@ def split_errors(kind, cfg, log):
     the k-th of the GPU's own ports (EXPECT)."""
     streams = {}
     for r in log:
-        if r["src"] // G == r["dst"] // G or r["sig_op"] != SIGNAL_ADD:
+        # data: chunks (put-with-signal ADD) and low-latency rows (puts alone); headers
+        # and counts (SET) are control, on QP 0
+        if r["src"] // G == r["dst"] // G or r["sig_op"] not in (SIGNAL_ADD, -1):
             continue
         s = streams.setdefault((r["call"], r["src"], r["dst"]), ({}, {}))
         want_port = EXPECT[kind](r["src"] % G)[r["qp"] % cfg.num_ports]
@@ -89,9 +92,27 @@ def split_errors(kind, cfg, log):
     return bad, len(streams)
 
 
+def run_low_latency(em, rng, S=4, H=64, K=2, E=32, M=8):
+    """One low-latency dispatch and combine (send and receive halves)."""
+    em.ll_init(max_tokens=M, row_bytes=H * 4, topk=K, num_experts=E)
+    x, idx, w, y = ll_inputs(R, S, H, K, E, M, "f32", rng)
+    tok, errs = em.ll_dispatch_send(x, idx)
+    assert errs == [""] * R, errs
+    d, errs = em.ll_dispatch_recv(tok, H=H, dtype=np.float32)
+    assert errs == [""] * R, errs
+    first = np.stack([o["first_row"] for o in d])
+    count = np.stack([o["row_count"] for o in d])
+    tok, errs = em.ll_combine_send(y, first, count, rows_per_dest=M)
+    assert errs == [""] * R, errs
+    _, errs = em.ll_combine_recv(tok, idx, w, H=H, dtype=np.float32)
+    assert errs == [""] * R, errs
+
+
 def run_modes(em, c, modes):
     x, idx, w, y, g = inputs(c)
-    for mode in modes:
+    if "low_latency" in modes:
+        run_low_latency(em, np.random.default_rng(c.seed))
+    for mode in (m for m in modes if m != "low_latency"):
         outs, errs = em.dispatch(x, idx, w, num_experts=c.E, capacity=c.C, mode=mode)
         assert errs == [""] * c.R, errs
         counts = np.stack([o["counts"] for o in outs])
@@ -117,12 +138,14 @@ def test_bytes_per_port_follow_the_plan(kind):
     em = InternodeEmu(R, gpus_per_node=G, num_ports=cfg.num_ports,
                       qps_per_port=cfg.qps_per_port, chunk_bytes=64, seed=3, resident_blocks=64,
                       sysfs=os.path.join(SYSFS, kind), env_for=env_for)
-    run_modes(em, CASE, ("direct", "hierarchical"))
+    run_modes(em, CASE, ("low_latency", "direct", "hierarchical"))
     log, pending = em.log()
     assert pending == 0
     bad, n = split_errors(kind, cfg, log)
     assert n >= NODES * G, f"{n} RDMA streams"
     assert not bad, bad[:5]
+    calls = {r["call"] for r in log if r["src"] // G != r["dst"] // G}
+    assert len(calls) >= 6, f"every mode's calls crossed nodes: {sorted(calls)}"
 
 
 @pytest.mark.parametrize("kind", ["node8_ib_dualport", "node8_roce_pairs"])
