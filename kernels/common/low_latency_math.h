@@ -1,8 +1,8 @@
 // Math of the low-latency mode that the CPU and CUDA kernels must agree on bit for bit:
 // element loads and stores by FloatKind, the weighted-sum step of combine (one float32
 // product, then one float32 add, never fused), the fixed buffer sizes, and the index math
-// of the CUDA buffers (slots, stage rows, call tags) that the real-rank host simulator
-// (tests/sim/intranode_ll_sim.py) checks through the bindings.
+// of the CUDA buffers (slots, stage rows, call tags), which the CUDA kernels run on the
+// emulated GPU (tests/emu/test_low_latency_emu.py) and the CPU kernels both follow.
 #pragma once
 
 #include <cstdint>

@@ -7,7 +7,7 @@
 // Gather (cached dispatch) is its channel kernel alone, with combine's roles
 // (kernels/cuda/cuda_kernels.h). Rows land
 // in the XLA outputs in the contract's order (source rank, then token), with the routing
-// math of kernels/layout_math.h, so results match the CPU backend bit for bit.
+// math of kernels/common/layout_math.h, so results match the CPU backend bit for bit.
 //
 // Failing safely (see intranode_buffer.h): every kernel keeps the protocol going (epochs,
 // requests, signals) whatever happened, so ranks never fall out of step; after a protocol

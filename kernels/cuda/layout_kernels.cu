@@ -1,5 +1,5 @@
 // Dispatch layout on the GPU: tokens per rank, slots per expert and is_token_in_rank
-// for one rank's topk_idx[T, K], with the routing rules of kernels/layout_math.h.
+// for one rank's topk_idx[T, K], with the routing rules of kernels/common/layout_math.h.
 #include <cstdint>
 
 #include "kernels/cuda/cuda_common.cuh"

@@ -1,8 +1,9 @@
 // The internode (NVSHMEM) low-latency wire protocol: the symmetric area's layout, the
 // per-call header, which QP carries each row, what a reader waits for, and the error
 // kinds. Pure functions and constants, shared by the CUDA kernels
-// (low_latency_kernels.cu), the FFI handlers, and, through the `ll_*` bindings, the host
-// simulator (tests/sim/low_latency_sim.py) and the heap sizing in jax_ep/runtime/nvshmem.py.
+// (low_latency_kernels.cu), the FFI handlers, and, through the `ll_*` bindings, the heap
+// sizing in jax_ep/runtime/nvshmem.py (the kernels run on the emulated GPU in
+// tests/emu/test_internode_ll_emu.py).
 //
 // Ops: kOpDispatch (source -> expert owners) and kOpCombine (owners -> sources). Every
 // call of an op on a rank takes the next epoch n = 1, 2, ... of that op; it uses buffer

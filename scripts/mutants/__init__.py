@@ -10,7 +10,8 @@ One Mutant per entry:
                module (JAX_EP_EMU_MODULE_DIR)
   why          the mistake, in a few words
 One module per kernel file (layout, intranode, low_latency, internode, hierarchical,
-internode_ll); append to the module of the file you mutate; names are unique across all. A mutant that no
+internode_ll) and one for the fabric set-up (fabric: the bootstrap's NVSHMEM environment,
+the default-handle refusal, the LAG shim); append to the module of the file you mutate; names are unique across all. A mutant that no
 test can kill is equivalent under the emulator's model: explain it in docs/emulator.md
 instead of listing it here.
 """
@@ -29,9 +30,11 @@ class Mutant(NamedTuple):
 
 
 def _all():
-    from . import hierarchical, internode, internode_ll, intranode, layout, low_latency
+    from . import (fabric, hierarchical, internode, internode_ll, intranode, layout,
+                   low_latency)
     out = []
-    for mod in (layout, intranode, low_latency, internode, hierarchical, internode_ll):
+    for mod in (layout, intranode, low_latency, internode, hierarchical, internode_ll,
+                fabric):
         out.extend(mod.MUTANTS)
     names = [m.name for m in out]
     dup = {n for n in names if names.count(n) > 1}

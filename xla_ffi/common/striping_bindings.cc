@@ -1,5 +1,5 @@
-// The striping plan of kernels/striping_plan.h for jax_ep.transport, so Python and the
-// kernels use one function; and the heap layout of kernels/internode_layout.h.
+// The striping plan of kernels/common/striping_plan.h for jax_ep.network.transport, so Python and the
+// kernels use one function; and the heap layout of kernels/internode/internode_layout.h.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>

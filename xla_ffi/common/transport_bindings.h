@@ -7,6 +7,6 @@
 namespace jax_ep {
 void AddTransportBindings(nanobind::module_& m);
 #ifdef JAX_EP_WITH_NVSHMEM
-void AddNvshmemBindings(nanobind::module_& m);  // xla_ffi/nvshmem_bindings.cc
+void AddNvshmemBindings(nanobind::module_& m);  // xla_ffi/internode/nvshmem_bindings.cc
 #endif
 }  // namespace jax_ep

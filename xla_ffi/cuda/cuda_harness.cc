@@ -389,7 +389,7 @@ void DefineCudaBindings(void* module) {
   m.def("cuda_reset", &Reset,
         "Re-zeroes this process's buffer headers and error records; returns the GPUs reset.");
   m.def("cuda_devices_in_use", &DevicesInUse, "Device ordinals this process used for EP work.");
-  m.def("cuda_presets", &Presets, "The intranode launch presets (kernels/configs.h).");
+  m.def("cuda_presets", &Presets, "The intranode launch presets (kernels/common/configs.h).");
   m.def("cuda_area_bytes", &AreaBytes, nb::arg("num_ranks"), nb::arg("tokens"), nb::arg("capacity"),
         nb::arg("row_bytes"), nb::arg("topk"),
         "Communication-buffer bytes each op kind needs for these shapes.");

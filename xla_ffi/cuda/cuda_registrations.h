@@ -12,6 +12,6 @@ void AddInternodeRegistrations(const RegisterFn& add);
 // AddInternodeRegistrations.
 void AddHierarchicalRegistrations(const RegisterFn& add);
 // Adds the cuda_* host functions (buffer setup, error check, presets) to the nanobind
-// module whose PyObject* is `module` (xla_ffi/cuda_harness.cc).
+// module whose PyObject* is `module` (xla_ffi/cuda/cuda_harness.cc).
 void DefineCudaBindings(void* module);
 }  // namespace jax_ep
