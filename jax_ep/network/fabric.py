@@ -21,10 +21,10 @@ Classes (`Fabric.fabric_class`), for the devices NVSHMEM would select for the GP
 bond), `roce-lag` (one bonded RoCE device over two or more members), `multi-plane`
 (several IB devices that are planes of one PCI function), `single-port`, `unknown`.
 
-Selection model: NVSHMEM takes the device(s) closest to the GPU in the PCI tree; with
-multi-port on, every active port of the closest devices (ties included), else the first.
-`NVSHMEM_HCA_LIST` set by jax-ep (`nvshmem_env_for`) fixes that list and its order on
-every node, so the model and NVSHMEM agree by construction.
+Selection model: the closest devices above only classify the fabric; what NVSHMEM opens
+is its own selection, modelled in kernels/internode/nvshmem_select.h (`nvshmem_selection`).
+Every PE gets the node's whole port list (`nvshmem_env_for`), checked by `nvshmem_plan`
+before NVSHMEM starts: docs/internode.md, "How NVSHMEM picks devices (modelled)".
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@
 //
 // It follows NVSHMEM's public host source (github.com/NVIDIA/nvshmem, 3.5.1, commit
 // 2d7d25f; the 3.8 wheel's host library has the same variables): see docs/internode.md,
-// "How NVSHMEM picks devices", for the rules step by step with their source lines.
+// "How NVSHMEM picks devices (modelled)", for the rules step by step with their source
+// lines.
 #pragma once
 
 #include <map>
