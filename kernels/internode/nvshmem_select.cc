@@ -91,8 +91,9 @@ struct Pair {
 
 // topo.cpp nvshmemi_get_devices_by_distance: every local PE's GPU against every entry,
 // pairs ordered by distance (stable: PE-major, then list order); loop one gives each PE
-// up to `max` entries at its best distance; loop two moves a PE off an entry that two or
-// more PEs share onto an equally close one used by at least two fewer PEs.
+// up to `max` entries rated as its best (pci_distance_perf: PIX = PXB); loop two moves a PE
+// off an entry that two or more PEs share onto one rated no lower used by at least two
+// fewer PEs.
 std::vector<int> ByDistance(const NodeDesc& node, const std::vector<Entry>& list, int max,
                             int mype, std::vector<int>* dist_out) {
   const int npes = static_cast<int>(node.gpu_paths.size());
