@@ -432,3 +432,32 @@ def test_lag_shim_that_saw_nothing_is_said(monkeypatch):
         fb.after_nvshmem_start()
     t = fb.recorded_qp_table(s.config, [0, 1, 2, 3])
     assert all(r["port"] == "firmware" for r in t)
+
+
+def test_bootstrap_on_8_gpu_nodes_uses_the_node_list_and_the_model(monkeypatch):
+    """On the standard node every PE gets the node's whole port list with multi-port on,
+    and the modelled selection (both of its own NIC's ports) is kept; where two GPUs share
+    an HCA the plan shrinks to the one port NVSHMEM gives each, said loudly."""
+    from jax_ep.network import lag_affinity as la
+    monkeypatch.setattr(la, "_shim", None)
+    monkeypatch.setattr(la, "shim_path", lambda: None)
+    monkeypatch.setattr(fb, "_said", set())
+    environ = {"JAX_EP_SYSFS": tree("node8_ib_dualport"), "JAX_EP_GPUS_PER_NODE": "8"}
+    cfg = TransportConfig(num_ports=2, qps_per_port=1)
+    s = fb.setup_for_bootstrap(cfg, environ, 0, 16, None, key_prefix="k", timeout_ms=10,
+                               gpu="0000:12:00.0", coordinator="")
+    assert s.env["NVSHMEM_HCA_LIST"] == ",".join(f"mlx5_{g}:{p}" for g in range(8)
+                                                  for p in (1, 2))
+    assert s.env["NVSHMEM_ENABLE_MULTI_PORT"] == "1"
+    assert s.nvshmem["devices"] == ["mlx5_1:1", "mlx5_1:2"] and s.config.num_ports == 2
+    environ["JAX_EP_SYSFS"] = tree("node8_shared_nic")
+    with pytest.warns(UserWarning, match="running on 1"):
+        s = fb.setup_for_bootstrap(cfg, environ, 0, 16, None, key_prefix="k",
+                                   timeout_ms=10, gpu="0000:0b:00.0", coordinator="")
+    assert s.config.num_ports == 1 and s.nvshmem["devices"] == ["mlx5_0:1"]
+    assert s.env["NVSHMEM_ENABLE_MULTI_PORT"] == "0"
+    # a user's list naming another GPU's NIC fails at start, naming the fix
+    environ.update(JAX_EP_SYSFS=tree("node8_ib_dualport"), NVSHMEM_HCA_LIST="mlx5_7:1")
+    with pytest.raises(RuntimeError, match="not its closest ports.*Fix"):
+        fb.setup_for_bootstrap(cfg, environ, 0, 16, None, key_prefix="k", timeout_ms=10,
+                               gpu="0000:12:00.0", coordinator="")
