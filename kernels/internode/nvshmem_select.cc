@@ -59,6 +59,8 @@ std::vector<Entry> OrderedList(const NodeDesc& node, const EnvDesc& env) {
   std::vector<Entry> list;
   for (size_t d = 0; d < node.devices.size(); ++d) {
     const DeviceDesc& dev = node.devices[d];
+    // ibgda.cpp nvshmemt_init: a device whose name lacks NVSHMEM_HCA_PREFIX is skipped
+    if (dev.name.find(env.hca_prefix) == std::string::npos) continue;
     for (const PortDesc& p : dev.ports) {
       bool allowed = true;
       int replicate = 1;
@@ -197,6 +199,7 @@ EnvDesc EnvFrom(const std::map<std::string, std::string>& env) {
   };
   e.hca_list = str("NVSHMEM_HCA_LIST");
   e.hca_pe_mapping = str("NVSHMEM_HCA_PE_MAPPING");
+  if (env.count("NVSHMEM_HCA_PREFIX")) e.hca_prefix = str("NVSHMEM_HCA_PREFIX");
   if (!EnvBool(env, "NVSHMEM_ENABLE_MULTI_PORT", &e.multi_port))
     EnvBool(env, "NVSHMEM_IBGDA_ENABLE_MULTI_PORT", &e.multi_port);
   EnvBool(env, "NVSHMEM_ENABLE_NIC_PE_MAPPING", &e.nic_pe_mapping);

@@ -44,6 +44,7 @@ struct NodeDesc {
 struct EnvDesc {
   std::string hca_list;        // NVSHMEM_HCA_LIST ("" = unset; "^..." excludes)
   std::string hca_pe_mapping;  // NVSHMEM_HCA_PE_MAPPING ("dev:port:count,...")
+  std::string hca_prefix = "mlx5";  // NVSHMEM_HCA_PREFIX: IBGDA takes devices named so
   bool multi_port = false;     // NVSHMEM_ENABLE_MULTI_PORT / NVSHMEM_IBGDA_ENABLE_MULTI_PORT
   bool nic_pe_mapping = false; // NVSHMEM_ENABLE_NIC_PE_MAPPING
   bool qp_api = true;          // the transport supports nvshmemx_qp_create's custom QPs

@@ -491,3 +491,15 @@ def test_checked_in_fixture_trees_equal_a_fresh_write(tmp_path):
         diff = [p for p in fresh if fresh[p] != kept[p]]
         assert diff == [], (kind, diff[:5])
         assert any(v[0] == "link" for v in kept.values()), kind  # symlinks were compared
+
+
+@pytest.mark.parametrize("env,want", [
+    # ibgda.cpp nvshmemt_init: a device whose name lacks NVSHMEM_HCA_PREFIX (default
+    # "mlx5") is skipped before any list filter
+    ({}, ["mlx5_0:1", "mlx5_0:2"]),
+    ({"NVSHMEM_HCA_LIST": "irdma0,mlx5_0:1"}, ["mlx5_0:1"]),
+    ({"NVSHMEM_HCA_PREFIX": "irdma"}, ["irdma0:1"]),
+])
+def test_devices_without_the_hca_prefix_are_skipped(env, want):
+    devices = [dev("irdma0", below(2, 1)), dev("mlx5_0", below(1, 1), (1, 2))]
+    assert select(devices, ONE_GPU, env)["list"] == want
