@@ -488,6 +488,9 @@ def parse_args(argv=None):
     p.add_argument("--layer", action="store_true",
                    help="benchmark the Flax MoE layer against a dense SwiGLU instead "
                         "(`--layer -h` lists its flags; see jax_ep/bench_layer.py)")
+    p.add_argument("--dispatch-overhead", action="store_true",
+                   help="host cost per step of a jitted step with EP calls against one "
+                        "without (see jax_ep/bench_overhead.py)")
     p.add_argument("--train-step", action="store_true",
                    help="steps/s of the demo's training step (examples/train_moe.py) "
                         "against its dense twin, with --baseline to flag a regression "
@@ -600,6 +603,9 @@ def main(argv=None) -> dict:
     if "--layer" in argv:
         from jax_ep import bench_layer
         return bench_layer.main([x for x in argv if x != "--layer"])
+    if "--dispatch-overhead" in argv:  # host cost per step (jax_ep/bench_overhead.py)
+        from jax_ep import bench_overhead
+        return bench_overhead.main([x for x in argv if x != "--dispatch-overhead"])
     if "--train-step" in argv:  # the demo's training step (jax_ep/bench_layer.py)
         from jax_ep import bench_layer
         return bench_layer.train_step_main([x for x in argv if x != "--train-step"])
