@@ -35,6 +35,14 @@ would wait for anyway. One process, GPUs and the ffi backend run no barrier.
 Not covered: a shard_map that leaves mesh axes of size > 1 automatic (several devices
 per manual position), and collectives XLA itself adds outside the EP calls (resharding
 an operand to the op's sharding happens before the barrier).
+
+From jax 0.11 a host callback's error no longer stops the rest of its program: XLA
+reports it when the program ends but runs the collectives after it first. Where the
+ranks aborted on different shapes those collectives cannot match and wait for gloo's
+timeout. So at import, where JAX's backends have not started and `XLA_FLAGS` does not
+set it, jax_ep sets `--xla_cpu_collective_timeout_seconds` to JAX_EP_TIMEOUT_S + 60
+(`bound_cpu_collectives`): the job then ends in an error (the barrier's, printed, and
+the collective's timeout) instead of waiting for good.
 """
 from __future__ import annotations
 
@@ -76,6 +84,27 @@ def timeout_s() -> float:
     except ValueError:
         return _DEFAULT_TIMEOUT_S
     return s if s > 0 else _DEFAULT_TIMEOUT_S
+
+
+COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
+
+
+def bound_cpu_collectives(environ=None) -> bool:
+    """Adds --xla_cpu_collective_timeout_seconds=JAX_EP_TIMEOUT_S + 60 to XLA_FLAGS where
+    it is not set and JAX's backends have not started (XLA reads the flags then). True if
+    it did."""
+    env = os.environ if environ is None else environ
+    flags = env.get("XLA_FLAGS", "")
+    if COLLECTIVE_TIMEOUT_FLAG in flags:
+        return False
+    try:
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():
+            return False
+    except (ImportError, AttributeError):  # cannot tell: leave the flags alone
+        return False
+    env["XLA_FLAGS"] = f"{flags} --{COLLECTIVE_TIMEOUT_FLAG}={int(timeout_s()) + 60}".strip()
+    return True
 
 
 def _on_path() -> bool:

@@ -9,6 +9,7 @@ import os
 import re
 import sys
 
+import jax
 import pytest
 
 from mp_launch import free_port, run_workers, worker_env
@@ -65,6 +66,13 @@ def test_missing_peer_times_out_and_next_call_works(tmp_path):
         assert p["after"]["same_result"], p
 
 
+# From jax 0.11 a host callback's error is reported when its program ends, after the
+# collectives that follow it ran: ranks that aborted on different shapes then meet in
+# mismatched collectives, which end at XLA's CPU collective timeout (set by jax_ep at
+# import, JAX_EP_TIMEOUT_S + 60), and the processes cannot go on after that.
+CALLBACK_ERRORS_STOP = jax.__version_info__ < (0, 11)
+
+
 @pytest.mark.slow
 def test_peer_with_other_shapes_fails_on_every_process(tmp_path):
     reports, logs = _run(tmp_path, "mismatch")
@@ -74,6 +82,11 @@ def test_peer_with_other_shapes_fails_on_every_process(tmp_path):
         err = step["error"]
         assert err is not None, (f"process {p['pid']}: a call with other shapes passed\n"
                                  f"{logs}")
+        if not CALLBACK_ERRORS_STOP:  # an error, not a hang; the barrier's said first
+            assert "made this call with different arguments" in logs, logs
+            assert "Gloo" in err or "collective" in err.lower(), err
+            assert step["secs"] < TIMEOUT_S + 90, step["secs"]
+            continue
         assert "made this call with different arguments" in err, err
         assert "jax_ep.dispatch at call site" in err, err
         # Both signatures, each with the ranks and process that made it (T = 5 vs 6
