@@ -2,7 +2,8 @@
 intranode launch preset (kernels/common/configs.h) fits the SM budget of a 132-SM GPU
 (H100/H200) less the SMs left to other work, at the occupancy ptxas' register and shared
 memory use allows, and that the runtime's cut to a `num_sms` budget (EpSmBudget,
-FitPresetToSms) does what it says. Needs nvcc (no GPU)."""
+FitPresetToSms) does what it says. The presets and the channel blocks' threads and shared
+memory come from the headers through the extension. The ptxas check needs nvcc (no GPU)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,8 @@ import shutil
 import subprocess
 
 import pytest
+
+from jax_ep._ext import require_ext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
@@ -34,53 +37,20 @@ KERNELS = {
 }
 
 
-def _read(rel):
-    with open(os.path.join(ROOT, rel)) as f:
-        return f.read()
-
-
-def _const(text, name):
-    return int(re.search(rf"\b{name}\s*=\s*(\d+)", text).group(1))
-
-
-def configs():
-    text = _read("kernels/common/configs.h")
-    rows = re.findall(r'\{"(\w+)",\s*(\d+),\s*(\d+)\}', text)
-    presets = [dict(name=n, max_ranks=int(m), num_sms=int(c)) for n, m, c in rows]
-    return dict(presets=presets, reserved=_const(text, "kReservedSms"),
-                channel_threads=_const(text, "kChannelThreads"),
-                max_channel_threads=_const(text, "kMaxChannelThreads"),
-                per_sm=_const(text, "kAssumedBlocksPerSm"),
-                plan_threads=_const(text, "kPlanThreads"),
-                smem_experts=_const(text, "kMaxSmemLocalExperts"),
-                bulk_staging=_const(text, "kBulkStagingBytes"),
-                bulk_piece=_const(text, "kBulkPieceBytes"),
-                bulk_zero=_const(text, "kBulkZeroBytes"),
-                max_ranks=_const(_read("kernels/cuda/intranode_buffer.h"), "kMaxRanks"),
-                split_ranks=_const(_read("kernels/cuda/intranode_buffer.h"),
-                                   "kMaxSplitSendRanks"))
-
-
-def dispatch_bulk_smem(cfg: dict, R: int) -> int:
-    """The dispatch channel kernel's dynamic shared memory at R ranks: zeros, two mbarriers
-    and two bulk-copy pieces per rank (configs.h DispatchBulkPieceBytes)."""
-    piece = min(cfg["bulk_piece"], (cfg["bulk_staging"] // (2 * R)) // 16 * 16)
-    return cfg["bulk_zero"] + 16 * R + 2 * R * piece
-
-
-def role_threads(cfg: dict, R: int) -> int:
-    """Threads of a combine or gather channel block at R ranks: block 2ch + 1 holds half
-    the sending warps (when R <= kMaxSplitSendRanks) and max(8, R) receiving ones."""
-    send = (R + 1) // 2 if R <= cfg["split_ranks"] else 0
-    return 32 * (send + max(cfg["channel_threads"] // 32, R))
-
-
-def dispatch_threads(cfg: dict, R: int) -> int:
-    """Threads of a dispatch channel block at R ranks: a sending warp per rank (when
-    R <= kMaxSplitSendRanks; above it the receiving block has none) and max(8, R)
-    receiving ones."""
-    send = R if R <= cfg["split_ranks"] else 0
-    return 32 * (send + max(cfg["channel_threads"] // 32, R))
+def configs() -> dict:
+    """The intranode presets and constants (kernels/common/configs.h,
+    kernels/cuda/intranode_buffer.h) through the extension, each preset with its channel
+    blocks at its max_ranks: threads of a combine or gather block (ChannelRoleThreads: half
+    the sending warps when split, beside max(8, R) receiving ones), of a dispatch block
+    (DispatchRoleThreads: a sending warp per rank when split) and the dispatch block's
+    dynamic shared memory (DispatchChannelSmemBytes: zeros, two mbarriers and two
+    bulk-copy pieces per rank)."""
+    ext = require_ext()
+    c = ext.intranode_constants()
+    presets = [dict(p, **ext.intranode_channel_block(p["max_ranks"])) for p in c["presets"]]
+    return dict(presets=presets, reserved=c["reserved_sms"], per_sm=c["blocks_per_sm"],
+                plan_threads=c["plan_threads"], max_channel_threads=c["max_channel_threads"],
+                max_ranks=c["max_ranks"])
 
 
 def occupancy(regs: int, smem: int, threads: int) -> int:
@@ -123,17 +93,12 @@ def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
             if kernel not in usage:
                 continue
             regs, smem = usage[kernel]
-            threads = {"plan": cfg["plan_threads"],
-                       "roles": role_threads(cfg, p["max_ranks"]),
-                       "dispatch": dispatch_threads(cfg, p["max_ranks"])}[role]
+            threads = {"plan": cfg["plan_threads"], "roles": p["role_threads"],
+                       "dispatch": p["dispatch_threads"]}[role]
             if threads > cfg["max_channel_threads"]:
                 out.append(f"{p['name']}: {kernel} needs {threads} threads per block")
-            if dyn == "hist":
-                smem += 4 * cfg["smem_experts"]
-            elif dyn == "warps":
-                smem += 4 * cfg["max_ranks"] * (threads // 32)
-            elif dyn == "bulk":
-                smem += dispatch_bulk_smem(cfg, p["max_ranks"])
+            if dyn == "bulk":
+                smem += p["dispatch_smem_bytes"]
             occ = occupancy(regs, smem, threads)
             need = 1 if role == "plan" else cfg["per_sm"]
             if occ < need:
@@ -164,7 +129,7 @@ def test_every_preset_fits_the_sm_budget(usage):
 
 def test_the_check_fails_on_grids_or_registers_that_do_not_fit(usage):
     cfg = configs()
-    assert cfg["presets"], "no preset rows parsed from configs.h"
+    assert cfg["presets"], "no presets from configs.h"
     many = dict(cfg, presets=[dict(cfg["presets"][0], num_sms=130)])
     assert any("dispatch_channel_kernel launches 130" in p for p in problems(many, usage))
     assert any("gather_channel_kernel launches 130" in p for p in problems(many, usage))
@@ -173,7 +138,8 @@ def test_the_check_fails_on_grids_or_registers_that_do_not_fit(usage):
                for p in problems(cfg, heavy))
     heavy = dict(usage, gather_channel_kernel=(130, 0))
     assert any("gather_channel_kernel" in p and "0 block" in p for p in problems(cfg, heavy))
-    staging = dict(cfg, bulk_staging=8 * 233472, bulk_piece=233472)  # pieces past an SM
+    staging = dict(cfg, presets=[dict(p, dispatch_smem_bytes=2 * SMEM_PER_SM)  # past an SM
+                                 for p in cfg["presets"]])
     assert any("dispatch_channel_kernel" in p and "0 block" in p
                for p in problems(staging, usage))
     gone = {k: v for k, v in usage.items() if k != "gather_channel_kernel"}
@@ -188,9 +154,26 @@ def test_dispatch_bulk_smem_fits_without_an_opt_in(usage):
     cfg = configs()
     static = usage["dispatch_channel_kernel"][1]
     for R in range(1, cfg["max_ranks"] + 1):
-        piece = min(cfg["bulk_piece"], (cfg["bulk_staging"] // (2 * R)) // 16 * 16)
-        assert piece >= 16 and piece % 16 == 0, R
-        assert static + dispatch_bulk_smem(cfg, R) <= 48 * 1024, R
+        blk = require_ext().intranode_channel_block(R)
+        assert blk["bulk_piece_bytes"] >= 16 and blk["bulk_piece_bytes"] % 16 == 0, R
+        assert static + blk["dispatch_smem_bytes"] <= 48 * 1024, R
+
+
+def test_channel_blocks_hand_checked():
+    ext = require_ext()
+    # 8 ranks: combine/gather blocks hold 4 sending warps (to half the ranks) and 8
+    # receiving ones, dispatch blocks 8 and 8; a piece is 32 KiB / (2 x 8) = 2 KiB, and the
+    # dispatch block's shared memory 2 KiB of zeros, 8 x 16 B of mbarriers, 2 pieces a rank
+    assert ext.intranode_channel_block(8) == dict(
+        role_threads=32 * 12, dispatch_threads=32 * 16, bulk_piece_bytes=2048,
+        dispatch_smem_bytes=2048 + 8 * 16 + 2 * 8 * 2048)
+    # 32 ranks: no split, a receiving warp per source; pieces of 32 KiB / 64 = 512 B
+    assert ext.intranode_channel_block(32) == dict(
+        role_threads=32 * 32, dispatch_threads=32 * 32, bulk_piece_bytes=512,
+        dispatch_smem_bytes=2048 + 32 * 16 + 2 * 32 * 512)
+    # 3 ranks: pieces of 32 KiB / 6 = 5461 -> 5456 B, capped at 2 KiB
+    assert ext.intranode_channel_block(3)["bulk_piece_bytes"] == 2048
+    assert ext.intranode_channel_block(3)["role_threads"] == 32 * (2 + 8)
 
 
 def test_occupancy_model():
@@ -200,51 +183,30 @@ def test_occupancy_model():
     assert occupancy(255, 0, 1024) == 0
 
 
-_PROBE = r"""
-#include <cstdio>
-#include "kernels/common/configs.h"
-int main(int argc, char** argv) {
-  const int sms = std::atoi(argv[1]);
-  for (const auto& p : jax_ep::kIntranodePresets) {
-    const jax_ep::IntranodePreset q = jax_ep::FitPresetToSms(p, jax_ep::EpSmBudget(sms));
-    std::printf("%s %d\n", q.name, q.num_sms);
-  }
-}
-"""
+def _fitted(monkeypatch, sms, num_sms=None):
+    """{preset: channel-kernel blocks} as a launch on a GPU of `sms` SMs runs them
+    (FitPresetToSms(p, EpSmBudget(sms)), reading JAX_EP_NUM_SMS)."""
+    if num_sms is None:
+        monkeypatch.delenv("JAX_EP_NUM_SMS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_EP_NUM_SMS", str(num_sms))
+    return {p["name"]: p["num_sms"] for p in require_ext().intranode_fitted_presets(sms)}
 
 
-def _fitted(tmp_path, sms, num_sms=None):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    src, exe = tmp_path / "probe.cc", tmp_path / "probe"
-    if not exe.exists():
-        src.write_text(_PROBE)
-        subprocess.run([cxx, "-std=c++17", f"-I{ROOT}", str(src), "-o", str(exe)],
-                       check=True, timeout=300)
-    env = dict(os.environ)
-    env.pop("JAX_EP_NUM_SMS", None)
-    if num_sms is not None:
-        env["JAX_EP_NUM_SMS"] = str(num_sms)
-    out = subprocess.run([str(exe), str(sms)], env=env, capture_output=True, text=True,
-                         check=True).stdout
-    return {n: int(c) for n, c in (ln.split() for ln in out.splitlines())}
-
-
-def test_num_sms_cuts_the_grids(tmp_path):
+def test_num_sms_cuts_the_grids(monkeypatch):
     cfg = configs()
-    full = _fitted(tmp_path, SMS)
+    full = _fitted(monkeypatch, SMS)
     # the presets fit a 132-SM GPU: nothing cut by default
     assert full == {p["name"]: p["num_sms"] for p in cfg["presets"]}
     assert full["ep8"] <= 24  # DeepEP's 20-24 SMs at 8 ranks
-    assert _fitted(tmp_path, SMS, num_sms=20)["ep8"] == 20
+    assert _fitted(monkeypatch, SMS, num_sms=20)["ep8"] == 20
     # an odd budget: the channel kernels keep whole channels (a send and a receive block)
-    assert _fitted(tmp_path, SMS, num_sms=13)["ep8"] == 12
-    assert _fitted(tmp_path, SMS, num_sms=1)["ep8"] == 2
+    assert _fitted(monkeypatch, SMS, num_sms=13)["ep8"] == 12
+    assert _fitted(monkeypatch, SMS, num_sms=1)["ep8"] == 2
     # a smaller GPU: at most its SMs less the reserve
-    small = _fitted(tmp_path, 20)
+    small = _fitted(monkeypatch, 20)
     assert all(v <= (20 - cfg["reserved"]) * cfg["per_sm"] for v in small.values())
-    assert _fitted(tmp_path, SMS, num_sms=1000)["ep32"] == 32  # never above presets
+    assert _fitted(monkeypatch, SMS, num_sms=1000)["ep32"] == 32  # never above presets
 
 
 def test_set_num_sms_checks_its_argument(monkeypatch):

@@ -4,6 +4,7 @@
 
 #include "xla_ffi/cpu/cpu_handlers.h"
 #include "xla_ffi/cpu/low_latency_handlers.h"
+#include "xla_ffi/common/layout_bindings.h"
 #include "xla_ffi/common/transport_bindings.h"
 #include "xla_ffi/internode/low_latency_handlers.h"
 #ifdef JAX_EP_WITH_CUDA
@@ -23,6 +24,7 @@ nb::capsule Capsule(T* fn) {
 
 NB_MODULE(_jax_ep_ext, m) {
   jax_ep::AddTransportBindings(m);
+  jax_ep::AddLayoutBindings(m);
   jax_ep::AddLowLatencyWireBindings(m);
 #ifdef JAX_EP_WITH_CUDA
   jax_ep::DefineCudaBindings(m.ptr());

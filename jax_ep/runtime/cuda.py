@@ -44,6 +44,7 @@ kernels of all three ops wait on each other and could not run one rank after ano
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -62,7 +63,6 @@ __all__ = [
     "harness_combine", "harness_gather",
 ]
 
-MAX_RANKS = 32  # ranks of one intranode group (kernels/cuda/intranode_buffer.h)
 # Legacy CUDA peer access (cudaDeviceEnablePeerAccess, and CUDA IPC between GPUs) reaches
 # at most 8 other GPUs; more ranks fit only where several share a GPU (the harness, or
 # several processes on one GPU).
@@ -72,20 +72,24 @@ MAX_PEER_GPUS = 8
 _setup_calls = itertools.count()
 HARNESS_CALL_SITE = 1  # the harness's default call-site id (every rank the same)
 _reset_calls = itertools.count()
-_HEADER_BYTES = 128 * 1024
-_ALIGN = 256
-# The dispatch/combine channel settings (kernels/common/configs.h): the presets' name,
-# max ranks and channel-kernel blocks (num_sms; channels = num_sms / 2, at most 16; dispatch
-# up to 16 ranks: a channel per block), and
-# the ring slots per (channel, peer), JAX_EP_RING_TOKENS or kRingTokens.
-_CHANNEL_PRESETS = (("ep2", 2, 16), ("ep4", 4, 20), ("ep8", 8, 24), ("ep16", 16, 24),
-                    ("ep32", 32, 32))
-_MAX_CHANNELS = 16
-_MAX_SPLIT_SEND_RANKS = 16  # kMaxSplitSendRanks: up to it dispatch runs a channel per block
-_RING_TOKENS, _MAX_RING_TOKENS = 128, 4096
-_LL_HEADER_BYTES = 4096  # kLowLatencyHeaderBytes (kernels/cuda/low_latency_kernels.h)
 # The low-latency area of the last setup (dict of its shapes), None before one asked for it.
 _ll_area: dict | None = None
+
+
+@functools.cache
+def _consts() -> dict:
+    """The intranode buffer's and launch presets' constants (kernels/cuda/intranode_buffer.h,
+    kernels/common/configs.h) from the extension's intranode_constants()."""
+    return dict(_ext.require_ext().intranode_constants())
+
+
+def __getattr__(name: str):
+    # MAX_RANKS (ranks of one intranode group, kMaxRanks: a 32-bit mask per token) comes
+    # from the extension on first use, not at import: `import jax_ep` (and build_info(),
+    # which says what is missing) must work in an install without it.
+    if name == "MAX_RANKS":
+        return _consts()["max_ranks"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _gpus():
@@ -134,35 +138,22 @@ def presets() -> list[dict]:
 
 # ----------------------------------------------------------------------------- sizes
 
-def _align(v: int, a: int = _ALIGN) -> int:
+def _align(v: int) -> int:
+    """v rounded up to the buffer's area alignment (kAreaAlign)."""
+    a = _consts()["area_align"]
     return (v + a - 1) // a * a
 
 
 def low_latency_layout(num_ranks: int, max_tokens_per_rank: int, row_bytes: int, topk: int,
                        num_experts: int) -> dict:
-    """Offsets and size in bytes of the low-latency area for these shapes (the formulas of
-    LowLatencyLayout in kernels/cuda/low_latency_kernels.h): header, then two halves each
+    """Offsets and size in bytes of the low-latency area for these shapes (LowLatencyLayout,
+    kernels/cuda/low_latency_layout.h, through its binding): header, then two halves each
     of slots [E_local][R][M] rows, their source tokens and arrival words (uint64,
     [E_local][R] dispatch + [R][E_local] combine), two
     position scratches [M * K], expert offsets [E], and two halves of the combine stage
     [R][M * min(K, E_local)] rows. Offsets are of half 0; *_half is the size of one half."""
-    R, M, K, E = int(num_ranks), int(max_tokens_per_rank), int(topk), int(num_experts)
-    el = E // R
-    stride = _align(int(row_bytes), 16)
-    rows_per_dest = M * min(K, el)
-    n_slots = el * R * M
-    lay = {"header": _LL_HEADER_BYTES, "stride": stride, "rows_per_dest": rows_per_dest,
-           "slots_half": _align(n_slots * stride), "tok_half": _align(n_slots * 4),
-           "counts_half": _align(el * R * 16),  # uint64 dispatch + combine words
-           "cstage_half": _align(R * rows_per_dest * stride), "slots": _LL_HEADER_BYTES}
-    lay["slot_tok"] = lay["slots"] + 2 * lay["slots_half"]
-    lay["counts"] = lay["slot_tok"] + 2 * lay["tok_half"]
-    lay["pos"] = lay["counts"] + 2 * lay["counts_half"]
-    lay["pos_combine"] = lay["pos"] + _align(M * K * 4)
-    lay["offsets"] = lay["pos_combine"] + _align(M * K * 4)
-    lay["cstage"] = lay["offsets"] + _align(E * 4)
-    lay["bytes"] = lay["cstage"] + 2 * lay["cstage_half"]
-    return lay
+    return dict(_ext.require_ext().intranode_ll_layout(
+        int(num_ranks), int(max_tokens_per_rank), int(row_bytes), int(topk), int(num_experts)))
 
 
 def _check_ll_shapes(R, max_tokens_per_rank, num_experts, topk, hidden):
@@ -183,28 +174,26 @@ def _check_ll_shapes(R, max_tokens_per_rank, num_experts, topk, hidden):
 def channels(num_ranks: int) -> int:
     """Channels of the dispatch/combine/gather kernels a group of `num_ranks` is set up for (its
     preset's num_sms / 2; JAX_EP_CUDA_PRESET forces a row). A launch cut to a smaller SM
-    budget (set_num_sms) runs fewer in the same buffers."""
-    forced = os.environ.get("JAX_EP_CUDA_PRESET", "")
-    row = next((p for p in _CHANNEL_PRESETS if p[0] == forced), None)
-    if row is None:
-        row = next((p for p in _CHANNEL_PRESETS if num_ranks <= p[1]), _CHANNEL_PRESETS[-1])
-    return min(max(row[2] & ~1, 2), 2 * _MAX_CHANNELS) // 2
+    budget (set_num_sms) runs fewer in the same buffers. (kernels/cuda/intranode_buffer.h
+    SetupChannels.)"""
+    return int(_ext.require_ext().intranode_channels(int(num_ranks)))
 
 
 def dispatch_channels(num_ranks: int) -> int:
     """Channels of the dispatch kernel (kernels/cuda/intranode_buffer.h DispatchChannels):
     up to 16 ranks every block of the channel kernel is a channel of its own (2 x
     channels(num_ranks)), above that two blocks share one."""
-    ch = channels(num_ranks)
-    return 2 * ch if num_ranks <= _MAX_SPLIT_SEND_RANKS else ch
+    return int(_ext.require_ext().intranode_dispatch_channels(int(num_ranks)))
 
 
 def ring_tokens() -> int:
     """Slots of each (channel, peer) ring: JAX_EP_RING_TOKENS when set (read at setup and at
-    each launch; keep it the same on every rank), else 128."""
+    each launch; keep it the same on every rank), else 128; within [1, 4096]
+    (kernels/common/configs.h IntranodeRingTokens)."""
     v = os.environ.get("JAX_EP_RING_TOKENS", "")
-    n = int(v) if v else _RING_TOKENS
-    return min(max(n, 1), _MAX_RING_TOKENS)
+    if v:
+        int(v)  # not an integer: an error here, where the kernels would read atoi's 0
+    return int(_ext.require_ext().intranode_ring_tokens())
 
 
 def buffer_bytes(num_ranks: int, num_tokens: int | None, hidden: int, topk: int,
@@ -212,7 +201,7 @@ def buffer_bytes(num_ranks: int, num_tokens: int | None, hidden: int, topk: int,
                  max_tokens_per_rank: int | None = None,
                  num_experts: int | None = None) -> dict:
     """Bytes of communication buffer each op kind needs on every GPU for these per-rank
-    shapes (the same formulas as kernels/cuda/intranode_buffer.h). Dispatch, combine
+    shapes (kernels/cuda/intranode_buffer.h's, through its bindings). Dispatch, combine
     and gather (combine's transpose, cached dispatch) stage rows in channels x ranks rings
     of ring_tokens() slots (dispatch: dispatch_channels() x ranks): their bytes depend on
     the ranks, the row size and topk, not on num_tokens or capacity ("channels",
@@ -221,19 +210,15 @@ def buffer_bytes(num_ranks: int, num_tokens: int | None, hidden: int, topk: int,
     "low_latency" area: a function of (R, M, H, K, E) and dtype only, holding any call of
     at most M tokens per rank, top-K routing and rows of at most H elements of dtype."""
     R, H, K = int(num_ranks), int(hidden), int(topk)
-    if not 1 <= R <= MAX_RANKS:
-        raise ValueError(f"num_ranks must be in [1, {MAX_RANKS}] on the intranode GPU path")
+    max_ranks = _consts()["max_ranks"]
+    if not 1 <= R <= max_ranks:
+        raise ValueError(f"num_ranks must be in [1, {max_ranks}] on the intranode GPU path")
     row = H * jnp.dtype(dtype).itemsize
     if num_tokens is None:
-        out = {"dispatch": 0, "combine": 0, "gather": 0, "header": _HEADER_BYTES}
+        out = {"dispatch": 0, "combine": 0, "gather": 0, "header": _consts()["header_bytes"]}
     else:
-        stride = _align(row, 16)
-        ch, dch, q = channels(R), dispatch_channels(R), ring_tokens()
-        ring = _align(q * stride) + _align(q * (2 + 2 * K) * 4)  # rows, then their words
-        gather = _align(q * stride) + _align(q * 4)  # rows, then the token ids asked for
-        out = {"dispatch": dch * R * ring, "combine": ch * R * _align(q * stride),
-               "gather": ch * R * gather, "header": _HEADER_BYTES, "channels": ch,
-               "dispatch_channels": dch, "ring_tokens": q}
+        ring_tokens()  # a bad JAX_EP_RING_TOKENS is an error
+        out = dict(_ext.require_ext().intranode_area_bytes(R, row, K))
     if max_tokens_per_rank is not None:
         M, E = _check_ll_shapes(R, max_tokens_per_rank, num_experts, K, H)
         out["low_latency"] = _align(low_latency_layout(R, M, row, K, E)["bytes"])
@@ -310,9 +295,10 @@ def setup(mesh, axis_name, *, num_tokens: int | None, hidden: int, topk: int,
         raise ValueError("num_tokens=None reserves no normal-mode buffers; pass num_tokens, "
                          "or max_tokens_per_rank and num_experts for the low-latency mode")
     groups, members, R = _group_members(mesh, axis_name)
-    if not 1 <= R <= MAX_RANKS:
+    max_ranks = _consts()["max_ranks"]
+    if not 1 <= R <= max_ranks:
         raise ValueError(f"EP groups of {R} ranks: the intranode GPU path supports 1 to "
-                         f"{MAX_RANKS}")
+                         f"{max_ranks}")
     if any(getattr(d, "platform", "") != "gpu" for d in np.asarray(mesh.devices).ravel()):
         raise ValueError("jax_ep.cuda.setup needs a mesh of GPU devices")
     for g, devs in groups.items():

@@ -41,25 +41,6 @@ cudaError_t LaunchCombinePhase(int phase, const CombineArgs& a, const IntranodeP
 cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePreset& p,
                               cudaStream_t stream);
 
-// Channels a group set up for `num_ranks` ranks runs with (its preset's num_sms / 2, not
-// cut to an SM budget: the setup sizes the areas for it, a launch may use fewer).
-inline int SetupChannels(int num_ranks) {
-  return FitPresetToSms(SelectIntranodePreset(num_ranks), 1 << 20).num_sms / 2;
-}
-// Staging bytes of the dispatch and combine areas for a group of `num_ranks` ranks and
-// rows of `row_bytes` (top-`topk`; gather's the same): set by the channels and ring slots, not by the
-// tokens per call or the capacity.
-inline size_t SetupDispatchBytes(int num_ranks, size_t row_bytes, int topk) {
-  return DispatchAreaBytes(num_ranks, DispatchChannels(num_ranks, SetupChannels(num_ranks)),
-                           IntranodeRingTokens(), row_bytes, topk);
-}
-inline size_t SetupCombineBytes(int num_ranks, size_t row_bytes) {
-  return CombineAreaBytes(num_ranks, SetupChannels(num_ranks), IntranodeRingTokens(), row_bytes);
-}
-inline size_t SetupGatherBytes(int num_ranks, size_t row_bytes) {
-  return GatherAreaBytes(num_ranks, SetupChannels(num_ranks), IntranodeRingTokens(), row_bytes);
-}
-
 // Reads (and optionally clears) the sticky device error records of the current device.
 // Synchronous: for check_errors() and tests, never called inside an FFI handler.
 cudaError_t ReadLayoutError(ErrorRecord* out, bool clear);

@@ -258,6 +258,25 @@ JEP_HDX size_t GatherAreaBytes(int R, int channels, int ring_tokens, size_t row_
   return static_cast<size_t>(channels) * R * GatherRing::Make(ring_tokens, row_bytes).bytes;
 }
 
+// Channels a group set up for `num_ranks` ranks runs with (its preset's num_sms / 2, not
+// cut to an SM budget: the setup sizes the areas for it, a launch may use fewer).
+inline int SetupChannels(int num_ranks) {
+  return FitPresetToSms(SelectIntranodePreset(num_ranks), 1 << 20).num_sms / 2;
+}
+// Staging bytes of the dispatch and combine areas for a group of `num_ranks` ranks and
+// rows of `row_bytes` (top-`topk`; gather's the same): set by the channels and ring slots, not by the
+// tokens per call or the capacity.
+inline size_t SetupDispatchBytes(int num_ranks, size_t row_bytes, int topk) {
+  return DispatchAreaBytes(num_ranks, DispatchChannels(num_ranks, SetupChannels(num_ranks)),
+                           IntranodeRingTokens(), row_bytes, topk);
+}
+inline size_t SetupCombineBytes(int num_ranks, size_t row_bytes) {
+  return CombineAreaBytes(num_ranks, SetupChannels(num_ranks), IntranodeRingTokens(), row_bytes);
+}
+inline size_t SetupGatherBytes(int num_ranks, size_t row_bytes) {
+  return GatherAreaBytes(num_ranks, SetupChannels(num_ranks), IntranodeRingTokens(), row_bytes);
+}
+
 // Where the three areas start in every buffer of a group (sizes fixed at setup).
 struct AreaConfig {
   size_t bytes[kNumOpKinds];

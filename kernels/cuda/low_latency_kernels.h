@@ -1,10 +1,10 @@
 // CUDA kernels of the low-latency mode (jax_ep.low_latency), over per-rank buffers that
 // peers write into directly (peer pointers). Buffer sizes depend only on (R, M, H, K, E).
 //
-// One rank's buffer (LowLatencyLayout): the low-latency area of its intranode buffer on
-// real ranks (jax_ep.cuda.setup(..., max_tokens_per_rank=M, num_experts=E), sized once,
-// M and the row size being the largest a call may use), or one harness allocation per
-// virtual rank. Data regions come in two halves; epoch n of an op kind uses half n % 2,
+// One rank's buffer (LowLatencyLayout, kernels/cuda/low_latency_layout.h): the
+// low-latency area of its intranode buffer on real ranks (jax_ep.cuda.setup(...,
+// max_tokens_per_rank=M, num_experts=E), sized once, M and the row size being the largest
+// a call may use), or one harness allocation per virtual rank. Data regions come in two halves; epoch n of an op kind uses half n % 2,
 // so two send halves of one kind may be in flight at once:
 //   header   epochs, last-block counters, own tags, and per half and peer: call tags
 //            (written by sources / owners before their arrival words) and credits
@@ -73,6 +73,7 @@
 #include "kernels/common/dtype_convert.h"
 #include "kernels/common/low_latency_math.h"
 #include "kernels/cuda/intranode_buffer.h"  // kMaxRanks, ErrorRecord, AlignUp, RowStride
+#include "kernels/cuda/low_latency_layout.h"  // LowLatencyLayout, kLowLatencyHeaderBytes
 
 namespace jax_ep {
 
@@ -101,58 +102,11 @@ constexpr int kLLMaxExperts = 1024;
 // `nvcc -Xptxas -v`): grids are cut to the SM budget (EpSmBudget) times this.
 constexpr int kLLThreads = 256;
 constexpr int kLLBlocksPerSm = 1;
-// Fixed, so the host sizes the area without the struct (jax_ep.cuda.buffer_bytes).
-constexpr size_t kLowLatencyHeaderBytes = 4096;
 static_assert(sizeof(LowLatencyHeader) <= kLowLatencyHeaderBytes, "low-latency header too large");
 
 // Op kinds of the low-latency waits, as reported in kErrTimeout / kErrCallSite records.
 enum LowLatencyOp : int { kOpLLDispatch = 8, kOpLLCombine = 9, kOpLLDispatchCredit = 10,
                           kOpLLCombineCredit = 11 };
-
-struct LowLatencyLayout {
-  int R, E, M, K;
-  size_t row_bytes, stride;
-  int64_t rows_per_dest;
-  // Offsets of half 0; half 1 of a region starts *_half bytes later.
-  size_t slots_off, tok_off, counts_off, pos_off, pos_c_off, offsets_off, cstage_off, bytes;
-  size_t slots_half, tok_half, counts_half, cstage_half;
-
-  // Arrival words of half h: dispatch [E_local][R] (by source), then combine
-  // [R][E_local] (by owner).
-  JEP_HDX size_t dispatch_word_off(int h, int e, int s) const {
-    return counts_off + h * counts_half + (static_cast<size_t>(e) * R + s) * 8;
-  }
-  JEP_HDX size_t combine_word_off(int h, int r, int e) const {
-    return counts_off + h * counts_half + (static_cast<size_t>(E) + r * (E / R) + e) * 8;
-  }
-
-  JEP_HDX int experts_per_rank() const { return E / R; }
-  JEP_HDX static LowLatencyLayout Make(int R, int M, size_t row_bytes, int K, int E) {
-    LowLatencyLayout l;
-    l.R = R;
-    l.E = E;
-    l.M = M;
-    l.K = K;
-    l.row_bytes = row_bytes;
-    l.stride = RowStride(row_bytes);
-    const size_t el = static_cast<size_t>(E / R);
-    l.rows_per_dest = ll_rows_per_dest(M, K, E / R);
-    const size_t slots = el * R * M;
-    l.slots_half = AlignUp(slots * l.stride, kAreaAlign);
-    l.tok_half = AlignUp(slots * 4, kAreaAlign);
-    l.counts_half = AlignUp(el * R * 16, kAreaAlign);  // dispatch + combine words
-    l.cstage_half = AlignUp(static_cast<size_t>(R) * l.rows_per_dest * l.stride, kAreaAlign);
-    l.slots_off = kLowLatencyHeaderBytes;
-    l.tok_off = l.slots_off + 2 * l.slots_half;
-    l.counts_off = l.tok_off + 2 * l.tok_half;
-    l.pos_off = l.counts_off + 2 * l.counts_half;
-    l.pos_c_off = l.pos_off + AlignUp(static_cast<size_t>(M) * K * 4, kAreaAlign);
-    l.offsets_off = l.pos_c_off + AlignUp(static_cast<size_t>(M) * K * 4, kAreaAlign);
-    l.cstage_off = l.offsets_off + AlignUp(static_cast<size_t>(E) * 4, kAreaAlign);
-    l.bytes = l.cstage_off + 2 * l.cstage_half;
-    return l;
-  }
-};
 
 struct LowLatencyArgs {
   PeerTable peers;   // every rank's low-latency buffer (its header first)

@@ -25,6 +25,7 @@
 #include "xla_ffi/cuda/cuda_handlers.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
 #include "xla_ffi/cuda/cuda_state.h"
+#include "xla_ffi/common/layout_dicts.h"
 
 namespace nb = nanobind;
 
@@ -283,60 +284,10 @@ std::vector<int> Reset() {
   return used;
 }
 
-nb::list Presets() {
-  nb::list l;
-  for (const auto& p : kIntranodePresets) {
-    nb::dict d;
-    d["name"] = p.name;
-    d["max_ranks"] = p.max_ranks;
-    d["num_sms"] = p.num_sms;
-    l.append(d);
-  }
-  return l;
-}
-
 nb::dict AreaBytes(int num_ranks, int64_t tokens, int64_t capacity, uint64_t row_bytes, int topk) {
   (void)tokens;  // the areas no longer depend on them; kept for callers
   (void)capacity;
-  if (num_ranks < 1 || num_ranks > kMaxRanks) throw std::invalid_argument("jax_ep: num_ranks must be in [1, 32]");
-  nb::dict d;
-  // Dispatch, combine and gather: channels x ranks rings (kernels/cuda/cuda_kernels.h),
-  // whatever the tokens per call and the capacity.
-  d["dispatch"] = SetupDispatchBytes(num_ranks, row_bytes, topk);
-  d["combine"] = SetupCombineBytes(num_ranks, row_bytes);
-  d["channels"] = SetupChannels(num_ranks);
-  d["dispatch_channels"] = DispatchChannels(num_ranks, SetupChannels(num_ranks));
-  d["ring_tokens"] = IntranodeRingTokens();
-  d["gather"] = SetupGatherBytes(num_ranks, row_bytes);
-  d["header"] = kHeaderBytes;
-  return d;
-}
-
-// The low-latency area's layout (kernels/cuda/low_latency_kernels.h) for these shapes.
-nb::dict LowLatencyAreaLayout(int num_ranks, int max_tokens, uint64_t row_bytes, int topk,
-                              int num_experts) {
-  if (num_ranks < 1 || num_ranks > kMaxRanks || max_tokens < 1 || topk < 1 ||
-      num_experts % num_ranks != 0 || num_experts < num_ranks)
-    throw std::invalid_argument("jax_ep: low-latency layout: bad shapes");
-  const LowLatencyLayout l =
-      LowLatencyLayout::Make(num_ranks, max_tokens, row_bytes, topk, num_experts);
-  nb::dict d;
-  d["header"] = kLowLatencyHeaderBytes;
-  d["stride"] = l.stride;
-  d["rows_per_dest"] = l.rows_per_dest;
-  d["slots"] = l.slots_off;
-  d["slot_tok"] = l.tok_off;
-  d["counts"] = l.counts_off;
-  d["pos"] = l.pos_off;
-  d["pos_combine"] = l.pos_c_off;
-  d["offsets"] = l.offsets_off;
-  d["cstage"] = l.cstage_off;
-  d["bytes"] = l.bytes;
-  d["slots_half"] = l.slots_half;
-  d["tok_half"] = l.tok_half;
-  d["counts_half"] = l.counts_half;
-  d["cstage_half"] = l.cstage_half;
-  return d;
+  return IntranodeAreaDict(num_ranks, row_bytes, topk);
 }
 
 int64_t LowLatencyStageRow(int e, int64_t p, std::vector<int32_t> per_expert) {
@@ -372,9 +323,9 @@ void DefineCudaBindings(void* module) {
   m.def("cuda_describe_error", &DescribeRecord, nb::arg("code"), nb::arg("rank"), nb::arg("a"),
         nb::arg("b"), nb::arg("c"), nb::arg("d"), nb::arg("ordinal") = 0,
         "The message check_errors() gives for a device error record.");
-  m.def("cuda_ll_layout", &LowLatencyAreaLayout, nb::arg("num_ranks"), nb::arg("max_tokens"),
+  m.def("cuda_ll_layout", &LowLatencyLayoutDict, nb::arg("num_ranks"), nb::arg("max_tokens"),
         nb::arg("row_bytes"), nb::arg("topk"), nb::arg("num_experts"),
-        "Offsets and bytes of the low-latency area (kernels/cuda/low_latency_kernels.h).");
+        "Offsets and bytes of the low-latency area (kernels/cuda/low_latency_layout.h).");
   m.def("cuda_ll_slot", &ll_slot, nb::arg("e"), nb::arg("s"), nb::arg("p"), nb::arg("num_ranks"),
         nb::arg("max_tokens"), "Owner's slot index (kernels/common/low_latency_math.h).");
   m.def("cuda_ll_stage_row", &LowLatencyStageRow, nb::arg("e"), nb::arg("p"),
@@ -389,7 +340,7 @@ void DefineCudaBindings(void* module) {
   m.def("cuda_reset", &Reset,
         "Re-zeroes this process's buffer headers and error records; returns the GPUs reset.");
   m.def("cuda_devices_in_use", &DevicesInUse, "Device ordinals this process used for EP work.");
-  m.def("cuda_presets", &Presets, "The intranode launch presets (kernels/common/configs.h).");
+  m.def("cuda_presets", &IntranodePresetList, "The intranode launch presets (kernels/common/configs.h).");
   m.def("cuda_area_bytes", &AreaBytes, nb::arg("num_ranks"), nb::arg("tokens"), nb::arg("capacity"),
         nb::arg("row_bytes"), nb::arg("topk"),
         "Communication-buffer bytes each op kind needs for these shapes.");

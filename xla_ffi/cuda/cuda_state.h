@@ -17,7 +17,7 @@ constexpr int kMaxCudaDevices = 64;
 
 // The low-latency area of a domain (jax_ep.cuda.setup(..., max_tokens_per_rank=M,
 // num_experts=E)): where it starts in every buffer of the group and the largest shapes it
-// holds (kernels/cuda/low_latency_kernels.h LowLatencyLayout). bytes == 0: none.
+// holds (kernels/cuda/low_latency_layout.h LowLatencyLayout). bytes == 0: none.
 struct LowLatencyArea {
   size_t offset = 0;
   size_t bytes = 0;
