@@ -145,14 +145,7 @@ class ExtensionRuntime:
         return int(self._ext.nvshmem_init_status())
 
 
-# --- heap size (mirror of kernels/internode/internode_layout.h; tests compare) -------------------
-
-_ALIGN = 256
-_SLACK = 32 << 20
-_SIG_KINDS = 4    # wire::kNumSigKinds
-_MAX_QPS = 64     # wire::kMaxQps
-_HEADER = 64      # wire::kHeaderBytes
-
+# --- heap size and the low-latency area: the kernels' layouts through their bindings -----
 
 def _round_up(v: int, a: int) -> int:
     return (v + a - 1) // a * a
@@ -161,14 +154,17 @@ def _round_up(v: int, a: int) -> int:
 def heap_bytes_for(*, num_ranks: int, max_tokens: int, capacity: int | None = None,
                    hidden: int, topk: int, x_dtype="bfloat16", y_dtype="float32",
                    gpus_per_node: int | None = None, num_qps: int = 1) -> int:
-    """Symmetric heap bytes the internode kernels need for these limits.
+    """Symmetric heap bytes the internode kernels need for these limits
+    (kernels/internode/internode_layout.h heap_bytes).
 
     capacity defaults to num_ranks * max_tokens (never overflows). Pass the largest
     values any jitted call will use. With `gpus_per_node` (and the plan's `num_qps`,
     ports * QPs per port), each half also holds the hierarchical mode's rings
-    (jax_ep.network.hier_layout.hier_state_bytes, independent of T and C) beside the direct
-    mode's regions, so calls of both modes fit.
+    (jax_ep.network.hier_layout, independent of T and C) beside the direct mode's
+    regions, so calls of both modes fit.
     """
+    from jax_ep._ext import require_ext
+
     if capacity is None:
         capacity = num_ranks * max_tokens
     for name, v in (("num_ranks", num_ranks), ("max_tokens", max_tokens),
@@ -177,29 +173,15 @@ def heap_bytes_for(*, num_ranks: int, max_tokens: int, capacity: int | None = No
             raise ValueError(f"{name} must be >= 1, got {v}")
     xb, yb = _itemsize(x_dtype), _itemsize(y_dtype)
     R, T, C, H, K = map(int, (num_ranks, max_tokens, capacity, hidden, topk))
-    ds = _round_up(_round_up(H * xb, 16) + 8 * K + 4, 16)
-    cs = _round_up(H * yb, 16)
-    sr = T * min(K, R)
-    half = (_round_up(_SIG_KINDS * R * _MAX_QPS * 8, _ALIGN) + _round_up(R * _HEADER, _ALIGN)
-            + _round_up(R * R * 4, _ALIGN)
-            + _round_up(C * ds, _ALIGN) + _round_up(sr * cs, _ALIGN)
-            + _round_up(sr * ds, _ALIGN) + _round_up(C * cs, _ALIGN))
-    hier = 0
+    hier_half = 0
     if gpus_per_node is not None:
         from jax_ep.network import hier_layout
         g = int(gpus_per_node)
         if g < 1 or R % g:
             raise ValueError(f"gpus_per_node must divide num_ranks ({R}), got {gpus_per_node}")
         eb = max(xb, yb)  # one ring stride serves both directions of a call
-        hier = hier_layout.hier_state_bytes(R, g, int(num_qps), H, K, eb, eb)
-    return _round_up(2 * half + hier + _SLACK, 2 << 20)
-
-
-# --- the low-latency area (mirror of llwire::area_layout in
-# kernels/internode/low_latency_wire.h; a test compares) ---------------------------------
-
-_LL_OPS_BUFS = 4  # kNumOps * kNumBufs
-_LL_HEADER_FIXED = 32
+        hier_half = hier_layout.hier_layout(R, g, int(num_qps), H, K, eb, eb).total
+    return require_ext().internode_heap_bytes(R, T, C, H, K, xb, yb, hier_half_bytes=hier_half)
 
 
 def ll_area_bytes_for(*, num_ranks: int, max_tokens_per_rank: int, hidden: int, topk: int,
@@ -208,9 +190,12 @@ def ll_area_bytes_for(*, num_ranks: int, max_tokens_per_rank: int, hidden: int, 
     allocation per PE, beside the heap halves; independent of the calls' T):
     2 buffers (the two parities) of E_local * R * M dispatch rows, of R * M * min(K,
     E_local) combine rows, of M * K staged rows and of R * M * min(K, E_local) combine
-    staging rows, signal words and headers. `dtype` is the dtype of the rows the calls move (the tokens' dtype; the
-    FP8 dispatch's rows, H bytes of values and H / 32 bytes of scales, fit in those of a
-    16-bit dtype)."""
+    staging rows, signal words and headers (llwire::area_layout in
+    kernels/internode/low_latency_wire.h, bound as ll_area_layout). `dtype` is the dtype
+    of the rows the calls move (the tokens' dtype; the FP8 dispatch's rows, H bytes of
+    values and H / 32 bytes of scales, fit in those of a 16-bit dtype)."""
+    from jax_ep._ext import require_ext
+
     R, M, H, K, E = map(int, (num_ranks, max_tokens_per_rank, hidden, topk, num_experts))
     for name, v in (("num_ranks", R), ("max_tokens_per_rank", M), ("hidden", H),
                     ("topk", K), ("num_experts", E)):
@@ -218,28 +203,7 @@ def ll_area_bytes_for(*, num_ranks: int, max_tokens_per_rank: int, hidden: int, 
             raise ValueError(f"{name} must be >= 1, got {v}")
     if E % R:
         raise ValueError(f"num_experts={E} must be a multiple of num_ranks={R}")
-    return _ll_area(R, M, H * _itemsize(dtype), K, E)["total"]
-
-
-def _ll_area(R, M, row_bytes, K, E) -> dict:
-    el = E // R
-    ds = _round_up(row_bytes, 16) + 16
-    cs = _round_up(row_bytes, 16)
-    hs = _round_up(_LL_HEADER_FIXED + 4 * el, 16)
-    rpd = M * min(K, el)
-    sizes = [("dsig", _LL_OPS_BUFS * R * el * 8), ("hsig", _LL_OPS_BUFS * R * 8),
-             ("credit", _LL_OPS_BUFS * R * 8), ("hdr", _LL_OPS_BUFS * R * hs),
-             ("hstage", _LL_OPS_BUFS * R * hs), ("bad", 2 * 16), ("pos", M * K * 4),
-             ("counts", E * 4), ("offsets", E * 4), ("done", E * 4),
-             ("dstage", 2 * M * K * ds), ("drecv", 2 * el * R * M * ds),
-             ("cstage", 2 * R * rpd * cs), ("crecv", 2 * R * rpd * cs)]
-    out, off = {}, 0
-    for name, n in sizes:
-        out[name] = off
-        off += _round_up(n, _ALIGN)
-    out["total"] = off
-    out["rows_per_dest"] = rpd
-    return out
+    return require_ext().ll_area_layout(R, M, H * _itemsize(dtype), K, E)["total"]
 
 
 def _ll_limits(low_latency: dict, num_ranks: int) -> dict:

@@ -1,6 +1,6 @@
 // Layout of the NVSHMEM symmetric heap used by the internode kernels. Pure functions:
 // the CUDA code carves the heap with them and `jax_ep.nvshmem_bootstrap.heap_bytes_for`
-// mirrors them (tests compare the two).
+// sizes it with them (bound as internode_heap_bytes, xla_ffi/common/striping_bindings.cc).
 //
 // R ranks, T = most tokens per rank, C = capacity (received rows per rank), K = top-k.
 // A rank sends each token to at most min(K, R) ranks, so its packed send rows number at
@@ -76,12 +76,16 @@ JEP_LAYOUT_HD HeapLayout heap_layout(int64_t num_ranks, int64_t max_tokens, int6
 }
 
 // NVSHMEM symmetric heap size (NVSHMEM_SYMMETRIC_SIZE) for these limits: two halves
-// plus slack, in 2 MiB units.
+// plus slack, in 2 MiB units. hier_half_bytes: the hierarchical mode's rings in one half
+// (hier::layout(...).total, kernels/internode/hierarchical_layout.h), 0 without that
+// mode; they sit after the direct mode's regions in each half (hierarchical_kernels.cu
+// carves them from the end), so calls of both modes fit one heap.
 JEP_LAYOUT_HD int64_t heap_bytes(int64_t num_ranks, int64_t max_tokens, int64_t capacity,
-                                 int64_t hidden, int64_t topk, int64_t x_bytes, int64_t y_bytes) {
+                                 int64_t hidden, int64_t topk, int64_t x_bytes, int64_t y_bytes,
+                                 int64_t hier_half_bytes = 0) {
   const HeapLayout L =
       heap_layout(num_ranks, max_tokens, capacity, hidden, topk, x_bytes, y_bytes);
-  return round_up(2 * L.total + kHeapSlackBytes, 2ll << 20);
+  return round_up(2 * (L.total + hier_half_bytes) + kHeapSlackBytes, 2ll << 20);
 }
 
 }  // namespace jax_ep

@@ -36,6 +36,37 @@ void QpForArray(In peer, In channel, In chunk, int num_ports, int qps_per_port, 
     port(i) = r.port;
   }
 }
+using Out2 = nb::ndarray<int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+// The plan of one dispatch: bytes_per_peer[P] cut into chunks (num_chunks, chunk_size),
+// chunk j sent by channel channel_for_chunk(j) on qp_for(peer, channel, j); adds each
+// chunk's bytes to its port, QP and channel. Outputs are zeroed first.
+void Stripe(In bytes_per_peer, int64_t chunk_bytes, int num_ports, int qps_per_port,
+            int num_channels, Out chunks, Out2 port_bytes, Out2 qp_bytes, Out2 channel_bytes) {
+  const size_t peers = bytes_per_peer.shape(0);
+  if (chunks.shape(0) != peers || port_bytes.shape(0) != peers || qp_bytes.shape(0) != peers ||
+      channel_bytes.shape(0) != peers || port_bytes.shape(1) != static_cast<size_t>(num_ports) ||
+      qp_bytes.shape(1) != static_cast<size_t>(num_ports) * qps_per_port ||
+      channel_bytes.shape(1) != static_cast<size_t>(num_channels))
+    throw std::invalid_argument("striping_stripe: output shapes do not match the plan");
+  for (size_t p = 0; p < peers; ++p) {
+    for (int i = 0; i < num_ports; ++i) port_bytes(p, i) = 0;
+    for (size_t i = 0; i < qp_bytes.shape(1); ++i) qp_bytes(p, i) = 0;
+    for (int i = 0; i < num_channels; ++i) channel_bytes(p, i) = 0;
+    const int64_t bytes = bytes_per_peer(p);
+    const int64_t n = num_chunks(bytes, chunk_bytes);
+    chunks(p) = n;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t size = chunk_size(bytes, j, chunk_bytes);
+      const int32_t ch = channel_for_chunk(j, num_channels);
+      const QpPort r = qp_for(static_cast<int32_t>(p), ch, j, num_ports, qps_per_port);
+      port_bytes(p, r.port) += size;
+      qp_bytes(p, r.qp) += size;
+      channel_bytes(p, ch) += size;
+    }
+  }
+}
+
 // (name, pci_path, numa, [(port, active, rdma_link), ...]) per device.
 using DeviceTuple =
     std::tuple<std::string, std::string, int, std::vector<std::tuple<int, bool, bool>>>;
@@ -92,11 +123,17 @@ void AddTransportBindings(nb::module_& m) {
           return std::make_pair(r.qp, r.port);
         });
   m.def("striping_qp_for_array", &QpForArray);
+  m.def("striping_channel_for_chunk",
+        [](int64_t chunk, int num_channels) { return channel_for_chunk(chunk, num_channels); });
+  m.def("striping_stripe", &Stripe);
   m.def("internode_heap_bytes",
         [](int64_t num_ranks, int64_t max_tokens, int64_t capacity, int64_t hidden,
-           int64_t topk, int64_t x_bytes, int64_t y_bytes) {
-          return heap_bytes(num_ranks, max_tokens, capacity, hidden, topk, x_bytes, y_bytes);
-        });
+           int64_t topk, int64_t x_bytes, int64_t y_bytes, int64_t hier_half_bytes) {
+          return heap_bytes(num_ranks, max_tokens, capacity, hidden, topk, x_bytes, y_bytes,
+                            hier_half_bytes);
+        },
+        nb::arg("num_ranks"), nb::arg("max_tokens"), nb::arg("capacity"), nb::arg("hidden"),
+        nb::arg("topk"), nb::arg("x_bytes"), nb::arg("y_bytes"), nb::arg("hier_half_bytes") = 0);
   // The internode wire protocol's constants and layout, for the host simulator
   // (tests/sim/internode_sim.py) and `python -m jax_ep.plan --check-wire`.
   m.def("internode_protocol", []() {
