@@ -244,7 +244,6 @@ def _vary_with_axis(axis_name, *arrays):
 # jax_ep_internode_hier_*) are built with the NVSHMEM backend: "auto" picks them when
 # there are several nodes with several GPUs each. Compiled, not yet run on hardware.
 HIERARCHICAL_KERNELS = True
-_MAX_GPUS_PER_NODE = 32  # hier::kMaxGpusPerNode (one 32-bit node mask per row)
 
 
 def internode_mode(num_ranks: int) -> str:
@@ -267,11 +266,14 @@ def _mode_and_topology(num_ranks: int):
     topo = topology.detect(num_ranks, local)
     mode = topology.choose_mode(getattr(st.config, "mode", "auto"), topo,
                                 hierarchical_available=HIERARCHICAL_KERNELS)
-    if mode == "hierarchical" and topo.gpus_per_node > _MAX_GPUS_PER_NODE:
-        raise ValueError(
-            f"internode mode 'hierarchical' needs at most {_MAX_GPUS_PER_NODE} GPUs per node "
-            f"(kernels/internode/hierarchical_layout.h), the EP group has "
-            f"{topo.gpus_per_node}: set JAX_EP_GPUS_PER_NODE or use mode='direct'")
+    if mode == "hierarchical":
+        # hier::kMaxGpusPerNode: a row's node mask is one 32-bit word
+        from jax_ep.network.hier_layout import MAX_GPUS_PER_NODE
+        if topo.gpus_per_node > MAX_GPUS_PER_NODE:
+            raise ValueError(
+                f"internode mode 'hierarchical' needs at most {MAX_GPUS_PER_NODE} GPUs per "
+                f"node (kernels/internode/hierarchical_layout.h), the EP group has "
+                f"{topo.gpus_per_node}: set JAX_EP_GPUS_PER_NODE or use mode='direct'")
     return mode, topo
 
 

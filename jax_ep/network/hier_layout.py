@@ -1,36 +1,35 @@
-"""Python mirror of kernels/internode/hierarchical_layout.h: the hierarchical mode's ring
-sizes, row strides and the bytes of one heap half (tests compile the header and compare).
-Pure arithmetic with no imports from the package, so the heap sizing
+"""The hierarchical mode's ring sizes, row strides and the bytes of one heap half:
+kernels/internode/hierarchical_layout.h through its bindings (hier_*), so the heap sizing
 (`jax_ep.runtime.nvshmem.heap_bytes_for`) and the model (`jax_ep.network.modes`, which
-re-exports these names) can both use it."""
+re-exports these names) use the kernels' own functions."""
 from __future__ import annotations
 
 import dataclasses
 
-# --- mirror of kernels/internode/hierarchical_layout.h (tests compare the two) -------
-RDMA_CHUNK_ROWS = 16
-RDMA_RING_CHUNKS = 8
-NVL_RING_ROWS = 64
-MAX_GPUS_PER_NODE = 32
-META_WORDS = 4
-_ALIGN = 256
+from jax_ep._ext import require_ext
 
-
-def _round_up(v: int, a: int) -> int:
-    return (v + a - 1) // a * a
+_ext = require_ext()
+_C = _ext.hier_layout_constants()
+RDMA_CHUNK_ROWS: int = _C["rdma_chunk_rows"]    # rows per RDMA chunk (one put)
+RDMA_RING_CHUNKS: int = _C["rdma_ring_chunks"]  # chunks per RDMA ring
+NVL_RING_ROWS: int = _C["nvl_ring_rows"]        # rows per NVLink ring
+MAX_GPUS_PER_NODE: int = _C["max_gpus_per_node"]  # a row's node mask is one 32-bit word
+META_WORDS: int = _C["meta_words"]              # int32 words after a row's payload
 
 
 def hier_meta_offset(hidden_bytes: int) -> int:
     """Offset of a row's int32 metadata: the payload rounded up to 16 bytes."""
-    return _round_up(hidden_bytes, 16)
+    return _ext.hier_meta_offset(int(hidden_bytes))
 
 
 def hier_dispatch_row_stride(hidden_bytes: int, topk: int) -> int:
-    return _round_up(hier_meta_offset(hidden_bytes) + 8 * topk + 4 * META_WORDS, 16)
+    """Bytes of a dispatch row: payload, topk ids and weights, metadata words."""
+    return _ext.hier_dispatch_row_stride(int(hidden_bytes), int(topk))
 
 
 def hier_combine_row_stride(hidden_bytes: int) -> int:
-    return _round_up(hier_meta_offset(hidden_bytes) + 4 * META_WORDS, 16)
+    """Bytes of a combine row: payload and metadata words."""
+    return _ext.hier_combine_row_stride(int(hidden_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,30 +52,13 @@ class HierLayout:
 
 
 def hier_layout(num_ranks, gpus_per_node, num_qps, hidden, topk, x_bytes, y_bytes) -> HierLayout:
-    nodes = num_ranks // gpus_per_node
-    ds = hier_dispatch_row_stride(hidden * x_bytes, topk)
-    cs = hier_combine_row_stride(hidden * y_bytes)
-    stride = max(ds, cs)
-    off = 0
-    o = {}
-    for name, size in (("sig_data", nodes * num_qps * 8), ("sig_credit", nodes * 8),
-                       ("sig_counts", num_ranks * 8), ("nvl_head", gpus_per_node * nodes * 8),
-                       ("nvl_tail", gpus_per_node * nodes * 8),
-                       ("counts", num_ranks * (num_ranks + nodes) * 4)):
-        o[name] = off
-        off += _round_up(size, _ALIGN)
-    ring = _round_up(RDMA_CHUNK_ROWS * RDMA_RING_CHUNKS * stride, _ALIGN)
-    o["rdma_send"] = off
-    off += nodes * ring
-    o["rdma_recv"] = off
-    off += nodes * ring
-    o["nvl_recv"] = off
-    off += gpus_per_node * nodes * _round_up(NVL_RING_ROWS * stride, _ALIGN)
-    return HierLayout(row_stride=stride, rdma_bytes=2 * nodes * ring,
-                      nvl_bytes=off - o["nvl_recv"], total=off, **o)
+    """One heap half for R ranks in nodes of G GPUs, Q QPs per peer, rows of `hidden`
+    elements of x_bytes (dispatch) and y_bytes (combine) bytes, top-k routing."""
+    return HierLayout(**_ext.hier_layout(*(int(v) for v in (
+        num_ranks, gpus_per_node, num_qps, hidden, topk, x_bytes, y_bytes))))
 
 
 def hier_state_bytes(num_ranks, gpus_per_node, num_qps, hidden, topk, x_bytes, y_bytes) -> int:
     """Symmetric memory per GPU of the hierarchical mode (two halves); no T or C in it."""
-    return 2 * hier_layout(num_ranks, gpus_per_node, num_qps, hidden, topk, x_bytes,
-                           y_bytes).total
+    return _ext.hier_state_bytes(*(int(v) for v in (
+        num_ranks, gpus_per_node, num_qps, hidden, topk, x_bytes, y_bytes)))

@@ -21,8 +21,9 @@ onto a port) uses the expected busiest port over random hashes of the QPs, as
 `jax_ep.plan`. Time is the busiest port's bytes at the nominal port rate. Everything is
 arithmetic on these assumptions: no congestion, no protocol overhead, no overlap.
 
-`HierLayout` / `hier_state_bytes` mirror kernels/internode/hierarchical_layout.h (defined in
-`jax_ep.network.hier_layout`, re-exported here; tests compile the header and compare).
+`HierLayout` / `hier_state_bytes` are kernels/internode/hierarchical_layout.h's, through its
+bindings (`jax_ep.network.hier_layout`, re-exported here); the direct mode's rows are
+kernels/internode/internode_layout.h's.
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ import sys
 
 import numpy as np
 
+from jax_ep._ext import require_ext
 from jax_ep.network.hier_layout import (  # noqa: F401 (re-exported)
-    _ALIGN, MAX_GPUS_PER_NODE, META_WORDS, NVL_RING_ROWS, RDMA_CHUNK_ROWS, RDMA_RING_CHUNKS,
-    HierLayout, _round_up, hier_combine_row_stride, hier_dispatch_row_stride, hier_layout,
+    MAX_GPUS_PER_NODE, META_WORDS, NVL_RING_ROWS, RDMA_CHUNK_ROWS, RDMA_RING_CHUNKS,
+    HierLayout, hier_combine_row_stride, hier_dispatch_row_stride, hier_layout,
     hier_meta_offset, hier_state_bytes)
 from jax_ep.network.topology import Topology
 
@@ -49,7 +51,7 @@ __all__ = ["MODEL_LABEL", "RDMA_CHUNK_ROWS", "RDMA_RING_CHUNKS", "NVL_RING_ROWS"
 
 
 def direct_state_bytes(num_ranks, tokens, capacity, hidden, topk, x_bytes, y_bytes) -> int:
-    """The direct mode's NVSHMEM heap for comparison (`heap_bytes_for`, the mirror of
+    """The direct mode's NVSHMEM heap for comparison (`heap_bytes_for`,
     kernels/internode/internode_layout.h): it grows with the tokens and the capacity."""
     from jax_ep.runtime.nvshmem import heap_bytes_for
 
@@ -179,9 +181,10 @@ def model(inp: ModeInputs) -> dict:
                          inp.max_nodes)
     tr = traffic(idx, 0, topo, inp.experts)
     G, N, P = inp.gpus_per_node, inp.nodes, inp.ports
-    # the direct kernels' row (internode_layout.h): payload to 16 B, ids, weights, index
-    d_row = _round_up(_round_up(inp.hidden * inp.x_bytes, 16) + 8 * inp.topk + 4, 16)
-    c_row = _round_up(inp.hidden * inp.y_bytes, 16)
+    # the direct kernels' rows (internode_layout.h): payload to 16 B, ids, weights, index
+    ext = require_ext()
+    d_row = ext.internode_dispatch_row_stride(inp.hidden * inp.x_bytes, inp.topk)
+    c_row = ext.internode_combine_row_stride(inp.hidden * inp.y_bytes)
     hd_row = hier_dispatch_row_stride(inp.hidden * inp.x_bytes, inp.topk)
     hc_row = hier_combine_row_stride(inp.hidden * inp.y_bytes)
     rate = inp.port_gbps * 1e9 / 8

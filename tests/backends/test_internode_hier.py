@@ -164,10 +164,10 @@ def _clear_global_view_caches():
 
 
 def test_more_gpus_per_node_than_a_node_mask_holds_is_an_error(monkeypatch):
-    # the backend's bound is the layout header's (modes mirrors it; tests compare those)
-    assert internode._MAX_GPUS_PER_NODE == modes.MAX_GPUS_PER_NODE
+    from jax_ep.network import hier_layout
+    assert hier_layout.MAX_GPUS_PER_NODE == 32  # one 32-bit node mask per row
     _fake_state(monkeypatch, "hierarchical", None)
-    monkeypatch.setattr(internode, "_MAX_GPUS_PER_NODE", 4)  # R = 8 ranks on one node
+    monkeypatch.setattr(hier_layout, "MAX_GPUS_PER_NODE", 4)  # R = 8 ranks on one node
     with pytest.raises(ValueError, match="GPUs per node.*JAX_EP_GPUS_PER_NODE"):
         internode.internode_mode(R)
 

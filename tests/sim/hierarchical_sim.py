@@ -21,9 +21,8 @@ tests/sim/internode_sim.py once it exists, and is the authority for that protoco
   * bytes are counted per (source, port) and per (source, peer, port).
 
 Layout constants (rows per RDMA chunk, chunks per RDMA ring, rows per NVLink ring, row
-strides) come from `jax_ep.network.modes`, the Python definition of
-kernels/internode/hierarchical_layout.h that tests compare with the compiled header;
-tests pass smaller rings to force wrap-around.
+strides) come from `jax_ep.network.modes`, which binds
+kernels/internode/hierarchical_layout.h; tests pass smaller rings to force wrap-around.
 
 Planted mistakes (`bugs=`), each of which a test must see reported:
   credit_early          forwarder returns an RDMA ring credit before forwarding the chunk
@@ -43,6 +42,7 @@ import hashlib
 
 import numpy as np
 
+from jax_ep._ext import require_ext
 from jax_ep.network import modes
 from jax_ep.network.topology import Topology
 from jax_ep.network.transport import _qp_for_arrays  # the compiled striping rule (binding)
@@ -575,8 +575,7 @@ def _dispatch(net: Net, p: Problem, cfg: Config, seq: int):
     H, K = p.x[0].shape[1], p.idx[0].shape[1]
     hier = cfg.mode == "hierarchical"
     row_bytes = (modes.hier_dispatch_row_stride(H * p.x[0].dtype.itemsize, K) if hier else
-                 modes._round_up(modes._round_up(H * p.x[0].dtype.itemsize, 16) + 8 * K + 4,
-                                 16))
+                 require_ext().internode_dispatch_row_stride(H * p.x[0].dtype.itemsize, K))
     streams = Streams(net, cfg)
     shared, rings, rows_at = {}, {}, collections.defaultdict(dict)
 
