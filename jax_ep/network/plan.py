@@ -305,8 +305,8 @@ def check_wire(cfg: TransportConfig, ranks: int, stream_bytes: int, *, qp_api: b
     is then NVSHMEM's choice, which is reported as a loss, not checked.
     """
     if channel_of_qp is None or expected_signal is None:
-        from jax_ep.network.transport import _ext
-        ext = _ext()
+        from jax_ep import _ext
+        ext = _ext.ext
         if ext is None or not hasattr(ext, "internode_channel_of_qp"):
             raise RuntimeError("--check-wire needs the compiled extension (pip install -e .)")
         c, e = _compiled_wire(ext)
@@ -472,8 +472,6 @@ def _check_log_main(args: dict) -> int:
 
 
 def _check_wire_main(args: dict) -> int:
-    from jax_ep.network.transport import _ext
-    ext = _ext()
     path = args["path"]
     if path == "auto":
         from jax_ep import _ext as _ext_mod

@@ -3,9 +3,8 @@
 `TransportConfig` says how many ports each NIC has, how many RC queue pairs (QPs) go
 to every peer through each port, and how large the chunks are that the bytes for one
 peer are cut into. The mapping from (peer, channel, chunk) to (QP, port) is the one in
-`kernels/common/striping_plan.h`; when the compiled extension is present `qp_for` calls that
-header through a binding, otherwise a line-for-line mirror below (tests check that both
-agree with the header).
+`kernels/common/striping_plan.h`, which the kernels use: `qp_for` calls it through its
+binding.
 
 `nvshmem_env()` returns the NVSHMEM variables the library sets itself before NVSHMEM
 starts (GPU-initiated RDMA, QPs per PE, multi-port). `JAX_EP_*` environment variables
@@ -15,6 +14,7 @@ override the config: see `TransportConfig.resolve`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Mapping
 
@@ -36,57 +36,35 @@ REMOVED_ENV_VARS = {
                            "JAX_EP_QPS_PER_PORT instead",
 }
 LAG_MODES = ("multiport", "bond")
-MAX_QPS = 64  # kernels/internode/wire_protocol.h kMaxQps (tests compare)
 
 
-def _ext():
-    """The compiled striping binding, or None (CPU-only checkout without the build)."""
-    try:
-        from jax_ep import _jax_ep_ext  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _jax_ep_ext if hasattr(_jax_ep_ext, "striping_qp_for_array") else None
+@functools.cache
+def _max_qps() -> int:
+    """Most QPs per peer, num_ports * qps_per_port (kMaxQps, kernels/common/striping_plan.h)."""
+    from jax_ep._ext import require_ext
+    return int(require_ext().internode_protocol()["max_qps"])
 
 
-# --- mirror of kernels/common/striping_plan.h (keep in step; tests compare the two) -----------
-
-def _start_port(peer, num_ports):
-    peer = np.asarray(peer, dtype=np.int64)
-    if num_ports <= 1:
-        return np.zeros_like(peer)
-    total = np.zeros_like(peer)
-    v = np.where(peer < 0, 0, peer)
-    while np.any(v > 0):
-        total += v % num_ports
-        v //= num_ports
-    return total % num_ports
-
-
-def _qp_for_mirror(peer, channel, chunk, num_ports, qps_per_port):
-    p = max(int(num_ports), 1)
-    q = max(int(qps_per_port), 1)
-    peer = np.asarray(peer, dtype=np.int64)
-    chunk = np.asarray(chunk, dtype=np.int64)
-    channel = np.maximum(np.asarray(channel, dtype=np.int64), 0)
-    if p <= 1:
-        port = np.zeros(np.broadcast(peer, chunk).shape, dtype=np.int64)
-    else:
-        port = (_start_port(peer, p) + chunk % p) % p
-    slot = (channel // p) % q
-    return slot * p + port, port
+def __getattr__(name: str):
+    # MAX_QPS comes from the extension on first use, not at import: `import jax_ep` (and
+    # build_info(), which says what is missing) must work in an install without it.
+    if name == "MAX_QPS":
+        return _max_qps()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _qp_for_arrays(peer, channel, chunk, num_ports, qps_per_port):
-    """(qp, port) arrays for broadcast (peer, channel, chunk) arrays."""
-    ext = _ext()
-    if ext is None:
-        return _qp_for_mirror(peer, channel, chunk, num_ports, qps_per_port)
+    """(qp, port) int64 arrays of the broadcast shape of the (peer, channel, chunk) arrays:
+    kernels/common/striping_plan.h qp_for, element by element, through its binding."""
+    from jax_ep._ext import require_ext
+
     shape = np.broadcast(np.asarray(peer), np.asarray(channel), np.asarray(chunk)).shape
     peer, channel, chunk = (np.ascontiguousarray(a, dtype=np.int64).ravel()
                             for a in np.broadcast_arrays(peer, channel, chunk))
     qp = np.empty(peer.shape, np.int64)
     port = np.empty(peer.shape, np.int64)
-    ext.striping_qp_for_array(peer, channel, chunk, int(num_ports), int(qps_per_port), qp, port)
+    require_ext().striping_qp_for_array(peer, channel, chunk, int(num_ports),
+                                        int(qps_per_port), qp, port)
     return qp.reshape(shape), port.reshape(shape)
 
 
@@ -150,9 +128,9 @@ class TransportConfig:
                 f"num_channels must equal num_ports * qps_per_port ({nq}): the internode "
                 f"kernels send with one channel per QP; got {self.num_channels}")
         object.__setattr__(self, "num_channels", nq)
-        if nq > MAX_QPS:
-            raise ValueError(f"num_ports * qps_per_port must be <= {MAX_QPS} (signal words "
-                             f"reserved per source), got {nq}")
+        if nq > _max_qps():
+            raise ValueError(f"num_ports * qps_per_port must be <= {_max_qps()} (signal "
+                             f"words reserved per source), got {nq}")
         if self.lag not in LAG_MODES:
             raise ValueError(f"lag must be one of {LAG_MODES}, got {self.lag!r}")
         if self.mode not in ("direct", "hierarchical", "auto"):  # network/topology.py
@@ -215,37 +193,31 @@ class TransportConfig:
 
     def channel_for(self, chunk: int) -> int:
         """Channel that sends chunk `chunk` of a stream."""
-        return int(chunk) % self.num_channels
+        from jax_ep._ext import require_ext
+        return int(require_ext().striping_channel_for_chunk(int(chunk), self.num_channels))
 
     def stripe(self, bytes_per_peer) -> StripePlan:
         """Split `bytes_per_peer[peer]` bytes into chunks and say which port/QP carries them.
 
         Peer i of the array is peer index i (its rank). Each chunk is counted once, on
-        the QP and port `qp_for(peer, channel_for(chunk), chunk)` returns.
+        the QP and port `qp_for(peer, channel_for(chunk), chunk)` returns (the kernels'
+        plan, kernels/common/striping_plan.h, through its binding).
         """
-        b = np.asarray(bytes_per_peer, dtype=np.int64).reshape(-1)
+        from jax_ep._ext import require_ext
+
+        b = np.ascontiguousarray(np.asarray(bytes_per_peer, dtype=np.int64).reshape(-1))
         if np.any(b < 0):
             raise ValueError("bytes_per_peer must be >= 0")
-        cb = self.chunk_bytes
-        n_chunks = (b + cb - 1) // cb
         peers = len(b)
-        port_bytes = np.zeros((peers, self.num_ports), np.int64)
-        qp_bytes = np.zeros((peers, self.num_qps), np.int64)
-        ch_bytes = np.zeros((peers, self.num_channels), np.int64)
-        for peer in range(peers):
-            n = int(n_chunks[peer])
-            if n == 0:
-                continue
-            j = np.arange(n, dtype=np.int64)
-            size = np.minimum(cb, b[peer] - j * cb)
-            channel = j % self.num_channels
-            qp, port = _qp_for_arrays(np.full(n, peer, np.int64), channel, j,
-                                      self.num_ports, self.qps_per_port)
-            port_bytes[peer] = np.bincount(port, weights=size, minlength=self.num_ports)
-            qp_bytes[peer] = np.bincount(qp, weights=size, minlength=self.num_qps)
-            ch_bytes[peer] = np.bincount(channel, weights=size, minlength=self.num_channels)
+        n_chunks = np.empty(peers, np.int64)
+        port_bytes = np.empty((peers, self.num_ports), np.int64)
+        qp_bytes = np.empty((peers, self.num_qps), np.int64)
+        ch_bytes = np.empty((peers, self.num_channels), np.int64)
+        require_ext().striping_stripe(b, self.chunk_bytes, self.num_ports, self.qps_per_port,
+                                      self.num_channels, n_chunks, port_bytes, qp_bytes,
+                                      ch_bytes)
         return StripePlan(bytes_per_peer=b, chunks_per_peer=n_chunks, port_bytes=port_bytes,
-                          qp_bytes=qp_bytes, channel_bytes=ch_bytes, chunk_bytes=cb)
+                          qp_bytes=qp_bytes, channel_bytes=ch_bytes, chunk_bytes=self.chunk_bytes)
 
     # --- NVSHMEM -----------------------------------------------------------------------
 

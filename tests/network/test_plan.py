@@ -140,9 +140,10 @@ def test_check_wire_agrees_by_construction():
 
 def test_check_wire_catches_a_wrong_qp_choice_and_a_wrong_wait():
     from jax_ep.network.plan import check_wire
-    from jax_ep.network.transport import TransportConfig, _ext
+    from jax_ep._ext import require_ext
+    from jax_ep.network.transport import TransportConfig
 
-    ext = _ext()
+    ext = require_ext()
     cfg = TransportConfig(num_ports=2, qps_per_port=2, chunk_bytes=64)
     # a sender that ignores the peer's starting port (peer % ports would be the same bug)
     wrong_channel = lambda peer, q, P, Q: q  # noqa: E731
