@@ -30,6 +30,12 @@
 
 namespace jax_ep {
 
+// Most logical QPs per peer (num_ports * qps_per_port). Defined here only: the direct
+// mode reserves one signal word per (source, QP) for each (wire::sig_word) and the
+// NVSHMEM transport keeps a handle table of this size; wire::, transport::, hier:: and
+// llwire:: alias it, and Python reads it from internode_protocol()["max_qps"].
+constexpr int kMaxQps = 64;
+
 struct QpPort {
   int32_t qp;    // index in [0, num_ports * qps_per_port)
   int32_t port;  // index in [0, num_ports); equals qp % num_ports

@@ -1583,7 +1583,7 @@ std::string MakeGeo(const HierDims& hd, int op, FloatKind elem, Geo* g,
   if (d.num_ranks > kMaxRanks || d.num_ranks / G > kMaxNodes)
     return "jax_ep internode (hierarchical): at most 1024 ranks and 256 nodes";
   const int qps = d.num_ports * d.qps_per_port;
-  if (d.num_ports < 1 || d.qps_per_port < 1 || qps > transport::kMaxQps || qps > kMaxQps)
+  if (d.num_ports < 1 || d.qps_per_port < 1 || qps > kMaxQps)
     return "jax_ep internode (hierarchical): bad transport config (ports, QPs per port)";
   if (qps != rt->num_qps)
     return "jax_ep internode (hierarchical): the call asks for " + std::to_string(qps) +

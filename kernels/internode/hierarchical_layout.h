@@ -1,8 +1,8 @@
 // Layout of the hierarchical internode mode: ring sizes, row strides, signal words and
-// the bytes of symmetric memory one GPU needs. Pure functions and constants shared by
-// the CUDA code, by `jax_ep.network.modes` (its Python mirror, compared with this header
-// by a compiled test program) and by the host protocol simulator
-// (tests/sim/hierarchical_sim.py), so none of them can drift from the others.
+// the bytes of symmetric memory one GPU needs. Pure functions and constants of the CUDA
+// code, which Python (`jax_ep.network.hier_layout`, the heap sizing, the model in
+// `jax_ep.network.modes` and the host protocol simulator tests/sim/hierarchical_sim.py)
+// calls through its bindings (xla_ffi/common/layout_bindings.cc): one definition.
 //
 // Ranks are node-major: rank = node * G + local. Paths of one call:
 //   dispatch  source s=(n,g) --RDMA--> rail peer f=(m,g) --NVLink--> receivers (m,*)
@@ -24,6 +24,8 @@
 #pragma once
 
 #include <cstdint>
+
+#include "kernels/common/striping_plan.h"
 
 #if defined(__CUDACC__)
 #define JEP_HIER_HD __host__ __device__ __forceinline__
@@ -68,8 +70,8 @@ constexpr int32_t kMaxGpusPerNode = 32;
 static_assert(kRdmaRingChunks >= 2 && kRdmaChunkRows >= 1 && kNvlRingRows >= 1,
               "the combine's credit invariant: an RDMA ring holds the chunk the source "
               "reads and one the forwarder writes");
-// Most logical QPs per peer (as kernels/internode/transport.cuh's kMaxQps).
-constexpr int32_t kMaxQps = 64;
+// Most logical QPs per peer.
+using ::jax_ep::kMaxQps;  // kernels/common/striping_plan.h
 // int32 metadata words after a row's payload: token index, source rank, node mask of
 // the receivers that keep it, destination row (dispatch) or contributor rank (combine).
 constexpr int32_t kMetaWords = 4;

@@ -52,7 +52,7 @@
 namespace jax_ep {
 namespace llwire {
 
-constexpr int kMaxQps = wire::kMaxQps;
+using ::jax_ep::kMaxQps;  // kernels/common/striping_plan.h
 constexpr int kControlQp = wire::kControlQp;
 constexpr int kNumOps = 2;
 constexpr int kNumBufs = 2;

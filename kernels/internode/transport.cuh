@@ -34,6 +34,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/common/striping_plan.h"
+
 namespace jax_ep {
 namespace transport {
 
@@ -41,7 +43,7 @@ enum class SignalOp : int { kSet = 0, kAdd = 1 };
 
 // Most logical QPs per peer a backend must provide (num_ports * qps_per_port); one
 // signal word per (source, QP) is reserved for each (kernels/internode/wire_protocol.h).
-constexpr int kMaxQps = 64;
+using ::jax_ep::kMaxQps;  // kernels/common/striping_plan.h
 
 }  // namespace transport
 }  // namespace jax_ep

@@ -36,7 +36,7 @@ namespace jax_ep {
 namespace wire {
 
 // Signal words reserved per source, one per logical QP (num_ports * qps_per_port <= it).
-constexpr int kMaxQps = 64;
+using ::jax_ep::kMaxQps;  // kernels/common/striping_plan.h
 // Header and count row travel on this logical QP.
 constexpr int kControlQp = 0;
 
