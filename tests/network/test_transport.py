@@ -188,6 +188,8 @@ def test_qp_count_for_multiport_and_bond():
         TransportConfig(lag="lacp")
     with pytest.raises(ValueError, match="num_channels"):
         TransportConfig(num_ports=2, qps_per_port=2, num_channels=3)
+    assert transport.MAX_QPS == 64  # kMaxQps: signal words reserved per source
+    TransportConfig(num_ports=2, qps_per_port=32)
     with pytest.raises(ValueError, match="64"):
         TransportConfig(num_ports=2, qps_per_port=33)
     one = TransportConfig(num_ports=2, qps_per_port=3).single_port()
