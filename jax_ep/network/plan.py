@@ -544,6 +544,10 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--from-sysfs", default=None, metavar="ROOT",
                    help="discover the fabric class, ports and port rate from sysfs")
     f.add_argument("--gpu", default=None, help="with --from-sysfs: the GPU's PCI bus id")
+    f.add_argument("--pes-per-node", type=int, default=None, metavar="N",
+                   help="with --from-sysfs and --gpu: the ports are those NVSHMEM opens for "
+                        "that GPU's PE when the node runs N PEs (its selection, modelled: "
+                        "jax_ep.network.fabric.nvshmem_report)")
     w = ap.add_argument_group("--check-wire: the wire (a transport log) against the plan")
     w.add_argument("--check-wire", action="store_true",
                    help="compare the bytes per QP handle and per port of a transport log "
@@ -578,6 +582,13 @@ def _apply_sysfs(args: dict) -> str | None:
         return f"--from-sysfs {args['from_sysfs']}: fabric unknown ({f.reason})"
     args["fabric"] = f.fabric_class
     args["ports"] = max(f.usable_ports, 1)
+    ppn = args.pop("pes_per_node", None)
+    if ppn is not None:
+        if args["gpu"] is None:
+            return "--pes-per-node needs --gpu"
+        rep = fb.nvshmem_report(f, ppn, num_ports=args["ports"])
+        if f.fabric_class != "roce-lag":  # a bond's members are the plan's ports
+            args["ports"] = max(rep.get("num_ports", 1), 1)
     rates = [p.rate_gbps for d in f.devices for p in d.ports
              if (d.name, p.num) in f.selected and p.rate_gbps]
     if rates:
@@ -609,6 +620,7 @@ def main(argv=None) -> int:
         if why:
             print(f"error: {why}", file=sys.stderr)
             return 2
+    args.pop("pes_per_node", None)
     for k in _CHECK_WIRE_ONLY:
         args.pop(k)
     as_json = args.pop("json")

@@ -287,3 +287,24 @@ def test_check_wire_log_skips_control_puts():
     assert r["ok"] and r["control_records"] == 1 and r["records"] == len(data)
     # the same header counted as data would break QP 0's bytes: the check sees it
     assert not check_wire_log(cfg, data + [dict(header, sig_op=5)])["ok"]
+
+
+def test_plan_from_sysfs_with_the_node_pe_count(capsys):
+    """--pes-per-node: the plan's ports are those NVSHMEM opens for the GPU's PE (the
+    modelled selection): two on the standard node, one where two GPUs share an HCA,
+    although discovery alone sees two ports near each GPU of both nodes."""
+    import os
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                        "sysfs")
+    for node, gpu, ports in (("node8_ib_dualport", "0000:12:00.0", 2),
+                             ("node8_shared_nic", "0000:0b:00.0", 1)):
+        argv = ["--from-sysfs", os.path.join(root, node), "--gpu", gpu, "--json"]
+        assert plan.main(argv) == 0
+        assert json.loads(capsys.readouterr().out)["inputs"]["ports"] == 2
+        assert plan.main(argv + ["--pes-per-node", "8"]) == 0
+        m = json.loads(capsys.readouterr().out)
+        assert m["inputs"]["ports"] == ports, (node, m["inputs"])
+    assert plan.main(["--from-sysfs", os.path.join(root, "node8_ib_dualport"),
+                      "--pes-per-node", "8"]) == 2
+    assert "--gpu" in capsys.readouterr().err
