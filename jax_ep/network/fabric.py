@@ -521,6 +521,10 @@ def nvshmem_plan(fabric: Fabric, cfg, pes_per_node: int, env: dict | None = None
     msgs = []
     if not env or fabric.gpu is None:
         return cfg, env, None, msgs
+    if fabric.gpu not in node_gpus(fabric.sysfs):
+        msgs.append(f"jax_ep: GPU {fabric.gpu} is not under {fabric.sysfs}/bus/pci/devices, "
+                    f"so NVSHMEM's device selection for it is not modelled or checked")
+        return cfg, env, None, msgs
     sel = nvshmem_selection({**env, **user}, sysfs=fabric.sysfs, gpu=fabric.gpu,
                             pes_per_node=pes_per_node, num_qps=cfg.num_qps,
                             devices=fabric.devices)

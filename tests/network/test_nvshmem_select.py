@@ -503,3 +503,11 @@ def test_checked_in_fixture_trees_equal_a_fresh_write(tmp_path):
 def test_devices_without_the_hca_prefix_are_skipped(env, want):
     devices = [dev("irdma0", below(2, 1)), dev("mlx5_0", below(1, 1), (1, 2))]
     assert select(devices, ONE_GPU, env)["list"] == want
+
+
+def test_a_gpu_the_tree_lacks_is_said_not_blamed_on_the_environment(capsys):
+    root = os.path.join(SYSFS, "node8_roce_bond")
+    assert fb.main(["--sysfs", root, "--gpu", "0000:99:00.0", "--pes-per-node", "8",
+                    "--json"]) == 0
+    n = json.loads(capsys.readouterr().out)["nvshmem"]
+    assert n["devices"] == [] and "not modelled" in " ".join(n["messages"])
