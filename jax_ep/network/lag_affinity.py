@@ -175,12 +175,18 @@ def affinity_for(index: int, members: int, policy: str = "alternate") -> int:
         raise ValueError(f"policy must be 'none' or 'alternate', got {policy!r}")
     if members < 1:
         raise ValueError(f"members must be >= 1, got {members}")
-    return index % members + 1
+    return _ext().lag_affinity(int(index), 1, int(members))
 
 
 def udp_sport_for(index: int, base: int = ROCE_SPORT_MIN) -> int:
     """A distinct RoCEv2 UDP source port for the `index`-th RC QP (wraps in 0xC000..)."""
-    return ROCE_SPORT_MIN + (base - ROCE_SPORT_MIN + int(index)) % (0x10000 - ROCE_SPORT_MIN)
+    return _ext().lag_source_port(int(index), int(base))
+
+
+def _ext():
+    # the shim's rule itself (xla_ffi/internode/lag_rule.h), through the bindings
+    from jax_ep import _jax_ep_ext  # type: ignore[attr-defined]
+    return _jax_ep_ext
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@
 
 #include "kernels/internode/internode_layout.h"
 #include "kernels/internode/nvshmem_select.h"
+#include "xla_ffi/internode/lag_rule.h"
 #include "kernels/common/striping_plan.h"
 #include "kernels/internode/wire_protocol.h"
 #include "xla_ffi/common/transport_bindings.h"
@@ -117,6 +118,10 @@ void AddTransportBindings(nb::module_& m) {
         nb::arg("gpu_numa"), nb::arg("env"), nb::arg("pe_node"), nb::arg("num_qps"),
         nb::arg("qp_api") = true);
   m.def("nvshmem_pci_distance", &nvshmem_select::PciDistance);
+  // The LAG shim's rule (xla_ffi/internode/lag_rule.h) for jax_ep.network.lag_affinity.
+  m.def("lag_affinity", &lag_rule::Affinity, nb::arg("k"), nb::arg("group"),
+        nb::arg("members"));
+  m.def("lag_source_port", &lag_rule::SourcePort, nb::arg("k"), nb::arg("sport_base"));
   m.def("striping_qp_for",
         [](int peer, int channel, int64_t chunk, int num_ports, int qps_per_port) {
           const QpPort r = qp_for(peer, channel, chunk, num_ports, qps_per_port);
