@@ -389,14 +389,21 @@ def test_train_step_benchmark_smoke(tmp_path, capsys):
 
     out = tmp_path / "train.json"
     quick = ["--train-step", "--quick", "--steps", "1", "--rounds", "2", "--warmup", "1"]
-    report = bench.main(quick + ["--json", str(out)])
+    # one run against a recorded ratio no step can reach: flagged, exit 1, the report
+    # written first
+    slow = tmp_path / "recorded.json"
+    slow.write_text(json.dumps({"demo_over_dense": 1e-9}))
+    with pytest.raises(SystemExit) as e:
+        bench.main(quick + ["--json", str(out), "--baseline", str(slow)])
+    assert e.value.code == 1
+    report = json.loads(out.read_text())
     assert set(report["results"]) == {"demo", "dense"}
     for r in report["results"].values():
         assert r["median_s"] > 0 and len(r["times_s"]) == 2 and r["steps_per_s"] > 0
     ratio = report["demo_over_dense"]
     assert ratio == pytest.approx(report["results"]["demo"]["median_s"]
                                   / report["results"]["dense"]["median_s"])
-    assert json.loads(out.read_text())["demo_over_dense"] == pytest.approx(ratio)
+    assert report["baseline"]["regressed"] and "REGRESSION" in report["baseline"]["message"]
     assert "steps/s" in capsys.readouterr().out
 
     assert bench_layer.compare_to_baseline({"demo_over_dense": 1.14},
@@ -404,8 +411,3 @@ def test_train_step_benchmark_smoke(tmp_path, capsys):
     regressed, msg = bench_layer.compare_to_baseline({"demo_over_dense": 1.16},
                                                      {"demo_over_dense": 1.0})
     assert regressed and "REGRESSION" in msg
-    slow = tmp_path / "recorded.json"
-    slow.write_text(json.dumps({"demo_over_dense": ratio / 2}))
-    with pytest.raises(SystemExit) as e:
-        bench.main(quick + ["--baseline", str(slow)])
-    assert e.value.code == 1
