@@ -515,9 +515,10 @@ def nvshmem_plan(fabric: Fabric, cfg, pes_per_node: int, env: dict | None = None
     import dataclasses as dc
     if env is None:
         env = nvshmem_env_for(fabric, cfg)
-    user = {k: v for k, v in (environ or {}).items() if k.startswith("NVSHMEM_") and k in (
-        "NVSHMEM_HCA_LIST", "NVSHMEM_HCA_PE_MAPPING", "NVSHMEM_ENABLE_MULTI_PORT",
-        "NVSHMEM_IBGDA_ENABLE_MULTI_PORT", "NVSHMEM_ENABLE_NIC_PE_MAPPING")}
+    user = {k: v for k, v in (environ or {}).items() if k in (
+        "NVSHMEM_HCA_LIST", "NVSHMEM_HCA_PE_MAPPING", "NVSHMEM_HCA_PREFIX",
+        "NVSHMEM_ENABLE_MULTI_PORT", "NVSHMEM_IBGDA_ENABLE_MULTI_PORT",
+        "NVSHMEM_ENABLE_NIC_PE_MAPPING")}
     msgs = []
     if not env or fabric.gpu is None:
         return cfg, env, None, msgs
@@ -703,7 +704,7 @@ def nvshmem_report(f: Fabric, pes_per_node: int, num_ports: int = 2,
     if f.fabric_class == "roce-lag" and f.bond:  # the member each QP's affinity names
         m = len(f.bond.slaves)
         created = [f"{c}@{f.bond.slaves[i % m]}" for i, c in enumerate(created)]
-    own = [x for x in dict.fromkeys(created)]
+    own = list(dict.fromkeys(created))
     table = [{"wire_port": own.index(c)} for c in created]
     order = handle_order_for_plan(table, cfg.num_ports) or list(range(len(created)))
     return {"env": env, "devices": sel["devices"], "qp_ports": [created[h] for h in order],
