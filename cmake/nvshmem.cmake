@@ -84,7 +84,7 @@ target_link_libraries(jax_ep_internode PUBLIC
 
 set(JAX_EP_HAVE_NVSHMEM ON)
 # Everything that needs libnvshmem_host.so.3 goes into a second module, _jax_ep_nvshmem,
-# which jax_ep/_ext.py loads when the internode backend is first used: _jax_ep_ext keeps
+# which jax_ep/_src/ext.py loads when the internode backend is first used: _jax_ep_ext keeps
 # no NEEDED libnvshmem_host, so `import jax_ep` works where NVSHMEM is not installed.
 nanobind_add_module(_jax_ep_nvshmem NB_STATIC
                     "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/internode/nvshmem_module.cc"

@@ -1,15 +1,21 @@
 """jax-ep: expert-parallel dispatch and combine for JAX, as XLA FFI custom calls.
 
-Layout: `ops` (the per-shard contract) over `backends/` (reference, ffi, internode);
-`sharded` (the global view); `flax` (the MoE layer); `runtime/` (CUDA and NVSHMEM
-start-up); `network/` (striping plan and planning model); `bench` (benchmarks).
+Public modules: `ops` (the per-shard contract), `sharded` (the global view),
+`low_latency` (the decode mode), `flax` (the MoE layer), `experts`, `fp8`, `config`,
+`cuda` and `nvshmem_bootstrap` (GPU start-up), `network` (striping plan, fabric, planning
+models), `bench` (benchmarks, `python -m jax_ep.bench`), `plan` (`python -m jax_ep.plan`).
+Internals live in `jax_ep._src` (backends, ordering, partitioning, value checks, the
+extension loader); docs/architecture.md draws the layers.
 """
-from jax_ep import _arrival, config, cuda, nvshmem_bootstrap, sharded
-from jax_ep._ext import build_info
-from jax_ep.runtime.errors import EPError, check_errors
-from jax_ep._types import DispatchHandle, DispatchLayout
+from jax_ep import config, cuda, nvshmem_bootstrap, sharded
+from jax_ep._src import arrival as _arrival
+from jax_ep._src import deprecated as _deprecated
+from jax_ep._src.ext import build_info
+from jax_ep._src.errors import EPError, check_errors
+from jax_ep._src.types import DispatchHandle, DispatchLayout
 from jax_ep.network.transport import StripePlan, TransportConfig
 from jax_ep.ops import combine, dispatch, get_dispatch_layout, resolve_backend
+from jax_ep._src.backends.internode import transport_report
 
 __all__ = [
     "DispatchHandle",
@@ -23,9 +29,11 @@ __all__ = [
     "dispatch",
     "get_dispatch_layout",
     "resolve_backend",
+    "transport_report",
 ]
 __version__ = "0.1.0"
 
 # Multi-process CPU jobs: bound XLA's CPU collectives before JAX's backends start
-# (jax_ep/_arrival.py says why).
+# (jax_ep/_src/arrival.py says why).
 _arrival.bound_cpu_collectives()
+_deprecated.install()

@@ -30,9 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _arrival, backends
-from jax_ep._common import Cfg, after, ep_size
-from jax_ep._scope import named
+from jax_ep._src import arrival as _arrival
+
+from jax_ep._src import backends
+from jax_ep._src.common import Cfg, after, ep_size
+from jax_ep._src.scope import named
 from jax_ep.ops import _check_tokens, _static_int, resolve_backend
 
 __all__ = ["LowLatencyHandle", "DispatchSendState", "CombineSendState", "dispatch",

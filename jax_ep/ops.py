@@ -1,5 +1,5 @@
 """The EP ops, per shard (inside `shard_map`): the contract. Each op owns its argument
-checks, the backend choice and its autodiff; the backends (`jax_ep.backends`) do the
+checks, the backend choice and its autodiff; the backends (`jax_ep._src.backends`) do the
 work, with one set of signatures.
 
 Shapes (R ranks on `axis_name`, E experts, E_local = E // R, C = capacity):
@@ -21,18 +21,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _arrival, _cpu_pool, _ext, _value_check, backends, fp8
-from jax_ep._common import FLOAT_DTYPES, Cfg, after, ep_size, unify_varying
-from jax_ep._scope import named
-from jax_ep._types import DispatchHandle, DispatchLayout
-from jax_ep.runtime import nvshmem
+from jax_ep import fp8
+
+from jax_ep._src import arrival as _arrival
+
+from jax_ep._src import cpu_pool as _cpu_pool
+
+from jax_ep._src import ext as _ext
+
+from jax_ep._src import value_check as _value_check
+
+from jax_ep._src import backends
+from jax_ep._src.common import FLOAT_DTYPES, Cfg, after, ep_size, unify_varying
+from jax_ep._src.scope import named
+from jax_ep._src.types import DispatchHandle, DispatchLayout
+from jax_ep import nvshmem_bootstrap as nvshmem
 
 # "internode" (NVSHMEM, one process per GPU; see docs/internode.md) is also what "ffi" and
 # "auto" resolve to on GPUs when NVSHMEM runs in this process and there are >1 processes.
 BACKENDS = ("reference", "ffi", "auto", "internode")
 
 # Before JAX creates its CPU client: give the CPU transport enough pool threads (see
-# jax_ep/_cpu_pool.py; pipelined calls stall on a pool of one thread per device).
+# jax_ep/_src/cpu_pool.py; pipelined calls stall on a pool of one thread per device).
 _cpu_pool.install()
 
 
@@ -127,7 +137,7 @@ def resolve_backend(backend) -> str:
 
 def _check_ids_reference(topk_idx, spec):
     """The global view's agreed id check (the reference backend's, and ffi's across EP
-    groups; see jax_ep/_value_check.py): global topk_idx[N, K] made to depend on the
+    groups; see jax_ep/_src/value_check.py): global topk_idx[N, K] made to depend on the
     check every shard agrees on, run before the partitioned op."""
     return _value_check.checked_global(topk_idx, spec)
 

@@ -14,7 +14,7 @@ Backends resolve as in `jax_ep.ops.resolve_backend`. The internode backend's han
 `ShardedDispatchHandle.extra` (see docs/internode.md).
 
 The low-latency mode's global view is `jax_ep.sharded.low_latency` (the module
-`jax_ep.sharded_low_latency`); both build on `jax_ep._partition`.
+`jax_ep._src.sharded_low_latency`); both build on `jax_ep._src.partitioning`.
 """
 from __future__ import annotations
 
@@ -25,12 +25,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _arrival, _value_check, fp8, ops
-from jax_ep import sharded_low_latency as low_latency  # the mode's global view
-from jax_ep._partition import _context_mesh, _group_axes, _partitioned, _spec, _Spec
-from jax_ep._scope import named
-from jax_ep.backends import internode
-from jax_ep._types import HANDLE_ARRAYS, DispatchHandle, DispatchLayout, InternodeHandleParts
+from jax_ep import fp8, ops
+
+from jax_ep._src import arrival as _arrival
+
+from jax_ep._src import value_check as _value_check
+from jax_ep._src import sharded_low_latency as low_latency  # the mode's global view
+from jax_ep._src.partitioning import _context_mesh, _group_axes, _partitioned, _spec, _Spec
+from jax_ep._src.scope import named
+from jax_ep._src.backends import internode
+from jax_ep._src.types import HANDLE_ARRAYS, DispatchHandle, DispatchLayout, InternodeHandleParts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +285,7 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, mesh_axis: str, cap
     ops._check_routing(topk_idx, topk_weights, x.shape[0], num_experts, 1)
     spec = _spec(x.shape[0], num_experts, mesh_axis, capacity, backend, batch_axes)
     # Several processes on CPU: every peer arrives before the check's collective and the
-    # exchange (jax_ep/_arrival.py), one barrier for both.
+    # exchange (jax_ep/_src/arrival.py), one barrier for both.
     x, topk_idx, topk_weights = _arrival.arrive_global(
         "dispatch", (x, topk_idx, topk_weights), spec.token_axes)
     if _value_check.global_check_needed(spec):

@@ -74,7 +74,7 @@ def count(module_dir, out_json, extra):
 
 def counts_markdown(before, after):
     sys.path.insert(0, ROOT)
-    from jax_ep.bench_emulated import format_markdown
+    from jax_ep.bench.emulated import format_markdown
     out = []
     for label, rep in (("Before (kernels at 8ec4c50)", before), ("After (HEAD)", after)):
         shapes = {r["mode"]: r["shape"] for r in rep.get("results", [])}
@@ -88,7 +88,7 @@ def counts_markdown(before, after):
 
 
 def model_markdown(before, after):
-    from jax_ep.bench_emulated import verdict_words
+    from jax_ep.bench.emulated import verdict_words
 
     out = ["| target | op | before: model us | bound | SMs | NVLink frac | RDMA GB/s | "
            "after: model us | bound | SMs | NVLink frac | RDMA GB/s | target met (after) |",

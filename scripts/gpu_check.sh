@@ -34,7 +34,7 @@
 #                 NVSHMEM needs for full support of several PEs on one GPU; then the
 #                 internode benchmarks, 4 PEs each: python -m jax_ep.bench --mode
 #                 hierarchical (2 virtual nodes of 2), internode (direct) and
-#                 internode_low_latency (jax_ep/bench_launch.py)
+#                 internode_low_latency (jax_ep/bench/launch.py)
 #   5 sanitizer   compute-sanitizer memcheck, racecheck, synccheck on a small harness run
 #                 (phased launches only, short kernel timeout); the tool is looked for on
 #                 PATH, in /usr/local/cuda/bin and /usr/local/cuda/compute-sanitizer
@@ -170,7 +170,7 @@ try:
 except md.PackageNotFoundError:
     res["nvshmem_wheel"] = None
 try:
-    from jax_ep.backends import internode
+    from jax_ep._src.backends import internode
     rep = internode.transport_report() if hasattr(internode, "transport_report") else {}
     res["nvshmem_versions"] = {k: rep.get(k) for k in ("headers_version", "runtime_version")}
 except Exception as e:  # noqa: BLE001 - reported, not fatal

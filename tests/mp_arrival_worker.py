@@ -1,6 +1,6 @@
 """One process of tests/test_multiprocess_arrival.py: 2 processes x 4 CPU devices form
 one 8-rank EP axis (backend 'auto' resolves to the reference there); every EP call waits
-for the arrival barrier (jax_ep/_arrival.py) before its collectives.
+for the arrival barrier (jax_ep/_src/arrival.py) before its collectives.
 
 Run as: python tests/mp_arrival_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR SCENARIO
 SCENARIO:

@@ -125,7 +125,7 @@ def global_layout(mesh, backend):
 def global_ll(mesh, backend):
     import jax
     import jax_ep
-    sll = jax_ep.sharded_low_latency
+    sll = jax_ep._src.sharded_low_latency
 
     def f(x, i, w, ic):
         rx, cnt, h = sll.dispatch(x, i, num_experts=E, mesh_axis="ep", max_tokens_per_rank=T,

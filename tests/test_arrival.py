@@ -1,4 +1,4 @@
-"""The arrival barrier's rounds (jax_ep/_arrival.py) against an in-memory key-value store
+"""The arrival barrier's rounds (jax_ep/_src/arrival.py) against an in-memory key-value store
 with the semantics of the jax.distributed one, one thread per device: a full round says
 go, a missing device times every arrived one out naming it, a late one fails at once, a
 different signature fails every device, and finished rounds leave no keys behind. The
@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 import jax_ep.ops
-from jax_ep import _arrival
+from jax_ep._src import arrival as _arrival
 
 
 class Store:

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from jax_ep import bench, cuda
+from jax_ep import cuda
+
+from jax_ep.bench import exchange as bench
 
 from conftest import ep_mesh, np_combine, np_gather, np_model, run_ep
 

@@ -1,4 +1,4 @@
-"""python -m jax_ep.bench --processes N (jax_ep/bench_launch.py): the launcher, its
+"""python -m jax_ep.bench --processes N (jax_ep/bench/launch.py): the launcher, its
 workers on CPU processes (gloo) and the merge of their reports. The internode modes run
 through the same launcher on GPUs (scripts/gpu_check.sh stage 7); here only what a
 machine without a GPU can check. No timing is asserted."""
@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from jax_ep import bench, bench_launch
+from jax_ep.bench import exchange as bench
+
+from jax_ep.bench import launch as bench_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--ranks", "2", "--tokens", "16", "--hidden", "64", "--experts", "8", "--topk",

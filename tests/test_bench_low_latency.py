@@ -8,7 +8,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _ext, bench, low_latency as ll
+from jax_ep import low_latency as ll
+from jax_ep._src import ext as _ext
+from jax_ep.bench import exchange as bench
 
 
 def _stand_in_harness(monkeypatch, calls):

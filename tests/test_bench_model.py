@@ -1,11 +1,13 @@
-"""jax_ep.model (a MODEL of H200 time from the emulated GPU's counts, not a measurement):
+"""jax_ep.bench.perf_model (a MODEL of H200 time from the emulated GPU's counts, not a measurement):
 the formula on hand-made counters, the linear scaling, and the benchmark's refusal to time
 the internode modes in one process."""
 from __future__ import annotations
 
 import pytest
 
-from jax_ep import bench, model
+from jax_ep.bench import exchange as bench
+
+from jax_ep.bench import perf_model as model
 
 
 def test_link_bound_time_and_fraction_by_hand():
@@ -29,7 +31,7 @@ def test_template_kernel_names_count():
     c = {"kernel:k<FloatKind::kBF16>:launches": 2, "kernel:k<FloatKind::kBF16>:blocks": 48}
     r = model.device_time(c)
     assert r["launches"] == 2 and r["sms"] == 24
-    from jax_ep.emulator import summarize
+    from jax_ep._src.emu import summarize
     assert summarize(c)["kernels"] == {"k<FloatKind::kBF16>": {
         "launches": 2, "blocks": 48, "threads_per_block": 0}}
 
@@ -133,7 +135,7 @@ def test_model_entry_does_not_extrapolate_interleaving():
     """Two GPUs whose chains swap between 12 and 16 from one counted shape to the next (what
     the emulated scheduler does) give the target the constant 16 of the op's longest
     chain, not a slope carried to T = 4096."""
-    from jax_ep import bench_emulated as be
+    from jax_ep.bench import emulated as be
 
     def pt(tokens, hidden, chains):
         shape = dict(be.TARGETS["intranode"], tokens=tokens, hidden=hidden)
@@ -149,7 +151,7 @@ def test_model_entry_does_not_extrapolate_interleaving():
 
 @pytest.mark.parametrize("mode", bench.INTERNODE_MODES)
 def test_internode_modes_without_gpus_and_nvshmem_say_why(mode, monkeypatch):
-    """They launch one process per rank (jax_ep/bench_launch.py), which needs GPUs and an
+    """They launch one process per rank (jax_ep/bench/launch.py), which needs GPUs and an
     NVSHMEM build: without them the call names both before any process starts."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, whatever this machine has
     with pytest.raises(NotImplementedError, match=f"--mode {mode}: the internode modes run "
@@ -185,7 +187,7 @@ def test_gpu_check_bench_stage_records_the_bench_json():
 def test_count_mode_keys_its_cache_on_the_resident_blocks(monkeypatch):
     """A count at one co-residency is not returned for another (--resident-blocks): the
     cache key holds it."""
-    from jax_ep import bench_emulated as be
+    from jax_ep.bench import emulated as be
 
     calls = []
 
@@ -207,7 +209,7 @@ def test_counting_routing_is_prefix_stable_and_distinct_per_token():
     # routing has no H, and the first T tokens at 2T route as at T.
     import numpy as np
 
-    from jax_ep.bench_emulated import _routing
+    from jax_ep.bench.emulated import _routing
     R, T, K, E = 4, 24, 8, 64
     a, b = _routing(0, R, T, K, E), _routing(0, R, 2 * T, K, E)
     np.testing.assert_array_equal(b[:, :T], a)
@@ -221,8 +223,8 @@ def test_counting_routing_is_prefix_stable_and_distinct_per_token():
 def test_model_set_changes_constants_and_names_a_bad_setting(capsys):
     """--model-set NAME=VALUE: each constant in its own type; an unknown name, a value of
     the wrong type or a rate that is not positive is refused, naming the setting."""
-    from jax_ep import bench_emulated as be
-    from jax_ep import model
+    from jax_ep.bench import emulated as be
+    from jax_ep.bench import perf_model as model
 
     k = be.model_constants(["sm_tma_Bps=100e9", "tma_overlaps=false", "num_sms=24"])
     assert (k.sm_tma_Bps, k.tma_overlaps, k.num_sms) == (100e9, False, 24)
@@ -248,7 +250,7 @@ def test_model_from_remodels_with_the_set_constants(tmp_path):
     hand. Counters equal at every counted shape scale to themselves."""
     import json
 
-    from jax_ep import bench_emulated as be
+    from jax_ep.bench import emulated as be
 
     c = {"kernel:k:launches": 1, "kernel:k:blocks": 24,
          "block_max:accesses:peer": 1_000_000,  # 16 MB at 25 GB/s: 640 us
@@ -277,7 +279,7 @@ def test_model_from_remodels_with_the_set_constants(tmp_path):
 
 def test_model_tokens_sets_the_counted_shapes(monkeypatch):
     """--model-tokens T: the targets are counted at T and 2T tokens (and T at 2H)."""
-    from jax_ep import bench_emulated as be
+    from jax_ep.bench import emulated as be
 
     seen = []
 
@@ -303,7 +305,7 @@ def test_stored_intranode_counts_remodel_to_the_documented_numbers():
     import os
     import re
 
-    from jax_ep import bench_emulated as be
+    from jax_ep.bench import emulated as be
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     doc = open(os.path.join(root, "docs", "performance.md")).read()

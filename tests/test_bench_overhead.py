@@ -8,7 +8,7 @@ import json
 import jax
 import pytest
 
-from jax_ep import bench
+from jax_ep.bench import exchange as bench
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")

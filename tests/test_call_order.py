@@ -1,5 +1,5 @@
 """Every EP call of a program is ordered after the one traced before it, the user's
-independent calls too (jax_ep._order): two EP calls of one rank must never run at once
+independent calls too (jax_ep._src.ordering): two EP calls of one rank must never run at once
 (they share per-op state on the GPU), also when XLA runs independent branches of a CUDA
 graph concurrently (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT). Checked on the
 program exported for CUDA: the later call's operands reach the earlier call's results,
@@ -94,7 +94,7 @@ def test_two_independent_dispatches_are_chained():
 
 
 def test_the_check_fails_without_the_chain(monkeypatch):
-    from jax_ep import _order
+    from jax_ep._src import ordering as _order
     monkeypatch.setattr(_order, "_barrier", lambda leaves: leaves)
     monkeypatch.setattr(_order, "last_call", lambda trace=None: None)
     calls = ep_calls_with_deps(_export_cuda(_two_dispatches, *_inputs()))
@@ -106,7 +106,7 @@ def test_the_check_fails_without_the_chain(monkeypatch):
 def test_the_fallback_chains_the_calls_of_one_trace(monkeypatch):
     """Where JAX lacks what the token needs (order_p is None), the calls of one trace
     are still chained through a result of the call before."""
-    from jax_ep import _order
+    from jax_ep._src import ordering as _order
     monkeypatch.setattr(_order, "order_p", None)
     text = _export_cuda(_two_dispatches, *_inputs())
     assert "jax.token" not in text
@@ -124,7 +124,7 @@ def _unused_dispatch(x, idx, w):
 def test_a_call_with_unused_results_still_runs_with_the_token(token, monkeypatch):
     """The token takes every call's results, so a call nobody reads is kept (on every
     rank alike); without the token JAX drops it."""
-    from jax_ep import _order
+    from jax_ep._src import ordering as _order
     if not token:
         monkeypatch.setattr(_order, "order_p", None)
     text = _export_cuda(_unused_dispatch, *_inputs())
@@ -380,7 +380,7 @@ def test_calls_in_nested_bodies_are_ordered_against_all_others():
 def test_the_module_check_fails_with_the_per_trace_chain_only(monkeypatch):
     """The fallback (each trace chains its own calls, the order before the program-wide
     token) leaves the scan body's calls unordered against the others: the check sees it."""
-    from jax_ep import _order
+    from jax_ep._src import ordering as _order
     monkeypatch.setattr(_order, "order_p", None)
     calls = _flow(_nested_program)
     assert len(calls) == 6
@@ -390,7 +390,7 @@ def test_the_module_check_fails_with_the_per_trace_chain_only(monkeypatch):
 
 def test_the_module_check_sees_a_cond_branch_left_out(monkeypatch):
     """Without the token around the cond branch's call only, the check names that call."""
-    from jax_ep import _order
+    from jax_ep._src import ordering as _order
 
     def f(x, idx, w):
         a = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep", backend="ffi")[0]
@@ -471,7 +471,7 @@ def _failing_then_good():
 
 
 def test_a_failed_execution_does_not_fail_the_next():
-    from jax_ep import _order
+    from jax_ep._src import ordering as _order
     assert _order.order_p is not None
     recv, cnt = _failing_then_good()
     # every token goes to experts 0 and 3, each rank's experts 2r, 2r+1: rank 0 gets

@@ -1,4 +1,4 @@
-"""Call-site ids (jax_ep._common.next_call_site) agree across processes for the same
+"""Call-site ids (jax_ep._src.common.next_call_site) agree across processes for the same
 program point, whatever else each process traced first, and differ between the EP calls
 of one program."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _common
+from jax_ep._src import common as _common
 from mp_launch import run_workers, worker_env
 from conftest import ep_mesh
 

@@ -23,7 +23,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_ep
 import jax_ep.low_latency as ll
 import jax_ep.sharded as sh
-from jax_ep import _stream, config, ops
+from jax_ep import config, ops
+from jax_ep._src import stream as _stream
 from conftest import ep_mesh
 
 R, T, H, K, E, M = 4, 6, 8, 2, 8, 8

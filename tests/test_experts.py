@@ -211,7 +211,7 @@ def test_expert_capacity_and_errors():
 def test_layer_benchmark_smoke(tmp_path, capsys):
     """`python -m jax_ep.bench --layer`, small: one JSON with both layers, both programs,
     timings, memory, drops and the target ratios."""
-    from jax_ep import bench
+    from jax_ep.bench import exchange as bench
 
     out = tmp_path / "layer.json"
     report = bench.main(["--layer", "--quick", "--data", "2", "--expert", "2",
@@ -240,7 +240,7 @@ def test_layer_benchmark_smoke(tmp_path, capsys):
 def test_layer_profile_smoke():
     """`python -m jax_ep.bench --layer --profile`, small: every piece timed, shares of the
     layer's fwd_bwd."""
-    from jax_ep import bench
+    from jax_ep.bench import exchange as bench
 
     report = bench.main(["--layer", "--quick", "--profile", "--data", "2", "--expert", "2",
                          "--capacity-factors", "1.0", "--repeats", "1", "--warmup", "0"])
@@ -385,7 +385,9 @@ def test_train_step_benchmark_smoke(tmp_path, capsys):
     15% above a recorded one (exit 1) and passes one within it."""
     import json
 
-    from jax_ep import bench, bench_layer
+    from jax_ep.bench import exchange as bench
+
+    from jax_ep.bench import layer as bench_layer
 
     out = tmp_path / "train.json"
     quick = ["--train-step", "--quick", "--steps", "1", "--rounds", "2", "--warmup", "1"]

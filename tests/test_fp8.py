@@ -208,7 +208,7 @@ def test_fp8_round_trip_within_quantization_error_of_bf16(backend):
 
 
 def test_bench_fp8_reports_payload_bytes():
-    from jax_ep import bench
+    from jax_ep.bench import exchange as bench
     rep = bench.fp8_main(["--quick", "--tokens", "16", "--hidden", "256", "--repeats", "1",
                           "--warmup", "0", "--experts", "16", "--topk", "2"])
     assert rep["payload_bytes_per_row"] == {"bfloat16": 2 * 256, "fp8": 256 + 256 // 32}

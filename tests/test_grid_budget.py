@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from jax_ep._ext import require_ext
+from jax_ep._src.ext import require_ext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
@@ -210,7 +210,7 @@ def test_num_sms_cuts_the_grids(monkeypatch):
 
 
 def test_set_num_sms_checks_its_argument(monkeypatch):
-    from jax_ep.runtime import cuda
+    from jax_ep import cuda
     monkeypatch.delenv("JAX_EP_NUM_SMS", raising=False)
     cuda.set_num_sms(24)
     assert os.environ["JAX_EP_NUM_SMS"] == "24"

@@ -88,15 +88,15 @@ def find_cycle(graph: dict):
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert "jax_ep.ops" in graph and "jax_ep.backends.reference" in graph
+    assert "jax_ep.ops" in graph and "jax_ep._src.backends.reference" in graph
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
 def test_no_backend_imports_the_contract():
     graph = import_graph()
-    backends = [m for m in graph if m.startswith("jax_ep.backends.")]
-    assert {"jax_ep.backends.reference", "jax_ep.backends.ffi",
-            "jax_ep.backends.internode"} <= set(backends)
+    backends = [m for m in graph if m.startswith("jax_ep._src.backends.")]
+    assert {"jax_ep._src.backends.reference", "jax_ep._src.backends.ffi",
+            "jax_ep._src.backends.internode"} <= set(backends)
     offenders = {m: sorted(graph[m]) for m in backends if "jax_ep.ops" in graph[m]}
     assert not offenders, f"backends must not import jax_ep.ops: {offenders}"
 
@@ -108,7 +108,7 @@ def test_ops_makes_no_custom_call():
 def test_every_backend_has_the_same_functions():
     import inspect
 
-    from jax_ep import backends
+    from jax_ep._src import backends
     want = {"layout": ["topk_idx", "cfg"], "dispatch": ["x", "topk_idx", "topk_weights", "cfg"],
             "combine": ["y", "handle", "cfg"], "gather": ["g", "handle", "cfg"]}
     for name, mod in backends.MODULES.items():
@@ -122,10 +122,39 @@ def test_public_names_keep_working():
     import jax_ep.cuda
     import jax_ep.nvshmem_bootstrap
     from jax_ep.network import transport
-    from jax_ep.runtime import cuda, nvshmem
+    from jax_ep import cuda, nvshmem_bootstrap as nvshmem
     assert jax_ep.cuda is cuda and callable(jax_ep.cuda.setup)
     assert jax_ep.nvshmem_bootstrap is nvshmem and callable(nvshmem.initialize)
     assert jax_ep.TransportConfig is transport.TransportConfig
+
+
+def test_the_top_level_holds_the_public_modules_only():
+    """At most 16 modules directly in jax_ep/, none of them private: internals live in
+    jax_ep/_src, benchmarks in jax_ep/bench."""
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= 16, top
+    assert not [n for n in top if n.startswith("_") and n != "__init__.py"], top
+
+
+@pytest.mark.parametrize("old,new", [
+    ("jax_ep.backends.internode", "jax_ep._src.backends.internode"),
+    ("jax_ep.runtime.cuda", "jax_ep.cuda"),
+    ("jax_ep.model", "jax_ep.bench.perf_model"),
+    ("jax_ep.sharded_low_latency", "jax_ep._src.sharded_low_latency"),
+])
+def test_moved_paths_still_import_with_a_warning(old, new):
+    import importlib
+    import sys
+    import warnings
+
+    import jax_ep  # noqa: F401  (installs the finder)
+    sys.modules.pop(old, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mod = importlib.import_module(old)
+    assert mod is importlib.import_module(new)
+    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
 
 
 # The checker itself must be able to fail: a planted cycle and a planted backend import.
@@ -139,26 +168,27 @@ def _write(root: pathlib.Path, files: dict):
 
 def test_the_checker_finds_a_planted_cycle(tmp_path):
     root = tmp_path / "jax_ep"
-    _write(root, {"__init__.py": "", "ops.py": "from jax_ep.backends import ffi\n",
-                  "backends/__init__.py": "", "backends/ffi.py": "from jax_ep import ops\n"})
+    _write(root, {"__init__.py": "", "ops.py": "from jax_ep._src.backends import ffi\n",
+                  "_src/__init__.py": "", "_src/backends/__init__.py": "", "_src/backends/ffi.py": "from jax_ep import ops\n"})
     graph = import_graph(root)
-    assert graph["jax_ep.backends.ffi"] == {"jax_ep.ops"}
+    assert graph["jax_ep._src.backends.ffi"] == {"jax_ep.ops"}
     cycle = find_cycle(graph)
-    assert cycle is not None and "jax_ep.ops" in cycle and "jax_ep.backends.ffi" in cycle
+    assert cycle is not None and "jax_ep.ops" in cycle and "jax_ep._src.backends.ffi" in cycle
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):
     root = tmp_path / "jax_ep"
-    _write(root, {"__init__.py": "", "ops.py": "import jax_ep.backends.ffi\n",
-                  "backends/__init__.py": "",
-                  "backends/ffi.py": "def f():\n    from .. import ops\n    return ops\n"})
+    _write(root, {"__init__.py": "", "ops.py": "import jax_ep._src.backends.ffi\n",
+                  "_src/__init__.py": "", "_src/backends/__init__.py": "",
+                  "_src/backends/ffi.py": "def f():\n    from ... import ops\n    return ops\n"})
     graph = import_graph(root)
-    assert "jax_ep.ops" in graph["jax_ep.backends.ffi"]
+    assert "jax_ep.ops" in graph["jax_ep._src.backends.ffi"]
     assert find_cycle(graph) is not None
 
 
-@pytest.mark.parametrize("src", ["from jax_ep._common import Cfg\n", "import numpy\n"])
+@pytest.mark.parametrize("src", ["from jax_ep._src.common import Cfg\n", "import numpy\n"])
 def test_the_checker_passes_acyclic_code(tmp_path, src):
     root = tmp_path / "jax_ep"
-    _write(root, {"__init__.py": "", "_common.py": "", "ops.py": src})
+    _write(root, {"__init__.py": "", "_src/__init__.py": "", "_src/common.py": "",
+                  "ops.py": src})
     assert find_cycle(import_graph(root)) is None

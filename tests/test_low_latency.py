@@ -467,7 +467,7 @@ def test_lowered_program_has_send_and_recv_with_compute_between():
         result = lines[pos[send]].split("=")[0].strip().split(":")[0]  # e.g. "%3"
         assert result.startswith("%") and f"{result}#" not in lines[dot], lines[dot]
     # Each receive half takes its send half's results (directly, or through the
-    # optimization barriers that keep EP calls in program order, jax_ep._order; a
+    # optimization barriers that keep EP calls in program order, jax_ep._src.ordering; a
     # barrier's result i is its operand i).
     barriers = {}
     for ln in lines:
@@ -524,7 +524,7 @@ def test_cuda_harness_matches_model(dtype):
 # ----------------------------------------------------------------------------- bench
 
 def test_bench_mode_low_latency_runs(tmp_path):
-    from jax_ep import bench
+    from jax_ep.bench import exchange as bench
 
     out = tmp_path / "ll.json"
     report = bench.main(["--mode", "low_latency", "--ranks", "4", "--tokens", "8",

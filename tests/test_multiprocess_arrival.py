@@ -1,4 +1,4 @@
-"""Bounded waits on the multi-process CPU path (jax_ep/_arrival.py): 2 processes x 4 CPU
+"""Bounded waits on the multi-process CPU path (jax_ep/_src/arrival.py): 2 processes x 4 CPU
 devices (jax.distributed, gloo; backend 'auto' = the reference). A peer that does not
 make an EP call, or makes it with other shapes, ends the call in an error on every
 process that made it, within JAX_EP_TIMEOUT_S, and the next call works."""

@@ -206,7 +206,7 @@ def test_nvtx_header_under_nvcc(tmp_path):
 def test_cuda_handlers_push_their_nvtx_ranges():
     """Every CUDA and NVSHMEM FFI handler opens a range named after its op (read back
     from the built extensions, so a handler that loses its range fails here)."""
-    from jax_ep import _ext
+    from jax_ep._src import ext as _ext
     info = _ext.build_info()
     if not info["cuda"]:
         pytest.skip("CPU-only build: no CUDA handlers")

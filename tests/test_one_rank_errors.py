@@ -65,7 +65,7 @@ def _run_one(group, timeout):
 @pytest.mark.parametrize("group", ["shard", "global"])
 def test_one_rank_bad_ids_raise_everywhere(group):
     """Per shard (jax_ep.dispatch, get_dispatch_layout, jax_ep.low_latency whole and in
-    halves) and global view (jax_ep.sharded, jax_ep.sharded_low_latency)."""
+    halves) and global view (jax_ep.sharded, jax_ep._src.sharded_low_latency)."""
     out = _run_one(group, timeout=900)
     _check_log(out, _expected(group, ("reference", "ffi")), f"group {group}")
 

@@ -4,7 +4,7 @@ handler cannot be left out of one list (or a harness target slip into it)."""
 import pathlib
 import re
 
-from jax_ep import _ext
+from jax_ep._src import ext as _ext
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIT = "kCmdBufferCompatible"

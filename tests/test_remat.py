@@ -157,7 +157,7 @@ def test_cuda_ep_calls_have_no_side_effect(op, stream):
     """Lowered for CUDA (with and without the collective-stream region), under
     jax.checkpoint: every EP custom call is free of `has_side_effect`, and the traced
     program has no effects that would stop remat (only the call order's token effect,
-    declared allowed under remat, jax_ep/_order.py)."""
+    declared allowed under remat, jax_ep/_src/ordering.py)."""
     with config.override(collective_stream=stream):
         text = _lowered(op, "checkpoint", "cuda")
         block = jax.checkpoint(moe_block(op, "ffi"))

@@ -1,4 +1,4 @@
-"""Global view of the low-latency mode (jax_ep.sharded_low_latency): the same numbers as
+"""Global view of the low-latency mode (jax_ep._src.sharded_low_latency): the same numbers as
 the per-shard contract, gradients, errors."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_ep
-import jax_ep.sharded_low_latency  # noqa: F401 - the global view of the mode
+import jax_ep._src.sharded_low_latency  # noqa: F401 - the global view of the mode
 from conftest import BACKENDS, ep_mesh_2d
 from jax_ep import low_latency as ll
 from test_low_latency import np_combine, np_dispatch, routing
@@ -33,9 +33,9 @@ def _global(backend, mesh, fp8=False):
 
     @jax.jit
     def f(x, idx, w):
-        recv, cnt, h = jax_ep.sharded_low_latency.dispatch(x, idx, fp8=fp8, **kw)
+        recv, cnt, h = jax_ep._src.sharded_low_latency.dispatch(x, idx, fp8=fp8, **kw)
         y = recv if not fp8 else jnp.zeros(recv[0].shape, jnp.float32)
-        out = jax_ep.sharded_low_latency.combine(y, idx, w, h, backend=backend)
+        out = jax_ep._src.sharded_low_latency.combine(y, idx, w, h, backend=backend)
         return recv, cnt, h.src_rank, h.src_index, h.first_row, h.row_count, out
 
     def call(*args):
@@ -89,8 +89,8 @@ def test_global_gradients_numerically(backend):
     kw = dict(num_experts=E, mesh_axis="expert", max_tokens_per_rank=M, backend=backend)
 
     def f(x, w):
-        recv, _, h = jax_ep.sharded_low_latency.dispatch(x, idx, **kw)
-        return jax_ep.sharded_low_latency.combine(jnp.tanh(recv), idx, w, h, backend=backend)
+        recv, _, h = jax_ep._src.sharded_low_latency.dispatch(x, idx, **kw)
+        return jax_ep._src.sharded_low_latency.combine(jnp.tanh(recv), idx, w, h, backend=backend)
 
     with jax.set_mesh(mesh):
         check_grads(jax.jit(f), (x, w), order=1, modes=("rev",), atol=2e-2, rtol=2e-2,
@@ -117,7 +117,7 @@ def test_global_errors():
     with jax.set_mesh(mesh):
         with pytest.raises(ValueError, match=r"T=5 tokens per rank, more than "
                                              r"max_tokens_per_rank=4"):
-            jax_ep.sharded_low_latency.dispatch(x, idx, num_experts=E, mesh_axis="expert",
+            jax_ep._src.sharded_low_latency.dispatch(x, idx, num_experts=E, mesh_axis="expert",
                                                 max_tokens_per_rank=4)
         with pytest.raises(TypeError, match="ShardedLowLatencyHandle"):
-            jax_ep.sharded_low_latency.combine(x, idx, w, None)
+            jax_ep._src.sharded_low_latency.combine(x, idx, w, None)

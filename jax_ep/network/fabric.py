@@ -715,7 +715,7 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-# --- at NVSHMEM start (called from jax_ep.runtime.nvshmem.initialize) ------------------------
+# --- at NVSHMEM start (called from jax_ep.nvshmem_bootstrap.initialize) ------------------------
 
 @dataclasses.dataclass
 class FabricSetup:

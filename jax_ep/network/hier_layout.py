@@ -1,12 +1,12 @@
 """The hierarchical mode's ring sizes, row strides and the bytes of one heap half:
 kernels/internode/hierarchical_layout.h through its bindings (hier_*), so the heap sizing
-(`jax_ep.runtime.nvshmem.heap_bytes_for`) and the model (`jax_ep.network.modes`, which
+(`jax_ep.nvshmem_bootstrap.heap_bytes_for`) and the model (`jax_ep.network.modes`, which
 re-exports these names) use the kernels' own functions."""
 from __future__ import annotations
 
 import dataclasses
 
-from jax_ep._ext import require_ext
+from jax_ep._src.ext import require_ext
 
 _ext = require_ext()
 _C = _ext.hier_layout_constants()

@@ -34,7 +34,7 @@ import sys
 
 import numpy as np
 
-from jax_ep._ext import require_ext
+from jax_ep._src.ext import require_ext
 from jax_ep.network.hier_layout import (  # noqa: F401 (re-exported)
     MAX_GPUS_PER_NODE, META_WORDS, NVL_RING_ROWS, RDMA_CHUNK_ROWS, RDMA_RING_CHUNKS,
     HierLayout, hier_combine_row_stride, hier_dispatch_row_stride, hier_layout,
@@ -53,7 +53,7 @@ __all__ = ["MODEL_LABEL", "RDMA_CHUNK_ROWS", "RDMA_RING_CHUNKS", "NVL_RING_ROWS"
 def direct_state_bytes(num_ranks, tokens, capacity, hidden, topk, x_bytes, y_bytes) -> int:
     """The direct mode's NVSHMEM heap for comparison (`heap_bytes_for`,
     kernels/internode/internode_layout.h): it grows with the tokens and the capacity."""
-    from jax_ep.runtime.nvshmem import heap_bytes_for
+    from jax_ep.nvshmem_bootstrap import heap_bytes_for
 
     return heap_bytes_for(num_ranks=num_ranks, max_tokens=tokens, capacity=capacity,
                           hidden=hidden, topk=topk, x_dtype=int(x_bytes), y_dtype=int(y_bytes))

@@ -305,7 +305,7 @@ def check_wire(cfg: TransportConfig, ranks: int, stream_bytes: int, *, qp_api: b
     is then NVSHMEM's choice, which is reported as a loss, not checked.
     """
     if channel_of_qp is None or expected_signal is None:
-        from jax_ep import _ext
+        from jax_ep._src import ext as _ext
         ext = _ext.ext
         if ext is None or not hasattr(ext, "internode_channel_of_qp"):
             raise RuntimeError("--check-wire needs the compiled extension (pip install -e .)")
@@ -474,7 +474,7 @@ def _check_log_main(args: dict) -> int:
 def _check_wire_main(args: dict) -> int:
     path = args["path"]
     if path == "auto":
-        from jax_ep import _ext as _ext_mod
+        from jax_ep._src import ext as _ext_mod
         nv = _ext_mod.nvshmem_ext()  # the NVSHMEM module, where built and loadable
         avail = bool(nv is not None and getattr(nv, "nvshmem_qp_api_available", None)
                      and nv.nvshmem_qp_api_available())

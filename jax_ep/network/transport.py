@@ -41,7 +41,7 @@ LAG_MODES = ("multiport", "bond")
 @functools.cache
 def _max_qps() -> int:
     """Most QPs per peer, num_ports * qps_per_port (kMaxQps, kernels/common/striping_plan.h)."""
-    from jax_ep._ext import require_ext
+    from jax_ep._src.ext import require_ext
     return int(require_ext().internode_protocol()["max_qps"])
 
 
@@ -56,7 +56,7 @@ def __getattr__(name: str):
 def _qp_for_arrays(peer, channel, chunk, num_ports, qps_per_port):
     """(qp, port) int64 arrays of the broadcast shape of the (peer, channel, chunk) arrays:
     kernels/common/striping_plan.h qp_for, element by element, through its binding."""
-    from jax_ep._ext import require_ext
+    from jax_ep._src.ext import require_ext
 
     shape = np.broadcast(np.asarray(peer), np.asarray(channel), np.asarray(chunk)).shape
     peer, channel, chunk = (np.ascontiguousarray(a, dtype=np.int64).ravel()
@@ -193,7 +193,7 @@ class TransportConfig:
 
     def channel_for(self, chunk: int) -> int:
         """Channel that sends chunk `chunk` of a stream."""
-        from jax_ep._ext import require_ext
+        from jax_ep._src.ext import require_ext
         return int(require_ext().striping_channel_for_chunk(int(chunk), self.num_channels))
 
     def stripe(self, bytes_per_peer) -> StripePlan:
@@ -203,7 +203,7 @@ class TransportConfig:
         the QP and port `qp_for(peer, channel_for(chunk), chunk)` returns (the kernels'
         plan, kernels/common/striping_plan.h, through its binding).
         """
-        from jax_ep._ext import require_ext
+        from jax_ep._src.ext import require_ext
 
         b = np.ascontiguousarray(np.asarray(bytes_per_peer, dtype=np.int64).reshape(-1))
         if np.any(b < 0):

@@ -2,7 +2,7 @@
 // per-call header, which QP carries each row, what a reader waits for, and the error
 // kinds. Pure functions and constants, shared by the CUDA kernels
 // (low_latency_kernels.cu), the FFI handlers, and, through the `ll_*` bindings, the heap
-// sizing in jax_ep/runtime/nvshmem.py (the kernels run on the emulated GPU in
+// sizing in jax_ep/nvshmem_bootstrap.py (the kernels run on the emulated GPU in
 // tests/emu/test_internode_ll_emu.py).
 //
 // Ops: kOpDispatch (source -> expert owners) and kOpCombine (owners -> sources). Every

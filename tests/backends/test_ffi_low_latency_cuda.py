@@ -17,11 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import ep_mesh
 from test_ordering import _root
-from jax_ep import _ext
+from jax_ep._src import ext as _ext
 from jax_ep import cuda as jcuda
 from jax_ep import low_latency as ll
-from jax_ep._common import Cfg
-from jax_ep.backends import ffi as ffi_backend
+from jax_ep._src.common import Cfg
+from jax_ep._src.backends import ffi as ffi_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 R, T, M, H, K, E = 4, 6, 8, 16, 3, 8

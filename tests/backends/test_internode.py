@@ -18,10 +18,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _ext, nvshmem_bootstrap, ops
-from jax_ep.backends import internode
-from jax_ep._common import Cfg
-from jax_ep._types import DispatchHandle, InternodeHandleParts
+from jax_ep import nvshmem_bootstrap, ops
+from jax_ep._src import ext as _ext
+from jax_ep._src.backends import internode
+from jax_ep._src.common import Cfg
+from jax_ep._src.types import DispatchHandle, InternodeHandleParts
 from jax_ep.network.transport import TransportConfig
 
 from conftest import ep_mesh, np_model

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import pytest
 
 import jax_ep
-from jax_ep import _ext, nvshmem_bootstrap, ops
-from jax_ep.backends import internode
+from jax_ep import nvshmem_bootstrap, ops
+from jax_ep._src import ext as _ext
+from jax_ep._src.backends import internode
 from jax_ep.network import modes
 from jax_ep.network.transport import TransportConfig
 
@@ -200,7 +201,7 @@ def test_hierarchical_targets_are_registered_with_nvshmem():
 def test_bootstrap_sizes_the_heap_for_the_mode_it_can_pick(monkeypatch, mode, gpn, verified,
                                                            want):
     from jax_ep.network import topology
-    from jax_ep.runtime import nvshmem as rt
+    from jax_ep import nvshmem_bootstrap as rt
     monkeypatch.setattr(topology, "HIERARCHICAL_VERIFIED", verified)
     monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", gpn)
     monkeypatch.delenv("JAX_EP_INTERNODE_MODE", raising=False)
@@ -218,7 +219,7 @@ def test_bench_combine_program_keeps_the_internode_handle(monkeypatch, mode):
     or the internode combine refuses the handle."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jax_ep import bench
+    from jax_ep.bench import exchange as bench
 
     _fake_state(monkeypatch, mode, "4")
     mesh = ep_mesh(R)

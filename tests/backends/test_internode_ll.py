@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ep import _ext, low_latency as ll, nvshmem_bootstrap, ops
-from jax_ep.backends import internode
+from jax_ep import low_latency as ll, nvshmem_bootstrap, ops
+
+from jax_ep._src import ext as _ext
+from jax_ep._src.backends import internode
 from jax_ep.network.transport import TransportConfig
 
 from conftest import ep_mesh
@@ -276,7 +278,7 @@ class _FakeClient:
 
 
 def test_bootstrap_allocates_the_area_and_sizes_the_symmetric_heap(monkeypatch):
-    from jax_ep.runtime import nvshmem as rt
+    from jax_ep import nvshmem_bootstrap as rt
     monkeypatch.setattr(rt, "_state", None)
     monkeypatch.setattr(rt, "_check_one_process_per_gpu", lambda: None)
     fake = _FakeRuntime()
@@ -299,12 +301,12 @@ def test_bootstrap_allocates_the_area_and_sizes_the_symmetric_heap(monkeypatch):
 
 
 def test_global_view_partitions_into_internode_ll_calls(forced, tmp_path):
-    """jax_ep.sharded_low_latency under jit with a mesh: XLA runs the partitioning when it
+    """jax_ep._src.sharded_low_latency under jit with a mesh: XLA runs the partitioning when it
     compiles and there is no CUDA compiler here, so the host compile partitions the step
     and stops at the internode targets (CUDA handlers only); its dumped HLO is checked."""
     import re
 
-    import jax_ep.sharded_low_latency as sll
+    import jax_ep._src.sharded_low_latency as sll
 
     def step(x, idx, w):
         recv_x, count, h = sll.dispatch(x, idx, num_experts=E, mesh_axis="ep",
@@ -330,7 +332,7 @@ def test_global_view_partitions_into_internode_ll_calls(forced, tmp_path):
 
 
 def test_bootstrap_for_the_low_latency_mode_only(monkeypatch):
-    from jax_ep.runtime import nvshmem as rt
+    from jax_ep import nvshmem_bootstrap as rt
     monkeypatch.setattr(rt, "_state", None)
     monkeypatch.setattr(rt, "_check_one_process_per_gpu", lambda: None)
     fake = _FakeRuntime()
@@ -368,7 +370,7 @@ def test_hot_path_has_no_host_sync_or_allocation():
 def test_area_is_sized_for_every_process_as_it_is_allocated(monkeypatch):
     """ll_init allocates the area for the NVSHMEM world (every process); the symmetric
     size must count that area, not one sized for a num_ranks given for the heap halves."""
-    from jax_ep.runtime import nvshmem as rt
+    from jax_ep import nvshmem_bootstrap as rt
     monkeypatch.setattr(rt, "_state", None)
     monkeypatch.setattr(rt, "_check_one_process_per_gpu", lambda: None)
     fake = _FakeRuntime()

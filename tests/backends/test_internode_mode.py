@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import nvshmem_bootstrap, ops
-from jax_ep.backends import internode
+from jax_ep._src.backends import internode
 from jax_ep.network.transport import TransportConfig
 
 from conftest import ep_mesh

@@ -1,5 +1,5 @@
 """The intranode and low-latency CUDA kernels on the emulated GPU, for the tests: inputs,
-routings, and the reference backend (jax_ep.backends.reference under shard_map) as the
+routings, and the reference backend (jax_ep._src.backends.reference under shard_map) as the
 oracle. Arrays carry a leading rank axis: x[R, T, H], topk_idx/topk_weights[R, T, K],
 y[R, C, H], g[R, T, H]."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import fp8
-from jax_ep.backends import reference as reference_backend
-from jax_ep.emulator import Emulator
+from jax_ep._src.backends import reference as reference_backend
+from jax_ep._src.emu import Emulator
 
 AUTO = jax.sharding.AxisType.Auto
 DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}
@@ -120,7 +120,7 @@ def ll_routing(R, S, K, E, rng, p_unused=0.2) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def _ll_ref_program(R, E, M, rows_per_dest):
-    from jax_ep._common import Cfg
+    from jax_ep._src.common import Cfg
     cfg = Cfg(E, R, M, "ep", backend="reference", check_ids=False)
 
     def f(x, idx, w, y):

@@ -1,7 +1,7 @@
 """The internode (NVSHMEM) kernels on the emulated GPU, for the tests: R virtual GPUs, one
 emulated NVSHMEM PE each, running the direct and hierarchical modes' own FFI handlers
-(xla_ffi/internode/emu_direct.cc, emu_hier.cc) through `jax_ep.emulator.Emulator.run`, and
-the reference backend (jax_ep.backends.reference under shard_map) as the oracle.
+(xla_ffi/internode/emu_direct.cc, emu_hier.cc) through `jax_ep._src.emu.Emulator.run`, and
+the reference backend (jax_ep._src.backends.reference under shard_map) as the oracle.
 
 Arrays carry a leading rank axis: x[R, T, H], topk_idx/topk_weights[R, T, K], y[R, C, H].
 """
@@ -14,9 +14,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep._common import Cfg
-from jax_ep.backends import reference as ref_backend
-from jax_ep.emulator import Emulator, EmuError, EmulatedFabric  # noqa: F401  (re-exported)
+from jax_ep._src.common import Cfg
+from jax_ep._src.backends import reference as ref_backend
+from jax_ep._src.emu import Emulator, EmuError, EmulatedFabric  # noqa: F401  (re-exported)
 from jax_ep.network.transport import TransportConfig
 
 # Emulated heap: the slack the layout reserves plus room for both modes' halves.
@@ -34,7 +34,7 @@ class InternodeEmu:
     transport steps an operation may wait before delivery; qp_api: explicit QP handles
     (False: NVSHMEM's own QP choice). seed fixes both the scheduler and the transport.
     sysfs, env_for, lag_affinity: the node and the NVSHMEM environment of each PE
-    (jax_ep.emulator.EmulatedFabric; default the standard node with what the bootstrap
+    (jax_ep._src.emu.EmulatedFabric; default the standard node with what the bootstrap
     sets), from which the emulated NVSHMEM places every QP handle on a wire port.
     default_handles: nvshmemx_qp_create returns NVSHMEMX_QP_DEFAULT for every handle.
     """

@@ -8,8 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_ep import emulator
-from jax_ep.emulator import Emulator, InternodeEmulator, counting, summarize
+from jax_ep._src import emu as emulator
+from jax_ep._src.emu import Emulator, InternodeEmulator, counting, summarize
 
 pytestmark = pytest.mark.emu
 
@@ -163,7 +163,7 @@ def test_bench_emulated_prints_counts_labelled_as_counts(tmp_path, capsys):
     and JSON with the totals and each GPU's counters; settable shapes."""
     import json
 
-    from jax_ep import bench
+    from jax_ep.bench import exchange as bench
 
     path = tmp_path / "counts.json"
     rep = bench.main(["--emulated", "--modes", "intranode", "--ranks", "2", "--tokens", "1",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_ep.emulator import Emulator
+from jax_ep._src.emu import Emulator
 
 from emu_intranode_util import DISPATCH_KEYS, assert_same, reference, routing, rows
 

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_ep import emulator
+from jax_ep._src import emu as emulator
 from jax_ep.network.hier_layout import NVL_RING_ROWS, hier_layout
 
 sys.path.insert(0, os.path.dirname(__file__))

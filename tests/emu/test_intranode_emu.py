@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from jax_ep.backends import reference as reference_backend
-from jax_ep._common import Cfg
-from jax_ep.emulator import Emulator
+from jax_ep._src.backends import reference as reference_backend
+from jax_ep._src.common import Cfg
+from jax_ep._src.emu import Emulator
 
 from emu_intranode_util import (DISPATCH_KEYS, assert_same, reference, routing, rows,
                                 run_intranode)
@@ -113,7 +113,7 @@ def test_dispatch_combine_gather_both_sides_of_the_send_split(R):
     child = (
         "import sys; sys.path[:0] = sys.argv[2:]\n"
         "import test_intranode_emu as t\n"
-        "from jax_ep.emulator import Emulator\n"
+        "from jax_ep._src.emu import Emulator\n"
         "R, T, H = int(sys.argv[1]), 6, 16\n"
         "K, E = t._shape(R, T)\n"
         "C = R * T\n"

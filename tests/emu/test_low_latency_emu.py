@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_ep.emulator import Emulator
+from jax_ep._src.emu import Emulator
 
 from emu_fp8_util import fp8_reference, fp8_rows
 from emu_intranode_util import (LL_DISPATCH_KEYS, assert_same, bits, ll_reference, ll_routing,
@@ -461,7 +461,7 @@ def _ll_pipelined(emu, rounds, *, E, M):
     (the ordering the arrival words must give). rounds: list of (x, idx, w, y); the
     receive halves get their epoch (the round's number, as each send half hands it over)
     directly. Returns one result dict per round."""
-    from jax_ep.emulator import _code, EmuError
+    from jax_ep._src.emu import _code, EmuError
     R = emu.R
     el = E // R
 

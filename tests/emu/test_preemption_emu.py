@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from jax_ep.emulator import Emulator
+from jax_ep._src.emu import Emulator
 
 from emu_intranode_util import DISPATCH_KEYS, assert_same, bits, reference, routing, rows
 

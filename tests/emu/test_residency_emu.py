@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from jax_ep.emulator import Emulator, module
+from jax_ep._src.emu import Emulator, module
 
 pytestmark = pytest.mark.emu
 

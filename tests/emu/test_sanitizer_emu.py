@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from jax_ep.emulator import Emulator, module
+from jax_ep._src.emu import Emulator, module
 
 pytestmark = pytest.mark.emu
 
-_CHILD = ("import sys; from jax_ep.emulator import Emulator, module; Emulator(2, seed=1); "
+_CHILD = ("import sys; from jax_ep._src.emu import Emulator, module; Emulator(2, seed=1); "
           "module().peer_store_probe(n=100, at=int(sys.argv[1])); print('STORED')")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_ep.emulator import Emulator
+from jax_ep._src.emu import Emulator
 
 from emu_intranode_util import routing, rows
 

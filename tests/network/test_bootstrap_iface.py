@@ -157,8 +157,8 @@ def test_the_coordinator_comes_from_jax_distributed(monkeypatch):
 
 
 def test_initialize_sets_it_and_transport_report_says_why(tmp_path, monkeypatch):
-    from jax_ep.backends import internode
-    from jax_ep.runtime import nvshmem as nb
+    from jax_ep._src.backends import internode
+    from jax_ep import nvshmem_bootstrap as nb
 
     from test_fabric import StandInClient as Client, StandInRuntime
 
@@ -183,7 +183,7 @@ def test_initialize_sets_it_and_transport_report_says_why(tmp_path, monkeypatch)
 
 
 def test_the_start_up_agreement_ignores_the_per_node_interface():
-    from jax_ep.runtime import nvshmem as nb
+    from jax_ep import nvshmem_bootstrap as nb
 
     cfg = TransportConfig(num_ports=2, qps_per_port=2).resolve({})
 

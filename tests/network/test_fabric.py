@@ -325,8 +325,8 @@ class StandInClient:
 
 
 def test_bootstrap_sets_device_selection_and_report_has_the_table(monkeypatch):
-    from jax_ep.backends import internode
-    from jax_ep.runtime import nvshmem as nb
+    from jax_ep._src.backends import internode
+    from jax_ep import nvshmem_bootstrap as nb
 
     Rt, Client = StandInRuntime, StandInClient
     monkeypatch.setattr(nb, "_state", None)

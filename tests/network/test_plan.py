@@ -140,7 +140,7 @@ def test_check_wire_agrees_by_construction():
 
 def test_check_wire_catches_a_wrong_qp_choice_and_a_wrong_wait():
     from jax_ep.network.plan import check_wire
-    from jax_ep._ext import require_ext
+    from jax_ep._src.ext import require_ext
     from jax_ep.network.transport import TransportConfig
 
     ext = require_ext()

@@ -125,7 +125,7 @@ def test_a_table_that_cannot_carry_the_plan_is_said(fabric, monkeypatch):
 def test_the_bootstrap_applies_the_order(monkeypatch):
     """nvshmem.initialize() calls apply_handle_order after NVSHMEM started: a stand-in
     runtime whose table is laid out [0, 0, 1, 1] ends with its handles reordered."""
-    from jax_ep.runtime import nvshmem as nb
+    from jax_ep import nvshmem_bootstrap as nb
 
     class Rt(Runtime, StandInRuntime):
         pass

@@ -26,8 +26,8 @@ CAPACITY = 36  # below the worst case R * T: rank 0 drops rows
 
 
 def mps_env(env: dict, nproc: int) -> dict:
-    """`env` for nproc processes sharing one GPU (jax_ep._launch.mps_share)."""
-    from jax_ep._launch import mps_share
+    """`env` for nproc processes sharing one GPU (jax_ep._src.launch.mps_share)."""
+    from jax_ep._src.launch import mps_share
     return mps_share(env, nproc)
 
 
@@ -149,7 +149,7 @@ def main(argv):
 
     def check():
         if backend == "internode":
-            from jax_ep.backends import internode
+            from jax_ep._src.backends import internode
             if hasattr(internode, "check_errors"):
                 internode.check_errors()
         elif backend == "ffi":

@@ -9,9 +9,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _common, nvshmem_bootstrap
+from jax_ep import nvshmem_bootstrap
+from jax_ep._src import common as _common
 from jax_ep.network.transport import TransportConfig
-from jax_ep.runtime import errors
+from jax_ep._src import errors
 
 
 def _sources(cuda=(), internode=()):
@@ -83,7 +84,7 @@ def test_call_sites_in_the_records_are_named(monkeypatch):
 _EXAMPLE_SHIM = r"""
 import json, runpy, sys
 import jax_ep
-from jax_ep.runtime import errors
+from jax_ep._src import errors
 
 calls = []
 LOG, FAIL_AT = sys.argv[1], int(sys.argv[2])

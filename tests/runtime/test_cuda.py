@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _ext
+from jax_ep._src import ext as _ext
 from jax_ep import cuda as jcuda
 
 from conftest import AUTO, assert_bitwise_equal, bits, np_layout, np_model

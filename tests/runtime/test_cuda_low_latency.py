@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import _ext
+from jax_ep._src import ext as _ext
 from jax_ep import cuda as jcuda
 from jax_ep import low_latency as ll
 

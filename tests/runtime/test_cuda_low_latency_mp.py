@@ -121,7 +121,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jax_ep import _ext  # noqa: E402
+from jax_ep._src import ext as _ext  # noqa: E402
 from mp_launch import free_port, run_workers, worker_env  # noqa: E402
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import _ext
+from jax_ep._src import ext as _ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -188,7 +188,7 @@ def test_bad_unique_id_and_missing_sizes(monkeypatch):
 
 
 def test_extension_runtime_without_nvshmem_says_how_to_get_it(monkeypatch):
-    from jax_ep import _ext
+    from jax_ep._src import ext as _ext
     # the NVSHMEM module could not load (libnvshmem_host.so.3 missing), as on a CPU host
     monkeypatch.setattr(_ext, "nvshmem_ext", lambda load=True: None)
     monkeypatch.setattr(_ext, "nvshmem_import_error",

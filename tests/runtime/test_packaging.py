@@ -63,7 +63,8 @@ _NO_NVSHMEM = textwrap.dedent(r"""
     sys.modules["jax_ep._jax_ep_nvshmem"] = None
     import jax, jax.numpy as jnp, numpy as np
     import jax_ep
-    from jax_ep import _ext, nvshmem_bootstrap
+    from jax_ep import nvshmem_bootstrap
+    from jax_ep._src import ext as _ext
     info = jax_ep.build_info()
     x = jnp.ones((8, 4), jnp.float32)
     idx = jnp.zeros((8, 2), jnp.int32)

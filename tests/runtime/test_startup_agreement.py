@@ -1,4 +1,4 @@
-"""NVSHMEM start-up safety (jax_ep.runtime.nvshmem): the values every process must share
+"""NVSHMEM start-up safety (jax_ep.nvshmem_bootstrap): the values every process must share
 are agreed through the jax.distributed key-value store before any NVSHMEM call, so a
 mismatch or a missing process fails on every process with a message that names it; an
 NVSHMEM some other library started is adopted only when the device state can be set up;

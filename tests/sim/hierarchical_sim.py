@@ -42,7 +42,7 @@ import hashlib
 
 import numpy as np
 
-from jax_ep._ext import require_ext
+from jax_ep._src.ext import require_ext
 from jax_ep.network import modes
 from jax_ep.network.topology import Topology
 from jax_ep.network.transport import _qp_for_arrays  # the compiled striping rule (binding)

@@ -1,5 +1,5 @@
 // _jax_ep_emu: the CUDA backend's handlers and kernels compiled for the emulated GPU
-// (kernels/emu). Python drives R virtual GPUs through it (jax_ep/emulator.py): set up a
+// (kernels/emu). Python drives R virtual GPUs through it (jax_ep/_src/emu.py): set up a
 // group, enqueue one handler call per rank, synchronize, read the outputs back.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>

@@ -2,7 +2,7 @@
 // library (libnvshmem_host.so.3): the bootstrap's runtime calls, the internode
 // low-latency area and the internode FFI handlers. It is a module of its own so that
 // `_jax_ep_ext` has no NEEDED libnvshmem_host and `import jax_ep` works where NVSHMEM is
-// not installed; jax_ep/_ext.py loads it when the internode backend is first used.
+// not installed; jax_ep/_src/ext.py loads it when the internode backend is first used.
 #include <nanobind/nanobind.h>
 
 #include "xla_ffi/common/transport_bindings.h"

@@ -9,7 +9,7 @@ import functools
 
 import jax
 
-from jax_ep import _order
+from jax_ep._src import ordering as _order
 
 # The public op being traced (innermost), for messages that name it; None outside one
 # (a backward pass is traced after its op returned).
@@ -22,7 +22,7 @@ def current_op():
 
 
 def named(name: str):
-    # A public op that communicates is put in program order as a whole (jax_ep._order).
+    # A public op that communicates is put in program order as a whole (jax_ep._src.ordering).
     # With the program-wide token its inner calls are ordered anyway; where _order falls
     # back to chaining per trace, the op's own calls sit in a custom_vjp body (a trace of
     # their own), and only this chain orders the op against the calls around it.

@@ -1,5 +1,5 @@
 """Benchmark of the Flax MoE layer against a dense SwiGLU of the same active FLOPs:
-`python -m jax_ep.bench --layer` (or `python -m jax_ep.bench_layer`).
+`python -m jax_ep.bench --layer` (or `python -m jax_ep.bench.layer`).
 
 In one process, on one `data x expert` mesh of devices of JAX's default backend (on CPU,
 virtual devices of this host), with the same tokens `x[N, H]` sharded over both axes:
@@ -543,7 +543,7 @@ def _loadavg():
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    from jax_ep._bench_util import set_host_device_count
+    from jax_ep.bench._util import set_host_device_count
 
     set_host_device_count(a.data * a.expert)
     if a.profile:
@@ -604,7 +604,7 @@ def _demo_script(path=None):
     import os
 
     if path is None:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.path.join(root, "examples", "train_moe.py")
     if not os.path.isfile(path):
         raise SystemExit(f"jax_ep.bench --train-step: no demo script at {path}; run it "
@@ -732,7 +732,7 @@ def train_step_main(argv=None) -> dict:
     if a.baseline:
         with open(a.baseline) as f:
             baseline = json.load(f)
-    from jax_ep._bench_util import set_host_device_count
+    from jax_ep.bench._util import set_host_device_count
 
     set_host_device_count(8)
     load0 = _loadavg()

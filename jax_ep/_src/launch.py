@@ -1,7 +1,7 @@
 """Starting local processes and collecting them: every process is waited for up to one
 shared deadline, the ones still running are killed (reported as hung, never waited on
 forever), and the tail of each log is returned. Used by the multi-process benchmark
-(jax_ep.bench_launch) and the multi-process tests."""
+(jax_ep.bench.launch) and the multi-process tests."""
 from __future__ import annotations
 
 import os

@@ -70,10 +70,7 @@ _nvshmem_error: str | None = None
 def nvshmem_built() -> bool:
     """Whether this build has the NVSHMEM module (without loading it)."""
     import importlib.util
-    if importlib.util.find_spec("jax_ep._jax_ep_nvshmem") is not None:
-        return True
-    # a build from before the module split has the functions in the main extension
-    return ext is not None and hasattr(ext, "nvshmem_init")
+    return importlib.util.find_spec("jax_ep._jax_ep_nvshmem") is not None
 
 
 def nvshmem_ext(load: bool = True):
@@ -88,11 +85,8 @@ def nvshmem_ext(load: bool = True):
     try:
         from jax_ep import _jax_ep_nvshmem as mod  # type: ignore[attr-defined]
     except ImportError as e:
-        if ext is not None and hasattr(ext, "nvshmem_init"):
-            mod = ext  # a build from before the module split
-        else:
-            _nvshmem_error = str(e)
-            return None
+        _nvshmem_error = str(e)
+        return None
     _nvshmem = mod
     return _nvshmem
 
@@ -110,8 +104,8 @@ def register_nvshmem_targets() -> bool:
     """Registers the internode FFI targets of the NVSHMEM module with XLA (once); False
     where there is no GPU platform or no loadable module."""
     mod = nvshmem_ext()
-    if mod is None or mod is ext or not _gpu_platform_present():
-        return False  # (a pre-split build registers them with the main extension)
+    if mod is None or not _gpu_platform_present():
+        return False
     from jaxlib import xla_client
     for name, capsule in mod.registrations().get("CUDA", {}).items():
         kwargs = {}

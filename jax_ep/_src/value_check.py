@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep._common import axis_names, concrete_mesh, ep_coords, group_axes
+from jax_ep._src.common import axis_names, concrete_mesh, ep_coords, group_axes
 
 OK, OUT_OF_RANGE, REPEATED = 0, 1, 2
 _FIELDS = 7  # code, rank, group, token, slot, value, earlier slot

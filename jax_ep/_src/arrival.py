@@ -10,7 +10,7 @@ device runs a host callback that meets the other devices of the mesh through the
 1. it publishes `jax_ep/arrive/<site>/<mesh>/<n>/<position>` = the call's signature (op,
    per-shard operand shapes and dtypes, static attributes) and its process id, where
    `site` is the call-site id (the same on every process for the same program point,
-   whatever the shapes; `jax_ep._common.next_call_site`), `mesh` names the devices and
+   whatever the shapes; `jax_ep._src.common.next_call_site`), `mesh` names the devices and
    `n` counts this device's calls at that site;
 2. it reads the round; the device that sees every position arrived with one signature
    creates the round's `decision` key saying go (an atomic create: one decision per
@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep._common import call_site_info, next_call_site
+from jax_ep._src.common import call_site_info, next_call_site
 
 _PREFIX = "jax_ep/arrive"
 _DEFAULT_TIMEOUT_S = 300.0
@@ -216,7 +216,7 @@ def _operand_text(leaves) -> str:
 @jax.custom_jvp
 def _depend(zero, a):
     """a, computed from `zero` (the barrier's int32 0) bit for bit: an arithmetic
-    dependency XLA keeps (see jax_ep._value_check._depend), so nothing that reads `a`
+    dependency XLA keeps (see jax_ep._src.value_check._depend), so nothing that reads `a`
     runs before the barrier. To autodiff, the identity of `a`."""
     if a.size == 0:
         return a
@@ -259,7 +259,7 @@ def _op_name(kind: str) -> str:
     """The call as messages name it: the public op being traced ('jax_ep.dispatch'),
     with the part of it that has this barrier where that is not the whole op; `kind`
     alone in a backward pass (traced after its op returned)."""
-    from jax_ep._scope import current_op
+    from jax_ep._src.scope import current_op
     public = current_op()
     if public is None:
         return f"{kind} (in a backward pass)"
@@ -303,7 +303,7 @@ def arrive_global(kind: str, tree, token_axes):
         return tree
     from jax.sharding import PartitionSpec as P
 
-    from jax_ep._common import concrete_mesh
+    from jax_ep._src.common import concrete_mesh
     mesh = concrete_mesh()
     names = tuple(mesh.axis_names)
     where = _where_from_mesh(mesh, names)

@@ -1,13 +1,13 @@
-"""One process of `python -m jax_ep.bench --processes N` (jax_ep/bench_launch.py starts
+"""One process of `python -m jax_ep.bench --processes N` (jax_ep/bench/launch.py starts
 N of these; on several machines, start one per process yourself):
 
-    python -m jax_ep.bench_worker --process-id I --num-processes N --coordinator HOST:PORT \\
+    python -m jax_ep.bench.worker --process-id I --num-processes N --coordinator HOST:PORT \\
         --out DIR [--kind normal|low_latency] [--platform gpu|cpu] [--local-device D] \\
         -- <bench arguments>
 
 It joins jax.distributed (one device of this process: GPU D, or one CPU device with
 gloo), starts NVSHMEM for `--backends internode` (sized from the bench's shapes), runs
-the single-process benchmark (jax_ep.bench or jax_ep.bench_low_latency) over the global
+the single-process benchmark (jax_ep.bench or jax_ep.bench.low_latency) over the global
 mesh and writes DIR/proc<I>.json: its report, or {"error": ...}.
 """
 from __future__ import annotations
@@ -18,13 +18,13 @@ import os
 import sys
 import traceback
 
-from jax_ep.bench_launch import arg_value
+from jax_ep.bench.launch import arg_value
 
 
 def sizes(kind: str, argv: list[str]) -> dict:
     """The shapes the bench arguments ask for (the buffers are sized from them)."""
     if kind == "normal":
-        from jax_ep import bench
+        from jax_ep.bench import exchange as bench
         a = bench.parse_args(list(argv))
         tokens = a.tokens
         if a.plot and a.sweep_tokens:
@@ -32,14 +32,14 @@ def sizes(kind: str, argv: list[str]) -> dict:
         return dict(tokens=tokens, hidden=a.hidden, topk=a.topk, experts=a.experts,
                     dtype=a.dtype, ranks=a.ranks,
                     capacity=a.capacity if a.capacity is not None else a.ranks * tokens)
-    from jax_ep import bench_low_latency
+    from jax_ep.bench import low_latency as bench_low_latency
     a = bench_low_latency.parse_args(list(argv))
     return dict(tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts=a.experts,
                 dtype=a.dtype, ranks=a.ranks, capacity=None)
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m jax_ep.bench_worker")
+    p = argparse.ArgumentParser(prog="python -m jax_ep.bench.worker")
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--coordinator", required=True, help="HOST:PORT of process 0")
@@ -93,10 +93,10 @@ def main(argv: list[str]) -> int:
                     max_tokens_per_rank=s["tokens"], hidden=s["hidden"], topk=s["topk"],
                     num_experts=s["experts"], dtype=s["dtype"]))
         if a.kind == "normal":
-            from jax_ep import bench
+            from jax_ep.bench import exchange as bench
             bench.main(bench_args + ["--json", out_json, "--no-progress"])
         else:
-            from jax_ep import bench_low_latency
+            from jax_ep.bench import low_latency as bench_low_latency
             bench_low_latency.main(bench_args + ["--json", out_json])
     except SystemExit as e:
         return fail(f"exited: {e}")

@@ -6,12 +6,12 @@
     combine(y, handle, cfg) -> out[T, H]
     gather(g, handle, cfg) -> rows[C, H]        (combine's transpose)
 
-with cfg a `jax_ep._common.Cfg`. `jax_ep.ops` owns the checks, the choice among them
+with cfg a `jax_ep._src.common.Cfg`. `jax_ep.ops` owns the checks, the choice among them
 (`resolve_backend`) and autodiff; no backend imports it.
 """
 from __future__ import annotations
 
-from jax_ep.backends import ffi, internode, reference
+from jax_ep._src.backends import ffi, internode, reference
 
 MODULES = {"reference": reference, "ffi": ffi, "internode": internode}
 

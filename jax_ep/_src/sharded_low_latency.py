@@ -1,4 +1,4 @@
-"""Global-view low-latency mode (`jax_ep.sharded_low_latency`): the per-shard contract
+"""Global-view low-latency mode (`jax_ep._src.sharded_low_latency`): the per-shard contract
 of `jax_ep.low_latency` on global arrays under `jax.jit` with a mesh in context, no user
 `shard_map`, partitioned like `jax_ep.sharded` (dim 0 over the token axes, S shards).
 
@@ -17,12 +17,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _arrival
+from jax_ep._src import arrival as _arrival
 from jax_ep import low_latency as ll
 from jax_ep import ops
-from jax_ep import _partition as _sh
-from jax_ep._scope import named
-from jax_ep._value_check import checked_global, global_check_needed
+from jax_ep._src import partitioning as _sh
+from jax_ep._src.scope import named
+from jax_ep._src.value_check import checked_global, global_check_needed
 
 __all__ = ["ShardedLowLatencyHandle", "dispatch", "combine"]
 
@@ -158,11 +158,11 @@ def dispatch(x, topk_idx, *, num_experts: int, mesh_axis: str, max_tokens_per_ra
     spec = _sh._spec(x.shape[0], E, mesh_axis, M, backend, batch_axes)
     ll._check_T(spec.tokens_per_shard, M)
     # Several processes on CPU: every peer arrives before the check's collective and the
-    # exchange (jax_ep/_arrival.py), one barrier for both.
+    # exchange (jax_ep/_src/arrival.py), one barrier for both.
     x, topk_idx = _arrival.arrive_global("low_latency.dispatch", (x, topk_idx),
                                          spec.token_axes)
     if global_check_needed(spec):
-        # Agreed by every shard before the partitioned op (jax_ep/_value_check.py).
+        # Agreed by every shard before the partitioned op (jax_ep/_src/value_check.py).
         topk_idx = checked_global(topk_idx, spec, repeats=True, where="jax_ep.low_latency")
     with _arrival.covered():
         outs = (_fp8_dispatch(x, topk_idx, spec, bool(round_scale)) if fp8
@@ -179,7 +179,7 @@ def combine(y, topk_idx, topk_weights, handle: ShardedLowLatencyHandle, *, backe
     dtype, sharded like x (per shard as `jax_ep.low_latency.combine`)."""
     if not isinstance(handle, ShardedLowLatencyHandle):
         raise TypeError("handle must be the ShardedLowLatencyHandle returned by "
-                        f"jax_ep.sharded_low_latency.dispatch, got {type(handle).__name__}")
+                        f"jax_ep._src.sharded_low_latency.dispatch, got {type(handle).__name__}")
     y, topk_idx, topk_weights = map(jnp.asarray, (y, topk_idx, topk_weights))
     spec = handle.spec
     S, el = spec.num_shards, spec.experts_per_rank

@@ -55,7 +55,7 @@ import statistics
 import sys
 import time
 
-from jax_ep._bench_util import measure_device_copy, measure_memcpy, set_host_device_count
+from jax_ep.bench._util import measure_device_copy, measure_memcpy, set_host_device_count
 
 OPS = ("dispatch", "combine", "roundtrip", "roundtrip_fwd_bwd")
 # Multiples of rows * row_bytes that each op must move.
@@ -70,7 +70,7 @@ VIRTUAL_NOTE = ("{R} virtual ranks on device 0 through the CUDA harness (jax_ep.
                 "harness_*), standing for backend 'ffi': the same intranode kernels, each "
                 "phase launched for every rank in turn on one GPU; memory is of that GPU, "
                 "all ranks together")
-# The internode modes run one process per GPU (NVSHMEM PEs): jax_ep/bench_launch.py.
+# The internode modes run one process per GPU (NVSHMEM PEs): jax_ep/bench/launch.py.
 INTERNODE_MODES = ("internode", "hierarchical", "internode_low_latency")
 VIRTUAL_SKIP = ("cannot run R ranks on one device: it is a shard_map program over a mesh "
                 "of R devices; only the CUDA harness (ffi) has virtual ranks")
@@ -487,10 +487,10 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--layer", action="store_true",
                    help="benchmark the Flax MoE layer against a dense SwiGLU instead "
-                        "(`--layer -h` lists its flags; see jax_ep/bench_layer.py)")
+                        "(`--layer -h` lists its flags; see jax_ep/bench/layer.py)")
     p.add_argument("--dispatch-overhead", action="store_true",
                    help="host cost per step of a jitted step with EP calls against one "
-                        "without (see jax_ep/bench_overhead.py)")
+                        "without (see jax_ep/bench/overhead.py)")
     p.add_argument("--train-step", action="store_true",
                    help="steps/s of the demo's training step (examples/train_moe.py) "
                         "against its dense twin, with --baseline to flag a regression "
@@ -499,15 +499,15 @@ def parse_args(argv=None):
                    default="normal",
                    help="'low_latency': time the low-latency (decode) mode instead, "
                         "fused and split send/receive (`--mode low_latency -h` lists its "
-                        "flags; see jax_ep/bench_low_latency.py); default: normal. The "
+                        "flags; see jax_ep/bench/low_latency.py); default: normal. The "
                         "internode modes ('internode': direct, 'hierarchical', "
                         "'internode_low_latency') run one process per rank on GPUs, as "
-                        "--processes does (jax_ep/bench_launch.py)")
+                        "--processes does (jax_ep/bench/launch.py)")
     p.add_argument("--processes", type=int, default=None,
                    help="run the ranks as this many processes of this machine (= --ranks), "
                         "one device each, joined by jax.distributed; on CPU one CPU device "
                         "each with gloo. The JSON is the same; each median is the slowest "
-                        "process's (jax_ep/bench_launch.py)")
+                        "process's (jax_ep/bench/launch.py)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="with --processes: JAX_EP_GPUS_PER_NODE of the workers (virtual "
                         "nodes, e.g. for --mode hierarchical on one machine)")
@@ -524,12 +524,12 @@ def parse_args(argv=None):
     p.add_argument("--emulated", action="store_true",
                    help="instead of timing: COUNT what the CUDA kernels do on the emulated "
                         "GPU, per mode (`--emulated -h` lists its flags; see "
-                        "jax_ep/bench_emulated.py); --model adds the modelled H200 estimate")
+                        "jax_ep/bench/emulated.py); --model adds the modelled H200 estimate")
     p.add_argument("--fp8", action="store_true",
                    help="time dispatch of bf16 rows against FP8 pairs (values + one "
                         "float32 scale per 128) instead (`--fp8 -h` lists its flags)")
     args = p.parse_args(argv)
-    # The launcher (jax_ep/bench_launch.py) takes these before this parser sees the rest.
+    # The launcher (jax_ep/bench/launch.py) takes these before this parser sees the rest.
     given = [f for f, v in (("--processes", args.processes),
                             ("--gpus-per-node", args.gpus_per_node),
                             ("--launch-timeout", args.launch_timeout),
@@ -561,7 +561,7 @@ def _launch_check(kind: str, argv: list[str]) -> None:
     if kind == "normal":
         parse_args(list(argv))
     else:
-        from jax_ep import bench_low_latency
+        from jax_ep.bench import low_latency as bench_low_latency
         bench_low_latency.parse_args(list(argv))
 
 
@@ -571,24 +571,24 @@ def _launch_table(report: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    # `--layer`: the Flax MoE layer against a dense SwiGLU (jax_ep/bench_layer.py).
+    # `--layer`: the Flax MoE layer against a dense SwiGLU (jax_ep/bench/layer.py).
     argv = sys.argv[1:] if argv is None else list(argv)
     # `--mode low_latency`: the low-latency mode at the decode shape
-    # (jax_ep/bench_low_latency.py).
+    # (jax_ep/bench/low_latency.py).
     argv = [a for x in argv for a in (x.split("=", 1) if x.startswith("--mode=") else [x])]
     # `--emulated` / `--model`: counts on the emulated GPU and the modelled H200 estimate
-    # (jax_ep/bench_emulated.py); nothing is timed.
+    # (jax_ep/bench/emulated.py); nothing is timed.
     if any(a in argv for a in ("--emulated", "--model", "--model-only", "--model-from")):
-        from jax_ep import bench_emulated
+        from jax_ep.bench import emulated as bench_emulated
         return bench_emulated.main([x for x in argv if x != "--emulated"])
-    # `--processes N`, and the internode modes: one process per rank (jax_ep/bench_launch.py).
+    # `--processes N`, and the internode modes: one process per rank (jax_ep/bench/launch.py).
     mode = argv[argv.index("--mode") + 1] if "--mode" in argv[:-1] else None
     if any(a == "--processes" or a.startswith("--processes=") for a in argv) or (
             mode in INTERNODE_MODES):
         if "--virtual-ranks" in argv:
             raise SystemExit("jax_ep.bench: --virtual-ranks runs every rank in this process; "
                              "it does not go with --processes or an internode --mode")
-        from jax_ep import bench_launch
+        from jax_ep.bench import launch as bench_launch
         return bench_launch.launch_main(argv, validate=_launch_check, table=_launch_table)
     if "--mode" in argv:
         i = argv.index("--mode")
@@ -598,16 +598,16 @@ def main(argv=None) -> dict:
                              f"got {mode!r}")
         argv = argv[:i] + argv[i + 2:]
         if mode == "low_latency":
-            from jax_ep import bench_low_latency
+            from jax_ep.bench import low_latency as bench_low_latency
             return bench_low_latency.main(argv)
     if "--layer" in argv:
-        from jax_ep import bench_layer
+        from jax_ep.bench import layer as bench_layer
         return bench_layer.main([x for x in argv if x != "--layer"])
-    if "--dispatch-overhead" in argv:  # host cost per step (jax_ep/bench_overhead.py)
-        from jax_ep import bench_overhead
+    if "--dispatch-overhead" in argv:  # host cost per step (jax_ep/bench/overhead.py)
+        from jax_ep.bench import overhead as bench_overhead
         return bench_overhead.main([x for x in argv if x != "--dispatch-overhead"])
-    if "--train-step" in argv:  # the demo's training step (jax_ep/bench_layer.py)
-        from jax_ep import bench_layer
+    if "--train-step" in argv:  # the demo's training step (jax_ep/bench/layer.py)
+        from jax_ep.bench import layer as bench_layer
         return bench_layer.train_step_main([x for x in argv if x != "--train-step"])
     if "--fp8" in argv:  # FP8 pairs against bf16 rows (fp8_main below)
         return fp8_main([x for x in argv if x != "--fp8"])
@@ -838,6 +838,3 @@ def fp8_main(argv=None) -> dict:
         print(f"wrote {a.json}")
     return report
 
-
-if __name__ == "__main__":
-    main()

@@ -14,7 +14,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _order, _stream
+from jax_ep._src import ordering as _order
+
+from jax_ep._src import stream as _stream
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -35,7 +37,7 @@ _SITE_INFO_MAX = 4096
 _site_info: dict[int, str] = {}
 _scopes: dict[int, dict] = {}  # id(frame) -> {"frame", "calls", "children", "path", "used"}
 _trace_scopes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trace -> scope
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the jax_ep package
 _JAX_DIRS = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}")
 _LIB_DIRS = _JAX_DIRS + (f"{os.sep}flax{os.sep}",)
 
@@ -115,7 +117,7 @@ def next_call_site(*static, types: bool = True) -> int:
     `static`: more of the call's static configuration to hash in; its repr must not
     depend on the process. `types=False` leaves the operand types out, so a process
     that calls the same program point with other shapes gets the same id (the
-    multi-process arrival barrier, jax_ep/_arrival.py, then names the difference)."""
+    multi-process arrival barrier, jax_ep/_src/arrival.py, then names the difference)."""
     scope = _scope_of_caller()
     trace = _innermost_trace()
     op = _op_key(trace, types)
@@ -246,12 +248,12 @@ def ep_call(target: str, results, *, vmap_method: str = "sequential"):
     Ordering: every call carries a unique `call_site` attribute, so XLA cannot merge
     (CSE) two of them; calls with a data dependency run in order, and independent calls
     that jax-ep itself emits are chained with `after`; every call is also ordered after
-    the EP calls traced before it in the program, across nested bodies (`jax_ep._order`;
+    the EP calls traced before it in the program, across nested bodies (`jax_ep._src.ordering`;
     its token takes every call's results, so a call whose results are unused still runs,
     in order, on every rank). The calls are deliberately not marked side-effecting: JAX
     refuses side-effecting calls under `jax.checkpoint` (remat), which MoE training needs.
     Stream: on GPU each call runs in a region on XLA's collective stream
-    (`jax_ep._stream`, setting `jax_ep.config.collective_stream`).
+    (`jax_ep._src.stream`, setting `jax_ep.config.collective_stream`).
     """
     return _order.ordered(_stream.on_collective_stream(
         jax.ffi.ffi_call(target, results, vmap_method=vmap_method)))

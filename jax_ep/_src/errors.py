@@ -54,7 +54,7 @@ _SITE_PATTERNS = (re.compile(r"call_site=(-?\d+)"), re.compile(r"call site (-?\d
 
 
 def _sites_in(messages) -> dict:
-    from jax_ep._common import call_site_info
+    from jax_ep._src.common import call_site_info
     out = {}
     for m in messages:
         for pat in _SITE_PATTERNS:
@@ -65,7 +65,7 @@ def _sites_in(messages) -> dict:
 
 
 def _cuda_messages(clear: bool) -> list[str]:
-    from jax_ep import _ext
+    from jax_ep._src import ext as _ext
     ext = _ext.ext
     if ext is None or not hasattr(ext, "cuda_check_errors"):
         return []
@@ -73,7 +73,7 @@ def _cuda_messages(clear: bool) -> list[str]:
 
 
 def _internode_messages() -> list[str]:
-    from jax_ep import _ext
+    from jax_ep._src import ext as _ext
     ext = _ext.nvshmem_ext(load=False)
     if ext is None or not hasattr(ext, "internode_error"):
         return []
@@ -106,7 +106,7 @@ def check_errors(step: int | None = None, *, clear: bool = True, sources=None) -
         _last_step = int(step)
     if not errors:
         return
-    from jax_ep.runtime import nvshmem
+    from jax_ep import nvshmem_bootstrap as nvshmem
     st = nvshmem.state()
     rank = st.rank if st is not None else None
     backends, messages = zip(*errors)

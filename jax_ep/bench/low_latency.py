@@ -169,7 +169,7 @@ def _time(fn, arg_sets, warmup, repeats):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from jax_ep._bench_util import (measure_device_copy, measure_memcpy,
+    from jax_ep.bench._util import (measure_device_copy, measure_memcpy,
                                     set_host_device_count)
 
     set_host_device_count(args.ranks)

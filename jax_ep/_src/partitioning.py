@@ -1,5 +1,5 @@
 """Partitioning machinery of the global view, shared by `jax_ep.sharded` (normal mode)
-and `jax_ep.sharded_low_latency`: the static call description, the meshes in context,
+and `jax_ep._src.sharded_low_latency`: the static call description, the meshes in context,
 and `_partitioned`, which builds a `custom_partitioning` op whose operands and results
 are all sharded on dim 0 over the token axes.
 """
@@ -14,8 +14,14 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ep import _arrival, _order, _stream, ops
-from jax_ep._common import Cfg, concrete_mesh as _concrete_mesh
+from jax_ep import ops
+
+from jax_ep._src import arrival as _arrival
+
+from jax_ep._src import ordering as _order
+
+from jax_ep._src import stream as _stream
+from jax_ep._src.common import Cfg, concrete_mesh as _concrete_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,13 +124,13 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, kind=None, **fa
     """A custom_partitioning op whose every operand and result is sharded on dim 0 over
     the token axes; `body` is the per-shard function, `abstract` gives global shapes.
     `kind` names an op whose body communicates: on several processes (CPU) it waits for
-    the arrival barrier first (jax_ep/_arrival.py); None: no barrier (no collective)."""
+    the arrival barrier first (jax_ep/_src/arrival.py); None: no barrier (no collective)."""
     op = custom_partitioning(abstract)
     # On GPU the op sits in a collective-stream region; the body, traced by the
-    # partitioner inside it, emits plain EP calls (jax_ep._stream).
+    # partitioner inside it, emits plain EP calls (jax_ep._src.stream).
     partition_body = _stream.partitioned_body(_without_barriers(body))
     # XLA's partitioner lowers the body with no call-order token; the op itself is
-    # ordered in the enclosing program (jax_ep._order, through jax_ep._scope.named).
+    # ordered in the enclosing program (jax_ep._src.ordering, through jax_ep._src.scope.named).
     partition_body = _order.unordered(partition_body)
 
     def out_shardings(mesh):

@@ -6,7 +6,7 @@ is timed (N = --ranks unless --processes says otherwise).
     python -m jax_ep.bench --mode hierarchical --ranks 16 --gpus-per-node 8 ...
     python -m jax_ep.bench --processes 2 --ranks 2 --backends reference --quick  # CPU
 
-Each process runs the single-process benchmark (jax_ep.bench, or jax_ep.bench_low_latency
+Each process runs the single-process benchmark (jax_ep.bench, or jax_ep.bench.low_latency
 for internode_low_latency) over the global mesh of all processes' devices and writes its
 own JSON; this launcher merges them into the same JSON as the single-process command,
 where each result's `median_s` is the slowest process's median (a collective op ends
@@ -15,12 +15,12 @@ machine with GPUs take GPU `process % GPUs` (several processes share a GPU when 
 fewer GPUs than processes: CUDA MPS shares are set, NVSHMEM stays on this node); without
 GPUs (or with --platform cpu) they run on one CPU device each, with gloo collectives.
 
-On several machines, start the worker (jax_ep/bench_worker.py) yourself in every
+On several machines, start the worker (jax_ep/bench/worker.py) yourself in every
 process (srun, mpirun, ...), then merge:
 
-    python -m jax_ep.bench_worker --process-id I --num-processes N \\
+    python -m jax_ep.bench.worker --process-id I --num-processes N \\
         --coordinator HOST:PORT --out DIR --kind normal -- <bench arguments>
-    python -m jax_ep.bench_launch merge --out DIR --num-processes N --json merged.json
+    python -m jax_ep.bench.launch merge --out DIR --num-processes N --json merged.json
 """
 from __future__ import annotations
 
@@ -79,10 +79,10 @@ def local_gpus() -> int:
 
 def worker_env(*, processes: int, gpus: int, nvshmem: bool, internode_mode,
                gpus_per_node, platform: str, environ=None) -> dict:
-    """The workers' environment (jax_ep._launch.process_env): the internode mode and node
+    """The workers' environment (jax_ep._src.launch.process_env): the internode mode and node
     size, NVSHMEM on this machine only, and for processes sharing a GPU their CUDA MPS
-    share (jax_ep._launch.mps_share) with NCCL off for NVSHMEM (it cannot share a GPU)."""
-    from jax_ep._launch import mps_share, process_env
+    share (jax_ep._src.launch.mps_share) with NCCL off for NVSHMEM (it cannot share a GPU)."""
+    from jax_ep._src.launch import mps_share, process_env
 
     env = process_env(environ)
     if nvshmem:
@@ -102,8 +102,8 @@ def launch_main(argv: list[str], *, validate=None, table=None) -> dict:
     validate(kind, argv): raises on the bench's own argument errors (before any process
     starts); table(report): the merged normal-mode table to print. jax_ep.bench passes
     both, so this module imports neither benchmark (the workers do:
-    jax_ep/bench_worker.py)."""
-    from jax_ep._launch import free_port, run_workers
+    jax_ep/bench/worker.py)."""
+    from jax_ep._src.launch import free_port, run_workers
 
     argv = list(argv)
     mode = _pop(argv, "--mode", "normal")
@@ -162,7 +162,7 @@ def launch_main(argv: list[str], *, validate=None, table=None) -> dict:
     env = worker_env(processes=processes, gpus=gpus, nvshmem=nvshmem,
                      internode_mode=internode_mode,
                      gpus_per_node=gpus_per_node, platform=platform)
-    argvs = [[sys.executable, "-m", "jax_ep.bench_worker", "--process-id",
+    argvs = [[sys.executable, "-m", "jax_ep.bench.worker", "--process-id",
               str(i), "--num-processes", str(processes), "--coordinator",
               f"localhost:{port}", "--out", out, "--kind", kind, "--platform", platform,
               "--local-device", str(i % gpus if gpus else 0), "--"] + argv
@@ -241,7 +241,7 @@ def _print(report: dict, kind: str, table=None) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["merge"]:
-        p = argparse.ArgumentParser(prog="python -m jax_ep.bench_launch merge")
+        p = argparse.ArgumentParser(prog="python -m jax_ep.bench.launch merge")
         p.add_argument("--out", required=True)
         p.add_argument("--num-processes", type=int, required=True)
         p.add_argument("--json", required=True)
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
             json.dump(report, f, indent=1)
         print(f"wrote {a.json}")
         return 0
-    raise SystemExit("python -m jax_ep.bench_launch merge --out DIR --num-processes N "
+    raise SystemExit("python -m jax_ep.bench.launch merge --out DIR --num-processes N "
                      "--json PATH merges the workers' reports; to launch, run "
                      "python -m jax_ep.bench --processes N ...")
 

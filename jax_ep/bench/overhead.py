@@ -2,7 +2,7 @@
 
 Three jitted programs over the same mesh and shapes, at sizes where the devices' work is
 small: `plain` (elementwise work on the tokens, no EP call), `plain+order` (the same work
-with the EP calls' ordering token threaded through, jax_ep/_order.py: the cost of that
+with the EP calls' ordering token threaded through, jax_ep/_src/ordering.py: the cost of that
 path alone) and `ep` (dispatch then combine, the default backend). Each run calls one program `--calls` times back to back
 without waiting (the host's enqueue time per call) and then waits for the last result
 (the time per step with the devices' work); runs of the two alternate, and the medians of
@@ -40,8 +40,8 @@ def _programs(mesh, T, H, K, E, backend):
     def wrap(f):
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
-    from jax_ep import _order
-    # the same work with the EP calls' ordering token threaded through (jax_ep/_order.py)
+    from jax_ep._src import ordering as _order
+    # the same work with the EP calls' ordering token threaded through (jax_ep/_src/ordering.py)
     return {"plain": wrap(plain), "plain+order": wrap(_order.ordered(plain)), "ep": wrap(ep)}
 
 

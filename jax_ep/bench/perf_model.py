@@ -1,5 +1,5 @@
 """A roofline-style MODEL of the kernels' time on an H200, computed from the emulated GPU's
-counters (jax_ep.emulator; docs/performance.md, "Modelled H200 estimate"). It is a model,
+counters (jax_ep._src.emu; docs/performance.md, "Modelled H200 estimate"). It is a model,
 not a measurement: no kernel of this project has run on a GPU. Every constant is stated
 below; change them with `Constants(...)`.
 
@@ -85,7 +85,7 @@ def _bytes(c: dict, prefix: str, space: str) -> dict[int, int]:
 
 def device_time(c: dict[str, int], k: Constants = H200) -> dict[str, Any]:
     """The model for one virtual GPU's counters of one op (flat names, as
-    jax_ep.emulator.counters(device) returns them)."""
+    jax_ep._src.emu.counters(device) returns them)."""
     ld_l, st_l = _bytes(c, "load_bytes", "local"), _bytes(c, "store_bytes", "local")
     ld_p, st_p = _bytes(c, "load_bytes", "peer"), _bytes(c, "store_bytes", "peer")
     put_peer, put_rdma = int(c.get("put_bytes:peer", 0)), int(c.get("put_bytes:rdma", 0))

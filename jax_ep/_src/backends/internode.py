@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep._common import Cfg, axis_names, ep_call, like, next_call_site, unify_varying
-from jax_ep._types import DispatchHandle, InternodeHandleParts
-from jax_ep.backends.ffi import layout
-from jax_ep.runtime import nvshmem
+from jax_ep._src.common import Cfg, axis_names, ep_call, like, next_call_site, unify_varying
+from jax_ep._src.types import DispatchHandle, InternodeHandleParts
+from jax_ep._src.backends.ffi import layout
+from jax_ep import nvshmem_bootstrap as nvshmem
 
 __all__ = ["ep_rank", "transport_attrs", "send_row_from", "layout", "dispatch", "combine",
            "gather", "InternodeRankError", "InternodeError", "transport_report",
@@ -51,8 +51,8 @@ class InternodeError(RuntimeError):
 
 
 def _ext():
-    """The NVSHMEM module (jax_ep._ext.nvshmem_ext), None where not built or loadable."""
-    from jax_ep import _ext as ext_mod
+    """The NVSHMEM module (jax_ep._src.ext.nvshmem_ext), None where not built or loadable."""
+    from jax_ep._src import ext as ext_mod
     return ext_mod.nvshmem_ext()
 
 
@@ -394,7 +394,7 @@ def _ll_limits(cfg: Cfg, rows: int, topk: int, hidden: int, itemsize: int,
                          f"low-latency area holds (max_tokens_per_rank x topk = "
                          f"{ll['max_tokens_per_rank']} x {ll['topk']})")
     if rows_per_dest is not None:
-        from jax_ep import _ext
+        from jax_ep._src import ext as _ext
         lay = _ext.require_ext().ll_area_layout(cfg.num_ranks, ll["max_tokens_per_rank"],
                                                 ll["row_bytes"], ll["topk"], E)
         if rows_per_dest > lay["rows_per_dest"]:
@@ -445,7 +445,7 @@ def ll_dispatch_send_fp8(x, topk_idx, cfg: Cfg, round_scale: bool):
     """x[S, H] (float32, bfloat16, float16; H a multiple of 128) cast to FP8 in the send
     kernel (jax_ep.fp8.quantize's rule), one message per (token, slot) holding the values
     and the 1 x 128 scales -> (token int32[2], carrier [0, H] float8_e4m3fn)."""
-    from jax_ep.backends.ffi import ll_fp8_msg_bytes
+    from jax_ep._src.backends.ffi import ll_fp8_msg_bytes
     R = cfg.num_ranks
     rank = ep_rank(cfg.axis_name, R)
     S, H = x.shape

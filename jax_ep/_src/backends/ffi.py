@@ -3,7 +3,7 @@
 names (`jax_ep_layout`, `jax_ep_dispatch`, `jax_ep_combine`, `jax_ep_gather`, and the
 low-latency `jax_ep_ll_*`), so XLA picks the platform's handler. Functions run per shard,
 inside `shard_map`, with the signatures every backend module shares (cfg is a
-`jax_ep._common.Cfg`).
+`jax_ep._src.common.Cfg`).
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep._common import Cfg, ep_call, ep_coords, like, next_call_site, unify_varying
-from jax_ep._types import DispatchHandle, DispatchLayout
-from jax_ep._value_check import across_groups, checked
+from jax_ep._src.common import Cfg, ep_call, ep_coords, like, next_call_site, unify_varying
+from jax_ep._src.types import DispatchHandle, DispatchLayout
+from jax_ep._src.value_check import across_groups, checked
 
 
 def layout(topk_idx, cfg: Cfg) -> DispatchLayout:
@@ -34,7 +34,7 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     """x[T, H], topk_idx[T, K] int32, topk_weights[T, K] float32 -> (recv_x[C, H],
     recv_topk_idx[C, K], recv_topk_weights[C, K], DispatchHandle)."""
     if cfg.check_ids and across_groups(cfg.axis_name, cfg.group_axes):
-        # The kernel's id error reaches its own EP group only (jax_ep/_value_check.py).
+        # The kernel's id error reaches its own EP group only (jax_ep/_src/value_check.py).
         topk_idx = checked(topk_idx, cfg.num_experts, axis_name=cfg.axis_name,
                            groups=cfg.group_axes)
     rank, group = ep_coords(cfg.axis_name, cfg.group_axes)
@@ -75,7 +75,7 @@ def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias):
     R = handle.num_ranks
     order = {}
     if jax.default_backend() == "cpu":
-        from jax_ep.backends.reference import combine_node_size
+        from jax_ep._src.backends.reference import combine_node_size
         G = combine_node_size(R)
         if G < R:  # several nodes (the kernel's default is one)
             order = dict(gpus_per_node=np.int64(G))
@@ -121,8 +121,8 @@ def _ll_platform_check(cfg: Cfg, topk: int | None = None,
     if platform != "gpu":
         raise NotImplementedError(
             f"jax_ep.low_latency with backend='ffi' on {platform!r}: only CPU and CUDA "
-            "GPUs have handlers (jax_ep/backends/ffi.py ll_*); use backend='reference'")
-    from jax_ep.runtime import cuda as cuda_rt
+            "GPUs have handlers (jax_ep/_src/backends/ffi.py ll_*); use backend='reference'")
+    from jax_ep import cuda as cuda_rt
     area = cuda_rt.low_latency_area()
     if area is None:
         raise ValueError("jax_ep.low_latency with backend='ffi' on GPUs needs a low-latency "
@@ -161,7 +161,7 @@ def ll_dispatch_send(x, topk_idx, cfg: Cfg):
     K = topk_idx.shape[1]
     gpu = _ll_platform_check(cfg, topk=K, row_bytes=H * jnp.dtype(x.dtype).itemsize)
     if cfg.check_ids and across_groups(cfg.axis_name, cfg.group_axes):
-        # The kernel's id error reaches its own EP group only (jax_ep/_value_check.py).
+        # The kernel's id error reaches its own EP group only (jax_ep/_src/value_check.py).
         topk_idx = checked(topk_idx, cfg.num_experts, axis_name=cfg.axis_name,
                            groups=cfg.group_axes, repeats=True, where="jax_ep.low_latency")
     x, topk_idx = unify_varying(x, topk_idx)

@@ -1,12 +1,12 @@
 """`python -m jax_ep.bench --emulated`: what the CUDA kernels do, COUNTED by the emulated GPU
-(kernels/emu, jax_ep.emulator) for one configuration of each mode. These are counts of
+(kernels/emu, jax_ep._src.emu) for one configuration of each mode. These are counts of
 launches, blocks, warps, bytes by access width and memory space, fences, release stores,
 acquire loads, polls, puts, signals and work requests, taken while the unchanged kernel
 sources run on the CPU. They are NOT measurements of a GPU, and the emulator's own
 virtual time is not a GPU time.
 
-`--model` adds jax_ep.model's roofline-style H200 estimate (a MODEL, every constant in
-jax_ep/model.py) at the issue's target shapes: each mode is counted at small shapes and
+`--model` adds jax_ep.bench.perf_model's roofline-style H200 estimate (a MODEL, every constant in
+jax_ep/bench/perf_model.py) at the issue's target shapes: each mode is counted at small shapes and
 every counter fitted linearly in tokens and tokens x hidden, then evaluated at the target.
 
 Modes: intranode (normal dispatch/combine over NVLink peers), intranode_ll (intranode
@@ -27,7 +27,7 @@ MODES = ("intranode", "intranode_ll", "direct", "hierarchical", "internode_ll")
 NOTE = ("COUNTED by the emulated GPU (the kernel sources run on the CPU): counts of what the "
         "kernels do, not measurements on a GPU")
 MODEL_NOTE = ("MODEL: a roofline-style estimate for H200 from the emulated GPU's counts "
-              "(constants in jax_ep/model.py), not a measurement")
+              "(constants in jax_ep/bench/perf_model.py), not a measurement")
 
 # Small default shapes (a minute or two on 2 CPU cores for all modes): ranks, nodes
 # (internode), tokens per rank, hidden, top-k, experts; dtype bfloat16.
@@ -53,7 +53,7 @@ def _routing(seed, R, T, K, E):
     """Each token picks K distinct experts uniformly (the top-k of random scores), from a
     stream per rank of its own: the routing does not depend on H, and the first T tokens
     at 2T are those at T. So the model's points (T, H), (2T, H) and (T, 2H) differ only in
-    what they add (jax_ep.model.scale_counters), not in a fresh draw of the most loaded
+    what they add (jax_ep.bench.perf_model.scale_counters), not in a fresh draw of the most loaded
     GPU, block or ring, whose noise a linear fit would carry to the target's T H."""
     out = np.empty((R, T, K), np.int32)
     for r in range(R):
@@ -96,7 +96,7 @@ def count_mode(mode: str, shape: dict, *, seed: int = 0,
 
 def _count_mode(mode: str, shape: dict, *, seed: int = 0,
                 resident_blocks: int | None = None) -> dict[str, Any]:
-    from jax_ep import emulator as em
+    from jax_ep._src import emu as em
 
     t0 = time.perf_counter()
     R, T, H, K, E = (shape[k] for k in ("ranks", "tokens", "hidden", "topk", "experts"))
@@ -199,8 +199,8 @@ def _total(per_device: list[dict]) -> dict[str, int]:
 
 
 def row_of(mode: str, op: str, shape: dict, per_device: list[dict]) -> dict[str, Any]:
-    """One table/JSON row: totals over the GPUs, grouped (jax_ep.emulator.summarize)."""
-    from jax_ep.emulator import summarize
+    """One table/JSON row: totals over the GPUs, grouped (jax_ep._src.emu.summarize)."""
+    from jax_ep._src.emu import summarize
 
     tot = _total(per_device)
     s = summarize(tot)
@@ -338,7 +338,7 @@ MODEL_MODE = {"intranode": "intranode", "hierarchical_2x8": "hierarchical",
 def run_model(names, *, seed=0, progress=True, bf16_dispatch=False,
               resident_blocks=None, tokens=None, constants=None) -> list[dict]:
     """Counts each target of `names` at its small shapes (MODEL_COUNT; `tokens` replaces
-    their T) and models it with `constants` (jax_ep.model.H200 when None)."""
+    their T) and models it with `constants` (jax_ep.bench.perf_model.H200 when None)."""
     out = []
     for name in names:
         mode = MODEL_MODE[name]
@@ -366,8 +366,8 @@ def run_model(names, *, seed=0, progress=True, bf16_dispatch=False,
 def model_entry(name: str, points: list[dict], constants=None) -> dict:
     """The model at target `name` from its counted points [{"shape", "dispatch": [per
     GPU counters], "combine": [...]}] (kept in the JSON, so `--model-from` recomputes the
-    model without counting again), with `constants` (jax_ep.model.H200 when None)."""
-    from jax_ep import model
+    model without counting again), with `constants` (jax_ep.bench.perf_model.H200 when None)."""
+    from jax_ep.bench import perf_model as model
 
     k = model.H200 if constants is None else constants
     target = dict(TARGETS[name])
@@ -411,7 +411,7 @@ def verdict_words(verdict: dict, op: str) -> str:
 
 
 def format_model(entries: list[dict], constants=None) -> str:
-    from jax_ep import model
+    from jax_ep.bench import perf_model as model
 
     k = model.H200 if constants is None else constants
     lines = [MODEL_NOTE,
@@ -425,7 +425,7 @@ def format_model(entries: list[dict], constants=None) -> str:
              f"{k.fence_gpu_s * 1e6:.1f} us, release {k.release_s * 1e6:.1f} us, WR "
              f"{k.wr_s * 1e6:.2f} us",
              "counts at small shapes scaled linearly in T and T*H to the target (see "
-             "jax_ep.model.scale_counters)",
+             "jax_ep.bench.perf_model.scale_counters)",
              f"{'target':<18} {'op':<9} {'model us':>9} {'bound':>6} {'SMs':>4} "
              f"{'NVLink frac':>11} {'RDMA GB/s':>9}  target met?"]
     for e in entries:
@@ -442,12 +442,12 @@ def format_model(entries: list[dict], constants=None) -> str:
 # ----------------------------------------------------------------------------- CLI
 
 def model_constants(settings: list[str]):
-    """jax_ep.model.H200 with each "name=value" of `settings` applied (--model-set): a
+    """jax_ep.bench.perf_model.H200 with each "name=value" of `settings` applied (--model-set): a
     float for the rates and costs, an int for num_sms, true/false (1/0) for tma_overlaps.
     ValueError names the setting that is not one."""
     import dataclasses
 
-    from jax_ep import model
+    from jax_ep.bench import perf_model as model
 
     fields = [f.name for f in dataclasses.fields(model.Constants)]
     changes: dict[str, Any] = {}
@@ -498,7 +498,7 @@ def parse_args(argv=None):
                         "their defaults (intranode 48): a larger T brings the busiest "
                         "block's share nearer the target's, at a longer count")
     p.add_argument("--model-set", action="append", default=[], metavar="NAME=VALUE",
-                   help="change one of the model's constants (jax_ep.model.Constants), e.g. "
+                   help="change one of the model's constants (jax_ep.bench.perf_model.Constants), e.g. "
                         "sm_tma_Bps=100e9 or tma_overlaps=false; repeatable")
     p.add_argument("--model-from", metavar="JSON",
                    help="recompute the model from the counted points of an earlier --json "
@@ -539,7 +539,7 @@ def main(argv=None) -> dict:
                 shapes[m][k] = getattr(a, k)
         if a.nodes is not None and "nodes" in shapes[m]:
             shapes[m]["nodes"] = a.nodes
-    from jax_ep import emulator
+    from jax_ep._src import emu as emulator
     report: dict[str, Any] = {"note": NOTE, "kind": "emulated_counts",
                               "module": getattr(emulator.module(), "__file__", "")}
     old = None

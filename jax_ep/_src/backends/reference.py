@@ -4,17 +4,17 @@ Correct on every platform and across processes, and the oracle of the tests. Eve
 function runs per shard, inside `shard_map`, like the `jax.lax` collectives, and has the
 signature every backend module shares: `layout(topk_idx, cfg)`, `dispatch(x, topk_idx,
 topk_weights, cfg)`, `combine(y, handle, cfg)`, `gather(g, handle, cfg)` with cfg a
-`jax_ep._common.Cfg`.
+`jax_ep._src.common.Cfg`.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _arrival
-from jax_ep._common import Cfg, axis_names
-from jax_ep._value_check import checked, neutralized
-from jax_ep._types import DispatchHandle, DispatchLayout
+from jax_ep._src import arrival as _arrival
+from jax_ep._src.common import Cfg, axis_names
+from jax_ep._src.value_check import checked, neutralized
+from jax_ep._src.types import DispatchHandle, DispatchLayout
 
 
 def _owner(topk_idx, experts_per_rank):
@@ -64,11 +64,11 @@ def _static(cfg: Cfg, handle: DispatchHandle | None = None) -> str:
 def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     num_experts, R, C, axis_name = cfg.num_experts, cfg.num_ranks, cfg.capacity, cfg.axis_name
     # Several processes on CPU: every peer has arrived before the first collective
-    # (jax_ep/_arrival.py); elsewhere a no-op.
+    # (jax_ep/_src/arrival.py); elsewhere a no-op.
     x, topk_idx, topk_weights = _arrival.arrive("dispatch", (x, topk_idx, topk_weights),
                                                 _static(cfg))
     if cfg.check_ids:
-        # Agreed on every rank before the first all_to_all (jax_ep/_value_check.py).
+        # Agreed on every rank before the first all_to_all (jax_ep/_src/value_check.py).
         topk_idx = checked(topk_idx, num_experts, axis_name=axis_name, groups=cfg.group_axes)
     rank = jax.lax.axis_index(axis_names(axis_name))
     T, H = x.shape
@@ -198,7 +198,7 @@ def gather(g, handle: DispatchHandle, cfg: Cfg):
 # Here the send halves hold the all_to_all and the receive halves the local packing.
 # ============================================================================
 
-from jax_ep._common import unify_varying  # noqa: E402 - low-latency section only
+from jax_ep._src.common import unify_varying  # noqa: E402 - low-latency section only
 
 
 def ll_slot_positions(topk_idx, num_experts):
@@ -217,7 +217,7 @@ def ll_dispatch_send(x, topk_idx, cfg: Cfg):
     el = E // R
     x, topk_idx = _arrival.arrive("low_latency.dispatch_send", (x, topk_idx), _static(cfg))
     if cfg.check_ids:
-        # Agreed on every rank before the all_to_all (jax_ep/_value_check.py).
+        # Agreed on every rank before the all_to_all (jax_ep/_src/value_check.py).
         topk_idx = checked(topk_idx, E, axis_name=cfg.axis_name, groups=cfg.group_axes,
                            repeats=True, where="jax_ep.low_latency")
     S, H = x.shape
