@@ -3,8 +3,9 @@ independent calls too (jax_ep._src.ordering): two EP calls of one rank must neve
 (they share per-op state on the GPU), also when XLA runs independent branches of a CUDA
 graph concurrently (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT). Checked on the
 program exported for CUDA: the later call's operands reach the earlier call's results,
-also across nested jit, scan, cond and checkpoint bodies (the program-wide token), and a
-failed execution does not fail the next one (its token is not kept)."""
+and a nested jit, scan, cond or checkpoint body's calls reach the calls traced before
+the body. The order is threaded as values: no effect, no token, so compiled programs
+keep JAX's C++ fast path and a failed execution does not fail the next one."""
 from __future__ import annotations
 
 import os
@@ -95,7 +96,6 @@ def test_two_independent_dispatches_are_chained():
 
 def test_the_check_fails_without_the_chain(monkeypatch):
     from jax_ep._src import ordering as _order
-    monkeypatch.setattr(_order, "_barrier", lambda leaves: leaves)
     monkeypatch.setattr(_order, "last_call", lambda trace=None: None)
     calls = ep_calls_with_deps(_export_cuda(_two_dispatches, *_inputs()))
     assert len(calls) == 2
@@ -103,32 +103,17 @@ def test_the_check_fails_without_the_chain(monkeypatch):
         assert_chained(calls)
 
 
-def test_the_fallback_chains_the_calls_of_one_trace(monkeypatch):
-    """Where JAX lacks what the token needs (order_p is None), the calls of one trace
-    are still chained through a result of the call before."""
-    from jax_ep._src import ordering as _order
-    monkeypatch.setattr(_order, "order_p", None)
-    text = _export_cuda(_two_dispatches, *_inputs())
-    assert "jax.token" not in text
-    calls = ep_calls_with_deps(text)
-    assert [c["target"] for c in calls] == ["jax_ep_dispatch"] * 2
-    assert_chained(calls)
-
-
 def _unused_dispatch(x, idx, w):
     jax_ep.dispatch(x * 2, idx, w, num_experts=E, axis_name="ep", backend="ffi")
     return x + 1
 
 
-@pytest.mark.parametrize("token", [True, False])
-def test_a_call_with_unused_results_still_runs_with_the_token(token, monkeypatch):
-    """The token takes every call's results, so a call nobody reads is kept (on every
-    rank alike); without the token JAX drops it."""
-    from jax_ep._src import ordering as _order
-    if not token:
-        monkeypatch.setattr(_order, "order_p", None)
+def test_a_call_with_unused_results_is_dropped_on_every_rank():
+    """Nothing keeps a call whose results nobody reads: JAX drops it from the program
+    (the same program on every rank, so no rank waits for a peer that skipped it)."""
     text = _export_cuda(_unused_dispatch, *_inputs())
-    assert text.count("custom_call @jax_ep_dispatch(") == (1 if token else 0)
+    assert text.count("custom_call @jax_ep_dispatch(") == 0
+    assert "jax.token" not in text and "!stablehlo.token" not in text
 
 
 def test_dispatch_combine_pairs_and_gradients_are_chained():
@@ -348,8 +333,8 @@ def assert_all_pairs_ordered(calls: dict):
 
 
 def _nested_program(x, idx, w):
-    """Two independent calls in a scan body, one outside it, one in a nested jit, one in
-    a checkpoint region and one in a cond branch: only the call order relates them."""
+    """One call first, then calls in a scan body (two, independent), a nested jit, a
+    checkpoint region and a cond branch: only the call order relates them to the first."""
     def disp(v):
         return jax_ep.dispatch(v, idx, w, num_experts=E, axis_name="ep",
                                backend="ffi")[0][:T]
@@ -357,12 +342,26 @@ def _nested_program(x, idx, w):
     def body(carry, _):
         return carry + disp(carry) + disp(carry * 2), None
 
+    first = disp(x * 3)
     y, _ = jax.lax.scan(body, x, None, length=2)
-    outside = disp(x * 3)
     nested = jax.jit(disp)(x * 5)
     remat = jax.checkpoint(disp)(x * 7)
     branch = jax.lax.cond(jnp.sum(x) > 0, disp, lambda v: v * 2, x * 11)
-    return y + outside + nested + remat + branch
+    return y + first + nested + remat + branch
+
+
+def _layers_program(x, idx, w):
+    """An MoE model's shape: each layer's input is the last one's output, layers in a
+    scan body, a nested jit, a checkpoint region and a cond branch."""
+    def layer(v):
+        rx, _, _, h = jax_ep.dispatch(v, idx, w, num_experts=E, axis_name="ep",
+                                      backend="ffi")
+        return jax_ep.combine(jnp.tanh(rx), h, backend="ffi") + v
+
+    y, _ = jax.lax.scan(lambda c, _: (layer(c), None), layer(x), None, length=2)
+    y = jax.jit(layer)(y)
+    y = jax.checkpoint(layer)(y)
+    return jax.lax.cond(jnp.sum(y) > 0, layer, lambda v: v * 2, y)
 
 
 def _flow(f):
@@ -371,25 +370,44 @@ def _flow(f):
     return flow.calls
 
 
-def test_calls_in_nested_bodies_are_ordered_against_all_others():
+def assert_after_the_first(calls: dict):
+    """Every call depends on the program's first call (the one call that depends on
+    none)."""
+    first = sorted((c for c, v in calls.items() if not v["after"]), key=len)
+    assert len(first) == 1, f"{first[1:]} is not ordered after {first[:1]}"
+    for c, v in calls.items():
+        if c != first[0]:
+            assert first[0] in v["after"], f"{v['target']} {c} is not ordered after {first[0]}"
+
+
+def test_calls_in_nested_bodies_follow_the_calls_before_them():
     calls = _flow(_nested_program)
-    assert len(calls) == 6  # scan body 2, outside, nested jit, checkpoint, cond branch
+    assert len(calls) == 6  # first, scan body 2, nested jit, checkpoint, cond branch
+    assert_after_the_first(calls)
+    body = [c for c in calls if re.search(r"@\d+w", c)]
+    assert len(body) == 2 and body[0] in calls[body[1]]["after"] or \
+        body[1] in calls[body[0]]["after"], body
+
+
+def test_layers_in_nested_bodies_are_ordered_against_all_others():
+    calls = _flow(_layers_program)
+    assert len(calls) == 10  # 5 layers x (dispatch, combine)
     assert_all_pairs_ordered(calls)
 
 
-def test_the_module_check_fails_with_the_per_trace_chain_only(monkeypatch):
-    """The fallback (each trace chains its own calls, the order before the program-wide
-    token) leaves the scan body's calls unordered against the others: the check sees it."""
+def test_the_module_check_fails_without_the_link_to_enclosing_traces(monkeypatch):
+    """Chaining each trace's own calls only (no link to the enclosing trace's last call)
+    leaves the nested bodies' calls unordered against the first: the check sees it."""
     from jax_ep._src import ordering as _order
-    monkeypatch.setattr(_order, "order_p", None)
+    monkeypatch.setattr(_order, "_ancestors", lambda trace: iter([trace]))
     calls = _flow(_nested_program)
     assert len(calls) == 6
-    with pytest.raises(AssertionError, match="not ordered"):
-        assert_all_pairs_ordered(calls)
+    with pytest.raises(AssertionError, match="is not ordered after"):
+        assert_after_the_first(calls)
 
 
 def test_the_module_check_sees_a_cond_branch_left_out(monkeypatch):
-    """Without the token around the cond branch's call only, the check names that call."""
+    """Without the chain around the cond branch's call only, the check names that call."""
     from jax_ep._src import ordering as _order
 
     def f(x, idx, w):
@@ -397,7 +415,7 @@ def test_the_module_check_sees_a_cond_branch_left_out(monkeypatch):
 
         def yes(v):
             with monkeypatch.context() as m:
-                m.setattr(_order, "order_p", None)
+                m.setattr(_order, "last_call", lambda trace=None: None)
                 return jax_ep.dispatch(v, idx, w, num_experts=E, axis_name="ep",
                                        backend="ffi")[0][:T]
 
@@ -438,7 +456,7 @@ def test_nested_order_under_concurrent_command_buffer_scheduling():
     code = (
         "import sys; sys.path.insert(0, 'tests');"
         "import test_call_order as t;"
-        "calls = t._flow(t._nested_program);"
+        "calls = t._flow(t._layers_program);"
         "t.assert_all_pairs_ordered(calls); print('ORDERED', len(calls))")
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
@@ -447,7 +465,7 @@ def test_nested_order_under_concurrent_command_buffer_scheduling():
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "ORDERED 6" in r.stdout
+    assert "ORDERED 10" in r.stdout
 
 
 # ---- between executions: a failed execution does not fail the next one ----
@@ -460,8 +478,6 @@ def _failing_then_good():
                                    max_tokens_per_rank=M, backend="ffi")
         return recv[None], cnt[None]
 
-    from jax._src import dispatch
-    dispatch.runtime_tokens.clear()  # no earlier test's program tokens (other devices)
     g = jax.jit(jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep")))
     x, idx, _ = _inputs()
     bad = idx.at[1].set(5)  # rank 0's token 1 names expert 5 twice
@@ -471,31 +487,14 @@ def _failing_then_good():
 
 
 def test_a_failed_execution_does_not_fail_the_next():
-    from jax_ep._src import ordering as _order
-    assert _order.order_p is not None
     recv, cnt = _failing_then_good()
     # every token goes to experts 0 and 3, each rank's experts 2r, 2r+1: rank 0 gets
     # all T tokens of every rank for expert 0, rank 1 for expert 3
     np.testing.assert_array_equal(np.asarray(cnt)[:2], [[R * T, 0], [0, R * T]])
     assert np.isfinite(np.asarray(recv)).all()
-    jax.effects_barrier()  # the good execution's token replaced the failed one's
 
 
-def test_keeping_the_token_would_fail_the_next(monkeypatch):
-    """With JAX's own handling (the output token kept for the next execution), the good
-    program raises the failed one's error: the case the hook exists for."""
-    from jax._src import dispatch
-    hooked = dispatch.RuntimeTokenSet.set_token_result
-    monkeypatch.setattr(dispatch.RuntimeTokenSet, "set_token_result",
-                        hooked._jax_ep_original)
-    try:
-        with pytest.raises(Exception, match="names expert 5 more than once"):
-            _failing_then_good()
-    finally:
-        dispatch.runtime_tokens.clear()
-
-
-# ---- programs compiled ahead of time ----
+# ---- programs compiled ahead of time, and JAX's C++ fast path ----
 
 _AOT = """
 import jax, jax.numpy as jnp, numpy as np
@@ -509,7 +508,6 @@ g = jax.jit(jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep"
 x = jnp.arange(R * T * H, dtype=jnp.float32).reshape(R * T, H)
 idx = jnp.tile(jnp.arange(K, dtype=jnp.int32) * 3, (R * T, 1))
 w = jnp.ones((R * T, K), jnp.float32)
-{undo}
 c = g.lower(x, idx, w).compile()
 want = np.asarray(g(x, idx, w))
 for i in range(3):  # the C++ fast path takes over from the second call
@@ -519,32 +517,36 @@ print("AOT OK")
 """
 
 
-def _run_aot(undo: str):
+def test_a_compiled_program_called_again_and_again():
+    """`jit(f).lower(...).compile()` called again and again (what jax_ep.bench does)
+    gives the jitted function's results."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    return subprocess.run([sys.executable, "-c", _AOT.format(undo=undo)], cwd=here,
-                          env=env, capture_output=True, text=True, timeout=600)
-
-
-def test_a_compiled_program_is_called_with_its_token():
-    """`jit(f).lower(...).compile()` called again and again (what jax_ep.bench does)
-    gives the jitted function's results."""
-    r = _run_aot("")
+    r = subprocess.run([sys.executable, "-c", _AOT], cwd=here, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "AOT OK" in r.stdout
 
 
-def test_without_the_hook_a_compiled_program_loses_its_token():
-    """JAX's own C++ fast path for a compiled program passes no token from the second
-    call on: XLA rejects the call ("expected 4") and the process crashes or raises; the
-    case `_hook_aot_calls` exists for."""
-    undo = ("from jax._src.interpreters import pxla;"
-            "pxla.MeshExecutable.create_cpp_call = "
-            "pxla.MeshExecutable.create_cpp_call._jax_ep_original")
-    r = _run_aot(undo)
-    assert r.returncode != 0 and "AOT OK" not in r.stdout
-    assert "arguments but compiled program expected" in r.stderr, r.stderr[-3000:]
+def test_ep_programs_keep_jax_fast_path():
+    """A jitted program with EP calls is called like a plain jit: from the second call
+    on, JAX's C++ fast path runs it and no Python function runs per call (an ordered
+    effect would send every call through JAX's Python path, hundreds of calls)."""
+    from jax_ep.bench.overhead import _python_calls
+
+    def f(x, idx, w):
+        rx, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                      backend="ffi")
+        return jax_ep.combine(rx, h, backend="ffi")
+
+    mesh = ep_mesh(R)
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    # inputs already laid out as the program wants them (no resharding per call)
+    args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, P("ep"))) for a in _inputs()]
+    jax.block_until_ready(g(*args))
+    jax.block_until_ready(g(*args))
+    assert _python_calls(g, args) <= 5
 
 
 def _all_eqns(jaxpr):
@@ -559,9 +561,9 @@ def _all_eqns(jaxpr):
 
 @pytest.mark.parametrize("backend", ["ffi", "reference"])
 def test_empty_operands_stay_out_of_the_order_barrier(backend):
-    """With T == 0 the token's barrier gets no empty array (nothing to order; XLA 0.12's
-    CSE aborts the compile on an empty constant inside it), and the call is still
-    ordered by the non-empty results."""
+    """With T == 0 the order's barriers get no empty array (nothing to order; XLA 0.12's
+    CSE aborts the compile on an empty constant inside it), and the combine is still
+    ordered after the dispatch by its non-empty results."""
     def f(x, idx, w):
         rx, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
                                       capacity=4, backend=backend)
@@ -571,7 +573,7 @@ def test_empty_operands_stay_out_of_the_order_barrier(backend):
     x = jnp.zeros((0, H), jnp.float32)
     idx, w = jnp.zeros((0, K), jnp.int32), jnp.zeros((0, K), jnp.float32)
     barriers = [e for e in _all_eqns(jax.make_jaxpr(g)(x, idx, w).jaxpr)
-                if e.primitive.name == "jax_ep_order"]
+                if e.primitive.name == "optimization_barrier"]
     assert barriers, "no EP call was ordered"
     empty = [v.aval for e in barriers for v in e.invars if v.aval.size == 0]
     assert not empty, f"empty operands in the order barrier: {empty}"

@@ -247,10 +247,10 @@ def ep_call(target: str, results, *, vmap_method: str = "sequential"):
 
     Ordering: every call carries a unique `call_site` attribute, so XLA cannot merge
     (CSE) two of them; calls with a data dependency run in order, and independent calls
-    that jax-ep itself emits are chained with `after`; every call is also ordered after
-    the EP calls traced before it in the program, across nested bodies (`jax_ep._src.ordering`;
-    its token takes every call's results, so a call whose results are unused still runs,
-    in order, on every rank). The calls are deliberately not marked side-effecting: JAX
+    that jax-ep itself emits are chained with `after`; every call is also chained after
+    the EP call traced before it (`jax_ep._src.ordering`: values through optimization
+    barriers; a nested body's first call after the enclosing trace's last one). The
+    calls are deliberately not marked side-effecting: JAX
     refuses side-effecting calls under `jax.checkpoint` (remat), which MoE training needs.
     Stream: on GPU each call runs in a region on XLA's collective stream
     (`jax_ep._src.stream`, setting `jax_ep.config.collective_stream`).

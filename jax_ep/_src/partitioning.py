@@ -129,8 +129,9 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, kind=None, **fa
     # On GPU the op sits in a collective-stream region; the body, traced by the
     # partitioner inside it, emits plain EP calls (jax_ep._src.stream).
     partition_body = _stream.partitioned_body(_without_barriers(body))
-    # XLA's partitioner lowers the body with no call-order token; the op itself is
-    # ordered in the enclosing program (jax_ep._src.ordering, through jax_ep._src.scope.named).
+    # XLA's partitioner traces the body after the user's trace is finished, so the body
+    # chains its own calls only; the op itself is ordered in the enclosing trace
+    # (jax_ep._src.ordering, through jax_ep._src.scope.named).
     partition_body = _order.unordered(partition_body)
 
     def out_shardings(mesh):

@@ -22,10 +22,9 @@ def current_op():
 
 
 def named(name: str):
-    # A public op that communicates is put in program order as a whole (jax_ep._src.ordering).
-    # With the program-wide token its inner calls are ordered anyway; where _order falls
-    # back to chaining per trace, the op's own calls sit in a custom_vjp body (a trace of
-    # their own), and only this chain orders the op against the calls around it.
+    # A public op that communicates is put in program order as a whole
+    # (jax_ep._src.ordering): its own calls sit in a custom_vjp body (a trace of their
+    # own), and this chain orders the op against the calls around it.
     ordered = not name.endswith("get_dispatch_layout")
 
     def decorate(fn):

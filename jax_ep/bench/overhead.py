@@ -1,9 +1,9 @@
 """Host cost per step of the EP calls: `python -m jax_ep.bench --dispatch-overhead`.
 
 Three jitted programs over the same mesh and shapes, at sizes where the devices' work is
-small: `plain` (elementwise work on the tokens, no EP call), `plain+order` (the same work
-with the EP calls' ordering token threaded through, jax_ep/_src/ordering.py: the cost of that
-path alone) and `ep` (dispatch then combine, the default backend). Each run calls one program `--calls` times back to back
+small: `plain` (two pieces of elementwise work on the tokens, no EP call), `plain+order`
+(the same two pieces chained as EP calls are, jax_ep/_src/ordering.py: the cost of the
+order alone) and `ep` (dispatch then combine, the default backend). Each run calls one program `--calls` times back to back
 without waiting (the host's enqueue time per call) and then waits for the last result
 (the time per step with the devices' work); runs of the two alternate, and the medians of
 `--runs` runs are reported, with the EP program's extra host time per step and per EP
@@ -27,10 +27,18 @@ def _programs(mesh, T, H, K, E, backend):
     from jax.sharding import PartitionSpec as P
 
     import jax_ep
+    from jax_ep._src import ordering as _order
 
-    def plain(x, idx, w):
+    def work(x, idx, w):
         s = jnp.sum(w, axis=1, keepdims=True) + jnp.sum(idx, axis=1, keepdims=True)
         return x * s.astype(x.dtype) + 1.0
+
+    def plain(x, idx, w):
+        return work(x, idx, w) + work(x * 2, idx, w)
+
+    def chained(x, idx, w):
+        step = _order.ordered(work)
+        return step(x, idx, w) + step(x * 2, idx, w)
 
     def ep(x, idx, w):
         rx, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
@@ -40,9 +48,7 @@ def _programs(mesh, T, H, K, E, backend):
     def wrap(f):
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
-    from jax_ep._src import ordering as _order
-    # the same work with the EP calls' ordering token threaded through (jax_ep/_src/ordering.py)
-    return {"plain": wrap(plain), "plain+order": wrap(_order.ordered(plain)), "ep": wrap(ep)}
+    return {"plain": wrap(plain), "plain+order": wrap(chained), "ep": wrap(ep)}
 
 
 def _time(f, args, calls):
@@ -138,7 +144,7 @@ def main(argv=None) -> dict:
         print(f"{k:>11} | {v['enqueue_us']:>15.1f} | {v['step_us']:>12.1f} | "
               f"{frames[k]:>17}")
     print(f"EP calls add {extra:.1f} us per step ({extra / 2:.1f} us per call, 2 calls "
-          f"per step; their work included on CPU); the ordering token alone (plain+order, "
+          f"per step; their work included on CPU); the call order alone (plain+order, "
           f"same work) adds {order:.1f} us per step")
     if a.json:
         with open(a.json, "w") as f:
