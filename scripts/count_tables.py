@@ -9,8 +9,9 @@
 counting emulator (kernels/emu/, the copy-counting hook of
 kernels/internode/device_copy.cuh and xla_ffi/emu/emu_module.cc copied over): a git
 worktree of 8ec4c50 with those files, its own emulated module built with
--DJAX_EP_CUDA=OFF. Its counts are stored in docs/emulated_counts_before.json, so a
-refresh of "after" does not rebuild it. "After" is a worktree of HEAD (what is committed),
+-DJAX_EP_CUDA=OFF. Its counts are stored in docs/emulated_counts_before.json.gz (compact
+JSON, gzip; `--rebuild-before` writes it anew), so a refresh of "after" does not rebuild
+it. "After" is a worktree of HEAD (what is committed),
 built the same way. Each side runs `python -m jax_ep.bench --emulated --model --json`
 with JAX_EP_EMU_MODULE_DIR pointing at its module. The numbers are COUNTS of the emulated
 GPU and a MODEL built on them, never measurements.
@@ -26,11 +27,27 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEFORE_COMMIT = "8ec4c50"
-BEFORE_JSON = os.path.join(ROOT, "docs", "emulated_counts_before.json")
+BEFORE_JSON = os.path.join(ROOT, "docs", "emulated_counts_before.json.gz")
 # What "before" takes from HEAD: the counting emulator and its copy hook.
 OVERLAY = ["kernels/emu", "kernels/internode/device_copy.cuh", "xla_ffi/emu/emu_module.cc"]
 MARKS = {"counts": ("<!-- counts:begin -->", "<!-- counts:end -->"),
          "model": ("<!-- model:begin -->", "<!-- model:end -->")}
+
+
+def store_before(before):
+    """Writes the "before" counts: compact JSON, gzip without a time stamp, so the same
+    counts give the same bytes; no path of this machine in it."""
+    import gzip
+    before = dict(before, module="(a build of the before worktree: --rebuild-before)")
+    data = json.dumps(before, separators=(",", ":"), sort_keys=True).encode()
+    with open(BEFORE_JSON, "wb") as f:
+        f.write(gzip.compress(data, 9, mtime=0))
+
+
+def load_before():
+    import gzip
+    with gzip.open(BEFORE_JSON, "rt") as f:
+        return json.load(f)
 
 
 def sh(cmd, **kw):
@@ -150,8 +167,7 @@ def main(argv=None):
         with open(a.before_json) as f:
             before = json.load(f)
         before["commit"] = f"{BEFORE_COMMIT} with the counting emulator of {head}"
-        with open(BEFORE_JSON, "w") as f:
-            json.dump(before, f)
+        store_before(before)
     elif a.rebuild_before or not os.path.exists(BEFORE_JSON):
         wt = os.path.join(a.scratch, "before")
         worktree(wt, BEFORE_COMMIT)
@@ -172,10 +188,12 @@ def main(argv=None):
                        os.path.join(a.scratch, "before.json"),
                        ["--emulated", "--model", "--bf16-dispatch", "--resident-blocks", "16"])
         before["commit"] = f"{BEFORE_COMMIT} with the counting emulator of {head}"
-        with open(BEFORE_JSON, "w") as f:  # per-GPU counts and model points: --model-from
-            json.dump(before, f)
-    with open(BEFORE_JSON) as f:
-        label = json.load(f).get("commit", BEFORE_COMMIT)
+        store_before(before)  # per-GPU counts and model points: --model-from
+    stored = load_before()
+    label = stored.get("commit", BEFORE_COMMIT)
+    plain = os.path.join(a.scratch, "before_stored.json")  # --model-from reads plain JSON
+    with open(plain, "w") as f:
+        json.dump(stored, f)
     if a.after_module:
         mod = a.after_module
     else:
@@ -184,7 +202,7 @@ def main(argv=None):
                                     text=True, check=True).stdout.strip())
         mod = build(wt, a.jobs)
     # the stored counts, regrouped and modelled by today's code (no recount)
-    before = count(mod, os.path.join(a.scratch, "before_now.json"), ["--model-from", BEFORE_JSON])
+    before = count(mod, os.path.join(a.scratch, "before_now.json"), ["--model-from", plain])
     before["commit"] = label
     if a.after_json:
         if not a.after_module:
