@@ -19,6 +19,7 @@ if(JAX_EP_EMU)
       kernels/emu/emu_runtime.cc
       xla_ffi/cuda/cuda_state.cc
       xla_ffi/emu/emu_module.cc
+      xla_ffi/common/settings_bindings.cc
       xla_ffi/emu/emu_setup.cc
       xla_ffi/emu/emu_intranode.cc
       xla_ffi/emu/emu_low_latency.cc)

@@ -89,6 +89,7 @@ set(JAX_EP_HAVE_NVSHMEM ON)
 nanobind_add_module(_jax_ep_nvshmem NB_STATIC
                     "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/internode/nvshmem_module.cc"
                     "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/internode/nvshmem_bindings.cc"
+                    "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/common/settings_bindings.cc"
                     "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/internode/low_latency_bindings.cc")
 target_include_directories(_jax_ep_nvshmem PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
 target_include_directories(_jax_ep_nvshmem SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}")

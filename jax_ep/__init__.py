@@ -8,6 +8,7 @@ Internals live in `jax_ep._src` (backends, ordering, partitioning, value checks,
 extension loader); docs/architecture.md draws the layers.
 """
 from jax_ep import config, cuda, nvshmem_bootstrap, sharded
+from jax_ep.config import Config
 from jax_ep._src import arrival as _arrival
 from jax_ep._src import deprecated as _deprecated
 from jax_ep._src.ext import build_info
@@ -18,6 +19,7 @@ from jax_ep.ops import combine, dispatch, get_dispatch_layout, resolve_backend
 from jax_ep._src.backends.internode import transport_report
 
 __all__ = [
+    "Config",
     "DispatchHandle",
     "DispatchLayout",
     "EPError",

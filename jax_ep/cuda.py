@@ -47,7 +47,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -119,14 +118,16 @@ def set_num_sms(num_sms: int | None) -> None:
     2: a sending and a receiving block per channel; default 24 at 8 ranks, see
     docs/intranode.md; gather's channel kernel the same), at one resident block per SM, so
     they fit beside other work (compute, an NCCL kernel, another MPS client).
-    None: the GPU's SMs less 16 (kernels/common/configs.h kReservedSms). Read at each
-    launch (``JAX_EP_NUM_SMS``): set it before the program is compiled or captured."""
+    None: the GPU's SMs less 16 (kernels/common/configs.h kReservedSms). The setting
+    ``jax_ep.config.num_sms`` (``JAX_EP_NUM_SMS``), read at each launch: set it before the
+    program is compiled or captured."""
+    from jax_ep import config
     if num_sms is None:
-        os.environ.pop("JAX_EP_NUM_SMS", None)
+        config.update("num_sms", None)
         return
     if isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)) or num_sms < 1:
         raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
-    os.environ["JAX_EP_NUM_SMS"] = str(int(num_sms))
+    config.update("num_sms", int(num_sms))
 
 
 def presets() -> list[dict]:
@@ -187,12 +188,10 @@ def dispatch_channels(num_ranks: int) -> int:
 
 
 def ring_tokens() -> int:
-    """Slots of each (channel, peer) ring: JAX_EP_RING_TOKENS when set (read at setup and at
-    each launch; keep it the same on every rank), else 128; within [1, 4096]
-    (kernels/common/configs.h IntranodeRingTokens)."""
-    v = os.environ.get("JAX_EP_RING_TOKENS", "")
-    if v:
-        int(v)  # not an integer: an error here, where the kernels would read atoi's 0
+    """Slots of each (channel, peer) ring: the setting ``jax_ep.config.ring_tokens``
+    (JAX_EP_RING_TOKENS; read at setup and at each launch; keep it the same on every
+    rank) when set, else 128; within [1, 4096] (kernels/common/configs.h
+    IntranodeRingTokens)."""
     return int(_ext.require_ext().intranode_ring_tokens())
 
 

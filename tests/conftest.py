@@ -33,6 +33,16 @@ def ep_mesh_2d(D: int, R: int) -> jax.sharding.Mesh:
                          devices=jax.devices()[:D * R])
 
 
+@pytest.fixture(autouse=True)
+def _restore_jax_ep_config():
+    """jax_ep.config as it was before the test (tests set settings with
+    jax_ep.config.update; the kernels' copies are filled again too)."""
+    before = jax_ep.config.current()
+    yield
+    if jax_ep.config.current() != before:
+        jax_ep.config._set(before)
+
+
 @pytest.fixture(scope="session")
 def mesh8():
     return ep_mesh(8)

@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep._src import ext as _ext
 import jax_ep.ops
 from jax_ep._src import arrival as _arrival
 
@@ -106,7 +107,7 @@ def test_full_rounds_go_and_leave_one_round_of_keys(store):
 
 def test_missing_devices_time_out_late_ones_fail_at_once_next_round_meets(store,
                                                                          monkeypatch):
-    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "0.5")
+    jax_ep.config.update("timeout_s", "0.5")
     b = _barrier(12)
     got = _round({0: b, 1: b})  # process 1's devices (positions 2, 3) never come
     for secs, e in got.values():
@@ -149,11 +150,21 @@ def test_no_barrier_on_one_process():
     assert _arrival.arrive("dispatch", (x,)) == (x,)
 
 
-@pytest.mark.parametrize("value,want", [("", 300.0), ("8", 8.0), ("0.5", 0.5),
-                                        ("-1", 300.0), ("soon", 300.0)])
-def test_timeout_reads_the_kernels_setting(monkeypatch, value, want):
-    monkeypatch.setenv("JAX_EP_TIMEOUT_S", value)
+@pytest.mark.parametrize("value,want", [("", 300.0), (None, 300.0), ("8", 8.0),
+                                        ("0.5", 0.5), (2, 2.0)])
+def test_timeout_reads_the_kernels_setting(value, want):
+    jax_ep.config.update("timeout_s", value)
     assert _arrival.timeout_s() == want
+    assert _ext.require_ext().settings()["timeout_s"] == want  # what the kernels read
+    assert _ext.require_ext().settings_defaults()["timeout_s"] == 300.0
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", 0, "inf"])
+def test_bad_timeout_names_the_setting(value):
+    with pytest.raises(ValueError, match="timeout_s"):
+        jax_ep.config.update("timeout_s", value)
+    with pytest.raises(ValueError, match="JAX_EP_TIMEOUT_S"):
+        jax_ep.config.from_env({"JAX_EP_TIMEOUT_S": str(value)})
 
 
 # ----------------------------------------------------------------------------- placement

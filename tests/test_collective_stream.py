@@ -315,7 +315,7 @@ def test_setting_is_checked_and_restored():
     with config.override(collective_stream="off"):
         assert config.collective_stream is False
     assert config.collective_stream == before
-    assert config._collective_stream_value("ON", "x") is True
+    assert config._collective_stream("ON", "x") is True
 
 
 def test_region_form_detection_across_jax_versions(monkeypatch):

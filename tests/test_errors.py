@@ -171,7 +171,7 @@ def test_missing_peer_times_out(monkeypatch):
     It must fail after JAX_EP_TIMEOUT_S (read at each call) with a message naming the
     missing rank, not hang."""
     jax_ep.resolve_backend("ffi")  # registers the targets
-    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "2")
+    jax_ep.config.update("timeout_s", "2")
     Tn, Hn, Kn, C = 3, 2, 2, 6
     out_types = (jax.ShapeDtypeStruct((C, Hn), jnp.float32),
                  jax.ShapeDtypeStruct((C, Kn), jnp.int32),

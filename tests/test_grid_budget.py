@@ -13,6 +13,8 @@ import subprocess
 
 import pytest
 
+import jax_ep
+
 from jax_ep._src.ext import require_ext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,9 +189,9 @@ def _fitted(monkeypatch, sms, num_sms=None):
     """{preset: channel-kernel blocks} as a launch on a GPU of `sms` SMs runs them
     (FitPresetToSms(p, EpSmBudget(sms)), reading JAX_EP_NUM_SMS)."""
     if num_sms is None:
-        monkeypatch.delenv("JAX_EP_NUM_SMS", raising=False)
+        jax_ep.config.update("num_sms", None)
     else:
-        monkeypatch.setenv("JAX_EP_NUM_SMS", str(num_sms))
+        jax_ep.config.update("num_sms", str(num_sms))
     return {p["name"]: p["num_sms"] for p in require_ext().intranode_fitted_presets(sms)}
 
 
@@ -211,11 +213,12 @@ def test_num_sms_cuts_the_grids(monkeypatch):
 
 def test_set_num_sms_checks_its_argument(monkeypatch):
     from jax_ep import cuda
-    monkeypatch.delenv("JAX_EP_NUM_SMS", raising=False)
+    jax_ep.config.update("num_sms", None)
     cuda.set_num_sms(24)
-    assert os.environ["JAX_EP_NUM_SMS"] == "24"
+    assert jax_ep.config.num_sms == 24
+    assert require_ext().settings()["num_sms"] == 24  # the kernels' copy
     cuda.set_num_sms(None)
-    assert "JAX_EP_NUM_SMS" not in os.environ
+    assert jax_ep.config.num_sms is None and require_ext().settings()["num_sms"] is None
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="num_sms"):
             cuda.set_num_sms(bad)

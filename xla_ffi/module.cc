@@ -25,6 +25,7 @@ nb::capsule Capsule(T* fn) {
 NB_MODULE(_jax_ep_ext, m) {
   jax_ep::AddTransportBindings(m);
   jax_ep::AddLayoutBindings(m);
+  jax_ep::AddSettingsBindings(m);
   jax_ep::AddLowLatencyWireBindings(m);
 #ifdef JAX_EP_WITH_CUDA
   jax_ep::DefineCudaBindings(m.ptr());

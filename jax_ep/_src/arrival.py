@@ -62,7 +62,6 @@ import numpy as np
 from jax_ep._src.common import call_site_info, next_call_site
 
 _PREFIX = "jax_ep/arrive"
-_DEFAULT_TIMEOUT_S = 300.0
 
 _lock = threading.Lock()
 _rounds: dict[tuple, int] = {}  # (site, mesh key, position) -> last round number
@@ -76,14 +75,10 @@ _covered = contextvars.ContextVar("jax_ep_arrival_covered", default=False)
 
 
 def timeout_s() -> float:
-    """JAX_EP_TIMEOUT_S as the kernels read it (xla_ffi/common/ffi_helpers.h): seconds,
-    default 300, also for an unset, empty, unparsable or non-positive value."""
-    v = os.environ.get("JAX_EP_TIMEOUT_S", "")
-    try:
-        s = float(v)
-    except ValueError:
-        return _DEFAULT_TIMEOUT_S
-    return s if s > 0 else _DEFAULT_TIMEOUT_S
+    """The setting timeout_s (JAX_EP_TIMEOUT_S; jax_ep.config), the kernels' timeout: seconds,
+    default kernels/common/settings.h kDefaultTimeoutSeconds through the bindings."""
+    from jax_ep import config
+    return float(config.current().timeout_s)
 
 
 COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"

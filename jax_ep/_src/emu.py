@@ -36,16 +36,20 @@ _DTYPES = {
 def module():
     """The emulated module: from $JAX_EP_EMU_MODULE_DIR when set (a scratch or sanitizer
     build), else the one built with the package."""
+    from jax_ep import config
     d = os.environ.get("JAX_EP_EMU_MODULE_DIR")
     if d:
         if d not in sys.path:
             sys.path.insert(0, d)
-        return importlib.import_module("_jax_ep_emu")
-    try:
-        return importlib.import_module("jax_ep._jax_ep_emu")
-    except ImportError as e:  # pragma: no cover - depends on the build
-        raise NotImplementedError(
-            "jax_ep was built without the emulated GPU (cmake -DJAX_EP_EMU=ON)") from e
+        mod = importlib.import_module("_jax_ep_emu")
+    else:
+        try:
+            mod = importlib.import_module("jax_ep._jax_ep_emu")
+        except ImportError as e:  # pragma: no cover - depends on the build
+            raise NotImplementedError(
+                "jax_ep was built without the emulated GPU (cmake -DJAX_EP_EMU=ON)") from e
+    config.attach(mod)  # its own copy of the kernel settings (jax_ep.config)
+    return mod
 
 
 def _code(dt) -> str:

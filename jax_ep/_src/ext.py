@@ -87,6 +87,8 @@ def nvshmem_ext(load: bool = True):
     except ImportError as e:
         _nvshmem_error = str(e)
         return None
+    from jax_ep import config
+    config.attach(mod)  # its own copy of the kernel settings
     _nvshmem = mod
     return _nvshmem
 

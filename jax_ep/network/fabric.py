@@ -756,7 +756,8 @@ def _say(msg: str) -> None:
 
 def _gpu_bus_id() -> str | None:
     """This process's GPU as a PCI bus id, where JAX or the environment says it."""
-    env = os.environ.get("JAX_EP_GPU_PCI_BUS_ID")
+    from jax_ep import config
+    env = config.current().gpu_pci_bus_id  # JAX_EP_GPU_PCI_BUS_ID
     if env:
         return env
     try:
@@ -791,11 +792,11 @@ def setup_for_bootstrap(cfg, environ, rank: int, world: int, client, *, key_pref
     there are several processes, that is said with the fix.
     """
     global _setup
-    off = (environ.get("JAX_EP_FABRIC") or "").strip().lower() in ("off", "0", "none")
-    lag_aff = (environ.get("JAX_EP_LAG_AFFINITY") or "alternate").strip().lower()
-    if lag_aff not in ("alternate", "none"):
-        raise ValueError(f"JAX_EP_LAG_AFFINITY must be 'alternate' or 'none', got {lag_aff!r}")
-    root = sysfs or environ.get("JAX_EP_SYSFS") or "/sys"
+    from jax_ep import config
+    settings = config.settings_for(environ)  # the JAX_EP_* settings (jax_ep.config)
+    off = not settings.fabric
+    lag_aff = settings.lag_affinity
+    root = sysfs or settings.sysfs
     if off:
         f = Fabric(root, None, [], [], "unknown", 0, "discovery off (JAX_EP_FABRIC=off)")
     else:
@@ -822,7 +823,7 @@ def setup_for_bootstrap(cfg, environ, rank: int, world: int, client, *, key_pref
                     "NVSHMEM_HCA_LIST: the device order on every node is the user's")
     from jax_ep.network import bootstrap_iface as _bi
     iface = _bi.choose(coordinator if coordinator is not None else _bi.jax_coordinator(),
-                       environ, route_table=route_table or environ.get("JAX_EP_ROUTE_TABLE"))
+                       environ, route_table=route_table or settings.route_table)
     env = {**env, **iface.env()}
     if iface.warning and world > 1:  # one process reaches itself on any interface
         msgs.append(iface.warning)

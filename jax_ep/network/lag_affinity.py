@@ -215,7 +215,8 @@ def shim_path() -> str | None:
     """Where the built shim is (next to the extension), or None."""
     import os
 
-    override = os.environ.get("JAX_EP_LAG_SHIM")
+    from jax_ep import config
+    override = config.current().lag_shim  # JAX_EP_LAG_SHIM
     if override:
         return override if os.path.isfile(override) else None
     try:

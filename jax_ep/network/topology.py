@@ -119,17 +119,11 @@ def local_ranks_from_hosts(hosts: Sequence[str]) -> list[int]:
     return out
 
 
-def _env_gpus_per_node(environ: Mapping[str, str]) -> int | None:
-    raw = environ.get(GPUS_PER_NODE_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ValueError(f"{GPUS_PER_NODE_ENV} must be an integer, got {raw!r}") from None
-    if v < 1:
-        raise ValueError(f"{GPUS_PER_NODE_ENV} must be >= 1, got {v}")
-    return v
+def _env_gpus_per_node(environ: Mapping[str, str] | None) -> int | None:
+    """The setting gpus_per_node (JAX_EP_GPUS_PER_NODE; jax_ep.config) for `environ`
+    (None: this process's settings)."""
+    from jax_ep import config
+    return config.settings_for(environ).gpus_per_node
 
 
 def _env_node_size(num_ranks: int, env: Mapping[str, str]) -> int | None:
@@ -146,10 +140,10 @@ def detect(num_ranks: int, local_ranks: Sequence[int] | None = None,
     """The EP group's topology: `JAX_EP_GPUS_PER_NODE` if set, else `local_ranks`, else
     a launcher's local size (LAUNCHER_LOCAL_SIZE, when it divides the ranks), else one
     node (every rank on one node)."""
-    env = os.environ if environ is None else environ
-    g = _env_node_size(num_ranks, env)
+    g = _env_node_size(num_ranks, environ)
     if g is not None:
         return Topology(num_ranks, g)
+    env = os.environ if environ is None else environ
     if local_ranks is not None:
         topo = from_local_ranks(local_ranks)
         if topo.num_ranks != num_ranks:
@@ -169,13 +163,12 @@ def combine_node_size(num_ranks: int, platform: str | None = None,
     summed per node of G ranks, then over nodes. `JAX_EP_GPUS_PER_NODE` if set; else one
     node (G = num_ranks) on `platform` "cpu"; else `detect`'s node size (local ranks, a
     launcher's local size), so the reference backend sums as the internode kernels do."""
-    env = os.environ if environ is None else environ
-    g = _env_node_size(num_ranks, env)
+    g = _env_node_size(num_ranks, environ)
     if g is not None:
         return g
     if platform == "cpu":
         return num_ranks
-    return detect(num_ranks, local_ranks, env).gpus_per_node
+    return detect(num_ranks, local_ranks, environ).gpus_per_node
 
 
 # Whether a GPU run has verified the hierarchical kernels (README "verified on" table, docs/verification.md).
@@ -205,11 +198,11 @@ def choose_mode(requested: str | None, topo: Topology,
 
 
 def mode_from_env(default: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """`JAX_EP_INTERNODE_MODE` if set (validated, naming the variable), else `default`."""
-    env = os.environ if environ is None else environ
-    raw = env.get(MODE_ENV, "").strip()
-    if not raw:
+    """The setting internode_mode (`JAX_EP_INTERNODE_MODE`; jax_ep.config, validated
+    naming the variable) for `environ` (None: this process's settings) if set, else
+    `default`."""
+    from jax_ep import config
+    mode = config.settings_for(environ).internode_mode
+    if mode is None:
         return "auto" if default is None else default
-    if raw.lower() not in MODES:
-        raise ValueError(f"{MODE_ENV} must be one of {MODES}, got {raw!r}")
-    return raw.lower()
+    return mode

@@ -148,19 +148,19 @@ class TransportConfig:
         The library resolves its config this way before NVSHMEM starts; a bad value is an
         error naming the variable.
         """
+        from jax_ep import config
         env = os.environ if environ is None else environ
         for var, why in REMOVED_ENV_VARS.items():
             if (env.get(var) or "").strip():
                 raise ValueError(f"{var} is no longer read: {why}")
+        settings = config.settings_for(environ)  # jax_ep.config: num_ports, ...
         updates = {}
         for var, field in ENV_VARS.items():
-            raw = env.get(var)
-            if raw is None or raw.strip() == "":
-                continue
-            updates[field] = _positive_int(var, raw.strip())
-        if (env.get("JAX_EP_INTERNODE_MODE") or "").strip():  # network/topology.py
-            from jax_ep.network.topology import mode_from_env
-            updates["mode"] = mode_from_env(self.mode, env)
+            v = getattr(settings, field)
+            if v is not None:
+                updates[field] = v
+        if settings.internode_mode is not None:  # network/topology.py
+            updates["mode"] = settings.internode_mode
         if not updates:
             return self
         updates["num_channels"] = None  # one channel per QP

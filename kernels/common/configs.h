@@ -5,11 +5,13 @@
 //
 // The numbers are first estimates for one H100/H200 class GPU (132 SMs) and have not
 // yet been measured on hardware; scripts/gpu_check.sh prints the timings to retune them.
-// JAX_EP_CUDA_PRESET=<name> forces a row by name.
+// The setting cuda_preset (JAX_EP_CUDA_PRESET=<name>) forces a row by name. Settings come
+// from settings.h (filled from jax_ep.Config); this header reads no environment.
 #pragma once
 
-#include <cstdlib>
 #include <cstring>
+
+#include "kernels/common/settings.h"
 
 namespace jax_ep {
 
@@ -68,13 +70,14 @@ inline constexpr int DispatchBulkPieceBytes(int num_ranks) {
 // Blocks of the hierarchical combine's source role, which sums every token's node partials
 // (each block a slice of the hidden columns, so the reads spread over SMs as DeepEP's
 // combine spreads its reduction); at most one block per 16-byte vector of a row.
-// JAX_EP_HIER_SOURCE_BLOCKS overrides it (a rank-local choice: peers need not agree).
+// The setting hier_source_blocks (JAX_EP_HIER_SOURCE_BLOCKS) overrides it (a rank-local
+// choice: peers need not agree).
 inline constexpr int kHierSourceBlocks = 16;
 inline constexpr int kMaxHierSourceBlocks = 64;
 
 inline int HierSourceBlocks(long long row_vectors) {
-  const char* v = std::getenv("JAX_EP_HIER_SOURCE_BLOCKS");
-  long long n = (v != nullptr && *v != '\0') ? std::atoll(v)
+  const int forced = settings().hier_source_blocks;
+  long long n = forced > 0 ? forced
                 : (row_vectors < kHierSourceBlocks ? row_vectors : kHierSourceBlocks);
   if (n < 1) n = 1;
   return static_cast<int>(n > kMaxHierSourceBlocks ? kMaxHierSourceBlocks : n);
@@ -124,19 +127,18 @@ inline int HierCombineForwardParts(long long row_vectors) {
 inline constexpr int kHierPushParts = 4;
 inline constexpr int kHierPushWarps = 64;
 
-// Parts per role: the integer in `env` when set, else as many as keep `roles` roles to
-// about `warps` warps; at most `most` (and kMaxHierParts), at most a row's 16-byte
-// vectors, at least one.
-inline int PartsPerRole(const char* env, int most, int warps, int roles, long long row_vectors) {
-  const char* v = std::getenv(env);
-  long long n = (v != nullptr && *v != '\0') ? std::atoll(v) : (roles > 0 ? warps / roles : 1);
+// Parts per role: `forced` when set (> 0), else as many as keep `roles` roles to about
+// `warps` warps; at most `most` (and kMaxHierParts), at most a row's 16-byte vectors, at
+// least one.
+inline int PartsPerRole(int forced, int most, int warps, int roles, long long row_vectors) {
+  long long n = forced > 0 ? forced : (roles > 0 ? warps / roles : 1);
   if (n > most) n = most;
   if (n > row_vectors) n = row_vectors;
   if (n < 1) n = 1;
   return static_cast<int>(n > kMaxHierParts ? kMaxHierParts : n);
 }
 inline int HierPushParts(int pushers, long long row_vectors) {
-  return PartsPerRole("JAX_EP_HIER_PUSH_PARTS", kHierPushParts, kHierPushWarps, pushers,
+  return PartsPerRole(settings().hier_push_parts, kHierPushParts, kHierPushWarps, pushers,
                       row_vectors);
 }
 
@@ -152,19 +154,28 @@ inline int HierPushParts(int pushers, long long row_vectors) {
 inline constexpr int kHierForwardColumns = 4;
 
 inline int HierForwardColumns(int forwarders, long long row_vectors) {
-  return PartsPerRole("JAX_EP_HIER_FORWARD_COLUMNS", kHierForwardColumns, forwarders,
+  return PartsPerRole(settings().hier_forward_columns, kHierForwardColumns, forwarders,
                       forwarders, row_vectors);
 }
 
-// Blocks for `warps` role warps: `preset`, or the integer in the environment variable
-// `env`; at least enough for `per_block` warps a block, at most one block a warp.
-inline int HierRoleBlocks(const char* env, int preset, int warps, int per_block) {
-  const char* v = std::getenv(env);
-  long long n = (v != nullptr && *v != '\0') ? std::atoll(v) : preset;
+// Blocks for `warps` role warps: `preset`, or `forced` when set (> 0); at least enough for
+// `per_block` warps a block, at most one block a warp.
+inline int HierRoleBlocks(int forced, int preset, int warps, int per_block) {
+  long long n = forced > 0 ? forced : preset;
   const int least = (warps + per_block - 1) / per_block;
   if (n < least) n = least;
   if (n > warps) n = warps;
   return static_cast<int>(n < 1 ? 1 : n);
+}
+// The same, naming the setting by its environment variable (the hierarchical launchers:
+// JAX_EP_HIER_DISPATCH_BLOCKS, JAX_EP_HIER_COMBINE_BLOCKS); the value is the setting's,
+// never the environment's.
+inline int HierRoleBlocks(const char* setting, int preset, int warps, int per_block) {
+  const Settings& s = settings();
+  const int forced = std::strcmp(setting, "JAX_EP_HIER_DISPATCH_BLOCKS") == 0 ? s.hier_dispatch_blocks
+                     : std::strcmp(setting, "JAX_EP_HIER_COMBINE_BLOCKS") == 0 ? s.hier_combine_blocks
+                     : 0;
+  return HierRoleBlocks(forced, preset, warps, per_block);
 }
 
 // Layout kernel: tokens handled per block and threads per block.
@@ -180,20 +191,19 @@ inline constexpr int kPlanThreads = 1024;
 // Largest E_local whose received-row histogram is kept in shared memory.
 inline constexpr int kMaxSmemLocalExperts = 8192;
 
-// SMs left to other work when no budget is set (JAX_EP_NUM_SMS): the EP kernels use at
+// SMs left to other work when no budget is set (num_sms, JAX_EP_NUM_SMS): the EP kernels use at
 // most device SMs - kReservedSms.
 inline constexpr int kReservedSms = 16;
 // Blocks of one channel kernel resident per SM at its threads per block (ChannelRoleThreads):
 // one. tests/test_grid_budget.py checks it against `nvcc -Xptxas -v`.
 inline constexpr int kAssumedBlocksPerSm = 1;
 
-// SMs the EP kernels may use on a GPU with `device_sms` SMs: JAX_EP_NUM_SMS when set (as
-// DeepEP's Buffer.set_num_sms; jax_ep.cuda.set_num_sms), else device_sms - kReservedSms;
-// within [1, device_sms].
+// SMs the EP kernels may use on a GPU with `device_sms` SMs: the setting num_sms when set
+// (JAX_EP_NUM_SMS; as DeepEP's Buffer.set_num_sms; jax_ep.cuda.set_num_sms), else
+// device_sms - kReservedSms; within [1, device_sms].
 inline int EpSmBudget(int device_sms) {
   int n = device_sms - kReservedSms;
-  const char* v = std::getenv("JAX_EP_NUM_SMS");
-  if (v != nullptr && *v != '\0') n = std::atoi(v);
+  if (settings().num_sms > 0) n = settings().num_sms;
   if (n > device_sms) n = device_sms;
   return n < 1 ? 1 : n;
 }
@@ -209,32 +219,30 @@ inline IntranodePreset FitPresetToSms(IntranodePreset p, int sm_budget) {
 }
 
 // Ring slots (tokens) of one (channel, peer) ring of the dispatch and combine channel
-// kernels: JAX_EP_RING_TOKENS when set (tests use a few, to wrap every ring), else
-// kRingTokens. The staging memory of a rank is channels x peers x ring slots x row,
+// kernels: the setting ring_tokens when set (JAX_EP_RING_TOKENS; tests use a few, to wrap
+// every ring), else kRingTokens. The staging memory of a rank is channels x peers x ring slots x row,
 // whatever the tokens per call.
 inline int IntranodeRingTokens() {
-  const char* v = std::getenv("JAX_EP_RING_TOKENS");
-  int n = (v != nullptr && *v != '\0') ? std::atoi(v) : kRingTokens;
+  int n = settings().ring_tokens > 0 ? settings().ring_tokens : kRingTokens;
   if (n < 1) n = 1;
   return n > kMaxRingTokens ? kMaxRingTokens : n;
 }
 
-// The bulk-copy piece of the dispatch channel kernel: JAX_EP_BULK_PIECE_BYTES when set
-// (tests use a few vectors, so a row moves in several pieces), a multiple of 16 within
+// The bulk-copy piece of the dispatch channel kernel: the setting bulk_piece_bytes when set
+// (JAX_EP_BULK_PIECE_BYTES; tests use a few vectors, so a row moves in several pieces), a multiple of 16 within
 // [16, DispatchBulkPieceBytes], else DispatchBulkPieceBytes.
 inline int IntranodeBulkPieceBytes(int num_ranks) {
   const int most = DispatchBulkPieceBytes(num_ranks < 1 ? 1 : num_ranks);
-  const char* v = std::getenv("JAX_EP_BULK_PIECE_BYTES");
-  if (v == nullptr || *v == '\0') return most;
-  const int n = std::atoi(v) / 16 * 16;
+  if (settings().bulk_piece_bytes <= 0) return most;
+  const int n = settings().bulk_piece_bytes / 16 * 16;
   return n < 16 ? 16 : (n > most ? most : n);
 }
 
 inline const IntranodePreset& SelectIntranodePreset(int num_ranks) {
-  const char* forced = std::getenv("JAX_EP_CUDA_PRESET");
-  if (forced != nullptr && *forced != '\0') {
+  const std::string& forced = settings().cuda_preset;
+  if (!forced.empty()) {
     for (const auto& p : kIntranodePresets)
-      if (std::strcmp(p.name, forced) == 0) return p;
+      if (forced == p.name) return p;
   }
   for (const auto& p : kIntranodePresets)
     if (num_ranks <= p.max_ranks) return p;

@@ -33,9 +33,9 @@ def _fake_state(monkeypatch, mode="hierarchical", gpn="4"):
     monkeypatch.setattr(nvshmem_bootstrap, "_state", st)
     monkeypatch.setattr(ops, "resolve_backend", lambda backend: "internode")
     if gpn is None:
-        monkeypatch.delenv("JAX_EP_GPUS_PER_NODE", raising=False)
+        jax_ep.config.update("gpus_per_node", None)
     else:
-        monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", gpn)
+        jax_ep.config.update("gpus_per_node", gpn)
     return st
 
 
@@ -203,8 +203,8 @@ def test_bootstrap_sizes_the_heap_for_the_mode_it_can_pick(monkeypatch, mode, gp
     from jax_ep.network import topology
     from jax_ep import nvshmem_bootstrap as rt
     monkeypatch.setattr(topology, "HIERARCHICAL_VERIFIED", verified)
-    monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", gpn)
-    monkeypatch.delenv("JAX_EP_INTERNODE_MODE", raising=False)
+    jax_ep.config.update("gpus_per_node", gpn)
+    jax_ep.config.update("internode_mode", None)
     args = rt._hier_heap_args(R, TransportConfig(mode=mode, **TRANSPORT))
     if want is None:
         assert args == {}

@@ -48,7 +48,7 @@ def test_config_mode_validation_and_env_override():
 def test_internode_mode(monkeypatch, mode, gpn, want):
     # "auto" stays direct until a GPU run has verified the hierarchical kernels
     _fake_state(monkeypatch, mode)
-    monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", gpn)
+    jax_ep.config.update("gpus_per_node", gpn)
     assert internode.internode_mode(R) == want
 
 
@@ -58,20 +58,20 @@ def test_auto_mode_once_hierarchical_is_verified(monkeypatch, gpn, want):
     from jax_ep.network import topology
     monkeypatch.setattr(topology, "HIERARCHICAL_VERIFIED", True)
     _fake_state(monkeypatch, "auto")
-    monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", gpn)
+    jax_ep.config.update("gpus_per_node", gpn)
     assert internode.internode_mode(R) == want
 
 
 def test_bad_gpus_per_node_is_a_clear_error(monkeypatch):
     _fake_state(monkeypatch, "hierarchical")
-    monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", "3")
+    jax_ep.config.update("gpus_per_node", "3")
     with pytest.raises(ValueError, match="JAX_EP_GPUS_PER_NODE"):
         internode.internode_mode(R)
 
 
 def test_hierarchical_request_traces_to_the_hierarchical_target(monkeypatch):
     _fake_state(monkeypatch, "hierarchical")
-    monkeypatch.setenv("JAX_EP_GPUS_PER_NODE", "4")
+    jax_ep.config.update("gpus_per_node", "4")
     x = np.zeros((R * 2, 4), np.float32)
     idx = np.zeros((R * 2, 2), np.int32)
     w = np.zeros((R * 2, 2), np.float32)

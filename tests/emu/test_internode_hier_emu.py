@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jax_ep
+
 from jax_ep._src import emu as emulator
 from jax_ep.network.hier_layout import NVL_RING_ROWS, hier_layout
 
@@ -35,16 +37,11 @@ def reference_in_nodes(G, *args, **kw):
     """The reference backend (internode_emu_util.reference) summing combine in nodes of G
     ranks (JAX_EP_GPUS_PER_NODE, read when the program is traced; the util's program
     cache does not key on it, so it is cleared around the call)."""
-    old = os.environ.get("JAX_EP_GPUS_PER_NODE")
-    os.environ["JAX_EP_GPUS_PER_NODE"] = str(G)
     _reference_program.cache_clear()
     try:
-        return reference(*args, **kw)
+        with jax_ep.config.override(gpus_per_node=G):
+            return reference(*args, **kw)
     finally:
-        if old is None:
-            del os.environ["JAX_EP_GPUS_PER_NODE"]
-        else:
-            os.environ["JAX_EP_GPUS_PER_NODE"] = old
         _reference_program.cache_clear()
 
 
@@ -112,9 +109,9 @@ def test_hierarchical_node_partials_rounded(push_parts, monkeypatch):
     bits against summing in one node. The combine pushers as 4 parts (the default for
     rows of four 16-byte vectors) and as one (JAX_EP_HIER_PUSH_PARTS=1)."""
     if push_parts is None:
-        monkeypatch.delenv("JAX_EP_HIER_PUSH_PARTS", raising=False)
+        jax_ep.config.update("hier_push_parts", None)
     else:
-        monkeypatch.setenv("JAX_EP_HIER_PUSH_PARTS", push_parts)
+        jax_ep.config.update("hier_push_parts", push_parts)
     N, G, T, H, K = 2, 2, 8, 32, 4
     R = N * G
     E, C = 2 * R, R * T
@@ -176,7 +173,7 @@ def test_small_rings_own_node_rows_fill_the_source_windows(source_blocks, monkey
     of 64 bytes are copied by four lanes, so a release that does not cover the other lanes'
     stores shows. Blocks are preempted now and then (parked for 20 us of virtual time), so
     a block that frees a window's rows before the block summing them has read them shows."""
-    monkeypatch.setenv("JAX_EP_HIER_SOURCE_BLOCKS", source_blocks)
+    jax_ep.config.update("hier_source_blocks", source_blocks)
     N, G, K = 2, 4, 4
     R = N * G
     T, H, E = 12, 16, 2 * R
@@ -232,7 +229,7 @@ def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks
             monkeypatch.delenv(var, raising=False)
         else:
             monkeypatch.setenv(var, val)
-    monkeypatch.delenv("JAX_EP_HIER_SOURCE_BLOCKS", raising=False)
+    jax_ep.config.update("hier_source_blocks", None)
     N, G, K = 2, 4, 3
     R = N * G
     T, H, E = 12, 16, 2 * R
@@ -267,10 +264,10 @@ def test_combine_source_blocks_split_the_columns(source_blocks, blocks, role_blo
     vector, and 4 pushers of 4 parts: 24) up to what the 16 resident blocks leave (8
     beside 8 source blocks, 13 beside 3)."""
     if source_blocks is not None:
-        monkeypatch.setenv("JAX_EP_HIER_SOURCE_BLOCKS", source_blocks)
+        jax_ep.config.update("hier_source_blocks", source_blocks)
     else:
-        monkeypatch.delenv("JAX_EP_HIER_SOURCE_BLOCKS", raising=False)
-    monkeypatch.delenv("JAX_EP_HIER_COMBINE_BLOCKS", raising=False)
+        jax_ep.config.update("hier_source_blocks", None)
+    jax_ep.config.update("hier_combine_blocks", None)
     N, G, T, H, K = 2, 2, 6, 64, 3
     R = N * G
     E, C = 2 * R, R * T

@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+import jax_ep
+
 sys.path.insert(0, os.path.dirname(__file__))
 from emu_fp8_util import fp8_msg_bytes, fp8_reference, fp8_rows  # noqa: E402
 from emu_intranode_util import (LL_DISPATCH_KEYS, assert_same, bits, ll_reference,  # noqa: E402
@@ -216,9 +218,9 @@ def test_ll_grids_fit_the_sm_budget(monkeypatch):
 
     def blocks(budget):
         if budget is None:
-            monkeypatch.delenv("JAX_EP_NUM_SMS", raising=False)
+            jax_ep.config.update("num_sms", None)
         else:
-            monkeypatch.setenv("JAX_EP_NUM_SMS", str(budget))
+            jax_ep.config.update("num_sms", str(budget))
         x, idx, w, y = inputs(R, S, H, K, E, M, "bf16", rng)
         em.emu.reset_counters()
         got, rpd = one_round(em, x, idx, w, y, K=K)

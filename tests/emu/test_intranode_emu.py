@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+import jax_ep
+
 from jax_ep._src.backends import reference as reference_backend
 from jax_ep._src.common import Cfg
 from jax_ep._src.emu import Emulator
@@ -160,8 +162,8 @@ def test_pipelined_dispatches_one_channel_small_rings(seed, monkeypatch):
     """Three dispatches enqueued before the GPUs run, one channel (num_sms 2) and rings of
     2 slots: a rank's credit must wait for its receiving block, or a peer's next epoch
     writes into a ring that block still drains for this one."""
-    monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
-    monkeypatch.setenv("JAX_EP_NUM_SMS", "2")
+    jax_ep.config.update("ring_tokens", "2")
+    jax_ep.config.update("num_sms", "2")
     R, T, H, K, E, C = 2, 24, 16, 2, 4, 48
     cases = [_case(R, T, H, K, E, C, "bf16", "random", 80 + i) for i in range(3)]
     emu = Emulator(R, seed=seed, resident_blocks=2)
@@ -281,8 +283,8 @@ def test_dispatch_bulk_copies_in_pieces(seed, monkeypatch):
     zeros past them), and every row loaded once: counted, per GPU. 96 tokens: the 20
     dispatch channels at 4 ranks (a block each) then hold about 5 tokens, so a receiving
     warp copies several rows one after another through the same pieces."""
-    monkeypatch.setenv("JAX_EP_BULK_PIECE_BYTES", "32")
-    monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
+    jax_ep.config.update("bulk_piece_bytes", "32")
+    jax_ep.config.update("ring_tokens", "2")
     R, T, H, K, E = 4, 96, 40, 2, 8
     emu = Emulator(R, seed=seed)
     row = H * 2
@@ -316,7 +318,7 @@ def test_rings_wrap_within_and_across_calls(resident_blocks, monkeypatch):
     times in one call and again in the next, bit for bit against the reference, with two
     co-residency limits (2: a combine channel's two blocks, or two dispatch channels, at a
     time). 256 tokens: dispatch's 16 channels (a block each) bring about 12 rows a ring."""
-    monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
+    jax_ep.config.update("ring_tokens", "2")
     R, T, H, K, E, C = 2, 256, 16, 3, 4, 512
     emu = Emulator(R, seed=21, resident_blocks=resident_blocks)
     emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
@@ -354,7 +356,7 @@ def test_rings_full_at_four_ranks_every_role_waits_on_its_own_barrier(monkeypatc
     warps that met at the whole block's barrier would wait for those senders: a deadlock
     (at 2 ranks the odd block's only sender is the rank itself, which skips its ring, so
     no cycle forms there). Bit for bit against the reference, no device errors."""
-    monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
+    jax_ep.config.update("ring_tokens", "2")
     R, T, H, K, E, C = 4, 48, 16, 3, 8, 4 * 48
     emu = Emulator(R, seed=23)
     emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
@@ -397,20 +399,18 @@ def test_default_grid_and_staging_do_not_grow_with_tokens():
 
 
 @pytest.mark.parametrize("before", [None, "123"])
-def test_emulator_leaves_the_process_timeout_alone(before, monkeypatch):
-    """The emulator's own timeout applies to its launches only: the CPU transport's
-    JAX_EP_TIMEOUT_S (read by C++ getenv) is the same after an emulated call."""
-    import ctypes
-    libc = ctypes.CDLL(None)
-    libc.getenv.restype = ctypes.c_char_p
-    if before is None:
-        monkeypatch.delenv("JAX_EP_TIMEOUT_S", raising=False)
-    else:
-        monkeypatch.setenv("JAX_EP_TIMEOUT_S", before)
+def test_emulator_leaves_the_process_timeout_alone(before):
+    """The emulator's own timeout applies to its launches only: the timeout setting (the
+    emulated module's copy of jax_ep.config.timeout_s, and the CPU transport's) is the
+    same after an emulated call."""
+    from jax_ep._src import emu as _emu
+    from jax_ep._src.ext import require_ext
+    jax_ep.config.update("timeout_s", before)
+    want = jax_ep.config.current().timeout_s
     emu = Emulator(2, seed=5)
     emu.layout(routing("random", 2, 4, 2, 4, np.random.default_rng(5)), num_experts=4)
-    got = libc.getenv(b"JAX_EP_TIMEOUT_S")
-    assert got == (None if before is None else before.encode())
+    assert _emu.module().settings()["timeout_s"] == want
+    assert require_ext().settings()["timeout_s"] == want
 
 
 # ------------------------------------------------------------ gather (cached dispatch)
@@ -445,7 +445,7 @@ def test_gather_with_no_or_one_token(T):
 def test_gather_skewed_routing_and_capacity_overflow(resident_blocks, monkeypatch):
     """Most rows to rank 0 and more than C of them (the last ones dropped), rings of 3
     slots, three gathers of one handle in a row (cached dispatch reuses it)."""
-    monkeypatch.setenv("JAX_EP_RING_TOKENS", "3")
+    jax_ep.config.update("ring_tokens", "3")
     R, T, H, K, E, C = 4, 24, 8, 2, 8, 30
     kw = {} if resident_blocks is None else dict(resident_blocks=resident_blocks)
     emu = Emulator(R, seed=31, **kw)
@@ -465,7 +465,7 @@ def test_gather_foreign_handle_is_reported_and_its_rows_are_zero(monkeypatch):
     """One channel; rank 1's first and last received rows swapped (not a handle from
     dispatch: neither source's rows are contiguous any more): rank 1 reports the handle and
     leaves those rows zero, rank 0 still gets its rows."""
-    monkeypatch.setenv("JAX_EP_NUM_SMS", "2")
+    jax_ep.config.update("num_sms", "2")
     R, T, H, K, E, C = 2, 8, 16, 2, 4, 16
     emu = Emulator(R, seed=32)
     emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
@@ -491,8 +491,8 @@ def test_gather_call_site_mismatch_is_reported(monkeypatch):
     """Ranks in different calls: each reports the other's call and nothing moves; every
     ring still ends where both sides agree (rings of 2 slots, more rows than slots: a
     sender that streamed rows to a receiver that skipped its ring would be left waiting)."""
-    monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
-    monkeypatch.setenv("JAX_EP_NUM_SMS", "2")
+    jax_ep.config.update("ring_tokens", "2")
+    jax_ep.config.update("num_sms", "2")
     R, T, H, K, E, C = 2, 12, 16, 2, 4, 24
     emu = Emulator(R, seed=33, timeout_s=0.002)
     emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)

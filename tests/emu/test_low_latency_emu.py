@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import jax_ep
+
 from jax_ep._src.emu import Emulator
 
 from emu_fp8_util import fp8_reference, fp8_rows
@@ -373,7 +375,7 @@ def test_ll_one_arrival_word_per_expert_and_source_and_grids_in_the_budget(monke
     word per (expert, source) pair (R * E per op, the data itself unsignalled), and no
     low-latency kernel launches more blocks than JAX_EP_NUM_SMS allows."""
     R, S, H, K, E, M = 2, 6, 64, 2, 8, 6
-    monkeypatch.setenv("JAX_EP_NUM_SMS", "3")
+    jax_ep.config.update("num_sms", "3")
     emu = _setup(R, S, H, K, E, M, "bf16", 28)
     x, idx, w, y = _inputs(R, S, H, K, E, M, "bf16", 28)
     rpd = M * min(K, E // R)

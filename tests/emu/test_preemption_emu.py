@@ -12,6 +12,8 @@ import re
 import numpy as np
 import pytest
 
+import jax_ep
+
 from jax_ep._src.emu import Emulator
 
 from emu_intranode_util import DISPATCH_KEYS, assert_same, bits, reference, routing, rows
@@ -52,8 +54,8 @@ def test_pipelined_dispatches_with_a_preempted_receiver(seed, monkeypatch):
     must wait for its receiving block, which may still be reading this call's rows when
     its sending block is done; a credit sent by the first block to finish lets a peer's
     next call append rows to rings that block reads as this call's."""
-    monkeypatch.setenv("JAX_EP_RING_TOKENS", "2")
-    monkeypatch.setenv("JAX_EP_NUM_SMS", "2")
+    jax_ep.config.update("ring_tokens", "2")
+    jax_ep.config.update("num_sms", "2")
     R, T, H, K, E, C = 2, 24, 16, 2, 4, 48
     cases = [_case(R, T, H, K, E, C, 90 + 3 * seed + i) for i in range(3)]
     emu = Emulator(R, seed=seed, resident_blocks=2, preempt_prob=0.002, preempt_ns=40000.0)
@@ -69,7 +71,7 @@ def test_many_dispatches_leave_the_last_block_counter_at_zero(monkeypatch):
     resets the counter each call; a counter never reset holds 4 after the first call, no
     block of the second sees the count it waits for, that call's credit never goes out and
     the third call times out."""
-    monkeypatch.setenv("JAX_EP_NUM_SMS", "4")
+    jax_ep.config.update("num_sms", "4")
     R, T, H, K, E, C = 2, 12, 8, 2, 4, 24
     emu = Emulator(R, seed=5, resident_blocks=4)
     emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
@@ -91,7 +93,7 @@ def test_a_call_a_preempted_peer_fails_empties_every_output(seed, monkeypatch):
     `last_block_counter_bound` found those and 17, 19, 40). A rank without an error of
     its own is not checked here: a peer that fails after passing this call's site check
     may have sent only part of its rows, and this rank learns of it in its next call."""
-    monkeypatch.setenv("JAX_EP_NUM_SMS", "4")
+    jax_ep.config.update("num_sms", "4")
     R, T, H, K, E, C = 2, 24, 8, 2, 4, 48
     rng = np.random.default_rng(seed)
     idx = routing("random", R, T, K, E, rng)

@@ -1,6 +1,7 @@
 """Fabric discovery on sysfs fixture trees (tests/data/sysfs/*), the classification, the
 NVSHMEM settings and QP table derived from it, and the agreement across processes."""
 
+import jax_ep
 import json
 import os
 import shutil
@@ -332,7 +333,7 @@ def test_bootstrap_sets_device_selection_and_report_has_the_table(monkeypatch):
     monkeypatch.setattr(nb, "_state", None)
     monkeypatch.setattr(nb, "_check_one_process_per_gpu", lambda: None)
     env = {"JAX_EP_SYSFS": tree("ib_dualport"), "JAX_EP_GPU_PCI_BUS_ID": GPU}
-    monkeypatch.setenv("JAX_EP_GPU_PCI_BUS_ID", GPU)
+    jax_ep.config.update("gpu_pci_bus_id", GPU)
     st = nb.initialize(heap_bytes=64 << 20, num_ranks=1, runtime=Rt(), client=Client(),
                        environ=env, config=TransportConfig(num_ports=2, qps_per_port=2))
     assert env["NVSHMEM_HCA_LIST"] == "mlx5_0:1,mlx5_1:1"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+import jax_ep
+
 from jax_ep.network import fabric as fb
 from jax_ep.network import lag_affinity as la
 from jax_ep.network.transport import TransportConfig
@@ -136,7 +138,7 @@ def test_the_bootstrap_applies_the_order(monkeypatch):
                         lambda cfg, handles: [dict(r) for r in laid])
     monkeypatch.setattr(nb, "_state", None)
     monkeypatch.setattr(nb, "_check_one_process_per_gpu", lambda: None)
-    monkeypatch.setenv("JAX_EP_GPU_PCI_BUS_ID", GPU)
+    jax_ep.config.update("gpu_pci_bus_id", GPU)
     rt = Rt()
     env = {"JAX_EP_SYSFS": tree("ib_dualport"), "JAX_EP_GPU_PCI_BUS_ID": GPU}
     nb.initialize(heap_bytes=64 << 20, num_ranks=1, runtime=rt, client=Client(),

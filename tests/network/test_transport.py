@@ -1,5 +1,6 @@
 """Striping plan (kernels/common/striping_plan.h via jax_ep.network.transport) and the NVSHMEM environment."""
 
+import jax_ep
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -196,10 +197,12 @@ def test_qp_count_for_multiport_and_bond():
     assert (one.num_ports, one.qps_per_port, one.num_channels) == (1, 3, 3)
 
 
-def test_env_override_bad_value_names_variable(monkeypatch):
-    monkeypatch.setenv("JAX_EP_QPS_PER_PORT", "many")
+def test_env_override_bad_value_names_variable():
     with pytest.raises(ValueError, match="JAX_EP_QPS_PER_PORT"):
-        TransportConfig().resolve()
-    monkeypatch.setenv("JAX_EP_QPS_PER_PORT", "0")
+        TransportConfig().resolve({"JAX_EP_QPS_PER_PORT": "many"})
     with pytest.raises(ValueError, match="JAX_EP_QPS_PER_PORT"):
-        TransportConfig().resolve()
+        TransportConfig().resolve({"JAX_EP_QPS_PER_PORT": "0"})
+    with pytest.raises(ValueError, match="qps_per_port"):
+        jax_ep.config.update("qps_per_port", "many")
+    with jax_ep.config.override(qps_per_port=3):  # the process's settings
+        assert TransportConfig(qps_per_port=4).resolve().qps_per_port == 3

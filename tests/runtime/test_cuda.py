@@ -95,13 +95,12 @@ def test_buffer_bytes_formulas(monkeypatch):
     assert (jcuda.channels(32), jcuda.dispatch_channels(32), jcuda.dispatch_channels(16)) == (
         16, 16, 24)  # ep32: 32 blocks; above 16 ranks two blocks share a dispatch channel
     assert jcuda.MAX_RANKS == 32
-    monkeypatch.setenv("JAX_EP_RING_TOKENS", "5000")
+    jax_ep.config.update("ring_tokens", "5000")
     assert jcuda.ring_tokens() == 4096
-    monkeypatch.setenv("JAX_EP_RING_TOKENS", "many")
-    with pytest.raises(ValueError):
-        jcuda.ring_tokens()
-    monkeypatch.setenv("JAX_EP_RING_TOKENS", "3")
-    monkeypatch.setenv("JAX_EP_CUDA_PRESET", "ep2")  # 16 blocks: 8 channels at any R
+    with pytest.raises(ValueError, match="ring_tokens"):
+        jax_ep.config.update("ring_tokens", "many")
+    jax_ep.config.update("ring_tokens", "3")
+    jax_ep.config.update("cuda_preset", "ep2")  # 16 blocks: 8 channels at any R
     tiny = jcuda.buffer_bytes(8, 16, 7, 2, jnp.bfloat16)
     assert (tiny["channels"], tiny["dispatch_channels"], tiny["ring_tokens"]) == (8, 16, 3)
     # rings of 3 rows of 16 bytes (14 to 16) and their words, each part to 256 bytes
@@ -379,7 +378,7 @@ def test_call_site_mismatch_is_reported_and_later_calls_skip_until_reset():
 @needs_bindings
 def test_missing_peer_times_out_then_reset_recovers(monkeypatch):
     jcuda.reset()
-    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "1")
+    jax_ep.config.update("timeout_s", "1")
     R, T, H, K, E = 3, 16, 32, 2, 6
     x, idx, w, y = _inputs(R, T, H, K, E, jnp.float32, seed=13, C=R * T)
     d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
@@ -389,7 +388,7 @@ def test_missing_peer_times_out_then_reset_recovers(monkeypatch):
     assert (np.asarray(d.num_recv)[[0, 2]] == 0).all()  # the ranks that ran skipped
     with pytest.raises(RuntimeError, match="timed out in .* waiting for rank 1"):
         jcuda.check_errors()
-    monkeypatch.delenv("JAX_EP_TIMEOUT_S")
+    jax_ep.config.update("timeout_s", None)
     jcuda.reset()
     got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, R * T, True).items()}
     assert_bitwise_equal(got, np_model(x, idx, w, y, E, R * T), what="after reset: ")
@@ -404,7 +403,7 @@ def test_timeout_after_a_bad_id_still_stops_the_ranks(monkeypatch):
     after it must still count as a failure: the ranks that ran move no data, and
     check_errors names both errors."""
     jcuda.reset()
-    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "1")
+    jax_ep.config.update("timeout_s", "1")
     R, T, H, K, E = 3, 16, 32, 2, 6
     x, idx, w, y = _inputs(R, T, H, K, E, jnp.float32, seed=17, C=R * T)
     bad = idx.copy()
@@ -425,7 +424,7 @@ def test_timeout_after_a_bad_id_still_stops_the_ranks(monkeypatch):
                                            r"timed out in .* waiting for rank 1"):
         jcuda.check_errors()
     jcuda.check_errors()  # cleared, the failed state with it
-    monkeypatch.delenv("JAX_EP_TIMEOUT_S")
+    jax_ep.config.update("timeout_s", None)
     jcuda.reset()
     got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, R * T, True).items()}
     assert_bitwise_equal(got, np_model(x, idx, w, y, E, R * T), what="after reset: ")

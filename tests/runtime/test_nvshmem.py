@@ -45,7 +45,8 @@ _WORKER = textwrap.dedent(r"""
     # agreement refuses processes that differ: tests/runtime/test_startup_agreement.py)
     env = {"NVSHMEM_IBGDA_NUM_RC_PER_PE": "99"}
     rt = FakeRuntime()
-    os.environ["JAX_EP_QPS_PER_PORT"] = "3"
+    import jax_ep
+    jax_ep.config.update("qps_per_port", 3)  # as JAX_EP_QPS_PER_PORT=3 at start-up
     s1 = nb.initialize(max_tokens=64, hidden=128, topk=4, capacity=100, runtime=rt,
                        environ=env, config=TransportConfig(num_ports=2, qps_per_port=1))
     again = nb.initialize(heap_bytes=s1.heap_bytes // 2, runtime=rt, environ=env)

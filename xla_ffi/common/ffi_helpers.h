@@ -9,17 +9,16 @@
 #include <string>
 
 #include "kernels/common/dtype_convert.h"
+#include "kernels/common/settings.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
 
-// JAX_EP_TIMEOUT_S (default 300): how long any backend waits for a peer before failing.
+// The setting timeout_s (JAX_EP_TIMEOUT_S, default kDefaultTimeoutSeconds): how long any
+// backend waits for a peer before failing.
 inline double TimeoutSeconds() {
-  const char* v = std::getenv("JAX_EP_TIMEOUT_S");
-  if (v == nullptr || *v == '\0') return 300.0;
-  char* end = nullptr;
-  const double s = std::strtod(v, &end);
-  return (end != v && s > 0) ? s : 300.0;
+  const double s = settings().timeout_s;
+  return s > 0 ? s : kDefaultTimeoutSeconds;
 }
 
 // The FloatKind of an FFI buffer's element type; false for anything but f32/bf16/f16.

@@ -6,4 +6,7 @@
 
 namespace jax_ep {
 void AddLayoutBindings(nanobind::module_& m);
+// The run-time settings (xla_ffi/common/settings_bindings.cc): set_settings, settings,
+// settings_defaults. Every extension module adds them (each has its own settings).
+void AddSettingsBindings(nanobind::module_& m);
 }  // namespace jax_ep

@@ -17,11 +17,13 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/common/settings.h"
 #include "kernels/emu/emu_control.h"
 #include "kernels/emu/nvshmem_emu.h"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/peer_transport.cuh"
 #include "kernels/internode/device_copy.cuh"
+#include "xla_ffi/common/layout_bindings.h"
 #include "xla_ffi/emu/emu_call.h"
 
 namespace nb = nanobind;
@@ -180,13 +182,11 @@ int64_t Enqueue(const std::string& op, int ordinal, std::vector<InSpec> inputs,
   for (auto& b : c->out) a.out.push_back(&b->b);
   a.attrs = std::move(attrs);
   a.array_attrs = std::move(array_attrs);
-  // The handlers read JAX_EP_TIMEOUT_S when they launch: the emulator's timeout holds for
-  // this launch only, and the process's own value (the CPU transport's) comes back after.
-  const char* prev = std::getenv("JAX_EP_TIMEOUT_S");
-  const bool had_prev = prev != nullptr;
-  const std::string saved = had_prev ? prev : "";
-  const std::string t = std::to_string(g_timeout_s);
-  setenv("JAX_EP_TIMEOUT_S", t.c_str(), 1);
+  // The handlers read the timeout setting when they launch: the emulator's timeout (in
+  // virtual seconds) holds for this launch only, and the module's own setting (from
+  // jax_ep.config) comes back after.
+  const double saved_timeout = settings().timeout_s;
+  mutable_settings().timeout_s = g_timeout_s;
   cudaSetDevice(ordinal);
   bool known = false;
   for (const Invoker& f : Invokers()) {
@@ -194,8 +194,7 @@ int64_t Enqueue(const std::string& op, int ordinal, std::vector<InSpec> inputs,
     if (known) break;
   }
   cudaSetDevice(0);
-  if (had_prev) setenv("JAX_EP_TIMEOUT_S", saved.c_str(), 1);
-  else unsetenv("JAX_EP_TIMEOUT_S");
+  mutable_settings().timeout_s = saved_timeout;
   if (!known) throw std::invalid_argument("jax_ep emu: unknown op " + op);
   const int64_t id = g_next_call++;
   Calls()[id] = std::move(c);
@@ -306,6 +305,7 @@ void PeerStoreProbe(int64_t n, int64_t at) {
 NB_MODULE(_jax_ep_emu, m) {
   using namespace jax_ep::emu_driver;
   m.doc() = "The CUDA kernels and handlers of jax_ep, compiled for the emulated GPU.";
+  jax_ep::AddSettingsBindings(m);  // this module's own copy of the settings
   m.def("configure", &Configure, nb::arg("num_devices") = 8, nb::arg("seed") = 1,
         nb::arg("resident_blocks") = 0, nb::arg("timeout_s") = 0.05,
         nb::arg("weak_stores") = true, nb::arg("quantum_ns") = 100.0,

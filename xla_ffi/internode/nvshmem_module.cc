@@ -5,6 +5,7 @@
 // not installed; jax_ep/_src/ext.py loads it when the internode backend is first used.
 #include <nanobind/nanobind.h>
 
+#include "xla_ffi/common/layout_bindings.h"
 #include "xla_ffi/common/transport_bindings.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
 #include "xla_ffi/internode/low_latency_handlers.h"
@@ -13,6 +14,7 @@ namespace nb = nanobind;
 
 NB_MODULE(_jax_ep_nvshmem, m) {
   jax_ep::AddNvshmemBindings(m);
+  jax_ep::AddSettingsBindings(m);  // this module's own copy of the settings
   // The wire helpers again, with the low-latency area's start and stop (NVSHMEM only).
   jax_ep::AddLowLatencyWireBindings(m);
   m.def("registrations", []() {
