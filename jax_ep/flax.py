@@ -223,7 +223,7 @@ class MoE(nnx.Module):
       mesh_axis: the mesh axis the experts are split over (the EP axis).
       data_axes: the other mesh axes the tokens are split over; default every other axis
         of the mesh in context, in mesh order.
-      backend: 'reference', 'ffi' or None/'auto' (see `jax_ep.dispatch`).
+      backend: 'reference', 'intranode', 'internode' or None/'auto' (see `jax_ep.dispatch`).
       capacity: rows each rank can receive per call. None: `receive_capacity(...)`, i.e.
         `R * T` (T tokens per shard; never drops) when `capacity_factor` is None, else
         the places of the local experts together, `E_local * cap`, at most `R * T`. An

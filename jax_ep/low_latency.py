@@ -54,7 +54,8 @@ class LowLatencyHandle:
     first_row, row_count: int32[E_local, R], where each source rank's rows start in a
       local expert's block and how many there are.
     Static: num_experts, num_ranks, max_tokens_per_rank, axis_name, num_tokens (T),
-    topk (K).
+    topk (K), backend (the canonical backend that made it; combine with backend=None
+    uses it).
     """
 
     src_rank: jax.Array
@@ -67,6 +68,7 @@ class LowLatencyHandle:
     axis_name: Any
     num_tokens: int
     topk: int
+    backend: str | None = None
 
     @property
     def experts_per_rank(self) -> int:
@@ -76,7 +78,7 @@ class LowLatencyHandle:
 jax.tree_util.register_dataclass(
     LowLatencyHandle, data_fields=["src_rank", "src_index", "first_row", "row_count"],
     meta_fields=["num_experts", "num_ranks", "max_tokens_per_rank", "axis_name",
-                 "num_tokens", "topk"])
+                 "num_tokens", "topk", "backend"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +345,7 @@ def _cfg(x, topk_idx, num_experts, axis_name, max_tokens_per_rank, fp8, backend)
 
 def _handle(outs, cfg: Cfg, T, K):
     return LowLatencyHandle(outs[2], outs[3], outs[4], outs[5], cfg.num_experts,
-                            cfg.num_ranks, cfg.capacity, cfg.axis_name, T, K)
+                            cfg.num_ranks, cfg.capacity, cfg.axis_name, T, K, cfg.backend)
 
 
 def _recv_result(outs, cfg, T, K):
@@ -365,7 +367,7 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name, max_tokens_per_rank: i
       max_tokens_per_rank: M, fixes every buffer's size.
       fp8: send block-scaled FP8 (jax_ep.fp8, 1 x 128 blocks) instead of x's dtype.
       round_scale: with fp8, round scales up to powers of two.
-      backend: 'reference', 'ffi', 'internode' or None/'auto' (as jax_ep.dispatch).
+      backend: 'reference', 'intranode', 'internode' or None/'auto' (as jax_ep.dispatch).
 
     Returns:
       recv_x [E_local, R * M, H] in x's dtype, or with fp8 the pair (float8_e4m3fn
@@ -424,6 +426,8 @@ def _combine_cfg(y, topk_idx, topk_weights, handle, backend):
                          f"{handle.axis_name!r} has {R}")
     check_combine_args(y, topk_idx, topk_weights, handle.experts_per_rank,
                        R * handle.max_tokens_per_rank, handle.num_tokens, handle.topk)
+    if backend is None:
+        backend = handle.backend  # the dispatch's backend
     return Cfg(handle.num_experts, R, handle.max_tokens_per_rank, handle.axis_name,
                resolve_backend(backend))
 

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import math
 import operator
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +38,12 @@ from jax_ep._src.scope import named
 from jax_ep._src.types import DispatchHandle, DispatchLayout
 from jax_ep import nvshmem_bootstrap as nvshmem
 
-# "internode" (NVSHMEM, one process per GPU; see docs/internode.md) is also what "ffi" and
-# "auto" resolve to on GPUs when NVSHMEM runs in this process and there are >1 processes.
-BACKENDS = ("reference", "ffi", "auto", "internode")
+# The backends (resolve_backend says what each name resolves to): "reference" (pure JAX),
+# "intranode" (the FFI kernels within one process/node: CPU transport or CUDA peer
+# pointers), "internode" (NVSHMEM, one process per GPU; docs/internode.md). "auto" (or
+# None) picks one; "ffi" is the deprecated name of "intranode".
+CANONICAL_BACKENDS = ("reference", "intranode", "internode")
+BACKENDS = ("reference", "intranode", "internode", "auto", "ffi")
 
 # Before JAX creates its CPU client: give the CPU transport enough pool threads (see
 # jax_ep/_src/cpu_pool.py; pipelined calls stall on a pool of one thread per device).
@@ -92,13 +96,42 @@ def _internode_ready(platform) -> bool:
             and nvshmem.is_initialized())
 
 
+_warned_ffi = False
+
+
+def _handle_backend(backend, handle):
+    """`backend`, or for None the backend recorded in `handle` (None where it has none)."""
+    return getattr(handle, "backend", None) if backend is None else backend
+
+
+def _warn_ffi_alias():
+    global _warned_ffi
+    if not _warned_ffi:
+        _warned_ffi = True
+        warnings.warn("jax_ep: backend='ffi' is a deprecated name of backend='intranode' "
+                      "(the FFI kernels within one process/node); it never selects "
+                      "'internode'", DeprecationWarning, stacklevel=3)
+
+
 def resolve_backend(backend) -> str:
-    """'reference', 'ffi' (intranode kernels) or 'internode' (NVSHMEM kernels) for
-    `backend` in {None, 'auto', 'reference', 'ffi', 'internode'}."""
+    """The canonical backend, 'reference', 'intranode' or 'internode', for `backend`:
+
+    - 'reference', 'intranode', 'internode': that backend (an error where it cannot run
+      here: 'intranode' without kernels for this platform or across CPU processes,
+      'internode' without GPUs, an NVSHMEM build or NVSHMEM started in this process).
+    - 'ffi': deprecated name of 'intranode' (a DeprecationWarning, once per process); it
+      is 'intranode' always, never 'internode'.
+    - None or 'auto': 'internode' on GPUs with NVSHMEM started in this process and several
+      processes; else 'intranode' where this build has kernels for the platform (and, on
+      CPU, one process); else 'reference'.
+    """
     if backend is None:
         backend = "auto"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "ffi":
+        _warn_ffi_alias()
+        backend = "intranode"
     platform = jax.default_backend()
     available = _ext.registered_platforms()
     if backend == "internode":
@@ -118,20 +151,18 @@ def resolve_backend(backend) -> str:
             return "reference"  # the CPU transport meets peers inside one process only
         if _internode_ready(platform):
             return "internode"
-        backend = "ffi"
-    if backend == "ffi":
+        backend = "intranode"
+    if backend == "intranode":
         if platform not in available:
             raise NotImplementedError(
-                f"backend='ffi' has no kernels for platform {platform!r} in this build "
-                f"(built: {_ext.build_info()}); use backend='reference' or 'auto'")
+                f"backend='intranode' has no kernels for platform {platform!r} in this "
+                f"build (built: {_ext.build_info()}); use backend='reference' or 'auto'")
         if platform == "cpu" and jax.process_count() > 1:
             raise NotImplementedError(
-                "backend='ffi' on CPU moves rows between the devices of one process; with "
-                f"{jax.process_count()} processes use backend='reference' or 'auto'")
-        if _internode_ready(platform):
-            return "internode"
-    if backend == "ffi" and platform == "cpu":
-        _cpu_pool.check(jax.local_device_count())
+                "backend='intranode' on CPU moves rows between the devices of one process; "
+                f"with {jax.process_count()} processes use backend='reference' or 'auto'")
+        if platform == "cpu":
+            _cpu_pool.check(jax.local_device_count())
     return backend
 
 
@@ -161,7 +192,7 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, num_ranks: int,
 
 def _layout_impl(topk_idx, num_experts, num_ranks, backend, check_ids=True):
     if check_ids and (backend == "reference"
-                      or (backend == "ffi" and jax.default_backend() == "cpu")):
+                      or (backend == "intranode" and jax.default_backend() == "cpu")):
         # No exchange follows in the op, but the program's next collective does: inside
         # shard_map every shard agrees on the check first, so all raise or none does
         # (the CPU kernel's own check would stop one shard alone). Its all-gather is a
@@ -301,9 +332,9 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
       num_experts: E, a multiple of the EP axis size R.
       axis_name: the EP mesh axis (or tuple of axes).
       capacity: C, rows received per rank (default R * T, which never overflows).
-      backend: 'reference', 'ffi', 'internode' or None/'auto'. On GPUs with NVSHMEM
-        started in this process (jax_ep.nvshmem_bootstrap) and several processes, 'auto'
-        and 'ffi' resolve to 'internode'.
+      backend: 'reference', 'intranode', 'internode' or None/'auto' ('ffi': deprecated
+        name of 'intranode'); `resolve_backend` says what each resolves to. The handle
+        records the resolved backend (`handle.backend`).
 
     Returns:
       recv_x [C, H] (x's dtype; for an FP8 pair the pair (recv_x_fp8 [C, H], recv_scales
@@ -333,6 +364,7 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
                          "capacity >= 1")
     cfg = Cfg(num_experts, R, C, axis_name, resolve_backend(backend))
     recv_x, recv_idx, recv_w, handle = _dispatch(x, topk_idx, topk_weights, cfg)
+    handle = dataclasses.replace(handle, backend=cfg.backend)
     if len(lead) != 1:
         handle = dataclasses.replace(handle, send_row=handle.send_row.reshape(*lead, R))
     if block is not None:
@@ -344,10 +376,10 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
 
 def _native_bias(backend) -> bool:
     """Backends that add the bias inside their float32 accumulation (their module has
-    `combine_with_bias`; for 'ffi' only the CPU kernel takes it)."""
+    `combine_with_bias`; for 'intranode' only the CPU kernel takes it)."""
     if not hasattr(backends.get(backend), "combine_with_bias"):
         return False
-    return backend != "ffi" or jax.default_backend() == "cpu"
+    return backend != "intranode" or jax.default_backend() == "cpu"
 
 
 def _combine_impl(y, handle, backend, group_axes=None, bias=()):
@@ -433,6 +465,7 @@ def combine(y, handle: DispatchHandle, *, bias=None, backend=None):
       y: [C, H] float32, bfloat16 or float16; row i belongs to the handle's row i. Rows
         past handle.num_recv are ignored.
       handle: the DispatchHandle from `dispatch`.
+      backend: None (the handle's backend, `handle.backend`) or a name as for `dispatch`.
       bias: None, or one array or a pair of arrays of out's shape ([T, H], or [..., H]
         with dispatch's leading dims), any float dtype: added in float32 to each token's
         sum (after the ranks, in order) before the single cast to y's dtype. Gradients
@@ -462,7 +495,7 @@ def combine(y, handle: DispatchHandle, *, bias=None, backend=None):
         handle = dataclasses.replace(handle, send_row=handle.send_row.reshape(T, R))
         bias = tuple(b.reshape(T, H) for b in bias)
     f = _combine_for(tuple(jnp.dtype(b.dtype) for b in bias))
-    out = f(y, bias, handle, resolve_backend(backend))
+    out = f(y, bias, handle, resolve_backend(_handle_backend(backend, handle)))
     return out.reshape(*lead, H)
 
 
@@ -514,5 +547,6 @@ def cached_dispatch(x, handle: DispatchHandle, *, backend=None):
     T = math.prod(lead)
     if len(lead) != 1:
         handle = dataclasses.replace(handle, send_row=handle.send_row.reshape(T, R))
-    rows = _cached(x.reshape(T, x.shape[-1]), handle, resolve_backend(backend))
+    rows = _cached(x.reshape(T, x.shape[-1]), handle,
+                   resolve_backend(_handle_backend(backend, handle)))
     return fp8.unpack(rows, block=block) if block is not None else rows

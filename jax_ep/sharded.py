@@ -101,7 +101,7 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, mesh_axis: str, batch_axe
     num_experts = ops._static_int("num_experts", num_experts, 1)
     ops._check_routing(topk_idx, None, None, num_experts, 1)
     spec = _spec(topk_idx.shape[0], num_experts, mesh_axis, None, backend, batch_axes)
-    if spec.backend == "reference" or (spec.backend == "ffi"
+    if spec.backend == "reference" or (spec.backend == "intranode"
                                        and jax.default_backend() == "cpu"):
         # Every shard agrees before any raises (the CPU kernel's check stops one alone).
         # The check is a collective: on several processes (CPU) every peer arrives first.
@@ -272,8 +272,7 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, mesh_axis: str, cap
       capacity: C rows received per shard (default R * T).
       batch_axes: mesh axes that, with mesh_axis, shard the tokens (default: the axes
         before mesh_axis in the mesh); one EP group per index of them.
-      backend: as for `jax_ep.dispatch` ('auto' and 'ffi' pick 'internode' where they
-        would there).
+      backend: as for `jax_ep.dispatch` (`jax_ep.resolve_backend`).
     Returns:
       recv_x [S * C, H], recv_topk_idx [S * C, K] int32, recv_topk_weights [S * C, K]
       float32 and a ShardedDispatchHandle; block s of each is shard s's per-shard result.

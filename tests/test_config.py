@@ -1,7 +1,8 @@
 """jax_ep.Config: one typed configuration, read once from the environment; its table
 (jax_ep/config.py's docstring, docs/settings.md) is what the code reads; no module outside
 jax_ep/config.py reads a run-time JAX_EP_* variable, no kernel header reads the
-environment; the kernel settings reach every loaded extension module's C++."""
+environment; the kernel settings reach every loaded extension module's C++; backend names
+and the handle's backend."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,12 +11,18 @@ import pathlib
 import re
 import subprocess
 import sys
+import warnings
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import config
+import jax_ep.low_latency as ll
+from jax_ep import config, ops
 from jax_ep._src.ext import require_ext
+from conftest import ep_mesh
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -175,3 +182,60 @@ def test_settings_reach_the_emulated_module():
     with config.override(ring_tokens=5, num_sms=3):
         assert mod.settings()["ring_tokens"] == 5 and mod.settings()["num_sms"] == 3
     assert mod.settings()["ring_tokens"] == config.current().ring_tokens
+
+
+# ----------------------------------------------------------------------------- backends
+
+R, T, H, K, E = 4, 6, 8, 2, 8
+
+
+def _inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((R * T, H)).astype(np.float32)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(R * T)]).astype(np.int32)
+    w = rng.random((R * T, K)).astype(np.float32)
+    return x, idx, w
+
+
+def test_backend_names_resolve():
+    assert ops.resolve_backend("reference") == "reference"
+    assert ops.resolve_backend("intranode") == "intranode"
+    assert ops.resolve_backend(None) == ops.resolve_backend("auto") == "intranode"
+    with pytest.raises(NotImplementedError, match="internode"):
+        ops.resolve_backend("internode")  # no GPUs here
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.resolve_backend("nccl")
+
+
+def test_ffi_is_a_deprecated_alias_of_intranode(monkeypatch):
+    monkeypatch.setattr(ops, "_warned_ffi", False)
+    with pytest.warns(DeprecationWarning, match="'ffi' is a deprecated name of "
+                                                "backend='intranode'"):
+        assert ops.resolve_backend("ffi") == "intranode"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert ops.resolve_backend("ffi") == "intranode"
+
+
+@pytest.mark.parametrize("backend,want", [("reference", "reference"), (None, "intranode"),
+                                          ("ffi", "intranode"), ("intranode", "intranode")])
+def test_handles_record_their_backend(backend, want):
+    x, idx, w = _inputs()
+    seen = {}
+
+    def f(x, idx, w):
+        rx, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep",
+                                      backend=backend)
+        seen["normal"] = h.backend
+        _, _, lh = ll.dispatch(x, idx, num_experts=E, axis_name="ep", max_tokens_per_rank=T,
+                               backend=backend)
+        seen["low_latency"] = lh.backend
+        return jax_ep.combine(rx, h)  # backend=None: the handle's
+
+    g = jax.jit(jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+    text = g.lower(x, idx, w).as_text()
+    assert seen == {"normal": want, "low_latency": want}
+    # combine followed the handle: the kernels' combine only where the handle says so
+    assert ("jax_ep_combine" in text) == (want == "intranode"), want
+    out = np.asarray(g(x, idx, w))
+    assert out.shape == (R * T, H)

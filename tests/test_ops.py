@@ -481,9 +481,9 @@ def test_concurrent_programs_do_not_meet():
     assert not errors, errors[0]
 
 
-def test_auto_backend_is_ffi_on_one_cpu_process():
-    assert jax_ep.resolve_backend(None) == "ffi"
-    assert jax_ep.resolve_backend("auto") == "ffi"
+def test_auto_backend_is_intranode_on_one_cpu_process():
+    assert jax_ep.resolve_backend(None) == "intranode"
+    assert jax_ep.resolve_backend("auto") == "intranode"
     assert jax_ep.resolve_backend("reference") == "reference"
 
 

@@ -46,7 +46,9 @@ class DispatchHandle:
     extra: backend-specific parts combine needs beyond the fields above (a pytree; None
       for the reference and intranode backends, an `InternodeHandleParts` for the
       internode one).
-    Static: num_experts, num_ranks, capacity, axis_name.
+    Static: num_experts, num_ranks, capacity, axis_name, backend (the canonical backend
+    that made it, 'reference', 'intranode' or 'internode'; combine with backend=None uses
+    it).
     """
 
     num_recv: jax.Array
@@ -60,6 +62,7 @@ class DispatchHandle:
     capacity: int
     axis_name: Any
     extra: Any = None
+    backend: str | None = None
 
     @property
     def experts_per_rank(self) -> int:
@@ -69,7 +72,7 @@ class DispatchHandle:
 jax.tree_util.register_dataclass(
     DispatchHandle,
     data_fields=[*HANDLE_ARRAYS, "extra"],
-    meta_fields=["num_experts", "num_ranks", "capacity", "axis_name"],
+    meta_fields=["num_experts", "num_ranks", "capacity", "axis_name", "backend"],
 )
 
 

@@ -204,7 +204,7 @@ def global_check_needed(spec) -> bool:
     reference backend (whose per-shard check would be a host callback inside the
     partitioned body), for ffi where the mesh holds several EP groups (see
     `across_groups`)."""
-    return spec.backend == "reference" or (spec.backend == "ffi"
+    return spec.backend == "reference" or (spec.backend == "intranode"
                                            and across_groups(None, spec.group_axes))
 
 

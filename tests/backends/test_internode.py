@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import nvshmem_bootstrap, ops
+from jax_ep import config, nvshmem_bootstrap, ops
 from jax_ep._src import ext as _ext
 from jax_ep._src.backends import internode
 from jax_ep._src.common import Cfg
@@ -61,7 +61,8 @@ def _lower_cuda(f, *args, n_out=1):
     mesh = ep_mesh(R)
     out_specs = P("ep") if n_out == 1 else (P("ep"),) * n_out
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=out_specs))
-    return g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with config.override(collective_stream=False):  # the calls' own structure, no regions
+        return g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 _CALL = re.compile(r"stablehlo\.custom_call @(\w+)\((.*?)\)\s*\{(.*?)\}\s*:\s*\((.*?)\)\s*->\s*(.*)$")
@@ -325,27 +326,27 @@ def test_auto_and_ffi_pick_internode_with_nvshmem_across_processes(monkeypatch):
     _gpu_world(monkeypatch, 2, nvshmem=True)
     assert ops.resolve_backend(None) == "internode"
     assert ops.resolve_backend("auto") == "internode"
-    assert ops.resolve_backend("ffi") == "internode"
+    assert ops.resolve_backend("ffi") == "intranode"  # the deprecated name: never internode
     assert ops.resolve_backend("internode") == "internode"
     assert ops.resolve_backend("reference") == "reference"
 
 
 def test_gpu_without_nvshmem_or_single_process_stays_intranode(monkeypatch):
     _gpu_world(monkeypatch, 2, nvshmem=False)
-    assert ops.resolve_backend("auto") == "ffi"
-    assert ops.resolve_backend("ffi") == "ffi"
+    assert ops.resolve_backend("auto") == "intranode"
+    assert ops.resolve_backend("ffi") == "intranode"
     with pytest.raises(NotImplementedError, match=r"nvshmem_bootstrap\.initialize"):
         ops.resolve_backend("internode")
     _gpu_world(monkeypatch, 1, nvshmem=True)
-    assert ops.resolve_backend("auto") == "ffi"
-    assert ops.resolve_backend("ffi") == "ffi"
+    assert ops.resolve_backend("auto") == "intranode"
+    assert ops.resolve_backend("ffi") == "intranode"
 
 
 def test_cpu_backend_choice_is_unchanged(monkeypatch):
-    assert ops.resolve_backend("auto") == "ffi"
-    assert ops.resolve_backend("ffi") == "ffi"
+    assert ops.resolve_backend("auto") == "intranode"
+    assert ops.resolve_backend("ffi") == "intranode"
     _fake_state(monkeypatch, rank=0, world=2)  # even with NVSHMEM state, CPU is CPU
-    assert ops.resolve_backend("auto") == "ffi"
+    assert ops.resolve_backend("auto") == "intranode"
     with pytest.raises(NotImplementedError, match=r"backend='internode' needs GPUs"):
         ops.resolve_backend("internode")
     monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -383,7 +384,7 @@ def test_global_view_lowers_for_cuda_with_the_internode_handle(internode_forced)
     from jax_ep.sharded import ShardedDispatchHandle
     N = R * T
     handles = []
-    with jax.set_mesh(ep_mesh(R)):
+    with jax.set_mesh(ep_mesh(R)), config.override(collective_stream=False):
         hlo = jax.jit(_global_step("internode", handles)).trace(*_step_args()).lower(
             lowering_platforms=("cuda",)).as_text()
     (h,) = handles
@@ -488,11 +489,12 @@ def test_global_view_resolves_backends_like_the_per_shard_ops(monkeypatch):
             return sharded._spec(R * T, E, "ep", None, b, None).backend
 
     _gpu_world(monkeypatch, 2, nvshmem=True)
-    for b in (None, "auto", "ffi", "internode"):
+    for b in (None, "auto", "internode"):
         assert resolved(b) == "internode"
+    assert resolved("ffi") == "intranode"  # the deprecated name: never internode
     assert resolved("reference") == "reference"
     _gpu_world(monkeypatch, 2, nvshmem=False)
-    assert resolved("auto") == "ffi" and resolved("ffi") == "ffi"
+    assert resolved("auto") == "intranode" and resolved("ffi") == "intranode"
 
 
 def test_global_view_cpu_handle_is_unchanged():

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from jax_ep._src.backends import ffi, internode, reference
 
-MODULES = {"reference": reference, "ffi": ffi, "internode": internode}
+# Canonical backend name -> module ("intranode": the FFI kernels of jax_ep/_src/backends/
+# ffi.py; jax_ep.ops.resolve_backend maps the deprecated name "ffi" to it).
+MODULES = {"reference": reference, "intranode": ffi, "internode": internode}
 
 
 def get(name: str):
