@@ -150,14 +150,40 @@ def test_cuda_export_puts_every_ep_call_in_a_collective_region(program):
             assert len(ops) == 1, (name, ops)
 
 
-@pytest.mark.parametrize("setting", [False, "auto"])
-def test_plain_calls_when_off_or_auto_off_a_gpu(setting):
+def test_plain_calls_when_off():
     assert jax.default_backend() == "cpu"
-    with config.override(collective_stream=setting):
+    with config.override(collective_stream=False):
         text = _export_cuda(_normal, *_inputs())
     rep = region_report(text)
     assert rep["ep_in"] == 0 and rep["ep_out"] == 7, rep
     assert STREAM_ATTR not in text
+
+
+def _export(f, platforms, *args) -> str:
+    g = jax.jit(jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (
+        "jax_ep_dispatch", "jax_ep_combine", "jax_ep_gather")]
+    return jax.export.export(g, platforms=platforms, disabled_checks=checks)(
+        *args).mlir_module()
+
+
+@pytest.mark.parametrize("program", list(PROGRAMS))
+def test_auto_decides_by_the_platform_lowered_for(program):
+    """The default ("auto") on this CPU host: a program exported for CUDA carries the
+    collective-stream annotation on every EP call; the same program lowered for CPU
+    (exported, or jitted here) has none."""
+    assert jax.default_backend() == "cpu" and config.collective_stream == "auto"
+    f, n_calls = PROGRAMS[program]
+    cuda = _export_cuda(f, *_inputs())
+    rep = region_report(cuda)
+    assert rep["ep_in"] == n_calls and rep["ep_out"] == 0, rep
+    assert rep["dot_in"] == 0, rep
+    if program == "normal":
+        cpu = _export(f, ["cpu"], *_inputs())
+        assert STREAM_ATTR not in cpu
+        assert region_report(cpu)["ep_out"] == n_calls
+    g = jax.jit(jax.shard_map(f, mesh=ep_mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+    assert STREAM_ATTR not in g.lower(*_inputs()).as_text()
 
 
 def test_the_checker_sees_a_call_outside_its_region():

@@ -195,7 +195,7 @@ def _partitioned(spec: _Spec, body, abstract, rule, n_in, n_out, kind=None, **fa
             # Here, not in the jit below: that one's trace is cached by types, and the
             # barrier's call-site id must come from this call's program point.
             args = _arrival.arrive_global(kind, args, spec.token_axes)
-        key = _stream.active()
+        key = _stream.mode()
         if key not in made:
             made[key] = make()
         return made[key](*args)

@@ -13,6 +13,12 @@ The region form is `jax.experimental.compute_on.compute_on2` in JAX 0.10 and
 `compute_on(f, *, compute_type, out_memory_spaces)` in later JAX; with neither (older
 JAX), the call is returned unwrapped. See `jax_ep.config` for the setting.
 
+The default setting, "auto", decides by the platform the program is lowered for, not by
+the host: the call is traced once into a small primitive (`gpu_region_p`) whose lowering
+rule for cuda and rocm emits the region and whose rule for every other platform emits the
+call inline, as if there were no region. So `jax.export(..., platforms=["cuda"])` on a
+CPU host carries the annotation, and a program lowered for CPU has none (and no wrapper).
+
 The global view (`jax_ep.sharded`) puts the region around its `custom_partitioning` op
 instead: the region's call survives SPMD partitioning with its annotation and holds the
 partitioned body (the EP call and its few per-shard index computations). Inside the
@@ -28,6 +34,8 @@ import threading
 import warnings
 
 import jax
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
 
 from jax_ep import config
 
@@ -80,18 +88,28 @@ def _warn_unavailable():
         "on XLA's compute stream", RuntimeWarning, stacklevel=3)
 
 
-def active() -> bool:
-    """Whether the calls traced now go on the collective stream (see jax_ep.config)."""
+# The GPU platforms (as lowering names them) whose programs get the region under "auto".
+GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def mode() -> str | None:
+    """How the calls traced now are wrapped (see jax_ep.config.collective_stream): None
+    (plain), "always" (in a region, whatever the platform) or "gpu" (in a region where
+    the program is lowered for a GPU platform, plain elsewhere)."""
     setting = config.collective_stream
     if setting is False:
-        return False
-    if setting == "auto" and jax.default_backend() != "gpu":
-        return False
+        return None
     if region_compute_on() is None or _device_space() is None:
         if setting is True:
             _warn_unavailable()
-        return False
-    return True
+        return None
+    return "always" if setting is True else "gpu"
+
+
+def active() -> bool:
+    """Whether the calls traced now may go on the collective stream (for "auto": where
+    lowered for a GPU)."""
+    return mode() is not None
 
 
 _partition_body = threading.local()
@@ -119,12 +137,74 @@ def region(fn):
 
     @functools.wraps(fn)
     def wrapped(*args):
-        if not active():
+        how = mode()
+        if how is None:
             return fn(*args)
-        form = region_compute_on()
-        return form(fn, **_region_kwargs(form))(*args)
+        if how == "always":
+            form = region_compute_on()
+            return form(fn, **_region_kwargs(form))(*args)
+        return _gpu_region(fn, args)  # "auto": the lowering platform decides
 
     return wrapped
+
+
+# ----------------------------------------------------------------------------- "auto"
+# gpu_region_p(*args, jaxpr): `jaxpr` (fn traced on args) in a collective-stream region
+# where lowered for a GPU platform, inline elsewhere.
+
+gpu_region_p = jex_core.Primitive("jax_ep_gpu_collective_region")
+gpu_region_p.multiple_results = True
+
+
+def _gpu_region(fn, args):
+    from jax._src import api_util, core as jcore, linear_util as lu
+    from jax._src.interpreters import partial_eval as pe
+    leaves, in_tree = jax.tree.flatten(args)
+    out_tree = []
+
+    def flat(*xs):
+        out = fn(*jax.tree.unflatten(in_tree, xs))
+        outs, tree = jax.tree.flatten(out)
+        out_tree.append(tree)
+        return outs
+
+    avals = [jcore.typeof(x) for x in leaves]
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+        lu.wrap_init(flat, debug_info=api_util.debug_info("jax_ep region", fn, args, {})),
+        avals)
+    closed = jcore.ClosedJaxpr(jaxpr, consts)
+    outs = gpu_region_p.bind(*leaves, jaxpr=closed)
+    return jax.tree.unflatten(out_tree[0], outs)
+
+
+def _gpu_region_abstract_eval(*avals, jaxpr):
+    return jaxpr.out_avals, jaxpr.effects
+
+
+def _gpu_region_impl(*args, jaxpr):
+    return jex_core.jaxpr_as_fun(jaxpr)(*args)
+
+
+def _plain_lowering(ctx, *args, jaxpr):
+    return mlir.lower_fun(jex_core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
+
+
+def _region_lowering(ctx, *args, jaxpr):
+    form = region_compute_on()
+    body = jex_core.jaxpr_as_fun(jaxpr)
+
+    def in_region(*xs):
+        out = form(lambda *a: tuple(body(*a)), **_region_kwargs(form))(*xs)
+        return list(out)
+
+    return mlir.lower_fun(in_region, multiple_results=True)(ctx, *args)
+
+
+gpu_region_p.def_effectful_abstract_eval(_gpu_region_abstract_eval)
+gpu_region_p.def_impl(_gpu_region_impl)
+mlir.register_lowering(gpu_region_p, _plain_lowering)
+for _p in GPU_PLATFORMS:
+    mlir.register_lowering(gpu_region_p, _region_lowering, platform=_p)
 
 
 def on_collective_stream(call):
