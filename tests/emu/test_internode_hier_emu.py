@@ -221,14 +221,10 @@ def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks
     JAX_EP_HIER_PUSH_PARTS=1, where each pusher's lanes share every row). Blocks are
     preempted now and then, so a part that lags behind part 0 shows. Bit-exact over three
     calls, and the launches have that many blocks."""
-    for var, val in (("JAX_EP_HIER_DISPATCH_BLOCKS", dispatch_blocks),
-                     ("JAX_EP_HIER_COMBINE_BLOCKS", combine_blocks),
-                     ("JAX_EP_HIER_PUSH_PARTS", push_parts),
-                     ("JAX_EP_HIER_FORWARD_COLUMNS", fwd_columns)):
-        if val is None:
-            monkeypatch.delenv(var, raising=False)
-        else:
-            monkeypatch.setenv(var, val)
+    jax_ep.config.update("hier_dispatch_blocks", dispatch_blocks)
+    jax_ep.config.update("hier_combine_blocks", combine_blocks)
+    jax_ep.config.update("hier_push_parts", push_parts)
+    jax_ep.config.update("hier_forward_columns", fwd_columns)
     jax_ep.config.update("hier_source_blocks", None)
     N, G, K = 2, 4, 3
     R = N * G

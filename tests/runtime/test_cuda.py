@@ -64,8 +64,8 @@ def test_cuda_targets_share_the_cpu_names():
 
 
 def test_buffer_bytes_formulas(monkeypatch):
-    for var in ("JAX_EP_RING_TOKENS", "JAX_EP_CUDA_PRESET"):
-        monkeypatch.delenv(var, raising=False)
+    jax_ep.config.update("ring_tokens", None)
+    jax_ep.config.update("cuda_preset", None)
     b = jcuda.buffer_bytes(8, 4096, 7168, 8, jnp.bfloat16)
     row = 7168 * 2
     # Dispatch, combine and gather stage rows in channels x ranks rings (ids and weights
