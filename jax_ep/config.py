@@ -348,6 +348,8 @@ def _attach_loaded() -> None:
     from jax_ep._src import ext as _ext
     if _ext.ext is not None:
         attach(_ext.ext)
+    if attach not in _ext.on_module_load:
+        _ext.on_module_load.append(attach)  # modules loaded later (NVSHMEM)
 
 
 _attach_loaded()

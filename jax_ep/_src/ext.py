@@ -60,6 +60,11 @@ def registered_platforms() -> frozenset[str]:
     return frozenset(platforms)
 
 
+# Called with each extension module loaded after import (jax_ep.config registers the one
+# that gives the module its copy of the kernel settings; this module imports no setting).
+on_module_load: list = []
+
+
 # The NVSHMEM module (_jax_ep_nvshmem: the internode backend's runtime and handlers) needs
 # libnvshmem_host.so.3, so it is loaded only when the internode backend is first used
 # (nvshmem_bootstrap.initialize), never by `import jax_ep`.
@@ -87,8 +92,8 @@ def nvshmem_ext(load: bool = True):
     except ImportError as e:
         _nvshmem_error = str(e)
         return None
-    from jax_ep import config
-    config.attach(mod)  # its own copy of the kernel settings
+    for hook in on_module_load:
+        hook(mod)  # jax_ep.config: its own copy of the kernel settings
     _nvshmem = mod
     return _nvshmem
 
