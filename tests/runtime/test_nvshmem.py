@@ -199,7 +199,7 @@ def test_extension_runtime_without_nvshmem_says_how_to_get_it(monkeypatch):
 
 
 def test_heap_bytes_hand_checked():
-    from jax_ep import _ext
+    from jax_ep._src import ext as _ext
     # R=2, T=1024, C=2048, H=1024, K=2, bf16 x, f32 y: a dispatch row is 2048 bytes, 2 ids,
     # 2 weights and the token index (to 16: 2080), a combine row 4096; a rank sends at
     # most T * min(K, R) = 2048 rows. Signals [4 kinds][2 sources][64 QPs] uint64 first.
