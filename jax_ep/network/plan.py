@@ -55,9 +55,11 @@ def hit_probability(num_experts: int, num_ranks: int, topk: int) -> float:
 
 def dispatch_row_bytes(hidden: int, elem_bytes: float, topk: int) -> int:
     """Bytes of one dispatched row on the wire: the token, its k ids and weights
-    (int32 + float32 each) and its source index, padded to 16 bytes (the kernels' row)."""
-    raw = int(math.ceil(hidden * elem_bytes)) + topk * 8 + 4
-    return (raw + 15) // 16 * 16
+    (int32 + float32 each) and its source index, padded to 16 bytes: the kernels' row
+    (kernels/internode/internode_layout.h `dispatch_row_stride`, through the bindings)."""
+    from jax_ep._src.ext import require_ext
+    return int(require_ext().internode_dispatch_row_stride(int(math.ceil(hidden * elem_bytes)),
+                                                           topk))
 
 
 def hash_efficiency(num_qps: int, num_ports: int) -> float:
@@ -314,7 +316,8 @@ def check_wire(cfg: TransportConfig, ranks: int, stream_bytes: int, *, qp_api: b
         expected_signal = expected_signal or e
     wire_cfg = cfg if qp_api else cfg.single_port()
     P, Q, NQ, cb = wire_cfg.num_ports, wire_cfg.qps_per_port, wire_cfg.num_qps, cfg.chunk_bytes
-    chunk = (cb + 15) // 16 * 16  # the kernels round chunks to 16 bytes
+    from jax_ep._src.ext import require_ext
+    chunk = int(require_ext().internode_wire_chunk_bytes(cb))  # the kernels' chunk on the wire
     n = 0 if stream_bytes <= 0 else (stream_bytes + chunk - 1) // chunk
     bad, checked = [], 0
     for sender in range(ranks):
@@ -378,8 +381,9 @@ def check_wire_log(cfg: TransportConfig, records) -> dict:
     """
     import dataclasses as dc
 
-    wire_cfg = dc.replace(cfg, chunk_bytes=(cfg.chunk_bytes + 15) // 16 * 16,
-                          num_channels=None)
+    from jax_ep._src.ext import require_ext
+    wire_cfg = dc.replace(cfg, num_channels=None, chunk_bytes=int(
+        require_ext().internode_wire_chunk_bytes(cfg.chunk_bytes)))
     streams: dict = {}
     bad = []
     n = control = 0

@@ -45,6 +45,9 @@ JEP_LAYOUT_HD int64_t dispatch_row_stride(int64_t hidden_bytes, int64_t topk) {
   return round_up(dispatch_meta_offset(hidden_bytes) + 8 * topk + 4, 16);
 }
 JEP_LAYOUT_HD int64_t combine_row_stride(int64_t hidden_bytes) { return round_up(hidden_bytes, 16); }
+// A striped chunk on the wire: the plan's chunk_bytes rounded up to 16 bytes, so every
+// put stays 16-byte aligned.
+JEP_LAYOUT_HD int64_t wire_chunk_bytes(int64_t chunk_bytes) { return round_up(chunk_bytes, 16); }
 
 JEP_LAYOUT_HD int64_t send_rows(int64_t max_tokens, int64_t topk, int64_t num_ranks) {
   return max_tokens * (topk < num_ranks ? topk : num_ranks);

@@ -97,6 +97,8 @@ void AddLayoutBindings(nb::module_& m) {
   });
   m.def("internode_combine_row_stride",
         [](int64_t hidden_bytes) { return combine_row_stride(hidden_bytes); });
+  m.def("internode_wire_chunk_bytes",
+        [](int64_t chunk_bytes) { return wire_chunk_bytes(chunk_bytes); });
 
   // --- internode, hierarchical mode (hierarchical_layout.h)
   m.def("hier_layout_constants", []() {
