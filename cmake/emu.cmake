@@ -16,7 +16,12 @@ if(JAX_EP_EMU)
       kernels/cuda/intranode_kernels.cu
       kernels/cuda/low_latency_kernels.cu)
   set(JAX_EP_EMU_SOURCES
-      kernels/emu/emu_runtime.cc
+      kernels/emu/emu_fibers.cc
+      kernels/emu/emu_scheduler.cc
+      kernels/emu/emu_memory.cc
+      kernels/emu/emu_tma.cc
+      kernels/emu/emu_counters.cc
+      kernels/emu/emu_cuda_api.cc
       xla_ffi/cuda/cuda_state.cc
       xla_ffi/emu/emu_module.cc
       xla_ffi/common/settings_bindings.cc
@@ -73,7 +78,7 @@ if(JAX_EP_EMU)
     message(FATAL_ERROR "jax_ep: -DJAX_EP_EMU_OCCUPANCY=nvcc but nvcc was not found")
   endif()
   target_compile_definitions(_jax_ep_emu PRIVATE JEP_EMU_OCCUPANCY_TABLE="${_occ_table}")
-  set_source_files_properties("${CMAKE_CURRENT_SOURCE_DIR}/kernels/emu/emu_runtime.cc"
+  set_source_files_properties("${CMAKE_CURRENT_SOURCE_DIR}/kernels/emu/emu_scheduler.cc"
                               PROPERTIES OBJECT_DEPENDS "${_occ_table}")
   # The replacement CUDA headers come before anything else on the include path.
   target_include_directories(_jax_ep_emu BEFORE PRIVATE

@@ -1,10 +1,13 @@
 # The internode (NVSHMEM) kernels on the emulated GPU (included by cmake/emu.cmake): the
-# direct, hierarchical and low-latency kernels compiled as C++ over the emulated NVSHMEM
-# (kernels/emu/nvshmem_emu.h), the handlers' invokers, and the hierarchical mode a second
-# time with small rings (ops internode_hier_small_*).
+# direct, hierarchical and low-latency kernels and their host side compiled as C++ over
+# the emulated NVSHMEM (kernels/emu/nvshmem_emu.h), the handlers' invokers, and the
+# hierarchical mode a second time with small rings (ops internode_hier_small_*).
 list(APPEND JAX_EP_EMU_KERNELS
+     kernels/internode/nvshmem_host.cu
      kernels/internode/internode_kernels.cu
+     kernels/internode/hierarchical_host.cu
      kernels/internode/hierarchical_kernels.cu
+     kernels/internode/low_latency_host.cu
      kernels/internode/low_latency_kernels.cu
      xla_ffi/internode/emu_hier_small_rings.cc)
 list(APPEND JAX_EP_EMU_SOURCES

@@ -59,10 +59,13 @@ set_target_properties(jax_ep_nvshmem_device PROPERTIES
   IMPORTED_LOCATION "${_nvshmem_lib}/libnvshmem_device.a"
   INTERFACE_INCLUDE_DIRECTORIES "${_nvshmem_inc}")
 
-# The internode kernels (relocatable device code) and their FFI handlers. The device
+# The internode kernels (relocatable device code), their host side (kernels/internode/
+# *_host.cu: NVSHMEM start-up, call checks, error text) and their FFI handlers. The device
 # link (against libnvshmem_device.a) happens when this static library is built, so the
 # extension links it like any host library.
-add_library(jax_ep_internode STATIC kernels/internode/internode_kernels.cu
+add_library(jax_ep_internode STATIC kernels/internode/nvshmem_host.cu
+            kernels/internode/internode_kernels.cu
+            kernels/internode/hierarchical_host.cu
             kernels/internode/hierarchical_kernels.cu
             xla_ffi/internode/internode_handlers.cc
             xla_ffi/internode/hierarchical_handlers.cc)

@@ -4,6 +4,10 @@
 //   JEP_DYNAMIC_SMEM(T, name);                               extern __shared__ T name[]
 //   JEP_DEVICE_GLOBAL T name;                                a __device__ variable (the
 //                                                            emulator keeps one per GPU)
+//   JEP_DEVICE_EXTERN T name;                                its declaration in another
+//                                                            file (relocatable device code;
+//                                                            the emulator's section
+//                                                            attribute is on the definition)
 #pragma once
 
 #if defined(JAX_EP_EMU)
@@ -11,8 +15,10 @@
 #define JEP_LAUNCH(kernel, grid, block, smem, stream) JEP_EMU_LAUNCH(kernel, grid, block, smem, stream)
 #define JEP_DYNAMIC_SMEM(T, name) JEP_EMU_DYNAMIC_SMEM(T, name)
 #define JEP_DEVICE_GLOBAL JEP_EMU_DEVICE_GLOBAL
+#define JEP_DEVICE_EXTERN extern
 #else
 #define JEP_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
 #define JEP_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
 #define JEP_DEVICE_GLOBAL __device__
+#define JEP_DEVICE_EXTERN extern __device__
 #endif

@@ -1,7 +1,8 @@
 // The emulated GPU: what the CUDA sources of kernels/cuda and kernels/internode need to
 // compile as plain C++ (g++/clang) and run on the CPU. Every CUDA thread is a fiber; one
 // seeded scheduler on the calling host thread runs all blocks of all virtual GPUs
-// (kernels/emu/emu_runtime.cc). See kernels/emu/README.md and docs/emulator.md.
+// (kernels/emu/emu_scheduler.cc and the other emu_*.cc). See kernels/emu/README.md and
+// docs/emulator.md.
 //
 // Included through the replacement headers in kernels/emu/include (cuda_runtime_api.h,
 // cuda_runtime.h, cuda_bf16.h, cuda_fp16.h), which the emulated build puts ahead of the

@@ -1,4 +1,5 @@
-// Host API of the hierarchical internode mode (hierarchical_kernels.cu): dispatch,
+// Host API of the hierarchical internode mode (hierarchical_host.cu, over the kernels of
+// hierarchical_kernels.cu): dispatch,
 // combine and gather with the direct mode's outputs and handle, where a token crosses the
 // network at most once per destination node (to the same-local-index GPU there, its rail
 // peer) and is forwarded over NVLink inside the node. Plain C++, no NVSHMEM types.

@@ -28,32 +28,26 @@
 //
 // No host synchronisation: errors (bad ids, timeouts, mismatches) go to a sticky error
 // record in mapped host memory that the handlers read before each call.
+//
+// This file holds the kernels and their launchers (declared in kernels/internode/api.cuh);
+// the host side -- NVSHMEM start-up, the heap and QP handles, the checks of a call and
+// the error text -- is kernels/internode/nvshmem_host.cu.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <dlfcn.h>
-
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "kernels/common/combine_order.h"
 #include "kernels/common/dtype_convert.h"
-#include "kernels/internode/device_copy.cuh"
-#include "kernels/internode/internode_kernels.h"
-#include "kernels/internode/internode_layout.h"
-#include "kernels/internode/low_latency_wire.h"
 #include "kernels/common/layout_math.h"
 #include "kernels/common/striping_plan.h"
+#include "kernels/internode/api.cuh"
+#include "kernels/internode/device_copy.cuh"
+#include "kernels/internode/internode_layout.h"
 #include "kernels/internode/transport_nvshmem.cuh"
 #include "kernels/internode/wire_protocol.h"
 
 namespace jax_ep {
-namespace transport {
-JEP_DEVICE_GLOBAL int g_nvshmem_num_qp_handles = 0;
-JEP_DEVICE_GLOBAL int g_nvshmem_qp_handles[kMaxQps];
-}  // namespace transport
-
 namespace internode {
 namespace {
 
@@ -62,39 +56,9 @@ using transport::SignalOp;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxRanks = 1024;
 // NVLink CTAs of SendKernel, beside its num_qps RDMA CTAs (the copies to the peers NVSHMEM
 // reaches by load/store).
 constexpr int kNvlBlocks = 4;
-
-JEP_DEVICE_GLOBAL unsigned long long g_call_counter = 0;
-
-struct RuntimeState {
-  bool initialized = false;
-  bool adopted = false;  // NVSHMEM was already running; we did not start it
-  int rank = 0;
-  int world = 0;
-  size_t heap_bytes = 0;
-  size_t half_bytes = 0;  // bytes per parity half
-  char* heap = nullptr;
-  int64_t* scratch = nullptr;       // [3R + 1] device prefixes
-  int32_t* bad = nullptr;           // device [4]: flag, token, slot, value
-  wire::ErrorRecord* err = nullptr; // mapped host memory (sticky)
-  int num_qps = 0;                  // logical QPs asked for
-  int num_handles = 0;              // explicit QP handles created (0: fallback)
-  int handles[transport::kMaxQps] = {};
-  int created[transport::kMaxQps] = {};  // in creation order; SetQpOrder permutes from it
-  std::string qp_path = "none";
-};
-// One per process on a GPU; on the emulated GPU one per virtual GPU (the host code of
-// every rank runs in one process there, each with its own current device).
-#if defined(JAX_EP_EMU)
-RuntimeState g_rt_of[64];
-RuntimeState& Rt() { return g_rt_of[emu::current_device() & 63]; }
-#else
-RuntimeState g_rt;
-RuntimeState& Rt() { return g_rt; }
-#endif
 
 // Pointers into one half of the heap for one call's dims.
 struct Half {
@@ -105,22 +69,6 @@ struct Half {
   char* back;            // [T*min(K,R)] combine rows
   char* stage;           // [T*min(K,R)] dispatch rows
   char* cstage;          // [C] combine rows
-};
-
-struct Geometry {
-  int R, rank, T, H, K, C, E, el;
-  int64_t xrow;    // H * x bytes
-  int64_t xmeta;   // offset of the int32 metadata in a dispatch row
-  int64_t yrow;    // H * y bytes
-  int64_t ds, cs;  // row strides on the wire
-  int P, Q, num_qps;
-  int G;  // combine's node size (combine_order.h), clamped to [1, R]
-  int64_t chunk;
-  int64_t timeout_ns;
-  int32_t cfg[wire::kNumCfgFields];
-  uint32_t hash;
-  wire::ErrorRecord* err;
-  int32_t* bad;
 };
 
 __host__ __device__ inline Half HalfAt(char* half_base, const HeapLayout& L, int R) {
@@ -513,10 +461,6 @@ __device__ void SendStreamOnQp(const Geometry& g, char* half, const Half& h,
   if (warp == 0 && lane == 0) T::signal(sig, 1, SignalOp::kAdd, peer, q);
 }
 
-// RDMA CTAs post every RDMA-only peer's chunks before NVLink CTAs copy anything: RDMA CTAs
-// that have posted all their puts (this call); FinishKernel resets it.
-JEP_DEVICE_GLOBAL unsigned long long g_rdma_posted = 0;
-
 // RDMA first. Blocks [0, num_qps) are RDMA CTAs: CTA q posts, to every peer reachable only
 // over the network (no NVSHMEM load/store pointer), the chunks the striping plan puts on
 // QP q. Blocks [num_qps, num_qps + kNvlBlocks) are NVLink CTAs: they take the (peer, QP)
@@ -764,448 +708,62 @@ __global__ void GatherUnpackKernel(Geometry g, const int32_t* counts, const int6
   }
 }
 
-std::string CudaErr(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return {};
-  return std::string("jax_ep internode: ") + what + ": " + cudaGetErrorString(e);
-}
-
-std::string MakeGeometry(const Dims& d, int op, FloatKind elem, int x_bytes, int y_bytes,
-                         Geometry* g, HeapLayout* L) {
-  if (!Rt().initialized)
-    return "jax_ep internode: NVSHMEM is not initialised; call "
-           "jax_ep.nvshmem_bootstrap.initialize(...) before jit";
-  if (d.num_ranks != Rt().world || d.rank != Rt().rank)
-    return "jax_ep internode: the EP group must be all NVSHMEM PEs (" +
-           std::to_string(Rt().world) + " processes, one GPU each); got " +
-           std::to_string(d.num_ranks) + " ranks";
-  if (d.num_ranks > kMaxRanks) return "jax_ep internode: more than 1024 ranks";
-  const int qps = d.num_ports * d.qps_per_port;
-  if (d.num_ports < 1 || d.qps_per_port < 1 || qps > transport::kMaxQps || d.chunk_bytes < 1)
-    return "jax_ep internode: bad transport config (ports, QPs per port, chunk bytes)";
-  if (qps != Rt().num_qps)
-    return "jax_ep internode: the call asks for " + std::to_string(qps) +
-           " QPs per peer but NVSHMEM was started with " + std::to_string(Rt().num_qps) +
-           "; trace with the TransportConfig given to nvshmem_bootstrap.initialize";
-  g->R = d.num_ranks;
-  g->rank = d.rank;
-  g->T = d.tokens;
-  g->H = d.hidden;
-  g->K = d.topk;
-  g->C = d.capacity;
-  g->E = d.num_experts;
-  g->el = d.experts_per_rank;
-  g->xrow = static_cast<int64_t>(d.hidden) * x_bytes;
-  g->xmeta = dispatch_meta_offset(g->xrow);
-  g->yrow = static_cast<int64_t>(d.hidden) * y_bytes;
-  g->ds = dispatch_row_stride(g->xrow, d.topk);
-  g->cs = combine_row_stride(g->yrow);
-  g->P = d.num_ports;
-  g->Q = d.qps_per_port;
-  g->num_qps = qps;
-  g->G = combine_node_size(d.num_ranks, d.gpus_per_node);
-  // Chunks are whole 16-byte units so every put stays aligned.
-  g->chunk = round_up(d.chunk_bytes, 16);
-  g->timeout_ns = d.timeout_ns > 0 ? d.timeout_ns : 300ll * 1000000000ll;
-  g->cfg[wire::kCfgOp] = op;
-  g->cfg[wire::kCfgRanks] = d.num_ranks;
-  g->cfg[wire::kCfgTokens] = d.tokens;
-  g->cfg[wire::kCfgHidden] = d.hidden;
-  g->cfg[wire::kCfgTopk] = d.topk;
-  g->cfg[wire::kCfgCapacity] = d.capacity;
-  g->cfg[wire::kCfgDtype] = static_cast<int32_t>(elem);
-  g->cfg[wire::kCfgNumQps] = qps;
-  g->cfg[wire::kCfgCallSite] = static_cast<int32_t>(d.call_site);
-  g->hash = wire::config_hash(g->cfg);
-  g->err = Rt().err;
-  g->bad = Rt().bad;
-  *L = heap_layout(d.num_ranks, d.tokens, d.capacity, d.hidden, d.topk, x_bytes, y_bytes);
-  if (static_cast<size_t>(L->total) > Rt().half_bytes)
-    return "jax_ep internode: the NVSHMEM heap is too small for this call (needs " +
-           std::to_string(2 * L->total) + " bytes plus slack, has " +
-           std::to_string(Rt().heap_bytes) +
-           "); initialise with the largest tokens/capacity/hidden/topk the program uses";
-  return {};
-}
-
-const char* OpName(int op) {
-  switch (op) {
-    case wire::kOpDispatch: return "dispatch";
-    case wire::kOpCombine: return "combine";
-    case wire::kOpGather: return "gather";
-    default: return "an internode call";
-  }
-}
-
-const char* KindName(int kind) {
-  switch (kind) {
-    case wire::kSigHeader: return "header";
-    case wire::kSigCounts: return "count row";
-    case wire::kSigDispatch: return "dispatch/gather data";
-    case wire::kSigCombine: return "combine data";
-    default: return "?";
-  }
-}
-
-std::string CfgText(const int32_t* c) {
-  static const char* kNames[wire::kNumCfgFields] = {"op", "R", "T", "H", "K", "C", "dtype",
-                                                    "qps", "call_site"};
-  std::string out = "(";
-  for (int i = 0; i < wire::kNumCfgFields; ++i) {
-    if (i) out += ", ";
-    out += kNames[i];
-    out += "=";
-    out += i == wire::kCfgOp ? std::string(OpName(c[i])) : std::to_string(c[i]);
-  }
-  return out + ")";
-}
-
-// Start of a handle-driven call (combine, gather): geometry and layout for rows of
-// `elem` (they travel through the back and cstage regions; dispatch's regions, sized by
-// x, are unused), then the row prefixes from the handle's counts.
-std::string BeginHandleCall(cudaStream_t stream, const Dims& d, int op, FloatKind elem,
-                            const int32_t* counts, Geometry* g, HeapLayout* L) {
-  std::string e = MakeGeometry(d, op, elem, 0, FloatKindBytes(elem), g, L);
-  if (!e.empty()) return e;
-  JEP_LAUNCH(PrefixKernel, 1, kThreads, 0, stream)(*g, counts, Rt().heap,
-                                           static_cast<int64_t>(Rt().half_bytes), *L,
-                                           Rt().scratch);
-  return {};
-}
-
 }  // namespace
 
+// ---- launchers (kernels/internode/api.cuh) -------------------------------------------
 
-int Version() {
-  return NVSHMEM_VENDOR_MAJOR_VERSION * 10000 + NVSHMEM_VENDOR_MINOR_VERSION * 100 +
-         NVSHMEM_VENDOR_PATCH_VERSION;
+void LaunchPrefix(cudaStream_t stream, const Geometry& g, const int32_t* counts, char* heap,
+                  int64_t half_bytes, const HeapLayout& L, int64_t* scratch) {
+  JEP_LAUNCH(PrefixKernel, 1, kThreads, 0, stream)(g, counts, heap, half_bytes, L, scratch);
 }
 
-namespace {
-// A symbol of the NVSHMEM host library already loaded with the extension, or null.
-// Entry points newer than the oldest supported NVSHMEM are reached only this way, so the
-// extension has no undefined reference to them and loads with any libnvshmem_host.so.3.
-void* HostSymbol(const char* name) {
-#if defined(JAX_EP_EMU)
-  return nvshmem_emu::host_symbol(name);
-#endif
-  static void* lib = dlopen("libnvshmem_host.so.3", RTLD_NOLOAD | RTLD_LAZY);
-  void* p = lib != nullptr ? dlsym(lib, name) : nullptr;
-  return p != nullptr ? p : dlsym(RTLD_DEFAULT, name);
-}
-
-using QpHandle = int;  // nvshmemx_qp_handle_t in 3.8
-// NVSHMEMX_QP_DEFAULT (device_host_transport/nvshmem_constants.h): what nvshmemx_qp_create
-// returns for every handle when the remote transport has no custom QPs (init.cu).
-constexpr QpHandle kQpDefault = 1;
-using QpCreateFn = int (*)(int, QpHandle**);
-using VersionFn = void (*)(int*, int*, int*);
-}  // namespace
-
-bool QpApiAvailable() {
-#if JAX_EP_NVSHMEM_QP_API
-  return HostSymbol("nvshmemx_qp_create") != nullptr;
-#else
-  return false;
-#endif
-}
-
-int RuntimeVersion() {
-  auto fn = reinterpret_cast<VersionFn>(HostSymbol("nvshmemx_vendor_get_version_info"));
-  if (fn == nullptr) return -1;
-  int major = 0, minor = 0, patch = 0;
-  fn(&major, &minor, &patch);
-  return major * 10000 + minor * 100 + patch;
-}
-
-int InitStatus() {
-  using StatusFn = int (*)();
-  auto fn = reinterpret_cast<StatusFn>(HostSymbol("nvshmemx_init_status"));
-  return fn == nullptr ? -1 : fn();
-}
-
-bool Initialized() { return Rt().initialized; }
-size_t HeapBytes() { return Rt().heap_bytes; }
-
-TransportInfo TransportState() {
-  TransportInfo t;
-  t.initialized = Rt().initialized;
-  t.adopted = Rt().adopted;
-  t.num_qps = Rt().num_qps;
-  t.qp_path = Rt().qp_path;
-  for (int i = 0; i < Rt().num_handles; ++i) t.handles.push_back(Rt().handles[i]);
-  return t;
-}
-
-std::string SetQpOrder(const std::vector<int>& order) {
-  const int n = Rt().num_handles;
-  if (n == 0) return "jax_ep internode: no explicit QP handles to order (fallback path)";
-  if (static_cast<int>(order.size()) != n)
-    return "jax_ep internode: QP order has " + std::to_string(order.size()) +
-           " entries, expected one per handle (" + std::to_string(n) + ")";
-  // A permutation of the creation order: logical QP q takes the handle created order[q]-th.
-  // Always from the creation order, so applying it twice is applying it once.
-  std::vector<bool> seen(n, false);
-  for (int i : order) {
-    if (i < 0 || i >= n || seen[i])
-      return "jax_ep internode: QP order is not a permutation of [0, " + std::to_string(n) + ")";
-    seen[i] = true;
-  }
-  int permuted[transport::kMaxQps] = {};
-  for (int q = 0; q < n; ++q) permuted[q] = Rt().created[order[q]];
-  const std::string e = CudaErr(
-      cudaMemcpyToSymbol(transport::g_nvshmem_qp_handles, permuted, sizeof(int) * n),
-      "QP handles");
-  if (!e.empty()) return e;
-  for (int q = 0; q < n; ++q) Rt().handles[q] = permuted[q];
-  return {};
-}
-
-std::string UniqueId(std::string* out) {
-  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
-  if (nvshmemx_get_uniqueid(&id) != 0) return "jax_ep internode: nvshmemx_get_uniqueid failed";
-  out->assign(reinterpret_cast<const char*>(&id), sizeof(id));
-  return {};
-}
-
-std::string Init(int rank, int world, const std::string& unique_id, size_t heap_bytes,
-                 int num_qps, bool use_qp_api, bool adopt) {
-  if (Rt().initialized) return "jax_ep internode: NVSHMEM is already initialised";
-  if (num_qps < 1 || num_qps > transport::kMaxQps)
-    return "jax_ep internode: num_qps must be in [1, " + std::to_string(transport::kMaxQps) + "]";
-  if (heap_bytes <= static_cast<size_t>(kHeapSlackBytes))
-    return "jax_ep internode: heap_bytes is smaller than the reserved slack";
-  std::string e = CudaErr(cudaFree(nullptr), "CUDA context");
-  if (!e.empty()) return e;
-  const int status = InitStatus();
-  const bool running = status >= NVSHMEM_STATUS_IS_INITIALIZED;
-  if (running && !adopt)
-    return "jax_ep internode: NVSHMEM is already initialised in this process (XLA starts it "
-           "for its own kernels); its settings were fixed then. Start jax_ep's NVSHMEM "
-           "before anything else uses it, or set the NVSHMEM_* variables of "
-           "TransportConfig.nvshmem_env() in the environment before the process starts "
-           "and pass adopt=True";
-  if (!running) {
-    nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
-    if (unique_id.size() != sizeof(id))
-      return "jax_ep internode: unique id has " + std::to_string(unique_id.size()) +
-             " bytes, expected " + std::to_string(sizeof(id));
-    std::memcpy(&id, unique_id.data(), sizeof(id));
-    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
-    if (nvshmemx_set_attr_uniqueid_args(rank, world, &id, &attr) != 0)
-      return "jax_ep internode: nvshmemx_set_attr_uniqueid_args failed";
-    if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
-      return "jax_ep internode: nvshmemx_init_attr failed";
-  }
-  if (nvshmem_my_pe() != rank || nvshmem_n_pes() != world)
-    return "jax_ep internode: NVSHMEM PE " + std::to_string(nvshmem_my_pe()) + "/" +
-           std::to_string(nvshmem_n_pes()) + " does not match process " +
-           std::to_string(rank) + "/" + std::to_string(world);
-  const size_t usable = heap_bytes - kHeapSlackBytes;
-  Rt().half_bytes = (usable / 2) / kHeapAlign * kHeapAlign;
-  Rt().heap = static_cast<char*>(nvshmem_malloc(2 * Rt().half_bytes));
-  if (Rt().heap == nullptr) return "jax_ep internode: nvshmem_malloc of the heap failed";
-  e = CudaErr(cudaMemset(Rt().heap, 0, 2 * Rt().half_bytes), "clear heap");
-  if (e.empty())
-    e = CudaErr(cudaMalloc(&Rt().scratch, sizeof(int64_t) * (3 * world + 1)), "scratch");
-  if (e.empty()) e = CudaErr(cudaMalloc(&Rt().bad, sizeof(int32_t) * 4), "bad-id note");
-  if (e.empty()) e = CudaErr(cudaMemset(Rt().bad, 0, sizeof(int32_t) * 4), "bad-id note");
-  void* rec = nullptr;
-  if (e.empty())
-    e = CudaErr(cudaHostAlloc(&rec, sizeof(wire::ErrorRecord),
-                              cudaHostAllocMapped | cudaHostAllocPortable), "error record");
-  if (!e.empty()) return e;
-  std::memset(rec, 0, sizeof(wire::ErrorRecord));
-  Rt().err = static_cast<wire::ErrorRecord*>(rec);
-  // One explicit QP handle per logical QP: the plan's QP is the QP on the wire.
-  Rt().num_handles = 0;
-  Rt().qp_path = "fallback: NVSHMEM's own QP choice (no nvshmemx_qp_create)";
-  if (use_qp_api) {
-    auto create = reinterpret_cast<QpCreateFn>(
-        QpApiAvailable() ? HostSymbol("nvshmemx_qp_create") : nullptr);
-    if (create == nullptr)
-      return "jax_ep internode: the QP API was asked for but this NVSHMEM host library has "
-             "no nvshmemx_qp_create (NVSHMEM >= 3.8 needed); the bootstrap falls back to one "
-             "port when it is absent";
-    QpHandle* arr = nullptr;
-    if (create(num_qps, &arr) != 0 || arr == nullptr)
-      return "jax_ep internode: nvshmemx_qp_create(" + std::to_string(num_qps) + ") failed";
-    // Each logical QP must be one QP on the wire: the protocols order a chunk's data before
-    // its signal per QP, and fence_qp orders one QP. A default handle is routed to the
-    // QP of the calling CTA (IBGDA's RC map), and shared handles mix logical QPs, so
-    // counts could overtake their rows: refuse rather than run.
-    static_assert(kQpDefault == NVSHMEMX_QP_DEFAULT, "NVSHMEM's default QP handle moved");
-    for (int i = 0; i < num_qps; ++i) {
-      bool shared = arr[i] == kQpDefault;
-      for (int j = 0; j < i && !shared; ++j) shared = arr[j] == arr[i];
-      if (shared)
-        return "jax_ep internode: nvshmemx_qp_create(" + std::to_string(num_qps) +
-               ") returned " + (arr[i] == kQpDefault ? std::string("NVSHMEMX_QP_DEFAULT")
-                                                     : "a repeated handle") +
-               " for QP " + std::to_string(i) + ": this NVSHMEM transport has no custom "
-               "QPs (only IBGDA has them), and default QPs are chosen per CTA, which the "
-               "internode protocols cannot order. Fix: NVSHMEM_IB_ENABLE_IBGDA=1 (and "
-               "NVSHMEM_REMOTE_TRANSPORT=ibgda if set)";
-    }
-    for (int i = 0; i < num_qps; ++i) Rt().handles[i] = Rt().created[i] = arr[i];
-    e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_qp_handles, Rt().handles,
-                                   sizeof(int) * num_qps), "QP handles");
-    if (!e.empty()) return e;
-    Rt().num_handles = num_qps;
-    Rt().qp_path = "qp_api: one nvshmemx_qp_create handle per planned QP";
-  }
-  e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_num_qp_handles, &Rt().num_handles,
-                                 sizeof(int)), "QP handles");
-  if (!e.empty()) return e;
-  const unsigned long long zero = 0;
-  e = CudaErr(cudaMemcpyToSymbol(g_call_counter, &zero, sizeof(zero)), "call counter");
-  if (e.empty()) e = CudaErr(cudaMemcpyToSymbol(g_rdma_posted, &zero, sizeof(zero)), "posts");
-  if (!e.empty()) return e;
-  e = CudaErr(cudaDeviceSynchronize(), "init");
-  if (!e.empty()) return e;
-  nvshmem_barrier_all();
-  Rt().initialized = true;
-  Rt().adopted = running;
-  Rt().rank = rank;
-  Rt().world = world;
-  Rt().heap_bytes = heap_bytes;
-  Rt().num_qps = num_qps;
-  return {};
-}
-
-// Collective: every PE must call it. Never called at exit (see jax_ep.nvshmem_bootstrap).
-std::string Finalize() {
-  if (!Rt().initialized) return {};
-  cudaDeviceSynchronize();
-  nvshmem_barrier_all();
-  nvshmem_free(Rt().heap);
-  cudaFree(Rt().scratch);
-  cudaFree(Rt().bad);
-  cudaFreeHost(Rt().err);
-  if (!Rt().adopted) nvshmem_finalize();
-  Rt() = RuntimeState{};
-  return {};
-}
-
-std::string PendingError() {
-  if (Rt().err == nullptr) return {};
-  const volatile wire::ErrorRecord* r = Rt().err;
-  const int code = r->code;
-  if (code == wire::kErrNone) return {};
-  // The low-latency mode shares the record with its own field meanings (op past
-  // kErrOpBase): name it rather than decode it as a direct-mode record.
-  if (r->op >= llwire::kErrOpBase)
-    return "jax_ep internode: an earlier internode low-latency call failed on this rank "
-           "(error code " + std::to_string(code) + ", peer " + std::to_string(r->peer) +
-           "; its own call reported the details). The internode transport stays failed for "
-           "the life of this process; restart the job.";
-  std::string m = "jax_ep internode: ";
-  const int op = r->op, peer = r->peer, kind = r->kind, qp = r->qp;
-  const unsigned long long expected = r->expected, seen = r->seen;
-  int32_t mine[wire::kNumCfgFields], theirs[wire::kNumCfgFields];
-  for (int i = 0; i < wire::kNumCfgFields; ++i) {
-    mine[i] = r->mine[i];
-    theirs[i] = r->theirs[i];
-  }
-  switch (code) {
-    case wire::kErrTimeout:
-      m += std::string(OpName(op)) + " timed out (JAX_EP_TIMEOUT_S) waiting for rank " +
-           std::to_string(peer) + ": " + KindName(kind) + " signal on QP " +
-           std::to_string(qp) + " holds " + std::to_string(seen) + " of " +
-           std::to_string(expected) +
-           "; that rank skipped the call, failed earlier, or is slower than the timeout";
-      break;
-    case wire::kErrMismatch:
-      m += std::string(OpName(op)) + ": rank " + std::to_string(peer) +
-           " is in another call: this rank seq " + std::to_string(r->my_seq) + " " +
-           CfgText(mine) + ", rank " + std::to_string(peer) + " seq " +
-           std::to_string(r->peer_seq) + " " + CfgText(theirs) +
-           "; every rank must make the same EP calls with the same shapes in the same order";
-      break;
-    case wire::kErrPeerFailed:
-      m += std::string(OpName(op)) + ": rank " + std::to_string(peer) +
-           " reported an error in this call (e.g. topk_idx out of range there); every rank "
-           "fails it";
-      break;
-    case wire::kErrBadId:
-      m += std::string(OpName(op)) + ": topk_idx[" + std::to_string(peer) + ", " +
-           std::to_string(qp) + "] = " + std::to_string(static_cast<long long>(seen)) +
-           " is outside [-1, " + std::to_string(expected) + ")";
-      break;
-    case wire::kErrExtraSignal:
-      m += std::string(OpName(op)) + ": rank " + std::to_string(peer) + " signalled " +
-           std::to_string(seen) + " times on " + KindName(kind) + " QP " +
-           std::to_string(qp) + ", expected " + std::to_string(expected);
-      break;
-    default:
-      m += "an error is being recorded (code " + std::to_string(code) + ")";
-  }
-  return m + " [rank " + std::to_string(static_cast<int>(r->rank)) +
-         "]. The internode transport stays failed for the life of this process (the "
-         "peers' signal words are out of step); restart the job.";
-}
-
-std::string Dispatch(cudaStream_t stream, const Dims& d, FloatKind elem, const void* x,
-                     const int32_t* topk_idx, const float* topk_weights,
-                     const DispatchOut& out) {
-  Geometry g;
-  HeapLayout L;
-  // Each call lays out its own half; combine's regions (sized by y) are unused here.
-  std::string e = MakeGeometry(d, wire::kOpDispatch, elem, FloatKindBytes(elem), 0, &g, &L);
-  if (!e.empty()) return e;
-  char* heap = Rt().heap;
-  const int64_t hb = static_cast<int64_t>(Rt().half_bytes);
-  e = CudaErr(cudaMemsetAsync(out.recv_per_expert, 0, sizeof(int32_t) * d.experts_per_rank,
-                              stream), "clear expert counts");
-  if (e.empty())
-    e = CudaErr(cudaMemsetAsync(Rt().bad, 0, sizeof(int32_t) * 4, stream), "clear bad ids");
-  if (!e.empty()) return e;
+std::string LaunchDispatch(cudaStream_t stream, const Geometry& g, const HeapLayout& L,
+                           char* heap, int64_t hb, int64_t* scratch, const void* x,
+                           const int32_t* topk_idx, const float* topk_weights,
+                           const DispatchOut& out) {
   JEP_LAUNCH(SlotsKernel, g.R, kThreads, 0, stream)(g, topk_idx, out.send_slot, heap, hb, L);
   if (g.T > 0)
     JEP_LAUNCH(PackKernel, g.T, 128, 0, stream)(g, static_cast<const char*>(x), topk_idx,
                                         topk_weights, out.send_slot, heap, hb, L);
   JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, true);
-  JEP_LAUNCH(PrefixKernel, 1, kThreads, 0, stream)(g, nullptr, heap, hb, L, Rt().scratch);
-  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, nullptr, Rt().scratch, heap,
+  JEP_LAUNCH(PrefixKernel, 1, kThreads, 0, stream)(g, nullptr, heap, hb, L, scratch);
+  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, nullptr, scratch, heap,
                                                              hb, L, Wire::kDispatch);
   JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, nullptr, heap, hb, L, Wire::kDispatch);
   const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
-  JEP_LAUNCH(UnpackKernel, blocks < 1024 ? blocks : 1024, kThreads, 0, stream)(g, Rt().scratch, heap,
+  JEP_LAUNCH(UnpackKernel, blocks < 1024 ? blocks : 1024, kThreads, 0, stream)(g, scratch, heap,
                                                                         hb, L, out);
   JEP_LAUNCH(FinishKernel, 1, kThreads, 0, stream)(g.R, heap, hb, L);
   return CudaErr(cudaGetLastError(), "dispatch launch");
 }
 
-std::string Combine(cudaStream_t stream, const Dims& d, FloatKind elem, const void* y,
-                    const int32_t* counts, const int32_t* send_slot, void* out) {
-  Geometry g;
-  HeapLayout L;
-  const std::string e = BeginHandleCall(stream, d, wire::kOpCombine, elem, counts, &g, &L);
-  if (!e.empty()) return e;
-  char* heap = Rt().heap;
-  const int64_t hb = static_cast<int64_t>(Rt().half_bytes);
+std::string LaunchCombine(cudaStream_t stream, const Geometry& g, const HeapLayout& L,
+                          char* heap, int64_t hb, int64_t* scratch, FloatKind elem,
+                          const void* y, const int32_t* counts, const int32_t* send_slot,
+                          void* out) {
   JEP_LAUNCH(CombineStageKernel, g.C < 1024 ? g.C : 1024, kThreads, 0, stream)(
-      g, static_cast<const char*>(y), Rt().scratch, heap, hb, L);
+      g, static_cast<const char*>(y), scratch, heap, hb, L);
   // With T == 0 the header, send and wait still run: this rank's peers expect its
   // closing signals, and it must not reset words its peers are still signalling.
   JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, false);
-  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, counts, Rt().scratch, heap,
+  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, counts, scratch, heap,
                                                              hb, L, Wire::kCombine);
   JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, counts, heap, hb, L, Wire::kCombine);
   if (g.T > 0) {
     switch (elem) {
       case FloatKind::kF32:
         JEP_LAUNCH(ReduceKernel<float>, g.T, kThreads, 0, stream)(
-            g, static_cast<const float*>(y), counts, send_slot, Rt().scratch, heap, hb, L,
+            g, static_cast<const float*>(y), counts, send_slot, scratch, heap, hb, L,
             static_cast<float*>(out));
         break;
       case FloatKind::kBF16:
         JEP_LAUNCH(ReduceKernel<__nv_bfloat16>, g.T, kThreads, 0, stream)(
-            g, static_cast<const __nv_bfloat16*>(y), counts, send_slot, Rt().scratch, heap,
+            g, static_cast<const __nv_bfloat16*>(y), counts, send_slot, scratch, heap,
             hb, L, static_cast<__nv_bfloat16*>(out));
         break;
       case FloatKind::kF16:
         JEP_LAUNCH(ReduceKernel<__half>, g.T, kThreads, 0, stream)(
-            g, static_cast<const __half*>(y), counts, send_slot, Rt().scratch, heap, hb, L,
+            g, static_cast<const __half*>(y), counts, send_slot, scratch, heap, hb, L,
             static_cast<__half*>(out));
         break;
     }
@@ -1214,24 +772,19 @@ std::string Combine(cudaStream_t stream, const Dims& d, FloatKind elem, const vo
   return CudaErr(cudaGetLastError(), "combine launch");
 }
 
-std::string Gather(cudaStream_t stream, const Dims& d, FloatKind elem, const void* src,
-                   const int32_t* counts, const int32_t* send_slot, void* out) {
-  Geometry g;
-  HeapLayout L;
-  const std::string e = BeginHandleCall(stream, d, wire::kOpGather, elem, counts, &g, &L);
-  if (!e.empty()) return e;
-  char* heap = Rt().heap;
-  const int64_t hb = static_cast<int64_t>(Rt().half_bytes);
+std::string LaunchGather(cudaStream_t stream, const Geometry& g, const HeapLayout& L,
+                         char* heap, int64_t hb, int64_t* scratch, const void* src,
+                         const int32_t* counts, const int32_t* send_slot, void* out) {
   if (g.T > 0)
     JEP_LAUNCH(GatherPackKernel, g.T, 128, 0, stream)(g, static_cast<const char*>(src), send_slot,
-                                              Rt().scratch, heap, hb, L);
+                                              scratch, heap, hb, L);
   JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, false);
-  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, counts, Rt().scratch, heap,
+  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, counts, scratch, heap,
                                                              hb, L, Wire::kGather);
   JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, counts, heap, hb, L, Wire::kGather);
   const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
   JEP_LAUNCH(GatherUnpackKernel, blocks < 1024 ? blocks : 1024, kThreads, 0, stream)(
-      g, counts, Rt().scratch, heap, hb, L, static_cast<char*>(out));
+      g, counts, scratch, heap, hb, L, static_cast<char*>(out));
   JEP_LAUNCH(FinishKernel, 1, kThreads, 0, stream)(g.R, heap, hb, L);
   return CudaErr(cudaGetLastError(), "gather launch");
 }
@@ -1262,48 +815,8 @@ __global__ void SelfPutKernel(char* area, uint64_t* sig, int* ok) {
 }
 }  // namespace
 
-std::string SharedState(SharedRuntime* out) {
-  if (!Rt().initialized)
-    return "jax_ep internode: NVSHMEM is not initialised; call "
-           "jax_ep.nvshmem_bootstrap.initialize(...) before jit";
-  void* counter = nullptr;
-  const std::string e = CudaErr(cudaGetSymbolAddress(&counter, g_call_counter), "call counter");
-  if (!e.empty()) return e;
-  out->heap = Rt().heap;
-  out->half_bytes = Rt().half_bytes;
-  out->err = Rt().err;
-  out->bad = Rt().bad;
-  out->call_counter = static_cast<unsigned long long*>(counter);
-  out->rank = Rt().rank;
-  out->world = Rt().world;
-  out->num_qps = Rt().num_qps;
-  return {};
-}
-
-std::string SelfPutCheck(bool* ok) {
-  *ok = false;
-  if (!Rt().initialized) return "jax_ep internode: NVSHMEM is not initialised";
-  if (Rt().half_bytes < 8192 + 256) return "jax_ep internode: heap too small for the check";
-  std::string e = CudaErr(cudaDeviceSynchronize(), "self put");
-  // Uses the data area of the half the next call would use, then clears it again.
-  unsigned long long counter = 0;
-  if (e.empty()) e = CudaErr(cudaMemcpyFromSymbol(&counter, g_call_counter, sizeof(counter)),
-                             "call counter");
-  if (!e.empty()) return e;
-  const HeapLayout L = heap_layout(Rt().world, 0, 1, 0, 1, 0, 0);
-  char* area = Rt().heap + (counter & 1ull) * Rt().half_bytes + L.recv;
-  if (static_cast<size_t>(L.recv) + 8192 + 256 > Rt().half_bytes)
-    return "jax_ep internode: heap too small for the check";
-  uint64_t* sig = reinterpret_cast<uint64_t*>(area + 8192);
-  int* dok = Rt().bad;  // reused as the result cell, cleared below
-  JEP_LAUNCH(SelfPutKernel, 1, 32, 0, nullptr)(area, sig, dok);
-  int host = 0;
-  e = CudaErr(cudaMemcpy(&host, dok, sizeof(int), cudaMemcpyDeviceToHost), "self put");
-  if (e.empty()) e = CudaErr(cudaMemset(area, 0, 8192 + 256), "self put cleanup");
-  if (e.empty()) e = CudaErr(cudaMemset(dok, 0, sizeof(int)), "self put cleanup");
-  if (!e.empty()) return e;
-  *ok = host == 1;
-  return {};
+void LaunchSelfPut(char* area, uint64_t* sig, int* ok) {
+  JEP_LAUNCH(SelfPutKernel, 1, 32, 0, nullptr)(area, sig, ok);
 }
 
 }  // namespace internode

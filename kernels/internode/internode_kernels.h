@@ -1,5 +1,6 @@
 // Host API of the internode (NVSHMEM) backend: runtime start/stop and the dispatch and
-// combine launches. Plain C++: no NVSHMEM types leak out of internode_kernels.cu.
+// combine launches (kernels/internode/nvshmem_host.cu, over the kernels of
+// internode_kernels.cu). Plain C++: no NVSHMEM types leak out of the internode sources.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,6 +1,7 @@
 // Host API of the internode (NVSHMEM) low-latency mode (jax_ep.low_latency on the
 // internode backend): direct per-expert puts, no layout pass, no host synchronisation.
-// Plain C++: no NVSHMEM types leak out of low_latency_kernels.cu.
+// Plain C++: no NVSHMEM types leak out of the internode sources (low_latency_host.cu, the
+// kernels in low_latency_kernels.cu).
 //
 // Protocol (kernels/internode/low_latency_wire.h has the word-level rules):
 //   dispatch_send (every rank as a source, epoch n of the dispatch op, buffer b = n & 1):

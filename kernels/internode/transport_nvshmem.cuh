@@ -30,16 +30,10 @@
 namespace jax_ep {
 namespace transport {
 
-// Set by the host at init (internode_kernels.cu): 0 = default QP selection. Defined there
-// with JEP_DEVICE_GLOBAL (the emulated GPU keeps one copy per virtual GPU; its section
-// attribute belongs on the definition only).
-#if defined(JAX_EP_EMU)
-extern int g_nvshmem_num_qp_handles;
-extern int g_nvshmem_qp_handles[kMaxQps];
-#else
-extern __device__ int g_nvshmem_num_qp_handles;
-extern __device__ int g_nvshmem_qp_handles[kMaxQps];
-#endif
+// Set by the host at init (kernels/internode/nvshmem_host.cu): 0 = default QP selection.
+// Defined there with JEP_DEVICE_GLOBAL (the emulated GPU keeps one copy per virtual GPU).
+JEP_DEVICE_EXTERN int g_nvshmem_num_qp_handles;
+JEP_DEVICE_EXTERN int g_nvshmem_qp_handles[kMaxQps];
 
 struct Nvshmem {
   static __device__ __forceinline__ int my_pe() { return nvshmem_my_pe(); }

@@ -1,5 +1,5 @@
 """Planted mistakes on the way to both NIC ports: the NVSHMEM environment the bootstrap sets
-(jax_ep/network/fabric.py), the refusal of default QP handles (internode_kernels.cu) and
+(jax_ep/network/fabric.py), the refusal of default QP handles (nvshmem_host.cu) and
 the LAG shim (xla_ffi/internode/lag_shim.cc). See scripts/mutants/__init__.py."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ MUTANTS = [
            '    multi = "0"\n    env["NVSHMEM_ENABLE_MULTI_PORT"] = multi',
            (T_FAB, "-k", "follow and ib_dualport"),
            "multi-port off: IBGDA keeps the first selected device only"),
-    Mutant("in_default_handles_counted_as_explicit", IN,
+    Mutant("in_default_handles_counted_as_explicit", NVH,
            "      bool shared = arr[i] == kQpDefault;",
            "      bool shared = false;",
            (T_DEF,),

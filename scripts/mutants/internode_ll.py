@@ -1,4 +1,4 @@
-"""Planted mistakes in kernels/internode/low_latency_kernels.cu and transport_nvshmem.cuh (see scripts/mutants/__init__.py for the fields)."""
+"""Planted mistakes in kernels/internode/low_latency_kernels.cu, its host side low_latency_host.cu and transport_nvshmem.cuh (see scripts/mutants/__init__.py for the fields)."""
 from __future__ import annotations
 
 from . import Mutant
@@ -59,7 +59,7 @@ MUTANTS = [
            (T_LLIN, "-k", "matches_reference"),
            "a slot's position counts every hit of its ballot, not the lanes below it: rows "
            "land in the wrong slots (or past M, dropped)"),
-    Mutant("llin_grid_not_cut_to_budget", LLIN,
+    Mutant("llin_grid_not_cut_to_budget", LLIN_HOST,
            "  int64_t b = (warps + kWarps - 1) / kWarps;\n  if (b > cap) b = cap;",
            "  int64_t b = (warps + kWarps - 1) / kWarps;\n  (void)cap;",
            (T_LLIN, "-k", "sm_budget"),
@@ -81,7 +81,7 @@ MUTANTS = [
            "        out.recv_scales[(row ^ 1) * nb + j] = devcopy::LoadLanded(sc + j);",
            (T_LLIN, "-k", "fp8_one_message"),
            "the receive half writes a message's scales into its neighbour's row"),
-    Mutant("llin_fp8_put_values_only", LLIN,
+    Mutant("llin_fp8_put_values_only", LLIN_HOST,
            "      d.fp8 != 0 ? static_cast<int64_t>(ll_fp8_msg_bytes(d.H)) : d.H * d.elem_bytes;",
            "      d.fp8 != 0 ? d.H : d.H * d.elem_bytes;",
            (T_LLIN, "-k", "fp8_one_message"),

@@ -577,7 +577,7 @@ def test_hot_path_has_no_host_sync_and_is_graph_safe():
     import pathlib
 
     src = (pathlib.Path(__file__).resolve().parents[2] / "kernels" / "internode" /
-           "internode_kernels.cu").read_text()
+           "nvshmem_host.cu").read_text()
     for fn in ("std::string Dispatch(", "std::string Combine(", "std::string Gather(",
                "std::string BeginHandleCall(", "std::string MakeGeometry("):
         body = src[src.index(fn):]

@@ -353,7 +353,7 @@ def test_hot_path_has_no_host_sync_or_allocation():
     handler is declared command-buffer compatible."""
     import pathlib
     root = pathlib.Path(__file__).resolve().parents[2]
-    src = (root / "kernels" / "internode" / "low_latency_kernels.cu").read_text()
+    src = (root / "kernels" / "internode" / "low_latency_host.cu").read_text()
     for fn in ("std::string DispatchSend(", "std::string DispatchRecv(",
                "std::string CombineSend(", "std::string CombineRecv(", "std::string MakeG("):
         body = src[src.index(fn):]

@@ -13,4 +13,5 @@
 #define InternodeHierGatherHandler InternodeHierSmallRingsGatherHandler
 #define JEP_EMU_HIER_OP(name) "internode_hier_small_" name
 #include "kernels/internode/hierarchical_kernels.cu"  // NOLINT(build/include)
+#include "kernels/internode/hierarchical_host.cu"     // NOLINT(build/include)
 #include "xla_ffi/internode/emu_hier.cc"               // NOLINT(build/include)
