@@ -15,6 +15,10 @@ namespace jax_ep {
 
 // How long any backend waits for a peer before failing, in seconds (JAX_EP_TIMEOUT_S).
 inline constexpr double kDefaultTimeoutSeconds = 300.0;
+// The kernels' wait bound where a call passes none (timeout_ns <= 0).
+inline constexpr long long DefaultTimeoutNs() {
+  return static_cast<long long>(kDefaultTimeoutSeconds) * 1000000000ll;
+}
 
 // 0 (or "") in a field: not set, the kernels' own choice (configs.h).
 struct Settings {

@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "kernels/common/settings.h"
 #include "kernels/common/dtype_convert.h"
 #include "kernels/common/layout_math.h"
 #include "kernels/common/striping_plan.h"
@@ -70,7 +71,7 @@ std::string MakeGeo(const HierDims& hd, int op, FloatKind elem, Geo* g,
   g->P = d.num_ports;
   g->Qpp = d.qps_per_port;
   g->nq = qps;
-  g->timeout_ns = d.timeout_ns > 0 ? d.timeout_ns : 300ll * 1000000000ll;
+  g->timeout_ns = d.timeout_ns > 0 ? d.timeout_ns : DefaultTimeoutNs();
   g->cfg[wire::kCfgOp] = op;
   g->cfg[wire::kCfgRanks] = d.num_ranks;
   g->cfg[wire::kCfgTokens] = d.tokens;

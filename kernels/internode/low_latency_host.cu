@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/common/settings.h"
 #include "kernels/common/configs.h"
 #include "kernels/common/fp8_quant.h"
 #include "kernels/common/low_latency_math.h"
@@ -140,7 +141,7 @@ std::string MakeG(const CallDims& d, int op, G* g) {
   g->ds_put = llwire::dispatch_stride(row_bytes);
   g->meta_off = llwire::dispatch_meta_offset(row_bytes);
   g->cs_put = llwire::combine_stride(row_bytes);
-  g->timeout_ns = d.timeout_ns > 0 ? d.timeout_ns : 300ll * 1000000000ll;
+  g->timeout_ns = d.timeout_ns > 0 ? d.timeout_ns : DefaultTimeoutNs();
   g->op = op;
   int32_t* c = g->cfg;
   c[llwire::kCfgOp] = op;

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/common/settings.h"
 #include "kernels/common/combine_order.h"
 #include "kernels/common/dtype_convert.h"
 #include "kernels/common/layout_math.h"
@@ -102,9 +103,8 @@ std::string MakeGeometry(const Dims& d, int op, FloatKind elem, int x_bytes, int
   g->Q = d.qps_per_port;
   g->num_qps = qps;
   g->G = combine_node_size(d.num_ranks, d.gpus_per_node);
-  // Chunks are whole 16-byte units so every put stays aligned.
-  g->chunk = round_up(d.chunk_bytes, 16);
-  g->timeout_ns = d.timeout_ns > 0 ? d.timeout_ns : 300ll * 1000000000ll;
+  g->chunk = wire_chunk_bytes(d.chunk_bytes);
+  g->timeout_ns = d.timeout_ns > 0 ? d.timeout_ns : DefaultTimeoutNs();
   g->cfg[wire::kCfgOp] = op;
   g->cfg[wire::kCfgRanks] = d.num_ranks;
   g->cfg[wire::kCfgTokens] = d.tokens;
