@@ -32,6 +32,7 @@
 #include "kernels/common/fp8_quant.h"
 #include "kernels/cuda/low_latency_kernels.h"
 #include "xla_ffi/common/ffi_helpers.h"
+#include "xla_ffi/common/ffi_table.h"
 #include "xla_ffi/cuda/cuda_state.h"
 #include "kernels/common/nvtx.h"
 
@@ -616,180 +617,11 @@ ffi::Error RankCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kDispatchSend, DispatchSendImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Attr<int64_t>("num_experts")
-                           .Attr<int64_t>("max_tokens")
-                           .Attr<int64_t>("topk_max"));
-
-XLA_FFI_DEFINE_HANDLER(kDispatchRecv, DispatchRecvImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Attr<int64_t>("num_experts")
-                           .Attr<int64_t>("max_tokens")
-                           .Attr<int64_t>("topk_max"));
-
-XLA_FFI_DEFINE_HANDLER(kCombineSend, CombineSendImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Attr<int64_t>("num_experts")
-                           .Attr<int64_t>("max_tokens")
-                           .Attr<int64_t>("topk_max"));
-
-XLA_FFI_DEFINE_HANDLER(kCombineRecv, CombineRecvImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int64_t>("num_experts")
-                           .Attr<int64_t>("max_tokens")
-                           .Attr<int64_t>("topk_max"));
-
-#define JEP_LL_CMD_BUFFER {ffi::Traits::kCmdBufferCompatible}
-
-// Real ranks: no allocation or host sync inside, so XLA may capture them in CUDA graphs
-// (the trait travels in the handler's metadata).
-XLA_FFI_DEFINE_HANDLER(kRankDispatchSend, RankDispatchSendImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Attr<int64_t>("num_experts")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("max_tokens")
-                           .Attr<int64_t>("call_site"),
-                       JEP_LL_CMD_BUFFER);
-
-XLA_FFI_DEFINE_HANDLER(kRankDispatchRecv, RankDispatchRecvImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Attr<int64_t>("num_experts")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("max_tokens")
-                           .Attr<int64_t>("call_site"),
-                       JEP_LL_CMD_BUFFER);
-
-// FP8 dispatch: x cast in the send kernel, one message per (token, expert); the
-// receive half returns the values and the scales.
-XLA_FFI_DEFINE_HANDLER(kRankDispatchSendFp8, RankDispatchSendFp8Impl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Attr<int64_t>("num_experts")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("max_tokens")
-                           .Attr<int64_t>("call_site")
-                           .Attr<int64_t>("round_scale"),
-                       JEP_LL_CMD_BUFFER);
-
-XLA_FFI_DEFINE_HANDLER(kRankDispatchRecvFp8, RankDispatchRecvFp8Impl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::Buffer<ffi::F32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Attr<int64_t>("num_experts")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("max_tokens")
-                           .Attr<int64_t>("call_site"),
-                       JEP_LL_CMD_BUFFER);
-
-XLA_FFI_DEFINE_HANDLER(kRankCombineSend, RankCombineSendImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("max_tokens")
-                           .Attr<int64_t>("rows_per_dest")
-                           .Attr<int64_t>("call_site"),
-                       JEP_LL_CMD_BUFFER);
-
-XLA_FFI_DEFINE_HANDLER(kRankCombineRecv, RankCombineRecvImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int64_t>("num_experts")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("max_tokens")
-                           .Attr<int64_t>("call_site"),
-                       JEP_LL_CMD_BUFFER);
+// The handlers of JEP_CUDA_LL_TARGETS (xla_ffi/common/op_tables.h).
+JEP_CUDA_LL_TARGETS(JEP_FFI_DEFINE_TARGET)
 
 void AddLowLatencyCudaRegistrations(const RegisterFn& add) {
-  add("jax_ep_ll_harness_dispatch_send", reinterpret_cast<void*>(kDispatchSend));
-  add("jax_ep_ll_harness_dispatch_recv", reinterpret_cast<void*>(kDispatchRecv));
-  add("jax_ep_ll_harness_combine_send", reinterpret_cast<void*>(kCombineSend));
-  add("jax_ep_ll_harness_combine_recv", reinterpret_cast<void*>(kCombineRecv));
-  // The CPU's target names and operands (xla_ffi/cpu/low_latency_handlers.cc).
-  add("jax_ep_ll_dispatch_send", reinterpret_cast<void*>(kRankDispatchSend));
-  add("jax_ep_ll_dispatch_recv", reinterpret_cast<void*>(kRankDispatchRecv));
-  add("jax_ep_ll_dispatch_send_fp8", reinterpret_cast<void*>(kRankDispatchSendFp8));
-  add("jax_ep_ll_dispatch_recv_fp8", reinterpret_cast<void*>(kRankDispatchRecvFp8));
-  add("jax_ep_ll_combine_send", reinterpret_cast<void*>(kRankCombineSend));
-  add("jax_ep_ll_combine_recv", reinterpret_cast<void*>(kRankCombineRecv));
+  JEP_CUDA_LL_TARGETS(JEP_FFI_ADD_TARGET)
 }
 
 }  // namespace jax_ep

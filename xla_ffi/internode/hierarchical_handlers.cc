@@ -17,6 +17,7 @@
 #include "kernels/internode/hierarchical_layout.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common/ffi_helpers.h"
+#include "xla_ffi/common/ffi_table.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
 #include "xla_ffi/internode/internode_args.h"
 #include "kernels/common/nvtx.h"
@@ -177,74 +178,11 @@ ffi::Error GatherImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S3
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeHierDispatchHandler, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("chunk_bytes")
-                                  .Attr<int64_t>("call_site")
-                                  .Attr<int64_t>("gpus_per_node"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeHierCombineHandler, CombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("topk")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("chunk_bytes")
-                                  .Attr<int64_t>("call_site")
-                                  .Attr<int64_t>("gpus_per_node"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeHierGatherHandler, GatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("topk")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("chunk_bytes")
-                                  .Attr<int64_t>("call_site")
-                                  .Attr<int64_t>("gpus_per_node"),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The handlers of JEP_INTERNODE_HIER_TARGETS (xla_ffi/common/op_tables.h).
+JEP_INTERNODE_HIER_TARGETS(JEP_FFI_DEFINE_TARGET)
 
 void AddHierarchicalRegistrations(const RegisterFn& add) {
-  add("jax_ep_internode_hier_dispatch", reinterpret_cast<void*>(InternodeHierDispatchHandler));
-  add("jax_ep_internode_hier_combine", reinterpret_cast<void*>(InternodeHierCombineHandler));
-  add("jax_ep_internode_hier_gather", reinterpret_cast<void*>(InternodeHierGatherHandler));
+  JEP_INTERNODE_HIER_TARGETS(JEP_FFI_ADD_TARGET)
 }
 
 }  // namespace jax_ep

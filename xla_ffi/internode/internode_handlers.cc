@@ -28,6 +28,7 @@
 #include "xla_ffi/internode/internode_args.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
 #include "xla_ffi/common/ffi_helpers.h"
+#include "xla_ffi/common/ffi_table.h"
 #include "kernels/common/nvtx.h"
 
 namespace ffi = xla::ffi;
@@ -175,62 +176,13 @@ ffi::Error GatherImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S3
                               topk, num_ports, qps_per_port, chunk_bytes, call_site, 0);
 }
 
-// Operands and attributes of combine (plus gpus_per_node) and gather.
-auto HandleCallBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Ret<ffi::AnyBuffer>()
-      .Attr<int64_t>("num_ranks")
-      .Attr<int64_t>("rank")
-      .Attr<int64_t>("capacity")
-      .Attr<int64_t>("topk")
-      .Attr<int64_t>("num_ports")
-      .Attr<int64_t>("qps_per_port")
-      .Attr<int64_t>("chunk_bytes")
-      .Attr<int64_t>("call_site");
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("chunk_bytes")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, CombineImpl,
-                              HandleCallBinding().Attr<int64_t>("gpus_per_node"),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeGatherHandler, GatherImpl,
-                              HandleCallBinding(), {ffi::Traits::kCmdBufferCompatible});
+// The handlers of JEP_INTERNODE_TARGETS (xla_ffi/common/op_tables.h).
+JEP_INTERNODE_TARGETS(JEP_FFI_DEFINE_TARGET)
 
 void AddInternodeRegistrations(const RegisterFn& add) {
-  add("jax_ep_internode_dispatch", reinterpret_cast<void*>(InternodeDispatchHandler));
-  add("jax_ep_internode_combine", reinterpret_cast<void*>(InternodeCombineHandler));
-  add("jax_ep_internode_gather", reinterpret_cast<void*>(InternodeGatherHandler));
+  JEP_INTERNODE_TARGETS(JEP_FFI_ADD_TARGET)
   AddHierarchicalRegistrations(add);  // the hierarchical mode's targets
 }
 

@@ -33,6 +33,7 @@
 #include "kernels/internode/low_latency_kernels.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common/ffi_helpers.h"
+#include "xla_ffi/common/ffi_table.h"
 #include "xla_ffi/internode/low_latency_handlers.h"
 #include "kernels/common/nvtx.h"
 
@@ -269,118 +270,11 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchSendHandler, DispatchSendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchRecvHandler, DispatchRecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchSendFp8Handler, DispatchSendFp8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site")
-                                  .Attr<int64_t>("round_scale"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchRecvFp8Handler, DispatchRecvFp8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLCombineSendHandler, CombineSendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("rows_per_dest")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLCombineRecvHandler, CombineRecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The handlers of JEP_INTERNODE_LL_TARGETS (xla_ffi/common/op_tables.h).
+JEP_INTERNODE_LL_TARGETS(JEP_FFI_DEFINE_TARGET)
 
 void AddInternodeLowLatencyRegistrations(const RegisterFn& add) {
-  add("jax_ep_internode_ll_dispatch_send", reinterpret_cast<void*>(InternodeLLDispatchSendHandler));
-  add("jax_ep_internode_ll_dispatch_recv", reinterpret_cast<void*>(InternodeLLDispatchRecvHandler));
-  add("jax_ep_internode_ll_dispatch_send_fp8",
-      reinterpret_cast<void*>(InternodeLLDispatchSendFp8Handler));
-  add("jax_ep_internode_ll_dispatch_recv_fp8",
-      reinterpret_cast<void*>(InternodeLLDispatchRecvFp8Handler));
-  add("jax_ep_internode_ll_combine_send", reinterpret_cast<void*>(InternodeLLCombineSendHandler));
-  add("jax_ep_internode_ll_combine_recv", reinterpret_cast<void*>(InternodeLLCombineRecvHandler));
+  JEP_INTERNODE_LL_TARGETS(JEP_FFI_ADD_TARGET)
 }
 
 }  // namespace jax_ep
