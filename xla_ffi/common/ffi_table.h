@@ -229,3 +229,9 @@ JEP_SIG_REGISTER_ATTRS(InternodeLLCombineRecv, JEP_OP_INTERNODE_LL_COMBINE_RECV)
 // Inside a function with `add(const char* target, void* handler)` in scope.
 #define JEP_FFI_ADD_TARGET(target, Sig, Symbol, Impl, CTX, TRAITS) \
   add(target, reinterpret_cast<void*>(::jax_ep::Symbol));
+
+// Defines the handlers of a target table and `void AddFn(const RegisterFn& add)`, which adds
+// them (inside namespace jax_ep, with RegisterFn of xla_ffi/cuda/cuda_registrations.h).
+#define JEP_FFI_DEFINE_TARGETS_WITH_ADDER(TARGETS, AddFn) \
+  TARGETS(JEP_FFI_DEFINE_TARGET)                          \
+  void AddFn(const RegisterFn& add) { TARGETS(JEP_FFI_ADD_TARGET) }

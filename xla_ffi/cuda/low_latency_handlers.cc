@@ -617,11 +617,7 @@ ffi::Error RankCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
 
 }  // namespace
 
-// The handlers of JEP_CUDA_LL_TARGETS (xla_ffi/common/op_tables.h).
-JEP_CUDA_LL_TARGETS(JEP_FFI_DEFINE_TARGET)
-
-void AddLowLatencyCudaRegistrations(const RegisterFn& add) {
-  JEP_CUDA_LL_TARGETS(JEP_FFI_ADD_TARGET)
-}
+// The handlers of JEP_CUDA_LL_TARGETS (xla_ffi/common/op_tables.h), and their registration.
+JEP_FFI_DEFINE_TARGETS_WITH_ADDER(JEP_CUDA_LL_TARGETS, AddLowLatencyCudaRegistrations)
 
 }  // namespace jax_ep

@@ -178,11 +178,7 @@ ffi::Error GatherImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S3
 
 }  // namespace
 
-// The handlers of JEP_INTERNODE_HIER_TARGETS (xla_ffi/common/op_tables.h).
-JEP_INTERNODE_HIER_TARGETS(JEP_FFI_DEFINE_TARGET)
-
-void AddHierarchicalRegistrations(const RegisterFn& add) {
-  JEP_INTERNODE_HIER_TARGETS(JEP_FFI_ADD_TARGET)
-}
+// The handlers of JEP_INTERNODE_HIER_TARGETS (xla_ffi/common/op_tables.h), and their registration.
+JEP_FFI_DEFINE_TARGETS_WITH_ADDER(JEP_INTERNODE_HIER_TARGETS, AddHierarchicalRegistrations)
 
 }  // namespace jax_ep

@@ -270,11 +270,7 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
 
 }  // namespace
 
-// The handlers of JEP_INTERNODE_LL_TARGETS (xla_ffi/common/op_tables.h).
-JEP_INTERNODE_LL_TARGETS(JEP_FFI_DEFINE_TARGET)
-
-void AddInternodeLowLatencyRegistrations(const RegisterFn& add) {
-  JEP_INTERNODE_LL_TARGETS(JEP_FFI_ADD_TARGET)
-}
+// The handlers of JEP_INTERNODE_LL_TARGETS (xla_ffi/common/op_tables.h), and their registration.
+JEP_FFI_DEFINE_TARGETS_WITH_ADDER(JEP_INTERNODE_LL_TARGETS, AddInternodeLowLatencyRegistrations)
 
 }  // namespace jax_ep
