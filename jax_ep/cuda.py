@@ -443,14 +443,14 @@ def harness_dispatch(x, topk_idx, topk_weights, *, num_experts: int,
     K = topk_idx.shape[2]
     C = R * T if capacity is None else int(capacity)
     el = int(num_experts) // R
-    outs = jax.ffi.ffi_call(
+    outs = _ext.ffi_call(
         "jax_ep_harness_dispatch",
         (_sds((R, C, H), x.dtype), _sds((R, C, K), jnp.int32), _sds((R, C, K), jnp.float32),
          _sds((R,), jnp.int32), _sds((R,), jnp.int32), _sds((R, el), jnp.int32),
          _sds((R, C), jnp.int32), _sds((R, C), jnp.int32), _sds((R, T, R), jnp.int32)),
-    )(x, jnp.asarray(topk_idx, jnp.int32), jnp.asarray(topk_weights, jnp.float32),
-      num_experts=np.int64(num_experts), capacity=np.int64(C),
-      **_harness_attrs(R, call_sites, concurrent, absent_rank))
+    )(x=x, topk_idx=jnp.asarray(topk_idx, jnp.int32),
+      topk_weights=jnp.asarray(topk_weights, jnp.float32), num_experts=num_experts,
+      capacity=C, **_harness_attrs(R, call_sites, concurrent, absent_rank))
     return HarnessDispatch(*outs)
 
 
@@ -461,8 +461,8 @@ def harness_combine(y, send_row, *, concurrent: bool = False, call_sites=None,
     _ext.registered_platforms()
     R, _, H = y.shape
     T = send_row.shape[1]
-    return jax.ffi.ffi_call("jax_ep_harness_combine", _sds((R, T, H), y.dtype))(
-        y, jnp.asarray(send_row, jnp.int32),
+    return _ext.ffi_call("jax_ep_harness_combine", _sds((R, T, H), y.dtype))(
+        y=y, send_row=jnp.asarray(send_row, jnp.int32),
         **_harness_attrs(R, call_sites, concurrent, absent_rank))
 
 
@@ -474,6 +474,7 @@ def harness_gather(g, src_rank, src_index, *, concurrent: bool = False, call_sit
     _ext.registered_platforms()
     R, _, H = g.shape
     C = src_rank.shape[1]
-    return jax.ffi.ffi_call("jax_ep_harness_gather", _sds((R, C, H), g.dtype))(
-        g, jnp.asarray(src_rank, jnp.int32), jnp.asarray(src_index, jnp.int32),
+    return _ext.ffi_call("jax_ep_harness_gather", _sds((R, C, H), g.dtype))(
+        g=g, src_rank=jnp.asarray(src_rank, jnp.int32),
+        src_index=jnp.asarray(src_index, jnp.int32),
         **_harness_attrs(R, call_sites, concurrent, absent_rank))

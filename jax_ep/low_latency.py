@@ -34,6 +34,7 @@ from jax_ep._src import arrival as _arrival
 
 from jax_ep._src import backends
 from jax_ep._src.common import Cfg, after, ep_size
+from jax_ep._src.ext import ffi_call
 from jax_ep._src.scope import named
 from jax_ep.ops import _check_tokens, _static_int, resolve_backend
 
@@ -473,7 +474,7 @@ def combine_recv(state: CombineSendState):
 # ----------------------------------------------------------------------------- GPU harness
 
 def _harness_attrs(E, M, K):
-    return dict(num_experts=np.int64(E), max_tokens=np.int64(M), topk_max=np.int64(K))
+    return dict(num_experts=E, max_tokens=M, topk_max=K)
 
 
 def harness_dispatch(x, topk_idx, *, num_experts: int, max_tokens_per_rank: int):
@@ -490,16 +491,15 @@ def harness_dispatch(x, topk_idx, *, num_experts: int, max_tokens_per_rank: int)
     el = E // R
     pad = ((0, 0), (0, M - T), (0, 0))
     xp, ip = jnp.pad(x, pad), jnp.pad(topk_idx, pad, constant_values=-1)
-    token = jax.ffi.ffi_call("jax_ep_ll_harness_dispatch_send",
-                             jax.ShapeDtypeStruct((R,), jnp.int32))(xp, ip,
-                                                                    **_harness_attrs(E, M, K))
+    token = ffi_call("jax_ep_ll_harness_dispatch_send", jax.ShapeDtypeStruct((R,), jnp.int32))(
+        x=xp, topk_idx=ip, **_harness_attrs(E, M, K))
     i32 = jnp.int32
-    return jax.ffi.ffi_call(
+    return ffi_call(
         "jax_ep_ll_harness_dispatch_recv",
         (jax.ShapeDtypeStruct((R, el, R * M, H), x.dtype), jax.ShapeDtypeStruct((R, el), i32),
          jax.ShapeDtypeStruct((R, el, R * M), i32), jax.ShapeDtypeStruct((R, el, R * M), i32),
          jax.ShapeDtypeStruct((R, el, R), i32), jax.ShapeDtypeStruct((R, el, R), i32)))(
-        token, **_harness_attrs(E, M, K))
+        token=token, **_harness_attrs(E, M, K))
 
 
 def harness_combine(y, topk_idx, topk_weights, first_row, row_count, *, num_experts: int,
@@ -511,12 +511,11 @@ def harness_combine(y, topk_idx, topk_weights, first_row, row_count, *, num_expe
     R, T, K = topk_idx.shape
     E, M = num_experts, max_tokens_per_rank
     _check_T(T, M)
-    token = jax.ffi.ffi_call("jax_ep_ll_harness_combine_send",
-                             jax.ShapeDtypeStruct((R,), jnp.int32))(
-        y, first_row, row_count, **_harness_attrs(E, M, K))
+    token = ffi_call("jax_ep_ll_harness_combine_send", jax.ShapeDtypeStruct((R,), jnp.int32))(
+        y=y, first_row=first_row, row_count=row_count, **_harness_attrs(E, M, K))
     pad = ((0, 0), (0, M - T), (0, 0))
-    out = jax.ffi.ffi_call("jax_ep_ll_harness_combine_recv",
-                           jax.ShapeDtypeStruct((R, M, y.shape[-1]), y.dtype))(
-        token, jnp.pad(topk_idx, pad, constant_values=-1), jnp.pad(topk_weights, pad),
-        **_harness_attrs(E, M, K))
+    out = ffi_call("jax_ep_ll_harness_combine_recv",
+                   jax.ShapeDtypeStruct((R, M, y.shape[-1]), y.dtype))(
+        token=token, topk_idx=jnp.pad(topk_idx, pad, constant_values=-1),
+        topk_weights=jnp.pad(topk_weights, pad), **_harness_attrs(E, M, K))
     return out[:, :T]

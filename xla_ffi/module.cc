@@ -1,9 +1,14 @@
 // The nanobind module `jax_ep._jax_ep_ext`: registrations() maps FFI target names to
-// handler capsules, per platform, and build_info() says what was compiled in.
+// handler capsules, per platform; ffi_signatures() describes every target of the tables in
+// xla_ffi/common/op_tables.h (built here or not); build_info() says what was compiled in.
 #include <nanobind/nanobind.h>
+
+#include <cctype>
+#include <string>
 
 #include "xla_ffi/cpu/cpu_handlers.h"
 #include "xla_ffi/cpu/low_latency_handlers.h"
+#include "xla_ffi/common/ffi_table.h"
 #include "xla_ffi/common/layout_bindings.h"
 #include "xla_ffi/common/transport_bindings.h"
 #include "xla_ffi/internode/low_latency_handlers.h"
@@ -14,11 +19,65 @@
 namespace nb = nanobind;
 
 namespace {
-template <typename T>
-nb::capsule Capsule(T* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
-                "handler must be an XLA FFI handler");
-  return nb::capsule(reinterpret_cast<void*>(fn));
+std::string Lower(const char* s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+// A target's signature for Python: operand, result and attribute names in the handler's
+// order, their types (lower case: any, s32, f32, pred; i64, i64s), the variadic operand
+// (or None), the traits.
+template <typename Sig>
+nb::dict Describe(const char* trait) {
+  nb::list operands, operand_types, results, result_types, attrs;
+  nb::object variadic = nb::none();
+  Sig::Describe([&](const char* kind, const char* name, const char* type) {
+    const std::string k = kind;
+    if (k == "ARG") {
+      operands.append(nb::str(name));
+      operand_types.append(nb::str(Lower(type).c_str()));
+    } else if (k == "REST") {
+      variadic = nb::str(name);
+    } else if (k == "RET") {
+      results.append(nb::str(name));
+      result_types.append(nb::str(Lower(type).c_str()));
+    } else {  // ATTR, OPT_ATTR: (name, type, required)
+      attrs.append(nb::make_tuple(nb::str(name), nb::str(Lower(type).c_str()), k == "ATTR"));
+    }
+  });
+  nb::dict d;
+  d["signature"] = nb::str(Sig::kName);
+  d["operands"] = nb::tuple(operands);
+  d["operand_types"] = nb::tuple(operand_types);
+  d["variadic"] = variadic;
+  d["results"] = nb::tuple(results);
+  d["result_types"] = nb::tuple(result_types);
+  d["attrs"] = nb::tuple(attrs);
+  nb::list traits;
+  if (*trait) traits.append(nb::str(trait));
+  d["traits"] = nb::tuple(traits);
+  return d;
+}
+
+#define JEP_DESCRIBE_TARGET(target, Sig, Symbol, Impl, CTX, TRAITS) \
+  d[target] = Describe<jax_ep::sig::Sig>(JEP_FFI_TRAIT_NAME_##TRAITS);
+
+nb::dict CpuSignatures() {
+  nb::dict d;
+  JEP_CPU_TARGETS(JEP_DESCRIBE_TARGET)
+  JEP_CPU_LL_TARGETS(JEP_DESCRIBE_TARGET)
+  return d;
+}
+
+nb::dict CudaSignatures() {
+  nb::dict d;
+  JEP_CUDA_TARGETS(JEP_DESCRIBE_TARGET)
+  JEP_CUDA_LL_TARGETS(JEP_DESCRIBE_TARGET)
+  JEP_INTERNODE_TARGETS(JEP_DESCRIBE_TARGET)
+  JEP_INTERNODE_HIER_TARGETS(JEP_DESCRIBE_TARGET)
+  JEP_INTERNODE_LL_TARGETS(JEP_DESCRIBE_TARGET)
+  return d;
 }
 }  // namespace
 
@@ -32,17 +91,9 @@ NB_MODULE(_jax_ep_ext, m) {
 #endif
   m.def("registrations", []() {
     nb::dict cpu;
-    cpu["jax_ep_layout"] = Capsule(jax_ep::LayoutCpuHandler);
-    cpu["jax_ep_dispatch"] = Capsule(jax_ep::DispatchCpuHandler);
-    cpu["jax_ep_combine"] = Capsule(jax_ep::CombineCpuHandler);
-    cpu["jax_ep_gather"] = Capsule(jax_ep::GatherCpuHandler);
-    // Low-latency mode (jax_ep.low_latency).
-    cpu["jax_ep_ll_dispatch_send"] = Capsule(jax_ep::LowLatencyDispatchSendCpuHandler);
-    cpu["jax_ep_ll_dispatch_recv"] = Capsule(jax_ep::LowLatencyDispatchRecvCpuHandler);
-    cpu["jax_ep_ll_dispatch_send_fp8"] = Capsule(jax_ep::LowLatencyDispatchSendFp8CpuHandler);
-    cpu["jax_ep_ll_dispatch_recv_fp8"] = Capsule(jax_ep::LowLatencyDispatchRecvFp8CpuHandler);
-    cpu["jax_ep_ll_combine_send"] = Capsule(jax_ep::LowLatencyCombineSendCpuHandler);
-    cpu["jax_ep_ll_combine_recv"] = Capsule(jax_ep::LowLatencyCombineRecvCpuHandler);
+    const auto add = [&](const char* name, void* fn) { cpu[name] = nb::capsule(fn); };
+    JEP_CPU_TARGETS(JEP_FFI_ADD_TARGET)
+    JEP_CPU_LL_TARGETS(JEP_FFI_ADD_TARGET)
     nb::dict out;
     out["cpu"] = cpu;
 #ifdef JAX_EP_WITH_CUDA
@@ -59,6 +110,17 @@ NB_MODULE(_jax_ep_ext, m) {
 #endif
     return out;
   });
+  m.def(
+      "ffi_signatures",
+      []() {
+        nb::dict out;
+        out["cpu"] = CpuSignatures();
+        out["CUDA"] = CudaSignatures();
+        return out;
+      },
+      "Per platform ('cpu', 'CUDA'), per FFI target of xla_ffi/common/op_tables.h (built "
+      "here or not): {'signature', 'operands', 'operand_types', 'variadic', 'results', "
+      "'result_types', 'attrs': ((name, type, required), ...), 'traits'}.");
   m.def("build_info", []() {
     nb::dict d;
     d["cpu"] = true;

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_ep._src import ext as _ext
 from jax_ep._src import ordering as _order
 
 from jax_ep._src import stream as _stream
@@ -254,9 +255,18 @@ def ep_call(target: str, results, *, vmap_method: str = "sequential"):
     refuses side-effecting calls under `jax.checkpoint` (remat), which MoE training needs.
     Stream: on GPU each call runs in a region on XLA's collective stream
     (`jax_ep._src.stream`, setting `jax_ep.config.collective_stream`).
+
+    Operands and attributes are given by name and put in the handler's order from its
+    C++ signature table (`jax_ep._src.ext.ffi_call`): a name the target does not have, or
+    one it needs left out, is a TypeError naming the target.
     """
-    return _order.ordered(_stream.on_collective_stream(
-        jax.ffi.ffi_call(target, results, vmap_method=vmap_method)))
+    call = _order.ordered(_stream.on_collective_stream(
+        _ext.ffi_call(target, results, vmap_method=vmap_method, bind=False)))
+
+    def named_call(**named):
+        operands, attrs = _ext.ffi_arguments(target, named)
+        return call(*operands, **attrs)
+    return named_call
 
 
 def after(first, value):

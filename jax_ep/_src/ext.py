@@ -1,9 +1,13 @@
-"""Loads the compiled extension and registers its FFI targets with XLA, once."""
+"""Loads the compiled extension and registers its FFI targets with XLA, once; the FFI
+targets' signatures (operands, results, attributes, traits), read from the C++ tables
+(xla_ffi/common/op_tables.h), and the `ffi_call` that builds a call from them."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import numpy as np
 
 try:  # The extension is absent only in a broken or partial install.
     from jax_ep import _jax_ep_ext as ext
@@ -14,30 +18,22 @@ else:
     _IMPORT_ERROR = None
 
 
-# CUDA targets whose handlers never allocate or wait for the host (errors go to a sticky
-# device record), so XLA may capture them in CUDA graphs. The handlers declare the same
-# trait in C++; tests/test_registrations.py keeps the two lists equal.
-_GRAPH_SAFE = (
-    # intranode, normal and low-latency modes (real ranks; not the harness)
-    "jax_ep_layout", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_gather",
-    "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv",
-    "jax_ep_ll_dispatch_send_fp8", "jax_ep_ll_dispatch_recv_fp8",
-    "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv",
-    # internode: direct, hierarchical and low-latency
-    "jax_ep_internode_dispatch", "jax_ep_internode_combine", "jax_ep_internode_gather",
-    "jax_ep_internode_hier_dispatch", "jax_ep_internode_hier_combine",
-    "jax_ep_internode_hier_gather",
-    "jax_ep_internode_ll_dispatch_send", "jax_ep_internode_ll_dispatch_recv",
-    "jax_ep_internode_ll_dispatch_send_fp8", "jax_ep_internode_ll_dispatch_recv_fp8",
-    "jax_ep_internode_ll_combine_send", "jax_ep_internode_ll_combine_recv",
-)
-
-
 def _gpu_platform_present() -> bool:
     try:
         return bool(jax.devices("gpu"))
     except RuntimeError:
         return False
+
+
+def _register(name: str, capsule, platform: str):
+    """Registers one handler with XLA, with the traits its table row names (on CUDA:
+    COMMAND_BUFFER_COMPATIBLE where the handler never allocates or waits for the host, so
+    XLA may capture it in CUDA graphs)."""
+    kwargs = {}
+    if platform == "CUDA" and ffi_signature(name, platform).graph_safe:
+        from jaxlib import xla_client
+        kwargs["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+    jax.ffi.register_ffi_target(name, capsule, platform=platform, **kwargs)
 
 
 @functools.cache
@@ -50,12 +46,7 @@ def registered_platforms() -> frozenset[str]:
         if platform == "CUDA" and not _gpu_platform_present():
             continue  # XLA has no CUDA platform to register with in a CPU-only jaxlib.
         for name, capsule in targets.items():
-            kwargs = {}
-            if platform == "CUDA" and name in _GRAPH_SAFE:
-                # No host sync inside these calls: XLA may capture them in CUDA graphs.
-                from jaxlib import xla_client
-                kwargs["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
-            jax.ffi.register_ffi_target(name, capsule, platform=platform, **kwargs)
+            _register(name, capsule, platform)
         platforms.add("cpu" if platform == "cpu" else "gpu")
     return frozenset(platforms)
 
@@ -113,12 +104,8 @@ def register_nvshmem_targets() -> bool:
     mod = nvshmem_ext()
     if mod is None or not _gpu_platform_present():
         return False
-    from jaxlib import xla_client
     for name, capsule in mod.registrations().get("CUDA", {}).items():
-        kwargs = {}
-        if name in _GRAPH_SAFE:
-            kwargs["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA", **kwargs)
+        _register(name, capsule, "CUDA")
     return True
 
 
@@ -151,3 +138,110 @@ def build_info() -> dict:
                                               lambda: False)())
     info["jax"] = jax.__version__
     return info
+
+
+# ---- FFI signatures: one table per op in C++ (xla_ffi/common/op_tables.h) ----
+
+@dataclasses.dataclass(frozen=True)
+class FfiSignature:
+    """One FFI target's signature on one platform, as its handler decodes it (read from
+    the extension: `_jax_ep_ext.ffi_signatures()`, made from xla_ffi/common/op_tables.h)."""
+    target: str
+    platform: str  # 'cpu' or 'CUDA', as in registrations()
+    operands: tuple[str, ...]
+    operand_types: tuple[str, ...]
+    variadic: str | None  # the name of any trailing operands the handler also takes
+    results: tuple[str, ...]
+    result_types: tuple[str, ...]
+    attrs: tuple[tuple[str, str, bool], ...]  # (name, 'i64' or 'i64s', required)
+    traits: tuple[str, ...]  # e.g. ('COMMAND_BUFFER_COMPATIBLE',)
+
+    @property
+    def graph_safe(self) -> bool:
+        return "COMMAND_BUFFER_COMPATIBLE" in self.traits
+
+
+@functools.cache
+def ffi_signatures() -> dict[str, dict[str, FfiSignature]]:
+    """{platform: {target: FfiSignature}} for every target of the C++ tables (built into
+    this extension or not)."""
+    raw = require_ext().ffi_signatures()
+    return {platform: {name: FfiSignature(
+                target=name, platform=platform, operands=tuple(d["operands"]),
+                operand_types=tuple(d["operand_types"]), variadic=d["variadic"],
+                results=tuple(d["results"]), result_types=tuple(d["result_types"]),
+                attrs=tuple((str(a), str(t), bool(r)) for a, t, r in d["attrs"]),
+                traits=tuple(d["traits"]))
+            for name, d in targets.items()}
+            for platform, targets in raw.items()}
+
+
+def _platform() -> str:
+    return "cpu" if jax.default_backend() == "cpu" else "CUDA"
+
+
+def ffi_signature(target: str, platform: str | None = None) -> FfiSignature:
+    """The signature of `target` on `platform` ('cpu' or 'CUDA'; default: the platform of
+    jax's default backend, else the one platform that has the target)."""
+    sigs = ffi_signatures()
+    platform = platform or _platform()
+    if target in sigs.get(platform, {}):
+        return sigs[platform][target]
+    others = [p for p, t in sigs.items() if target in t]
+    if not others:
+        raise ValueError(f"{target!r} is no jax_ep FFI target (xla_ffi/common/op_tables.h "
+                         f"has {sorted(set().union(*map(set, sigs.values())))})")
+    return sigs[others[0]][target]
+
+
+def ffi_arguments(target: str, named: dict, platform: str | None = None):
+    """(operands, attributes) of a call of `target` from its operands and attributes
+    given by name: operands in the handler's order (the variadic one, a sequence, last),
+    attributes as the typed values XLA passes (int64 scalars, int64 arrays). A name the
+    table does not have, or an operand or required attribute left out, is a TypeError
+    naming the target."""
+    sig = ffi_signature(target, platform)
+    attrs = {name: (kind, required) for name, kind, required in sig.attrs}
+    known = set(sig.operands) | set(attrs) | ({sig.variadic} if sig.variadic else set())
+    unknown = sorted(set(named) - known)
+    missing = [n for n in sig.operands if n not in named]
+    missing += [n for n, (_, required) in attrs.items() if required and n not in named]
+    if unknown or missing:
+        problems = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"no operand or attribute {', '.join(unknown)}"] if unknown else [])
+        raise TypeError(
+            f"jax_ep FFI target {target} ({sig.platform}): {'; '.join(problems)}. It takes "
+            f"operands ({', '.join(sig.operands)}"
+            f"{', *' + sig.variadic if sig.variadic else ''}) and attributes "
+            f"({', '.join(n + ('' if r else '?') for n, _, r in sig.attrs)}) "
+            "(xla_ffi/common/op_tables.h)")
+    operands = [named[n] for n in sig.operands]
+    if sig.variadic:
+        operands += list(named.get(sig.variadic, ()))
+    out = {}
+    for name, (kind, _) in attrs.items():
+        if name in named:
+            v = named[name]
+            out[name] = (np.asarray(v, np.int64) if kind == "i64s" else np.int64(v))
+    return operands, out
+
+
+def ffi_call(target: str, results, *, vmap_method: str | None = None,
+             platform: str | None = None, bind: bool = True):
+    """`jax.ffi.ffi_call(target, results, vmap_method=...)`, its results' count checked
+    against the target's signature; the call takes its operands and attributes by name
+    (`ffi_arguments`), or with bind=False as `jax.ffi.ffi_call`'s does."""
+    sig = ffi_signature(target, platform)
+    n = len(results) if isinstance(results, (tuple, list)) else 1
+    if n != len(sig.results):
+        raise TypeError(f"jax_ep FFI target {target} ({sig.platform}) returns "
+                        f"{len(sig.results)} results ({', '.join(sig.results)}), the call "
+                        f"types {n}")
+    call = jax.ffi.ffi_call(target, results, vmap_method=vmap_method)
+    if not bind:
+        return call
+
+    def named_call(**named):
+        operands, attrs = ffi_arguments(target, named, sig.platform)
+        return call(*operands, **attrs)
+    return named_call

@@ -68,18 +68,14 @@ def _calls(text):
 
 
 def _handler_bindings():
-    """{target: (number of Args, number of Rets, [attr names])} of the real-rank CUDA
-    handlers, read from their XLA_FFI_DEFINE_HANDLER bindings."""
-    src = _read("xla_ffi", "cuda", "low_latency_handlers.cc")
-    regs = dict(re.findall(r'add\("(jax_ep_ll_\w+)", reinterpret_cast<void\*>\((\w+)\)\)', src))
+    """{target: (number of operands, number of results, [attr names], graph safe)} of the
+    real-rank CUDA handlers, from the signature table their bindings are made from
+    (xla_ffi/common/op_tables.h)."""
     out = {}
-    for target, sym in regs.items():
-        if "harness" in target:
-            continue
-        body = src.split(f"XLA_FFI_DEFINE_HANDLER({sym},", 1)[1].split(";", 1)[0]
-        out[target] = (body.count(".Arg<"), body.count(".Ret<"),
-                       re.findall(r'\.Attr<int64_t>\("(\w+)"\)', body),
-                       "JEP_LL_CMD_BUFFER" in body)
+    for target, sig in _ext.ffi_signatures()["CUDA"].items():
+        if target.startswith("jax_ep_ll_") and "harness" not in target:
+            out[target] = (len(sig.operands), len(sig.results), [a[0] for a in sig.attrs],
+                           sig.graph_safe)
     return out
 
 
@@ -251,8 +247,8 @@ def test_real_rank_handlers_never_allocate_or_sync():
                "RankCombineRecvImpl"):
         assert f"ffi::Error {fn}(" in real
     # The harness allocates lazily: it must not claim command-buffer compatibility.
-    harness = src.split("XLA_FFI_DEFINE_HANDLER(kDispatchSend,", 1)[1].split(";", 1)[0]
-    assert "CMD_BUFFER" not in harness
+    sigs = _ext.ffi_signatures()["CUDA"]
+    assert not any(sigs[f"jax_ep_ll_harness_{n}"].graph_safe for n in NAMES)
 
 
 def test_every_receive_half_gets_its_send_halfs_epoch():

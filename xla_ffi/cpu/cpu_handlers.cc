@@ -217,58 +217,7 @@ ffi::Future GatherImpl(ffi::RunId run_id, ffi::AnyBuffer g, ffi::Buffer<ffi::S32
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LayoutCpuHandler, LayoutImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCpuHandler, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("call_site"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCpuHandler, CombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs<ffi::Dictionary>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherCpuHandler, GatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("call_site"));
+// The handlers of JEP_CPU_TARGETS (xla_ffi/common/op_tables.h).
+JEP_CPU_TARGETS(JEP_FFI_DEFINE_TARGET)
 
 }  // namespace jax_ep

@@ -1,11 +1,8 @@
-// XLA FFI handlers of the CPU backend (platform "cpu").
+// XLA FFI handlers of the CPU backend (platform "cpu"): JEP_CPU_TARGETS.
 #pragma once
 
-#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/ffi_table.h"
 
 namespace jax_ep {
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LayoutCpuHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(DispatchCpuHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CombineCpuHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherCpuHandler);
+JEP_CPU_TARGETS(JEP_FFI_DECLARE_TARGET)
 }  // namespace jax_ep

@@ -1,14 +1,9 @@
 // XLA FFI handlers of the low-latency mode on CPU (platform "cpu"): the send and receive
-// halves of dispatch and combine.
+// halves of dispatch and combine, JEP_CPU_LL_TARGETS.
 #pragma once
 
-#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/ffi_table.h"
 
 namespace jax_ep {
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSendCpuHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecvCpuHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSendFp8CpuHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecvFp8CpuHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineSendCpuHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineRecvCpuHandler);
+JEP_CPU_LL_TARGETS(JEP_FFI_DECLARE_TARGET)
 }  // namespace jax_ep

@@ -25,6 +25,7 @@
 #include "kernels/cuda/intranode_buffer.h"
 #include "xla_ffi/cuda/cuda_state.h"
 #include "xla_ffi/common/ffi_helpers.h"
+#include "xla_ffi/common/ffi_table.h"
 #include "kernels/common/nvtx.h"
 
 namespace ffi = xla::ffi;
@@ -603,115 +604,7 @@ cudaError_t ResetHarnessBuffers(int ordinal) {
   return e;
 }
 
-#define JEP_CMD_BUFFER {ffi::Traits::kCmdBufferCompatible}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LayoutCudaHandler, LayoutImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks"),
-                              JEP_CMD_BUFFER);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCudaHandler, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("call_site"),
-                              JEP_CMD_BUFFER);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCudaHandler, CombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("call_site"),
-                              JEP_CMD_BUFFER);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherCudaHandler, GatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("call_site"),
-                              JEP_CMD_BUFFER);
-
-// The harness allocates its buffers lazily, so it is not command-buffer compatible.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessDispatchHandler, HarnessDispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<ffi::Span<const int64_t>>("call_sites")
-                                  .Attr<int64_t>("concurrent")
-                                  .Attr<int64_t>("absent_rank"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessCombineHandler, HarnessCombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("call_sites")
-                                  .Attr<int64_t>("concurrent")
-                                  .Attr<int64_t>("absent_rank"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HarnessGatherHandler, HarnessGatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("call_sites")
-                                  .Attr<int64_t>("concurrent")
-                                  .Attr<int64_t>("absent_rank"));
+// The handlers of JEP_CUDA_TARGETS (xla_ffi/common/op_tables.h).
+JEP_CUDA_TARGETS(JEP_FFI_DEFINE_TARGET)
 
 }  // namespace jax_ep

@@ -1,8 +1,9 @@
 // The direct internode mode's FFI handlers on the emulated GPU: this translation unit
 // includes the handler source itself, so an emulated call runs the handler's argument
 // checks and argument construction and then the launch sequence (internode::Dispatch, ...)
-// over the emulated NVSHMEM (kernels/emu/nvshmem_emu.h). Also the ops that start the
-// emulated NVSHMEM world and read its transport log (tests/emu/internode_emu_util.py).
+// over the emulated NVSHMEM (kernels/emu/nvshmem_emu.h); ops: JEP_INTERNODE_TARGETS
+// without "jax_ep_". Also the ops that start the emulated NVSHMEM world and read its
+// transport log (tests/emu/internode_emu_util.py).
 #include "xla_ffi/internode/internode_handlers.cc"  // NOLINT(build/include): the handlers
 #include "kernels/emu/nvshmem_emu.h"
 #include "kernels/internode/hierarchical_kernels.h"
@@ -14,8 +15,8 @@ namespace emu_internode {
 namespace {
 namespace ffi = xla::ffi;
 using emu_driver::CallArgs;
-using emu_driver::ErrorText;
-using ffi::DataType;
+
+JEP_EMU_TARGETS_RUNNER(RunTargets, JEP_INTERNODE_TARGETS)
 
 // Log record fields, in the columns of the "internode_log" op's s32[n, 9] output.
 constexpr int kLogCols = 9;
@@ -77,29 +78,7 @@ std::string Invoke(const CallArgs& a, bool* known) {
     nvshmem_emu::clear_log();
     return {};
   }
-  const auto at = [&](const char* k) { return a.attr(k); };
-  if (a.op == "internode_dispatch")
-    return ErrorText(DispatchImpl(
-        a.stream, a.any_in(0), a.in_as<DataType::S32>(1), a.in_as<DataType::F32>(2),
-        a.any_out(0), a.out_as<DataType::S32>(1), a.out_as<DataType::F32>(2),
-        a.out_as<DataType::S32>(3), a.out_as<DataType::S32>(4), a.out_as<DataType::S32>(5),
-        a.out_as<DataType::S32>(6), a.out_as<DataType::S32>(7), a.out_as<DataType::S32>(8),
-        a.out_as<DataType::S32>(9), at("num_experts"), at("num_ranks"), at("rank"),
-        at("capacity"), at("num_ports"), at("qps_per_port"), at("chunk_bytes"),
-        at("call_site")));
-  if (a.op == "internode_combine")
-    return ErrorText(CombineImpl(a.stream, a.any_in(0), a.in_as<DataType::S32>(1),
-                                 a.in_as<DataType::S32>(2), a.any_out(0), at("num_ranks"),
-                                 at("rank"), at("capacity"), at("topk"), at("num_ports"),
-                                 at("qps_per_port"), at("chunk_bytes"), at("call_site"),
-                                 at("gpus_per_node")));
-  if (a.op == "internode_gather")
-    return ErrorText(GatherImpl(a.stream, a.any_in(0), a.in_as<DataType::S32>(1),
-                                a.in_as<DataType::S32>(2), a.any_out(0), at("num_ranks"),
-                                at("rank"), at("capacity"), at("topk"), at("num_ports"),
-                                at("qps_per_port"), at("chunk_bytes"), at("call_site")));
-  *known = false;
-  return {};
+  return RunTargets(a, a.op, known);  // internode_{dispatch,combine,gather}
 }
 
 emu_driver::RegisterInvoker g_register(Invoke);

@@ -17,6 +17,8 @@
 #include "kernels/internode/hierarchical_layout.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common/ffi_helpers.h"
+#include "xla_ffi/common/ffi_table.h"
+#include "xla_ffi/internode/handler_helpers.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
 #include "xla_ffi/internode/internode_args.h"
 #include "kernels/common/nvtx.h"
@@ -26,22 +28,9 @@ namespace ffi = xla::ffi;
 namespace jax_ep {
 namespace {
 
-ffi::Error FromString(const std::string& err) {
-  if (err.empty()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInternal, err);
-}
+using internode_ffi::FromString;
 
-ffi::Error Pending() {
-  const std::string msg = hier::PendingError();
-  if (msg.empty()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, msg);
-}
-
-#define JEP_HIER_EXPECT(what, buf, ...)                                         \
-  do {                                                                          \
-    const std::string m_ = ExpectShape(what, (buf).dimensions(), {__VA_ARGS__}); \
-    if (!m_.empty()) return Invalid(m_);                                        \
-  } while (0)
+ffi::Error Pending() { return internode_ffi::Pending(hier::PendingError()); }
 
 // The Dims every handler fills, from internode_args.h (shared with the emulated GPU's
 // driver), then the sticky error of an earlier call.
@@ -89,18 +78,18 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   const std::string em = internode::CallExperts(num_experts, &hd.base);
   if (!em.empty()) return Invalid(em);
   const int64_t el = hd.base.experts_per_rank;
-  JEP_HIER_EXPECT("topk_weights", topk_weights, T, K);
-  JEP_HIER_EXPECT("recv_x", *recv_x, C, H);
+  JEP_EXPECT_SHAPE("topk_weights", topk_weights, T, K);
+  JEP_EXPECT_SHAPE("recv_x", *recv_x, C, H);
   if (recv_x->element_type() != x.element_type()) return Invalid("recv_x must have x's dtype");
-  JEP_HIER_EXPECT("recv_topk_idx", *recv_idx, C, K);
-  JEP_HIER_EXPECT("recv_topk_weights", *recv_w, C, K);
-  JEP_HIER_EXPECT("num_recv", *num_recv);
-  JEP_HIER_EXPECT("num_dropped", *num_dropped);
-  JEP_HIER_EXPECT("num_recv_tokens_per_expert", *per_expert, el);
-  JEP_HIER_EXPECT("src_rank", *src_rank, C);
-  JEP_HIER_EXPECT("src_index", *src_index, C);
-  JEP_HIER_EXPECT("counts", *counts, R, R);
-  JEP_HIER_EXPECT("send_slot", *send_slot, T, R);
+  JEP_EXPECT_SHAPE("recv_topk_idx", *recv_idx, C, K);
+  JEP_EXPECT_SHAPE("recv_topk_weights", *recv_w, C, K);
+  JEP_EXPECT_SHAPE("num_recv", *num_recv);
+  JEP_EXPECT_SHAPE("num_dropped", *num_dropped);
+  JEP_EXPECT_SHAPE("num_recv_tokens_per_expert", *per_expert, el);
+  JEP_EXPECT_SHAPE("src_rank", *src_rank, C);
+  JEP_EXPECT_SHAPE("src_index", *src_index, C);
+  JEP_EXPECT_SHAPE("counts", *counts, R, R);
+  JEP_EXPECT_SHAPE("send_slot", *send_slot, T, R);
   internode::DispatchOut out{recv_x->untyped_data(),    recv_idx->typed_data(),
                              recv_w->typed_data(),      num_recv->typed_data(),
                              num_dropped->typed_data(), per_expert->typed_data(),
@@ -133,9 +122,9 @@ ffi::Error HandleDims(bool gather, ffi::AnyBuffer a, ffi::Buffer<ffi::S32> count
   ffi::Error e = HierDimsOf(R, rank, T, H, topk, C, num_ports, qps_per_port, chunk_bytes,
                             gpus_per_node, call_site, hd);
   if (e.failure()) return e;
-  JEP_HIER_EXPECT(name.c_str(), a, gather ? T : C, H);
-  JEP_HIER_EXPECT("handle.counts", counts, R, R);
-  JEP_HIER_EXPECT("out", *out, gather ? C : T, H);
+  JEP_EXPECT_SHAPE(name.c_str(), a, gather ? T : C, H);
+  JEP_EXPECT_SHAPE("handle.counts", counts, R, R);
+  JEP_EXPECT_SHAPE("out", *out, gather ? C : T, H);
   if (out->element_type() != a.element_type())
     return Invalid("out must have " + name + "'s dtype");
   return ffi::Error::Success();
@@ -153,7 +142,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S
                             num_ports, qps_per_port, chunk_bytes, call_site, gpus_per_node,
                             &elem, &hd);
   if (e.failure()) return e;
-  JEP_HIER_EXPECT("handle.src_index", src_index, capacity);
+  JEP_EXPECT_SHAPE("handle.src_index", src_index, capacity);
   return FromString(hier::Combine(stream, hd, elem, y.untyped_data(), counts.typed_data(),
                                   send_slot.typed_data(), src_index.typed_data(),
                                   out->untyped_data()));
@@ -177,74 +166,7 @@ ffi::Error GatherImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S3
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeHierDispatchHandler, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("chunk_bytes")
-                                  .Attr<int64_t>("call_site")
-                                  .Attr<int64_t>("gpus_per_node"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeHierCombineHandler, CombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("topk")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("chunk_bytes")
-                                  .Attr<int64_t>("call_site")
-                                  .Attr<int64_t>("gpus_per_node"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeHierGatherHandler, GatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("topk")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("chunk_bytes")
-                                  .Attr<int64_t>("call_site")
-                                  .Attr<int64_t>("gpus_per_node"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-void AddHierarchicalRegistrations(const RegisterFn& add) {
-  add("jax_ep_internode_hier_dispatch", reinterpret_cast<void*>(InternodeHierDispatchHandler));
-  add("jax_ep_internode_hier_combine", reinterpret_cast<void*>(InternodeHierCombineHandler));
-  add("jax_ep_internode_hier_gather", reinterpret_cast<void*>(InternodeHierGatherHandler));
-}
+// The handlers of JEP_INTERNODE_HIER_TARGETS (xla_ffi/common/op_tables.h), and their registration.
+JEP_FFI_DEFINE_TARGETS_WITH_ADDER(JEP_INTERNODE_HIER_TARGETS, AddHierarchicalRegistrations)
 
 }  // namespace jax_ep

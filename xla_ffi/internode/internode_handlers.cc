@@ -28,6 +28,8 @@
 #include "xla_ffi/internode/internode_args.h"
 #include "xla_ffi/cuda/cuda_registrations.h"
 #include "xla_ffi/common/ffi_helpers.h"
+#include "xla_ffi/common/ffi_table.h"
+#include "xla_ffi/internode/handler_helpers.h"
 #include "kernels/common/nvtx.h"
 
 namespace ffi = xla::ffi;
@@ -35,23 +37,10 @@ namespace ffi = xla::ffi;
 namespace jax_ep {
 namespace {
 
-ffi::Error FromString(const std::string& err) {
-  if (err.empty()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInternal, err);
-}
+using internode_ffi::FromString;
 
 // The sticky error of an earlier call (read from mapped host memory, no sync).
-ffi::Error Pending() {
-  const std::string msg = internode::PendingError();
-  if (msg.empty()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, msg);
-}
-
-#define JEP_EXPECT(what, buf, ...)                                             \
-  do {                                                                         \
-    const std::string m_ = ExpectShape(what, (buf).dimensions(), {__VA_ARGS__}); \
-    if (!m_.empty()) return Invalid(m_);                                       \
-  } while (0)
+ffi::Error Pending() { return internode_ffi::Pending(internode::PendingError()); }
 
 // The checks every handler shares, and the Dims they fill (internode_args.h, shared with
 // the emulated GPU's driver).
@@ -95,18 +84,18 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   const std::string em = internode::CallExperts(num_experts, &d);
   if (!em.empty()) return Invalid(em);
   const int64_t el = d.experts_per_rank;
-  JEP_EXPECT("topk_weights", topk_weights, T, K);
-  JEP_EXPECT("recv_x", *recv_x, C, H);
+  JEP_EXPECT_SHAPE("topk_weights", topk_weights, T, K);
+  JEP_EXPECT_SHAPE("recv_x", *recv_x, C, H);
   if (recv_x->element_type() != x.element_type()) return Invalid("recv_x must have x's dtype");
-  JEP_EXPECT("recv_topk_idx", *recv_idx, C, K);
-  JEP_EXPECT("recv_topk_weights", *recv_w, C, K);
-  JEP_EXPECT("num_recv", *num_recv);
-  JEP_EXPECT("num_dropped", *num_dropped);
-  JEP_EXPECT("num_recv_tokens_per_expert", *per_expert, el);
-  JEP_EXPECT("src_rank", *src_rank, C);
-  JEP_EXPECT("src_index", *src_index, C);
-  JEP_EXPECT("counts", *counts, R, R);
-  JEP_EXPECT("send_slot", *send_slot, T, R);
+  JEP_EXPECT_SHAPE("recv_topk_idx", *recv_idx, C, K);
+  JEP_EXPECT_SHAPE("recv_topk_weights", *recv_w, C, K);
+  JEP_EXPECT_SHAPE("num_recv", *num_recv);
+  JEP_EXPECT_SHAPE("num_dropped", *num_dropped);
+  JEP_EXPECT_SHAPE("num_recv_tokens_per_expert", *per_expert, el);
+  JEP_EXPECT_SHAPE("src_rank", *src_rank, C);
+  JEP_EXPECT_SHAPE("src_index", *src_index, C);
+  JEP_EXPECT_SHAPE("counts", *counts, R, R);
+  JEP_EXPECT_SHAPE("send_slot", *send_slot, T, R);
   internode::DispatchOut out{recv_x->untyped_data(), recv_idx->typed_data(),
                              recv_w->typed_data(),   num_recv->typed_data(),
                              num_dropped->typed_data(), per_expert->typed_data(),
@@ -147,9 +136,9 @@ ffi::Error HandleCallImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi
     return Invalid("gpus_per_node (combine's node size) must be >= 1 and divide num_ranks=" +
                    std::to_string(R) + ", got " + std::to_string(gpus_per_node));
   d.gpus_per_node = static_cast<int>(gpus_per_node);
-  JEP_EXPECT(name.c_str(), a, kGather ? T : C, H);
-  JEP_EXPECT("handle.counts", counts, R, R);
-  JEP_EXPECT("out", *out, kGather ? C : T, H);
+  JEP_EXPECT_SHAPE(name.c_str(), a, kGather ? T : C, H);
+  JEP_EXPECT_SHAPE("handle.counts", counts, R, R);
+  JEP_EXPECT_SHAPE("out", *out, kGather ? C : T, H);
   if (out->element_type() != a.element_type()) return Invalid("out must have " + name + "'s dtype");
   const auto call = kGather ? internode::Gather : internode::Combine;
   return FromString(call(stream, d, elem, a.untyped_data(), counts.typed_data(),
@@ -175,62 +164,13 @@ ffi::Error GatherImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S3
                               topk, num_ports, qps_per_port, chunk_bytes, call_site, 0);
 }
 
-// Operands and attributes of combine (plus gpus_per_node) and gather.
-auto HandleCallBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Ret<ffi::AnyBuffer>()
-      .Attr<int64_t>("num_ranks")
-      .Attr<int64_t>("rank")
-      .Attr<int64_t>("capacity")
-      .Attr<int64_t>("topk")
-      .Attr<int64_t>("num_ports")
-      .Attr<int64_t>("qps_per_port")
-      .Attr<int64_t>("chunk_bytes")
-      .Attr<int64_t>("call_site");
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("chunk_bytes")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, CombineImpl,
-                              HandleCallBinding().Attr<int64_t>("gpus_per_node"),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeGatherHandler, GatherImpl,
-                              HandleCallBinding(), {ffi::Traits::kCmdBufferCompatible});
+// The handlers of JEP_INTERNODE_TARGETS (xla_ffi/common/op_tables.h).
+JEP_INTERNODE_TARGETS(JEP_FFI_DEFINE_TARGET)
 
 void AddInternodeRegistrations(const RegisterFn& add) {
-  add("jax_ep_internode_dispatch", reinterpret_cast<void*>(InternodeDispatchHandler));
-  add("jax_ep_internode_combine", reinterpret_cast<void*>(InternodeCombineHandler));
-  add("jax_ep_internode_gather", reinterpret_cast<void*>(InternodeGatherHandler));
+  JEP_INTERNODE_TARGETS(JEP_FFI_ADD_TARGET)
   AddHierarchicalRegistrations(add);  // the hierarchical mode's targets
 }
 

@@ -33,6 +33,8 @@
 #include "kernels/internode/low_latency_kernels.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common/ffi_helpers.h"
+#include "xla_ffi/common/ffi_table.h"
+#include "xla_ffi/internode/handler_helpers.h"
 #include "xla_ffi/internode/low_latency_handlers.h"
 #include "kernels/common/nvtx.h"
 
@@ -41,16 +43,7 @@ namespace ffi = xla::ffi;
 namespace jax_ep {
 namespace {
 
-ffi::Error FromString(const std::string& err) {
-  if (err.empty()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInternal, err);
-}
-
-#define JEP_LL_EXPECT(what, buf, ...)                                           \
-  do {                                                                          \
-    const std::string m_ = ExpectShape(what, (buf).dimensions(), {__VA_ARGS__}); \
-    if (!m_.empty()) return Invalid(m_);                                        \
-  } while (0)
+using internode_ffi::FromString;
 
 // Rows move as raw bytes: any element type of 1, 2 or 4 bytes (float8 and float32 scale
 // rows too, sent as plain rows).
@@ -65,8 +58,7 @@ bool RowDtype(ffi::DataType t, ll_internode::CallDims* d) {
 // Checks shared by the four targets; the sticky error of an earlier call comes first.
 ffi::Error BaseDims(int64_t E, int64_t R, int64_t rank, int64_t M, int64_t num_ports,
                     int64_t qps_per_port, int64_t call_site, ll_internode::CallDims* d) {
-  const std::string pending = ll_internode::PendingError();
-  if (!pending.empty()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, pending);
+  if (ffi::Error e = internode_ffi::Pending(ll_internode::PendingError()); e.failure()) return e;
   if (R < 1) return Invalid("num_ranks must be >= 1");
   if (rank < 0 || rank >= R) return Invalid("rank is outside [0, num_ranks)");
   if (E < 1 || E % R != 0) return Invalid("num_experts must be a positive multiple of num_ranks");
@@ -104,7 +96,7 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
     return Invalid("topk_idx must be [tokens, k] with tokens = x.shape[0], got " +
                    Dims(idx.dimensions()));
   d.K = static_cast<int>(idx.dimensions()[1]);
-  JEP_LL_EXPECT("token", *token, 2);
+  JEP_EXPECT_SHAPE("token", *token, 2);
   return FromString(ll_internode::DispatchSend(stream, d, x.untyped_data(), idx.typed_data(),
                                                token->typed_data()));
 }
@@ -131,13 +123,13 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
   if (recv_x->dimensions().size() != 3)
     return Invalid("recv_x must be [E_local, R * M, H], got " + Dims(recv_x->dimensions()));
   d.H = recv_x->dimensions()[2];
-  JEP_LL_EXPECT("token", token, 2);
-  JEP_LL_EXPECT("recv_x", *recv_x, el, RM, d.H);
-  JEP_LL_EXPECT("recv_count", *recv_count, el);
-  JEP_LL_EXPECT("src_rank", *src_rank, el, RM);
-  JEP_LL_EXPECT("src_index", *src_index, el, RM);
-  JEP_LL_EXPECT("first_row", *first_row, el, num_ranks);
-  JEP_LL_EXPECT("row_count", *row_count, el, num_ranks);
+  JEP_EXPECT_SHAPE("token", token, 2);
+  JEP_EXPECT_SHAPE("recv_x", *recv_x, el, RM, d.H);
+  JEP_EXPECT_SHAPE("recv_count", *recv_count, el);
+  JEP_EXPECT_SHAPE("src_rank", *src_rank, el, RM);
+  JEP_EXPECT_SHAPE("src_index", *src_index, el, RM);
+  JEP_EXPECT_SHAPE("first_row", *first_row, el, num_ranks);
+  JEP_EXPECT_SHAPE("row_count", *row_count, el, num_ranks);
   ll_internode::DispatchRecvOut out{recv_x->untyped_data(), recv_count->typed_data(),
                                     src_rank->typed_data(), src_index->typed_data(),
                                     first_row->typed_data(), row_count->typed_data()};
@@ -168,7 +160,7 @@ ffi::Error DispatchSendFp8Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffe
     return Invalid("topk_idx must be [tokens, k] with tokens = x.shape[0], got " +
                    Dims(idx.dimensions()));
   d.K = static_cast<int>(idx.dimensions()[1]);
-  JEP_LL_EXPECT("token", *token, 2);
+  JEP_EXPECT_SHAPE("token", *token, 2);
   return FromString(ll_internode::DispatchSend(stream, d, x.untyped_data(), idx.typed_data(),
                                                token->typed_data()));
 }
@@ -199,14 +191,14 @@ ffi::Error DispatchRecvFp8Impl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
     return Invalid("recv_x must be [E_local, R * M, H] with H a multiple of 128, got " +
                    Dims(recv_x->dimensions()));
   d.H = recv_x->dimensions()[2];
-  JEP_LL_EXPECT("token", token, 2);
-  JEP_LL_EXPECT("recv_x", *recv_x, el, RM, d.H);
-  JEP_LL_EXPECT("recv_scales", *recv_scales, el, RM, d.H / kFp8Block);
-  JEP_LL_EXPECT("recv_count", *recv_count, el);
-  JEP_LL_EXPECT("src_rank", *src_rank, el, RM);
-  JEP_LL_EXPECT("src_index", *src_index, el, RM);
-  JEP_LL_EXPECT("first_row", *first_row, el, num_ranks);
-  JEP_LL_EXPECT("row_count", *row_count, el, num_ranks);
+  JEP_EXPECT_SHAPE("token", token, 2);
+  JEP_EXPECT_SHAPE("recv_x", *recv_x, el, RM, d.H);
+  JEP_EXPECT_SHAPE("recv_scales", *recv_scales, el, RM, d.H / kFp8Block);
+  JEP_EXPECT_SHAPE("recv_count", *recv_count, el);
+  JEP_EXPECT_SHAPE("src_rank", *src_rank, el, RM);
+  JEP_EXPECT_SHAPE("src_index", *src_index, el, RM);
+  JEP_EXPECT_SHAPE("first_row", *first_row, el, num_ranks);
+  JEP_EXPECT_SHAPE("row_count", *row_count, el, num_ranks);
   ll_internode::DispatchRecvOut out{recv_x->untyped_data(), recv_count->typed_data(),
                                     src_rank->typed_data(), src_index->typed_data(),
                                     first_row->typed_data(), row_count->typed_data(),
@@ -233,10 +225,10 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ff
   d.H = y.dimensions()[2];
   if (rows_per_dest < 1) return Invalid("rows_per_dest must be >= 1");
   d.rows_per_dest = rows_per_dest;
-  JEP_LL_EXPECT("y", y, el, RM, d.H);
-  JEP_LL_EXPECT("handle.first_row", first_row, el, num_ranks);
-  JEP_LL_EXPECT("handle.row_count", row_count, el, num_ranks);
-  JEP_LL_EXPECT("token", *token, 2);
+  JEP_EXPECT_SHAPE("y", y, el, RM, d.H);
+  JEP_EXPECT_SHAPE("handle.first_row", first_row, el, num_ranks);
+  JEP_EXPECT_SHAPE("handle.row_count", row_count, el, num_ranks);
+  JEP_EXPECT_SHAPE("token", *token, 2);
   return FromString(ll_internode::CombineSend(stream, d, y.untyped_data(), first_row.typed_data(),
                                               row_count.typed_data(), token->typed_data()));
 }
@@ -260,127 +252,16 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token,
   if (out->dimensions().size() != 2)
     return Invalid("out must be [tokens, hidden], got " + Dims(out->dimensions()));
   d.H = out->dimensions()[1];
-  JEP_LL_EXPECT("token", token, 2);
-  JEP_LL_EXPECT("topk_weights", w, d.S, d.K);
-  JEP_LL_EXPECT("out", *out, d.S, d.H);
+  JEP_EXPECT_SHAPE("token", token, 2);
+  JEP_EXPECT_SHAPE("topk_weights", w, d.S, d.K);
+  JEP_EXPECT_SHAPE("out", *out, d.S, d.H);
   return FromString(ll_internode::CombineRecv(stream, d, token.typed_data(), idx.typed_data(),
                                               w.typed_data(), out->untyped_data()));
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchSendHandler, DispatchSendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchRecvHandler, DispatchRecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchSendFp8Handler, DispatchSendFp8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site")
-                                  .Attr<int64_t>("round_scale"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLDispatchRecvFp8Handler, DispatchRecvFp8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLCombineSendHandler, CombineSendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("rows_per_dest")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeLLCombineRecvHandler, CombineRecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_ports")
-                                  .Attr<int64_t>("qps_per_port")
-                                  .Attr<int64_t>("call_site"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-void AddInternodeLowLatencyRegistrations(const RegisterFn& add) {
-  add("jax_ep_internode_ll_dispatch_send", reinterpret_cast<void*>(InternodeLLDispatchSendHandler));
-  add("jax_ep_internode_ll_dispatch_recv", reinterpret_cast<void*>(InternodeLLDispatchRecvHandler));
-  add("jax_ep_internode_ll_dispatch_send_fp8",
-      reinterpret_cast<void*>(InternodeLLDispatchSendFp8Handler));
-  add("jax_ep_internode_ll_dispatch_recv_fp8",
-      reinterpret_cast<void*>(InternodeLLDispatchRecvFp8Handler));
-  add("jax_ep_internode_ll_combine_send", reinterpret_cast<void*>(InternodeLLCombineSendHandler));
-  add("jax_ep_internode_ll_combine_recv", reinterpret_cast<void*>(InternodeLLCombineRecvHandler));
-}
+// The handlers of JEP_INTERNODE_LL_TARGETS (xla_ffi/common/op_tables.h), and their registration.
+JEP_FFI_DEFINE_TARGETS_WITH_ADDER(JEP_INTERNODE_LL_TARGETS, AddInternodeLowLatencyRegistrations)
 
 }  // namespace jax_ep

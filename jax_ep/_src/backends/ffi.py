@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_ep._src.common import Cfg, ep_call, ep_coords, like, next_call_site, unify_varying
+from jax_ep._src.ext import ffi_call
 from jax_ep._src.types import DispatchHandle, DispatchLayout
 from jax_ep._src.value_check import across_groups, checked
 
@@ -21,12 +21,12 @@ def layout(topk_idx, cfg: Cfg) -> DispatchLayout:
     kernel)."""
     T = topk_idx.shape[0]
     R, E = cfg.num_ranks, cfg.num_experts
-    per_rank, per_expert, in_rank = jax.ffi.ffi_call(
+    per_rank, per_expert, in_rank = ffi_call(
         "jax_ep_layout",
         (like(topk_idx, (R,), jnp.int32), like(topk_idx, (E,), jnp.int32),
          like(topk_idx, (T, R), jnp.bool_)),
         vmap_method="broadcast_all",
-    )(topk_idx, num_experts=np.int64(E), num_ranks=np.int64(R))
+    )(topk_idx=topk_idx, num_experts=E, num_ranks=R)
     return DispatchLayout(per_rank, per_expert, in_rank)
 
 
@@ -49,8 +49,8 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
         (like(x, (C, H), x.dtype), like(x, (C, K), jnp.int32), like(x, (C, K), jnp.float32),
          like(x, (), jnp.int32), like(x, (), jnp.int32), like(x, (el,), jnp.int32),
          like(x, (C,), jnp.int32), like(x, (C,), jnp.int32), like(x, (T, R), jnp.int32)),
-    )(x, topk_idx, topk_weights, rank, group, num_experts=np.int64(cfg.num_experts),
-      num_ranks=np.int64(R), capacity=np.int64(C), call_site=np.int64(next_call_site()))
+    )(x=x, topk_idx=topk_idx, topk_weights=topk_weights, rank=rank, group=group,
+      num_experts=cfg.num_experts, num_ranks=R, capacity=C, call_site=next_call_site())
     recv_x, recv_idx, recv_w, num_recv, num_dropped, per_expert, src_rank, src_index, \
         send_row = outs
     handle = DispatchHandle(num_recv, num_dropped, per_expert, src_rank, src_index, send_row,
@@ -78,10 +78,12 @@ def combine_with_bias(y, handle: DispatchHandle, cfg: Cfg, bias):
         from jax_ep._src.backends.reference import combine_node_size
         G = combine_node_size(R)
         if G < R:  # several nodes (the kernel's default is one)
-            order = dict(gpus_per_node=np.int64(G))
+            order = dict(gpus_per_node=G)
+    if bias:  # the CPU kernel's trailing operands
+        order["bias"] = bias
     return ep_call("jax_ep_combine", like(y, (T, y.shape[1]), y.dtype))(
-        y, send_row, rank, group, *bias, num_ranks=np.int64(R),
-        call_site=np.int64(next_call_site()), **order)
+        y=y, send_row=send_row, rank=rank, group=group, num_ranks=R,
+        call_site=next_call_site(), **order)
 
 
 def gather(g, handle: DispatchHandle, cfg: Cfg):
@@ -89,8 +91,8 @@ def gather(g, handle: DispatchHandle, cfg: Cfg):
     rank, group = ep_coords(handle.axis_name, cfg.group_axes)
     g, src_rank, src_index, rank = unify_varying(g, handle.src_rank, handle.src_index, rank)
     return ep_call("jax_ep_gather", like(g, (handle.capacity, g.shape[1]), g.dtype))(
-        g, src_rank, src_index, rank, group, num_ranks=np.int64(handle.num_ranks),
-        call_site=np.int64(next_call_site()))
+        g=g, src_rank=src_rank, src_index=src_index, rank=rank, group=group,
+        num_ranks=handle.num_ranks, call_site=next_call_site())
 
 
 # ============================================================================
@@ -149,8 +151,7 @@ def _ll_platform_check(cfg: Cfg, topk: int | None = None,
 
 
 def _ll_attrs(cfg: Cfg):
-    return dict(num_ranks=np.int64(cfg.num_ranks), max_tokens=np.int64(cfg.capacity),
-                call_site=np.int64(next_call_site()))
+    return dict(num_ranks=cfg.num_ranks, max_tokens=cfg.capacity, call_site=next_call_site())
 
 
 def ll_dispatch_send(x, topk_idx, cfg: Cfg):
@@ -168,7 +169,7 @@ def ll_dispatch_send(x, topk_idx, cfg: Cfg):
     return tuple(ep_call("jax_ep_ll_dispatch_send",
                          (like(x, (0 if gpu else S, H), x.dtype), like(x, (S, K), jnp.int32),
                           like(x, (cfg.num_experts,), jnp.int32)))(
-        x, topk_idx, num_experts=np.int64(cfg.num_experts), **_ll_attrs(cfg)))
+        x=x, topk_idx=topk_idx, num_experts=cfg.num_experts, **_ll_attrs(cfg)))
 
 
 def ll_fp8_msg_bytes(hidden: int) -> int:
@@ -193,8 +194,8 @@ def ll_dispatch_send_fp8(x, topk_idx, cfg: Cfg, round_scale: bool):
     return tuple(ep_call("jax_ep_ll_dispatch_send_fp8",
                          (like(x, (0 if gpu else S, W), jnp.uint8), like(x, (S, K), jnp.int32),
                           like(x, (cfg.num_experts,), jnp.int32)))(
-        x, topk_idx, num_experts=np.int64(cfg.num_experts),
-        round_scale=np.int64(bool(round_scale)), **_ll_attrs(cfg)))
+        x=x, topk_idx=topk_idx, num_experts=cfg.num_experts, round_scale=bool(round_scale),
+        **_ll_attrs(cfg)))
 
 
 def ll_dispatch_recv_fp8(sent, cfg: Cfg, hidden: int):
@@ -212,8 +213,8 @@ def ll_dispatch_recv_fp8(sent, cfg: Cfg, hidden: int):
          like(stage, (el, R * M, H // 128), jnp.float32), like(stage, (el,), i32),
          like(stage, (el, R * M), i32), like(stage, (el, R * M), i32),
          like(stage, (el, R), i32), like(stage, (el, R), i32)))(
-        stage, stage_idx, counts, rank, group, num_experts=np.int64(cfg.num_experts),
-        **_ll_attrs(cfg))
+        stage_x=stage, stage_idx=stage_idx, expert_count=counts, rank=rank, group=group,
+        num_experts=cfg.num_experts, **_ll_attrs(cfg))
     return ((outs[0], outs[1]),) + tuple(outs[2:])
 
 
@@ -229,8 +230,8 @@ def ll_dispatch_recv(sent, cfg: Cfg):
         (like(stage_x, (el, R * M, H), stage_x.dtype), like(stage_x, (el,), i32),
          like(stage_x, (el, R * M), i32), like(stage_x, (el, R * M), i32),
          like(stage_x, (el, R), i32), like(stage_x, (el, R), i32)))(
-        stage_x, stage_idx, counts, rank, group, num_experts=np.int64(cfg.num_experts),
-        **_ll_attrs(cfg)))
+        stage_x=stage_x, stage_idx=stage_idx, expert_count=counts, rank=rank, group=group,
+        num_experts=cfg.num_experts, **_ll_attrs(cfg)))
 
 
 def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):
@@ -243,7 +244,8 @@ def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):
     rows = 0 if gpu else rows_per_dest
     return tuple(ep_call("jax_ep_ll_combine_send",
                          (like(y, (R, rows, H), y.dtype), like(y, (), jnp.int32)))(
-        y, first_row, row_count, rows_per_dest=np.int64(rows_per_dest), **_ll_attrs(cfg)))
+        y=y, first_row=first_row, row_count=row_count, rows_per_dest=rows_per_dest,
+        **_ll_attrs(cfg)))
 
 
 def ll_combine_recv(sent, topk_idx, topk_weights, cfg: Cfg):
@@ -259,5 +261,5 @@ def ll_combine_recv(sent, topk_idx, topk_weights, cfg: Cfg):
                                                                 topk_weights, rank)
     S, H = topk_idx.shape[0], stage.shape[-1]
     return ep_call("jax_ep_ll_combine_recv", like(stage, (S, H), stage.dtype))(
-        stage, status, topk_idx, topk_weights, rank, group,
-        num_experts=np.int64(cfg.num_experts), **_ll_attrs(cfg))
+        stage=stage, status=status, topk_idx=topk_idx, topk_weights=topk_weights, rank=rank,
+        group=group, num_experts=cfg.num_experts, **_ll_attrs(cfg))

@@ -280,9 +280,9 @@ def _mode_and_topology(num_ranks: int):
 def _target(op: str, mode: str, topo) -> tuple[str, dict]:
     """The custom-call target of `op` in `mode` and the attributes the mode adds."""
     if mode == "hierarchical":
-        return f"jax_ep_internode_hier_{op}", dict(gpus_per_node=np.int64(topo.gpus_per_node))
+        return f"jax_ep_internode_hier_{op}", dict(gpus_per_node=topo.gpus_per_node)
     if op == "combine":  # the node size of combine's summation order (combine_order.h)
-        return f"jax_ep_internode_{op}", dict(gpus_per_node=np.int64(topo.gpus_per_node))
+        return f"jax_ep_internode_{op}", dict(gpus_per_node=topo.gpus_per_node)
     return f"jax_ep_internode_{op}", {}
 
 
@@ -302,9 +302,8 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
         (like(x, (C, H), x.dtype), like(x, (C, K), i32), like(x, (C, K), jnp.float32),
          like(x, (), i32), like(x, (), i32), like(x, (el,), i32), like(x, (C,), i32),
          like(x, (C,), i32), like(x, (R, R), i32), like(x, (T, R), i32)),
-    )(x, topk_idx, topk_weights, num_experts=np.int64(E), num_ranks=np.int64(R),
-      rank=np.int64(rank), capacity=np.int64(C), **transport_attrs(),
-      call_site=np.int64(next_call_site()), **mode_attrs)
+    )(x=x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=E, num_ranks=R,
+      rank=rank, capacity=C, **transport_attrs(), call_site=next_call_site(), **mode_attrs)
     (recv_x, recv_idx, recv_w, num_recv, num_dropped, per_expert, src_rank, src_index,
      counts, send_slot) = outs
     send_row = send_row_from(counts, send_slot, rank, C)
@@ -333,15 +332,16 @@ def _back_call(op, a, handle, what, rows_of):
     rows = rows_of(parts)
     mode, topo = _mode_and_topology(handle.num_ranks)
     target, mode_attrs = _target(op, mode, topo)
-    operands = [a, parts.counts, parts.send_slot]
+    operands = {"g" if op == "gather" else "y": a, "counts": parts.counts,
+                "send_slot": parts.send_slot}
     if mode == "hierarchical" and op == "combine":
         # a node's forwarder merges its rows by token: src_index[C] of the handle
-        operands.append(handle.src_index)
-    operands = _vary_with_axis(handle.axis_name, *operands)
-    return ep_call(target, like(operands[0], (rows, a.shape[1]), a.dtype))(
-        *operands, num_ranks=np.int64(handle.num_ranks), rank=np.int64(rank),
-        capacity=np.int64(handle.capacity), topk=np.int64(parts.topk), **transport_attrs(),
-        call_site=np.int64(next_call_site()), **mode_attrs)
+        operands["src_index"] = handle.src_index
+    operands = dict(zip(operands, _vary_with_axis(handle.axis_name, *operands.values())))
+    first = next(iter(operands.values()))
+    return ep_call(target, like(first, (rows, a.shape[1]), a.dtype))(
+        **operands, num_ranks=handle.num_ranks, rank=rank, capacity=handle.capacity,
+        topk=parts.topk, **transport_attrs(), call_site=next_call_site(), **mode_attrs)
 
 
 def combine(y, handle: DispatchHandle, cfg: Cfg):
@@ -405,10 +405,9 @@ def _ll_limits(cfg: Cfg, rows: int, topk: int, hidden: int, itemsize: int,
 
 def _ll_attrs(cfg: Cfg, rank: int) -> dict:
     t = _state().config
-    return dict(num_experts=np.int64(cfg.num_experts), num_ranks=np.int64(cfg.num_ranks),
-                rank=np.int64(rank), max_tokens=np.int64(cfg.capacity),
-                num_ports=np.int64(t.num_ports), qps_per_port=np.int64(t.qps_per_port),
-                call_site=np.int64(next_call_site()))
+    return dict(num_experts=cfg.num_experts, num_ranks=cfg.num_ranks, rank=rank,
+                max_tokens=cfg.capacity, num_ports=t.num_ports, qps_per_port=t.qps_per_port,
+                call_site=next_call_site())
 
 
 def ll_dispatch_send(x, topk_idx, cfg: Cfg):
@@ -421,7 +420,7 @@ def ll_dispatch_send(x, topk_idx, cfg: Cfg):
     _ll_limits(cfg, S, topk_idx.shape[1], H, jnp.dtype(x.dtype).itemsize)
     x, topk_idx = _vary_with_axis(cfg.axis_name, x, topk_idx)
     token = ep_call("jax_ep_internode_ll_dispatch_send", like(x, (2,), jnp.int32))(
-        x, topk_idx, **_ll_attrs(cfg, rank))
+        x=x, topk_idx=topk_idx, **_ll_attrs(cfg, rank))
     return token, x[:0]
 
 
@@ -438,7 +437,7 @@ def ll_dispatch_recv(sent, cfg: Cfg):
         (like(token, (el, R * M, H), carrier.dtype), like(token, (el,), i32),
          like(token, (el, R * M), i32), like(token, (el, R * M), i32),
          like(token, (el, R), i32), like(token, (el, R), i32)))(
-        token, **_ll_attrs(cfg, rank)))
+        token=token, **_ll_attrs(cfg, rank)))
 
 
 def ll_dispatch_send_fp8(x, topk_idx, cfg: Cfg, round_scale: bool):
@@ -452,7 +451,7 @@ def ll_dispatch_send_fp8(x, topk_idx, cfg: Cfg, round_scale: bool):
     _ll_limits(cfg, S, topk_idx.shape[1], ll_fp8_msg_bytes(H), 1)
     x, topk_idx = _vary_with_axis(cfg.axis_name, x, topk_idx)
     token = ep_call("jax_ep_internode_ll_dispatch_send_fp8", like(x, (2,), jnp.int32))(
-        x, topk_idx, round_scale=np.int64(bool(round_scale)), **_ll_attrs(cfg, rank))
+        x=x, topk_idx=topk_idx, round_scale=bool(round_scale), **_ll_attrs(cfg, rank))
     return token, jnp.zeros((0, H), jnp.float8_e4m3fn)
 
 
@@ -470,7 +469,7 @@ def ll_dispatch_recv_fp8(sent, cfg: Cfg, hidden: int):
          like(token, (el, R * M, H // 128), jnp.float32), like(token, (el,), i32),
          like(token, (el, R * M), i32), like(token, (el, R * M), i32),
          like(token, (el, R), i32), like(token, (el, R), i32)))(
-        token, **_ll_attrs(cfg, rank))
+        token=token, **_ll_attrs(cfg, rank))
     return ((outs[0], outs[1]),) + tuple(outs[2:])
 
 
@@ -484,7 +483,7 @@ def ll_combine_send(y, first_row, row_count, rows_per_dest, cfg: Cfg):
     _ll_limits(cfg, 0, 1, H, jnp.dtype(y.dtype).itemsize, rows_per_dest)
     y, first_row, row_count = _vary_with_axis(cfg.axis_name, y, first_row, row_count)
     token = ep_call("jax_ep_internode_ll_combine_send", like(y, (2,), jnp.int32))(
-        y, first_row, row_count, rows_per_dest=np.int64(rows_per_dest),
+        y=y, first_row=first_row, row_count=row_count, rows_per_dest=rows_per_dest,
         **_ll_attrs(cfg, rank))
     carrier = jnp.zeros((0, rows_per_dest, H), y.dtype)
     return token, carrier
@@ -501,4 +500,4 @@ def ll_combine_recv(sent, topk_idx, topk_weights, cfg: Cfg):
     token, topk_idx, topk_weights = unify_varying(token, topk_idx, topk_weights)
     return ep_call("jax_ep_internode_ll_combine_recv",
                    like(token, (S, carrier.shape[-1]), carrier.dtype))(
-        token, topk_idx, topk_weights, **_ll_attrs(cfg, rank))
+        token=token, topk_idx=topk_idx, topk_weights=topk_weights, **_ll_attrs(cfg, rank))
