@@ -42,11 +42,10 @@ def _run(backend, x, idx, w, y, biases, *, E, C):
     return np.asarray(out).reshape(R, -1, y.shape[-1]), np.asarray(send_row)
 
 
-def _set_node_size(mp, G):
-    if G is None:
-        mp.delenv(ENV, raising=False)
-    else:
-        mp.setenv(ENV, str(G))
+def _node_size(G):
+    """The node size of combine's order for the calls inside (jax_ep.config, ENV)."""
+    import jax_ep
+    return jax_ep.config.override(gpus_per_node=G)
 
 
 def np_order(y, send_row, biases, G):
@@ -88,8 +87,7 @@ def test_reference_equals_cpu_ffi_for_every_node_size(G, dtype, n_bias, mask_fra
         np.asarray(y).dtype)
     biases = [np.asarray(jnp.asarray(rng.standard_normal((R, T, H)), bd))
               for bd in (F32, BF16)[:n_bias]]
-    with pytest.MonkeyPatch.context() as mp:
-        _set_node_size(mp, G)
+    with _node_size(G):
         ref, send_row = _run("reference", x, idx, w, y, biases, E=E, C=C)
         ffi, send_row_ffi = _run("ffi", x, idx, w, y, biases, E=E, C=C)
     np.testing.assert_array_equal(send_row, send_row_ffi)
@@ -105,8 +103,7 @@ def test_unset_and_one_and_eight_are_todays_order():
     x, w, y = make_inputs(rng, R, T, K, H, C, BF16)
     outs = {}
     for G in (None, 1, 8):
-        with pytest.MonkeyPatch.context() as mp:
-            _set_node_size(mp, G)
+        with _node_size(G):
             outs[G], send_row = _run("ffi", x, idx, w, y, [], E=E, C=C)
     want = np_order(np.asarray(y), send_row, [], None)
     for G, out in outs.items():
@@ -138,8 +135,7 @@ def test_hand_computed_node_order(backend, G):
     y[:, 0, 0] = HAND_ROWS  # receiver r's row 0: source 0's token
     y[:, 0, 1] = 1.0        # column 1: 8 ones in any order
     y = y.astype(BF16)
-    with pytest.MonkeyPatch.context() as mp:
-        _set_node_size(mp, G)
+    with _node_size(G):
         out, send_row = _run(backend, x, idx, w, y, [], E=Eh, C=Ch)
     assert (send_row[0, 0] == 0).all()  # source 0's token is row 0 everywhere
     assert float(out[0, 0, 0]) == HAND_WANT[G], (G, float(out[0, 0, 0]))
@@ -147,9 +143,8 @@ def test_hand_computed_node_order(backend, G):
 
 
 def test_bad_node_size_is_a_clear_error():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV, "3")
-        with pytest.raises(ValueError, match=ENV):
+    with _node_size(3):
+        with pytest.raises(ValueError, match="gpus_per_node|" + ENV):
             _run("reference", *_tiny(), [], E=8, C=8)
 
 
