@@ -4,7 +4,7 @@ WORK (sN.json, sN.xml junit reports, sN_*.json, sN.tools, sN.timeouts, mps.statu
 the MPS daemon's logs), writes OUT/gpu_check.json (with the junit reports themselves,
 the reason of every time-out and the MPS status: what a rerun needs, in one file of the
 8 that come back) and OUT/summary.txt, and prints the table. The overall verdict is
-"pass" only when no stage failed, timed out or was skipped. Standard library only, so it
+"pass" only when every stage ran and passed. Standard library only, so it
 works whatever state the build is in.
 
     python3 scripts/gpu_check_report.py WORK OUT
@@ -68,14 +68,14 @@ def _mps(work: str) -> dict:
 
 
 def overall(rows) -> str:
-    """"pass", "FAIL" (a stage failed, timed out or did not run), "not verified" (a
-    stage was skipped), or "planned" (a dry run)."""
+    """"pass", "FAIL" (a stage failed or timed out), "not verified" (a stage did not run:
+    a tool or a library missing, neither a failure nor green), or "planned" (a dry run)."""
     statuses = [r["status"] for r in rows]
-    if any(s.startswith(("FAIL", "timeout", "not run")) for s in statuses):
+    if any(s.startswith(("FAIL", "timeout")) for s in statuses):
         return "FAIL"
-    if any(s.startswith("skipped") for s in statuses):
-        return "not verified (skipped: " + ", ".join(
-            r["name"] for r in rows if r["status"].startswith("skipped")) + ")"
+    if any(s.startswith("not run") for s in statuses):
+        return "not verified (not run: " + ", ".join(
+            r["name"] for r in rows if r["status"].startswith("not run")) + ")"
     if any(s == "planned" for s in statuses):
         return "planned (dry run)"
     return "pass" if rows else "FAIL"
@@ -132,6 +132,20 @@ def _detail_base(extra: dict) -> str:
     return ""
 
 
+def _all_skipped(status: str, extra: dict) -> str:
+    """A stage whose pytest runs all passed but ran no test (every one skipped, e.g. no GPU
+    visible) proved nothing: "not run", with the first skip's reason."""
+    if status != "pass":
+        return status
+    reports = [v for v in extra.values() if isinstance(v, dict) and "passed" in v]
+    if reports and sum(v["tests"] for v in reports) > 0 and \
+            sum(v["passed"] for v in reports) == 0:
+        skips = [s for v in reports for s in v["skips"]]
+        why = skips[0]["reason"][:120] if skips else "no test ran"
+        return f"not run (every test skipped: {why})"
+    return status
+
+
 def main(argv) -> int:
     work, out = argv[1], argv[2]
     rows = []
@@ -144,11 +158,14 @@ def main(argv) -> int:
                                      seconds=int(secs), budget=int(budget)))
     except OSError:
         pass
+    extras = {}
+    for r in rows:
+        extras[r["stage"]] = extra = _extras(work, str(r["stage"]))
+        r["status"] = _all_skipped(r["status"], extra)
+        r["detail"] = _detail(r["status"], extra)
     result = {"overall": overall(rows), "mps": _mps(work), "stages": []}
     for r in rows:
-        extra = _extras(work, str(r["stage"]))
-        r["detail"] = _detail(r["status"], extra)
-        result["stages"].append(dict(r, results=extra))
+        result["stages"].append(dict(r, results=extras[r["stage"]]))
     with open(os.path.join(out, "gpu_check.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     head = ("stage", "name", "status", "seconds", "detail")
