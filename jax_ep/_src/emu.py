@@ -276,11 +276,15 @@ class Emulator:
         R = ins[0].shape[0]
         sites = [1] * R if call_sites is None else [int(c) for c in call_sites]
         at = dict(attrs, concurrent=int(bool(concurrent)), absent_rank=int(absent_rank))
+        return self._on_gpu0(op, ins, outs, at, {"call_sites": sites})
+
+    def _on_gpu0(self, op, ins, outs, attrs, array_attrs=None):
+        """One handler call on virtual GPU 0, then one scheduler run; its outputs."""
         cid = self.m.enqueue(
             op, 0, [(np.ascontiguousarray(a).tobytes(), list(np.shape(a)),
                      _code(np.asarray(a).dtype)) for a in ins],
-            [(list(sh), _code(d)) for sh, d in outs], {k: int(v) for k, v in at.items()},
-            {"call_sites": sites})
+            [(list(sh), _code(d)) for sh, d in outs], {k: int(v) for k, v in attrs.items()},
+            array_attrs or {})
         faults = self.m.synchronize()
         err, blobs = self.m.result(cid)
         if faults:
@@ -322,6 +326,36 @@ class Emulator:
         outs = [((R, src_rank.shape[1], H), g.dtype)]
         return self._harness("harness_gather", [g, src_rank, src_index], outs, {}, call_sites,
                              concurrent, absent_rank)[0]
+
+    # ---- the low-latency harness (jax_ep.low_latency.harness_*): every rank on GPU 0 ----
+    def ll_harness_dispatch(self, x, topk_idx, *, num_experts: int, max_tokens: int):
+        """x[R, M, H], topk_idx[R, M, K] (M = max_tokens; pad unused slots with -1) ->
+        dict of recv_x[R, E_l, R * M, H], recv_count[R, E_l], src_rank, src_index
+        [R, E_l, R * M], first_row, row_count [R, E_l, R]: the send half for every rank,
+        then the receive half, each one handler call on one stream."""
+        R, M, H = x.shape
+        if M != max_tokens:
+            raise ValueError(f"x must hold max_tokens = {max_tokens} rows per rank, got {M}")
+        el = num_experts // R
+        at = dict(num_experts=num_experts, max_tokens=max_tokens, topk_max=topk_idx.shape[2])
+        tok = self._on_gpu0("ll_harness_dispatch_send", [x, topk_idx], [((R,), np.int32)], at)
+        res = self._on_gpu0("ll_harness_dispatch_recv", tok,
+                            [((R, el, R * M, H), x.dtype), ((R, el), np.int32),
+                             ((R, el, R * M), np.int32), ((R, el, R * M), np.int32),
+                             ((R, el, R), np.int32), ((R, el, R), np.int32)], at)
+        names = ("recv_x", "recv_count", "src_rank", "src_index", "first_row", "row_count")
+        return dict(zip(names, res))
+
+    def ll_harness_combine(self, y, topk_idx, topk_w, first_row, row_count, *,
+                           num_experts: int, max_tokens: int):
+        """y[R, E_l, R * M, H] with the dispatch's first_row/row_count, topk_idx/topk_w
+        [R, M, K] -> out[R, M, H]."""
+        R, M, K = topk_idx.shape
+        at = dict(num_experts=num_experts, max_tokens=max_tokens, topk_max=K)
+        tok = self._on_gpu0("ll_harness_combine_send", [y, first_row, row_count],
+                            [((R,), np.int32)], at)
+        return self._on_gpu0("ll_harness_combine_recv", [tok[0], topk_idx, topk_w],
+                             [((R, M, y.shape[-1]), y.dtype)], at)[0]
 
     # ---- low-latency mode (real ranks: the send and receive halves) ----
     def ll_dispatch_send(self, x, topk_idx, *, num_experts: int, max_tokens: int,
