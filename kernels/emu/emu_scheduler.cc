@@ -38,9 +38,9 @@ Stream* Resolve(cudaStream_t st) {
 // were enqueued, and a command that must wait (for the previous operation of its own
 // stream, or for an event) holds back every later command of the queue, whatever its
 // stream: the "false dependencies" between streams that share a hardware queue (NVIDIA,
-// Kepler GK110 whitepaper, "Hyper-Q"; CUDA C++ Best Practices Guide, concurrent kernel
-// execution). Here each device's default stream is its first stream (queue 0), and a
-// reset (configure) renumbers the streams alive in their creation order.
+// Kepler GK110 whitepaper, "Hyper-Q"; the MPS documentation calls the queues "work
+// queues"). Here each device's default stream is its first stream (queue 0), and a reset
+// (configure) renumbers the streams alive in their creation order.
 Stream* NewStream(Device* d) {
   auto* st = new Stream{d, {}, false};
   st->queue = static_cast<int>(d->streams_made++ % d->queues.size());
