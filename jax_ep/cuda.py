@@ -38,11 +38,15 @@ The virtual-rank harness (:func:`harness_dispatch`, :func:`harness_combine`,
 :func:`harness_gather`) runs the same kernels for R ranks whose buffers all live on one
 GPU, on stacked per-rank inputs. Each rank's kernels run on their own stream with small
 grids (one channel), at the same time as the others', so the waits are real: the channel
-kernels of all three ops wait on each other and could not run one rank after another.
-``concurrent`` is kept for callers and changes nothing.
+kernels of all three ops wait on each other and could not run one rank after another, so
+``concurrent=False`` is refused. Streams share the GPU's CUDA_DEVICE_MAX_CONNECTIONS
+hardware queues (default 8), and two ranks on one queue deadlock: the harness refuses more
+ranks than queues. Set CUDA_DEVICE_MAX_CONNECTIONS (up to 32) before jax starts its GPU
+backend to run more (the tests and scripts/gpu_check.sh set 32).
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import itertools
@@ -267,6 +271,13 @@ def _group_members(mesh, axis_name):
     return {g: [m[r] for r in range(R)] for g, m in groups.items()}, members, R
 
 
+@functools.cache
+def _close_ipc_at_exit():
+    """Once per process, after the first peer buffer opened through CUDA IPC: close them
+    all at exit, so the exporting processes' allocations are not held by this one."""
+    atexit.register(lambda: _ext.require_ext().cuda_close_ipc_handles())
+
+
 def setup(mesh, axis_name, *, num_tokens: int | None, hidden: int, topk: int,
           dtype=jnp.bfloat16, capacity: int | None = None, area_bytes: dict | None = None,
           timeout_ms: int = 300_000, max_tokens_per_rank: int | None = None,
@@ -349,6 +360,7 @@ def setup(mesh, axis_name, *, num_tokens: int | None, hidden: int, topk: int,
                 h = bytes.fromhex(client.blocking_key_value_get(
                     f"jax_ep/cuda/ipc/{call}/{p.id}", timeout_ms))
                 peers.append(int(ext.cuda_open_ipc_handle(ordinal, h)))
+                _close_ipc_at_exit()
         ext.cuda_set_domain(ordinal, m.rank, m.group, R, peers, areas, ll_shape)
     if client is not None:
         client.wait_at_barrier(f"jax_ep_cuda_setup_{call}", timeout_ms)
@@ -421,6 +433,10 @@ def _harness_attrs(R: int, call_sites, concurrent: bool, absent_rank: int) -> di
     sites = np.asarray(call_sites, np.int64).reshape(-1)
     if sites.shape != (R,):
         raise ValueError(f"call_sites must list one id per rank ({R}), got {sites.shape[0]}")
+    if not concurrent:
+        raise ValueError("concurrent=False (the ranks' kernels one after another on one "
+                         "stream) cannot run: every rank's channel kernels wait for the "
+                         "others'; pass concurrent=True")
     if not -1 <= int(absent_rank) < R:
         raise ValueError(f"absent_rank must be -1 (none) or a rank in [0, {R}), got "
                          f"{absent_rank}")
@@ -429,12 +445,13 @@ def _harness_attrs(R: int, call_sites, concurrent: bool, absent_rank: int) -> di
 
 
 def harness_dispatch(x, topk_idx, topk_weights, *, num_experts: int,
-                     capacity: int | None = None, concurrent: bool = False, call_sites=None,
+                     capacity: int | None = None, concurrent: bool = True, call_sites=None,
                      absent_rank: int = -1) -> HarnessDispatch:
     """Dispatch for R virtual ranks on one GPU: x[R, T, H], topk_idx/topk_weights[R, T, K]
     hold each rank's inputs; results have a leading rank axis.
 
-    concurrent: kept for callers; every rank runs on its own stream anyway. For tests
+    concurrent: must be True: every rank runs on its own stream (at most
+    CUDA_DEVICE_MAX_CONNECTIONS ranks, see the module's notes). For tests
     of the failure paths: call_sites[R] gives each rank's call-site id (default: one
     HARNESS_CALL_SITE for all), absent_rank leaves one rank's kernels out (its peers time
     out)."""
@@ -454,7 +471,7 @@ def harness_dispatch(x, topk_idx, topk_weights, *, num_experts: int,
     return HarnessDispatch(*outs)
 
 
-def harness_combine(y, send_row, *, concurrent: bool = False, call_sites=None,
+def harness_combine(y, send_row, *, concurrent: bool = True, call_sites=None,
                     absent_rank: int = -1):
     """Combine for R virtual ranks: y[R, C, H], send_row[R, T, R] -> out[R, T, H].
     Options as for harness_dispatch."""
@@ -466,7 +483,7 @@ def harness_combine(y, send_row, *, concurrent: bool = False, call_sites=None,
         **_harness_attrs(R, call_sites, concurrent, absent_rank))
 
 
-def harness_gather(g, src_rank, src_index, *, concurrent: bool = False, call_sites=None,
+def harness_gather(g, src_rank, src_index, *, concurrent: bool = True, call_sites=None,
                    absent_rank: int = -1):
     """Combine's transpose for R virtual ranks: g[R, T, H], src_rank/src_index[R, C]
     -> out[R, C, H] with out[r, i] = g[src_rank[r, i], src_index[r, i]]. Options as for

@@ -145,6 +145,10 @@ export PYTHONUNBUFFERED=1
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # Several processes share the GPU and the harness allocates outside XLA's pool.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# The virtual-rank harness needs a hardware queue per rank (its kernels wait across ranks,
+# and ranks sharing a queue deadlock); the driver reads this once, when CUDA initialises.
+# The emulated GPU reads it too (its queues), so the rehearsal runs the same way.
+export CUDA_DEVICE_MAX_CONNECTIONS=32
 # A short kernel timeout on the GPU, so a missing peer ends inside the boxes (the emulated
 # GPU runs on virtual time and its tests set their own).
 [ "$EMU" = 1 ] || export JAX_EP_TIMEOUT_S="${JAX_EP_TIMEOUT_S:-20}"
@@ -303,9 +307,9 @@ stage_sanitizer() {
     return 0
   fi
   echo "compute-sanitizer: $cs"
-  # The phased path only (every wait already satisfied when it runs: the tool serialises
-  # kernels, so concurrent ranks would wait on each other), and a short kernel timeout
-  # so a wait that does hang ends inside the box.
+  # One virtual rank (the tool serialises kernels, and two ranks' channel kernels wait on
+  # each other: see scripts/gpu_sanitize_run.py), and a short kernel timeout so a wait
+  # that does hang ends inside the box.
   export JAX_EP_TIMEOUT_S=5
   local worst=0 tool secs rc t0 status filter
   # Only jax_ep's kernels are instrumented (XLA's run unchecked), which keeps it fast.
@@ -316,13 +320,13 @@ stage_sanitizer() {
     t0=$(date +%s)
     echo "== compute-sanitizer --tool $tool (limit ${secs}s)"
     timeout -k 3 "$secs" "$cs" --tool "$tool" --error-exitcode 9 ${filter[@]+"${filter[@]}"} \
-      "$PY" scripts/gpu_sanitize_run.py --paths phased --dtypes "$dtypes" 2>&1 | tee "$WORK/s5_$tool.txt"
+      "$PY" scripts/gpu_sanitize_run.py --ranks 1 --dtypes "$dtypes" 2>&1 | tee "$WORK/s5_$tool.txt"
     rc=${PIPESTATUS[0]}
     if [ "$rc" -ne 0 ] && grep -qiE "unrecognized|unknown option|invalid option" "$WORK/s5_$tool.txt"; then
       echo "(this compute-sanitizer has no --kernel-name filter: every kernel is checked)"
       filter=()
       timeout -k 3 "$secs" "$cs" --tool "$tool" --error-exitcode 9 \
-        "$PY" scripts/gpu_sanitize_run.py --paths phased --dtypes "$dtypes" 2>&1 | tee "$WORK/s5_$tool.txt"
+        "$PY" scripts/gpu_sanitize_run.py --ranks 1 --dtypes "$dtypes" 2>&1 | tee "$WORK/s5_$tool.txt"
       rc=${PIPESTATUS[0]}
     fi
     case "$rc" in
@@ -390,7 +394,8 @@ stage_tests_emu() {
   # The virtual-rank harness: every rank's kernels on its own stream, streams on the
   # emulated GPU's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS).
   if [ "$QUICK" = 1 ]; then
-    emu_pytest s2 "tests/emu/test_harness_emu.py (quick)" tests/emu/test_harness_emu.py -k quick
+    emu_pytest s2 "tests/emu/test_harness_emu.py (quick)" tests/emu/test_harness_emu.py \
+      -k "ranks_sharing_a_queue_with_xla_stream or more_ranks_than_queues"
   else
     emu_pytest s2 "tests/emu/test_harness_emu.py" tests/emu/test_harness_emu.py
   fi
@@ -450,7 +455,7 @@ describe() {
     2) echo "$PY -m pytest -m gpu tests/runtime/test_cuda.py; tests/test_low_latency.py tests/runtime/test_cuda_low_latency.py -k 'cuda_harness or real_rank'" ;;
     3) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k 'not internode'; tests/runtime/test_cuda_low_latency_mp.py (CUDA MPS started if available)" ;;
     4) echo "$PY -m pytest tests/runtime/test_mp_cuda.py -k internode; $PY -m jax_ep.bench --mode hierarchical|internode|internode_low_latency --processes 4 ... (not run without NVSHMEM)" ;;
-    5) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PY scripts/gpu_sanitize_run.py --paths phased (found at: $(find_sanitizer || echo 'not found: the stage would not run'))" ;;
+    5) echo "compute-sanitizer --tool memcheck|racecheck|synccheck $PY scripts/gpu_sanitize_run.py --ranks 1 (found at: $(find_sanitizer || echo 'not found: the stage would not run'))" ;;
     6) echo "$PY -m jax_ep.bench --virtual-ranks ...; $PY -m jax_ep.bench --mode low_latency --virtual-ranks ...; $PY scripts/cuda_harness_bench.py --concurrent" ;;
   esac
 }

@@ -1,11 +1,20 @@
 """A small run of the intranode kernels through the virtual-rank harness, for
-compute-sanitizer (scripts/gpu_check.sh stage 5): dispatch, combine and gather for 4
-virtual ranks, launched phase by phase and concurrently (each rank on its own stream),
-checked bit for bit against the NumPy model of the contract. Exit code 0 only if every
-result matches and no device error was recorded.
+compute-sanitizer (scripts/gpu_check.sh stage 5): dispatch, combine and gather for one
+virtual rank by default, checked bit for bit against the NumPy model of the contract. Exit
+code 0 only if every result matches and no device error was recorded.
 
-    python scripts/gpu_sanitize_run.py [--ranks 4 --tokens 40 --hidden 72]
-        [--paths phased,concurrent] [--dtypes float32,bfloat16]
+One rank, because the tool serialises kernels: the harness's ranks each run on a stream of
+their own and their channel kernels wait on each other, so under the tool a second rank's
+kernels would wait for the first's to end, which waits for them (the kernels' timeout
+ends it, with errors). No serial order can run them either (the harness refuses
+concurrent=False). One rank still runs every kernel's code: its notify and channel
+kernels, rings, credits and headers, with itself as the only peer.
+
+    python scripts/gpu_sanitize_run.py [--ranks 1 --tokens 40 --hidden 72]
+        [--dtypes float32,bfloat16] [--emulated]
+
+--emulated runs the same calls and checks on the emulated GPU's harness (kernels/emu): the
+code path of gpu_check.sh's stage 5 without the tool (`gpu_check.sh --emulated`).
 """
 from __future__ import annotations
 
@@ -19,30 +28,43 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=1,
+                   help="virtual ranks (more than 1 only without the sanitizer: see above)")
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--hidden", type=int, default=72)
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="comma-separated: float32, bfloat16, float16")
-    p.add_argument("--paths", default="phased,concurrent",
-                   help="comma-separated launch paths: phased (each phase for every rank "
-                        "before the next), concurrent (each rank on its own stream); the "
-                        "sanitizer stage runs phased only, as the tool serialises kernels")
+    p.add_argument("--emulated", action="store_true",
+                   help="the emulated GPU's harness instead of a GPU's")
     a = p.parse_args(argv)
     import jax.numpy as jnp
     import numpy as np
 
     from conftest import bits, np_gather, np_model  # NumPy model of the per-shard contract
-    from jax_ep import cuda as jcuda
+    if a.ranks < 1:
+        p.error(f"--ranks must be >= 1, got {a.ranks}")
+    if a.emulated:
+        from jax_ep._src.emu import Emulator
 
-    if not jcuda.available():
-        print("no GPU (or a CPU-only build): nothing to run")
-        return 2
-    paths = [x.strip() for x in a.paths.split(",") if x.strip()]
-    if not paths or set(paths) - {"phased", "concurrent"}:
-        p.error(f"--paths takes phased and/or concurrent, got {a.paths!r}")
+        emu = Emulator(1, seed=0)
+        harness_dispatch, harness_combine, harness_gather = (
+            emu.harness_dispatch, emu.harness_combine, emu.harness_gather)
+
+        def check_errors():
+            errs = emu.check_errors()
+            if errs:
+                raise RuntimeError("; ".join(errs))
+    else:
+        from jax_ep import cuda as jcuda
+
+        if not jcuda.available():
+            print("no GPU (or a CPU-only build): nothing to run")
+            return 2
+        harness_dispatch, harness_combine, harness_gather, check_errors = (
+            jcuda.harness_dispatch, jcuda.harness_combine, jcuda.harness_gather,
+            jcuda.check_errors)
     R, T, H, K, E = a.ranks, a.tokens, a.hidden, 3, 4 * a.ranks
-    C = (R * T) // 2  # below the worst case: some rows are dropped
+    C = max(1, (R * T) // 2)  # below the worst case: some rows are dropped
     rng = np.random.default_rng(0)
     failures = []
     for dtype in [jnp.dtype(n) for n in a.dtypes.split(",")]:
@@ -52,22 +74,28 @@ def main(argv=None) -> int:
         y = rng.standard_normal((R, C, H)).astype(np.float32).astype(dtype)
         g = rng.standard_normal((R, T, H)).astype(np.float32).astype(dtype)
         want = np_model(x, idx, w, y, E, C)
-        for concurrent in [path == "concurrent" for path in paths]:
-            d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
-                                       num_experts=E, capacity=C, concurrent=concurrent)
-            out = jcuda.harness_combine(jnp.asarray(y), d.send_row, concurrent=concurrent)
-            gat = jcuda.harness_gather(jnp.asarray(g), d.src_rank, d.src_index,
-                                       concurrent=concurrent)
-            got = dict(recv_x=d.recv_x, src_rank=d.src_rank, src_index=d.src_index,
-                       send_row=d.send_row, out=out)
-            for k, v in got.items():
-                if not np.array_equal(bits(np.asarray(v)), bits(want[k])):
-                    failures.append(f"{k} ({jnp.dtype(dtype).name}, concurrent={concurrent})")
-            gw = np_gather(g, np.asarray(d.src_rank), np.asarray(d.src_index))
-            if not np.array_equal(bits(np.asarray(gat)), bits(gw)):
-                failures.append(f"gather ({jnp.dtype(dtype).name}, concurrent={concurrent})")
+        if a.emulated:
+            d = harness_dispatch(x, idx, w, num_experts=E, capacity=C)
+            send_row, src_rank, src_index = d["send_row"], d["src_rank"], d["src_index"]
+            out = harness_combine(y, send_row)
+            gat = harness_gather(g, src_rank, src_index)
+            recv_x = d["recv_x"]
+        else:
+            d = harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
+                                 num_experts=E, capacity=C)
+            send_row, src_rank, src_index, recv_x = d.send_row, d.src_rank, d.src_index, d.recv_x
+            out = harness_combine(jnp.asarray(y), send_row)
+            gat = harness_gather(jnp.asarray(g), src_rank, src_index)
+        got = dict(recv_x=recv_x, src_rank=src_rank, src_index=src_index,
+                   send_row=send_row, out=out)
+        for k, v in got.items():
+            if not np.array_equal(bits(np.asarray(v)), bits(want[k])):
+                failures.append(f"{k} ({jnp.dtype(dtype).name})")
+        gw = np_gather(g, np.asarray(src_rank), np.asarray(src_index))
+        if not np.array_equal(bits(np.asarray(gat)), bits(gw)):
+            failures.append(f"gather ({jnp.dtype(dtype).name})")
     try:
-        jcuda.check_errors()
+        check_errors()
     except RuntimeError as e:
         failures.append(f"device error: {e}")
     print("sanitizer harness run:", "OK" if not failures else "MISMATCH " + ", ".join(failures))

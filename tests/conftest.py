@@ -9,6 +9,10 @@ import os
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
+# The virtual-rank harness runs each rank on a stream of its own and needs a hardware queue
+# per rank (CUDA_DEVICE_MAX_CONNECTIONS, default 8); the driver reads it once, when CUDA
+# initialises, so it is set here, before jax starts a GPU backend. A value set outside wins.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -76,18 +76,25 @@ class Emulator:
     idle_after_ns: once the threads have only polled and slept for this much virtual time,
     their sleeps lengthen (at most timeout_s / 50), so a kernel waiting for a peer that
     never comes reaches its timeout quickly (0: off; docs/emulator.md).
+    connections: hardware queues per virtual GPU, 1 to 32; streams share them round-robin
+    and a queue issues its commands in order (None: CUDA_DEVICE_MAX_CONNECTIONS, else 8,
+    as the driver; docs/emulator.md, "Streams and hardware queues").
     """
 
     def __init__(self, num_ranks: int, *, seed: int = 1, resident_blocks: int | None = None,
                  timeout_s: float = 0.05, weak_stores: bool = True, group: int = 0,
                  preempt_prob: float = 0.0, preempt_ns: float = 0.0,
-                 idle_after_ns: float = 250e3):
+                 idle_after_ns: float = 250e3, connections: int | None = None):
         if not 1 <= num_ranks <= 32:
             raise ValueError(f"num_ranks must be in [1, 32], got {num_ranks}")
         if resident_blocks is not None and (isinstance(resident_blocks, bool)
                                             or not isinstance(resident_blocks, int)
                                             or resident_blocks < 1):
             raise ValueError(f"resident_blocks must be None or an int >= 1, got {resident_blocks!r}")
+        if connections is not None and (isinstance(connections, bool)
+                                        or not isinstance(connections, int)
+                                        or not 1 <= connections <= 32):
+            raise ValueError(f"connections must be None or an int in [1, 32], got {connections!r}")
         self.m = module()
         self.R = num_ranks
         self.group = group
@@ -97,7 +104,9 @@ class Emulator:
         self.m.configure(num_devices=max(num_ranks, 8), seed=seed,
                          resident_blocks=resident_blocks or 0, timeout_s=timeout_s,
                          weak_stores=weak_stores, preempt_prob=preempt_prob,
-                         preempt_ns=preempt_ns, idle_after_ns=idle_after_ns)
+                         preempt_ns=preempt_ns, idle_after_ns=idle_after_ns,
+                         connections=connections or 0)
+        self.connections = self.m.num_connections()
         self.m.cuda_reset()
 
     # ---- group set-up (jax_ep.cuda.setup's work) ----
@@ -261,6 +270,92 @@ class Emulator:
                              per_rank_attrs=_sites(call_sites, R))
         _raise(errs)
         return _stack(res, ("out",))["out"]
+
+    # ---- the virtual-rank harness (jax_ep.cuda.harness_*): every rank on virtual GPU 0 ----
+    def _harness(self, op, ins, outs, attrs, call_sites, concurrent, absent_rank):
+        R = ins[0].shape[0]
+        sites = [1] * R if call_sites is None else [int(c) for c in call_sites]
+        at = dict(attrs, concurrent=int(bool(concurrent)), absent_rank=int(absent_rank))
+        return self._on_gpu0(op, ins, outs, at, {"call_sites": sites})
+
+    def _on_gpu0(self, op, ins, outs, attrs, array_attrs=None):
+        """One handler call on virtual GPU 0, then one scheduler run; its outputs."""
+        cid = self.m.enqueue(
+            op, 0, [(np.ascontiguousarray(a).tobytes(), list(np.shape(a)),
+                     _code(np.asarray(a).dtype)) for a in ins],
+            [(list(sh), _code(d)) for sh, d in outs], {k: int(v) for k, v in attrs.items()},
+            array_attrs or {})
+        faults = self.m.synchronize()
+        err, blobs = self.m.result(cid)
+        if faults:
+            raise EmuError(f"emulated GPU (seed {self.seed}): " + "; ".join(faults))
+        if err:
+            raise ValueError(err)
+        return [np.frombuffer(b, dtype=np.dtype(d)).reshape(sh).copy()
+                for b, (sh, d) in zip(blobs, outs)]
+
+    def harness_dispatch(self, x, topk_idx, topk_w, *, num_experts: int, capacity: int,
+                         call_sites=None, concurrent: bool = True, absent_rank: int = -1):
+        """The harness's dispatch of R = x.shape[0] ranks on virtual GPU 0 (one handler
+        call, every rank's kernels on its own stream): x[R, T, H], topk_idx/topk_w[R, T, K]
+        -> the per-rank outputs with a leading R, named as dispatch's."""
+        R, T, H = x.shape
+        K, C, el = topk_idx.shape[2], capacity, num_experts // R
+        outs = [((R, C, H), x.dtype), ((R, C, K), np.int32), ((R, C, K), np.float32),
+                ((R,), np.int32), ((R,), np.int32), ((R, el), np.int32), ((R, C), np.int32),
+                ((R, C), np.int32), ((R, T, R), np.int32)]
+        res = self._harness("harness_dispatch", [x, topk_idx, topk_w], outs,
+                            dict(num_experts=num_experts, capacity=C), call_sites, concurrent,
+                            absent_rank)
+        names = ("recv_x", "recv_idx", "recv_w", "num_recv", "num_dropped", "per_expert",
+                 "src_rank", "src_index", "send_row")
+        return dict(zip(names, res))
+
+    def harness_combine(self, y, send_row, *, call_sites=None, concurrent: bool = True,
+                        absent_rank: int = -1):
+        """y[R, C, H], send_row[R, T, R] -> out[R, T, H] through the harness."""
+        R, _, H = y.shape
+        outs = [((R, send_row.shape[1], H), y.dtype)]
+        return self._harness("harness_combine", [y, send_row], outs, {}, call_sites,
+                             concurrent, absent_rank)[0]
+
+    def harness_gather(self, g, src_rank, src_index, *, call_sites=None,
+                       concurrent: bool = True, absent_rank: int = -1):
+        """g[R, T, H], src_rank/src_index[R, C] -> out[R, C, H] through the harness."""
+        R, _, H = g.shape
+        outs = [((R, src_rank.shape[1], H), g.dtype)]
+        return self._harness("harness_gather", [g, src_rank, src_index], outs, {}, call_sites,
+                             concurrent, absent_rank)[0]
+
+    # ---- the low-latency harness (jax_ep.low_latency.harness_*): every rank on GPU 0 ----
+    def ll_harness_dispatch(self, x, topk_idx, *, num_experts: int, max_tokens: int):
+        """x[R, M, H], topk_idx[R, M, K] (M = max_tokens; pad unused slots with -1) ->
+        dict of recv_x[R, E_l, R * M, H], recv_count[R, E_l], src_rank, src_index
+        [R, E_l, R * M], first_row, row_count [R, E_l, R]: the send half for every rank,
+        then the receive half, each one handler call on one stream."""
+        R, M, H = x.shape
+        if M != max_tokens:
+            raise ValueError(f"x must hold max_tokens = {max_tokens} rows per rank, got {M}")
+        el = num_experts // R
+        at = dict(num_experts=num_experts, max_tokens=max_tokens, topk_max=topk_idx.shape[2])
+        tok = self._on_gpu0("ll_harness_dispatch_send", [x, topk_idx], [((R,), np.int32)], at)
+        res = self._on_gpu0("ll_harness_dispatch_recv", tok,
+                            [((R, el, R * M, H), x.dtype), ((R, el), np.int32),
+                             ((R, el, R * M), np.int32), ((R, el, R * M), np.int32),
+                             ((R, el, R), np.int32), ((R, el, R), np.int32)], at)
+        names = ("recv_x", "recv_count", "src_rank", "src_index", "first_row", "row_count")
+        return dict(zip(names, res))
+
+    def ll_harness_combine(self, y, topk_idx, topk_w, first_row, row_count, *,
+                           num_experts: int, max_tokens: int):
+        """y[R, E_l, R * M, H] with the dispatch's first_row/row_count, topk_idx/topk_w
+        [R, M, K] -> out[R, M, H]."""
+        R, M, K = topk_idx.shape
+        at = dict(num_experts=num_experts, max_tokens=max_tokens, topk_max=K)
+        tok = self._on_gpu0("ll_harness_combine_send", [y, first_row, row_count],
+                            [((R,), np.int32)], at)
+        return self._on_gpu0("ll_harness_combine_recv", [tok[0], topk_idx, topk_w],
+                             [((R, M, y.shape[-1]), y.dtype)], at)[0]
 
     # ---- low-latency mode (real ranks: the send and receive halves) ----
     def ll_dispatch_send(self, x, topk_idx, *, num_experts: int, max_tokens: int,

@@ -40,6 +40,8 @@ harness_combine, harness_gather: the "ffi" backend's intranode kernels with ever
 buffers on one GPU), on the same inputs stacked per rank [R, T, ...], with the same byte
 accounting, floor and results; the reference backend is a shard_map over R devices and
 is skipped there, with the reason in the table and in the JSON's "skipped_backends".
+The harness runs each rank on a stream of its own and needs a hardware queue per rank:
+above 8 ranks, set CUDA_DEVICE_MAX_CONNECTIONS (up to 32) before starting the bench.
 On CPU, `--ranks` already gives R virtual devices and `--virtual-ranks` is an error.
 
 Peak memory is read from XLA's compiled `memory_analysis()` of each program, per device:

@@ -41,6 +41,11 @@ struct Config {
   // that long are not changed at all (the same steps and draws for a seed). 0: off.
   double idle_after_ns = 250e3;
   double idle_sleep_max_ns = 1e6;
+  // Hardware queues ("connections") of a virtual GPU, 1 to 32: CUDA_DEVICE_MAX_CONNECTIONS,
+  // whose default is 8 (CUDA C++ Programming Guide, "CUDA Environment Variables"). Streams
+  // share them round-robin and a queue issues its operations in order (docs/emulator.md,
+  // "Streams and hardware queues").
+  int connections = 8;
 };
 
 // Blocks of `kernel` (its name as launched; namespace and template arguments are ignored)

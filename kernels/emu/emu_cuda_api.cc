@@ -109,7 +109,7 @@ static cudaError_t EnqueueOp(cudaStream_t s, const emu::Op& op) {
   emu::EnsureInit();
   emu::Stream* st = emu::Resolve(s);
   if (st == nullptr) return Ret(cudaErrorInvalidResourceHandle);
-  st->ops.push_back(op);
+  emu::PushOp(st, op);
   return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s) {
@@ -137,10 +137,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
   emu::EnsureInit();
-  emu::Device* d = emu::Dev(S().current);
-  auto* st = new emu::Stream{d, {}, false};
-  d->streams.push_back(st);
-  *s = st;
+  *s = emu::NewStream(emu::Dev(S().current));
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {

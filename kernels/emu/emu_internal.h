@@ -133,6 +133,7 @@ struct Op {
   int value = 0;
   Event* ev = nullptr;
   uint64_t ticket = 0;
+  uint64_t seq = 0;  // its place in its hardware queue (Device::queues)
 };
 
 struct Stream {
@@ -143,6 +144,7 @@ struct Stream {
   // `late_until`); this stream's next operation and the host see them first.
   std::vector<void*> late;
   double late_until = 0;
+  int queue = 0;  // the hardware queue its operations go to (Device::queues)
 };
 struct Event {
   uint64_t recorded = 0, completed = 0;
@@ -151,6 +153,10 @@ struct Event {
 struct Device {
   int id;
   std::vector<Stream*> streams;  // streams[0]: the default stream
+  // Hardware queues (Config::connections): each holds the sequence numbers of the operations
+  // of its streams not issued yet, in enqueue order; only the front one may issue.
+  std::vector<std::deque<uint64_t>> queues;
+  uint64_t streams_made = 0;  // streams created since the last reset (the round-robin index)
   int resident = 0;
   int64_t load = 0;  // residency units taken by its resident blocks (Kernel::cost)
   std::vector<unsigned char> globals;  // the device-global section while not loaded
@@ -213,6 +219,7 @@ struct State {
   double idle_since = 0;
   bool step_work = false;
   bool (*pending_probe)() = nullptr;
+  uint64_t op_seq = 0;  // operations enqueued so far (Op::seq)
 };
 
 inline State& S() {
@@ -289,6 +296,10 @@ void RunUntil(const std::function<bool()>& done);
 bool StreamIdle(Stream* st);
 void SyncDevice(Device* d);
 void EnsureInit();
+// A new stream of d on the next hardware queue (round-robin), and an operation queued on a
+// stream and on its hardware queue.
+Stream* NewStream(Device* d);
+void PushOp(Stream* st, Op op);
 
 // ---- store buffers, visibility (emu_memory.cc) --------------------------------------------
 // The virtual GPU whose allocation holds p (-1: host memory or not allocated here).

@@ -31,6 +31,38 @@ Stream* Resolve(cudaStream_t st) {
   return d != nullptr ? d->streams[0] : nullptr;
 }
 
+// Hardware queues. A GPU takes work from the host through CUDA_DEVICE_MAX_CONNECTIONS
+// queues (default 8; CUDA C++ Programming Guide, "CUDA Environment Variables"), and the
+// driver gives streams the queues round-robin in the order it creates them, so with more
+// streams than queues, streams share one. A queue issues its commands in the order they
+// were enqueued, and a command that must wait (for the previous operation of its own
+// stream, or for an event) holds back every later command of the queue, whatever its
+// stream: the "false dependencies" between streams that share a hardware queue (NVIDIA,
+// Kepler GK110 whitepaper, "Hyper-Q"; the MPS documentation calls the queues "work
+// queues"). Here each device's default stream is its first stream (queue 0), and a reset
+// (configure) renumbers the streams alive in their creation order.
+Stream* NewStream(Device* d) {
+  auto* st = new Stream{d, {}, false};
+  st->queue = static_cast<int>(d->streams_made++ % d->queues.size());
+  d->streams.push_back(st);
+  return st;
+}
+
+void PushOp(Stream* st, Op op) {
+  op.seq = ++S().op_seq;
+  st->dev->queues[st->queue].push_back(op.seq);
+  st->ops.push_back(std::move(op));
+}
+
+namespace {
+// Whether the head operation of `st` is the oldest one of its hardware queue not issued.
+bool QueueFront(const Stream* st, const Op& op) {
+  const std::deque<uint64_t>& q = st->dev->queues[st->queue];
+  return !q.empty() && q.front() == op.seq;
+}
+void QueueIssue(Stream* st) { st->dev->queues[st->queue].pop_front(); }
+}  // namespace
+
 // ---- ready sets ----
 namespace {
 void ReadyAdd(Block* b) {
@@ -256,15 +288,17 @@ bool Advance() {
       }
       while (!st->ops.empty()) {
         Op& op = st->ops.front();
+        if (op.kind == Op::kKernel && st->head_started) break;  // running
+        if (!QueueFront(st, op)) break;  // behind another stream's command in its queue
         if (op.kind == Op::kKernel) {
-          if (!st->head_started) {
-            st->head_started = true;
-            progress = true;
-            CountDev(d->id, std::string("kernel:") + op.kernel->spec.name + ":launches");
-          }
+          QueueIssue(st);
+          st->head_started = true;
+          progress = true;
+          CountDev(d->id, std::string("kernel:") + op.kernel->spec.name + ":launches");
           break;
         }
         if (op.kind == Op::kWait && op.ev->completed < op.ticket) break;
+        QueueIssue(st);
         switch (op.kind) {
           case Op::kMemset: std::memset(op.dst, op.value, op.n); break;
           case Op::kMemcpy: std::memmove(op.dst, op.src, op.n); break;
@@ -335,13 +369,15 @@ void AbandonAll(const std::string& why) {
   State& s = S();
   Fault(why);
   std::vector<Block*> blocks;
-  for (Device* d : s.devices)
+  for (Device* d : s.devices) {
     for (Stream* st : d->streams) {
       st->ops.clear();
       st->head_started = false;
       d->resident = 0;
       d->load = 0;
     }
+    for (auto& q : d->queues) q.clear();
+  }
   s.ready.clear();
   s.parked.clear();
   s.sleepers.clear();
@@ -356,8 +392,12 @@ std::string Describe() {
   std::string out;
   for (Device* d : s.devices)
     for (Stream* st : d->streams)
-      if (!st->ops.empty() && st->ops.front().kind == Op::kKernel)
+      if (!st->ops.empty() && st->ops.front().kind == Op::kKernel) {
         out += " gpu" + std::to_string(d->id) + ":" + st->ops.front().kernel->spec.name;
+        if (!st->head_started && !QueueFront(st, st->ops.front()))
+          out += " (not started: behind another stream's command in hardware queue " +
+                 std::to_string(st->queue) + ")";
+      }
   return out;
 }
 
@@ -455,10 +495,15 @@ void SyncDevice(Device* d) {
 namespace {
 void ResetAll(const Config& c) {
   State& s = S();
+  if (c.connections < 1 || c.connections > 32)
+    throw std::invalid_argument("emu: connections (CUDA_DEVICE_MAX_CONNECTIONS) must be in [1, 32]");
   for (Device* d : s.devices) {
+    d->queues.assign(static_cast<size_t>(c.connections), {});
+    d->streams_made = 0;
     for (Stream* st : d->streams) {
       st->ops.clear();
       st->head_started = false;
+      st->queue = static_cast<int>(d->streams_made++ % d->queues.size());
     }
   }
   if (s.device_pristine.empty() && DeviceBytes() > 0 && s.loaded_device == nullptr)
@@ -472,7 +517,8 @@ void ResetAll(const Config& c) {
   while (static_cast<int>(s.devices.size()) < c.num_devices) {
     auto* d = new Device();
     d->id = static_cast<int>(s.devices.size());
-    d->streams.push_back(new Stream{d, {}, false});
+    d->queues.assign(static_cast<size_t>(c.connections), {});
+    NewStream(d);  // its default stream
     s.devices.push_back(d);
   }
   ResetDeviceMap(s.devices.size());
@@ -555,7 +601,7 @@ cudaError_t enqueue_kernel(LaunchSpec spec) {
   Op op;
   op.kind = Op::kKernel;
   op.kernel = k;
-  st->ops.push_back(std::move(op));
+  PushOp(st, std::move(op));
   return cudaSuccess;
 }
 

@@ -11,7 +11,8 @@ One Mutant per entry:
   why          the mistake, in a few words
 One module per kernel file (layout, intranode, low_latency, internode, hierarchical,
 internode_ll) and one for the fabric set-up (fabric: the bootstrap's NVSHMEM environment,
-the default-handle refusal, the LAG shim); append to the module of the file you mutate; names are unique across all. A mutant that no
+the default-handle refusal, the LAG shim) and one for the virtual-rank harness's launch
+code (harness: xla_ffi/cuda/cuda_handlers.cc); append to the module of the file you mutate; names are unique across all. A mutant that no
 test can kill is equivalent under the emulator's model: explain it in docs/emulator.md
 instead of listing it here.
 """
@@ -30,11 +31,11 @@ class Mutant(NamedTuple):
 
 
 def _all():
-    from . import (fabric, hierarchical, internode, internode_ll, intranode, layout,
+    from . import (fabric, harness, hierarchical, internode, internode_ll, intranode, layout,
                    low_latency)
     out = []
     for mod in (layout, intranode, low_latency, internode, hierarchical, internode_ll,
-                fabric):
+                fabric, harness):
         out.extend(mod.MUTANTS)
     names = [m.name for m in out]
     dup = {n for n in names if names.count(n) > 1}

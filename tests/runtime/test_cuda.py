@@ -163,11 +163,13 @@ def test_harness_options_are_checked():
     attrs = jcuda._harness_attrs(3, None, True, -1)
     assert attrs["call_sites"].tolist() == [jcuda.HARNESS_CALL_SITE] * 3
     assert int(attrs["concurrent"]) == 1 and int(attrs["absent_rank"]) == -1
-    assert jcuda._harness_attrs(2, [7, 8], False, 1)["call_sites"].tolist() == [7, 8]
+    assert jcuda._harness_attrs(2, [7, 8], True, 1)["call_sites"].tolist() == [7, 8]
     with pytest.raises(ValueError, match="call_sites must list one id per rank"):
-        jcuda._harness_attrs(3, [1, 2], False, -1)
+        jcuda._harness_attrs(3, [1, 2], True, -1)
     with pytest.raises(ValueError, match="absent_rank"):
-        jcuda._harness_attrs(3, None, False, 3)
+        jcuda._harness_attrs(3, None, True, 3)
+    with pytest.raises(ValueError, match="concurrent=False"):
+        jcuda._harness_attrs(3, None, False, -1)
 
 
 class _FakeGpu:
@@ -266,7 +268,7 @@ def _cpu_ffi(x, idx, w, y, E, C):
     return {k: np.asarray(v) for k, v in res.items()}
 
 
-def _harness(x, idx, w, y, E, C, concurrent=False):
+def _harness(x, idx, w, y, E, C, concurrent=True):
     d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
                                num_experts=E, capacity=C, concurrent=concurrent)
     out = jcuda.harness_combine(jnp.asarray(y), d.send_row, concurrent=concurrent)
@@ -288,12 +290,11 @@ CASES = [  # R, T, H, K, E, C (None: R*T), dtype
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("concurrent", [False, True], ids=["phased", "concurrent"])
 @pytest.mark.parametrize("R,T,H,K,E,C,dtype", CASES)
-def test_harness_matches_model_and_cpu_ffi(R, T, H, K, E, C, dtype, concurrent):
+def test_harness_matches_model_and_cpu_ffi(R, T, H, K, E, C, dtype):
     Ce = R * T if C is None else C
     x, idx, w, y = _inputs(R, T, H, K, E, dtype, seed=R * 1000 + T, C=Ce)
-    got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, Ce, concurrent).items()}
+    got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, Ce).items()}
     want = np_model(x, idx, w, y, E, Ce)
     assert_bitwise_equal(got, want, what="harness vs model: ")
     assert_bitwise_equal(got, _cpu_ffi(x, idx, w, y, E, Ce), what="harness vs cpu ffi: ")
@@ -302,14 +303,13 @@ def test_harness_matches_model_and_cpu_ffi(R, T, H, K, E, C, dtype, concurrent):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("concurrent", [False, True], ids=["phased", "concurrent"])
-def test_harness_empty_ranks(concurrent):
+def test_harness_empty_ranks():
     """Rank 1 sends nothing, nobody sends to rank 2."""
     R, T, H, K, E = 4, 20, 40, 2, 8
     x, idx, w, y = _inputs(R, T, H, K, E, jnp.bfloat16, seed=42, C=R * T)
     idx[1] = -1
     idx[(idx == 4) | (idx == 5)] = -1  # rank 2 holds experts 4 and 5
-    got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, R * T, concurrent).items()}
+    got = {k: np.asarray(v) for k, v in _harness(x, idx, w, y, E, R * T).items()}
     assert got["num_recv"][2] == 0 and (got["send_row"][1] == -1).all()
     assert_bitwise_equal(got, np_model(x, idx, w, y, E, R * T), what="harness vs model: ")
     assert_bitwise_equal(got, _cpu_ffi(x, idx, w, y, E, R * T), what="harness vs cpu ffi: ")
@@ -329,17 +329,15 @@ def test_harness_repeated_calls_are_bitwise_stable():
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("concurrent", [False, True], ids=["phased", "concurrent"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_harness_gather_is_combine_transpose(dtype, concurrent):
+def test_harness_gather_is_combine_transpose(dtype):
     R, T, H, K, E = 4, 40, 96, 4, 16
     C = 3 * T  # below the worst case: the gather of a handle with dropped rows
     x, idx, w, _ = _inputs(R, T, H, K, E, dtype, seed=3, C=C)
     d = jcuda.harness_dispatch(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
-                               num_experts=E, capacity=C, concurrent=concurrent)
+                               num_experts=E, capacity=C)
     g = np.random.default_rng(1).standard_normal((R, T, H)).astype(np.float32).astype(dtype)
-    out = np.asarray(jcuda.harness_gather(jnp.asarray(g), d.src_rank, d.src_index,
-                                          concurrent=concurrent))
+    out = np.asarray(jcuda.harness_gather(jnp.asarray(g), d.src_rank, d.src_index))
     sr, si = np.asarray(d.src_rank), np.asarray(d.src_index)
     want = np.zeros_like(out)
     for r in range(R):

@@ -269,6 +269,23 @@ def test_a_stage_whose_tests_were_all_skipped_is_not_run(tmp_path):
     assert res["overall"] == "not verified (not run: tests)"
 
 
+def test_emulated_rehearsal_quick(tmp_path):
+    """`gpu_check.sh --emulated --quick`: every stage against the emulated GPU, one short
+    test each, with the GPU run's pass/fail logic and report."""
+    env = _env(tmp_path)
+    p = subprocess.run(["bash", SCRIPT, "--emulated", "--quick"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    text = p.stdout + p.stderr
+    res = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert p.returncode == 0, text[-6000:]
+    assert res["overall"] == "pass", res["overall"]
+    assert [(s["stage"], s["status"]) for s in res["stages"]] == \
+        [(n, "pass") for n in range(1, 7)], text[-4000:]
+    for n in range(2, 5):  # each pytest stage ran a test (none skipped away)
+        junit = res["stages"][n - 1]["results"][f"s{n}_junit"]
+        assert junit["passed"] >= 1 and not junit["failed"], (n, junit)
+
+
 def test_emulated_stage_that_runs_no_test_fails(tmp_path):
     """The same logic says no: a stage whose tests select nothing fails (pytest's exit
     5), the run exits 1 and the report names the stage."""

@@ -16,6 +16,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -137,10 +138,11 @@ HarnessBuffers* Harness() {
   return h;
 }
 
-// Concurrent harness mode: one stream per virtual rank, forked from and joined back into
-// XLA's stream with events. Created once per device.
+// One stream per virtual rank, forked from and joined back into XLA's stream with events;
+// made per device for the largest R so far, all in one go (see MakeRankStreams).
 struct RankStreams {
-  bool made = false;
+  int count = 0;  // streams (and join events) made
+  bool forked = false;  // `fork` made
   cudaStream_t s[kMaxRanks];
   cudaEvent_t fork;
   cudaEvent_t join[kMaxRanks];
@@ -163,19 +165,63 @@ int CallChannels(bool harness, int ordinal, int R) {
   return p.num_sms / 2;
 }
 
-cudaError_t MakeRankStreams(int ordinal, RankStreams* st) {
-  if (st->made) return cudaSuccess;
+cudaError_t DestroyRankStreams(RankStreams* st) {
+  cudaError_t e = cudaSuccess;
+  for (int r = 0; r < st->count; ++r) {
+    const cudaError_t a = cudaStreamDestroy(st->s[r]);
+    const cudaError_t b = cudaEventDestroy(st->join[r]);
+    if (e == cudaSuccess) e = a != cudaSuccess ? a : b;
+  }
+  if (st->forked) {
+    const cudaError_t f = cudaEventDestroy(st->fork);
+    if (e == cudaSuccess) e = f;
+  }
+  st->count = 0;
+  st->forked = false;
+  return e;
+}
+
+// The driver gives streams the GPU's hardware queues round-robin in creation order
+// (CUDA_DEVICE_MAX_CONNECTIONS of them; CUDA C++ Programming Guide, "CUDA Environment
+// Variables"), and a queue runs its commands in order whatever their stream. So the R
+// streams are made one after another, exactly R of them (with R <= the queue count no two
+// share a queue), and remade all together when a call needs more: streams made at
+// different times could land on one queue.
+cudaError_t MakeRankStreams(int ordinal, int R, RankStreams* st) {
+  if (st->count >= R) return cudaSuccess;
   int prev = -1;
   cudaError_t e = cudaGetDevice(&prev);
   if (e == cudaSuccess) e = cudaSetDevice(ordinal);
-  for (int r = 0; r < kMaxRanks && e == cudaSuccess; ++r) {
-    e = cudaStreamCreateWithFlags(&st->s[r], cudaStreamNonBlocking);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&st->join[r], cudaEventDisableTiming);
-  }
+  if (e == cudaSuccess) e = DestroyRankStreams(st);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming);
+  st->forked = e == cudaSuccess;
+  for (int r = 0; r < R && e == cudaSuccess; ++r) {
+    e = cudaStreamCreateWithFlags(&st->s[r], cudaStreamNonBlocking);
+    if (e != cudaSuccess) break;
+    e = cudaEventCreateWithFlags(&st->join[r], cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      cudaStreamDestroy(st->s[r]);
+      break;
+    }
+    st->count = r + 1;
+  }
   if (prev >= 0) cudaSetDevice(prev);
-  if (e == cudaSuccess) st->made = true;
   return e;
+}
+
+// The hardware queues the driver made for this process: CUDA_DEVICE_MAX_CONNECTIONS as
+// it was when CUDA initialised (it must be set before; the harness can only read it now),
+// 8 when unset, as the driver's default. *err: a value the driver would not take.
+int HardwareQueues(std::string* err) {
+  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  if (v == nullptr || *v == '\0') return 8;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 1 || n > 32) {
+    *err = std::string("CUDA_DEVICE_MAX_CONNECTIONS must be an integer in [1, 32], got '") + v + "'";
+    return 0;
+  }
+  return static_cast<int>(n);
 }
 
 // R virtual ranks with at least `area` bytes past the header each (the op's area starts
@@ -188,6 +234,27 @@ ffi::Error HarnessRanks(cudaStream_t stream, int ordinal, int R, int kind, size_
                    "), got " + std::to_string(o.call_sites.size()));
   if (o.absent < -1 || o.absent >= R)
     return Invalid("harness absent_rank must be -1 or a rank in [0, " + std::to_string(R) + ")");
+  // The channel kernels of every rank wait on each other, so no order of them on one
+  // stream can finish (each would wait for a rank that has not started): the ranks run
+  // on their own streams or not at all. A sanitizer that serialises kernels cannot run
+  // them for more than one rank either (scripts/gpu_sanitize_run.py).
+  if (!o.concurrent)
+    return Invalid("harness concurrent=False (the ranks' kernels one after another on one "
+                   "stream) cannot run: every rank's channel kernels wait for the others'; "
+                   "pass concurrent=True");
+  // Two ranks on one hardware queue: the later one's kernels wait behind the earlier
+  // one's, which wait for them.
+  std::string qerr;
+  const int queues = HardwareQueues(&qerr);
+  if (!qerr.empty()) return Invalid("harness: " + qerr);
+  if (R > queues)
+    return Invalid("the harness runs each of its R = " + std::to_string(R) +
+                   " virtual ranks on a stream of its own and their kernels wait on each other, "
+                   "but the GPU has CUDA_DEVICE_MAX_CONNECTIONS = " + std::to_string(queues) +
+                   " hardware queues, so ranks would share a queue and deadlock: set "
+                   "CUDA_DEVICE_MAX_CONNECTIONS to at least " + std::to_string(R) +
+                   " (at most 32) before CUDA initialises (before jax starts its GPU backend), "
+                   "or run at most " + std::to_string(queues) + " ranks");
   MarkDeviceUsed(ordinal);
   std::string merr;
   AllocateErrorMirror(&merr);  // best effort; check_errors() also reads the device records
@@ -219,9 +286,6 @@ ffi::Error HarnessRanks(cudaStream_t stream, int ordinal, int R, int kind, size_
   k->count = R;
   k->site = 1;
   k->sites = o.call_sites.size() == 0 ? nullptr : o.call_sites.begin();
-  // The channel kernels of all ranks wait on each other: each rank runs on its own stream,
-  // never one after another on one.
-  (void)kind;
   k->concurrent = true;
   k->absent = o.absent;
   return ffi::Error::Success();
@@ -297,7 +361,7 @@ ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodeP
   if (k.concurrent) {
     std::lock_guard<std::mutex> lock(HarnessMu());
     RankStreams* st = &Streams()[ordinal];
-    cudaError_t e = MakeRankStreams(ordinal, st);
+    cudaError_t e = MakeRankStreams(ordinal, k.count, st);
     if (e == cudaSuccess) e = cudaEventRecord(st->fork, stream);
     for (int r = 0; r < k.count && e == cudaSuccess; ++r) {
       if (r == k.absent) continue;
@@ -306,8 +370,12 @@ ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodeP
       for (int phase = 0; phase < phases && e == cudaSuccess; ++phase)
         e = launch(phase, ar, kConcurrentPreset, st->s[r]);
       if (e == cudaSuccess) e = cudaEventRecord(st->join[r], st->s[r]);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, st->join[r], 0);
     }
+    // XLA's stream waits for the ranks only once every rank's work is enqueued: its stream
+    // shares a hardware queue with one of theirs (R streams plus XLA's on at most R queues),
+    // and a wait there would hold back that rank's kernels, which the awaited ones wait for.
+    for (int r = 0; r < k.count && e == cudaSuccess; ++r)
+      if (r != k.absent) e = cudaStreamWaitEvent(stream, st->join[r], 0);
     if (e != cudaSuccess) return CudaFailed(what, e);
     return ffi::Error::Success();
   }
@@ -592,6 +660,19 @@ ffi::Error HarnessGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
 }
 
 }  // namespace
+
+cudaError_t ReleaseHarnessStreams(int ordinal) {
+  if (ordinal < 0 || ordinal >= kMaxCudaDevices) return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> lock(HarnessMu());
+  RankStreams* st = &Streams()[ordinal];
+  if (st->count == 0) return cudaSuccess;
+  int prev = -1;
+  cudaError_t e = cudaGetDevice(&prev);
+  if (e == cudaSuccess) e = cudaSetDevice(ordinal);
+  if (e == cudaSuccess) e = DestroyRankStreams(st);
+  if (prev >= 0) cudaSetDevice(prev);
+  return e;
+}
 
 cudaError_t ResetHarnessBuffers(int ordinal) {
   if (ordinal < 0 || ordinal >= kMaxCudaDevices) return cudaErrorInvalidValue;

@@ -11,6 +11,8 @@ namespace jax_ep {
 // Re-zeroes the headers of the harness's virtual ranks on a device (jax_ep.cuda.reset);
 // synchronous, never inside an FFI call.
 cudaError_t ResetHarnessBuffers(int ordinal);
+// Destroys the harness's rank streams of a GPU (made again by its next call).
+cudaError_t ReleaseHarnessStreams(int ordinal);
 
 JEP_CUDA_TARGETS(JEP_FFI_DECLARE_TARGET)
 }  // namespace jax_ep

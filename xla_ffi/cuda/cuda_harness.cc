@@ -143,6 +143,34 @@ uintptr_t OpenIpcHandle(int ordinal, nb::bytes handle) {
   return v;
 }
 
+// Unmaps every peer buffer this process opened through CUDA IPC (each mapping holds the
+// exporting process's allocation alive and takes address space until closed) and forgets
+// the domains that pointed into them, after the GPUs finished what used them. Called at
+// interpreter exit (jax_ep.cuda registers it) and by tests; returns the failures.
+std::vector<std::string> CloseIpcHandles() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::vector<std::string> errs;
+  int prev = -1;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+  for (const auto& [key, ptr] : g_ipc_opened) {
+    const int ordinal = key.first;
+    if (cudaSetDevice(ordinal) != cudaSuccess) {
+      errs.push_back("cudaSetDevice(" + std::to_string(ordinal) + "): " + cudaGetErrorString(cudaGetLastError()));
+      continue;
+    }
+    ClearCudaDomain(ordinal);
+    cudaError_t e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) e = cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr));
+    if (e != cudaSuccess) {
+      errs.push_back("closing a peer buffer of GPU " + std::to_string(ordinal) + ": " + cudaGetErrorString(e));
+      cudaGetLastError();
+    }
+  }
+  g_ipc_opened.clear();
+  if (prev >= 0) cudaSetDevice(prev);
+  return errs;
+}
+
 // ll_shape: empty, or (max_tokens, topk, num_experts, row_bytes) of the low-latency area
 // whose size is area_bytes[3].
 void SetDomain(int ordinal, int rank, int group, int num_ranks, std::vector<uint64_t> peers,
@@ -317,6 +345,9 @@ void DefineCudaBindings(void* module) {
         "Allocates (once) the communication buffer of a GPU; returns (pointer, IPC handle).");
   m.def("cuda_enable_peer_access", &EnablePeerAccess, nb::arg("ordinal"), nb::arg("peer"));
   m.def("cuda_open_ipc_handle", &OpenIpcHandle, nb::arg("ordinal"), nb::arg("handle"));
+  m.def("cuda_close_ipc_handles", &CloseIpcHandles,
+        "Closes every peer buffer opened through CUDA IPC and forgets the domains using them; "
+        "returns the failures.");
   m.def("cuda_set_domain", &SetDomain, nb::arg("ordinal"), nb::arg("rank"), nb::arg("group"),
         nb::arg("num_ranks"), nb::arg("peers"), nb::arg("area_bytes"),
         nb::arg("ll_shape") = std::vector<int64_t>{});

@@ -67,6 +67,12 @@ void SetCudaDomain(int ordinal, const CudaDomain& d) {
   Domains()[ordinal] = d;
 }
 
+void ClearCudaDomain(int ordinal) {
+  if (ordinal < 0 || ordinal >= kMaxCudaDevices) return;
+  std::lock_guard<std::mutex> lock(Mu());
+  Domains()[ordinal] = CudaDomain{};
+}
+
 bool AllocateErrorMirror(std::string* err) {
   std::lock_guard<std::mutex> lock(Mu());
   if (g_mirror != nullptr) return true;

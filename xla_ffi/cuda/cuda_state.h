@@ -39,6 +39,9 @@ struct CudaDomain {
 // Domain registered for a device ordinal; false if none.
 bool GetCudaDomain(int ordinal, CudaDomain* out);
 void SetCudaDomain(int ordinal, const CudaDomain& d);
+// Forgets the domain of an ordinal (its peers' mappings are about to be closed): EP calls
+// there fail on the host until setup registers one again.
+void ClearCudaDomain(int ordinal);
 
 // GPUs this process has used for EP work (a domain set up, a harness buffer, a layout
 // call): jax_ep.cuda.check_errors() and reset() touch only these, so they neither wait

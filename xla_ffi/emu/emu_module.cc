@@ -24,6 +24,7 @@
 #include "kernels/cuda/peer_transport.cuh"
 #include "kernels/internode/device_copy.cuh"
 #include "xla_ffi/common/layout_bindings.h"
+#include "xla_ffi/cuda/cuda_handlers.h"
 #include "xla_ffi/emu/emu_call.h"
 
 namespace nb = nanobind;
@@ -120,7 +121,7 @@ std::vector<cudaStream_t> g_streams;
 
 void Configure(int num_devices, uint64_t seed, int resident_blocks, double timeout_s,
                bool weak_stores, double quantum_ns, double drain_prob, double stay_prob,
-               double preempt_prob, double preempt_ns, double idle_after_ns) {
+               double preempt_prob, double preempt_ns, double idle_after_ns, int connections) {
   if (num_devices < 1 || num_devices > 64) throw std::invalid_argument("jax_ep emu: num_devices must be in [1, 64]");
   if (resident_blocks < 0)
     throw std::invalid_argument("jax_ep emu: resident_blocks must be >= 1, or 0 (from each kernel's ptxas usage)");
@@ -129,8 +130,26 @@ void Configure(int num_devices, uint64_t seed, int resident_blocks, double timeo
     throw std::invalid_argument("jax_ep emu: preempt_prob must be in [0, 1) and preempt_ns >= 0");
   if (!(idle_after_ns >= 0))
     throw std::invalid_argument("jax_ep emu: idle_after_ns must be >= 0 (0: no idle fast-forward)");
+  // 0: as the driver, from CUDA_DEVICE_MAX_CONNECTIONS, else its default of 8.
+  if (connections == 0) {
+    const char* env = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    connections = env != nullptr && *env != '\0' ? std::atoi(env) : 8;
+  }
+  if (connections < 1 || connections > 32)
+    throw std::invalid_argument("jax_ep emu: connections (CUDA_DEVICE_MAX_CONNECTIONS) must be in [1, 32], got " +
+                                std::to_string(connections));
   Calls().clear();
+  // The last configuration's streams go: the scheduler visits every stream at every step,
+  // so streams kept from earlier emulators would slow every later run. The harness's rank
+  // streams too, and before the reset, which numbers the streams left in creation order:
+  // so every emulator's streams take the same hardware queues (each GPU's default stream,
+  // its call stream, then the harness's rank streams).
+  int made = 0;
+  cudaGetDeviceCount(&made);
+  for (int d = 0; d < made; ++d) ReleaseHarnessStreams(d);
+  for (cudaStream_t s : g_streams) cudaStreamDestroy(s);
   emu::Config c;
+  c.connections = connections;
   c.num_devices = num_devices;
   c.seed = seed;
   c.resident_blocks = resident_blocks;
@@ -146,9 +165,6 @@ void Configure(int num_devices, uint64_t seed, int resident_blocks, double timeo
   c.idle_sleep_max_ns = timeout_s * 1e9 / 50;
   emu::configure(c);
   g_timeout_s = timeout_s;
-  // The last configuration's streams go: the scheduler visits every stream at every step,
-  // so streams kept from earlier emulators would slow every later run.
-  for (cudaStream_t s : g_streams) cudaStreamDestroy(s);
   g_streams.clear();
   for (int d = 0; d < num_devices; ++d) {
     cudaSetDevice(d);
@@ -311,12 +327,15 @@ NB_MODULE(_jax_ep_emu, m) {
         nb::arg("weak_stores") = true, nb::arg("quantum_ns") = 100.0,
         nb::arg("drain_prob") = 0.002, nb::arg("stay_prob") = 0.9,
         nb::arg("preempt_prob") = 0.0, nb::arg("preempt_ns") = 0.0,
-        nb::arg("idle_after_ns") = 250e3,
+        nb::arg("idle_after_ns") = 250e3, nb::arg("connections") = 0,
         "Resets the virtual GPUs: count, scheduler seed, co-residency limit, the kernels' "
         "timeout in virtual seconds, weak visibility of peer stores, preemption of blocks "
         "(each step parks the block that ran with chance preempt_prob, for preempt_ns), "
         "idle fast-forward (sleeps lengthen after idle_after_ns of virtual time in which "
-        "threads only polled; 0: off).");
+        "threads only polled; 0: off), hardware queues per GPU (connections, 1 to 32; 0: "
+        "CUDA_DEVICE_MAX_CONNECTIONS, else 8, as the driver).");
+  m.def("num_connections", [] { return emu::config().connections; },
+        "The hardware queues of each virtual GPU (configure's connections).");
   m.def("shared_by_pointer", [] { return emu::shared_by_pointer(); },
         "True where a change of block points this thread's TLS entry at the block's "
         "__shared__ image; false where it copies the image (JAX_EP_EMU_TLS_COPY set, or "
