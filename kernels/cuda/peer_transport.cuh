@@ -5,7 +5,10 @@
 //   signal(flag, value)       release store at system scope (after the data it covers)
 //   wait_geq(flag, v, ...)    acquire spin until *flag >= v, bounded by a timeout and
 //                             abandoned early when a stop word becomes non-zero
-//   fence_data()              orders this thread's remote data writes before a signal
+//   fence_data()              orders this thread's remote data writes before a signal;
+//                             at system scope: a peer GPU is outside a .gpu fence's scope
+//   bulk_load / mbar_wait     bulk copies into shared memory; the wait is bounded by the
+//                             kernels' timeout like wait_geq (false: the caller records it)
 #pragma once
 
 #include <cstdint>
