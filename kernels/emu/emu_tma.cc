@@ -1,9 +1,11 @@
 // The emulated GPU's runtime (kernels/emu/emu_internal.h): bulk copies (TMA,
 // cp.async.bulk) between global and shared memory, with mbarrier phases for loads and
-// commit groups for stores; each copy lands at its issue or at its wait, seeded.
-// Model: docs/emulator.md.
-#include <cstdio>
+// commit groups for stores; each copy lands at its issue or at its wait, seeded. The
+// hardware's rules a kernel can break, each a fault or stale bytes in some seeds: 16-byte
+// alignment and size, mbarrier arrival and transaction-byte accounting, the async proxy's
+// fences; and non-coherent (.nc) loads of peer memory. Model: docs/emulator.md.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <stdexcept>
