@@ -110,12 +110,17 @@ struct BulkStage {
   uint64_t* mbar[2];
   uint32_t bytes;  // a piece (a multiple of 16)
   uint32_t phase;
+  int64_t timeout_ns;  // each mbarrier wait's bound (the kernels' timeout)
+  bool failed;         // a wait timed out: the stage's barriers are out of step, copy no more
 };
 
 // Copies `n` bytes (16-byte aligned and sized) from global `src` to global `dst` through
 // the stage, piece by piece: piece p + 1 loads while piece p stores. The stores are left
 // in flight; bulk_wait_all() before the kernel ends (or before anything reads dst).
-__device__ __forceinline__ void bulk_copy_row(BulkStage& st, char* dst, const char* src, size_t n) {
+// False when a piece's load did not land within the stage's timeout (the caller records
+// it); the stage then copies nothing more.
+__device__ __forceinline__ bool bulk_copy_row(BulkStage& st, char* dst, const char* src, size_t n) {
+  if (st.failed) return false;
   const uint32_t np = static_cast<uint32_t>((n + st.bytes - 1) / st.bytes);
   auto len = [&](uint32_t p) {
     const size_t left = n - static_cast<size_t>(p) * st.bytes;
@@ -131,11 +136,15 @@ __device__ __forceinline__ void bulk_copy_row(BulkStage& st, char* dst, const ch
       peer::bulk_load(st.buf[b ^ 1u], src + static_cast<size_t>(p + 1) * st.bytes, len(p + 1),
                       st.mbar[b ^ 1u]);
     }
-    peer::mbar_wait(st.mbar[b], (st.phase >> b) & 1u);
+    if (!peer::mbar_wait(st.mbar[b], (st.phase >> b) & 1u, st.timeout_ns)) {
+      st.failed = true;
+      return false;
+    }
     st.phase ^= 1u << b;
     peer::bulk_store(dst + static_cast<size_t>(p) * st.bytes, st.buf[b], len(p));
     peer::bulk_commit();
   }
+  return true;
 }
 
 // Stores `n` zero bytes (16-byte aligned and sized) at `dst` from `zeros` (`zbytes` of

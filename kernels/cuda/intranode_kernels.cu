@@ -349,6 +349,8 @@ __device__ __forceinline__ BulkStage dispatch_stage(const DispatchArgs& a, char*
   st.mbar[1] = mb + 1;
   st.bytes = static_cast<uint32_t>(pb);
   st.phase = 0;
+  st.timeout_ns = a.c.timeout_ns;
+  st.failed = false;
   return st;
 }
 
@@ -373,7 +375,8 @@ __device__ void dispatch_self(const DispatchArgs& a, int ch, bool fail, char* sm
       char* dst = static_cast<char*>(a.recv_x) + static_cast<int64_t>(rr) * a.row_bytes;
       const char* src = static_cast<const char*>(a.x) + static_cast<int64_t>(tt) * a.row_bytes;
       if (!bulk) warp_copy_row<true>(dst, src, a.row_bytes, lane);
-      else if (lane == 0) bulk_copy_row(st, dst, src, a.row_bytes);
+      else if (lane == 0 && !bulk_copy_row(st, dst, src, a.row_bytes))
+        report(a.c, kErrTimeout, me, kOpDispatch, 0, 5);  // its own bulk load never landed
       const int32_t* idx = a.topk_idx + static_cast<int64_t>(tt) * a.K;
       const float* wt = a.topk_w + static_cast<int64_t>(tt) * a.K;
       int32_t* oidx = a.recv_idx + static_cast<int64_t>(rr) * a.K;
@@ -521,7 +524,8 @@ __device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, u
       if (fail || row < 0 || row >= a.C) continue;  // a failed rank drains without copying
       char* dst = static_cast<char*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes;
       if (!bulk) warp_copy_row<false>(dst, rbase + slot * stride, a.row_bytes, lane);
-      else if (lane == 0) bulk_copy_row(st, dst, rbase + slot * stride, a.row_bytes);
+      else if (lane == 0 && !bulk_copy_row(st, dst, rbase + slot * stride, a.row_bytes))
+        report(a.c, kErrTimeout, s, kOpDispatch, static_cast<int32_t>(n), 5);
       int32_t* oidx = a.recv_idx + static_cast<int64_t>(row) * a.K;
       float* ow = a.recv_w + static_cast<int64_t>(row) * a.K;
       for (int j = lane; j < a.K; j += 32) {

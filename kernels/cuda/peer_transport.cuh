@@ -5,7 +5,10 @@
 //   signal(flag, value)       release store at system scope (after the data it covers)
 //   wait_geq(flag, v, ...)    acquire spin until *flag >= v, bounded by a timeout and
 //                             abandoned early when a stop word becomes non-zero
-//   fence_data()              orders this thread's remote data writes before a signal
+//   fence_data()              orders this thread's remote data writes before a signal;
+//                             at system scope: a peer GPU is outside a .gpu fence's scope
+//   bulk_load / mbar_wait     bulk copies into shared memory; the wait is bounded by the
+//                             kernels' timeout like wait_geq (false: the caller records it)
 #pragma once
 
 #include <cstdint>
@@ -112,11 +115,16 @@ __device__ __forceinline__ void fence_bulk_shared() {
 __device__ __forceinline__ void fence_bulk_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
-// `n` bytes from global `src` into shared `smem`; completes the current phase of `mbar`.
-__device__ __forceinline__ void bulk_load(void* smem, const void* src, uint32_t n, uint64_t* mbar) {
+// One arrival on `mbar` that also announces `bytes` of copies completing its current phase
+// (the phase completes once its arrivals are in and that many bytes have landed).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* mbar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(mbar)),
-               "r"(n)
+               "r"(bytes)
                : "memory");
+}
+// `n` bytes from global `src` into shared `smem`, counted against `mbar`'s current phase
+// (complete_tx: no arrival of its own).
+__device__ __forceinline__ void bulk_load_tx(void* smem, const void* src, uint32_t n, uint64_t* mbar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           smem_addr(smem)),
@@ -124,15 +132,24 @@ __device__ __forceinline__ void bulk_load(void* smem, const void* src, uint32_t 
       : "memory");
 }
 // Waits until the phase of `mbar` with this parity has completed (its loads landed).
-__device__ __forceinline__ void mbar_wait(uint64_t* mbar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
+// False after `timeout_ns` (0: no limit): a phase short of arrivals or bytes never
+// completes, and the caller records the timeout as the other waits do.
+__device__ __forceinline__ bool mbar_wait(uint64_t* mbar, uint32_t parity, int64_t timeout_ns) {
+  uint64_t start = 0;
+  for (;;) {
+    uint32_t done;
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
         " selp.u32 %0, 1, 0, p;\n}"
         : "=r"(done)
         : "r"(smem_addr(mbar)), "r"(parity)
         : "memory");
+    if (done) return true;
+    if (timeout_ns > 0) {
+      const uint64_t now = global_timer_ns();
+      if (start == 0) start = now;
+      else if (now - start > static_cast<uint64_t>(timeout_ns)) return false;
+    }
   }
 }
 // `n` bytes from shared `smem` to global `dst`, in this thread's open bulk group.
@@ -153,6 +170,13 @@ __device__ __forceinline__ void bulk_wait_all() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 #endif
+
+// `n` bytes from global `src` into shared `smem` (16-byte aligned and sized); completes
+// the current phase of `mbar` (initialized for one arrival) when they land.
+__device__ __forceinline__ void bulk_load(void* smem, const void* src, uint32_t n, uint64_t* mbar) {
+  mbar_arrive_expect_tx(mbar, n);
+  bulk_load_tx(smem, src, n, mbar);
+}
 
 __device__ __forceinline__ int32_t load_volatile(const int32_t* p) {
   return *reinterpret_cast<const volatile int32_t*>(p);

@@ -60,6 +60,9 @@ void note_chain(int which, uint32_t n) {
 
 void note_acquire() {
   Hot(kHotAcquire)++;
+  // What this acquire orders reaches a later bulk load only through a proxy fence after it
+  // (emu_tma.cc, bulk_load_tx).
+  if (S().cur != nullptr) S().cur->global_proxy_fenced = false;
   note_poll();
 }
 

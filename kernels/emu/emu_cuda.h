@@ -256,9 +256,22 @@ void release_store64(uint64_t* p, uint64_t v);
 // A load never waited for, a wait on a phase nothing completes (a hang on a GPU) and a
 // store group still pending when its thread exits are faults. Counted apart from the
 // threads' own accesses: "tma_bytes:load|store:local|peer", "block_max:tma_bytes".
-void mbar_init(uint64_t* mbar);
-void bulk_load(void* smem, const void* src, size_t n, uint64_t* mbar);
-void mbar_wait(uint64_t* mbar, uint32_t parity);
+// The hardware's rules, each a fault or a stale read (docs/emulator.md): 16-byte alignment
+// and size of every copy; an mbarrier phase completes only with `count` arrivals and as
+// many bytes copied as expect_tx announced (a wait short of them ends at its timeout with
+// a fault naming the barrier); the async proxy sees generic writes only after a proxy
+// fence (proxy_fence: fence.proxy.async.shared::cta or .global).
+void mbar_init(uint64_t* mbar, uint32_t count = 1);
+void mbar_arrive_expect_tx(uint64_t* mbar, uint32_t bytes);
+// cp.async.bulk ... complete_tx::bytes: no arrival of its own.
+void bulk_load_tx(void* smem, const void* src, size_t n, uint64_t* mbar);
+// False when the phase has not completed within timeout_ns (0: no limit).
+bool mbar_wait(uint64_t* mbar, uint32_t parity, int64_t timeout_ns);
+enum ProxySpace : int { kProxyShared = 0, kProxyGlobal = 1 };
+void proxy_fence(int space);
+// A load through the non-coherent path (ld.global.nc, __ldg): of peer memory, it may
+// return the block's first read of the granule for the rest of the block's life.
+void load_nc(void* out, const void* p, size_t n);
 void bulk_store(void* dst, const void* smem, size_t n);
 void bulk_commit();
 void bulk_wait(int keep);
@@ -418,7 +431,11 @@ inline unsigned __float_as_uint(float f) { return static_cast<unsigned>(emu::to_
 inline double __longlong_as_double(long long v) { return emu::from_bits<double>(static_cast<uint64_t>(v)); }
 inline long long __double_as_longlong(double d) { return static_cast<long long>(emu::to_bits(d)); }
 template <typename T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+  T v;
+  emu::load_nc(&v, p, sizeof(T));
+  return v;
+}
 template <typename T>
 inline T __ldcg(const T* p) {
   emu::note_poll();

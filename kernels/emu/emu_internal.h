@@ -5,6 +5,7 @@
 // Model: docs/emulator.md.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -59,6 +60,7 @@ struct BulkCopy {
   const void* src;
   size_t n;
   bool landed = false;
+  bool stale = false;  // reads garbage: the proxy fence that orders its source is missing
 };
 
 struct Fiber {
@@ -74,6 +76,19 @@ struct Fiber {
   uint32_t chain[kNumChains] = {};  // this thread's fences, releases, work requests
   std::vector<BulkCopy> bulk_open;                 // bulk stores since its last commit
   std::vector<std::vector<BulkCopy>> bulk_groups;  // committed groups, oldest first
+  // Async proxy (emu_tma.cc): whether a fence.proxy.async.global came after this thread's
+  // last acquire (a bulk load of peer-written global memory needs one between them).
+  bool global_proxy_fenced = false;
+};
+
+// An mbarrier's accounting (emu_tma.cc): the arrivals and transaction bytes of its current
+// phase, and the copies issued on it that have not landed.
+struct MbarState {
+  uint32_t count = 1;        // arrivals a phase needs (mbarrier.init)
+  uint32_t arrived = 0;      // arrivals in the current phase
+  int64_t expect_tx = 0;     // bytes announced by expect_tx in the current phase
+  int64_t issued_tx = 0;     // bytes of the copies that complete_tx on the current phase
+  uint64_t init_fences = 0;  // the block's shared proxy fences when it was initialized
 };
 
 struct Coll {
@@ -110,6 +125,15 @@ struct Block {
   uint64_t accesses[2] = {};  // its threads' loads and stores, [0] own GPU's memory, [1] a peer's
   uint64_t tma_bytes = 0;     // bytes of its bulk copies (loads and stores)
   std::map<const void*, std::vector<BulkCopy>> bulk_loads;  // by mbarrier: not yet waited
+  std::map<const void*, MbarState> mbars;                   // by address (emu_tma.cc)
+  // Async proxy (emu_tma.cc): fence.proxy.async.shared::cta executed by its threads, and
+  // the 16-byte granules of its dynamic shared memory that bulk loads (the async proxy)
+  // wrote last.
+  uint64_t shared_proxy_fences = 0;
+  std::vector<bool> async_written;
+  // Non-coherent loads of peer memory (emu_tma.cc): the 16 bytes each granule held at
+  // this block's first .nc load of it.
+  std::unordered_map<uintptr_t, std::array<unsigned char, 16>> nc_snap;
 };
 
 struct Kernel {
@@ -181,6 +205,9 @@ struct State {
   // When each bulk copy lands (at its issue or at its wait): a stream of its own, so the
   // scheduler's interleavings stay what they were for a seed.
   std::mt19937_64 bulk_rng{1};
+  // The hardware rules' own draws (async-proxy staleness, non-coherent loads): a stream of
+  // their own, so a correct kernel's run draws what it drew before these rules existed.
+  std::mt19937_64 rules_rng{1};
   int current = 0;  // host's current device
   cudaError_t last_error = cudaSuccess;
   double now_ns = 0;
@@ -305,6 +332,8 @@ void PushOp(Stream* st, Op op);
 // The virtual GPU whose allocation holds p (-1: host memory or not allocated here).
 int OwnerOf(const void* p);
 bool Remote(const Fiber* f, const void* p);
+// Whether p is in memory marked as peer memory (mark_peer_memory), whoever owns it.
+bool PeerMem(const void* p);
 void Drain(StoreBuf* b, size_t n);
 
 }  // namespace emu

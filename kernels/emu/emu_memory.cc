@@ -22,6 +22,8 @@ bool IsPeer(const void* p) {
 }
 }  // namespace
 
+bool PeerMem(const void* p) { return IsPeer(p); }
+
 // Stores of thread f to p sit in its store buffer when p is marked peer memory that another
 // virtual GPU owns: what a GPU writes into its own buffers (its own NVSHMEM heap, its own
 // intranode buffer) its blocks see at once, as on hardware after a __syncthreads.
@@ -109,7 +111,13 @@ void fence(int scope) {
   if (scope == kFenceSystem) note_chain(kChainFenceSystem);
   if (scope == kFenceGpu) note_chain(kChainFenceGpu);
   // A fence only orders this thread's own stores: it drains its buffer and needs no turn.
-  if (scope >= kFenceGpu) drain_own_stores();
+  // Only a .sys fence does: the buffer holds nothing but stores into memory another
+  // virtual GPU owns, and another GPU's threads are outside a .gpu fence's scope. PTX
+  // ISA, Memory Consistency Model, "Scope": morally strong operations synchronize only
+  // with threads within their scope (.cta, .gpu, .sys), so a fence.gpu (__threadfence)
+  // orders this thread's stores for the threads of its own GPU alone, and a peer polling
+  // its flag may still read the older bytes (what a GPU may do across NVLink).
+  if (scope >= kFenceSystem) drain_own_stores();
 }
 
 void drain_own_stores() {

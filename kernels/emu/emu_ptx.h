@@ -2,13 +2,16 @@
 // meaning on the emulated GPU. Included by that header inside namespace jax_ep::peer.
 //   signal        release store: drains this thread's pending peer stores first
 //   load_acquire  a poll: the scheduler may run other threads before it reads
-//   load_cg*/nc   plain reads of what has become visible (drained)
+//   load_cg*      plain reads of what has become visible (drained)
+//   load_nc16     the same, except that peer memory read twice may return the first read
+//                 (emu::load_nc: the non-coherent path)
 //   store*        peer stores: buffered per thread until a fence or release drains them
 // Each counts its bytes by width and space (emu::note_access, via store_bytes for stores).
 //   global_timer  the virtual clock
 //   sync_threads  a named barrier (bar.sync id, threads)
 //   bulk_*, mbar_*  bulk copies (TMA): land at the waits (emu_cuda.h, "Bulk asynchronous
-//                 copies"); the proxy fences have nothing to order here
+//                 copies"), checked for alignment and mbarrier accounting
+//   fence_bulk_*  proxy fences: without them a bulk copy reads stale bytes in some seeds
 
 inline void signal(uint64_t* flag, uint64_t value) { ::emu::release_store64(flag, value); }
 
@@ -28,7 +31,7 @@ inline uint4 load_cg16(const void* p) {
 inline uint4 load_nc16(const void* p) {
   ::emu::note_access(::emu::kAccessLoad, p, 16, 1);
   uint4 v;
-  std::memcpy(&v, p, 16);
+  ::emu::load_nc(&v, p, 16);
   return v;
 }
 inline uint32_t load_cg4(const void* p) {
@@ -52,17 +55,25 @@ inline void store_volatile(T* p, T v) {
   ::emu::store_bytes(p, &v, sizeof(T));
 }
 
-inline void mbar_init(uint64_t* mbar) { ::emu::mbar_init(mbar); }
-inline void fence_bulk_shared() {}
-inline void fence_bulk_global() {}
-inline void bulk_load(void* smem, const void* src, uint32_t n, uint64_t* mbar) {
-  ::emu::bulk_load(smem, src, n, mbar);
+inline void mbar_init(uint64_t* mbar) { ::emu::mbar_init(mbar, 1); }
+inline void fence_bulk_shared() { ::emu::proxy_fence(::emu::kProxyShared); }
+inline void fence_bulk_global() { ::emu::proxy_fence(::emu::kProxyGlobal); }
+inline void mbar_arrive_expect_tx(uint64_t* mbar, uint32_t bytes) {
+  ::emu::mbar_arrive_expect_tx(mbar, bytes);
 }
-inline void mbar_wait(uint64_t* mbar, uint32_t parity) { ::emu::mbar_wait(mbar, parity); }
+inline void bulk_load_tx(void* smem, const void* src, uint32_t n, uint64_t* mbar) {
+  ::emu::bulk_load_tx(smem, src, n, mbar);
+}
+inline bool mbar_wait(uint64_t* mbar, uint32_t parity, int64_t timeout_ns) {
+  return ::emu::mbar_wait(mbar, parity, timeout_ns);
+}
 inline void bulk_store(void* dst, const void* smem, uint32_t n) { ::emu::bulk_store(dst, smem, n); }
 inline void bulk_commit() { ::emu::bulk_commit(); }
 template <int keep>
 inline void bulk_wait_read() {
   ::emu::bulk_wait(keep);
 }
-inline void bulk_wait_all() { ::emu::bulk_wait(0); }
+inline void bulk_wait_all() {
+  ::emu::bulk_wait(0);
+  ::emu::proxy_fence(::emu::kProxyGlobal);
+}

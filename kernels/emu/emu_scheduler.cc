@@ -514,6 +514,7 @@ void ResetAll(const Config& c) {
   s.cfg = c;
   s.rng.seed(c.seed);
   s.bulk_rng.seed(c.seed ^ 0x5bd1e995u);
+  s.rules_rng.seed(c.seed ^ 0x27d4eb2fu);
   while (static_cast<int>(s.devices.size()) < c.num_devices) {
     auto* d = new Device();
     d->id = static_cast<int>(s.devices.size());

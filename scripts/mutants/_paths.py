@@ -1,6 +1,8 @@
 """Kernel and test paths the mutant tables name."""
 INTRA = "kernels/cuda/intranode_kernels.cu"
 COMMON = "kernels/cuda/cuda_common.cuh"
+PEER = "kernels/cuda/peer_transport.cuh"
+T_LINT = "tests/test_poll_lint.py"
 LAYOUT = "kernels/cuda/layout_kernels.cu"
 LL = "kernels/cuda/low_latency_kernels.cu"
 T_INTRA = "tests/emu/test_intranode_emu.py"

@@ -217,4 +217,10 @@ MUTANTS = [
            (T_HIER, "-k", "matches_reference or role_parts"),
            "column part q copies part q - 1's slice: one slice of every forwarded row is "
            "never written"),
+    Mutant("hier_nvl_flush_fence_gpu_scope", HIER,
+           "  if (!__any_sync(kFull, dirty)) return true;\n  __threadfence_system();\n",
+           "  if (!__any_sync(kFull, dirty)) return true;\n  __threadfence();\n",
+           (T_HIER, "-k", "partials_rounded or matches_reference or small_rings"),
+           "the forwarder's fence at .gpu scope (__threadfence): its lanes' row stores into a "
+           "peer's NVLink ring (another GPU) are not ordered before the tail's release"),
 ]

@@ -141,10 +141,11 @@ MUTANTS = [
            QUICK, "the first row past the received ones is not filled"),
     # --------------------------------------------------------- dispatch's bulk copies (TMA)
     Mutant("bulk_load_not_waited", COMMON,
-           "    peer::mbar_wait(st.mbar[b], (st.phase >> b) & 1u);\n", "",
+           "    if (!peer::mbar_wait(st.mbar[b], (st.phase >> b) & 1u, st.timeout_ns)) {\n"
+           "      st.failed = true;\n      return false;\n    }\n", "",
            BULK, "a piece is stored from shared memory without waiting for its load"),
     Mutant("bulk_wait_wrong_parity", COMMON,
-           "(st.phase >> b) & 1u);", "((st.phase >> b) & 1u) ^ 1u);",
+           "(st.phase >> b) & 1u, st.timeout_ns)", "((st.phase >> b) & 1u) ^ 1u, st.timeout_ns)",
            BULK, "the wait asks for the phase before (done already): it returns before the "
            "load lands"),
     Mutant("bulk_piece_reused_before_read", COMMON,
@@ -254,4 +255,56 @@ MUTANTS = [
            (T_INTRA, "-k", "gather_call_site or gather_rank"),
            "a failed sender still streams rows to a receiver that skipped its ring (it waits "
            "for ids that never come)"),
+    # ------------------------------------ hardware rules: fence scope, async proxy, TMA, loads
+    # A .gpu fence orders nothing for another GPU (PTX ISA, Memory Consistency Model,
+    # "Scope"): the emulator's .gpu fences leave a thread's peer stores buffered.
+    Mutant("fence_data_gpu_scope", PEER,
+           "__device__ __forceinline__ void fence_data() { __threadfence_system(); }",
+           "__device__ __forceinline__ void fence_data() { __threadfence(); }",
+           (T_INTRA, "-k", "rings or seeds_agree or test_dispatch_combine_gather"),
+           "fence_data at .gpu scope: the lanes' row stores into a peer's ring are not "
+           "ordered before the tail's release as the peer sees them"),
+    Mutant("ring_tail_fence_gpu_scope", INTRA,
+           "  peer::fence_data();\n  __syncwarp();\n  if ((threadIdx.x & 31) == 0) peer::signal(tail, k);",
+           "  __threadfence();\n  __syncwarp();\n  if ((threadIdx.x & 31) == 0) peer::signal(tail, k);",
+           (T_INTRA, "-k", "rings or seeds_agree or test_dispatch_combine_gather"),
+           "the fence before a ring's tail at .gpu scope (__threadfence): the receiver, "
+           "another GPU, reads stale slots"),
+    Mutant("bulk_no_shared_proxy_fence", INTRA,
+           "  peer::fence_bulk_shared();  // the zeros and mbarriers, before any bulk copy uses them\n",
+           "",
+           BULK, "no fence.mbarrier_init / fence.proxy.async.shared: the bulk copies may see "
+           "the mbarriers uninitialized and the zero piece's garbage (emulator fault)"),
+    Mutant("bulk_no_global_proxy_fence", INTRA,
+           "      if (bulk) peer::fence_bulk_global();  // the rows the tail covers, for the bulk loads\n",
+           "",
+           BULK, "no fence.proxy.async.global after the tail's acquire: the bulk loads (async "
+           "proxy) read ring rows older than the tail says (stale bytes in some seeds)"),
+    Mutant("aligned16_relaxed_to_8", COMMON,
+           "return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) | n) & 15u) == 0;",
+           "return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) | n) & 7u) == 0;",
+           (T_INTRA, "-k", "full and fp8"),
+           "8-byte alignment taken for 16: 72-byte FP8 rows go as bulk copies, which must be "
+           "16-byte aligned and sized (a misaligned-address fault)"),
+    Mutant("bulk_expect_tx_too_many_bytes", PEER,
+           "  mbar_arrive_expect_tx(mbar, n);\n  bulk_load_tx(smem, src, n, mbar);",
+           "  mbar_arrive_expect_tx(mbar, n + 16);\n  bulk_load_tx(smem, src, n, mbar);",
+           BULK, "expect_tx announces more bytes than the copy lands: the phase never "
+           "completes (a hang on a GPU; the bounded wait times out)"),
+    Mutant("bulk_expect_tx_too_few_bytes", PEER,
+           "  mbar_arrive_expect_tx(mbar, n);\n  bulk_load_tx(smem, src, n, mbar);",
+           "  mbar_arrive_expect_tx(mbar, n / 2);\n  bulk_load_tx(smem, src, n, mbar);",
+           BULK, "expect_tx announces fewer bytes than the copy lands: the phase completes "
+           "before the piece has landed and the rest counts against the next phase"),
+    Mutant("combine_ring_read_nc", INTRA,
+           "if (rr[u] >= 0) q[u] = peer::load_cg16(src[rr[u]] + c * 16);",
+           "if (rr[u] >= 0) q[u] = peer::load_nc16(src[rr[u]] + c * 16);",
+           RINGS, "a ring row (written by a peer while the kernel runs) read through the "
+           "non-coherent path: a slot reused by a later row may read the earlier one"),
+    Mutant("wait_geq_plain_poll", PEER,
+           "  while (load_acquire(flag) < value) {",
+           "  while (*reinterpret_cast<const volatile uint64_t*>(flag) < value) {",
+           (T_LINT,), "a poll through a volatile load: no acquire (what the flag guards may be "
+           "read older) and a stale line may be served (the emulator reorders no loads; the "
+           "source lint finds it)"),
 ]

@@ -96,4 +96,10 @@ MUTANTS = [
            "    if (false) {",
            (T_LL, "-k", "foreign"),
            "a foreign combine handle is not caught: rows outside y are sent"),
+    Mutant("ll_send_fence_gpu_scope", LL,
+           "    // Every thread orders its own rows before the pair's word.\n    peer::fence_data();\n",
+           "    // Every thread orders its own rows before the pair's word.\n    __threadfence();\n",
+           (T_LL, "-k", "one_run"),
+           "the send's fence at .gpu scope: other threads' rows not ordered before the "
+           "arrival word as the owner GPU sees them"),
 ]
