@@ -109,9 +109,12 @@ def intranode_one_run(emu, rounds, wants, *, E, M, K, order):
     for per in ids:
         got = [_collect(emu.m, cid, spec) for cid, spec in per["drecv"]]
         d = {k: np.stack([g[j] for g in got]) for j, k in enumerate(LL_DISPATCH_KEYS)}
-        # the send halves' epoch hand-over is what the receive halves were given
-        for cid, spec in per["dsend"] + per["csend"]:
-            _collect(emu.m, cid, spec)
+        # the send halves hand over the epochs the receive halves were given
+        n = len(results) + 1
+        for cid, spec in per["dsend"]:
+            assert _collect(emu.m, cid, spec)[1][0, 0] == n
+        for cid, spec in per["csend"]:
+            assert _collect(emu.m, cid, spec)[1] == n
         d["out"] = np.stack([_collect(emu.m, cid, spec)[0] for cid, spec in per["crecv"]])
         results.append(d)
     return results
