@@ -35,9 +35,6 @@ from emu_intranode_util import assert_same  # noqa: E402
 pytestmark = pytest.mark.emu
 full = pytest.mark.emu_full
 
-ORDERS = ("lockstep", "two_in_flight")
-
-
 def _ins(arrs):
     return [(np.ascontiguousarray(a).tobytes(), list(np.shape(a)), _code(np.asarray(a).dtype))
             for a in arrs]
@@ -47,15 +44,41 @@ def _outs(spec):
     return [(list(s), _code(d)) for s, d in spec]
 
 
+ORDERS = ("lockstep", "two_in_flight", "combines_in_flight")
+
+
 def _stream_order(n_rounds, order):
     """(half, round) in each rank's stream order. lockstep: a round's four halves, then the
     next round's; two_in_flight: two rounds' dispatch sends before either receive half,
-    then the same for combine (two sends in flight per op, both parities live)."""
+    then the same for combine (two sends in flight per op, both parities live);
+    combines_in_flight: one dispatch, then its handle combined once per round, two combine
+    sends before either receive half (no dispatch between the combines, so an owner's
+    third combine send can meet a source still reading the first: only the credit stops
+    it)."""
     halves = ("dsend", "drecv", "csend", "crecv")
     if order == "lockstep":
         return [(h, i) for i in range(n_rounds) for h in halves]
     assert n_rounds % 2 == 0
-    return [(h, i) for a in range(0, n_rounds, 2) for h in halves for i in (a, a + 1)]
+    if order == "two_in_flight":
+        return [(h, i) for a in range(0, n_rounds, 2) for h in halves for i in (a, a + 1)]
+    return [("dsend", 0), ("drecv", 0)] + [
+        (h, i) for a in range(0, n_rounds, 2) for h in halves[2:] for i in (a, a + 1)]
+
+
+def _one_dispatch(rounds):
+    """combines_in_flight's rounds: round 0's x, ids and weights throughout, each round's
+    own y (the same dispatch handle combined again, as a backward pass does)."""
+    x, idx, w, _ = rounds[0]
+    return [(x, idx, w, r[3]) for r in rounds]
+
+
+def _rounds(order):
+    return 6 if order == "combines_in_flight" else 4
+
+
+def _keys(got):
+    """The fields a round returned: the dispatch's and combine's out, or out alone."""
+    return tuple(k for k in LL_DISPATCH_KEYS + ("out",) if k in got)
 
 
 def _collect(m, ids, spec):
@@ -107,11 +130,11 @@ def intranode_one_run(emu, rounds, wants, *, E, M, K, order):
         raise EmuError(f"emulated GPU (seed {emu.seed}): " + "; ".join(faults))
     results = []
     for per in ids:
-        got = [_collect(emu.m, cid, spec) for cid, spec in per["drecv"]]
-        d = {k: np.stack([g[j] for g in got]) for j, k in enumerate(LL_DISPATCH_KEYS)}
+        got = [_collect(emu.m, cid, spec) for cid, spec in per.get("drecv", [])]
+        d = {k: np.stack([g[j] for g in got]) for j, k in enumerate(LL_DISPATCH_KEYS) if got}
         # the send halves hand over the epochs the receive halves were given
         n = len(results) + 1
-        for cid, spec in per["dsend"]:
+        for cid, spec in per.get("dsend", []):
             assert _collect(emu.m, cid, spec)[1][0, 0] == n
         for cid, spec in per["csend"]:
             assert _collect(emu.m, cid, spec)[1] == n
@@ -123,6 +146,9 @@ def intranode_one_run(emu, rounds, wants, *, E, M, K, order):
 @pytest.mark.parametrize("R,seed,order", [
     (2, 1, "lockstep"),
     (2, 2, "two_in_flight"),
+    (2, 6, "combines_in_flight"),
+    pytest.param(4, 7, "combines_in_flight", marks=full),
+    pytest.param(2, 8, "combines_in_flight", marks=full),
     pytest.param(2, 3, "lockstep", marks=full),
     pytest.param(4, 4, "two_in_flight", marks=full),
     pytest.param(4, 5, "lockstep", marks=full),
@@ -135,12 +161,14 @@ def test_ll_combine_halves_in_one_run(R, seed, order):
     round's handle and combined rows bit-exact."""
     S, H, K, E, M = 6, 64, 2, 2 * R, 6
     emu = _setup(R, S, H, K, E, M, "bf16", seed, resident_blocks=2)
-    rounds = [_inputs(R, S, H, K, E, M, "bf16", 1000 * seed + i) for i in range(4)]
+    rounds = [_inputs(R, S, H, K, E, M, "bf16", 1000 * seed + i) for i in range(_rounds(order))]
+    if order == "combines_in_flight":
+        rounds = _one_dispatch(rounds)
     rpd = M * min(K, E // R)
     wants = [ll_reference(*inp, E=E, M=M, rows_per_dest=rpd) for inp in rounds]
     got = intranode_one_run(emu, rounds, wants, E=E, M=M, K=K, order=order)
     for i, (g, want) in enumerate(zip(got, wants)):
-        assert_ll_same(g, want, LL_DISPATCH_KEYS + ("out",), f"seed {seed} {order} round {i}: ")
+        assert_ll_same(g, want, _keys(g), f"seed {seed} {order} round {i}: ")
     assert emu.check_errors() == []
 
 
@@ -190,12 +218,12 @@ def internode_one_run(em, rounds, wants, first_tokens, *, K, order):
     for i, per in enumerate(ids):
         # the send halves hand over exactly the tokens the receive halves were given
         for half, which in (("dsend", 0), ("csend", 1)):
-            for cid, spec, r in per[half]:
+            for cid, spec, r in per.get(half, []):
                 tok = _collect(m, cid, spec)[0]
                 want_tok = [first_tokens[which][r][0] + 1 + i, first_tokens[which][r][1]]
                 assert tok.tolist() == want_tok, (half, i, r, tok, want_tok)
-        got = [_collect(m, cid, spec) for cid, spec, _ in per["drecv"]]
-        d = {k: np.stack([g[j] for g in got]) for j, k in enumerate(LL_DISPATCH_KEYS)}
+        got = [_collect(m, cid, spec) for cid, spec, _ in per.get("drecv", [])]
+        d = {k: np.stack([g[j] for g in got]) for j, k in enumerate(LL_DISPATCH_KEYS) if got}
         d["out"] = np.stack([_collect(m, cid, spec)[0] for cid, spec, _ in per["crecv"]])
         results.append(d)
     return results
@@ -225,6 +253,8 @@ def _internode_first_round(em, x, idx, w, y, *, K, want):
 @pytest.mark.parametrize("R,seed,max_delay,order", [
     (2, 11, 32, "lockstep"),
     (2, 12, 400, "two_in_flight"),
+    (2, 16, 400, "combines_in_flight"),
+    pytest.param(4, 17, 4000, "combines_in_flight", marks=full),
     pytest.param(4, 13, 32, "two_in_flight", marks=full),
     pytest.param(4, 14, 4000, "lockstep", marks=full),
     pytest.param(2, 15, 4000, "two_in_flight", marks=full),
@@ -243,10 +273,13 @@ def test_internode_ll_halves_in_one_run(R, seed, max_delay, order):
     first = internode_inputs(R, S, H, K, E, M, "bf16", rng)
     tokens = _internode_first_round(em, *first, K=K,
                                     want=ll_reference(*first, E=E, M=M, rows_per_dest=rpd))
-    rounds = [internode_inputs(R, S, H, K, E, M, "bf16", rng) for _ in range(4)]
+    rounds = [internode_inputs(R, S, H, K, E, M, "bf16", rng) for _ in range(_rounds(order))]
+    if order == "combines_in_flight":
+        rounds = _one_dispatch(rounds)
     wants = [ll_reference(*inp, E=E, M=M, rows_per_dest=rpd) for inp in rounds]
     got = internode_one_run(em, rounds, wants, tokens, K=K, order=order)
     for i, (g, want) in enumerate(zip(got, wants)):
-        assert_same(below_count(g), below_count(want), LL_DISPATCH_KEYS + ("out",),
-                    f"seed {seed} {order} round {i}: ")
+        if "recv_count" in g:
+            g, want = below_count(g), below_count(want)
+        assert_same(g, want, _keys(g), f"seed {seed} {order} round {i}: ")
     assert em.ll_errors() == [""] * R
