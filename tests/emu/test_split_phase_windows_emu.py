@@ -25,15 +25,15 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from jax_ep._src.emu import EmuError, _code  # noqa: E402
 
-from emu_intranode_util import LL_DISPATCH_KEYS, ll_reference  # noqa: E402
+from emu_intranode_util import LL_DISPATCH_KEYS, assert_same, ll_reference  # noqa: E402
 from test_internode_ll_emu import below_count  # noqa: E402
 from test_internode_ll_emu import inputs as internode_inputs  # noqa: E402
 from test_internode_ll_emu import setup as internode_setup  # noqa: E402
 from test_low_latency_emu import _inputs, _setup, assert_ll_same  # noqa: E402
-from emu_intranode_util import assert_same  # noqa: E402
 
 pytestmark = pytest.mark.emu
 full = pytest.mark.emu_full
+
 
 def _ins(arrs):
     return [(np.ascontiguousarray(a).tobytes(), list(np.shape(a)), _code(np.asarray(a).dtype))
@@ -42,9 +42,6 @@ def _ins(arrs):
 
 def _outs(spec):
     return [(list(s), _code(d)) for s, d in spec]
-
-
-ORDERS = ("lockstep", "two_in_flight", "combines_in_flight")
 
 
 def _stream_order(n_rounds, order):
