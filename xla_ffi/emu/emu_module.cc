@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -93,8 +94,11 @@ struct DevBuf {
     cudaSetDevice(d);
     cudaMalloc(&p, bytes);
     // Outputs start as garbage, as XLA's do: a kernel that leaves one unwritten shows.
-    if (init != nullptr) cudaMemcpy(p, init->data(), bytes, cudaMemcpyHostToDevice);
-    else cudaMemset(p, 0xA5, bytes);
+    // Filled directly, not by cudaMemcpy / cudaMemset (which drain the device first): the
+    // allocation is new, so no queued work can see it, and calls enqueued one after
+    // another on a GPU stay queued until synchronize runs them all in one scheduler run.
+    if (p != nullptr && init != nullptr) std::memcpy(p, init->data(), bytes);
+    else if (p != nullptr) std::memset(p, 0xA5, bytes);
     b.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
     b.dtype = t.id;
     b.data = p;
