@@ -92,6 +92,8 @@ NAMES=(build tests multiprocess internode sanitizer bench)
 #   test_cuda_low_latency_mp.py::test_worker_and_oracle_on_cpu_processes    37 s
 # The lent machine has 16 cores, so R processes start in parallel; a CUDA context and the
 # GPU compiles add a few seconds per process, covered by the margin (about 2x).
+# The build: its longest compile is hierarchical_kernels.cu, 34 s on those 2 cores (ninja's
+# log), the rest run beside it on 16 cores; 140 s holds pip's own start and the link.
 # Stage 3 runs three tests of the first kind (2 and 4 processes, one killed: it waits
 # JAX_EP_TIMEOUT_S) and two of the second (2 and 4 processes); stage 4 three of the first.
 MP_BOX=80       # stage 3: tests/runtime/test_mp_cuda.py -k "not internode"
