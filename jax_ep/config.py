@@ -1,7 +1,8 @@
 """Library-wide settings of jax-ep: one frozen `Config`, read once from the environment
 when jax_ep is imported.
 
-Every `JAX_EP_*` variable the library reads at run time:
+Every `JAX_EP_*` variable the library reads at run time, and the one CUDA variable it
+reads beside the driver (CUDA_DEVICE_MAX_CONNECTIONS):
 
 | variable | setting | type | default | what it does |
 | --- | --- | --- | --- | --- |
@@ -27,6 +28,7 @@ Every `JAX_EP_*` variable the library reads at run time:
 | JAX_EP_ROUTE_TABLE | route_table | path | unset: /proc/net/route | routing table the bootstrap interface is chosen from |
 | JAX_EP_GPU_PCI_BUS_ID | gpu_pci_bus_id | PCI bus id | unset: JAX's device | this process's GPU for fabric discovery |
 | JAX_EP_LAG_SHIM | lag_shim | path | unset: the built shim | the LAG affinity shim library to load |
+| CUDA_DEVICE_MAX_CONNECTIONS | hardware_queues | int in [1, 32] | 8 (the CUDA driver's default) | hardware queues the driver gives this process's streams (it reads the variable once, when CUDA starts: set it before); the virtual-rank harness runs at most this many ranks |
 
 An empty variable is the same as an unset one; a bad value is a ValueError naming the
 variable (at import). The kernels' settings (timeout_s, num_sms, ring_tokens,
@@ -186,6 +188,21 @@ def _cuda_presets() -> tuple:
     return tuple(_DEFAULTS.get("cuda_presets", ()))
 
 
+def _int_in(lo: int, hi: int, default: int):
+    def parse(value, name):
+        if value is None or value == "":
+            return default
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            n = None
+        if n is None or isinstance(value, bool) or not lo <= n <= hi or \
+                (isinstance(value, float) and value != n):
+            raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        return n
+    return parse
+
+
 # setting -> (environment variable, parser). The order is the table's.
 _SPEC: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "collective_stream": ("JAX_EP_COLLECTIVE_STREAM", _collective_stream),
@@ -211,6 +228,7 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "route_table": ("JAX_EP_ROUTE_TABLE", _str_or_none),
     "gpu_pci_bus_id": ("JAX_EP_GPU_PCI_BUS_ID", _str_or_none),
     "lag_shim": ("JAX_EP_LAG_SHIM", _str_or_none),
+    "hardware_queues": ("CUDA_DEVICE_MAX_CONNECTIONS", _int_in(1, 32, 8)),
 }
 
 # setting -> its environment variable.
@@ -218,7 +236,7 @@ ENV = {k: v[0] for k, v in _SPEC.items()}
 # The settings C++ reads (kernels/common/settings.h), pushed through `set_settings`.
 KERNEL_SETTINGS = ("timeout_s", "num_sms", "ring_tokens", "bulk_piece_bytes", "cuda_preset",
                    "hier_source_blocks", "hier_push_parts", "hier_forward_columns",
-                   "hier_dispatch_blocks", "hier_combine_blocks")
+                   "hier_dispatch_blocks", "hier_combine_blocks", "hardware_queues")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +265,7 @@ class Config:
     route_table: str | None = None
     gpu_pci_bus_id: str | None = None
     lag_shim: str | None = None
+    hardware_queues: int = 8
 
     def replace(self, **settings) -> "Config":
         """This config with `settings` changed (each checked, naming the setting)."""

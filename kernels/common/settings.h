@@ -32,6 +32,9 @@ struct Settings {
   int hier_forward_columns = 0;  // JAX_EP_HIER_FORWARD_COLUMNS
   int hier_dispatch_blocks = 0;  // JAX_EP_HIER_DISPATCH_BLOCKS
   int hier_combine_blocks = 0;   // JAX_EP_HIER_COMBINE_BLOCKS
+  // CUDA_DEVICE_MAX_CONNECTIONS (the driver's default 8): hardware queues of this
+  // process's streams, which the virtual-rank harness checks its ranks against.
+  int hardware_queues = 8;
 };
 
 // This module's settings (written only by the bindings, between calls).

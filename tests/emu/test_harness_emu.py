@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+import jax_ep
 from jax_ep._src.emu import Emulator
 
 from emu_intranode_util import DISPATCH_KEYS, assert_same, reference, routing, rows
@@ -41,13 +42,19 @@ def _run(emu, x, idx, w, y, g, *, E, C):
     return d
 
 
+@pytest.fixture(autouse=True)
+def _keep_hardware_queues():
+    """Each test's hardware_queues setting is its own."""
+    with jax_ep.config.override(hardware_queues=jax_ep.config.hardware_queues):
+        yield
+
+
 def _queues(monkeypatch, env: int | None, emulated: int):
-    """The count the harness reads (CUDA_DEVICE_MAX_CONNECTIONS; None: unset) and the
-    queues the emulated GPU has, set apart (they differ only where a test says so)."""
-    if env is None:
-        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", str(env))
+    """The count the harness reads (jax_ep.config.hardware_queues, from
+    CUDA_DEVICE_MAX_CONNECTIONS; None: unset, the driver's 8) and the queues the emulated
+    GPU has, set apart (they differ only where a test says so)."""
+    del monkeypatch
+    jax_ep.config.update("hardware_queues", 8 if env is None else env)
     return emulated
 
 
@@ -84,9 +91,10 @@ def test_more_ranks_than_queues_is_refused(monkeypatch):
     x, idx, w, _, _ = _case(R, T, H, K, E, C, "f32", "random", 1)
     with pytest.raises(ValueError, match=r"R = 16 .*CUDA_DEVICE_MAX_CONNECTIONS = 8 .*at least 16"):
         emu.harness_dispatch(x, idx, w, num_experts=E, capacity=C)
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "many")
     with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS must be an integer in"):
-        emu.harness_dispatch(x, idx, w, num_experts=E, capacity=C)
+        jax_ep.config.from_env({"CUDA_DEVICE_MAX_CONNECTIONS": "many"})
+    with pytest.raises(ValueError, match="hardware_queues must be an integer in"):
+        jax_ep.config.update("hardware_queues", 33)
 
 
 def test_serialised_mode_is_refused(monkeypatch):

@@ -51,6 +51,12 @@ void SetSettings(nb::dict d) {
       s.hier_dispatch_blocks = IntOrUnset(key, v);
     } else if (key == "hier_combine_blocks") {
       s.hier_combine_blocks = IntOrUnset(key, v);
+    } else if (key == "hardware_queues") {
+      const long long n = v.is_none() ? 8 : nb::cast<long long>(v);
+      if (n < 1 || n > 32)
+        throw std::invalid_argument("set_settings: hardware_queues (CUDA_DEVICE_MAX_CONNECTIONS) "
+                                    "must be in [1, 32], got " + std::to_string(n));
+      s.hardware_queues = static_cast<int>(n);
     } else {
       throw std::invalid_argument("set_settings: unknown setting " + key);
     }
@@ -74,6 +80,7 @@ nb::dict GetSettings() {
   d["hier_forward_columns"] = IntOrNone(s.hier_forward_columns);
   d["hier_dispatch_blocks"] = IntOrNone(s.hier_dispatch_blocks);
   d["hier_combine_blocks"] = IntOrNone(s.hier_combine_blocks);
+  d["hardware_queues"] = s.hardware_queues;
   return d;
 }
 

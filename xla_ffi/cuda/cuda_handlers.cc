@@ -22,6 +22,7 @@
 #include <string>
 
 #include "kernels/common/configs.h"
+#include "kernels/common/settings.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/intranode_buffer.h"
 #include "xla_ffi/cuda/cuda_state.h"
@@ -210,19 +211,9 @@ cudaError_t MakeRankStreams(int ordinal, int R, RankStreams* st) {
 }
 
 // The hardware queues the driver made for this process: CUDA_DEVICE_MAX_CONNECTIONS as
-// it was when CUDA initialised (it must be set before; the harness can only read it now),
-// 8 when unset, as the driver's default. *err: a value the driver would not take.
-int HardwareQueues(std::string* err) {
-  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-  if (v == nullptr || *v == '\0') return 8;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  if (*end != '\0' || n < 1 || n > 32) {
-    *err = std::string("CUDA_DEVICE_MAX_CONNECTIONS must be an integer in [1, 32], got '") + v + "'";
-    return 0;
-  }
-  return static_cast<int>(n);
-}
+// jax_ep.config read it (hardware_queues: once, at import, which precedes CUDA's start in
+// a process that sets it before importing jax; the driver's default 8 when unset).
+int HardwareQueues() { return settings().hardware_queues; }
 
 // R virtual ranks with at least `area` bytes past the header each (the op's area starts
 // right after the header), allocated on first use.
@@ -244,9 +235,7 @@ ffi::Error HarnessRanks(cudaStream_t stream, int ordinal, int R, int kind, size_
                    "pass concurrent=True");
   // Two ranks on one hardware queue: the later one's kernels wait behind the earlier
   // one's, which wait for them.
-  std::string qerr;
-  const int queues = HardwareQueues(&qerr);
-  if (!qerr.empty()) return Invalid("harness: " + qerr);
+  const int queues = HardwareQueues();
   if (R > queues)
     return Invalid("the harness runs each of its R = " + std::to_string(R) +
                    " virtual ranks on a stream of its own and their kernels wait on each other, "

@@ -134,11 +134,9 @@ void Configure(int num_devices, uint64_t seed, int resident_blocks, double timeo
     throw std::invalid_argument("jax_ep emu: preempt_prob must be in [0, 1) and preempt_ns >= 0");
   if (!(idle_after_ns >= 0))
     throw std::invalid_argument("jax_ep emu: idle_after_ns must be >= 0 (0: no idle fast-forward)");
-  // 0: as the driver, from CUDA_DEVICE_MAX_CONNECTIONS, else its default of 8.
-  if (connections == 0) {
-    const char* env = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-    connections = env != nullptr && *env != '\0' ? std::atoi(env) : 8;
-  }
+  // 0: as the driver, CUDA_DEVICE_MAX_CONNECTIONS (jax_ep.config's hardware_queues,
+  // read once from the environment; the driver's default 8).
+  if (connections == 0) connections = settings().hardware_queues;
   if (connections < 1 || connections > 32)
     throw std::invalid_argument("jax_ep emu: connections (CUDA_DEVICE_MAX_CONNECTIONS) must be in [1, 32], got " +
                                 std::to_string(connections));
