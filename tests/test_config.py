@@ -162,7 +162,8 @@ def test_settings_reach_cpp():
     assert ext.settings_defaults()["timeout_s"] == 300.0 == config.Config().timeout_s
     want = dict(timeout_s=12.5, num_sms=5, ring_tokens=7, bulk_piece_bytes=48,
                 cuda_preset="ep4", hier_source_blocks=3, hier_push_parts=2,
-                hier_forward_columns=2, hier_dispatch_blocks=6, hier_combine_blocks=4)
+                hier_forward_columns=2, hier_dispatch_blocks=6, hier_combine_blocks=4,
+                hardware_queues=16)
     with config.override(**want):
         assert ext.settings() == want
         assert ext.intranode_ring_tokens() == 7  # configs.h IntranodeRingTokens
