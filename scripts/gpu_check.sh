@@ -142,6 +142,11 @@ export WORK="${JAX_EP_GPU_CHECK_WORK:-/tmp/jax_ep_gpu_check_work}"
 mkdir -p "$OUT"
 rm -rf "$WORK"
 mkdir -p "$WORK"
+# On the lent GPU machine python3 is the virtualenv to build into; the emulated rehearsal
+# runs where `make test` built, the repository's .venv when there is one.
+if [ "$EMU" = 1 ] && [ -z "${PYTHON:-}" ] && [ -x "$ROOT/.venv/bin/python" ]; then
+  PYTHON="$ROOT/.venv/bin/python"
+fi
 export PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
