@@ -214,3 +214,24 @@ def test_json_writes_each_mode_from_the_model(tmp_path):
     assert slow["intranode"]["dispatch_gbs"] < 0.75 * modes["intranode"]["dispatch_gbs"]
     assert slow["low_latency"]["dispatch_us"] > 1.3 * modes["low_latency"]["dispatch_us"]
     assert slow["hierarchical"]["combine_gbs"] < modes["hierarchical"]["combine_gbs"]
+
+
+def test_documented_latency_table_is_the_stored_counts_remodelled():
+    """docs/performance.md's latency table is what scripts/latency_table.py makes of the
+    stored counts with today's model (regenerate: `python scripts/latency_table.py
+    --write`); every stored target is in it."""
+    import glob
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "latency_table", os.path.join(root, "scripts", "latency_table.py"))
+    lt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lt)
+    doc = open(os.path.join(root, "docs", "performance.md")).read()
+    block = doc[doc.index(lt.MARKS[0]) + len(lt.MARKS[0]):doc.index(lt.MARKS[1])].strip()
+    es = lt.entries()
+    assert len(es) == len(glob.glob(os.path.join(root, "docs", "model_counts", "latency_*.json")))
+    assert block == lt.table(es)
+    assert all(e["latency_ops"]["dispatch"]["latency_aware"] for e in es)
