@@ -261,7 +261,9 @@ def device_time_latency(c: dict[str, float], k: Constants = H200) -> dict[str, A
       time     = max(link, issue, inflight, chain) + launches * LAUNCH
 
     Counters: "warp_mrounds:<space>:<kernel>", "round_bytes:<space>", "longest:mrounds:
-    <space>" from the emulator (kernels/emu/emu_counters.cc, "Rounds")."""
+    <space>" (data rounds, fitted in T and T H) and "chain:mrounds:<space>" (polls and write
+    waits, fitted in T like every "chain:" counter) from the emulator
+    (kernels/emu/emu_counters.cc, "Rounds")."""
     base = device_time(c, k)  # the byte counts and launch geometry, shared with the roofline
     lat = latency_s(k)
     ld = {sp: {w: float(c.get(f"load_bytes:{sp}:{w}", 0)) + float(c.get(f"store_bytes:{sp}:{w}", 0))
@@ -296,7 +298,10 @@ def device_time_latency(c: dict[str, float], k: Constants = H200) -> dict[str, A
     round_bytes = {sp: float(c.get(f"round_bytes:{sp}", 0)) for sp in SPACES}
     inflight_B = {sp: round_bytes[sp] / warp_rounds[sp] if warp_rounds[sp] else 0.0
                   for sp in SPACES}
-    longest = {sp: float(c.get(f"longest:mrounds:{sp}", 0)) * MILLI for sp in SPACES}
+    # the longest thread's data rounds plus its polls and write waits (each the longest on
+    # its own: an upper bound of one thread's sum)
+    longest = {sp: (float(c.get(f"longest:mrounds:{sp}", 0))
+                    + float(c.get(f"chain:mrounds:{sp}", 0))) * MILLI for sp in SPACES}
     chain_s = sum(longest[sp] * lat[sp] for sp in SPACES) + float(c.get("chain:wrs", 0)) * k.wr_s
     terms = {"link": link_s, "issue": issue_s, "inflight": inflight_s, "chain": chain_s}
     bound = max(terms, key=terms.get)

@@ -42,13 +42,19 @@ void CountChains(Kernel* k) {
   for (int i = 0; i < 2; ++i)
     if (k->block_max[i] != 0) CountDev(k->dev->id, kBlockMaxNames[i], k->block_max[i]);
   if (k->block_max_tma != 0) CountDev(k->dev->id, "block_max:tma_bytes", k->block_max_tma);
-  // Rounds (below): the longest thread's, by space ("longest:mrounds:<space>", each the
-  // maximum over the threads on its own, added per launch like the chains), and the data
+  // Rounds (below): the longest thread's, by space and kind, each the maximum over the
+  // threads on its own, added per launch like the chains: data rounds (loads, bulk loads)
+  // as "longest:mrounds:<space>", which grow with the bytes a thread copies; polls and
+  // waits for writes as "chain:mrounds:<space>", which the kernels make per row, chunk or
+  // call, never per byte (the model fits them as it fits the other chains). And the data
   // rounds of its warps ("warp_mrounds:<space>:<kernel>", added over warps and launches;
   // with "kernel:<kernel>:warps" the model gets the average warp's rounds).
   for (int sp = 0; sp < kNumLatSpaces; ++sp) {
     if (k->mrounds_max[sp] != 0)
       CountDev(k->dev->id, std::string("longest:mrounds:") + kLatNames[sp], k->mrounds_max[sp]);
+    if (k->sync_mrounds_max[sp] != 0)
+      CountDev(k->dev->id, std::string("chain:mrounds:") + kLatNames[sp],
+               k->sync_mrounds_max[sp]);
     if (k->warp_mrounds[sp] != 0)
       CountDev(k->dev->id, std::string("warp_mrounds:") + kLatNames[sp] + ":" + k->spec.name,
                k->warp_mrounds[sp]);

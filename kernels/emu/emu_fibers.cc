@@ -320,8 +320,11 @@ void FiberExit(Fiber* f) {
   b->warps[w].exited |= 1u << lane;
   for (int i = 0; i < kNumChains; ++i) b->k->chain_max[i] = std::max(b->k->chain_max[i], f->chain[i]);
   EndRun(f);  // loads never used still land before the thread is done
-  for (int sp = 0; sp < kNumLatSpaces; ++sp)
-    b->k->mrounds_max[sp] = std::max(b->k->mrounds_max[sp], f->mrounds[sp]);
+  for (int sp = 0; sp < kNumLatSpaces; ++sp) {
+    b->k->mrounds_max[sp] = std::max(b->k->mrounds_max[sp], f->load_mrounds[sp]);
+    b->k->sync_mrounds_max[sp] =
+        std::max(b->k->sync_mrounds_max[sp], f->mrounds[sp] - f->load_mrounds[sp]);
+  }
   if (f->sbuf != nullptr) {
     b->k->bufs.push_back(f->sbuf);
     f->sbuf = nullptr;

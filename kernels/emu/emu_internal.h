@@ -155,7 +155,8 @@ struct Kernel {
   uint32_t chain_max[kNumChains] = {};  // the longest of its threads' chains
   uint64_t block_max[2] = {};           // the most accesses one of its blocks made, by space
   uint64_t block_max_tma = 0;           // the most bulk-copy bytes one of its blocks moved
-  uint64_t mrounds_max[kNumLatSpaces] = {};  // the longest of its threads' rounds, by space
+  uint64_t mrounds_max[kNumLatSpaces] = {};  // the most data rounds of one of its threads
+  uint64_t sync_mrounds_max[kNumLatSpaces] = {};  // the most polls and write waits of one
   uint64_t warp_mrounds[kNumLatSpaces] = {};  // over its warps: each warp's data rounds
 };
 
