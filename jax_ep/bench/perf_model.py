@@ -27,6 +27,12 @@ Per virtual GPU and per op (dispatch or combine), from its counters:
   time       = max(link time, SM time) + fixed time
 The op's time is the slowest GPU's. Fractions of bandwidth are the GPU's NVLink (or RDMA)
 bytes over its time, over NVLINK (or RDMA).
+
+That roofline charges bytes at fixed per-SM rates whatever an SM keeps in flight. The
+latency-aware model (device_time_latency, below; docs/performance.md "Latency-aware
+model") replaces those rates by what the emulator counts of each thread's and warp's
+rounds and bytes in flight: max(link, issue, bytes / (in flight / latency), the longest
+chain of round trips) + launches. Both are computed from the same counts.
 """
 from __future__ import annotations
 
