@@ -5,8 +5,8 @@
     python scripts/latency_table.py --write    # write it between the latency marks
 
 The counts are the emulated GPU's at small shapes (docs/model_counts/latency_*.json, each
-written by `python -m jax_ep.bench --emulated --model-only --targets NAME --model-tokens T
---json docs/model_counts/latency_NAME.json`); each target is remodelled here by today's
+written by `python -m jax_ep.bench --emulated --model-only --targets <target> --model-tokens T
+--json docs/model_counts/latency_<target>.json`); each target is remodelled here by today's
 model (jax_ep.bench.emulated.model_entry), both the roofline ("old") and the latency-aware
 one ("new"), so a change of a constant or of the model shows in the table without counting
 again. MODEL numbers, not measurements.
