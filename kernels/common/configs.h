@@ -329,16 +329,23 @@ inline HierCombineSplit HierCombineFit(int sms, int remote_nodes, int pushers,
   const int src = HierSourceBlocks(row_units);
   const int half = sms / 2 < 1 ? 1 : sms / 2;
   c.nsrc = s.hier_source_blocks > 0 ? src : (src < half ? src : half);
-  int roles = s.hier_combine_blocks > 0 ? s.hier_combine_blocks : sms - c.nsrc;
-  if (roles < 1) roles = 1;
-  const int avail = roles * warps_per_block;
   c.cp = HierCombineForwardParts(row_units);
-  if (remote_nodes > 0 && remote_nodes * c.cp + pushers > avail) {
-    const int cp = (avail - pushers) / remote_nodes;
-    c.cp = cp < 1 ? 1 : cp;
+  int roles, left;
+  if (s.hier_combine_blocks > 0) {
+    // role blocks asked for: the parts as without a budget (about kHierPushWarps pusher
+    // warps), packed into at least the blocks asked
+    roles = s.hier_combine_blocks;
+    left = kHierPushWarps;
+  } else {
+    roles = sms - c.nsrc < 1 ? 1 : sms - c.nsrc;
+    const int avail = roles * warps_per_block;
+    if (remote_nodes > 0 && remote_nodes * c.cp + pushers > avail) {
+      const int cp = (avail - pushers) / remote_nodes;
+      c.cp = cp < 1 ? 1 : cp;
+    }
+    left = avail - remote_nodes * c.cp;
+    if (left > kHierPushWarps) left = kHierPushWarps;
   }
-  int left = avail - remote_nodes * c.cp;
-  if (left > kHierPushWarps) left = kHierPushWarps;
   c.pp = PartsPerRole(s.hier_push_parts, kHierPushParts, left < pushers ? pushers : left,
                       pushers, row_vectors);
   const int warps = remote_nodes * c.cp + pushers * c.pp;
