@@ -132,20 +132,20 @@ __device__ __forceinline__ void group_copy(const CopyGroup& g, void* dst, const 
   const char* s = static_cast<const char*>(src);
   const uintptr_t a = reinterpret_cast<uintptr_t>(d) | reinterpret_cast<uintptr_t>(s);
   if (((a | n) & 15u) == 0) {
-    const size_t nv = n / 16;
-    const size_t piece = static_cast<size_t>(kUnroll) * static_cast<size_t>(g.threads);
-    for (size_t base = 0; base < nv; base += piece) {
+    // 32-bit vector indices (a row is far below 64 GiB) keep the index math of kUnroll
+    // predicated accesses in few registers. `first` is this thread's first vector of a
+    // piece (kUnroll x threads vectors); the piece's last, partial one included.
+    const uint32_t nv = static_cast<uint32_t>(n / 16), stride = static_cast<uint32_t>(g.threads);
+    const uint4* sv = reinterpret_cast<const uint4*>(s);
+    uint4* dv = reinterpret_cast<uint4*>(d);
+    for (uint32_t first = static_cast<uint32_t>(g.tid); first < nv; first += kUnroll * stride) {
       uint4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const size_t i = base + static_cast<size_t>(u) * g.threads + g.tid;
-        if (i < nv) v[u] = engine_load16<kSrc>(s + i * 16);
-      }
+      for (int u = 0; u < kUnroll; ++u)
+        if (first + u * stride < nv) v[u] = engine_load16<kSrc>(sv + first + u * stride);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const size_t i = base + static_cast<size_t>(u) * g.threads + g.tid;
-        if (i < nv) engine_store16(d + i * 16, v[u]);
-      }
+      for (int u = 0; u < kUnroll; ++u)
+        if (first + u * stride < nv) engine_store16(dv + first + u * stride, v[u]);
     }
   } else if (((a | n) & 7u) == 0) {
     engine_detail::copy_narrow<kSrc, uint64_t>(g, d, s, n);
