@@ -27,6 +27,14 @@ ARCH = ["-gencode=arch=compute_90a,code=sm_90a"]
 FILES = {
     "kernels/cuda/intranode_kernels.cu": (
         "dispatch_channel_kernel", "combine_channel_kernel", "gather_channel_kernel"),
+    # the hierarchical mode's cooperative kernels (every role's copies on the copy engine)
+    "kernels/internode/hierarchical_kernels.cu": ("DispatchMain", "CombineMain"),
+    # the internode low-latency kernels that copy or sum rows
+    "kernels/internode/low_latency_kernels.cu": (
+        "DispatchSendKernel", "DispatchUnpack", "CombineSendKernel", "CombineReduce"),
+    # the direct mode's packing, sending and unpacking
+    "kernels/internode/internode_kernels.cu": (
+        "PackKernel", "SendKernel", "UnpackKernel", "ReduceKernel", "GatherUnpackKernel"),
 }
 
 

@@ -752,7 +752,8 @@ __device__ void Unpack(const Geo& g, const char* row, const Outs& out, bool gath
     if (lane == 0) Record(g, wire::kErrMismatch, meta[1], kKindRow, ring, g.C, dest);
     return;
   }
-  CopyBytes(out.x + dest * g.prow, row, g.prow, lane, 32);
+  // a peer's ring row (its forwarder's stores): global-level loads, never .nc
+  devcopy::CopyLanded(out.x + dest * g.prow, row, g.prow, lane, 32);
   if (gather) return;
   const int32_t* ids = reinterpret_cast<const int32_t*>(row + meta_offset(g.prow));
   const float* ws = reinterpret_cast<const float*>(ids + g.K);
