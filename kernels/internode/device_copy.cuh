@@ -63,6 +63,27 @@ __device__ __forceinline__ void StoreWord(V* p, V v) {
 constexpr int kCopyUnroll = 4;
 static_assert(kCopyUnroll <= kCopyEngineUnroll, "never more in flight than the engine's default");
 
+// The emulated GPU counts the engine's 16-byte loads and every store (through the peer::
+// helpers) but not the engine's narrow loads (plain loads, for rows the 16-byte path cannot
+// take): they are counted here, at the width the engine's group_copy takes for the same
+// pointers and length (its 8/4/2/1 rule), so a copy's loads and stores add up to the row.
+__device__ __forceinline__ void CountNarrowLoads(const char* dst, const char* src, int64_t n,
+                                                 int tid, int stride) {
+#if defined(JAX_EP_EMU)
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                      static_cast<uintptr_t>(n);
+  if ((a & 15u) == 0) return;
+  const int w = (a & 7u) == 0 ? 8 : (a & 3u) == 0 ? 4 : (a & 1u) == 0 ? 2 : 1;
+  JEP_COUNT_COPY(nullptr, src, w, n / w, tid, stride);
+#else
+  (void)dst;
+  (void)src;
+  (void)n;
+  (void)tid;
+  (void)stride;
+#endif
+}
+
 // Copies n bytes with threads [tid, stride) through the copy engine
 // (kernels/cuda/copy_engine.cuh, the one implementation every mode shares): unrolled 16-byte
 // loads where both pointers and n allow, else the widest narrower access. `src` must not
@@ -71,6 +92,7 @@ static_assert(kCopyUnroll <= kCopyEngineUnroll, "never more in flight than the e
 // writer's fence (the emulated GPU buffers them, as the engine's stores).
 __device__ __forceinline__ void CopyBytes(char* dst, const char* src, int64_t n, int tid,
                                           int stride) {
+  CountNarrowLoads(dst, src, n, tid, stride);
   group_copy<CopySrc::kReadOnly, kCopyUnroll>(CopyGroup{tid, stride, 0}, dst, src,
                                               static_cast<size_t>(n));
 }
@@ -135,6 +157,7 @@ __device__ __forceinline__ E LoadLandedElem(const E* p) {
 // a peer's ring row; see LoadLanded): the engine's global-level (.cg) loads.
 __device__ __forceinline__ void CopyLanded(char* dst, const char* src, int64_t n, int tid,
                                            int stride) {
+  CountNarrowLoads(dst, src, n, tid, stride);
   group_copy<CopySrc::kPeerWritten, kCopyUnroll>(CopyGroup{tid, stride, 0}, dst, src,
                                                  static_cast<size_t>(n));
 }
