@@ -17,6 +17,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "kernels/cuda/copy_engine.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/launch.cuh"
@@ -261,14 +262,21 @@ __device__ bool warp_wait_counter(const CommonArgs& c, const uint64_t* ctr, uint
   return __shfl_sync(kFullMask, ok, 0) != 0;
 }
 
-// Publishes a sender's ring tail: its lanes' rows (stores through peer pointers) are
-// fenced before lane 0's release store, which the receiver's acquire pairs with.
+// Publishes a sender's ring tail: one fence per lane for the chunk's rows (stores through
+// peer pointers), then lane 0's release, which the receiver's acquire pairs with
+// (copy_engine.cuh group_release).
 __device__ __forceinline__ void publish_tail(uint64_t* tail, uint64_t k) {
-  peer::fence_data();
-  __syncwarp();
-  if ((threadIdx.x & 31) == 0) peer::signal(tail, k);
-  __syncwarp();
+  group_release(warp_group(), tail, k);
 }
+
+// 16-byte loads each lane keeps in flight in a channel kernel's row copies: 8 (4 KiB per
+// warp) where the block's register budget allows (kThreads <= 512: 128 registers a
+// thread), 2 in the 768- and 1024-thread blocks of 16 and 32 ranks (80 and 64 registers),
+// where more would spill.
+template <int kThreads>
+struct ChannelUnroll {
+  static constexpr int value = kThreads <= 512 ? kCopyEngineUnroll : 2;
+};
 
 // ================================ dispatch ================================
 
@@ -375,6 +383,7 @@ __device__ __forceinline__ BulkStage dispatch_stage(const DispatchArgs& a, char*
 // through it would be copied twice more on this GPU, and the outputs are this kernel's to
 // write, so no late write can land after the call.
 // Lane 0 copies the rows with bulk copies when they are 16-byte aligned.
+template <int kU>
 __device__ void dispatch_self(const DispatchArgs& a, int ch, bool fail, char* sm) {
   if (fail) return;
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31, el = a.experts_per_rank;
@@ -390,7 +399,7 @@ __device__ void dispatch_self(const DispatchArgs& a, int ch, bool fail, char* sm
       const int32_t rr = __shfl_sync(kFullMask, row, l);
       char* dst = static_cast<char*>(a.recv_x) + static_cast<int64_t>(rr) * a.row_bytes;
       const char* src = static_cast<const char*>(a.x) + static_cast<int64_t>(tt) * a.row_bytes;
-      if (!bulk) warp_copy_row<true>(dst, src, a.row_bytes, lane);
+      if (!bulk) group_copy<CopySrc::kReadOnly, kU>(warp_group(), dst, src, a.row_bytes);
       else if (lane == 0 && !bulk_copy_row(st, dst, src, a.row_bytes))
         report(a.c, kErrTimeout, me, kOpDispatch, 0, 5);  // its own bulk load never landed
       const int32_t* idx = a.topk_idx + static_cast<int64_t>(tt) * a.K;
@@ -413,10 +422,11 @@ __device__ void dispatch_self(const DispatchArgs& a, int ch, bool fail, char* sm
 
 // Sending warp of channel ch towards receiver d: its tokens' rows for d, in token order,
 // through ring (ch, me) on d (this rank's own rows: dispatch_self).
+template <int kU>
 __device__ void dispatch_send(const DispatchArgs& a, int ch, int d, bool fail, uint64_t n, char* sm) {
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   if (d == me) {
-    dispatch_self(a, ch, fail, sm);
+    dispatch_self<kU>(a, ch, fail, sm);
     return;
   }
   RankHeader* hdr = peer::header(a.c.peers, me);
@@ -450,8 +460,9 @@ __device__ void dispatch_send(const DispatchArgs& a, int ch, int d, bool fail, u
         if (!ok) break;
       }
       const uint64_t slot = k % Q;
-      warp_copy_row<true>(rbase + slot * stride, static_cast<const char*>(a.x) + static_cast<int64_t>(tt) * a.row_bytes,
-                          a.row_bytes, lane);
+      group_copy<CopySrc::kReadOnly, kU>(warp_group(), rbase + slot * stride,
+                                         static_cast<const char*>(a.x) + static_cast<int64_t>(tt) * a.row_bytes,
+                                         a.row_bytes);
       int32_t* w = meta + slot * words;
       const int32_t* idx = a.topk_idx + static_cast<int64_t>(tt) * a.K;
       const float* wt = a.topk_w + static_cast<int64_t>(tt) * a.K;
@@ -506,6 +517,7 @@ __device__ bool wait_ring(const CommonArgs& c, const uint64_t* tail, const uint6
 // row of the XLA outputs and hands the slots back (head) once read. Lane 0 copies the
 // rows with bulk copies when they are 16-byte aligned; its waits for their loads come
 // before the head it releases.
+template <int kU>
 __device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, uint64_t n, char* sm) {
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   RankHeader* hdr = peer::header(a.c.peers, me);
@@ -539,7 +551,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, u
       const int32_t row = peer::load_cg_s32(&w[0]);
       if (fail || row < 0 || row >= a.C) continue;  // a failed rank drains without copying
       char* dst = static_cast<char*>(a.recv_x) + static_cast<int64_t>(row) * a.row_bytes;
-      if (!bulk) warp_copy_row<false>(dst, rbase + slot * stride, a.row_bytes, lane);
+      if (!bulk) group_copy<CopySrc::kPeerWritten, kU>(warp_group(), dst, rbase + slot * stride, a.row_bytes);
       else if (lane == 0 && !bulk_copy_row(st, dst, rbase + slot * stride, a.row_bytes))
         report(a.c, kErrTimeout, s, kOpDispatch, static_cast<int32_t>(n), 5);
       int32_t* oidx = a.recv_idx + static_cast<int64_t>(row) * a.K;
@@ -569,7 +581,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, int ch, int s, bool fail, u
 // of a piece each.
 __device__ void dispatch_empty_row(const DispatchArgs& a, int i, int lane, const char* zeros = nullptr) {
   char* row = static_cast<char*>(a.recv_x) + static_cast<int64_t>(i) * a.row_bytes;
-  if (zeros == nullptr) warp_zero_row(row, a.row_bytes, lane);
+  if (zeros == nullptr) group_zero(warp_group(), row, a.row_bytes);
   else if (lane == 0) bulk_zero_row(zeros, static_cast<uint32_t>(a.bulk_piece), row, a.row_bytes);
   for (int k = lane; k < a.K; k += 32) {
     a.recv_idx[static_cast<int64_t>(i) * a.K + k] = -1;
@@ -604,7 +616,9 @@ __device__ void dispatch_empty_outputs(const DispatchArgs& a) {
 // to every sender. Rows move as bulk copies (the TMA) through shared memory when 16-byte
 // aligned (DispatchChannelSmemBytes of it), leaving the warps' own loads and stores to
 // the sends over NVLink.
-__global__ void __launch_bounds__(kMaxChannelThreads) dispatch_channel_kernel(DispatchArgs a) {
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_channel_kernel(DispatchArgs a) {
+  constexpr int kU = ChannelUnroll<kThreads>::value;
   __shared__ bool s_fail;
   JEP_DYNAMIC_SMEM(uint4, s_bulk);
   char* const sm = reinterpret_cast<char*>(s_bulk);
@@ -622,9 +636,9 @@ __global__ void __launch_bounds__(kMaxChannelThreads) dispatch_channel_kernel(Di
   peer::fence_bulk_shared();  // the zeros and mbarriers, before any bulk copy uses them
   __syncthreads();
   if (sends && warp < R) {
-    dispatch_send(a, ch, warp, s_fail, n, sm);
+    dispatch_send<kU>(a, ch, warp, s_fail, n, sm);
   } else if (receives && src >= 0 && src < R && src != me) {
-    dispatch_recv(a, ch, src, s_fail, n, sm);
+    dispatch_recv<kU>(a, ch, src, s_fail, n, sm);
   }
   if (!s_fail) {
     const int kept = *a.num_recv;
@@ -714,6 +728,7 @@ __global__ void __launch_bounds__(kPlanThreads) combine_notify_kernel(CombineArg
 // for, in order, through ring (ch, me) on d. A failed rank moves the tail without data
 // (its receivers know from its call site and only drain). This rank's own rows stay in y:
 // its summing warps read them there (ring (ch, me) stays unused, as in dispatch).
+template <int kU>
 __device__ void combine_send(const CombineArgs& a, int ch, int d, bool fail) {
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   if (d == me) return;
@@ -744,8 +759,8 @@ __device__ void combine_send(const CombineArgs& a, int ch, int d, bool fail) {
       }
       if (!warp_wait_counter(a.c, &hdr->c_ring.head[ch][d], k - Q + 1, d, kOpCombine, &credit)) break;
     }
-    warp_copy_row<true>(rbase + (k % Q) * stride, y + static_cast<int64_t>(lo + j) * a.row_bytes,
-                        a.row_bytes, lane);
+    group_copy<CopySrc::kReadOnly, kU>(warp_group(), rbase + (k % Q) * stride,
+                                       y + static_cast<int64_t>(lo + j) * a.row_bytes, a.row_bytes);
     if (k + 1 - published >= chunk) {
       publish_tail(tail, k + 1);
       published = k + 1;
@@ -771,12 +786,18 @@ __device__ __forceinline__ bool wait_row(const CommonArgs& c, const uint64_t* ta
 // time (one per warp): out[t] = sum over r ascending of r's row for t, in float32. The
 // summing warps meet at their own barrier (kRecvBarrier), never waiting for the senders
 // beside them: those wait for credits from other ranks' summing warps.
-template <FloatKind kKind>
-__global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(CombineArgs a) {
+template <FloatKind kKind, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) combine_channel_kernel(CombineArgs a) {
   using E = Elems<kKind>;
+  constexpr int kU = ChannelUnroll<kThreads>::value;
+  // Ranks' vectors a summing lane loads before adding them: 4, and 1 in the 1024-thread
+  // block of 32 ranks (64 registers), where 2 or more beside the float32 sums spill
+  // (ptxas: 12 bytes; tests/test_ptxas_spills.py). The rows' other lanes and warps keep
+  // the loads of that block in flight.
+  constexpr int kSumRanks = kThreads < 1024 ? 4 : 1;
   __shared__ uint64_t s_base[kMaxRanks];   // ring (ch, r): rows consumed before this call
   __shared__ int32_t s_lo[kMaxRanks], s_cnt[kMaxRanks], s_used[kMaxRanks];
-  __shared__ const char* s_src[kMaxChannelThreads / 32][kMaxRanks];  // per warp: its token's row from r
+  __shared__ const char* s_src[kThreads / 32][kMaxRanks];  // per warp: its token's row from r
   __shared__ bool s_fail_send, s_fail;
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   const int ch = blockIdx.x >> 1, half = blockIdx.x & 1;
@@ -804,7 +825,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
   __syncthreads();
   if (static_cast<int>(threadIdx.x >> 5) < sw) {
     const int d = split ? 2 * static_cast<int>(threadIdx.x >> 5) + half : static_cast<int>(threadIdx.x >> 5);
-    if (d < R) combine_send(a, ch, d, s_fail_send);
+    if (d < R) combine_send<kU>(a, ch, d, s_fail_send);
     return;
   }
   if (half == 0 || tid < 0) return;
@@ -866,27 +887,27 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
           float acc[E::kPerVec];
 #pragma unroll
           for (int i = 0; i < E::kPerVec; ++i) acc[i] = 0.0f;
-          // Up to kCopyUnroll ranks' vectors are loaded before any is added (several loads
+          // Up to kSumRanks ranks' vectors are loaded before any is added (several loads
           // in flight per lane); the sum still runs over ranks in ascending order.
           for (uint32_t m = valid; m != 0;) {
-            int rr[kCopyUnroll];
-            uint4 q[kCopyUnroll];
+            int rr[kSumRanks];
+            uint4 q[kSumRanks];
 #pragma unroll
-            for (int u = 0; u < kCopyUnroll; ++u) {
+            for (int u = 0; u < kSumRanks; ++u) {
               rr[u] = m != 0 ? __ffs(m) - 1 : -1;
               m &= m - 1;
             }
 #pragma unroll
-            for (int u = 0; u < kCopyUnroll; ++u)
-              if (rr[u] >= 0) q[u] = peer::load_cg16(src[rr[u]] + c * 16);
+            for (int u = 0; u < kSumRanks; ++u)
+              if (rr[u] >= 0) q[u] = engine_load16<CopySrc::kPeerWritten>(src[rr[u]] + c * 16);
 #pragma unroll
-            for (int u = 0; u < kCopyUnroll; ++u)
+            for (int u = 0; u < kSumRanks; ++u)
               if (rr[u] >= 0) {
 #pragma unroll
                 for (int i = 0; i < E::kPerVec; ++i) acc[i] += E::get(q[u], i);
               }
           }
-          reinterpret_cast<uint4*>(out)[c] = E::pack(acc);
+          engine_store16(out + c * 16, E::pack(acc));
         }
       } else {
         for (int h = lane; h < a.H; h += 32) {
@@ -933,6 +954,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) combine_channel_kernel(Com
 
 // Sending warp of channel ch towards receiver q: the rows of g q's channel ch asks for,
 // in the order of its ids, through data ring (ch, me) on q.
+template <int kU>
 __device__ void gather_send(const GatherArgs& a, int ch, int q, uint64_t n) {
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   RankHeader* hdr = peer::header(a.c.peers, me);
@@ -993,9 +1015,10 @@ __device__ void gather_send(const GatherArgs& a, int ch, int q, uint64_t n) {
       const int32_t tt = __shfl_sync(kFullMask, t, static_cast<int>(j - k));
       char* dst = dbase + (j % Q) * stride;
       if (tt >= 0 && tt < a.T)
-        warp_copy_row<true>(dst, g + static_cast<int64_t>(tt) * a.row_bytes, a.row_bytes, lane);
+        group_copy<CopySrc::kReadOnly, kU>(warp_group(), dst, g + static_cast<int64_t>(tt) * a.row_bytes,
+                                           a.row_bytes);
       else
-        warp_zero_row(dst, a.row_bytes, lane);  // never asked by a checked handle
+        group_zero(warp_group(), dst, a.row_bytes);  // never asked by a checked handle
       if (j + 1 - published >= chunk) {
         publish_tail(tail, j + 1);
         published = j + 1;
@@ -1011,14 +1034,15 @@ __device__ void gather_send(const GatherArgs& a, int ch, int q, uint64_t n) {
 // Receiving warp of channel ch for this rank's own rows [lo, lo + cnt): copied from g
 // straight into place. Its rings (ch, me) stay unused, as in dispatch (dispatch_self):
 // through them each row would be stored and loaded once more on this GPU.
+template <int kU>
 __device__ void gather_self(const GatherArgs& a, int32_t lo, int32_t cnt, bool fail) {
   const int lane = threadIdx.x & 31;
   if (fail) return;
   const char* g = static_cast<const char*>(a.g);
   for (int32_t j = 0; j < cnt; ++j) {
     const int64_t i = static_cast<int64_t>(lo) + j;
-    warp_copy_row<true>(static_cast<char*>(a.out) + i * a.row_bytes,
-                        g + static_cast<int64_t>(a.src_index[i]) * a.row_bytes, a.row_bytes, lane);
+    group_copy<CopySrc::kReadOnly, kU>(warp_group(), static_cast<char*>(a.out) + i * a.row_bytes,
+                                       g + static_cast<int64_t>(a.src_index[i]) * a.row_bytes, a.row_bytes);
   }
 }
 
@@ -1026,11 +1050,12 @@ __device__ void gather_self(const GatherArgs& a, int32_t lo, int32_t cnt, bool f
 // s's channel ch. Posts their token ids into request ring (ch, me) on s, a ring's worth
 // ahead of the rows read, and copies each row of data ring (ch, s) into place (this
 // rank's own rows: gather_self).
+template <int kU>
 __device__ void gather_recv(const GatherArgs& a, int ch, int s, int32_t lo, int32_t cnt, bool fail,
                             uint64_t n) {
   const int R = a.c.num_ranks, me = a.c.me, lane = threadIdx.x & 31;
   if (s == me) {
-    gather_self(a, lo, cnt, fail);
+    gather_self<kU>(a, lo, cnt, fail);
     return;
   }
   RankHeader* hdr = peer::header(a.c.peers, me);
@@ -1088,8 +1113,9 @@ __device__ void gather_recv(const GatherArgs& a, int ch, int s, int32_t lo, int3
     const uint64_t stop = t < end ? t : end;
     for (; k < stop; ++k)
       if (!fail)
-        warp_copy_row<false>(static_cast<char*>(a.out) + static_cast<int64_t>(lo + static_cast<int64_t>(k - base)) * a.row_bytes,
-                             dbase + (k % Q) * stride, a.row_bytes, lane);
+        group_copy<CopySrc::kPeerWritten, kU>(
+            warp_group(), static_cast<char*>(a.out) + static_cast<int64_t>(lo + static_cast<int64_t>(k - base)) * a.row_bytes,
+            dbase + (k % Q) * stride, a.row_bytes);
     // The slots just read are free: their ids' successors may go out.
     __syncwarp();
     const uint64_t room = k + Q - posted, want = end - posted;
@@ -1107,7 +1133,9 @@ __device__ void gather_recv(const GatherArgs& a, int ch, int s, int32_t lo, int3
 // ordered rows by source, then token), and zero the rows nothing fills; they meet at
 // their own barrier (kRecvBarrier), never waiting for the senders beside them, which wait
 // for other ranks' receivers to ask. The last block to finish closes the epoch.
-__global__ void __launch_bounds__(kMaxChannelThreads) gather_channel_kernel(GatherArgs a) {
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) gather_channel_kernel(GatherArgs a) {
+  constexpr int kU = ChannelUnroll<kThreads>::value;
   __shared__ uint64_t s_n;
   __shared__ bool s_fail;
   __shared__ int32_t s_lo[kMaxRanks], s_hi[kMaxRanks], s_cnt[kMaxRanks];
@@ -1135,7 +1163,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) gather_channel_kernel(Gath
   const uint64_t n = s_n;
   if (warp < sw) {
     const int q = split ? 2 * warp + half : warp;
-    if (q < R && q != me) gather_send(a, ch, q, n);  // own rows: gather_self
+    if (q < R && q != me) gather_send<kU>(a, ch, q, n);  // own rows: gather_self
   } else if (half == 1 && rwarp >= 0 && rwarp < rnw) {
     const bool fail = s_fail;
     const int rthreads = 32 * rnw;
@@ -1172,12 +1200,12 @@ __global__ void __launch_bounds__(kMaxChannelThreads) gather_channel_kernel(Gath
           zero = t >= t0 && t < t1 && s_cnt[s] < 0;
       }
       for (unsigned m = __ballot_sync(kFullMask, zero); m != 0; m &= m - 1)
-        warp_zero_row(static_cast<char*>(a.out) + static_cast<int64_t>(b + __ffs(m) - 1) * a.row_bytes,
-                      a.row_bytes, lane);
+        group_zero(warp_group(), static_cast<char*>(a.out) + static_cast<int64_t>(b + __ffs(m) - 1) * a.row_bytes,
+                   a.row_bytes);
     }
     if (rwarp < R) {
       const int32_t cnt = s_cnt[rwarp] > 0 ? s_cnt[rwarp] : 0;
-      gather_recv(a, ch, rwarp, cnt > 0 ? s_lo[rwarp] : 0, cnt, fail, n);
+      gather_recv<kU>(a, ch, rwarp, cnt > 0 ? s_lo[rwarp] : 0, cnt, fail, n);
     }
   }
   if (last_block(a.c, kDoneGatherChannel)) {
@@ -1185,7 +1213,7 @@ __global__ void __launch_bounds__(kMaxChannelThreads) gather_channel_kernel(Gath
       // An error anywhere in this call empties the output (the contract's failed call),
       // and peers that have not read this epoch's sites yet find this rank failed.
       for (int i = warp; i < a.C; i += nw)
-        warp_zero_row(static_cast<char*>(a.out) + static_cast<int64_t>(i) * a.row_bytes, a.row_bytes, lane);
+        group_zero(warp_group(), static_cast<char*>(a.out) + static_cast<int64_t>(i) * a.row_bytes, a.row_bytes);
       for (int e = threadIdx.x; e < nch * R; e += blockDim.x) {
         RankHeader* ph = peer::header(a.c.peers, e % R);
         peer::store(&ph->g_req_site[e / R][me], kSiteFailed);
@@ -1195,6 +1223,49 @@ __global__ void __launch_bounds__(kMaxChannelThreads) gather_channel_kernel(Gath
     }
     if (threadIdx.x == 0) hdr->seq[kOpGather] = n;
   }
+}
+
+// The compiled block size of a channel kernel at R ranks: its block at the launch preset
+// whose rank count covers R (configs.h kIntranodePresets: 2, 4, 8, 16, 32 ranks), so at
+// every preset __launch_bounds__ is the block it runs with, and ptxas gives each thread
+// the registers that block size leaves (65536 / threads), not the 64 of a 1024-thread
+// bound. Between presets the next preset's instance runs a smaller block.
+inline int BoundRanks(int R) {
+  int p = 2;
+  while (p < R && p < kMaxRanks) p *= 2;
+  return p;
+}
+
+template <int kThreads>
+void LaunchDispatchChannel(const DispatchArgs& b, int R, cudaStream_t stream) {
+  JEP_LAUNCH_T(dispatch_channel_kernel, DispatchBlocks(R, b.c.channels), DispatchRoleThreads(R),
+               DispatchChannelSmemBytes(R, b.bulk_piece), stream,
+               dispatch_channel_kernel<kThreads>)(b);
+}
+
+template <FloatKind kKind, int kThreads>
+void LaunchCombineChannel(const CombineArgs& a, int R, cudaStream_t stream) {
+  JEP_LAUNCH_T(combine_channel_kernel, 2 * a.c.channels, ChannelRoleThreads(R), 0, stream,
+               combine_channel_kernel<kKind, kThreads>)(a);
+}
+
+template <FloatKind kKind>
+cudaError_t LaunchCombineChannelKind(const CombineArgs& a, int R, cudaStream_t stream) {
+  switch (ChannelRoleThreads(BoundRanks(R))) {
+    case 288: LaunchCombineChannel<kKind, 288>(a, R, stream); break;
+    case 320: LaunchCombineChannel<kKind, 320>(a, R, stream); break;
+    case 384: LaunchCombineChannel<kKind, 384>(a, R, stream); break;
+    case 768: LaunchCombineChannel<kKind, 768>(a, R, stream); break;
+    case 1024: LaunchCombineChannel<kKind, 1024>(a, R, stream); break;
+    default: return cudaErrorInvalidConfiguration;  // a preset's block without an instance
+  }
+  return cudaSuccess;
+}
+
+template <int kThreads>
+void LaunchGatherChannel(const GatherArgs& a, int R, cudaStream_t stream) {
+  JEP_LAUNCH_T(gather_channel_kernel, 2 * a.c.channels, ChannelRoleThreads(R), 0, stream,
+               gather_channel_kernel<kThreads>)(a);
 }
 
 }  // namespace
@@ -1214,8 +1285,13 @@ cudaError_t LaunchDispatchPhase(int phase, const DispatchArgs& a, const Intranod
     case kPhaseChannel: {
       DispatchArgs b = a;
       b.bulk_piece = IntranodeBulkPieceBytes(R);
-      JEP_LAUNCH(dispatch_channel_kernel, DispatchBlocks(R, a.c.channels), DispatchRoleThreads(R),
-                 DispatchChannelSmemBytes(R, b.bulk_piece), stream)(b);
+      switch (DispatchRoleThreads(BoundRanks(R))) {
+        case 320: LaunchDispatchChannel<320>(b, R, stream); break;
+        case 384: LaunchDispatchChannel<384>(b, R, stream); break;
+        case 512: LaunchDispatchChannel<512>(b, R, stream); break;
+        case 1024: LaunchDispatchChannel<1024>(b, R, stream); break;
+        default: return cudaErrorInvalidConfiguration;
+      }
       break;
     }
     default:
@@ -1231,23 +1307,18 @@ cudaError_t LaunchCombinePhase(int phase, const CombineArgs& a, const IntranodeP
   if (R < 1 || R > kMaxRanks || a.c.channels < 1 || a.c.channels > kMaxChannels ||
       a.c.ring_tokens < 1)
     return cudaErrorInvalidValue;
-  const int blocks = 2 * a.c.channels, threads = ChannelRoleThreads(R);
+  cudaError_t e = cudaSuccess;
   switch (phase) {
     case kPhaseNotify:
       JEP_LAUNCH(combine_notify_kernel, 1, kPlanThreads, 0, stream)(a);
       break;
     case kPhaseChannel:
       switch (a.kind) {
-        case FloatKind::kF32:
-          JEP_LAUNCH(combine_channel_kernel<FloatKind::kF32>, blocks, threads, 0, stream)(a);
-          break;
-        case FloatKind::kBF16:
-          JEP_LAUNCH(combine_channel_kernel<FloatKind::kBF16>, blocks, threads, 0, stream)(a);
-          break;
-        case FloatKind::kF16:
-          JEP_LAUNCH(combine_channel_kernel<FloatKind::kF16>, blocks, threads, 0, stream)(a);
-          break;
+        case FloatKind::kF32: e = LaunchCombineChannelKind<FloatKind::kF32>(a, R, stream); break;
+        case FloatKind::kBF16: e = LaunchCombineChannelKind<FloatKind::kBF16>(a, R, stream); break;
+        case FloatKind::kF16: e = LaunchCombineChannelKind<FloatKind::kF16>(a, R, stream); break;
       }
+      if (e != cudaSuccess) return e;
       break;
     default:
       return cudaErrorInvalidValue;
@@ -1262,7 +1333,14 @@ cudaError_t LaunchGatherPhase(int phase, const GatherArgs& a, const IntranodePre
   if (R < 1 || R > kMaxRanks || a.c.channels < 1 || a.c.channels > kMaxChannels ||
       a.c.ring_tokens < 1 || phase != 0)
     return cudaErrorInvalidValue;
-  JEP_LAUNCH(gather_channel_kernel, 2 * a.c.channels, ChannelRoleThreads(R), 0, stream)(a);
+  switch (ChannelRoleThreads(BoundRanks(R))) {
+    case 288: LaunchGatherChannel<288>(a, R, stream); break;
+    case 320: LaunchGatherChannel<320>(a, R, stream); break;
+    case 384: LaunchGatherChannel<384>(a, R, stream); break;
+    case 768: LaunchGatherChannel<768>(a, R, stream); break;
+    case 1024: LaunchGatherChannel<1024>(a, R, stream); break;
+    default: return cudaErrorInvalidConfiguration;
+  }
   return cudaGetLastError();
 }
 

@@ -90,6 +90,14 @@ __device__ __forceinline__ void store(T* p, T v) {
   *p = v;
 }
 __device__ __forceinline__ void store16(void* p, uint4 v) { *static_cast<uint4*>(p) = v; }
+// 16-byte store that does not allocate in L1 (PTX ISA, "st", .level::eviction_priority
+// .L1::no_allocate, sm_70+): a copied row is never read back by this SM, so it should not
+// evict lines that are. Same ordering as store16 (weak; fence_data before a signal).
+__device__ __forceinline__ void store16_na(void* p, uint4 v) {
+  asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
 template <typename T>
 __device__ __forceinline__ void store_volatile(T* p, T v) {
   *reinterpret_cast<volatile T*>(p) = v;

@@ -5,7 +5,8 @@
 //   load_cg*      plain reads of what has become visible (drained)
 //   load_nc16     the same, except that peer memory read twice may return the first read
 //                 (emu::load_nc: the non-coherent path)
-//   store*        peer stores: buffered per thread until a fence or release drains them
+//   store*        peer stores (store16_na too: L1 allocation is no visibility rule):
+//                 buffered per thread until a fence or release drains them
 // Each counts its bytes by width and space (emu::note_access, via store_bytes for stores).
 //   global_timer  the virtual clock
 //   sync_threads  a named barrier (bar.sync id, threads)
@@ -50,6 +51,7 @@ inline void store(T* p, T v) {
   ::emu::store_bytes(p, &v, sizeof(T));
 }
 inline void store16(void* p, uint4 v) { ::emu::store_bytes(p, &v, 16); }
+inline void store16_na(void* p, uint4 v) { ::emu::store_bytes(p, &v, 16); }
 template <typename T>
 inline void store_volatile(T* p, T v) {
   ::emu::store_bytes(p, &v, sizeof(T));

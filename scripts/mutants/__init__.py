@@ -9,8 +9,8 @@ One Mutant per entry:
                for the mutant to count as killed; they run against the mutant's emulated
                module (JAX_EP_EMU_MODULE_DIR)
   why          the mistake, in a few words
-One module per kernel file (layout, intranode, low_latency, internode, hierarchical,
-internode_ll) and one for the fabric set-up (fabric: the bootstrap's NVSHMEM environment,
+One module per kernel file (layout, intranode, copy_engine, low_latency, internode,
+hierarchical, internode_ll) and one for the fabric set-up (fabric: the bootstrap's NVSHMEM environment,
 the default-handle refusal, the LAG shim) and one for the virtual-rank harness's launch
 code (harness: xla_ffi/cuda/cuda_handlers.cc); append to the module of the file you mutate; names are unique across all. A mutant that no
 test can kill is equivalent under the emulator's model: explain it in docs/emulator.md
@@ -31,11 +31,11 @@ class Mutant(NamedTuple):
 
 
 def _all():
-    from . import (fabric, harness, hierarchical, internode, internode_ll, intranode, layout,
-                   low_latency)
+    from . import (copy_engine, fabric, harness, hierarchical, internode, internode_ll, intranode,
+                   layout, low_latency)
     out = []
-    for mod in (layout, intranode, low_latency, internode, hierarchical, internode_ll,
-                fabric, harness):
+    for mod in (layout, intranode, copy_engine, low_latency, internode, hierarchical,
+                internode_ll, fabric, harness):
         out.extend(mod.MUTANTS)
     names = [m.name for m in out]
     dup = {n for n in names if names.count(n) > 1}

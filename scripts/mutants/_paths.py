@@ -2,6 +2,7 @@
 INTRA = "kernels/cuda/intranode_kernels.cu"
 COMMON = "kernels/cuda/cuda_common.cuh"
 PEER = "kernels/cuda/peer_transport.cuh"
+ENGINE = "kernels/cuda/copy_engine.cuh"
 T_LINT = "tests/test_poll_lint.py"
 LAYOUT = "kernels/cuda/layout_kernels.cu"
 LL = "kernels/cuda/low_latency_kernels.cu"

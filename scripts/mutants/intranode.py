@@ -72,14 +72,14 @@ MUTANTS = [
            "    if (lane == 0) peer::signal(head, k + chunk);",
            RINGS, "early credit: a chunk of slots handed back before they are read (the sender "
            "overwrites rows the receiver reads next)"),
-    Mutant("ring_tail_published_before_data", INTRA,
-           "  peer::fence_data();\n  __syncwarp();\n  if ((threadIdx.x & 31) == 0) peer::signal(tail, k);",
-           "  __syncwarp();\n  if ((threadIdx.x & 31) == 0) peer::signal(tail, k);",
+    Mutant("ring_tail_published_before_data", ENGINE,
+           "  peer::fence_data();\n  g.sync();\n  if (g.tid == 0) peer::signal(flag, value);",
+           "  g.sync();\n  if (g.tid == 0) peer::signal(flag, value);",
            (T_INTRA, "-k", "rings or seeds_agree or test_dispatch_combine_gather"),
            "tail published before the lanes' rows are fenced: the receiver reads stale slots"),
     Mutant("dispatch_wrong_ring_slot", INTRA,
-           "      const uint64_t slot = k % Q;\n      warp_copy_row<true>",
-           "      const uint64_t slot = (k + 1) % Q;\n      warp_copy_row<true>",
+           "      const uint64_t slot = k % Q;\n      group_copy<CopySrc::kReadOnly, kU>",
+           "      const uint64_t slot = (k + 1) % Q;\n      group_copy<CopySrc::kReadOnly, kU>",
            RINGS, "wrong ring slot: the sender writes the slot after the one the receiver reads"),
     Mutant("combine_wrong_ring_slot", INTRA,
            "src[lane] = area + lane * rb + (pos % Q) * stride;",
@@ -95,13 +95,13 @@ MUTANTS = [
            RINGS, "a full ring not waited for: the sender overwrites rows not yet summed"),
     # --------------------------------------------------------- channel blocks' roles
     Mutant("dispatch_warps_send_to_even_ranks", INTRA,
-           "    dispatch_send(a, ch, warp, s_fail, n, sm);",
-           "    dispatch_send(a, ch, warp & ~1, s_fail, n, sm);",
+           "    dispatch_send<kU>(a, ch, warp, s_fail, n, sm);",
+           "    dispatch_send<kU>(a, ch, warp & ~1, s_fail, n, sm);",
            QUICK, "the sending warp of an odd rank sends to the even rank below it: the odd "
            "ranks' rings get nothing and the even ones' two writers"),
     Mutant("combine_both_halves_send_to_even_ranks", INTRA,
-           "    if (d < R) combine_send(a, ch, d, s_fail_send);",
-           "    if (d < R) combine_send(a, ch, d & ~1, s_fail_send);",
+           "    if (d < R) combine_send<kU>(a, ch, d, s_fail_send);",
+           "    if (d < R) combine_send<kU>(a, ch, d & ~1, s_fail_send);",
            QUICK, "both blocks of a channel answer the even ranks: the odd ones' sums miss rows"),
     Mutant("dispatch_unsplit_odd_block_sends", INTRA,
            "const bool sends = split || (blockIdx.x & 1) == 0,",
@@ -138,7 +138,7 @@ MUTANTS = [
            QUICK, "a receiving warp waits on ring (ch, me), which no sender fills (own rows "
            "skip the rings): the call times out"),
     Mutant("dispatch_self_rows_through_ring", INTRA,
-           "  if (d == me) {\n    dispatch_self(a, ch, fail, sm);", "  if (false) {\n    dispatch_self(a, ch, fail, sm);",
+           "  if (d == me) {\n    dispatch_self<kU>(a, ch, fail, sm);", "  if (false) {\n    dispatch_self<kU>(a, ch, fail, sm);",
            QUICK, "a rank's own rows go into ring (ch, me), which no receiving warp reads: "
            "they never reach the outputs"),
     Mutant("dispatch_fill_skips_first_row", INTRA,
@@ -188,11 +188,11 @@ MUTANTS = [
            "g + static_cast<int64_t>(a.src_index[i]) * a.row_bytes", "g + static_cast<int64_t>(a.src_index[i] + 1) * a.row_bytes",
            GATHER, "a rank's own rows (copied straight from g) taken from the next token"),
     Mutant("gather_self_rows_through_rings", INTRA,
-           "  if (s == me) {\n    gather_self(a, lo, cnt, fail);", "  if (false) {\n    gather_self(a, lo, cnt, fail);",
+           "  if (s == me) {\n    gather_self<kU>(a, lo, cnt, fail);", "  if (false) {\n    gather_self<kU>(a, lo, cnt, fail);",
            GATHER, "a rank's own rows asked for through rings (ch, me), which no sending "
            "warp answers: the call times out"),
     Mutant("gather_sender_answers_itself", INTRA,
-           "if (q < R && q != me) gather_send(a, ch, q, n);", "if (q < R) gather_send(a, ch, q, n);",
+           "if (q < R && q != me) gather_send<kU>(a, ch, q, n);", "if (q < R) gather_send<kU>(a, ch, q, n);",
            GATHER, "a sending warp waits for its own rank's ids, which gather_self never "
            "posts: the call times out"),
     Mutant("gather_both_halves_send_to_even_ranks", INTRA,
@@ -270,9 +270,9 @@ MUTANTS = [
            (T_INTRA, "-k", "rings or seeds_agree or test_dispatch_combine_gather"),
            "fence_data at .gpu scope: the lanes' row stores into a peer's ring are not "
            "ordered before the tail's release as the peer sees them"),
-    Mutant("ring_tail_fence_gpu_scope", INTRA,
-           "  peer::fence_data();\n  __syncwarp();\n  if ((threadIdx.x & 31) == 0) peer::signal(tail, k);",
-           "  __threadfence();\n  __syncwarp();\n  if ((threadIdx.x & 31) == 0) peer::signal(tail, k);",
+    Mutant("ring_tail_fence_gpu_scope", ENGINE,
+           "  peer::fence_data();\n  g.sync();\n  if (g.tid == 0) peer::signal(flag, value);",
+           "  __threadfence();\n  g.sync();\n  if (g.tid == 0) peer::signal(flag, value);",
            (T_INTRA, "-k", "rings or seeds_agree or test_dispatch_combine_gather"),
            "the fence before a ring's tail at .gpu scope (__threadfence): the receiver, "
            "another GPU, reads stale slots"),
@@ -303,8 +303,8 @@ MUTANTS = [
            BULK, "expect_tx announces fewer bytes than the copy lands: the phase completes "
            "before the piece has landed and the rest counts against the next phase"),
     Mutant("combine_ring_read_nc", INTRA,
-           "if (rr[u] >= 0) q[u] = peer::load_cg16(src[rr[u]] + c * 16);",
-           "if (rr[u] >= 0) q[u] = peer::load_nc16(src[rr[u]] + c * 16);",
+           "if (rr[u] >= 0) q[u] = engine_load16<CopySrc::kPeerWritten>(src[rr[u]] + c * 16);",
+           "if (rr[u] >= 0) q[u] = engine_load16<CopySrc::kReadOnly>(src[rr[u]] + c * 16);",
            RINGS, "a ring row (written by a peer while the kernel runs) read through the "
            "non-coherent path: a slot reused by a later row may read the earlier one"),
     Mutant("wait_geq_plain_poll", PEER,

@@ -372,6 +372,22 @@ def test_rings_full_at_four_ranks_every_role_waits_on_its_own_barrier(monkeypatc
     _check(emu, *_case(R, T, H, K, E, C, "bf16", "random", 80), E, C, "4 ranks: ")
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_rows_of_several_copy_engine_pieces(dtype, monkeypatch):
+    """Rows of 10400 bytes: 650 16-byte vectors, which a warp's copy (copy_engine.cuh, 8
+    vectors a lane in flight, 256 a piece) moves as two full pieces and a partial one, in
+    the sends of all three ops, gather's received rows and combine's sums; rings of 2
+    slots, so each slot is rewritten while the kernel runs (a stale line of a slot read
+    through the non-coherent path would show). Bit for bit against the reference."""
+    jax_ep.config.update("ring_tokens", "2")
+    R, T, K, E = 2, 24, 2, 4
+    H = 10400 // (2 if dtype == "bf16" else 4)
+    C = R * T
+    emu = Emulator(R, seed=41)
+    emu.setup(tokens=T, capacity=C, row_bytes=10400, topk=K)
+    _check(emu, *_case(R, T, H, K, E, C, dtype, "random", 41), E, C, f"{dtype}: ")
+
+
 def test_default_grid_and_staging_do_not_grow_with_tokens():
     """At 8 ranks the default channel kernels use at most 24 blocks (DeepEP's 20-24 SMs),
     a launch runs that many, and the staging the setup reports is the same for 4096 and
