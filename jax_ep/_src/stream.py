@@ -172,7 +172,7 @@ def _gpu_region(fn, args):
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(flat, debug_info=api_util.debug_info("jax_ep region", fn, args, {})),
         avals)
-    closed = jcore.ClosedJaxpr(jaxpr, consts)
+    closed = jex_core.ClosedJaxpr(jaxpr, consts)
     outs = gpu_region_p.bind(*leaves, jaxpr=closed)
     return jax.tree.unflatten(out_tree[0], outs)
 
