@@ -12,11 +12,15 @@ reads beside the driver (CUDA_DEVICE_MAX_CONNECTIONS):
 | JAX_EP_RING_TOKENS | ring_tokens | int >= 1 | unset: 128 (at most 4096) | slots of each intranode (channel, peer) ring; keep it the same on every rank |
 | JAX_EP_BULK_PIECE_BYTES | bulk_piece_bytes | int >= 1 | unset: by rank count | bytes of one bulk-copy piece of the intranode dispatch (a multiple of 16) |
 | JAX_EP_CUDA_PRESET | cuda_preset | preset name | unset: by rank count | forces an intranode launch preset by name (jax_ep.cuda.presets()) |
-| JAX_EP_HIER_SOURCE_BLOCKS | hier_source_blocks | int >= 1 | unset: 16 | blocks of the hierarchical combine's source role |
+| JAX_EP_HIER_SOURCE_BLOCKS | hier_source_blocks | int >= 1 | unset: 16, at most half of hierarchical_sms | blocks of the hierarchical combine's source role |
 | JAX_EP_HIER_PUSH_PARTS | hier_push_parts | int >= 1 | unset: by warps | parts of a hierarchical combine pusher (at most 4) |
 | JAX_EP_HIER_FORWARD_COLUMNS | hier_forward_columns | int >= 1 | unset: 1 | column parts of a hierarchical dispatch forwarder (at most 4) |
-| JAX_EP_HIER_DISPATCH_BLOCKS | hier_dispatch_blocks | int >= 1 | unset: 24 | blocks of the hierarchical dispatch |
-| JAX_EP_HIER_COMBINE_BLOCKS | hier_combine_blocks | int >= 1 | unset: 16 | role blocks of the hierarchical combine |
+| JAX_EP_HIER_DISPATCH_BLOCKS | hier_dispatch_blocks | int >= 1 | unset: hierarchical_sms | blocks of the hierarchical dispatch |
+| JAX_EP_HIER_COMBINE_BLOCKS | hier_combine_blocks | int >= 1 | unset: hierarchical_sms less the source blocks | role blocks of the hierarchical combine |
+| JAX_EP_INTRANODE_SMS | intranode_sms | int >= 1 | unset: the intranode preset's (kernels/common/configs.h: 24 at 8 and 16 ranks) | SMs (blocks) the intranode kernels use; only lowers the preset's (the buffers are sized for it) |
+| JAX_EP_HIERARCHICAL_SMS | hierarchical_sms | int >= 1 | unset: by ranks (configs.h kInternodeSmPresets: 12 up to 16 ranks) | SMs (blocks) of the hierarchical internode kernels; below what holds every role warp is an error |
+| JAX_EP_DIRECT_SMS | direct_sms | int >= 1 | unset: by ranks (configs.h kInternodeSmPresets: 12 up to 32 ranks) | SMs (blocks) of the direct internode kernels: about half post RDMA, the rest copy over NVLink |
+| JAX_EP_LOW_LATENCY_SMS | low_latency_sms | int >= 1 | unset: by ranks (configs.h kInternodeSmPresets: 12 up to 16 ranks) | SMs (blocks) of the internode low-latency kernels |
 | JAX_EP_INTERNODE_MODE | internode_mode | direct, hierarchical, auto | unset: the caller's | internode mode of the NVSHMEM backend |
 | JAX_EP_GPUS_PER_NODE | gpus_per_node | int >= 1 | unset: detected | GPUs (PEs) per node of the EP group; must divide the ranks |
 | JAX_EP_NUM_PORTS | num_ports | int >= 1 | unset: TransportConfig's | NIC ports the internode traffic is striped over |
@@ -32,7 +36,7 @@ reads beside the driver (CUDA_DEVICE_MAX_CONNECTIONS):
 
 An empty variable is the same as an unset one; a bad value is a ValueError naming the
 variable (at import). The kernels' settings (timeout_s, num_sms, ring_tokens,
-bulk_piece_bytes, cuda_preset, hier_*) reach C++ through the bindings (`set_settings`,
+bulk_piece_bytes, cuda_preset, hier_*, the SMs per mode *_sms) reach C++ through the bindings (`set_settings`,
 kernels/common/settings.h) of every loaded extension module, at import and on every
 change; the kernels read them when they launch. collective_stream is read when an op is
 traced (a change applies to programs traced after it). The network settings are read when
@@ -203,6 +207,16 @@ def _int_in(lo: int, hi: int, default: int):
     return parse
 
 
+def _mode_sms(value, name):
+    """A mode's SMs: unset (the mode's preset, kernels/common/configs.h) or an int in
+    [1, max_mode_sms] (the bound from the same header, through the bindings)."""
+    v = _positive_int_or_none(value, name)
+    most = _DEFAULTS.get("max_mode_sms")
+    if v is not None and most is not None and v > most:
+        raise ValueError(f"{name} must be a positive integer at most {most}, got {value!r}")
+    return v
+
+
 # setting -> (environment variable, parser). The order is the table's.
 _SPEC: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "collective_stream": ("JAX_EP_COLLECTIVE_STREAM", _collective_stream),
@@ -216,6 +230,10 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "hier_forward_columns": ("JAX_EP_HIER_FORWARD_COLUMNS", _positive_int_or_none),
     "hier_dispatch_blocks": ("JAX_EP_HIER_DISPATCH_BLOCKS", _positive_int_or_none),
     "hier_combine_blocks": ("JAX_EP_HIER_COMBINE_BLOCKS", _positive_int_or_none),
+    "intranode_sms": ("JAX_EP_INTRANODE_SMS", _mode_sms),
+    "hierarchical_sms": ("JAX_EP_HIERARCHICAL_SMS", _mode_sms),
+    "direct_sms": ("JAX_EP_DIRECT_SMS", _mode_sms),
+    "low_latency_sms": ("JAX_EP_LOW_LATENCY_SMS", _mode_sms),
     "internode_mode": ("JAX_EP_INTERNODE_MODE",
                        _choice_or_none(("direct", "hierarchical", "auto"))),
     "gpus_per_node": ("JAX_EP_GPUS_PER_NODE", _positive_int_or_none),
@@ -236,7 +254,8 @@ ENV = {k: v[0] for k, v in _SPEC.items()}
 # The settings C++ reads (kernels/common/settings.h), pushed through `set_settings`.
 KERNEL_SETTINGS = ("timeout_s", "num_sms", "ring_tokens", "bulk_piece_bytes", "cuda_preset",
                    "hier_source_blocks", "hier_push_parts", "hier_forward_columns",
-                   "hier_dispatch_blocks", "hier_combine_blocks", "hardware_queues")
+                   "hier_dispatch_blocks", "hier_combine_blocks", "intranode_sms",
+                   "hierarchical_sms", "direct_sms", "low_latency_sms", "hardware_queues")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +273,10 @@ class Config:
     hier_forward_columns: int | None = None
     hier_dispatch_blocks: int | None = None
     hier_combine_blocks: int | None = None
+    intranode_sms: int | None = None
+    hierarchical_sms: int | None = None
+    direct_sms: int | None = None
+    low_latency_sms: int | None = None
     internode_mode: str | None = None
     gpus_per_node: int | None = None
     num_ports: int | None = None

@@ -191,15 +191,18 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, num_ranks: int,
 
 
 def _layout_impl(topk_idx, num_experts, num_ranks, backend, check_ids=True):
-    if check_ids and (backend == "reference"
-                      or (backend == "intranode" and jax.default_backend() == "cpu")):
+    if check_ids and backend in ("reference", "intranode"):
         # No exchange follows in the op, but the program's next collective does: inside
         # shard_map every shard agrees on the check first, so all raise or none does
         # (the CPU kernel's own check would stop one shard alone). Its all-gather is a
         # collective: on several processes (CPU) every peer arrives first.
         topk_idx = _arrival.arrive("get_dispatch_layout", topk_idx,
                                    f"; num_experts={num_experts}, num_ranks={num_ranks}")
-        topk_idx = _value_check.checked(topk_idx, num_experts)
+        check = functools.partial(_value_check.checked, num_experts=num_experts)
+        # The intranode GPU kernel treats a bad id as unused and records it: no rank
+        # stops, so only CPU programs need the agreement (and its collective).
+        topk_idx = (check(topk_idx) if backend == "reference"
+                    else _value_check.on_cpu(check, topk_idx))
     cfg = Cfg(num_experts, num_ranks, backend=backend, check_ids=check_ids)
     return backends.get(backend).layout(topk_idx, cfg)
 

@@ -101,8 +101,7 @@ def get_dispatch_layout(topk_idx, *, num_experts: int, mesh_axis: str, batch_axe
     num_experts = ops._static_int("num_experts", num_experts, 1)
     ops._check_routing(topk_idx, None, None, num_experts, 1)
     spec = _spec(topk_idx.shape[0], num_experts, mesh_axis, None, backend, batch_axes)
-    if spec.backend == "reference" or (spec.backend == "intranode"
-                                       and jax.default_backend() == "cpu"):
+    if spec.backend in ("reference", "intranode"):
         # Every shard agrees before any raises (the CPU kernel's check stops one alone).
         # The check is a collective: on several processes (CPU) every peer arrives first.
         topk_idx = _arrival.arrive_global("get_dispatch_layout", topk_idx, spec.token_axes)

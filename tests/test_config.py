@@ -163,6 +163,7 @@ def test_settings_reach_cpp():
     want = dict(timeout_s=12.5, num_sms=5, ring_tokens=7, bulk_piece_bytes=48,
                 cuda_preset="ep4", hier_source_blocks=3, hier_push_parts=2,
                 hier_forward_columns=2, hier_dispatch_blocks=6, hier_combine_blocks=4,
+                intranode_sms=10, hierarchical_sms=11, direct_sms=3, low_latency_sms=7,
                 hardware_queues=16)
     with config.override(**want):
         assert ext.settings() == want

@@ -29,12 +29,18 @@ ARCH = ["-gencode=arch=compute_90a,code=sm_90a"]
 FILES = {
     "kernels/cuda/intranode_kernels.cu": (
         "dispatch_channel_kernel", "combine_channel_kernel", "gather_channel_kernel"),
+    # the hierarchical mode's cooperative kernels (every role's copies on the copy engine)
+    # and its small set-up kernels
     "kernels/internode/hierarchical_kernels.cu": (
-        "DispatchMain", "DispatchFinish", "CombineMain", "CountKernel", "ExchangeKernel",
+        "DispatchMain", "CombineMain", "DispatchFinish", "CountKernel", "ExchangeKernel",
         "AdvanceKernel"),
+    # the internode low-latency kernels that copy or sum rows, and their waits
     "kernels/internode/low_latency_kernels.cu": (
         "DispatchSendKernel", "DispatchUnpack", "CombineSendKernel", "CombineReduce",
         "RecvWait", "RecvFinish"),
+    # the direct mode's packing, sending and unpacking
+    "kernels/internode/internode_kernels.cu": (
+        "PackKernel", "SendKernel", "UnpackKernel", "ReduceKernel", "GatherUnpackKernel"),
 }
 
 

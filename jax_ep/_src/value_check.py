@@ -178,17 +178,24 @@ def neutralized(topk_idx, num_experts: int, repeats=False):
 
 
 def across_groups(axis_name, groups) -> bool:
-    """Whether the ffi backend runs the agreed check before its kernel: on CPU, where
-    the mesh axes other than the EP axis (`groups`, ((name, size), ...); None: those in
+    """Whether the ffi backend runs the agreed check before its CPU kernel: where the
+    mesh axes other than the EP axis (`groups`, ((name, size), ...); None: those in
     context) make several EP groups. The CPU kernels raise a value error on every rank
     of their EP group only; the other groups would go on into the program's next
-    collective across groups (a data-parallel psum) and wait there. (On GPUs the kernels
-    record the error and treat the id as unused: no rank stops.)"""
-    if jax.default_backend() != "cpu":
-        return False
+    collective across groups (a data-parallel psum) and wait there. Callers wrap the
+    check in `on_cpu`: on GPUs the kernels carry the verdict in their own header
+    exchange (every rank records the error and none stops), so no collective is added."""
     if groups is None:
         groups = group_axes(axis_name)
     return any(int(size) > 1 for _, size in groups)
+
+
+def on_cpu(check, topk_idx):
+    """`check(topk_idx)` in a program lowered for CPU, topk_idx unchanged in one lowered
+    for any other platform. Decided when lowering, by the platform lowered for (not by
+    this host's default backend), so a program exported for CUDA from a CPU host holds
+    no collective or host callback of a CPU-only check."""
+    return jax.lax.platform_dependent(topk_idx, cpu=check, default=lambda i: i)
 
 
 def _manual_axes() -> tuple:
@@ -203,7 +210,7 @@ def global_check_needed(spec) -> bool:
     """Whether the global view runs `checked_global` before its op: always for the
     reference backend (whose per-shard check would be a host callback inside the
     partitioned body), for ffi where the mesh holds several EP groups (see
-    `across_groups`)."""
+    `across_groups`; only in programs lowered for CPU, see `checked_global`)."""
     return spec.backend == "reference" or (spec.backend == "intranode"
                                            and across_groups(None, spec.group_axes))
 
@@ -236,5 +243,10 @@ def checked_global(topk_idx, spec, *, repeats=False, where="jax_ep"):
         v = _agree(v.at[1].set(rank).at[2].set(group), every)
         return _depend(_raise_if_bad(v, E, where, bool(batch), global_row), idx)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=P(token_axes), out_specs=P(token_axes),
-                         check_vma=False)(topk_idx)
+    def check(idx):
+        return jax.shard_map(body, mesh=mesh, in_specs=P(token_axes),
+                             out_specs=P(token_axes), check_vma=False)(idx)
+
+    # The reference backend has no kernel exchange to carry the verdict: it checks on
+    # every platform. The ffi kernels on GPUs carry it themselves (across_groups).
+    return check(topk_idx) if spec.backend == "reference" else on_cpu(check, topk_idx)

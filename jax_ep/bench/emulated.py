@@ -26,6 +26,9 @@ import numpy as np
 MODES = ("intranode", "intranode_ll", "direct", "hierarchical", "internode_ll")
 NOTE = ("COUNTED by the emulated GPU (the kernel sources run on the CPU): counts of what the "
         "kernels do, not measurements on a GPU")
+LATENCY_NOTE = ("MODEL (latency-aware): bandwidth, issue, bytes in flight over latency and "
+                "the longest chain of round trips, from the emulated GPU's counts (constants "
+                "in jax_ep/bench/perf_model.py), not a measurement")
 MODEL_NOTE = ("MODEL: a roofline-style estimate for H200 from the emulated GPU's counts "
               "(constants in jax_ep/bench/perf_model.py), not a measurement")
 
@@ -43,6 +46,7 @@ TARGETS = {
     "intranode": dict(ranks=8, tokens=4096, hidden=7168, topk=8, experts=256),
     "hierarchical_2x8": dict(ranks=16, nodes=2, tokens=4096, hidden=7168, topk=8, experts=256),
     "hierarchical_4x8": dict(ranks=32, nodes=4, tokens=4096, hidden=7168, topk=8, experts=256),
+    "direct_2x8": dict(ranks=16, nodes=2, tokens=4096, hidden=7168, topk=8, experts=256),
     # DeepEP's published low-latency times are of FP8 dispatch and BF16 combine
     "internode_ll": dict(ranks=16, nodes=2, tokens=128, hidden=7168, topk=8, experts=128,
                          fp8_dispatch=True),
@@ -329,10 +333,15 @@ MODEL_COUNT = {
     "intranode": dict(TARGETS["intranode"], tokens=192, hidden=256),
     "hierarchical_2x8": dict(TARGETS["hierarchical_2x8"], tokens=128, hidden=128),
     "hierarchical_4x8": dict(TARGETS["hierarchical_4x8"], tokens=32, hidden=128),
+    "direct_2x8": dict(TARGETS["direct_2x8"], tokens=32, hidden=128),
     "internode_ll": dict(TARGETS["internode_ll"], tokens=16, hidden=256),
 }
 MODEL_MODE = {"intranode": "intranode", "hierarchical_2x8": "hierarchical",
-              "hierarchical_4x8": "hierarchical", "internode_ll": "internode_ll"}
+              "hierarchical_4x8": "hierarchical", "direct_2x8": "direct",
+              "internode_ll": "internode_ll"}
+# The --json summary's modes (issue 46): each from one target of the model.
+SUMMARY_TARGETS = {"intranode": "intranode", "hierarchical": "hierarchical_2x8",
+                   "direct": "direct_2x8", "low_latency": "internode_ll"}
 
 
 def run_model(names, *, seed=0, progress=True, bf16_dispatch=False,
@@ -383,8 +392,69 @@ def model_entry(name: str, points: list[dict], constants=None) -> dict:
             per_dev.append(model.scale_counters(
                 [(p["shape"], j[src]) for p, j in zip(points, joined)], target))
         entry["ops"][op] = model.op_time(per_dev, k)
+        entry.setdefault("latency_ops", {})[op] = model.op_time_latency(per_dev, k)
     entry["verdict"] = _verdict(name, entry["ops"])
+    entry["latency_verdict"] = _latency_verdict(name, entry["latency_ops"])
     return entry
+
+
+# The issue-46 targets, read against the latency-aware model: intranode >= 0.75 of NVLink
+# with <= 24 SMs; hierarchical >= 0.8 of DeepEP V2's 90 / 81 GB/s (EP 8x2, 12 SMs) with
+# <= 12 SMs; low latency within 1.3 x DeepEP's 118 / 195 us at EP16
+# (../shared/ANCHORS.md).
+ISSUE46 = {"intranode": {"nvlink_fraction": 0.75, "sms": 24},
+           "hierarchical": {"GBps": {"dispatch": 0.8 * 90, "combine": 0.8 * 81}, "sms": 12},
+           "low_latency": {"us": {"dispatch": 1.3 * 118, "combine": 1.3 * 195}}}
+
+
+def _latency_verdict(name: str, ops: dict) -> dict:
+    mode = MODEL_MODE[name]
+    if mode == "intranode":
+        t = ISSUE46["intranode"]
+        each = {op: o["nvlink_fraction"] >= t["nvlink_fraction"] and o["sms"] <= t["sms"]
+                for op, o in ops.items()}
+        target = "NVLink fraction >= 0.75 with <= 24 SMs"
+    elif mode == "hierarchical":
+        t = ISSUE46["hierarchical"]
+        each = {op: o["rdma_GBps"] >= t["GBps"][op] and o["sms"] <= t["sms"]
+                for op, o in ops.items()}
+        target = "RDMA >= 72 / 64.8 GB/s (0.8 x DeepEP V2 90 / 81) with <= 12 SMs"
+    elif mode == "internode_ll":
+        t = ISSUE46["low_latency"]
+        each = {op: ops[op]["time_s"] * 1e6 <= t["us"][op] for op in t["us"]}
+        target = "dispatch <= 153.4 us, combine <= 253.5 us (1.3 x DeepEP EP16)"
+    else:
+        return {"target": "none (no published target for direct)", "met": None, "ops": {}}
+    return {"target": target, "met": all(each.values()), "ops": each}
+
+
+def model_summary(entries: list[dict]) -> dict:
+    """The --json summary per mode (issue 46): `dispatch_gbs` and `combine_gbs` (NVLink GB/s
+    intranode, RDMA GB/s per GPU internode; low latency: `dispatch_us`, `combine_us`),
+    `sms` (the widest launch of either op) and `latency_aware`, from the latency-aware
+    model of each mode's target (SUMMARY_TARGETS)."""
+    by_name = {e["target"]: e for e in entries if "latency_ops" in e}
+    out = {}
+    for mode, name in SUMMARY_TARGETS.items():
+        e = by_name.get(name)
+        if e is None:
+            continue
+        ops = e["latency_ops"]
+        row: dict[str, Any] = {"target": name, "shape": e["shape"], "latency_aware": True,
+                               "sms": max(int(o["sms"]) for o in ops.values())}
+        for op, o in ops.items():
+            if mode == "low_latency":
+                row[f"{op}_us"] = o["time_s"] * 1e6
+            elif mode == "intranode":
+                row[f"{op}_gbs"] = o["nvlink_GBps"]
+            else:
+                row[f"{op}_gbs"] = o["rdma_GBps"]
+            row[f"{op}_bound"] = o["bound"]
+        row["gbs_basis"] = {"intranode": "NVLink bytes per GPU / modelled time",
+                            "low_latency": None}.get(mode, "RDMA bytes per GPU / modelled time")
+        row["met"] = e["latency_verdict"]["met"]
+        out[mode] = row
+    return out
 
 
 def _verdict(name: str, ops: dict) -> dict:
@@ -436,6 +506,31 @@ def format_model(entries: list[dict], constants=None) -> str:
             lines.append(f"{e['target']:<18} {op:<9} {o['time_s'] * 1e6:>9.1f} "
                          f"{o['bound']:>6} {o['sms']:>4} {o['nvlink_fraction']:>11.2f} "
                          f"{o['rdma_GBps']:>9.1f}  {verdict_words(e['verdict'], op)}")
+    return "\n".join(lines)
+
+
+def format_latency_model(entries: list[dict], constants=None) -> str:
+    from jax_ep.bench import perf_model as model
+
+    k = model.H200 if constants is None else constants
+    lines = [LATENCY_NOTE,
+             f"latencies: HBM {k.hbm_latency_s * 1e6:.2f} us, NVLink {k.nvlink_latency_s * 1e6:.2f}"
+             f" us, RDMA {k.rdma_latency_s * 1e6:.2f} us; NIC {k.nic_wr_per_s / 1e6:.0f} M WR/s; "
+             f"issue {k.sm_bytes_per_clk} B/clk/SM at {k.sm_clock_hz / 1e9:.2f} GHz",
+             f"{'target':<18} {'op':<9} {'model us':>9} {'bound':>8} {'SMs':>4} "
+             f"{'NVLink GB/s':>11} {'RDMA GB/s':>9} {'B/warp':>7} {'chain rnds':>10}  target met?"]
+    for e in entries:
+        if "latency_ops" not in e:
+            continue
+        v = e["latency_verdict"]
+        for op, o in e["latency_ops"].items():
+            fl = o["inflight_bytes_per_warp"]
+            met = v["ops"].get(op)
+            lines.append(
+                f"{e['target']:<18} {op:<9} {o['time_s'] * 1e6:>9.1f} {o['bound']:>8} "
+                f"{o['sms']:>4} {o['nvlink_GBps']:>11.1f} {o['rdma_GBps']:>9.1f} "
+                f"{max(fl.values()):>7.0f} {sum(o['longest_rounds'].values()):>10.0f}  "
+                f"{v['target']}: {'n/a' if met is None else ('yes' if met else 'no')}")
     return "\n".join(lines)
 
 
@@ -567,7 +662,9 @@ def main(argv=None) -> dict:
                                 constants=a.constants)
         report["model"] = {"note": MODEL_NOTE, "constants": a.constants.as_dict(),
                            "entries": entries}
+        report["modes"] = model_summary(entries)
         print(format_model(entries, a.constants))
+        print(format_latency_model(entries, a.constants))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -27,6 +27,12 @@ Per virtual GPU and per op (dispatch or combine), from its counters:
   time       = max(link time, SM time) + fixed time
 The op's time is the slowest GPU's. Fractions of bandwidth are the GPU's NVLink (or RDMA)
 bytes over its time, over NVLINK (or RDMA).
+
+That roofline charges bytes at fixed per-SM rates whatever an SM keeps in flight. The
+latency-aware model (device_time_latency, below; docs/performance.md "Latency-aware
+model") replaces those rates by what the emulator counts of each thread's and warp's
+rounds and bytes in flight: max(link, issue, bytes / (in flight / latency), the longest
+chain of round trips) + launches. Both are computed from the same counts.
 """
 from __future__ import annotations
 
@@ -62,6 +68,43 @@ class Constants:
     fence_gpu_s: float = 0.3e-6          # __threadfence
     release_s: float = 0.5e-6            # release store at system scope
     wr_s: float = 0.1e-6                 # one RDMA work request posted by a GPU thread
+    # ---- the latency-aware model (device_time_latency; docs/performance.md, "Latency-aware
+    # model"). Each is an order of magnitude from public microbenchmarks or specs, not a
+    # measurement of this project's kernels; the first GPU run measures them (docs).
+    # A load from this GPU's HBM, under load. Pointer-chase microbenchmarks of Hopper put an
+    # unloaded global-memory (HBM) access at several hundred core cycles, about 0.3-0.5 us
+    # at 1.7-2 GHz (Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU
+    # Architecture", arXiv:2402.13499, https://arxiv.org/abs/2402.13499; Chips and Cheese,
+    # "Nvidia's H100: Funny L2, and Tons of Bandwidth",
+    # https://chipsandcheese.com/p/nvidias-h100-funny-l2-and-tons-of-bandwidth); loaded
+    # latency is higher.
+    hbm_latency_s: float = 0.5e-6
+    # A load from a peer GPU over NVLink 4 (through NVSwitch), or a store's completion seen
+    # by a fence: about 1 us (../shared/ANCHORS.md, "Speed facts": ~1 us NVLink/peer
+    # latency; an H100 interconnect survey lists NVLink at ~1-2 us,
+    # https://fridayswithfaraday.com/posts/gpu-hw-nvlink-nvswitch-interconnect).
+    nvlink_latency_s: float = 1.0e-6
+    # A GPU-initiated RDMA write with its signal, from the posting thread to the poll that
+    # sees it on the other node: InfiniBand/RoCE at ~1-5 us in the same survey, plus the
+    # PCIe hops at both ends; an atomic after writes waits a further round trip on
+    # multi-path NICs (DeepEP PR #437, https://github.com/deepseek-ai/DeepEP/pull/437).
+    rdma_latency_s: float = 3.0e-6
+    # Work requests one NIC executes per second: ConnectX-7 advertises a message rate in the
+    # hundreds of millions per second (https://docs.nvidia.com/networking/display/
+    # ConnectX7VPI/Introduction); GPU-posted WQEs (IBGDA) each carry a doorbell, so this
+    # takes the low end.
+    nic_wr_per_s: float = 200e6
+    # The per-SM issue limit of loads and stores by the threads: a warp-wide access of width
+    # w moves 32 w bytes, and an SM's L1/shared-memory data path moves 128 bytes per clock
+    # (32 banks of 4 bytes; CUDA C++ Programming Guide, "Shared Memory" for compute
+    # capability 9.0, https://docs.nvidia.com/cuda/cuda-c-programming-guide/), so an SM
+    # moves min(32 w, 128) bytes per clock; at the H100/H200 SXM maximum boost clock of
+    # 1.98 GHz (NVIDIA H100 datasheet) that is 253 GB/s at 4 bytes and wider.
+    sm_clock_hz: float = 1.98e9
+    sm_bytes_per_clk: int = 128
+    # Warps resident on one SM at most (compute capability 9.0: 64; CUDA C++ Programming
+    # Guide, "Technical Specifications per Compute Capability").
+    sm_max_warps: int = 64
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -174,3 +217,115 @@ def op_chains(per_device: list[dict[str, int]]) -> list[dict[str, int]]:
     keys = {k for c in per_device for k in c if k.startswith("chain:")}
     top = {k: max(c.get(k, 0) for c in per_device) for k in keys}
     return [dict(c, **top) for c in per_device]
+
+
+# ----------------------------------------------------------------------------- latency-aware
+
+SPACES = ("local", "peer", "rdma")
+# The emulator counts rounds in millirounds (kernels/emu/emu_counters.cc, "Rounds"): a bulk
+# load's wait retires a share of a round. "m" is the SI prefix, not a constant of its own.
+MILLI = 1e-3
+
+
+def latency_s(k: Constants) -> dict[str, float]:
+    """One round's latency in each space of the emulator's rounds."""
+    return {"local": k.hbm_latency_s, "peer": k.nvlink_latency_s, "rdma": k.rdma_latency_s}
+
+
+def _kernels(c: dict) -> dict[str, dict]:
+    kernels: dict[str, dict] = {}
+    for name, v in c.items():
+        if name.startswith("kernel:"):  # kernel:<name, maybe with "::">:<field>
+            kname, field = name[len("kernel:"):].rsplit(":", 1)
+            kernels.setdefault(kname, {})[field] = v
+        elif name.startswith("warp_mrounds:"):  # warp_mrounds:<space>:<kernel name>
+            _, space, kname = name.split(":", 2)
+            kernels.setdefault(kname, {})[f"warp_mrounds:{space}"] = v
+    return kernels
+
+
+def issue_Bps(k: Constants, width: int) -> float:
+    """One SM's rate for the threads' accesses of `width` bytes (the issue limit)."""
+    return k.sm_clock_hz * min(32 * width, k.sm_bytes_per_clk)
+
+
+def device_time_latency(c: dict[str, float], k: Constants = H200) -> dict[str, Any]:
+    """The latency-aware model for one virtual GPU's counters of one op:
+
+      link     = max(NVLink bytes / NVLINK, RDMA bytes / RDMA, local bytes / HBM,
+                     RDMA work requests / the NIC's rate)
+      issue    = the threads' bytes at each width over the SMs' issue limit (min(32 w, 128)
+                 bytes per clock per SM, over the SMs of the widest launch), at least the
+                 busiest block's accesses over one SM's; bulk copies (TMA) at their per-SM
+                 rate beside them (tma_overlaps) or after them
+      inflight = per kernel and launch, the average warp's data rounds times the latency of
+                 each round's space (Little's law: bytes / (bytes in flight / latency), with
+                 in flight = what its warps' loads keep outstanding per round; every warp of
+                 a launch resident at once, at most sm_max_warps per SM)
+      chain    = the longest thread's rounds (loads, polls, fences waiting for writes,
+                 bulk-load waits) times their latencies, plus its work requests * WR
+      time     = max(link, issue, inflight, chain) + launches * LAUNCH
+
+    Counters: "warp_mrounds:<space>:<kernel>", "round_bytes:<space>", "longest:mrounds:
+    <space>" (data rounds, fitted in T and T H) and "chain:mrounds:<space>" (polls and write
+    waits, fitted in T like every "chain:" counter) from the emulator
+    (kernels/emu/emu_counters.cc, "Rounds")."""
+    base = device_time(c, k)  # the byte counts and launch geometry, shared with the roofline
+    lat = latency_s(k)
+    ld = {sp: {w: float(c.get(f"load_bytes:{sp}:{w}", 0)) + float(c.get(f"store_bytes:{sp}:{w}", 0))
+               for w in WIDTHS} for sp in ("local", "peer")}
+    wrs = sum(float(c.get(f"wrs:{sp}", 0)) for sp in ("peer", "rdma"))
+    link_s = max(base["link_s"], float(c.get("wrs:rdma", 0)) / k.nic_wr_per_s)
+    kernels = _kernels(c)
+    sms_used = max(1, min(base["sms"], k.num_sms))
+    issue_s = sum(ld[sp][w] / issue_Bps(k, w) for sp in ld for w in WIDTHS) / sms_used
+    tma = base["tma_bytes"] / k.sm_tma_Bps / sms_used
+    busiest = max(float(c.get(f"block_max:accesses:{sp}", 0)) for sp in ("local", "peer")) \
+        * 16 / issue_Bps(k, 16)
+    busiest_tma = float(c.get("block_max:tma_bytes", 0)) / k.sm_tma_Bps
+    if k.tma_overlaps:
+        issue_s, busiest = max(issue_s, tma), max(busiest, busiest_tma)
+    else:
+        issue_s, busiest = issue_s + tma, busiest + busiest_tma
+    issue_s = max(issue_s, busiest)
+    inflight_s = 0.0
+    warp_rounds = {sp: 0.0 for sp in SPACES}
+    for kv in kernels.values():
+        launches = kv.get("launches", 0)
+        warps = kv.get("warps", 0)
+        if not launches or not warps:
+            continue
+        # warps that cannot be resident at once wait for a turn: the launch takes waves
+        waves = max(1.0, warps / launches / (k.num_sms * k.sm_max_warps))
+        for sp in SPACES:
+            r = float(kv.get(f"warp_mrounds:{sp}", 0)) * MILLI
+            warp_rounds[sp] += r
+            inflight_s += launches * (r / warps) * lat[sp] * waves
+    round_bytes = {sp: float(c.get(f"round_bytes:{sp}", 0)) for sp in SPACES}
+    inflight_B = {sp: round_bytes[sp] / warp_rounds[sp] if warp_rounds[sp] else 0.0
+                  for sp in SPACES}
+    # the longest thread's data rounds plus its polls and write waits (each the longest on
+    # its own: an upper bound of one thread's sum)
+    longest = {sp: (float(c.get(f"longest:mrounds:{sp}", 0))
+                    + float(c.get(f"chain:mrounds:{sp}", 0))) * MILLI for sp in SPACES}
+    chain_s = sum(longest[sp] * lat[sp] for sp in SPACES) + float(c.get("chain:wrs", 0)) * k.wr_s
+    terms = {"link": link_s, "issue": issue_s, "inflight": inflight_s, "chain": chain_s}
+    bound = max(terms, key=terms.get)
+    t = terms[bound] + base["launches"] * k.launch_s
+    return {"time_s": t, **{f"{n}_s": v for n, v in terms.items()}, "bound": bound,
+            "sms": base["sms"], "launches": base["launches"],
+            "nvlink_bytes": base["nvlink_bytes"], "rdma_bytes": base["rdma_bytes"],
+            "local_bytes": base["local_bytes"], "tma_bytes": base["tma_bytes"],
+            "rdma_wrs": wrs, "warp_rounds": warp_rounds, "inflight_bytes_per_warp": inflight_B,
+            "longest_rounds": longest,
+            "nvlink_fraction": base["nvlink_bytes"] / t / k.nvlink_Bps if t > 0 else 0.0,
+            "nvlink_GBps": base["nvlink_bytes"] / t / 1e9 if t > 0 else 0.0,
+            "rdma_GBps": base["rdma_bytes"] / t / 1e9 if t > 0 else 0.0,
+            "latency_aware": True}
+
+
+def op_time_latency(per_device: list[dict], k: Constants = H200) -> dict[str, Any]:
+    """The latency-aware model's op time: its slowest GPU's."""
+    rows = [device_time_latency(c, k) for c in per_device]
+    worst = max(rows, key=lambda r: r["time_s"])
+    return dict(worst, gpus=len(rows))

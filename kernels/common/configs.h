@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstring>
+#include <string>
 
 #include "kernels/common/settings.h"
 
@@ -84,13 +85,13 @@ inline int HierSourceBlocks(long long row_vectors) {
 }
 
 // Hierarchical dispatch: its roles are spread over parts, one warp each, and the warps over
-// kHierDispatchBlocks blocks, consecutive warps of a role on consecutive blocks (DeepEP's
+// the mode's blocks, consecutive warps of a role on consecutive blocks (DeepEP's
 // channels: every SM holds a slice of every role). A sender to a remote node runs as
 // parts that each own a set of QPs (the largest divisor of the QP count at most
 // kHierSendParts: the chunks of one QP stay in order), a forwarder (local or rail) as
 // parts that each own a set of the node's receivers (at most kHierForwardParts).
+// Its blocks: the hierarchical mode's SMs (InternodeModeSms below);
 // JAX_EP_HIER_DISPATCH_BLOCKS overrides the block count (rank-local: the wire is the same).
-inline constexpr int kHierDispatchBlocks = 24;
 inline constexpr int kHierSendParts = 4;
 inline constexpr int kHierForwardParts = 8;
 inline constexpr int kMaxHierParts = 32;
@@ -107,9 +108,9 @@ inline int HierForwardParts(int gpus_per_node) {
 // The hierarchical combine's forwarder to a remote node runs as parts, a warp each
 // summing a slice of the columns (at most one per 16-byte vector of a row, at most
 // kHierCombineForwardParts); its parts and the pushers (a warp each) spread the same way
-// over kHierCombineRoleBlocks blocks beside the source blocks (JAX_EP_HIER_COMBINE_BLOCKS).
+// over role blocks beside the source blocks: the mode's SMs split by HierCombineFit
+// (JAX_EP_HIER_COMBINE_BLOCKS overrides the role blocks).
 inline constexpr int kHierCombineForwardParts = 8;
-inline constexpr int kHierCombineRoleBlocks = 16;
 
 inline int HierCombineForwardParts(long long row_vectors) {
   long long n = row_vectors < kHierCombineForwardParts ? row_vectors : kHierCombineForwardParts;
@@ -121,8 +122,9 @@ inline int HierCombineForwardParts(long long row_vectors) {
 // blocks, a warp each copying a slice of every row's 16-byte vectors (part 0 releases a
 // batch once every part has written it): the pair's rows spread over blocks, so no block
 // holds a whole pair's, however the routing loads one pair. Parts per pusher: up to
-// kHierPushParts, as long as the pushers keep to about kHierPushWarps warps in all (and
-// never more parts than a row has vectors). JAX_EP_HIER_PUSH_PARTS overrides it (up to
+// kHierPushParts, as long as the pushers keep to about kHierPushWarps warps in all and to
+// the role blocks' warps beside the forwarders' (HierCombineFit; never more parts than a
+// row has vectors). JAX_EP_HIER_PUSH_PARTS overrides it (up to
 // kHierPushParts; rank-local: the wire is the same).
 inline constexpr int kHierPushParts = 4;
 inline constexpr int kHierPushWarps = 64;
@@ -136,10 +138,6 @@ inline int PartsPerRole(int forced, int most, int warps, int roles, long long ro
   if (n > row_vectors) n = row_vectors;
   if (n < 1) n = 1;
   return static_cast<int>(n > kMaxHierParts ? kMaxHierParts : n);
-}
-inline int HierPushParts(int pushers, long long row_vectors) {
-  return PartsPerRole(settings().hier_push_parts, kHierPushParts, kHierPushWarps, pushers,
-                      row_vectors);
 }
 
 // Each dispatch forwarder part (one set of a node's receivers) can run as column parts on
@@ -208,6 +206,155 @@ inline int EpSmBudget(int device_sms) {
   return n < 1 ? 1 : n;
 }
 
+// ---- SM budget per mode (DeepEP V2's SM count per mode) ----------------------------------
+// SMs each mode's kernels use: their grids (one block per SM, as the channel kernels:
+// kAssumedBlocksPerSm) are cut to it. A setting per mode (JAX_EP_<MODE>_SMS, jax_ep.config
+// `<mode>_sms`) overrides the preset; the whole budget EpSmBudget (num_sms) still caps it.
+// Rank-local: the wire and the buffers are the same whatever a rank's budget.
+enum EpMode : int { kModeIntranode = 0, kModeHierarchical = 1, kModeDirect = 2, kModeLowLatency = 3 };
+inline constexpr int kNumEpModes = 4;
+// A mode's setting at most (more than any GPU's SMs; the whole budget cuts it anyway).
+inline constexpr int kMaxModeSms = 1024;
+
+struct EpModeInfo {
+  const char* mode;     // as jax_ep names it
+  const char* setting;  // jax_ep.config's field
+  const char* env;      // its environment variable
+};
+inline constexpr EpModeInfo kEpModes[kNumEpModes] = {
+    {"intranode", "intranode_sms", "JAX_EP_INTRANODE_SMS"},
+    {"hierarchical", "hierarchical_sms", "JAX_EP_HIERARCHICAL_SMS"},
+    {"direct", "direct_sms", "JAX_EP_DIRECT_SMS"},
+    {"low_latency", "low_latency_sms", "JAX_EP_LOW_LATENCY_SMS"},
+};
+
+// The internode modes' SMs by EP size (first row with num_ranks <= max_ranks). DeepEP V2
+// reaches 90/81 GB/s at EP 8x2 with 12 SMs (SM90 + CX7), so 12 there: two NIC ports are
+// fed by a few RDMA CTAs and the NVLink copies of the rest. Larger groups hold more role
+// warps (the hierarchical kernels need a warp per remote node's sender part and receivers
+// per node), so the rows grow. First estimates, not measured (scripts/gpu_check.sh).
+// Intranode's SMs are its launch preset's num_sms (kIntranodePresets: 24 at 8 and 16 ranks).
+struct InternodeSmPreset {
+  int max_ranks;
+  int hierarchical, direct, low_latency;
+};
+inline constexpr InternodeSmPreset kInternodeSmPresets[] = {
+    {16, 12, 12, 12},
+    {32, 16, 12, 16},
+    {64, 24, 16, 24},
+    {1 << 20, 32, 24, 32},
+};
+inline constexpr int kNumInternodeSmPresets =
+    static_cast<int>(sizeof(kInternodeSmPresets) / sizeof(kInternodeSmPresets[0]));
+
+// The mode's setting (> 0 when set), 0 when unset.
+inline int ModeSmSetting(int mode) {
+  const Settings& s = settings();
+  switch (mode) {
+    case kModeIntranode: return s.intranode_sms;
+    case kModeHierarchical: return s.hierarchical_sms;
+    case kModeDirect: return s.direct_sms;
+    case kModeLowLatency: return s.low_latency_sms;
+  }
+  return 0;
+}
+
+// The preset's SMs of an internode mode at `num_ranks` ranks.
+inline int InternodeSmPresetFor(int mode, int num_ranks) {
+  for (const auto& p : kInternodeSmPresets)
+    if (num_ranks <= p.max_ranks)
+      return mode == kModeHierarchical ? p.hierarchical
+             : mode == kModeDirect     ? p.direct
+                                       : p.low_latency;
+  return 1;
+}
+
+// SMs the internode `mode` uses at `num_ranks` ranks on a GPU of `device_sms` SMs: the
+// setting when set, else the preset; within the whole budget (EpSmBudget) and >= 1.
+inline int InternodeModeSms(int mode, int num_ranks, int device_sms) {
+  const int forced = ModeSmSetting(mode);
+  int n = forced > 0 ? forced : InternodeSmPresetFor(mode, num_ranks);
+  const int cap = EpSmBudget(device_sms);
+  if (n > cap) n = cap;
+  return n < 1 ? 1 : n;
+}
+
+// The text of an error about a mode's budget: names the setting and its variable.
+inline std::string ModeSmError(int mode, int sms, int least, const char* what) {
+  const EpModeInfo& m = kEpModes[mode];
+  return std::string("jax_ep: ") + m.setting + " (" + m.env + ") = " + std::to_string(sms) +
+         " SMs is below the " + std::to_string(least) + " the " + m.mode + " mode's " + what +
+         " needs";
+}
+
+// Direct mode's SendKernel: `rdma` CTAs post the RDMA streams (CTA b the QPs q = b mod
+// rdma, so each CTA keeps whole QPs and their chunks in order) and `nvl` CTAs copy the
+// NVLink streams. With NVLink peers, about half the budget posts (each CTA at most
+// ceil(num_qps / (budget / 2)) QPs, as few CTAs as that allows) and the rest copies: the
+// NIC needs few CTAs to be fed (a post is a few work requests), the copies need many
+// loads in flight. Without NVLink peers every CTA posts (and with no NVLink CTA, the RDMA
+// CTAs copy to NVLink peers after their posts).
+struct DirectSplit {
+  int rdma, nvl;
+};
+inline DirectSplit DirectSendSplit(int sms, int num_qps, bool nvlink_peers) {
+  DirectSplit d;
+  if (sms < 1) sms = 1;
+  if (num_qps < 1) num_qps = 1;
+  if (!nvlink_peers) {
+    d.rdma = num_qps < sms ? num_qps : sms;
+    d.nvl = 0;
+    return d;
+  }
+  const int half = sms / 2 < 1 ? 1 : sms / 2;
+  const int per = (num_qps + half - 1) / half;  // QPs per RDMA CTA
+  d.rdma = (num_qps + per - 1) / per;
+  d.nvl = sms - d.rdma;  // 0 only at one SM: the RDMA CTA copies after its posts
+  return d;
+}
+
+// Hierarchical combine: `sms` blocks split into source blocks (a slice of the columns each)
+// and role blocks (forwarder parts and pushers, a warp each): the source gets half (at most
+// its own preset, HierSourceBlocks; JAX_EP_HIER_SOURCE_BLOCKS wins), the roles the rest, and
+// the forwarder and pusher parts shrink to fit the role blocks' warps (never below one part
+// each). `roles` ends at least what holds every role warp: callers compare with the budget.
+struct HierCombineSplit {
+  int nsrc, roles, cp, pp;
+};
+inline HierCombineSplit HierCombineFit(int sms, int remote_nodes, int pushers,
+                                       long long row_units, long long row_vectors,
+                                       int warps_per_block) {
+  const Settings& s = settings();
+  HierCombineSplit c;
+  const int src = HierSourceBlocks(row_units);
+  const int half = sms / 2 < 1 ? 1 : sms / 2;
+  c.nsrc = s.hier_source_blocks > 0 ? src : (src < half ? src : half);
+  c.cp = HierCombineForwardParts(row_units);
+  int roles, left;
+  if (s.hier_combine_blocks > 0) {
+    // role blocks asked for: the parts as without a budget (about kHierPushWarps pusher
+    // warps), packed into at least the blocks asked
+    roles = s.hier_combine_blocks;
+    left = kHierPushWarps;
+  } else {
+    roles = sms - c.nsrc < 1 ? 1 : sms - c.nsrc;
+    const int avail = roles * warps_per_block;
+    if (remote_nodes > 0 && remote_nodes * c.cp + pushers > avail) {
+      const int cp = (avail - pushers) / remote_nodes;
+      c.cp = cp < 1 ? 1 : cp;
+    }
+    left = avail - remote_nodes * c.cp;
+    if (left > kHierPushWarps) left = kHierPushWarps;
+  }
+  c.pp = PartsPerRole(s.hier_push_parts, kHierPushParts, left < pushers ? pushers : left,
+                      pushers, row_vectors);
+  const int warps = remote_nodes * c.cp + pushers * c.pp;
+  const int least = (warps + warps_per_block - 1) / warps_per_block;
+  c.roles = roles < least ? least : roles;
+  if (c.roles > warps) c.roles = warps < 1 ? 1 : warps;  // at most one block a warp
+  return c;
+}
+
 // `p` with its grids cut to what `sm_budget` SMs hold resident. The channel kernels keep
 // an even block count of at least 2 (two blocks per combine or gather channel).
 inline IntranodePreset FitPresetToSms(IntranodePreset p, int sm_budget) {
@@ -247,6 +394,23 @@ inline const IntranodePreset& SelectIntranodePreset(int num_ranks) {
   for (const auto& p : kIntranodePresets)
     if (num_ranks <= p.max_ranks) return p;
   return kIntranodePresets[kNumIntranodePresets - 1];
+}
+
+// The intranode preset a launch runs with at `num_ranks` ranks on a GPU of `device_sms`
+// SMs: its blocks cut to the whole budget (EpSmBudget) and to the intranode mode's setting
+// (intranode_sms, JAX_EP_INTRANODE_SMS) when set. The setting only lowers the preset's
+// blocks: the group's buffers are sized for the preset's channels (SetupChannels).
+inline IntranodePreset IntranodeLaunchPreset(int num_ranks, int device_sms) {
+  int budget = EpSmBudget(device_sms);
+  const int forced = ModeSmSetting(kModeIntranode);
+  if (forced > 0 && forced < budget) budget = forced;
+  return FitPresetToSms(SelectIntranodePreset(num_ranks), budget);
+}
+
+// SMs `mode` (EpMode) uses at `num_ranks` ranks on a GPU of `device_sms` SMs.
+inline int ModeSms(int mode, int num_ranks, int device_sms) {
+  if (mode == kModeIntranode) return IntranodeLaunchPreset(num_ranks, device_sms).num_sms;
+  return InternodeModeSms(mode, num_ranks, device_sms);
 }
 
 }  // namespace jax_ep

@@ -32,6 +32,11 @@ struct Settings {
   int hier_forward_columns = 0;  // JAX_EP_HIER_FORWARD_COLUMNS
   int hier_dispatch_blocks = 0;  // JAX_EP_HIER_DISPATCH_BLOCKS
   int hier_combine_blocks = 0;   // JAX_EP_HIER_COMBINE_BLOCKS
+  // SMs per mode (configs.h kEpModes, the presets beside them): 0 = the mode's preset.
+  int intranode_sms = 0;         // JAX_EP_INTRANODE_SMS
+  int hierarchical_sms = 0;      // JAX_EP_HIERARCHICAL_SMS
+  int direct_sms = 0;            // JAX_EP_DIRECT_SMS
+  int low_latency_sms = 0;       // JAX_EP_LOW_LATENCY_SMS
   // CUDA_DEVICE_MAX_CONNECTIONS (the driver's default 8): hardware queues of this
   // process's streams, which the virtual-rank harness checks its ranks against.
   int hardware_queues = 8;

@@ -168,6 +168,10 @@ struct alignas(128) RankHeader {
   int64_t g_req_site[kMaxChannels][kMaxRanks];    // gather: written by receiver p before its count
   int64_t g_arr_site[kMaxChannels][kMaxRanks];    // gather: written by sender p before any row
   int32_t g_req_n[kMaxChannels][kMaxRanks];       // gather: rows receiver p wants from my channel
+  // dispatch: written by peer p before arrive[kOpDispatch][p]: the epoch n when p's
+  // topk_idx of epoch n held ids outside [-1, E) (else 0). The value check's verdict
+  // travels in the exchange itself, so every rank learns it with no collective of XLA's.
+  int64_t bad_ids[kMaxRanks];
 };
 static_assert(sizeof(RankHeader) <= kHeaderBytes, "header too large");
 constexpr int32_t kHeaderMagic = 0x4a455031;  // "JEP1"
@@ -186,6 +190,8 @@ enum ErrorCode : int32_t {
   kErrRankMismatch = 4, // a = rank given, b = rank in setup, c = group given, d = group
   kErrCallSite = 5,     // a = peer rank, b = op kind, c = peer's call site, d = mine
   kErrPeerFailed = 6,   // a = peer rank, b = op kind: the peer had an error and skipped
+  kErrPeerBadId = 7,    // a = peer rank, b = op kind: the peer's ids were outside [-1, E)
+                        // (recorded there, treated as unused; the data moved)
 };
 // Errors after which the protocol keeps running but no data moves (see the top);
 // bad ids and foreign handles are repaired (treated as unused) and only reported.

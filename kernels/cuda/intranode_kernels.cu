@@ -119,13 +119,18 @@ __device__ uint64_t begin_epoch(const CommonArgs& c, int kind) {
 }
 
 // Ranks a token is sent to (bit r), from its sanitized ids.
-__device__ __forceinline__ uint32_t token_mask(const DispatchArgs& a, int t, bool record) {
+// With `record`, a bad id is reported and `*bad` set.
+__device__ __forceinline__ uint32_t token_mask(const DispatchArgs& a, int t, bool record,
+                                               int* bad = nullptr) {
   const int32_t* row = a.topk_idx + static_cast<int64_t>(t) * a.K;
   uint32_t mask = 0;
   for (int k = 0; k < a.K; ++k) {
     const int32_t raw = row[k];
     const int32_t e = sanitized(raw, a.E);
-    if (record && e != raw) report(a.c, kErrBadTopkId, t, k, raw, a.E);
+    if (record && e != raw) {
+      report(a.c, kErrBadTopkId, t, k, raw, a.E);
+      if (bad != nullptr) *bad = 1;
+    }
     if (e >= 0) mask |= 1u << owner_rank(e, a.experts_per_rank);
   }
   return mask;
@@ -283,11 +288,13 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_notify_kernel(DispatchA
   __shared__ int32_t s_mybase[kMaxRanks];  // first row of my tokens on each receiver
   __shared__ uint64_t s_n;
   __shared__ bool s_fail;
+  __shared__ int s_bad;  // a bad id in this rank's topk_idx (told to every peer)
   const int R = a.c.num_ranks, me = a.c.me;
   RankHeader* hdr = peer::header(a.c.peers, me);
   if (threadIdx.x == 0) {
     s_n = begin_epoch(a.c, kOpDispatch);
     s_fail = failed();  // then this rank sends nothing (its counts are all zero)
+    s_bad = 0;
   }
   if (threadIdx.x < R) s_run[threadIdx.x] = 0;
   for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) a.recv_per_expert[e] = 0;
@@ -295,7 +302,7 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_notify_kernel(DispatchA
   int32_t pos[kMaxRanks];
   for (int base = 0; base < a.T; base += blockDim.x) {
     const int t = base + threadIdx.x;
-    const uint32_t mask = (t < a.T && !s_fail) ? token_mask(a, t, true) : 0u;
+    const uint32_t mask = (t < a.T && !s_fail) ? token_mask(a, t, true, &s_bad) : 0u;
     chunk_positions(mask, R, s_warp, s_run, pos);
     if (t < a.T) {
       int32_t* out = a.send_row + static_cast<int64_t>(t) * R;
@@ -311,11 +318,20 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_notify_kernel(DispatchA
       RankHeader* ph = peer::header(a.c.peers, r);
       for (int j = 0; j < R; ++j) peer::store(&ph->counts[me][j], site == kSiteFailed ? 0 : s_run[j]);
       peer::store(&ph->site_arr[kOpDispatch][me], site);
+      peer::store(&ph->bad_ids[me], s_bad ? static_cast<int64_t>(s_n) : int64_t{0});
     }
     peer::fence_data();
     for (int r = 0; r < R; ++r) peer::signal(&peer::header(a.c.peers, r)->arrive[kOpDispatch][me], s_n);
     s_fail = wait_and_check(a.c, hdr->arrive[kOpDispatch], hdr->site_arr[kOpDispatch], s_n,
                             kOpDispatch);
+    // A peer's bad ids reach this rank's record too (they stop nothing: the data moved).
+    for (int r = 0; r < R && !s_fail; ++r) {
+      const int64_t tag = *reinterpret_cast<const volatile int64_t*>(&hdr->bad_ids[r]);
+      if (r != me && tag == static_cast<int64_t>(s_n)) {
+        report(a.c, kErrPeerBadId, r, kOpDispatch, 0, 0);
+        break;
+      }
+    }
   }
   __syncthreads();
   const bool fail = s_fail;  // then nothing moves: send_row all -1, nothing received

@@ -237,6 +237,22 @@ void note_access(int dir, const void* p, int width, size_t n);
 // [tid, stride) split (element i goes to thread i % stride); null dst/src: not counted.
 void note_copy_share(const void* dst, const void* src, int width, int64_t count, int tid,
                      int stride);
+// Latency accounting ("rounds", kernels/emu/emu_counters.cc; docs/emulator.md, "Rounds and
+// bytes in flight"): a round is one trip to memory that a thread waits for before it goes
+// on. Spaces in order of distance: this GPU's memory, a peer's over NVLink, another node's
+// over RDMA (the farthest space of what a wait covers is the one it costs).
+enum LatSpace : int { kLatLocal = 0, kLatPeer = 1, kLatRdma = 2, kNumLatSpaces };
+// An acquire poll of `flag` whose writer reaches this GPU over `space` (-1: from the flag's
+// place: a peer's memory, or this GPU's memory that peers write, is kLatPeer; else local).
+// Counted as an acquire load and a poll; repeated polls of one flag are one round.
+void note_acquire_at(const void* flag, int space);
+// The same for a relaxed poll (counted as a poll only).
+void note_poll_at(const void* flag, int space);
+// This thread issued a write that completes over `space` later (an RDMA put): the next
+// wait for its completion (note_complete_writes, a fence) costs a round of that space.
+void note_remote_write(int space);
+// This thread waits until its earlier writes complete (nvshmem_quiet).
+void note_complete_writes();
 // Stores to memory other virtual GPUs read (peer buffers) that another virtual GPU owns:
 // through a per-thread store buffer that drains at random later points, in order; fences
 // and release stores drain it. Stores to the writer's own memory land at once.

@@ -319,6 +319,12 @@ void FiberExit(Fiber* f) {
   const int lane = f->ctx.lane, w = f->ctx.warp;
   b->warps[w].exited |= 1u << lane;
   for (int i = 0; i < kNumChains; ++i) b->k->chain_max[i] = std::max(b->k->chain_max[i], f->chain[i]);
+  EndRun(f);  // loads never used still land before the thread is done
+  for (int sp = 0; sp < kNumLatSpaces; ++sp) {
+    b->k->mrounds_max[sp] = std::max(b->k->mrounds_max[sp], f->load_mrounds[sp]);
+    b->k->sync_mrounds_max[sp] =
+        std::max(b->k->sync_mrounds_max[sp], f->mrounds[sp] - f->load_mrounds[sp]);
+  }
   if (f->sbuf != nullptr) {
     b->k->bufs.push_back(f->sbuf);
     f->sbuf = nullptr;
@@ -463,6 +469,7 @@ void syncthreads() {
   State& s = S();
   Fiber* f = s.cur;
   if (f == nullptr) return;
+  NoteUse(f);  // a use point of its loads in flight (emu_counters.cc, "Rounds")
   Block* b = f->blk;
   f->state = FState::kBlocked;
   b->at_barrier.push_back(f);
@@ -479,6 +486,7 @@ void named_barrier(int id, int threads) {
   State& s = S();
   Fiber* f = s.cur;
   if (f == nullptr) return;
+  NoteUse(f);  // a use point of its loads in flight (emu_counters.cc, "Rounds")
   if (id < 1 || id > 15 || threads <= 0 || threads % 32 != 0) {
     std::fprintf(stderr, "emu: named barrier %d with %d threads (ids 1..15, warps of 32)\n", id,
                  threads);
@@ -499,6 +507,7 @@ uint64_t warp_collective(int op, unsigned mask, uint64_t value, int arg, int wid
   State& s = S();
   Fiber* f = s.cur;
   if (f == nullptr) return value;
+  NoteUse(f);  // a use point of its loads in flight (emu_counters.cc, "Rounds")
   Block* b = f->blk;
   const int lane = f->ctx.lane, w = f->ctx.warp;
   if (!((mask >> lane) & 1u)) {

@@ -79,6 +79,15 @@ struct Fiber {
   // Async proxy (emu_tma.cc): whether a fence.proxy.async.global came after this thread's
   // last acquire (a bulk load of peer-written global memory needs one between them).
   bool global_proxy_fenced = false;
+  // Rounds and bytes in flight (emu_counters.cc, "Rounds"), in millirounds (a bulk load's
+  // wait retires a share of what is in flight: a fraction of a round).
+  uint64_t run_bytes = 0;        // plain loads issued since this thread's last use point
+  int run_space = kLatLocal;     // the farthest space those loads read
+  unsigned write_spaces = 0;     // bit s: writes to space s not yet waited for (a fence)
+  const void* poll_flag = nullptr;  // the flag of the poll round in progress
+  uint64_t mrounds[kNumLatSpaces] = {};       // every round: data, polls, fences
+  uint64_t load_mrounds[kNumLatSpaces] = {};  // data rounds (loads, bulk loads) only
+  std::map<const void*, std::pair<uint64_t, int>> bulk_inflight;  // by mbarrier: bytes, space
 };
 
 // An mbarrier's accounting (emu_tma.cc): the arrivals and transaction bytes of its current
@@ -146,6 +155,9 @@ struct Kernel {
   uint32_t chain_max[kNumChains] = {};  // the longest of its threads' chains
   uint64_t block_max[2] = {};           // the most accesses one of its blocks made, by space
   uint64_t block_max_tma = 0;           // the most bulk-copy bytes one of its blocks moved
+  uint64_t mrounds_max[kNumLatSpaces] = {};  // the most data rounds of one of its threads
+  uint64_t sync_mrounds_max[kNumLatSpaces] = {};  // the most polls and write waits of one
+  uint64_t warp_mrounds[kNumLatSpaces] = {};  // over its warps: each warp's data rounds
 };
 
 struct Op {
@@ -270,6 +282,20 @@ void CountDev(int d, const std::string& k, uint64_t v = 1);
 void Count(const std::string& k, uint64_t v = 1);
 // A kernel's longest per-thread chains and busiest block, added per launch.
 void CountChains(Kernel* k);
+// Rounds (emu_counters.cc): the running thread's loads since its last use point end as one
+// round (a store, fence, poll, barrier or warp collective is a use point); a block's warps'
+// data rounds go to its kernel when the block finishes.
+void EndRun(Fiber* f);
+void CountWarpRounds(Block* b);
+extern const char* const kLatNames[kNumLatSpaces];  // "local", "peer", "rdma"
+// Bytes by width and space, without the latency accounting (note_access does both).
+void CountAccess(int dir, const void* p, int width, size_t n);
+void NoteUse(Fiber* f);    // a use point: the loads in flight are waited for
+void NoteFence(Fiber* f);  // a fence or release: also the writes in flight
+// A store (use: a use point of the loads before it) or a bulk store (not one) to p.
+void NoteWrite(Fiber* f, const void* p, bool use = true);
+void NoteBulkLoad(Fiber* f, const void* mbar, const void* src, size_t n);
+void NoteBulkWait(Fiber* f, const void* mbar);  // the phase of mbar completed
 void Fault(const std::string& what);
 
 // ---- sets with O(1) insert and remove: each member keeps its index (`Pos`, SIZE_MAX when

@@ -110,6 +110,10 @@ void fence(int scope) {
   Hot(kHotFenceBlock + (scope < 0 || scope > 2 ? 1 : scope))++;
   if (scope == kFenceSystem) note_chain(kChainFenceSystem);
   if (scope == kFenceGpu) note_chain(kChainFenceGpu);
+  // A .gpu or .sys fence waits for this thread's writes to reach their scope (a round,
+  // emu_counters.cc "Rounds"); a .cta fence orders them within the SM only.
+  if (scope >= kFenceGpu) NoteFence(s.cur);
+  else NoteUse(s.cur);
   // A fence only orders this thread's own stores: it drains its buffer and needs no turn.
   // Only a .sys fence does: the buffer holds nothing but stores into memory another
   // virtual GPU owns, and another GPU's threads are outside a .gpu fence's scope. PTX
@@ -169,6 +173,7 @@ void release_store64(uint64_t* p, uint64_t v) {
   Hot(kHotRelease)++;
   note_chain(kChainRelease);
   Fiber* f = s.cur;
+  NoteFence(f);  // a release at system scope waits for the writes before it
   if (f != nullptr && f->sbuf != nullptr) Drain(f->sbuf, SIZE_MAX);
   if (f != nullptr) Suspend(true);
   *reinterpret_cast<volatile uint64_t*>(p) = v;

@@ -17,7 +17,7 @@
 inline void signal(uint64_t* flag, uint64_t value) { ::emu::release_store64(flag, value); }
 
 inline uint64_t load_acquire(const uint64_t* flag) {
-  ::emu::note_acquire();
+  ::emu::note_acquire_at(flag, -1);
   return *reinterpret_cast<const volatile uint64_t*>(flag);
 }
 

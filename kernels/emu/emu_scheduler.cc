@@ -268,6 +268,7 @@ void FinishBlock(Block* b) {
   k->done_blocks++;
   for (int i = 0; i < 2; ++i) k->block_max[i] = std::max(k->block_max[i], b->accesses[i]);
   k->block_max_tma = std::max(k->block_max_tma, b->tma_bytes);
+  CountWarpRounds(b);
   for (const auto& [mbar, copies] : b->bulk_loads)
     if (!copies.empty())
       Fault(std::string("kernel ") + k->spec.name + ": a bulk load into shared memory was "

@@ -175,6 +175,7 @@ void bulk_load_tx(void* smem, const void* src, size_t n, uint64_t* mbar) {
           "fence.mbarrier_init / fence.proxy.async (peer::fence_bulk_shared) before a bulk "
           "copy completes on it");
   m->issued_tx += static_cast<int64_t>(n);
+  NoteBulkLoad(f, mbar, src, n);  // in flight until its wait (emu_counters.cc, "Rounds")
   BulkCopy c{smem, src, n};
   // The same rules, for global memory: a peer's writes the thread acquired (generic proxy)
   // are ordered before a bulk load's reads (async proxy) only by a fence.proxy.async.global
@@ -194,7 +195,10 @@ bool mbar_wait(uint64_t* mbar, uint32_t parity, int64_t timeout_ns) {
   unsigned nap = 64;
   for (;;) {
     yield(kYieldPoll);
-    if ((*mbar & 1u) != (parity & 1u)) return true;  // that phase has completed already
+    if ((*mbar & 1u) != (parity & 1u)) {  // that phase has completed already
+      NoteBulkWait(f, mbar);
+      return true;
+    }
     MbarState* m = Mbar(f, mbar, "peer::mbar_wait");
     if (m->arrived >= m->count && m->issued_tx > m->expect_tx) {
       // On a GPU the tx-count reaches zero before the last bytes land: the phase completes
@@ -206,6 +210,7 @@ bool mbar_wait(uint64_t* mbar, uint32_t parity, int64_t timeout_ns) {
     }
     if (PhaseReady(*m)) {
       CompletePhase(f, mbar, *m);
+      NoteBulkWait(f, mbar);
       return true;
     }
     // Short of arrivals or of bytes: on a GPU this phase never completes unless another
@@ -228,6 +233,7 @@ void bulk_store(void* dst, const void* smem, size_t n) {
   if (f == nullptr) throw std::logic_error("emu: bulk_store outside a kernel");
   CheckLegal(f, "peer::bulk_store", dst, smem, n);
   NoteBulk(kAccessStore, dst, n);
+  NoteWrite(f, dst, false);  // waited for by the next fence, not by its issue
   S().step_work = true;
   BulkCopy c{dst, smem, n};
   // PTX ISA, Memory Consistency Model, "Proxies": shared memory the threads wrote with

@@ -87,6 +87,9 @@ struct World {
   int64_t call = 0;
   std::map<int, std::deque<Late>> late;  // per destination PE, in delivery order
   Fabric fabric;
+  // Each signal word's last writer's path (emu::LatSpace: a PE of another node writes it
+  // over RDMA, one of this node over NVLink): a poll of it waits for that path's latency.
+  std::map<const void*, int> sig_space;
 };
 
 World& W() {
@@ -172,6 +175,8 @@ void Apply(const Op& op, int dst_pe) {
     std::memcpy(op.dst, op.src_ptr, op.bytes);
   }
   if (op.sig != nullptr) {
+    const int g = W().cfg.gpus_per_node > 0 ? W().cfg.gpus_per_node : 1;
+    W().sig_space[op.sig] = op.src / g != dst_pe / g ? emu::kLatRdma : emu::kLatPeer;
     if (op.sig_op == NVSHMEM_SIGNAL_ADD)
       *op.sig += op.value;
     else
@@ -301,6 +306,8 @@ void Enqueue(int src, int dst_pe, int qp, int handle, void* dst, const void* src
   // PE of the same node travels over NVLink ("peer").
   const int g = w.cfg.gpus_per_node > 0 ? w.cfg.gpus_per_node : 1;
   const std::string space = src / g != dst_pe / g ? "rdma" : "peer";
+  // Completes later, over its path: the thread's next quiet waits for it.
+  emu::note_remote_write(space == "rdma" ? emu::kLatRdma : emu::kLatPeer);
   if (is_put) {
     emu::add_counter("puts:" + space);
     emu::add_counter("put_bytes:" + space, bytes);
@@ -359,6 +366,7 @@ void reset(const WorldConfig& c) {
   w.log.clear();
   w.counters.clear();
   w.late.clear();
+  w.sig_space.clear();
   w.fabric = Fabric{};
   // Undelivered operations reach their destinations only at later transport steps.
   emu::set_pending_probe([] { return W().pending > 0; });
@@ -456,8 +464,14 @@ void clear_log() {
 std::map<std::string, uint64_t> counters() { return W().counters; }
 int64_t pending() { return W().pending; }
 
+// The path a signal word's writer reaches this PE over (-1: not written by a put yet).
+int SigSpace(const void* p) {
+  auto it = W().sig_space.find(p);
+  return it != W().sig_space.end() ? it->second : -1;
+}
+
 uint64_t load_acquire(const uint64_t* p) {
-  emu::note_acquire();
+  emu::note_acquire_at(p, SigSpace(p));
   Count("polls");
   Progress();
   emu::drain_own_stores();  // an acquire orders this thread's later accesses (not a fence)
@@ -578,6 +592,7 @@ void nvshmem_quiet() {
   auto& w = W();
   const int me = nvshmem_emu::CurrentPe();
   nvshmem_emu::Count("quiets");
+  emu::note_complete_writes();  // waits for this thread's puts (a round of their path)
   // Every operation this PE issued completes; across queues in a random order.
   std::vector<nvshmem_emu::Queue*> mine;
   for (auto& kv : w.queues)
@@ -601,7 +616,7 @@ void nvshmem_fence() {
 }
 
 uint64_t nvshmem_signal_fetch(const uint64_t* sig) {
-  emu::note_poll();
+  emu::note_poll_at(sig, nvshmem_emu::SigSpace(sig));
   nvshmem_emu::Count("polls");
   nvshmem_emu::Progress();
   return *reinterpret_cast<const volatile uint64_t*>(sig);

@@ -168,9 +168,10 @@ struct G {
 
 // "" or "jax_ep internode low-latency: <what>: <CUDA's error>".
 std::string CudaErr(cudaError_t e, const char* what);
-// Blocks for `warps` warps of `kernel` (kThreads threads), at most what the SM budget
-// holds resident; `cache`: the kernel's blocks per SM, found once.
-int GridBlocks(const void* kernel, int* cache, int64_t warps);
+// Blocks for `warps` warps of `kernel` (kThreads threads) at `num_ranks` ranks, at most the
+// low-latency mode's SMs (configs.h InternodeModeSms); `cache`: the kernel's blocks per
+// SM, found once.
+int GridBlocks(const void* kernel, int* cache, int64_t warps, int num_ranks);
 
 std::string LaunchDispatchSend(cudaStream_t stream, const G& g, const void* x,
                                const int32_t* topk_idx, int32_t* token);

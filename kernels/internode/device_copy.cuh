@@ -1,11 +1,14 @@
-// Byte copies inside the internode kernels: a row may start at any byte of the heap or of
-// an XLA buffer (odd H in 16-bit dtypes, FP8 rows), so each copy takes the widest access
-// both pointers and the length allow. Threads [tid, stride) share the work.
+// Byte copies inside the internode kernels, on the copy engine (kernels/cuda/copy_engine.cuh):
+// a row may start at any byte of the heap or of an XLA buffer (odd H in 16-bit dtypes, FP8
+// rows), so each copy takes the widest access both pointers and the length allow. Threads
+// [tid, stride) share the work.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "kernels/cuda/copy_engine.cuh"
 
 // The emulated GPU counts each thread's share of a copy by width (kernels/emu/emu_cuda.h,
 // note_copy_share); on a GPU this is nothing.
@@ -52,33 +55,50 @@ __device__ __forceinline__ void StoreWord(V* p, V v) {
   StoreTo(p, v, RemoteDst(p));
 }
 
+// 16-byte loads each lane keeps in flight in the internode copies: 4 (2 KiB per warp in
+// flight), half the engine's default, because the hierarchical DispatchMain, whose roles
+// inline every copy, already holds ~208 registers of its 255 (256 threads a block): at 8,
+// ptxas spills it (255 registers, 16 B spill stores, 32 B spill loads); at 4 it does not
+// (tests/test_ptxas_spills.py).
+constexpr int kCopyUnroll = 4;
+static_assert(kCopyUnroll <= kCopyEngineUnroll, "never more in flight than the engine's default");
+
+// The emulated GPU counts the engine's 16-byte loads and every store (through the peer::
+// helpers) but not the engine's narrow loads (plain loads, for rows the 16-byte path cannot
+// take): they are counted here, at the width the engine's group_copy takes for the same
+// pointers and length (its 8/4/2/1 rule), so a copy's loads and stores add up to the row.
+__device__ __forceinline__ void CountNarrowLoads(const char* dst, const char* src, int64_t n,
+                                                 int tid, int stride) {
+#if defined(JAX_EP_EMU)
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                      static_cast<uintptr_t>(n);
+  if ((a & 15u) == 0) return;
+  const int w = (a & 7u) == 0 ? 8 : (a & 3u) == 0 ? 4 : (a & 1u) == 0 ? 2 : 1;
+  JEP_COUNT_COPY(nullptr, src, w, n / w, tid, stride);
+#else
+  (void)dst;
+  (void)src;
+  (void)n;
+  (void)tid;
+  (void)stride;
+#endif
+}
+
+// Copies n bytes with threads [tid, stride) through the copy engine
+// (kernels/cuda/copy_engine.cuh, the one implementation every mode shares): unrolled 16-byte
+// loads where both pointers and n allow, else the widest narrower access. `src` must not
+// change while the kernel runs (an XLA input, rows this rank packed in an earlier kernel):
+// it is read through the non-coherent path. Stores into a peer's ring are weak until the
+// writer's fence (the emulated GPU buffers them, as the engine's stores).
 __device__ __forceinline__ void CopyBytes(char* dst, const char* src, int64_t n, int tid,
                                           int stride) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
-  const bool rm = RemoteDst(dst);
-  if ((a % 16) == 0 && (n % 16) == 0) {
-    JEP_COUNT_COPY(dst, src, 16, n / 16, tid, stride);
-    for (int64_t i = tid; i < n / 16; i += stride)
-      StoreTo(reinterpret_cast<int4*>(dst) + i, reinterpret_cast<const int4*>(src)[i], rm);
-  } else if ((a % 4) == 0 && (n % 4) == 0) {
-    JEP_COUNT_COPY(dst, src, 4, n / 4, tid, stride);
-    for (int64_t i = tid; i < n / 4; i += stride)
-      StoreTo(reinterpret_cast<int32_t*>(dst) + i, reinterpret_cast<const int32_t*>(src)[i], rm);
-  } else if ((a % 2) == 0 && (n % 2) == 0) {
-    JEP_COUNT_COPY(dst, src, 2, n / 2, tid, stride);
-    for (int64_t i = tid; i < n / 2; i += stride)
-      StoreTo(reinterpret_cast<uint16_t*>(dst) + i, reinterpret_cast<const uint16_t*>(src)[i],
-              rm);
-  } else {
-    JEP_COUNT_COPY(dst, src, 1, n, tid, stride);
-    for (int64_t i = tid; i < n; i += stride) StoreTo(dst + i, src[i], rm);
-  }
+  CountNarrowLoads(dst, src, n, tid, stride);
+  group_copy<CopySrc::kReadOnly, kCopyUnroll>(CopyGroup{tid, stride, 0}, dst, src,
+                                              static_cast<size_t>(n));
 }
 
 __device__ __forceinline__ void ZeroBytes(char* dst, int64_t n, int tid, int stride) {
-  JEP_COUNT_COPY(dst, nullptr, 1, n, tid, stride);
-  const bool rm = RemoteDst(dst);
-  for (int64_t i = tid; i < n; i += stride) StoreTo(dst + i, char{0}, rm);
+  group_zero(CopyGroup{tid, stride, 0}, dst, static_cast<size_t>(n));
 }
 
 // A failed call's float outputs: every byte 0xff is a NaN in float32, bfloat16 and
@@ -133,33 +153,13 @@ __device__ __forceinline__ E LoadLandedElem(const E* p) {
   }
 }
 
-// CopyBytes for a source that landed by a put (see LoadLanded).
+// CopyBytes for a source a peer or the NIC wrote while the kernel may run (a landed put,
+// a peer's ring row; see LoadLanded): the engine's global-level (.cg) loads.
 __device__ __forceinline__ void CopyLanded(char* dst, const char* src, int64_t n, int tid,
                                            int stride) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
-  const bool rm = RemoteDst(dst);
-  if ((a % 16) == 0 && (n % 16) == 0) {
-    JEP_COUNT_COPY(dst, src, 16, n / 16, tid, stride);
-    for (int64_t i = tid; i < n / 16; i += stride)
-      StoreTo(reinterpret_cast<int4*>(dst) + i,
-              LoadLandedInt4(reinterpret_cast<const int4*>(src) + i), rm);
-  } else if ((a % 4) == 0 && (n % 4) == 0) {
-    JEP_COUNT_COPY(dst, src, 4, n / 4, tid, stride);
-    for (int64_t i = tid; i < n / 4; i += stride)
-      StoreTo(reinterpret_cast<int32_t*>(dst) + i,
-              LoadLanded(reinterpret_cast<const int32_t*>(src) + i), rm);
-  } else if ((a % 2) == 0 && (n % 2) == 0) {
-    JEP_COUNT_COPY(dst, src, 2, n / 2, tid, stride);
-    for (int64_t i = tid; i < n / 2; i += stride)
-      StoreTo(reinterpret_cast<uint16_t*>(dst) + i,
-              LoadLanded(reinterpret_cast<const uint16_t*>(src) + i), rm);
-  } else {
-    JEP_COUNT_COPY(dst, src, 1, n, tid, stride);
-    for (int64_t i = tid; i < n; i += stride)
-      StoreTo(dst + i,
-              static_cast<char>(LoadLanded(reinterpret_cast<const unsigned char*>(src) + i)),
-              rm);
-  }
+  CountNarrowLoads(dst, src, n, tid, stride);
+  group_copy<CopySrc::kPeerWritten, kCopyUnroll>(CopyGroup{tid, stride, 0}, dst, src,
+                                                 static_cast<size_t>(n));
 }
 
 }  // namespace devcopy

@@ -31,7 +31,7 @@
 //   row's words and releases a ring's tail once every column part has marked its rows
 //   written (so each ring's tail keeps one writer). The rail forwarder's part 0 credits
 //   a chunk once every part is done with it. The role warps spread over
-//   kHierDispatchBlocks blocks, each block a slice of every role.
+//   the mode's SMs in blocks (configs.h InternodeModeSms), each block a slice of every role.
 // Combine
 //   pushers         every row this rank holds from source s goes, in token order, into
 //                   the NVLink ring at s's rail peer on this node (s itself when s is on
@@ -247,53 +247,56 @@ __device__ __forceinline__ int Lane() { return threadIdx.x & 31; }
 
 // ---- count exchange ------------------------------------------------------------------
 
-// Blocks [0, R): send slots (dispatch only) and rows for rank d; blocks [R, R + N): tokens
-// with a receiver on node m. Block 0 of a dispatch also notes bad ids.
+// Items [0, R): send slots (dispatch only) and rows for rank d; items [R, R + N): tokens
+// with a receiver on node m; item b on block b mod the grid (cut to the mode's SMs). Item 0
+// of a dispatch also notes bad ids.
 __global__ void CountKernel(Geo g, const int32_t* topk_idx, const int32_t* send_slot_in,
                             int32_t* send_slot_out) {
   const View v = ViewOf(g);
-  const int b = blockIdx.x;
   __shared__ int warp_total[kWarps];
   __shared__ int running;
   const int lane = Lane(), warp = threadIdx.x >> 5;
-  if (threadIdx.x == 0) running = 0;
-  __syncthreads();
-  for (int base = 0; base < g.T; base += kThreads) {
-    const int t = base + threadIdx.x;
-    bool hit = false;
-    if (t < g.T) {
-      if (b < g.R) {
-        hit = topk_idx != nullptr
-                  ? token_in_rank(topk_idx + static_cast<int64_t>(t) * g.K, g.K, g.el, b)
-                  : send_slot_in[static_cast<int64_t>(t) * g.R + b] >= 0;
-      } else {
-        hit = NodeMask(g, t, b - g.R, topk_idx, send_slot_in) != 0;
-      }
-      if (b == 0 && topk_idx != nullptr) {
-        for (int k = 0; k < g.K; ++k) {
-          const int32_t e = topk_idx[static_cast<int64_t>(t) * g.K + k];
-          if ((e < -1 || e >= g.E) && atomicCAS(g.bad, 0, 1) == 0) {
-            g.bad[1] = t;
-            g.bad[2] = k;
-            g.bad[3] = e;
+  for (int b = blockIdx.x; b < g.R + g.N; b += gridDim.x) {  // block-uniform
+    if (threadIdx.x == 0) running = 0;
+    __syncthreads();
+    for (int base = 0; base < g.T; base += kThreads) {
+      const int t = base + threadIdx.x;
+      bool hit = false;
+      if (t < g.T) {
+        if (b < g.R) {
+          hit = topk_idx != nullptr
+                    ? token_in_rank(topk_idx + static_cast<int64_t>(t) * g.K, g.K, g.el, b)
+                    : send_slot_in[static_cast<int64_t>(t) * g.R + b] >= 0;
+        } else {
+          hit = NodeMask(g, t, b - g.R, topk_idx, send_slot_in) != 0;
+        }
+        if (b == 0 && topk_idx != nullptr) {
+          for (int k = 0; k < g.K; ++k) {
+            const int32_t e = topk_idx[static_cast<int64_t>(t) * g.K + k];
+            if ((e < -1 || e >= g.E) && atomicCAS(g.bad, 0, 1) == 0) {
+              g.bad[1] = t;
+              g.bad[2] = k;
+              g.bad[3] = e;
+            }
           }
         }
       }
+      const unsigned mask = __ballot_sync(kFull, hit);
+      if (lane == 0) warp_total[warp] = __popc(mask);
+      __syncthreads();
+      int off = running;
+      for (int w = 0; w < warp; ++w) off += warp_total[w];
+      if (t < g.T && b < g.R && send_slot_out != nullptr)
+        send_slot_out[static_cast<int64_t>(t) * g.R + b] =
+            hit ? off + __popc(mask & ((1u << lane) - 1u)) : -1;
+      __syncthreads();
+      if (threadIdx.x == 0)
+        for (int w = 0; w < kWarps; ++w) running += warp_total[w];
+      __syncthreads();
     }
-    const unsigned mask = __ballot_sync(kFull, hit);
-    if (lane == 0) warp_total[warp] = __popc(mask);
-    __syncthreads();
-    int off = running;
-    for (int w = 0; w < warp; ++w) off += warp_total[w];
-    if (t < g.T && b < g.R && send_slot_out != nullptr)
-      send_slot_out[static_cast<int64_t>(t) * g.R + b] =
-          hit ? off + __popc(mask & ((1u << lane) - 1u)) : -1;
-    __syncthreads();
-    if (threadIdx.x == 0)
-      for (int w = 0; w < kWarps; ++w) running += warp_total[w];
-    __syncthreads();
+    if (threadIdx.x == 0) v.counts[static_cast<int64_t>(g.rank) * (g.R + g.N) + b] = running;
+    __syncthreads();  // `running` is read above before the next item resets it
   }
-  if (threadIdx.x == 0) v.counts[static_cast<int64_t>(g.rank) * (g.R + g.N) + b] = running;
 }
 
 // The signal value of the exchange: nonzero, the bad-id flag, 30 bits of the sequence
@@ -749,7 +752,8 @@ __device__ void Unpack(const Geo& g, const char* row, const Outs& out, bool gath
     if (lane == 0) Record(g, wire::kErrMismatch, meta[1], kKindRow, ring, g.C, dest);
     return;
   }
-  CopyBytes(out.x + dest * g.prow, row, g.prow, lane, 32);
+  // a peer's ring row (its forwarder's stores): global-level loads, never .nc
+  devcopy::CopyLanded(out.x + dest * g.prow, row, g.prow, lane, 32);
   if (gather) return;
   const int32_t* ids = reinterpret_cast<const int32_t*>(row + meta_offset(g.prow));
   const float* ws = reinterpret_cast<const float*>(ids + g.K);
@@ -856,8 +860,10 @@ __global__ void __launch_bounds__(kThreads) DispatchMain(Geo g, const char* payl
   } else if ((gw -= remote * fp * cq) < nw) {
     ReceiveRole(g, v, gw, nw, out, gather);
   }
-  __syncwarp();
-  if (Lane() == 0) Tr::quiet();
+  // No quiet: nothing here waits for a put to complete. A staging slot is rewritten only
+  // after its credit, which the reader sends once the chunk's signal (delivered after its
+  // data) arrived; every signal and credit of the call is awaited by its reader before the
+  // call ends (closing waits, the final credit), so none is left in flight.
 }
 
 // After DispatchMain: the row totals, the count matrix, and the empty state of every row
@@ -1519,8 +1525,7 @@ __global__ void __launch_bounds__(kThreads) CombineMain(Geo g, const char* y,
     else if (gw < fw + np * pp)
       PushRole(g, v, (gw - fw) / pp, per, (gw - fw) % pp, pp, y, counts, src_index);
   }
-  __syncwarp();
-  if (Lane() == 0) Tr::quiet();
+  // No quiet, as DispatchMain: every put's slot is reused only after its reader's credit.
 }
 // ---- launchers (kernels/internode/api.cuh) ---------------------------------------------
 
@@ -1555,18 +1560,11 @@ std::string LaunchCoop(void (*kernel)(Args...), const char* name, int blocks, si
 #endif
 }
 
-// Blocks of a cooperative kernel (`name` on the emulated GPU) with `smem` bytes of dynamic
-// shared memory that can be resident at once within the EP SM budget (configs.h
-// EpSmBudget): its roles wait on each other, so no block may wait to start. `per_cache`:
-// the kernel's blocks per SM, found once.
-template <typename K>
-int ResidentCap(K kernel, const char* name, size_t smem, int* per_cache) {
+// The GPU's SMs (132 where CUDA cannot say), found once; the emulated GPU's 132 too.
+int DeviceSms() {
 #if defined(JAX_EP_EMU)
-  (void)kernel;
-  (void)per_cache;
-  return static_cast<int>(::emu::resident_limit(name, kThreads, smem));
+  return 132;
 #else
-  (void)name;
   static int sms = 0;
   if (sms == 0) {
     int dev = 0;
@@ -1576,6 +1574,23 @@ int ResidentCap(K kernel, const char* name, size_t smem, int* per_cache) {
       sms = 132;
     cudaGetLastError();  // not sticky; the launch must not report it
   }
+  return sms;
+#endif
+}
+
+// Blocks of a cooperative kernel (`name` on the emulated GPU) with `smem` bytes of dynamic
+// shared memory that can be resident at once within `sms` SMs (the mode's budget,
+// configs.h InternodeModeSms): its roles wait on each other, so no block may wait to
+// start. `per_cache`: the kernel's blocks per SM, found once.
+template <typename K>
+int ResidentCap(K kernel, const char* name, size_t smem, int sms, int* per_cache) {
+#if defined(JAX_EP_EMU)
+  (void)kernel;
+  (void)per_cache;
+  const int lim = static_cast<int>(::emu::resident_limit(name, kThreads, smem));
+  return lim < sms ? lim : sms;
+#else
+  (void)name;
   if (*per_cache == 0) {
     int per = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kThreads, smem) !=
@@ -1585,7 +1600,7 @@ int ResidentCap(K kernel, const char* name, size_t smem, int* per_cache) {
     cudaGetLastError();
     *per_cache = per;
   }
-  return EpSmBudget(sms) * *per_cache;
+  return sms * (*per_cache < kAssumedBlocksPerSm ? *per_cache : kAssumedBlocksPerSm);
 #endif
 }
 
@@ -1606,30 +1621,36 @@ std::string RunDispatchPattern(cudaStream_t stream, const Geo& g, const char* pa
                                int32_t* num_dropped, int32_t* counts_out,
                                const internode::SharedRuntime& rt) {
   std::string e;
+  const int nw = g.G * g.N < 32 ? g.G * g.N : 32;
+  const int sp = HierSendParts(g.nq), fp = HierForwardParts(g.G);
+  const int cq = HierForwardColumns(g.N * fp, (g.prow + 15) / 16);
+  const int warps = (g.N - 1) * sp + g.N * fp * cq + nw;
+  // the mode's SMs (configs.h InternodeModeSms: JAX_EP_HIERARCHICAL_SMS or the preset), cut
+  // to what stays resident; never below what holds every warp (a launch that cannot be
+  // resident then fails with the co-residency error), and a budget set below that is an
+  // error naming the setting
+  const int sms = InternodeModeSms(kModeHierarchical, g.R, DeviceSms());
+  const int least = (warps + kWarps - 1) / kWarps;
+  if (ModeSmSetting(kModeHierarchical) > 0 && least > sms)
+    return ModeSmError(kModeHierarchical, sms, least, "dispatch (a block per 8 role warps)");
+  int nb = HierRoleBlocks("JAX_EP_HIER_DISPATCH_BLOCKS", sms, warps, kWarps);
+  static int per_sm = 0;
+  const int cap = ResidentCap(DispatchMain, "DispatchMain", 0, sms, &per_sm);
+  if (nb > cap) nb = cap > least ? cap : least;
   if (!gather)
     e = CudaErr(cudaMemsetAsync(out.per_expert, 0, sizeof(int32_t) * g.el, stream),
                 "clear expert counts");
   if (e.empty()) e = CudaErr(cudaMemsetAsync(rt.bad, 0, sizeof(int32_t) * 4, stream), "clear");
   if (!e.empty()) return e;
-  JEP_LAUNCH(CountKernel, g.R + g.N, kThreads, 0, stream)(g, topk_idx, send_slot_in, send_slot_out);
+  JEP_LAUNCH(CountKernel, g.R + g.N < sms ? g.R + g.N : sms, kThreads, 0, stream)(
+      g, topk_idx, send_slot_in, send_slot_out);
   JEP_LAUNCH(ExchangeKernel, 1, kThreads, 0, stream)(g, true);
-  const int nw = g.G * g.N < 32 ? g.G * g.N : 32;
-  const int sp = HierSendParts(g.nq), fp = HierForwardParts(g.G);
-  const int cq = HierForwardColumns(g.N * fp, (g.prow + 15) / 16);
-  const int warps = (g.N - 1) * sp + g.N * fp * cq + nw;
-  // the preset, cut to what stays resident (never below what holds every warp: a launch
-  // that cannot be resident then fails with the co-residency error)
-  int nb = HierRoleBlocks("JAX_EP_HIER_DISPATCH_BLOCKS", kHierDispatchBlocks, warps, kWarps);
-  static int per_sm = 0;
-  const int cap = ResidentCap(DispatchMain, "DispatchMain", 0, &per_sm);
-  const int least = (warps + kWarps - 1) / kWarps;
-  if (nb > cap) nb = cap > least ? cap : least;
   e = LaunchCoop(DispatchMain, "DispatchMain", nb, 0, stream, g,
                  payload, topk_idx, topk_w, send_slot_in, out, nw, sp, fp, cq, gather);
   if (!e.empty()) return e;
   const int64_t work = static_cast<int64_t>(g.C) * g.prow;
   const int64_t blocks = (work + kThreads - 1) / kThreads;
-  JEP_LAUNCH(DispatchFinish, blocks < 1 ? 1 : (blocks > 1024 ? 1024 : blocks), kThreads, 0, stream)(
+  JEP_LAUNCH(DispatchFinish, blocks < 1 ? 1 : (blocks > sms ? sms : blocks), kThreads, 0, stream)(
       g, out, gather, num_recv, num_dropped, counts_out);
   JEP_LAUNCH(AdvanceKernel, 1, 1, 0, stream)(g.counter);
   return CudaErr(cudaGetLastError(), gather ? "gather launch" : "dispatch launch");
@@ -1639,25 +1660,32 @@ std::string LaunchCombine(cudaStream_t stream, const Geo& g, FloatKind elem, con
                           const int32_t* counts, const int32_t* send_slot,
                           const int32_t* src_index, void* out) {
   std::string e;
-  // Header only (no rows): seq, configuration and error flag, as every call.
-  JEP_LAUNCH(ExchangeKernel, 1, kThreads, 0, stream)(g, false);
   const int per = (g.R + kMaxPushWarps - 1) / kMaxPushWarps;  // sources per pusher warp
   const int np = (g.R + per - 1) / per;                         // pushers
   const int64_t vec_elems = 16 / FloatKindBytes(elem);
   const int64_t row_units = g.prow % 16 == 0 ? g.H / vec_elems : g.H;
-  const int nsrc = HierSourceBlocks(row_units);
-  const int cp = HierCombineForwardParts(row_units);
-  const int pp = HierPushParts(np, (g.prow + 15) / 16);  // parts per pusher
   const size_t smem_bytes = SourceSmemBytes(g);
-  // forwarder and pusher warps over role blocks beside the source's, cut to what stays
-  // resident (one instantiation's occupancy stands for the three: same code but the type)
+  // the mode's SMs (configs.h InternodeModeSms) split between the source blocks and the
+  // forwarder and pusher warps' role blocks (HierCombineFit shrinks the parts to fit),
+  // cut to what stays resident (one instantiation's occupancy stands for the three: same
+  // code but the type)
+  const int sms = InternodeModeSms(kModeHierarchical, g.R, DeviceSms());
+  const HierCombineSplit fit =
+      HierCombineFit(sms, g.N - 1, np, row_units, (g.prow + 15) / 16, kWarps);
+  const int nsrc = fit.nsrc, cp = fit.cp, pp = fit.pp;
+  if (ModeSmSetting(kModeHierarchical) > 0 && nsrc + fit.roles > sms)
+    return ModeSmError(kModeHierarchical, sms, nsrc + fit.roles,
+                       "combine (source blocks beside a block per 8 role warps)");
   static int per_sm = 0;
   const int rw = (g.N - 1) * cp + np * pp;
   const int least = (rw + kWarps - 1) / kWarps;
-  int roles = HierRoleBlocks("JAX_EP_HIER_COMBINE_BLOCKS", kHierCombineRoleBlocks, rw, kWarps);
-  const int room = ResidentCap(CombineMain<float>, "CombineMain", smem_bytes, &per_sm) - nsrc;
+  int roles = fit.roles;
+  const int room = ResidentCap(CombineMain<float>, "CombineMain", smem_bytes, sms, &per_sm) - nsrc;
   if (roles > room) roles = room > least ? room : least;
   const int blocks = nsrc + roles;
+  // Header only (no rows): seq, configuration and error flag, as every call (after the
+  // budget's check, so a refused call launches nothing).
+  JEP_LAUNCH(ExchangeKernel, 1, kThreads, 0, stream)(g, false);
   const char* yc = static_cast<const char*>(y);
   switch (elem) {
     case FloatKind::kF32:

@@ -38,6 +38,7 @@
 #include <string>
 
 #include "kernels/common/combine_order.h"
+#include "kernels/common/configs.h"
 #include "kernels/common/dtype_convert.h"
 #include "kernels/common/layout_math.h"
 #include "kernels/common/striping_plan.h"
@@ -56,9 +57,6 @@ using transport::SignalOp;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-// NVLink CTAs of SendKernel, beside its num_qps RDMA CTAs (the copies to the peers NVSHMEM
-// reaches by load/store).
-constexpr int kNvlBlocks = 4;
 
 // Pointers into one half of the heap for one call's dims.
 struct Half {
@@ -164,49 +162,52 @@ __device__ __forceinline__ Half CurrentHalf(char* heap, int64_t half_bytes,
 // Ids outside [-1, E) are noted in g.bad (first one kept); the header reports them.
 __global__ void SlotsKernel(Geometry g, const int32_t* topk_idx, int32_t* send_slot,
                             char* heap, int64_t half_bytes, HeapLayout L) {
-  const int d = blockIdx.x;
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
   __shared__ int warp_total[kWarps];
   __shared__ int running;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (threadIdx.x == 0) running = 0;
-  __syncthreads();
-  for (int base = 0; base < g.T; base += kThreads) {
-    const int t = base + threadIdx.x;
-    bool hit = false;
-    if (t < g.T) {
-      const int32_t* row = topk_idx + static_cast<int64_t>(t) * g.K;
-      hit = token_in_rank(row, g.K, g.el, d);
-      if (d == 0) {
-        for (int k = 0; k < g.K; ++k)
-          if ((row[k] < -1 || row[k] >= g.E) && atomicCAS(g.bad, 0, 1) == 0) {
-            g.bad[1] = t;
-            g.bad[2] = k;
-            g.bad[3] = row[k];
-          }
+  for (int d = blockIdx.x; d < g.R; d += gridDim.x) {  // block-uniform
+    if (threadIdx.x == 0) running = 0;
+    __syncthreads();
+    for (int base = 0; base < g.T; base += kThreads) {
+      const int t = base + threadIdx.x;
+      bool hit = false;
+      if (t < g.T) {
+        const int32_t* row = topk_idx + static_cast<int64_t>(t) * g.K;
+        hit = token_in_rank(row, g.K, g.el, d);
+        if (d == 0) {
+          for (int k = 0; k < g.K; ++k)
+            if ((row[k] < -1 || row[k] >= g.E) && atomicCAS(g.bad, 0, 1) == 0) {
+              g.bad[1] = t;
+              g.bad[2] = k;
+              g.bad[3] = row[k];
+            }
+        }
       }
+      const unsigned mask = __ballot_sync(0xffffffffu, hit);
+      if (lane == 0) warp_total[warp] = __popc(mask);
+      __syncthreads();
+      int off = running;
+      for (int w = 0; w < warp; ++w) off += warp_total[w];
+      if (t < g.T) {
+        send_slot[static_cast<int64_t>(t) * g.R + d] =
+            hit ? off + __popc(mask & ((1u << lane) - 1u)) : -1;
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int s = 0;
+        for (int w = 0; w < kWarps; ++w) s += warp_total[w];
+        running += s;
+      }
+      __syncthreads();
     }
-    const unsigned mask = __ballot_sync(0xffffffffu, hit);
-    if (lane == 0) warp_total[warp] = __popc(mask);
-    __syncthreads();
-    int off = running;
-    for (int w = 0; w < warp; ++w) off += warp_total[w];
-    if (t < g.T) {
-      send_slot[static_cast<int64_t>(t) * g.R + d] =
-          hit ? off + __popc(mask & ((1u << lane) - 1u)) : -1;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int s = 0;
-      for (int w = 0; w < kWarps; ++w) s += warp_total[w];
-      running += s;
-    }
-    __syncthreads();
+    if (threadIdx.x == 0) h.counts[g.rank * g.R + d] = running;
+    __syncthreads();  // `running` is read above before the next d resets it
   }
-  if (threadIdx.x == 0) h.counts[g.rank * g.R + d] = running;
 }
 
-// One block per token: pack its row once per destination into stage.
+// Token t on block t mod the grid (cut to the mode's SMs): its row packed once per
+// destination into stage.
 __global__ void PackKernel(Geometry g, const char* x, const int32_t* topk_idx,
                            const float* topk_weights, const int32_t* send_slot, char* heap,
                            int64_t half_bytes, HeapLayout L) {
@@ -220,19 +221,20 @@ __global__ void PackKernel(Geometry g, const char* x, const int32_t* topk_idx,
     }
   }
   __syncthreads();
-  const int t = blockIdx.x;
-  const char* xrow = x + static_cast<int64_t>(t) * g.xrow;
-  for (int d = 0; d < g.R; ++d) {
-    const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
-    if (j < 0) continue;
-    char* dst = h.stage + (row_base[d] + j) * g.ds;
-    CopyBytes(dst, xrow, g.xrow, threadIdx.x, blockDim.x);
-    int32_t* meta = reinterpret_cast<int32_t*>(dst + g.xmeta);
-    for (int k = threadIdx.x; k < g.K; k += blockDim.x) {
-      meta[k] = topk_idx[static_cast<int64_t>(t) * g.K + k];
-      reinterpret_cast<float*>(meta + g.K)[k] = topk_weights[static_cast<int64_t>(t) * g.K + k];
+  for (int t = blockIdx.x; t < g.T; t += gridDim.x) {
+    const char* xrow = x + static_cast<int64_t>(t) * g.xrow;
+    for (int d = 0; d < g.R; ++d) {
+      const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
+      if (j < 0) continue;
+      char* dst = h.stage + (row_base[d] + j) * g.ds;
+      CopyBytes(dst, xrow, g.xrow, threadIdx.x, blockDim.x);
+      int32_t* meta = reinterpret_cast<int32_t*>(dst + g.xmeta);
+      for (int k = threadIdx.x; k < g.K; k += blockDim.x) {
+        meta[k] = topk_idx[static_cast<int64_t>(t) * g.K + k];
+        reinterpret_cast<float*>(meta + g.K)[k] = topk_weights[static_cast<int64_t>(t) * g.K + k];
+      }
+      if (threadIdx.x == 0) meta[2 * g.K] = t;
     }
-    if (threadIdx.x == 0) meta[2 * g.K] = t;
   }
 }
 
@@ -439,45 +441,58 @@ __device__ __forceinline__ int SourceOfRow(const Geometry& g, const int64_t* scr
 }
 
 // The chunks of this rank's stream to `peer` that the striping plan puts on logical QP q,
-// shared by the block's warps: data and signal on QP q into word (kind, this rank, q);
-// then one closing signal on QP q.
+// dealt in turn to `nw` warps: the turns go on from `*turn` (the same on every warp), and
+// warp `w` takes the chunks whose turn is w mod nw. Data and signal on QP q into word
+// (kind, this rank, q); then one closing signal on QP q, by the warp of the next turn.
+// Nothing waits for the puts to complete (no quiet): the source is the call's heap half,
+// rewritten only two calls later, after every peer has sent its header for the next call,
+// which it does only after its WaitKernel saw every signal of this call, and a signal is
+// delivered after its data.
 template <class T>
 __device__ void SendStreamOnQp(const Geometry& g, char* half, const Half& h,
                                const int32_t* counts, const int64_t* scratch,
-                               const HeapLayout& L, Wire pattern, int kind, int peer, int q) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+                               const HeapLayout& L, Wire pattern, int kind, int peer, int q,
+                               int w, int nw, long long* turn) {
+  const int lane = threadIdx.x & 31;
   uint64_t* sig = Word(h, g, kind, g.rank, q);
   const Span s = StreamTo(g, counts, scratch, peer, pattern, L);
   const int channel = wire::channel_of_qp(peer, q, g.P, g.Q);
   const int64_t n = num_chunks(s.bytes, g.chunk);
-  int k = 0;
+  long long k = *turn;
   for (int64_t j = channel; channel >= 0 && j < n; j += g.num_qps, ++k) {
-    if (k % kWarps != warp) continue;
+    if (k % nw != w) continue;
     const int64_t off = chunk_offset(j, g.chunk);
     T::put_signal_warp(half + s.dst + off, half + s.src + off,
                        static_cast<size_t>(chunk_size(s.bytes, j, g.chunk)), sig, 1,
                        SignalOp::kAdd, peer, q);
   }
-  if (warp == 0 && lane == 0) T::signal(sig, 1, SignalOp::kAdd, peer, q);
+  if (k % nw == w && lane == 0) T::signal(sig, 1, SignalOp::kAdd, peer, q);
+  *turn = k + 1;
 }
 
-// RDMA first. Blocks [0, num_qps) are RDMA CTAs: CTA q posts, to every peer reachable only
-// over the network (no NVSHMEM load/store pointer), the chunks the striping plan puts on
-// QP q. Blocks [num_qps, num_qps + kNvlBlocks) are NVLink CTAs: they take the (peer, QP)
-// streams of the peers NVSHMEM reaches by load/store (its puts there are this CTA's own
-// copies over NVLink), and start only once every RDMA CTA has posted, so the NIC has all
-// its work queued before the copies compete for the SMs and HBM, and no copy runs in an
-// RDMA CTA. The network is the long pole: the copies still end long before the RDMA does.
-// Same words and counts either way, so the receivers' WaitKernel does not change.
+// RDMA first. Blocks [0, nr) are RDMA CTAs: CTA b posts, to every peer reachable only over
+// the network (no NVSHMEM load/store pointer), the chunks the striping plan puts on QPs
+// q = b (mod nr) (configs.h DirectSendSplit: the mode's SMs, about half of them posting),
+// its chunks dealt to its warps in turn. Blocks [nr, grid) are NVLink CTAs: they take the
+// (peer, QP) streams of the peers NVSHMEM reaches by load/store (its puts there are this
+// CTA's own copies over NVLink), every chunk of them dealt in turn to every NVLink warp
+// (consecutive chunks on consecutive blocks), and start only once every RDMA CTA has
+// posted, so the NIC has all its work queued before the copies compete for the SMs and HBM,
+// and no copy runs in an RDMA CTA. The network is the long pole: the copies still end long
+// before the RDMA does. With no NVLink CTA (no NVLink peers planned) the RDMA CTAs copy
+// after their posts. Same words and counts either way, so the receivers' WaitKernel does
+// not change.
 template <class T>
 __global__ void SendKernel(Geometry g, const int32_t* counts_ext, const int64_t* scratch,
-                           char* heap, int64_t half_bytes, HeapLayout L, Wire pattern) {
+                           char* heap, int64_t half_bytes, HeapLayout L, Wire pattern,
+                           int nr) {
   char* half = heap + Parity() * half_bytes;
   const Half h = HalfAt(half, L, g.R);
   const int32_t* counts = counts_ext != nullptr ? counts_ext : h.counts;
   const int kind = pattern == Wire::kCombine ? wire::kSigCombine : wire::kSigDispatch;
-  const bool rdma = static_cast<int>(blockIdx.x) < g.num_qps;
-  const int lane = threadIdx.x & 31;
+  const bool rdma = static_cast<int>(blockIdx.x) < nr;
+  const int warp = threadIdx.x >> 5;
+  const int nb = static_cast<int>(gridDim.x) - nr;  // NVLink CTAs
   __shared__ int skip;
   if (threadIdx.x == 0) skip = Failed(g) ? 1 : 0;
   __syncthreads();
@@ -486,16 +501,26 @@ __global__ void SendKernel(Geometry g, const int32_t* counts_ext, const int64_t*
     return;
   }
   if (rdma) {
-    const int q = blockIdx.x;
-    for (int i = 1; i < g.R; ++i) {
-      const int peer = (g.rank + i) % g.R;
-      if (T::peer_ptr(half, peer) != nullptr) continue;  // an NVLink CTA's
-      SendStreamOnQp<T>(g, half, h, counts, scratch, L, pattern, kind, peer, q);
-    }
+    long long turn = 0;
+    for (int q = blockIdx.x; q < g.num_qps; q += nr)
+      for (int i = 1; i < g.R; ++i) {
+        const int peer = (g.rank + i) % g.R;
+        if (T::peer_ptr(half, peer) != nullptr) continue;  // an NVLink CTA's
+        SendStreamOnQp<T>(g, half, h, counts, scratch, L, pattern, kind, peer, q, warp,
+                          kWarps, &turn);
+      }
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(&g_rdma_posted, 1ull);
+    if (nb > 0) return;
+    for (int q = blockIdx.x; q < g.num_qps; q += nr)  // no NVLink CTA: copy after posting
+      for (int i = 1; i < g.R; ++i) {
+        const int peer = (g.rank + i) % g.R;
+        if (T::peer_ptr(half, peer) == nullptr) continue;
+        SendStreamOnQp<T>(g, half, h, counts, scratch, L, pattern, kind, peer, q, warp,
+                          kWarps, &turn);
+      }
   } else {
-    const int b = blockIdx.x - g.num_qps, nb = gridDim.x - g.num_qps;
+    const int b = blockIdx.x - nr;
     __shared__ int any;
     if (threadIdx.x == 0) {
       any = 0;
@@ -506,22 +531,22 @@ __global__ void SendKernel(Geometry g, const int32_t* counts_ext, const int64_t*
     if (threadIdx.x == 0) {  // bounded: past the timeout the copies go ahead unordered
       const uint64_t start = NowNs();
       while (peer::load_acquire(reinterpret_cast<const uint64_t*>(&g_rdma_posted)) <
-                 static_cast<uint64_t>(g.num_qps) &&
+                 static_cast<uint64_t>(nr) &&
              !Failed(g) && static_cast<int64_t>(NowNs() - start) <= g.timeout_ns) {
       }
     }
     __syncthreads();
-    int k = 0;  // (NVLink peer, QP) streams, dealt to the NVLink CTAs in turn
+    // every chunk of every (NVLink peer, QP) stream dealt in turn to the nb * kWarps NVLink
+    // warps, warp `warp` of block b being number warp * nb + b
+    long long turn = 0;
     for (int i = 1; i < g.R; ++i) {
       const int peer = (g.rank + i) % g.R;
       if (T::peer_ptr(half, peer) == nullptr) continue;
-      for (int q = 0; q < g.num_qps; ++q, ++k)
-        if (k % nb == b)
-          SendStreamOnQp<T>(g, half, h, counts, scratch, L, pattern, kind, peer, q);
+      for (int q = 0; q < g.num_qps; ++q)
+        SendStreamOnQp<T>(g, half, h, counts, scratch, L, pattern, kind, peer, q,
+                          warp * nb + b, nb * kWarps, &turn);
     }
   }
-  __syncwarp();
-  if (lane == 0) T::quiet();
 }
 
 // Writes the dispatch outputs (after WaitKernel on the same stream).
@@ -625,7 +650,7 @@ __device__ __forceinline__ float ToF(__half v) { return f16_to_f32(__half_as_ush
 template <>
 __device__ __forceinline__ __half FromF(float v) { return __ushort_as_half(f32_to_f16(v)); }
 
-// One block per token (after WaitKernel): sum in combine's order (combine_order.h): per
+// Token t on block t mod the grid (after WaitKernel): sum in combine's order (combine_order.h): per
 // node of g.G ranks ascending; with several nodes each node's partial is rounded to E (the
 // dtype a partial crosses the network in, in the hierarchical mode) before the partials
 // are summed over nodes ascending, so both internode modes and the reference agree.
@@ -637,32 +662,33 @@ __global__ void ReduceKernel(Geometry g, const E* y, const int32_t* counts,
   __shared__ int failed;
   if (threadIdx.x == 0) failed = Failed(g) ? 1 : 0;
   __syncthreads();
-  const int t = blockIdx.x;
   const int nodes = combine_num_nodes(g.R, g.G);
   const bool rounds = combine_rounds_partials(nodes);
-  for (int x = threadIdx.x; x < g.H; x += blockDim.x) {
-    float acc = 0.f;
-    if (failed) {  // a failed call's sums are NaN, never plausible zeros
-      out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(__int_as_float(0x7fc00000));
-      continue;
-    }
-    for (int n = 0; n < nodes; ++n) {
-      float part = 0.f;
-      const int end = (n + 1) * g.G < g.R ? (n + 1) * g.G : g.R;
-      for (int d = n * g.G; d < end; ++d) {
-        const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
-        if (j < 0) continue;
-        const int64_t base = scratch[d];  // rows of sources < rank at d
-        if (base + j >= g.C) continue;   // dropped at d
-        const E* row = d == g.rank
-                           ? y + (base + j) * g.H
-                           : reinterpret_cast<const E*>(h.back + (scratch[g.R + d] + j) * g.cs);
-        part += ToF(d == g.rank ? row[x] : devcopy::LoadLandedElem(row + x));
+  for (int t = blockIdx.x; t < g.T; t += gridDim.x) {
+    for (int x = threadIdx.x; x < g.H; x += blockDim.x) {
+      float acc = 0.f;
+      if (failed) {  // a failed call's sums are NaN, never plausible zeros
+        out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(__int_as_float(0x7fc00000));
+        continue;
       }
-      // one node: the partial is the sum (the plain ascending order, nothing rounded)
-      acc = rounds ? acc + ToF(FromF<E>(part)) : part;
+      for (int n = 0; n < nodes; ++n) {
+        float part = 0.f;
+        const int end = (n + 1) * g.G < g.R ? (n + 1) * g.G : g.R;
+        for (int d = n * g.G; d < end; ++d) {
+          const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
+          if (j < 0) continue;
+          const int64_t base = scratch[d];  // rows of sources < rank at d
+          if (base + j >= g.C) continue;   // dropped at d
+          const E* row = d == g.rank
+                             ? y + (base + j) * g.H
+                             : reinterpret_cast<const E*>(h.back + (scratch[g.R + d] + j) * g.cs);
+          part += ToF(d == g.rank ? row[x] : devcopy::LoadLandedElem(row + x));
+        }
+        // one node: the partial is the sum (the plain ascending order, nothing rounded)
+        acc = rounds ? acc + ToF(FromF<E>(part)) : part;
+      }
+      out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc);
     }
-    out[static_cast<int64_t>(t) * g.H + x] = FromF<E>(acc);
   }
 }
 
@@ -670,17 +696,18 @@ __global__ void ReduceKernel(Geometry g, const E* y, const int32_t* counts,
 // out[i] = g_{src_rank[i]}[src_index[i]]: every source sends, by the dispatch handle
 // (counts, send_slot), its g rows to the rows they occupy on each receiver.
 
-// One block per token: pack g[t] once per destination into the back rows, in send order.
+// Token t on block t mod the grid: g[t] packed once per destination into the back rows, in send order.
 __global__ void GatherPackKernel(Geometry g, const char* src, const int32_t* send_slot,
                                  const int64_t* scratch, char* heap, int64_t half_bytes,
                                  HeapLayout L) {
   const Half h = CurrentHalf(heap, half_bytes, L, g.R);
-  const int t = blockIdx.x;
-  const char* row = src + static_cast<int64_t>(t) * g.yrow;
-  for (int d = 0; d < g.R; ++d) {
-    const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
-    if (j < 0 || scratch[d] + j >= g.C) continue;  // not sent there, or dropped there
-    CopyBytes(h.back + (scratch[g.R + d] + j) * g.cs, row, g.yrow, threadIdx.x, blockDim.x);
+  for (int t = blockIdx.x; t < g.T; t += gridDim.x) {
+    const char* row = src + static_cast<int64_t>(t) * g.yrow;
+    for (int d = 0; d < g.R; ++d) {
+      const int j = send_slot[static_cast<int64_t>(t) * g.R + d];
+      if (j < 0 || scratch[d] + j >= g.C) continue;  // not sent there, or dropped there
+      CopyBytes(h.back + (scratch[g.R + d] + j) * g.cs, row, g.yrow, threadIdx.x, blockDim.x);
+    }
   }
 }
 
@@ -712,6 +739,44 @@ __global__ void GatherUnpackKernel(Geometry g, const int32_t* counts, const int6
 
 // ---- launchers (kernels/internode/api.cuh) -------------------------------------------
 
+namespace {
+// The GPU's SMs (132 where CUDA cannot say, and on the emulated GPU), found once.
+int DeviceSms() {
+#if defined(JAX_EP_EMU)
+  return 132;
+#else
+  static int sms = 0;
+  if (sms == 0) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        sms < 1)
+      sms = 132;
+    cudaGetLastError();  // not sticky; the launch must not report it
+  }
+  return sms;
+#endif
+}
+
+// The direct mode's grids: its SMs (configs.h InternodeModeSms: JAX_EP_DIRECT_SMS or the
+// preset, within JAX_EP_NUM_SMS), every multi-block kernel cut to them (grid-stride loops
+// cover the rest) and SendKernel's split into RDMA and NVLink CTAs (DirectSendSplit;
+// NVLink peers where the node holds several GPUs).
+struct DirectGrids {
+  int sms;
+  DirectSplit send;
+  int Cut(int64_t blocks) const {
+    return static_cast<int>(blocks < 1 ? 1 : (blocks > sms ? sms : blocks));
+  }
+};
+DirectGrids GridsOf(const Geometry& g) {
+  DirectGrids d;
+  d.sms = InternodeModeSms(kModeDirect, g.R, DeviceSms());
+  d.send = DirectSendSplit(d.sms, g.num_qps, g.G > 1);
+  return d;
+}
+}  // namespace
+
 void LaunchPrefix(cudaStream_t stream, const Geometry& g, const int32_t* counts, char* heap,
                   int64_t half_bytes, const HeapLayout& L, int64_t* scratch) {
   JEP_LAUNCH(PrefixKernel, 1, kThreads, 0, stream)(g, counts, heap, half_bytes, L, scratch);
@@ -721,18 +786,19 @@ std::string LaunchDispatch(cudaStream_t stream, const Geometry& g, const HeapLay
                            char* heap, int64_t hb, int64_t* scratch, const void* x,
                            const int32_t* topk_idx, const float* topk_weights,
                            const DispatchOut& out) {
-  JEP_LAUNCH(SlotsKernel, g.R, kThreads, 0, stream)(g, topk_idx, out.send_slot, heap, hb, L);
+  const DirectGrids gr = GridsOf(g);
+  const DirectSplit sp = gr.send;
+  JEP_LAUNCH(SlotsKernel, gr.Cut(g.R), kThreads, 0, stream)(g, topk_idx, out.send_slot, heap, hb, L);
   if (g.T > 0)
-    JEP_LAUNCH(PackKernel, g.T, 128, 0, stream)(g, static_cast<const char*>(x), topk_idx,
-                                        topk_weights, out.send_slot, heap, hb, L);
+    JEP_LAUNCH(PackKernel, gr.Cut(g.T), 128, 0, stream)(g, static_cast<const char*>(x), topk_idx,
+                                                       topk_weights, out.send_slot, heap, hb, L);
   JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, true);
   JEP_LAUNCH(PrefixKernel, 1, kThreads, 0, stream)(g, nullptr, heap, hb, L, scratch);
-  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, nullptr, scratch, heap,
-                                                             hb, L, Wire::kDispatch);
+  JEP_LAUNCH(SendKernel<Transport>, sp.rdma + sp.nvl, kThreads, 0, stream)(
+      g, nullptr, scratch, heap, hb, L, Wire::kDispatch, sp.rdma);
   JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, nullptr, heap, hb, L, Wire::kDispatch);
-  const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
-  JEP_LAUNCH(UnpackKernel, blocks < 1024 ? blocks : 1024, kThreads, 0, stream)(g, scratch, heap,
-                                                                        hb, L, out);
+  JEP_LAUNCH(UnpackKernel, gr.Cut((g.C + kWarps - 1) / kWarps), kThreads, 0, stream)(
+      g, scratch, heap, hb, L, out);
   JEP_LAUNCH(FinishKernel, 1, kThreads, 0, stream)(g.R, heap, hb, L);
   return CudaErr(cudaGetLastError(), "dispatch launch");
 }
@@ -741,28 +807,30 @@ std::string LaunchCombine(cudaStream_t stream, const Geometry& g, const HeapLayo
                           char* heap, int64_t hb, int64_t* scratch, FloatKind elem,
                           const void* y, const int32_t* counts, const int32_t* send_slot,
                           void* out) {
-  JEP_LAUNCH(CombineStageKernel, g.C < 1024 ? g.C : 1024, kThreads, 0, stream)(
+  const DirectGrids gr = GridsOf(g);
+  const DirectSplit sp = gr.send;
+  JEP_LAUNCH(CombineStageKernel, gr.Cut(g.C), kThreads, 0, stream)(
       g, static_cast<const char*>(y), scratch, heap, hb, L);
   // With T == 0 the header, send and wait still run: this rank's peers expect its
   // closing signals, and it must not reset words its peers are still signalling.
   JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, false);
-  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, counts, scratch, heap,
-                                                             hb, L, Wire::kCombine);
+  JEP_LAUNCH(SendKernel<Transport>, sp.rdma + sp.nvl, kThreads, 0, stream)(
+      g, counts, scratch, heap, hb, L, Wire::kCombine, sp.rdma);
   JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, counts, heap, hb, L, Wire::kCombine);
   if (g.T > 0) {
     switch (elem) {
       case FloatKind::kF32:
-        JEP_LAUNCH(ReduceKernel<float>, g.T, kThreads, 0, stream)(
+        JEP_LAUNCH(ReduceKernel<float>, gr.Cut(g.T), kThreads, 0, stream)(
             g, static_cast<const float*>(y), counts, send_slot, scratch, heap, hb, L,
             static_cast<float*>(out));
         break;
       case FloatKind::kBF16:
-        JEP_LAUNCH(ReduceKernel<__nv_bfloat16>, g.T, kThreads, 0, stream)(
+        JEP_LAUNCH(ReduceKernel<__nv_bfloat16>, gr.Cut(g.T), kThreads, 0, stream)(
             g, static_cast<const __nv_bfloat16*>(y), counts, send_slot, scratch, heap,
             hb, L, static_cast<__nv_bfloat16*>(out));
         break;
       case FloatKind::kF16:
-        JEP_LAUNCH(ReduceKernel<__half>, g.T, kThreads, 0, stream)(
+        JEP_LAUNCH(ReduceKernel<__half>, gr.Cut(g.T), kThreads, 0, stream)(
             g, static_cast<const __half*>(y), counts, send_slot, scratch, heap, hb, L,
             static_cast<__half*>(out));
         break;
@@ -775,15 +843,16 @@ std::string LaunchCombine(cudaStream_t stream, const Geometry& g, const HeapLayo
 std::string LaunchGather(cudaStream_t stream, const Geometry& g, const HeapLayout& L,
                          char* heap, int64_t hb, int64_t* scratch, const void* src,
                          const int32_t* counts, const int32_t* send_slot, void* out) {
+  const DirectGrids gr = GridsOf(g);
+  const DirectSplit sp = gr.send;
   if (g.T > 0)
-    JEP_LAUNCH(GatherPackKernel, g.T, 128, 0, stream)(g, static_cast<const char*>(src), send_slot,
+    JEP_LAUNCH(GatherPackKernel, gr.Cut(g.T), 128, 0, stream)(g, static_cast<const char*>(src), send_slot,
                                               scratch, heap, hb, L);
   JEP_LAUNCH(HeaderKernel<Transport>, 1, kThreads, 0, stream)(g, heap, hb, L, false);
-  JEP_LAUNCH(SendKernel<Transport>, g.num_qps + kNvlBlocks, kThreads, 0, stream)(g, counts, scratch, heap,
-                                                             hb, L, Wire::kGather);
+  JEP_LAUNCH(SendKernel<Transport>, sp.rdma + sp.nvl, kThreads, 0, stream)(
+      g, counts, scratch, heap, hb, L, Wire::kGather, sp.rdma);
   JEP_LAUNCH(WaitKernel<Transport>, 1, kThreads, 0, stream)(g, counts, heap, hb, L, Wire::kGather);
-  const int blocks = static_cast<int>((g.C + kWarps - 1) / kWarps);
-  JEP_LAUNCH(GatherUnpackKernel, blocks < 1024 ? blocks : 1024, kThreads, 0, stream)(
+  JEP_LAUNCH(GatherUnpackKernel, gr.Cut((g.C + kWarps - 1) / kWarps), kThreads, 0, stream)(
       g, counts, scratch, heap, hb, L, static_cast<char*>(out));
   JEP_LAUNCH(FinishKernel, 1, kThreads, 0, stream)(g.R, heap, hb, L);
   return CudaErr(cudaGetLastError(), "gather launch");

@@ -165,11 +165,15 @@ std::string MakeG(const CallDims& d, int op, G* g) {
 
 }  // namespace
 
-// Blocks for `warps` warps of work, at most what the SM budget (JAX_EP_NUM_SMS, else the
-// device's SMs less configs.h's reserve) holds resident: the grid-stride loops cover the
-// rest, and the ranks never wait on blocks that beside other work could not start.
-int GridBlocks(const void* kernel, int* cache, int64_t warps) {
-  const int64_t cap = static_cast<int64_t>(EpSmBudget(SmCount())) * BlocksPerSm(kernel, cache);
+// Blocks for `warps` warps of work at `num_ranks` ranks, at most the low-latency mode's SMs
+// (configs.h InternodeModeSms: JAX_EP_LOW_LATENCY_SMS or the preset, within the whole
+// budget JAX_EP_NUM_SMS), one block per SM (kAssumedBlocksPerSm) and never more than one
+// SM holds (its occupancy): the grid-stride loops cover the rest, and the ranks never wait
+// on blocks that beside other work could not start.
+int GridBlocks(const void* kernel, int* cache, int64_t warps, int num_ranks) {
+  const int per = BlocksPerSm(kernel, cache);
+  const int64_t cap = static_cast<int64_t>(InternodeModeSms(kModeLowLatency, num_ranks, SmCount())) *
+                      (per < kAssumedBlocksPerSm ? per : kAssumedBlocksPerSm);
   int64_t b = (warps + kWarps - 1) / kWarps;
   if (b > cap) b = cap;
   return static_cast<int>(b < 1 ? 1 : b);

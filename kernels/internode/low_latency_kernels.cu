@@ -2,7 +2,7 @@
 // (kernels/internode/transport.cuh, NVSHMEM backend). Protocol and slot-reuse scheme in
 // low_latency_kernels.h; word-level rules in low_latency_wire.h.
 //
-// Kernels per call (every grid cut to the SM budget, EpSmBudget in configs.h):
+// Kernels per call (every grid cut to the mode's SMs, InternodeModeSms in configs.h):
 //   dispatch send: Begin (epoch, token) -> DispatchPlan (a warp per expert) ->
 //                  DispatchSendKernel (credits, headers, a warp per token: stage, put its
 //                  rows, the last row of an expert sends that expert's count signal)
@@ -629,9 +629,9 @@ __global__ void RecvFinish(G g, const int32_t* token) {
 
 // The grid of `Kernel` for `warps` warps of work (GridBlocks, low_latency_host.cu).
 template <auto Kernel>
-int Grid(int64_t warps) {
+int Grid(const G& g, int64_t warps) {
   static int cache = 0;  // the kernel's occupancy (one instantiation per kernel)
-  return GridBlocks(reinterpret_cast<const void*>(Kernel), &cache, warps);
+  return GridBlocks(reinterpret_cast<const void*>(Kernel), &cache, warps, g.R);
 }
 
 }  // namespace
@@ -642,8 +642,8 @@ std::string LaunchDispatchSend(cudaStream_t stream, const G& g, const void* x,
                                const int32_t* topk_idx, int32_t* token) {
   JEP_LAUNCH(Begin, 1, kThreads, 0, stream)(g, token);
   const int64_t plan_warps = std::max<int64_t>(g.E, static_cast<int64_t>(g.S) * g.K / 32);
-  JEP_LAUNCH(DispatchPlan, Grid<DispatchPlan>(plan_warps), kThreads, 0, stream)(g, topk_idx);
-  JEP_LAUNCH(DispatchSendKernel, Grid<DispatchSendKernel>(g.S), kThreads, 0, stream)(
+  JEP_LAUNCH(DispatchPlan, Grid<DispatchPlan>(g, plan_warps), kThreads, 0, stream)(g, topk_idx);
+  JEP_LAUNCH(DispatchSendKernel, Grid<DispatchSendKernel>(g, g.S), kThreads, 0, stream)(
       g, static_cast<const char*>(x), topk_idx, token);
   return CudaErr(cudaGetLastError(), "dispatch send launch");
 }
@@ -651,7 +651,7 @@ std::string LaunchDispatchSend(cudaStream_t stream, const G& g, const void* x,
 std::string LaunchDispatchRecv(cudaStream_t stream, const G& g, const int32_t* token,
                                const DispatchRecvOut& out) {
   JEP_LAUNCH(RecvWait, 1, kThreads, 0, stream)(g, token);
-  JEP_LAUNCH(DispatchUnpack, Grid<DispatchUnpack>(static_cast<int64_t>(g.el) * g.R * g.M),
+  JEP_LAUNCH(DispatchUnpack, Grid<DispatchUnpack>(g, static_cast<int64_t>(g.el) * g.R * g.M),
              kThreads, 0, stream)(g, token, out);
   JEP_LAUNCH(RecvFinish, 1, kThreads, 0, stream)(g, token);
   return CudaErr(cudaGetLastError(), "dispatch receive launch");
@@ -660,20 +660,20 @@ std::string LaunchDispatchRecv(cudaStream_t stream, const G& g, const int32_t* t
 std::string LaunchCombineSend(cudaStream_t stream, const G& g, const void* y,
                               const int32_t* first_row, const int32_t* row_count, int32_t* token) {
   JEP_LAUNCH(Begin, 1, kThreads, 0, stream)(g, token);
-  JEP_LAUNCH(CombinePlan, Grid<CombinePlan>((static_cast<int64_t>(g.E) + 31) / 32), kThreads, 0,
+  JEP_LAUNCH(CombinePlan, Grid<CombinePlan>(g, (static_cast<int64_t>(g.E) + 31) / 32), kThreads, 0,
              stream)(g, first_row, row_count);
   JEP_LAUNCH(CombineSendKernel,
-             Grid<CombineSendKernel>(static_cast<int64_t>(g.el) * g.R * g.M), kThreads, 0,
+             Grid<CombineSendKernel>(g, static_cast<int64_t>(g.el) * g.R * g.M), kThreads, 0,
              stream)(g, static_cast<const char*>(y), first_row, row_count, token);
   return CudaErr(cudaGetLastError(), "combine send launch");
 }
 
 std::string LaunchCombineRecv(cudaStream_t stream, const G& g, const int32_t* token,
                               const int32_t* topk_idx, const float* topk_weights, void* out) {
-  JEP_LAUNCH(CombineRecvPlan, Grid<CombineRecvPlan>(g.E), kThreads, 0, stream)(g, topk_idx);
+  JEP_LAUNCH(CombineRecvPlan, Grid<CombineRecvPlan>(g, g.E), kThreads, 0, stream)(g, topk_idx);
   JEP_LAUNCH(RecvWait, 1, kThreads, 0, stream)(g, token);
   if (g.S > 0)
-    JEP_LAUNCH(CombineReduce, Grid<CombineReduce>(g.S), kThreads, 0, stream)(
+    JEP_LAUNCH(CombineReduce, Grid<CombineReduce>(g, g.S), kThreads, 0, stream)(
         g, topk_idx, topk_weights, token, static_cast<char*>(out));
   JEP_LAUNCH(RecvFinish, 1, kThreads, 0, stream)(g, token);
   return CudaErr(cudaGetLastError(), "combine receive launch");

@@ -172,6 +172,19 @@ MUTANTS = [
            "    LoadF<E, V>(rp[n - 1 - k], x0, f);",
            (T_HIER, "-k", "matches_reference or small_rings"),
            "the forwarder sums its node's rows in descending rank order"),
+    # ---- SM budget (configs.h InternodeModeSms, HierCombineFit)
+    Mutant("hier_budget_below_roles_accepted", HIER,
+           "  if (ModeSmSetting(kModeHierarchical) > 0 && least > sms)\n",
+           "  if (false && least > sms)\n",
+           (T_HIER, "-k", "sms_below"),
+           "a hierarchical_sms below what holds the dispatch's role warps is silently raised "
+           "instead of refused, naming the setting"),
+    Mutant("hier_count_items_one_block", HIER,
+           "  for (int b = blockIdx.x; b < g.R + g.N; b += gridDim.x) {  // block-uniform",
+           "  for (int b = blockIdx.x; b < g.R + g.N; b += g.R + g.N) {  // block-uniform",
+           (T_HIER, "-k", "sms_budget"),
+           "the count kernel, cut to the mode's SMs, does each block's first item only: "
+           "ranks and nodes past the grid are never counted"),
     # ---------------------------------------------- NVLink rings (weak visibility of peer stores)
     # The fences matter where lanes other than the releasing one copy a row's bytes: rows
     # of 64 payload bytes or more (partials_rounded, H = 32 bf16); with shorter rows the

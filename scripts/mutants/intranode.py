@@ -14,6 +14,12 @@ MUTANTS = [
     Mutant("dispatch_counts_zeroed", INTRA,
            "site == kSiteFailed ? 0 : s_run[j]", "0", QUICK,
            "a count zeroed: receivers see no rows from this source"),
+    Mutant("dispatch_bad_id_not_told", INTRA,
+           "peer::store(&ph->bad_ids[me], s_bad ? static_cast<int64_t>(s_n) : int64_t{0});",
+           "peer::store(&ph->bad_ids[me], int64_t{0});",
+           (T_INTRA, "-k", "bad_id_is_recorded"),
+           "the verdict of the value check left out of the header: a bad id is recorded "
+           "on its own rank only, and its peers go on as if nothing happened"),
     Mutant("dispatch_receiver_base_off_by_one", INTRA,
            "for (int s = 0; s < me; ++s) b += peer::load_volatile(&hdr->counts[s][threadIdx.x]);",
            "for (int s = 0; s <= me; ++s) b += peer::load_volatile(&hdr->counts[s][threadIdx.x]);",

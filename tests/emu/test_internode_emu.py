@@ -325,6 +325,9 @@ def test_rdma_posted_before_nvlink_copies(R, G, ports, qpp):
     assert pending == 0
     data = _data_puts(log)
     qps = ports * qpp
+    # SendKernel's RDMA CTAs (configs.h DirectSendSplit of the mode's SMs)
+    nr = em.emu.m.mode_sms(R, num_qps=qps, nvlink_peers=G > 1)["direct_rdma_ctas"]
+    assert 1 <= nr <= qps
     checked = 0
     for call in sorted({r["call"] for r in data}):
         for src in range(R):
@@ -335,6 +338,41 @@ def test_rdma_posted_before_nvlink_copies(R, G, ports, qpp):
             assert max(remote) < min(local), f"call {call} rank {src}: a copy before a post"
             for i, r in mine:
                 is_remote = r["dst"] // G != src // G
-                assert (r["block"] < qps) == is_remote, (call, src, r)
+                assert (r["block"] < nr) == is_remote, (call, src, r)
             checked += 1
     assert checked == 3 * R  # dispatch, combine and gather
+
+
+# ------------------------------------------------------------------------- SM budget
+
+def _blocks_per_launch(counters, kernel):
+    blocks = sum(v for k, v in counters.items()
+                 if k.startswith(f"kernel:{kernel}") and k.endswith(":blocks"))
+    launches = sum(v for k, v in counters.items()
+                   if k.startswith(f"kernel:{kernel}") and k.endswith(":launches"))
+    return blocks, launches
+
+
+@pytest.mark.parametrize("sms", [1, 3, pytest.param(7, marks=full)])
+def test_direct_sms_budget(sms):
+    """JAX_EP_DIRECT_SMS: 2 nodes x 2, 4 QPs; the direct mode's kernels run on that many
+    blocks at most (SendKernel exactly: its RDMA and NVLink CTAs, configs.h
+    DirectSendSplit; at one SM the one CTA posts, then copies to its NVLink peer), and
+    dispatch, combine and gather stay bit-exact against the reference."""
+    import jax_ep
+    c = Case("budget", R=4, G=2, T=9, H=16, K=3, E=8, C=36, ports=2, qpp=2, chunk=32, seed=5)
+    with jax_ep.config.override(direct_sms=sms):
+        em = InternodeEmu(c.R, gpus_per_node=c.G, num_ports=c.ports, qps_per_port=c.qpp,
+                          chunk_bytes=c.chunk, seed=11)
+        split = em.emu.m.mode_sms(c.R, num_qps=4, nvlink_peers=True)
+        assert split["direct"] == sms
+        assert split["direct_rdma_ctas"] + split["direct_nvlink_ctas"] == sms
+        em.emu.reset_counters()
+        run_round_trip(c, em=em)
+        cnt = em.counters()
+    blocks, launches = _blocks_per_launch(cnt, "SendKernel")
+    assert launches == 3 * c.R and blocks == launches * sms, (blocks, launches)
+    for k in ("SlotsKernel", "PackKernel", "UnpackKernel", "CombineStageKernel",
+              "ReduceKernel", "GatherPackKernel", "GatherUnpackKernel"):
+        b, n = _blocks_per_launch(cnt, k)
+        assert n > 0 and b <= n * sms, (k, b, n)

@@ -196,7 +196,7 @@ def test_small_rings_own_node_rows_fill_the_source_windows(source_blocks, monkey
 
 @pytest.mark.parametrize(
     "qpp,dispatch_blocks,combine_blocks,blocks,role_blocks,push_parts,fwd_columns",
-    [(1, None, None, 16, 12, None, "4"), (2, "3", "2", 6, 5, None, "4"),
+    [(1, None, None, 12, 8, None, "4"), (2, "3", "2", 6, 5, None, "4"),
      (2, "3", "2", 3, 2, "1", None)])
 def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks, blocks,
                                             role_blocks, push_parts, fwd_columns,
@@ -212,8 +212,9 @@ def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks
     a chunk's ring rows and puts the chunk only once every part has written it; each
     pusher runs as 4 parts that each copy one 16-byte vector of every row, and part 0
     releases a batch only once every part has written it. The role warps spread over the
-    presets' blocks cut to the 16 the emulated GPU holds (dispatch 16; combine 4 source
-    blocks and 12 role blocks), or packed into the fewest that
+    hierarchical mode's 12 SMs at 8 ranks (configs.h kInternodeSmPresets; dispatch 12;
+    combine 4 source blocks, one per vector, and the 8 role blocks left), or packed into
+    the fewest that
     JAX_EP_HIER_DISPATCH_BLOCKS / _COMBINE_BLOCKS ask for (6 for the dispatch's 44
     warps, 3 for its 20 with the default of one column part per forwarder part, where one
     warp copies each row whole; 5 for the
@@ -250,15 +251,16 @@ def test_small_rings_role_parts_over_blocks(qpp, dispatch_blocks, combine_blocks
     assert launched == 3 * R * (4 + role_blocks), launched
 
 
-@pytest.mark.parametrize("source_blocks,blocks,role_blocks", [(None, 8, 8), ("3", 3, 13)])
+@pytest.mark.parametrize("source_blocks,blocks,role_blocks", [(None, 6, 6), ("3", 3, 9)])
 def test_combine_source_blocks_split_the_columns(source_blocks, blocks, role_blocks,
                                                  monkeypatch):
-    """The combine's source runs as several blocks, each summing a slice of the columns: 8
-    by default for rows of 8 16-byte vectors (H = 64 bf16), 3 (uneven slices) when
+    """The combine's source runs as several blocks, each summing a slice of the columns: 6
+    by default for rows of 8 16-byte vectors (H = 64 bf16: half the hierarchical mode's 12
+    SMs at 4 ranks, configs.h HierCombineFit), 3 (uneven slices) when
     JAX_EP_HIER_SOURCE_BLOCKS asks; bit-exact either way, and the launch has that many
-    source blocks beside the role blocks: one per role warp (8 forwarder parts, one per
-    vector, and 4 pushers of 4 parts: 24) up to what the 16 resident blocks leave (8
-    beside 8 source blocks, 13 beside 3)."""
+    source blocks beside the role blocks: the rest of the 12 (6 beside 6 source blocks, 9
+    beside 3), which hold the role warps (8 forwarder parts, one per vector, and 4 pushers
+    of 4 parts: 24)."""
     if source_blocks is not None:
         jax_ep.config.update("hier_source_blocks", source_blocks)
     else:
@@ -276,6 +278,51 @@ def test_combine_source_blocks_split_the_columns(source_blocks, blocks, role_blo
     launched = {k: v for k, v in c.items() if k.startswith("kernel:CombineMain")}
     got = sum(v for k, v in launched.items() if k.endswith(":blocks"))
     assert got == R * (blocks + role_blocks), launched
+
+
+@pytest.mark.parametrize("sms", [2, 5])
+def test_hierarchical_sms_budget(sms):
+    """JAX_EP_HIERARCHICAL_SMS: 2 x 2, rows of two 16-byte vectors. The dispatch and gather
+    run on that many blocks (10 role warps fit in 2), the combine's source and role blocks
+    split it (configs.h HierCombineFit: 1 + 1 or 2 + 3, the pusher and forwarder parts
+    shrunk to fit); bit-exact against the reference either way."""
+    N, G, T, H, K = 2, 2, 6, 8, 2
+    R = N * G
+    E, C = 2 * R, R * T
+    for name in ("hier_source_blocks", "hier_combine_blocks", "hier_dispatch_blocks",
+                 "hier_push_parts", "hier_forward_columns"):
+        jax_ep.config.update(name, None)
+    with jax_ep.config.override(hierarchical_sms=sms):
+        em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=17)
+        assert em.emu.m.mode_sms(R)["hierarchical"] == sms
+        rng = np.random.default_rng(13)
+        em.emu.reset_counters()
+        round_trip(em, "hierarchical", *data(rng, R, T, H, K, E, C, np.float32), E=E, C=C,
+                   K=K)
+        c = em.emu.counters()
+    for kernel in ("DispatchMain", "CombineMain"):
+        blocks = sum(v for k, v in c.items()
+                     if k.startswith(f"kernel:{kernel}") and k.endswith(":blocks"))
+        launches = sum(v for k, v in c.items()
+                       if k.startswith(f"kernel:{kernel}") and k.endswith(":launches"))
+        assert launches > 0 and blocks == launches * sms, (kernel, blocks, launches)
+
+
+def test_hierarchical_sms_below_the_roles_is_refused():
+    """A hierarchical_sms below the blocks the dispatch's role warps need (2 here) fails the
+    call on every rank with an error naming the setting and its variable, before anything
+    is launched: the next call with the budget back runs bit-exact."""
+    N, G, T, H, K = 2, 2, 4, 8, 2
+    R = N * G
+    E, C = 2 * R, R * T
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=2, qps_per_port=1, seed=3)
+    rng = np.random.default_rng(4)
+    x, idx, w, y, g = data(rng, R, T, H, K, E, C, np.float32)
+    with jax_ep.config.override(hierarchical_sms=1):
+        _, errs = em.dispatch(x, idx, w, num_experts=E, capacity=C, mode="hierarchical")
+    for r in range(R):
+        assert "hierarchical_sms (JAX_EP_HIERARCHICAL_SMS) = 1" in errs[r], (r, errs[r])
+    round_trip(em, "hierarchical", x, idx, w, y, g, E=E, C=C, K=K)
 
 
 def test_cooperative_kernels_take_their_ptxas_residency():

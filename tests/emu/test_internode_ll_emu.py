@@ -210,17 +210,18 @@ def test_ll_empty_calls(kind):
 def test_ll_grids_fit_the_sm_budget(monkeypatch):
     """JAX_EP_NUM_SMS caps every grid (one block per SM on the emulated GPU): with a
     budget of 1 each multi-block kernel runs 1 block per rank where the work asks for
-    more, and the grid-stride loops still cover every row."""
+    more, and the grid-stride loops still cover every row; JAX_EP_LOW_LATENCY_SMS=2, the
+    mode's own budget, cuts them to 2."""
     R, S, H, K, E, M = 2, 20, 8, 2, 4, 20
     em = setup(R, S, H, K, E, M, "bf16", 51)
     rng = np.random.default_rng(51)
     kernels = ("DispatchSendKernel", "DispatchUnpack", "CombineSendKernel", "CombineReduce")
 
-    def blocks(budget):
+    def blocks(budget, setting="num_sms"):
         if budget is None:
-            jax_ep.config.update("num_sms", None)
+            jax_ep.config.update(setting, None)
         else:
-            jax_ep.config.update("num_sms", str(budget))
+            jax_ep.config.update(setting, str(budget))
         x, idx, w, y = inputs(R, S, H, K, E, M, "bf16", rng)
         em.emu.reset_counters()
         got, rpd = one_round(em, x, idx, w, y, K=K)
@@ -232,6 +233,10 @@ def test_ll_grids_fit_the_sm_budget(monkeypatch):
     free = blocks(None)
     assert all(v > 1 for v in free.values()), free  # the work asks for several blocks
     assert blocks(1) == {k: 1 for k in kernels}
+    jax_ep.config.update("num_sms", None)
+    # the mode's own budget (JAX_EP_LOW_LATENCY_SMS) cuts the grids the same way
+    assert blocks(2, "low_latency_sms") == {k: min(2, v) for k, v in free.items()}
+    jax_ep.config.update("low_latency_sms", None)
 
 
 def test_ll_rank_that_skips_a_call_ends_in_errors_on_every_rank():

@@ -210,10 +210,19 @@ def test_bad_id_is_recorded_and_treated_as_unused():
     emu.setup(tokens=T, capacity=C, row_bytes=H * 2, topk=K)
     got = emu.dispatch(x, idx, w, num_experts=E, capacity=C)
     errs = emu.check_errors()
-    assert len(errs) == 1 and "GPU 0" in errs[0], errs
+    # The rank with the bad id names it; its peer learns it from the header exchange
+    # (no collective of XLA's carries the verdict).
+    by_gpu = {g: [e for e in errs if f"[GPU {g}," in e] for g in range(R)}
+    assert len(errs) == 2 and all(len(v) == 1 for v in by_gpu.values()), errs
+    assert "topk_idx[3, 1] = -7" in by_gpu[0][0], errs
+    assert "rank 0's topk_idx holds ids outside" in by_gpu[1][0], errs
     fixed = np.where(idx == -7, -1, idx)
     want = reference(x, fixed, w, y, g, E=E, C=C)
     assert_same(got, want, DISPATCH_KEYS)
+    # The verdict is per call: the next call, with good ids, reports nothing.
+    again = emu.dispatch(x, fixed, w, num_experts=E, capacity=C)
+    assert emu.check_errors() == []
+    assert_same(again, want, DISPATCH_KEYS)
 
 
 def test_rank_that_skips_a_call_ends_in_errors_on_every_rank():

@@ -158,11 +158,11 @@ RankStreams* Streams() {
 constexpr IntranodePreset kConcurrentPreset = {"concurrent", kMaxRanks, 2};
 
 // Channels a dispatch, combine or gather call runs with: the harness's one (its ranks share a GPU),
-// else the group's preset cut to the SM budget (JAX_EP_NUM_SMS).
+// else the group's preset cut to the SM budget (JAX_EP_NUM_SMS, JAX_EP_INTRANODE_SMS).
 int CallChannels(bool harness, int ordinal, int R) {
   const IntranodePreset p =
       harness ? kConcurrentPreset
-              : FitPresetToSms(SelectIntranodePreset(R), EpSmBudget(DeviceSmCount(ordinal)));
+              : IntranodeLaunchPreset(R, DeviceSmCount(ordinal));
   return p.num_sms / 2;
 }
 
@@ -369,7 +369,7 @@ ffi::Error LaunchPhases(cudaError_t (*launch)(int, const Args&, const IntranodeP
     return ffi::Error::Success();
   }
   const IntranodePreset p =
-      FitPresetToSms(SelectIntranodePreset(k.dom.num_ranks), EpSmBudget(DeviceSmCount(ordinal)));
+      IntranodeLaunchPreset(k.dom.num_ranks, DeviceSmCount(ordinal));
   for (int phase = 0; phase < phases; ++phase) {
     for (int r = 0; r < k.count; ++r) {
       if (r == k.absent) continue;

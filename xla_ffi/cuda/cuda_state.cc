@@ -172,6 +172,10 @@ std::string DescribeError(const ErrorRecord& e, int ordinal) {
       s << OpName(e.b) << ": rank " << e.a << " had an error and moved no data; see its record "
         << "(jax_ep.cuda.check_errors on that rank), then jax_ep.cuda.reset()";
       break;
+    case kErrPeerBadId:
+      s << OpName(e.b) << ": rank " << e.a << "'s topk_idx holds ids outside [-1, num_experts) "
+        << "(its record names them; they were treated as unused and the data moved)";
+      break;
     default:
       s << "unknown device error code " << e.code;
   }

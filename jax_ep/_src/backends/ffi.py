@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax_ep._src.common import Cfg, ep_call, ep_coords, like, next_call_site, unify_varying
 from jax_ep._src.ext import ffi_call
 from jax_ep._src.types import DispatchHandle, DispatchLayout
-from jax_ep._src.value_check import across_groups, checked
+from jax_ep._src.value_check import across_groups, checked, on_cpu
 
 
 def layout(topk_idx, cfg: Cfg) -> DispatchLayout:
@@ -35,8 +35,8 @@ def dispatch(x, topk_idx, topk_weights, cfg: Cfg):
     recv_topk_idx[C, K], recv_topk_weights[C, K], DispatchHandle)."""
     if cfg.check_ids and across_groups(cfg.axis_name, cfg.group_axes):
         # The kernel's id error reaches its own EP group only (jax_ep/_src/value_check.py).
-        topk_idx = checked(topk_idx, cfg.num_experts, axis_name=cfg.axis_name,
-                           groups=cfg.group_axes)
+        topk_idx = on_cpu(lambda i: checked(i, cfg.num_experts, axis_name=cfg.axis_name,
+                                            groups=cfg.group_axes), topk_idx)
     rank, group = ep_coords(cfg.axis_name, cfg.group_axes)
     # The group id only separates rendezvous; results vary like the data and the rank.
     x, topk_idx, topk_weights, rank = unify_varying(x, topk_idx, topk_weights, rank)
@@ -163,8 +163,9 @@ def ll_dispatch_send(x, topk_idx, cfg: Cfg):
     gpu = _ll_platform_check(cfg, topk=K, row_bytes=H * jnp.dtype(x.dtype).itemsize)
     if cfg.check_ids and across_groups(cfg.axis_name, cfg.group_axes):
         # The kernel's id error reaches its own EP group only (jax_ep/_src/value_check.py).
-        topk_idx = checked(topk_idx, cfg.num_experts, axis_name=cfg.axis_name,
-                           groups=cfg.group_axes, repeats=True, where="jax_ep.low_latency")
+        topk_idx = on_cpu(lambda i: checked(
+            i, cfg.num_experts, axis_name=cfg.axis_name, groups=cfg.group_axes,
+            repeats=True, where="jax_ep.low_latency"), topk_idx)
     x, topk_idx = unify_varying(x, topk_idx)
     return tuple(ep_call("jax_ep_ll_dispatch_send",
                          (like(x, (0 if gpu else S, H), x.dtype), like(x, (S, K), jnp.int32),
@@ -188,8 +189,9 @@ def ll_dispatch_send_fp8(x, topk_idx, cfg: Cfg, round_scale: bool):
     W = ll_fp8_msg_bytes(H)
     gpu = _ll_platform_check(cfg, topk=K, row_bytes=W)
     if cfg.check_ids and across_groups(cfg.axis_name, cfg.group_axes):
-        topk_idx = checked(topk_idx, cfg.num_experts, axis_name=cfg.axis_name,
-                           groups=cfg.group_axes, repeats=True, where="jax_ep.low_latency")
+        topk_idx = on_cpu(lambda i: checked(
+            i, cfg.num_experts, axis_name=cfg.axis_name, groups=cfg.group_axes,
+            repeats=True, where="jax_ep.low_latency"), topk_idx)
     x, topk_idx = unify_varying(x, topk_idx)
     return tuple(ep_call("jax_ep_ll_dispatch_send_fp8",
                          (like(x, (0 if gpu else S, W), jnp.uint8), like(x, (S, K), jnp.int32),
@@ -253,9 +255,9 @@ def ll_combine_recv(sent, topk_idx, topk_weights, cfg: Cfg):
     if cfg.check_ids and across_groups(cfg.axis_name, cfg.group_axes):
         # As in ll_dispatch_send; after this rank's part of the exchange, which the
         # kernel below completes on every rank of the group before reporting.
-        topk_idx = checked(topk_idx, cfg.num_experts, axis_name=cfg.axis_name,
-                           groups=cfg.group_axes, repeats=True, where="jax_ep.low_latency",
-                           wait_for=(status,))
+        topk_idx = on_cpu(lambda i: checked(
+            i, cfg.num_experts, axis_name=cfg.axis_name, groups=cfg.group_axes,
+            repeats=True, where="jax_ep.low_latency", wait_for=(status,)), topk_idx)
     rank, group = ep_coords(cfg.axis_name, cfg.group_axes)
     stage, status, topk_idx, topk_weights, rank = unify_varying(stage, status, topk_idx,
                                                                 topk_weights, rank)
