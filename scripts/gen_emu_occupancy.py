@@ -83,6 +83,40 @@ def base_name(demangled: str) -> str:
     return s.split("::")[-1]
 
 
+def launch_bound_arg(demangled: str) -> int | None:
+    """The last template argument of a kernel instance when it is an integer: the block
+    size a kernel templated on its __launch_bounds__ was compiled for
+    (`K<(ns::Kind)1, 384>(args)` -> 384). Such an instance gets a row `K@384` of its own
+    beside the worst-of-all row `K`, and a launch that names its bound
+    (launch.cuh JEP_LAUNCH_T) reads that row: the instances' registers differ with their
+    bounds, and the worst of them at another instance's block size would not fit an SM."""
+    depth, start, end = 0, None, None
+    for i, ch in enumerate(demangled):
+        if ch == "<":
+            if depth == 0 and start is None:
+                start = i + 1
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+            if depth == 0 and start is not None:
+                end = i
+                break
+        elif ch == "(" and depth == 0 and not demangled.startswith("(anonymous", i):
+            break
+    if start is None or end is None:
+        return None
+    args, depth, cut = demangled[start:end], 0, 0
+    for i, ch in enumerate(args):
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            cut = i + 1
+    last = args[cut:].strip()
+    return int(last) if re.fullmatch(r"\d+", last) else None
+
+
 def demangle(names: list[str]) -> list[str]:
     if not names:
         return []
@@ -130,8 +164,13 @@ def measure(nvcc: str, source: str) -> tuple[dict, str | None]:
     out: dict[str, tuple[int, int]] = {}
     for name, (_, regs, smem) in zip(demangle(mangled), rows):
         k = base_name(name)
-        old = out.get(k, (0, 0))
-        out[k] = (max(old[0], regs), max(old[1], smem))
+        keys = [k]
+        bound = launch_bound_arg(name)
+        if bound is not None:
+            keys.append(f"{k}@{bound}")
+        for key in keys:
+            old = out.get(key, (0, 0))
+            out[key] = (max(old[0], regs), max(old[1], smem))
     return out, None
 
 

@@ -66,19 +66,26 @@ def occupancy(regs: int, smem: int, threads: int) -> int:
 
 
 def parse_ptxas(text: str) -> dict:
-    """{kernel: (registers, static smem bytes)}, the worst over a kernel's instances."""
-    out, name = {}, None
+    """{kernel: (registers, static smem bytes)}, the worst over a kernel's instances, and
+    {kernel@bound: ...} per instance of a kernel templated on its __launch_bounds__ (its
+    last template argument an int: `...ILi384EE` in the mangled name)."""
+    out, keys = {}, None
     for line in text.splitlines():
         m = re.search(r"Compiling entry function '(\S+)'", line)
         if m:
             name = next((k for k in KERNELS if k in m.group(1)), None)
+            keys = [name] if name else None
+            b = re.search(r"Li(\d+)EEEv", m.group(1))
+            if keys and b:
+                keys.append(f"{name}@{b.group(1)}")
             continue
         m = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", line)
-        if m and name:
+        if m and keys:
             regs, smem = int(m.group(1)), int(m.group(2))
-            old = out.get(name, (0, 0))
-            out[name] = (max(old[0], regs), max(old[1], smem))
-            name = None
+            for k in keys:
+                old = out.get(k, (0, 0))
+                out[k] = (max(old[0], regs), max(old[1], smem))
+            keys = None
     return out
 
 
@@ -94,9 +101,10 @@ def problems(cfg: dict, usage: dict, sms: int = SMS) -> list[str]:
         for kernel, (role, dyn) in KERNELS.items():
             if kernel not in usage:
                 continue
-            regs, smem = usage[kernel]
             threads = {"plan": cfg["plan_threads"], "roles": p["role_threads"],
                        "dispatch": p["dispatch_threads"]}[role]
+            # a preset's block is an instance's bound (intranode_kernels.cu BoundRanks)
+            regs, smem = usage.get(f"{kernel}@{threads}", usage[kernel])
             if threads > cfg["max_channel_threads"]:
                 out.append(f"{p['name']}: {kernel} needs {threads} threads per block")
             if dyn == "bulk":
@@ -129,22 +137,39 @@ def test_every_preset_fits_the_sm_budget(usage):
     assert problems(configs(), usage) == []
 
 
+def test_each_preset_block_has_its_own_launch_bound(usage):
+    """Every preset's channel block is the __launch_bounds__ of an instance of its
+    kernel, so ptxas sized that instance's registers for the block it runs with (one
+    bound of 1024 capped every block at 64 registers, and the kernels spilled)."""
+    cfg = configs()
+    for p in cfg["presets"]:
+        for kernel, (role, _) in KERNELS.items():
+            if role == "plan":
+                continue
+            threads = p["dispatch_threads"] if role == "dispatch" else p["role_threads"]
+            assert f"{kernel}@{threads}" in usage, (p["name"], kernel, threads, sorted(usage))
+            regs = usage[f"{kernel}@{threads}"][0]
+            assert regs * threads <= REGS_PER_SM, (p["name"], kernel, regs, threads)
+
+
 def test_the_check_fails_on_grids_or_registers_that_do_not_fit(usage):
     cfg = configs()
     assert cfg["presets"], "no presets from configs.h"
     many = dict(cfg, presets=[dict(cfg["presets"][0], num_sms=130)])
     assert any("dispatch_channel_kernel launches 130" in p for p in problems(many, usage))
     assert any("gather_channel_kernel launches 130" in p for p in problems(many, usage))
-    heavy = dict(usage, dispatch_channel_kernel=(130, 0))  # 130 registers at >= 256 threads
+    def heavy_rows(kernel):  # 130 registers at >= 256 threads, in every instance's row
+        return {k: ((130, 0) if k.split("@")[0] == kernel else v) for k, v in usage.items()}
+    heavy = heavy_rows("dispatch_channel_kernel")
     assert any("dispatch_channel_kernel" in p and "0 block" in p
                for p in problems(cfg, heavy))
-    heavy = dict(usage, gather_channel_kernel=(130, 0))
+    heavy = heavy_rows("gather_channel_kernel")
     assert any("gather_channel_kernel" in p and "0 block" in p for p in problems(cfg, heavy))
     staging = dict(cfg, presets=[dict(p, dispatch_smem_bytes=2 * SMEM_PER_SM)  # past an SM
                                  for p in cfg["presets"]])
     assert any("dispatch_channel_kernel" in p and "0 block" in p
                for p in problems(staging, usage))
-    gone = {k: v for k, v in usage.items() if k != "gather_channel_kernel"}
+    gone = {k: v for k, v in usage.items() if k.split("@")[0] != "gather_channel_kernel"}
     assert any("no ptxas record" in p and "gather_channel_kernel" in p
                for p in problems(cfg, gone))
 

@@ -1036,7 +1036,6 @@ __device__ void gather_send(const GatherArgs& a, int ch, int q, uint64_t n) {
 // through them each row would be stored and loaded once more on this GPU.
 template <int kU>
 __device__ void gather_self(const GatherArgs& a, int32_t lo, int32_t cnt, bool fail) {
-  const int lane = threadIdx.x & 31;
   if (fail) return;
   const char* g = static_cast<const char*>(a.g);
   for (int32_t j = 0; j < cnt; ++j) {
@@ -1238,14 +1237,14 @@ inline int BoundRanks(int R) {
 
 template <int kThreads>
 void LaunchDispatchChannel(const DispatchArgs& b, int R, cudaStream_t stream) {
-  JEP_LAUNCH_T(dispatch_channel_kernel, DispatchBlocks(R, b.c.channels), DispatchRoleThreads(R),
+  JEP_LAUNCH_T(dispatch_channel_kernel, kThreads, DispatchBlocks(R, b.c.channels), DispatchRoleThreads(R),
                DispatchChannelSmemBytes(R, b.bulk_piece), stream,
                dispatch_channel_kernel<kThreads>)(b);
 }
 
 template <FloatKind kKind, int kThreads>
 void LaunchCombineChannel(const CombineArgs& a, int R, cudaStream_t stream) {
-  JEP_LAUNCH_T(combine_channel_kernel, 2 * a.c.channels, ChannelRoleThreads(R), 0, stream,
+  JEP_LAUNCH_T(combine_channel_kernel, kThreads, 2 * a.c.channels, ChannelRoleThreads(R), 0, stream,
                combine_channel_kernel<kKind, kThreads>)(a);
 }
 
@@ -1264,7 +1263,7 @@ cudaError_t LaunchCombineChannelKind(const CombineArgs& a, int R, cudaStream_t s
 
 template <int kThreads>
 void LaunchGatherChannel(const GatherArgs& a, int R, cudaStream_t stream) {
-  JEP_LAUNCH_T(gather_channel_kernel, 2 * a.c.channels, ChannelRoleThreads(R), 0, stream,
+  JEP_LAUNCH_T(gather_channel_kernel, kThreads, 2 * a.c.channels, ChannelRoleThreads(R), 0, stream,
                gather_channel_kernel<kThreads>)(a);
 }
 

@@ -350,6 +350,12 @@ inline Launcher<P...> make_launcher(void (*kernel)(P...), dim3 grid, dim3 block,
   return Launcher<P...>{kernel, grid, block, smem, stream, name};
 }
 
+// "name@bound": a kernel templated on its __launch_bounds__, launched at instance `bound`
+// (launch.cuh JEP_LAUNCH_T). Its occupancy row is the instance's (`name@bound`, from
+// scripts/gen_emu_occupancy.py), its counters are the name's. The string lives as long
+// as the process.
+const char* bound_name(const char* name, int bound);
+
 }  // namespace emu
 
 // Kernel-launch helper for the emulated build (kernels/cuda/launch.cuh maps it to <<<>>>).

@@ -9,7 +9,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <random>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -135,7 +137,16 @@ std::string BaseName(const char* spelled) {
 const OccRow* FindOccupancy(const std::string& name) {
   for (const OccRow* r = kOccupancy; r->name != nullptr; ++r)
     if (name == r->name) return r;
-  return nullptr;
+  // An instance without a row of its own (a table from before the instance existed)
+  // takes its name's worst-of-all row.
+  const size_t at = name.find('@');
+  return at == std::string::npos ? nullptr : FindOccupancy(name.substr(0, at));
+}
+
+// What the counters call a kernel: its spelling without the launch bound (emu::bound_name).
+std::string CounterName(const char* spelled) {
+  const char* at = std::strchr(spelled, '@');
+  return at == nullptr ? std::string(spelled) : std::string(spelled, at);
 }
 
 // Kernels launched by name (JEP_LAUNCH), by entry point: cudaLaunchKernelEx knows only the
@@ -222,9 +233,9 @@ void StartBlock(Kernel* k) {
   s.live_fibers += n;
   k->dev->resident++;
   k->dev->load += k->cost;
-  CountDev(k->dev->id, std::string("kernel:") + k->spec.name + ":blocks");
-  CountDev(k->dev->id, std::string("kernel:") + k->spec.name + ":warps", b->warps.size());
-  CountDev(k->dev->id, std::string("kernel:") + k->spec.name + ":threads", n);
+  CountDev(k->dev->id, "kernel:" + CounterName(k->spec.name) + ":blocks");
+  CountDev(k->dev->id, "kernel:" + CounterName(k->spec.name) + ":warps", b->warps.size());
+  CountDev(k->dev->id, "kernel:" + CounterName(k->spec.name) + ":threads", n);
 }
 
 void FinishKernel(Kernel* k) {
@@ -295,7 +306,7 @@ bool Advance() {
           QueueIssue(st);
           st->head_started = true;
           progress = true;
-          CountDev(d->id, std::string("kernel:") + op.kernel->spec.name + ":launches");
+          CountDev(d->id, "kernel:" + CounterName(op.kernel->spec.name) + ":launches");
           break;
         }
         if (op.kind == Op::kWait && op.ev->completed < op.ticket) break;
@@ -621,6 +632,13 @@ int64_t resident_limit(const char* kernel, int threads, size_t dynamic_smem) {
   spec.smem = dynamic_smem;
   const int64_t cost = BlockCost(spec, threads);
   return cost <= 0 ? 0 : ResidencyCapacity() / cost;
+}
+
+const char* bound_name(const char* name, int bound) {
+  static std::mutex mu;
+  static auto* names = new std::set<std::string>();
+  std::lock_guard<std::mutex> lock(mu);
+  return names->insert(std::string(name) + "@" + std::to_string(bound)).first->c_str();
 }
 
 int occupancy_registers(const char* kernel) {
