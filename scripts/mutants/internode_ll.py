@@ -4,18 +4,38 @@ from __future__ import annotations
 from . import Mutant
 from ._paths import *  # noqa: F401,F403
 
+# DispatchSendKernel's puts of a token's rows, then the one fence and their counts.
+_PUTS = (
+    "    for (int k = 0; k < g.K; ++k) {\n"
+    "      const int i = t * g.K + k;\n"
+    "      const int32_t e = idx[i];\n"
+    "      if (e < 0 || pos[i] < 0) continue;\n"
+    "      const int r = e / g.el, le = e % g.el;\n"
+    "      Tr::put_warp(g.area + llwire::drecv_row(g.A, b, le, g.rank, pos[i]), st,\n"
+    "                   static_cast<size_t>(g.ds_put), r, llwire::expert_qp(r, le, g.P, g.Q));\n"
+    "    }\n")
+_COUNTS = (
+    "    // The token's rows are posted: one fence orders them all before their counts (not a\n"
+    "    // fence per row); an expert's count signal waits at most for this token's other rows.\n"
+    "    if (lane == 0) {\n"
+    "      __threadfence();\n"
+    "      for (int k = 0; k < g.K; ++k) {\n"
+    "        const int i = t * g.K + k;\n"
+    "        const int32_t e = idx[i];\n"
+    "        if (e < 0 || pos[i] < 0) continue;\n"
+    "        const int r = e / g.el, le = e % g.el;\n"
+    "        RowCounted(g, kD, b, r, le, done, e, counts[e], llwire::expert_qp(r, le, g.P, g.Q));\n"
+    "      }\n"
+    "    }\n"
+    "    __syncwarp();\n")
+
 MUTANTS = [
     # ------------------------------------------------------- internode low-latency
     Mutant("llin_count_signal_before_rows", LLIN,
-           "      Tr::put_warp(g.area + llwire::drecv_row(g.A, b, le, g.rank, pos[i]), st,\n"
-           "                   static_cast<size_t>(g.ds_put), r, q);\n"
-           "      if (lane == 0) RowIssued(g, kD, b, r, le, done, e, counts[e], q);",
-           "      if (lane == 0) RowIssued(g, kD, b, r, le, done, e, counts[e], q);\n"
-           "      Tr::put_warp(g.area + llwire::drecv_row(g.A, b, le, g.rank, pos[i]), st,\n"
-           "                   static_cast<size_t>(g.ds_put), r, q);",
+           _PUTS + _COUNTS, _COUNTS + _PUTS,
            (T_LLIN, "-k", "consecutive or undelivered"),
-           "an expert's count signal issued before its last row: the owner reads that row "
-           "before it lands"),
+           "a token's rows counted (and an expert's count signal sent) before its rows are "
+           "put: the owner reads rows before they land"),
     Mutant("llin_count_after_first_row", LLIN,
            "  if (atomicAdd(done + i, 1) + 1 == rows) SignalCount(",
            "  if (atomicAdd(done + i, 1) == 0) SignalCount(",
@@ -64,6 +84,13 @@ MUTANTS = [
            "  int64_t b = (warps + kWarps - 1) / kWarps;\n  (void)cap;",
            (T_LLIN, "-k", "sm_budget"),
            "grids sized by the work alone: more blocks than the SM budget holds resident"),
+    Mutant("llin_combine_grid_by_tokens", LLIN,
+           "Grid<CombineReduce>(g, CombineItems(g, out))",
+           "Grid<CombineReduce>(g, g.S)",
+           (T_LLIN, "-k", "items_fill_the_grid"),
+           "the receive sum's grid sized a warp per token again: a wide row's items queue "
+           "on few warps while the mode's other SMs idle (results stay right: a counted "
+           "property, the grid the launch asks for)"),
     Mutant("internode_fetch_without_acquire", TRN,
            "    return nvshmem_emu::load_acquire(sig);  // a poll: the emulated NIC delivers "
            "meanwhile\n#else\n    return peer::load_acquire(sig);",
