@@ -84,13 +84,6 @@ MUTANTS = [
            "  int64_t b = (warps + kWarps - 1) / kWarps;\n  (void)cap;",
            (T_LLIN, "-k", "sm_budget"),
            "grids sized by the work alone: more blocks than the SM budget holds resident"),
-    Mutant("llin_combine_grid_by_tokens", LLIN,
-           "Grid<CombineReduce>(g, CombineItems(g, out))",
-           "Grid<CombineReduce>(g, g.S)",
-           (T_LLIN, "-k", "items_fill_the_grid"),
-           "the receive sum's grid sized a warp per token again: a wide row's items queue "
-           "on few warps while the mode's other SMs idle (results stay right: a counted "
-           "property, the grid the launch asks for)"),
     Mutant("internode_fetch_without_acquire", TRN,
            "    return nvshmem_emu::load_acquire(sig);  // a poll: the emulated NIC delivers "
            "meanwhile\n#else\n    return peer::load_acquire(sig);",
