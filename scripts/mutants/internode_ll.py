@@ -39,9 +39,11 @@ MUTANTS = [
     Mutant("llin_count_after_first_row", LLIN,
            "  if (atomicAdd(done + i, 1) + 1 == rows) SignalCount(",
            "  if (atomicAdd(done + i, 1) == 0) SignalCount(",
-           (T_LLIN, "-k", "consecutive or undelivered"),
+           (T_LLIN, "-k", "consecutive or undelivered or sm_budget"),
            "the count signal sent by the warp of an expert's first row, not its last: the "
-           "rows issued after it may land after the reader saw the count"),
+           "rows issued after it may land after the reader saw the count (the budget test's "
+           "one block walks several tokens per warp, so later tokens' rows are put after "
+           "the first token's counts)"),
     Mutant("llin_missing_count_for_empty_expert", LLIN,
            "    const int r = e / g.el, le = e % g.el;\n"
            "    SignalCount(g, kD, b, r, le, 0, llwire::expert_qp(r, le, g.P, g.Q));",
