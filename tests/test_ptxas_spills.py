@@ -34,6 +34,10 @@ FILES = {
     "kernels/internode/hierarchical_kernels.cu": (
         "DispatchMain", "CombineMain", "DispatchFinish", "CountKernel", "ExchangeKernel",
         "AdvanceKernel"),
+    # the intranode low-latency kernels that copy or sum rows (the receive sum's rows x
+    # vectors in flight live in registers); ll_combine_send is not listed: it spills
+    # 32 bytes (64 registers) today, a known gap this row does not cover yet
+    "kernels/cuda/low_latency_kernels.cu": ("ll_dispatch_send", "ll_dispatch_recv", "ll_combine_recv"),
     # the internode low-latency kernels that copy or sum rows, and their waits
     "kernels/internode/low_latency_kernels.cu": (
         "DispatchSendKernel", "DispatchUnpack", "CombineSendKernel", "CombineReduce",

@@ -6,6 +6,7 @@
 #include "kernels/common/low_latency_math.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/ll_combine_sum.cuh"
 #include "kernels/cuda/peer_transport.cuh"
 
 namespace jax_ep {
@@ -489,38 +490,21 @@ __global__ void __launch_bounds__(kThreads) ll_combine_recv_plan(LowLatencyArgs 
   }
 }
 
-// Elements of one 16-byte vector of a row of `kind` (4 or 8), widened to float32.
-__device__ __forceinline__ int ll_unpack16(FloatKind kind, uint4 v, float* out) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  if (kind == FloatKind::kF32) {
-    for (int j = 0; j < 4; ++j) out[j] = __uint_as_float(w[j]);
-    return 4;
-  }
-  for (int j = 0; j < 4; ++j) {
-    const uint16_t lo = static_cast<uint16_t>(w[j] & 0xffffu), hi = static_cast<uint16_t>(w[j] >> 16);
-    out[2 * j] = kind == FloatKind::kBF16 ? bf16_to_f32(lo) : f16_to_f32(lo);
-    out[2 * j + 1] = kind == FloatKind::kBF16 ? bf16_to_f32(hi) : f16_to_f32(hi);
-  }
-  return 8;
+// Whether combine's receive sums 16-byte vectors (stage rows start 16-aligned, so the
+// rows' size and the output's alignment decide).
+__host__ __device__ __forceinline__ bool ll_combine_vec(const LowLatencyArgs& a) {
+  return a.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
 }
 
-__device__ __forceinline__ uint4 ll_pack16(FloatKind kind, const float* in) {
-  uint32_t w[4];
-  if (kind == FloatKind::kF32) {
-    for (int j = 0; j < 4; ++j) w[j] = __float_as_uint(in[j]);
-  } else {
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t lo = kind == FloatKind::kBF16 ? f32_to_bf16(in[2 * j]) : f32_to_f16(in[2 * j]);
-      const uint32_t hi =
-          kind == FloatKind::kBF16 ? f32_to_bf16(in[2 * j + 1]) : f32_to_f16(in[2 * j + 1]);
-      w[j] = lo | (hi << 16);
-    }
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
+// Items (token, chunk) of combine's receive sum: the warps its grid asks for.
+int64_t ll_combine_items(const LowLatencyArgs& a) {
+  return a.S * ll_sum_chunks(ll_sum_units(ll_combine_vec(a), a.row_bytes, a.H));
 }
 
-// Source: waits every owner's words of epoch n, then a warp per token sums its rows k
-// ascending (16-byte loads of the stage rows when rows allow); then credits every owner.
+// Source: waits every owner's words of epoch n, then a warp per item (token, chunk of its
+// row; kernels/cuda/ll_combine_sum.cuh), the items of every token dealt over all warps of
+// the grid, sums its rows k ascending with every row's loads in flight before the adds
+// (16-byte loads of the stage rows when rows allow); then credits every owner.
 __global__ void __launch_bounds__(kThreads) ll_combine_recv(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
   const uint64_t n = ll_recv_epoch(a, h->seq_combine);
@@ -553,51 +537,25 @@ __global__ void __launch_bounds__(kThreads) ll_combine_recv(LowLatencyArgs a) {
   const size_t cstage_off = a.L.cstage_off + half * a.L.cstage_half;
   const int32_t* pos = reinterpret_cast<const int32_t*>(ll_at(a, a.me, a.L.pos_c_off));
   const int lane = threadIdx.x % 32;
-  const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
-  auto stage_row = [&](int i, int32_t g) -> const char* {
-    const int p = pos[i];
-    if (skip || g < 0 || p < 0 || (bad_owners >> (g / el)) & 1u) return nullptr;
-    const int64_t row = offsets[g] + p;
-    return ll_at(a, a.me,
-                 cstage_off + (static_cast<size_t>(g / el) * a.L.rows_per_dest + row) * a.L.stride);
-  };
-  const bool vec = (a.row_bytes % 16) == 0 &&
-                   (reinterpret_cast<uintptr_t>(a.out) % 16) == 0;
-  for (int t = warp; t < a.S; t += gridDim.x * kWarps) {
-    char* dst = static_cast<char*>(a.out) + static_cast<size_t>(t) * a.row_bytes;
-    if (vec) {
-      for (size_t v = lane; v < a.row_bytes / 16; v += 32) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int width = a.kind == FloatKind::kF32 ? 4 : 8;
-        for (int k = 0; k < a.K; ++k) {
-          const int i = t * a.K + k;
-          const char* src = stage_row(i, a.topk_idx[i]);
-          if (src == nullptr) continue;
-          float val[8];
-          width = ll_unpack16(a.kind, peer::load_cg16(src + v * 16), val);
-          for (int j = 0; j < width; ++j) acc[j] = ll_weighted_add(acc[j], a.topk_w[i], val[j]);
-        }
-        *reinterpret_cast<uint4*>(dst + v * 16) = ll_pack16(a.kind, acc);
-      }
-    } else {
-      for (int64_t x = lane; x < a.H; x += 32) {
-        float acc = 0.0f;
-        for (int k = 0; k < a.K; ++k) {
-          const int i = t * a.K + k;
-          const char* src = stage_row(i, a.topk_idx[i]);
-          if (src == nullptr) continue;
-          float v;
-          switch (a.kind) {
-            case FloatKind::kF32: v = peer::load_cg_f32(reinterpret_cast<const float*>(src) + x); break;
-            case FloatKind::kBF16:
-              v = bf16_to_f32(*reinterpret_cast<const volatile uint16_t*>(src + 2 * x)); break;
-            default: v = f16_to_f32(*reinterpret_cast<const volatile uint16_t*>(src + 2 * x)); break;
-          }
-          acc = ll_weighted_add(acc, a.topk_w[i], v);
-        }
-        ll_store(a.kind, dst, x, acc);
-      }
-    }
+  const int64_t units = ll_sum_units(ll_combine_vec(a), a.row_bytes, a.H);
+  const int64_t chunks = ll_sum_chunks(units);
+  for (int64_t item = blockIdx.x * kWarps + threadIdx.x / 32; item < a.S * chunks;
+       item += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t t = item / chunks;
+    const auto slot_of = [&](int k) -> LLSumSlot {
+      const int64_t i = t * a.K + k;
+      const int32_t g = a.topk_idx[i];
+      const int p = pos[i];
+      if (skip || g < 0 || p < 0 || (bad_owners >> (g / el)) & 1u) return LLSumSlot{nullptr, 0.0f};
+      const int64_t row = offsets[g] + p;
+      return LLSumSlot{
+          ll_at(a, a.me,
+                cstage_off + (static_cast<size_t>(g / el) * a.L.rows_per_dest + row) * a.L.stride),
+          a.topk_w[i]};
+    };
+    ll_sum_item(a.kind, a.K, units, ll_combine_vec(a), item % chunks,
+                static_cast<char*>(a.out) + static_cast<size_t>(t) * a.row_bytes, slot_of, false,
+                lane);
   }
   ll_last_block(&h->done_combine_recv, [&] {
     for (int r = 0; r < R; ++r) peer::signal(&ll_header(a, r)->credit_combine[half][a.me], n);
@@ -623,7 +581,7 @@ cudaError_t LaunchLowLatencyPhase(int phase, const LowLatencyArgs& a, cudaStream
       JEP_LAUNCH(ll_combine_recv_plan, LLGrid(a.L.E, cap), kThreads, 0, stream)(a);
       break;
     case kLLCombineRecv:
-      JEP_LAUNCH(ll_combine_recv, LLGrid((static_cast<int64_t>(a.S) + kWarps - 1) / kWarps, cap),
+      JEP_LAUNCH(ll_combine_recv, LLGrid((ll_combine_items(a) + kWarps - 1) / kWarps, cap),
                  kThreads, 0, stream)(a);
       break;
     default: return cudaErrorInvalidValue;

@@ -49,10 +49,11 @@
 //             for a foreign handle, whose rows are not sent) and releases the combine
 //             word (r, e) = (n, 0) on d.
 //             recv (source s): a plan kernel numbers this call's routing per expert in
-//             parallel (as the dispatch numbered it); then a warp per token waits every
-//             word of epoch n, checks the tags, sums each token's rows k ascending
-//             (float32, rounded product, then add; 16-byte loads), casts; the last block
-//             credits every owner.
+//             parallel (as the dispatch numbered it); then every block waits every
+//             word of epoch n, checks the tags, and a warp per (token, chunk) item sums
+//             the token's rows k ascending (float32, rounded product, then add; every
+//             row's 16-byte loads in flight before the adds, ll_combine_sum.cuh), casts;
+//             the last block credits every owner.
 // A third send half of one kind before the first's receive half would wait for a credit
 // that only that receive half gives: it times out with an error instead of overwriting.
 // Errors go to a sticky device record (g_ll_error, mirrored to the host). After a

@@ -5,11 +5,13 @@
 // Kernels per call (every grid cut to the mode's SMs, InternodeModeSms in configs.h):
 //   dispatch send: Begin (epoch, token) -> DispatchPlan (a warp per expert) ->
 //                  DispatchSendKernel (credits, headers, a warp per token: stage, put its
-//                  rows, the last row of an expert sends that expert's count signal)
+//                  rows, one fence, count them; the last row counted of an expert sends
+//                  that expert's count signal)
 //   dispatch recv: RecvWait -> DispatchUnpack (a warp per landed row) -> RecvFinish
 //   combine send:  Begin -> CombinePlan -> CombineSendKernel (a warp per returned row)
 //   combine recv:  CombineRecvPlan (a warp per expert) -> RecvWait -> CombineReduce
-//                  (a warp per token, 16-byte loads) -> RecvFinish
+//                  (a warp per (token, chunk), every top-k row's loads in flight before the
+//                  adds: ll_combine_sum.cuh) -> RecvFinish
 // No kernel waits for its own puts to complete (no nvshmem_quiet anywhere).
 //
 // This file holds the kernels and their launchers (declared in kernels/internode/api.cuh);
@@ -24,6 +26,7 @@
 #include "kernels/common/fp8_warp.cuh"
 #include "kernels/common/low_latency_math.h"
 #include "kernels/common/striping_plan.h"
+#include "kernels/cuda/ll_combine_sum.cuh"
 #include "kernels/internode/api.cuh"
 #include "kernels/internode/device_copy.cuh"
 #include "kernels/internode/low_latency_wire.h"
@@ -156,13 +159,20 @@ __device__ __forceinline__ void SignalCount(const G& g, int op, int b, int reade
              qp);
 }
 
-// One lane per warp, after the warp issued one row of counter `i` (rows in all): the warp
-// that issues the last row sends the count signal. Rows are issued by many warps; the
-// counter orders their posts before the signal's (each post precedes its increment).
+// One lane per warp, after the warp issued rows of counter `i` (rows in all) and fenced
+// its posts (__threadfence, once for all the rows it counts now): the warp that counts the
+// last row sends the count signal. Rows are issued by many warps; the counter orders their
+// posts before the signal's (each post precedes its fence, the fence its increment).
+__device__ __forceinline__ void RowCounted(const G& g, int op, int b, int reader, int e,
+                                           int32_t* done, int i, int32_t rows, int qp) {
+  if (atomicAdd(done + i, 1) + 1 == rows) SignalCount(g, op, b, reader, e, rows, qp);
+}
+
+// RowCounted for a warp that issued one row: its own fence first.
 __device__ __forceinline__ void RowIssued(const G& g, int op, int b, int reader, int e,
                                           int32_t* done, int i, int32_t rows, int qp) {
   __threadfence();
-  if (atomicAdd(done + i, 1) + 1 == rows) SignalCount(g, op, b, reader, e, rows, qp);
+  RowCounted(g, op, b, reader, e, done, i, rows, qp);
 }
 
 // ---- send halves ------------------------------------------------------------------
@@ -255,8 +265,8 @@ __device__ void PutHeaders(const G& g, int op, int b, unsigned long long n) {
 // are free: see low_latency_wire.h); block 0 stages and puts the headers; experts with no
 // rows get their count signal; then a warp per token stages it into dstage[b] (row, then
 // its index) and puts it to each of its experts' slot drecv[b][e][this rank][pos], no
-// signal; the warp that issues an expert's last row sends its count. Returns with the puts
-// in flight.
+// signal, then one fence and the counts of its rows; the warp that counts an expert's last
+// row sends its count. Returns with the puts in flight.
 __global__ void DispatchSendKernel(G g, const char* x, const int32_t* idx,
                                    const int32_t* token) {
   const unsigned long long n = TokenEpoch(kD, token);
@@ -309,12 +319,22 @@ __global__ void DispatchSendKernel(G g, const char* x, const int32_t* idx,
       const int32_t e = idx[i];
       if (e < 0 || pos[i] < 0) continue;
       const int r = e / g.el, le = e % g.el;
-      const int q = llwire::expert_qp(r, le, g.P, g.Q);
       Tr::put_warp(g.area + llwire::drecv_row(g.A, b, le, g.rank, pos[i]), st,
-                   static_cast<size_t>(g.ds_put), r, q);
-      if (lane == 0) RowIssued(g, kD, b, r, le, done, e, counts[e], q);
-      __syncwarp();
+                   static_cast<size_t>(g.ds_put), r, llwire::expert_qp(r, le, g.P, g.Q));
     }
+    // The token's rows are posted: one fence orders them all before their counts (not a
+    // fence per row); an expert's count signal waits at most for this token's other rows.
+    if (lane == 0) {
+      __threadfence();
+      for (int k = 0; k < g.K; ++k) {
+        const int i = t * g.K + k;
+        const int32_t e = idx[i];
+        if (e < 0 || pos[i] < 0) continue;
+        const int r = e / g.el, le = e % g.el;
+        RowCounted(g, kD, b, r, le, done, e, counts[e], llwire::expert_qp(r, le, g.P, g.Q));
+      }
+    }
+    __syncwarp();
   }
 }
 
@@ -560,10 +580,22 @@ __global__ void DispatchUnpack(G g, const int32_t* token, DispatchRecvOut out) {
   }
 }
 
-// A warp per token: k ascending per element, the product rounded to float32 before the
-// add (low_latency_math.h), then one cast. Rows whose bytes are a multiple of 16 go 16
-// bytes per lane per load (4 or 8 elements; every landed row starts 16-aligned), others
-// an element per lane; the order of the adds per element is the same either way.
+// Whether combine's receive sums 16-byte vectors: every landed row starts 16-aligned, so
+// the rows' size and the output's alignment decide.
+__host__ __device__ __forceinline__ bool CombineVec(const G& g, const void* out) {
+  return g.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+}
+
+// Items (token, chunk) of combine's receive sum: the warps its grid asks for.
+int64_t CombineItems(const G& g, const void* out) {
+  return g.S * ll_sum_chunks(ll_sum_units(CombineVec(g, out), g.row_bytes, g.H));
+}
+
+// A warp per item (token, chunk of its row; kernels/cuda/ll_combine_sum.cuh), the items of
+// every token dealt over all warps of the grid: lane k finds slot k's landed row and
+// weight, then each lane loads kLLSumRows rows x kLLSumCols 16-byte vectors (elements, for
+// rows that are not whole vectors) before it adds them k ascending, the product rounded to
+// float32 before the add (low_latency_math.h), then one cast and one store per vector.
 __global__ void CombineReduce(G g, const int32_t* idx, const float* w, const int32_t* token,
                               char* out) {
   const int b = static_cast<int>(TokenEpoch(kC, token) & 1ull);
@@ -571,41 +603,21 @@ __global__ void CombineReduce(G g, const int32_t* idx, const float* w, const int
   const int32_t* pos = Local(g, g.A.pos);
   const int32_t* offsets = Local(g, g.A.offsets);
   const int lane = threadIdx.x & 31;
-  const int warps = gridDim.x * kWarps;
-  const float nan = __int_as_float(0x7fc00000);  // a failed call's sums: never plausible
-  const int eb = g.elem == FloatKind::kF32 ? 4 : 2;
-  for (int t = blockIdx.x * kWarps + (threadIdx.x >> 5); t < g.S; t += warps) {
-    char* dst = out + static_cast<int64_t>(t) * g.row_bytes;
-    if (g.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
-      const int per = 16 / eb;
-      for (int64_t c = lane; c < g.row_bytes / 16; c += 32) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int k = 0; k < g.K && !failed; ++k) {
-          const int i = t * g.K + k;
-          const int32_t e = idx[i];
-          if (e < 0 || pos[i] < 0) continue;
-          const char* row = g.area + llwire::crecv_row(g.A, b, e / g.el, offsets[e] + pos[i]);
-          const int4 v = devcopy::LoadLandedInt4(reinterpret_cast<const int4*>(row) + c);
-          const float wk = w[i];
-          for (int j = 0; j < per; ++j) acc[j] = ll_weighted_add(acc[j], wk, ll_load(g.elem, &v, j));
-        }
-        int4 o;
-        for (int j = 0; j < per; ++j) ll_store(g.elem, &o, j, failed ? nan : acc[j]);
-        reinterpret_cast<int4*>(dst)[c] = o;
-      }
-      continue;
-    }
-    for (int64_t x = lane; x < g.H; x += 32) {
-      float acc = 0.0f;
-      for (int k = 0; k < g.K && !failed; ++k) {
-        const int i = t * g.K + k;
-        const int32_t e = idx[i];
-        if (e < 0 || pos[i] < 0) continue;
-        const char* row = g.area + llwire::crecv_row(g.A, b, e / g.el, offsets[e] + pos[i]);
-        acc = ll_weighted_add(acc, w[i], ll_load(g.elem, row, x));
-      }
-      ll_store(g.elem, dst, x, failed ? nan : acc);
-    }
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const bool vec = CombineVec(g, out);
+  const int64_t units = ll_sum_units(vec, g.row_bytes, g.H);
+  const int64_t chunks = ll_sum_chunks(units);
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+       item < g.S * chunks; item += warps) {
+    const int t = static_cast<int>(item / chunks);
+    const auto slot_of = [&](int k) -> LLSumSlot {
+      const int i = t * g.K + k;
+      const int32_t e = idx[i];
+      if (e < 0 || pos[i] < 0) return LLSumSlot{nullptr, 0.0f};
+      return LLSumSlot{g.area + llwire::crecv_row(g.A, b, e / g.el, offsets[e] + pos[i]), w[i]};
+    };
+    ll_sum_item(g.elem, g.K, units, vec, item % chunks, out + static_cast<int64_t>(t) * g.row_bytes,
+                slot_of, failed, lane);
   }
 }
 
@@ -673,7 +685,7 @@ std::string LaunchCombineRecv(cudaStream_t stream, const G& g, const int32_t* to
   JEP_LAUNCH(CombineRecvPlan, Grid<CombineRecvPlan>(g, g.E), kThreads, 0, stream)(g, topk_idx);
   JEP_LAUNCH(RecvWait, 1, kThreads, 0, stream)(g, token);
   if (g.S > 0)
-    JEP_LAUNCH(CombineReduce, Grid<CombineReduce>(g, g.S), kThreads, 0, stream)(
+    JEP_LAUNCH(CombineReduce, Grid<CombineReduce>(g, CombineItems(g, out)), kThreads, 0, stream)(
         g, topk_idx, topk_weights, token, static_cast<char*>(out));
   JEP_LAUNCH(RecvFinish, 1, kThreads, 0, stream)(g, token);
   return CudaErr(cudaGetLastError(), "combine receive launch");

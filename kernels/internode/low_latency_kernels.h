@@ -16,9 +16,10 @@
 //              per token copies it into dstage[b] (row + source token index; with fp8 the
 //              warp casts the row to an FP8 message there instead) and puts it,
 //              without a signal, into drecv[b][expert][source][position] of each of its
-//              experts' owners, on the expert's QP (llwire::expert_qp); the warp that
-//              issues an expert's last row then sends one count signal (SET count + 1)
-//              on that QP. The kernel returns with its puts in flight (no quiet).
+//              experts' owners, on the expert's QP (llwire::expert_qp); after a
+//              token's puts its warp fences once and counts its rows, and the warp that
+//              counts an expert's last row sends one count signal (SET count + 1) on
+//              that QP. The kernel returns with its puts in flight (no quiet).
 //     token -- int32[2] (n, hash): the epoch the receive half completes (its low 32 bits,
 //              widened by the receive against this PE's counter, llwire::widen_epoch)
 //              and this call's config hash, which every writer's header must carry
@@ -37,8 +38,8 @@
 //     expert), waits for every owner's header and count words, checks the owner's count
 //     for each of its experts equals what its own routing implies, sums each token's rows
 //     k ascending (float32 product rounded, then added, kernels/common/low_latency_math.h;
-//     16-byte loads where a row is a multiple of 16 bytes), casts; resets and returns the
-//     credit.
+//     a warp per (token, chunk) item with every row's 16-byte loads in flight before the
+//     adds, kernels/cuda/ll_combine_sum.cuh), casts; resets and returns the credit.
 //
 // Slot reuse: DOUBLE BUFFERING BY EPOCH PARITY, GUARDED BY CREDITS. Epoch n writes buffer
 // n & 1 of the reader's areas; before writing it, the writer waits until the reader's

@@ -4,24 +4,46 @@ from __future__ import annotations
 from . import Mutant
 from ._paths import *  # noqa: F401,F403
 
+# DispatchSendKernel's puts of a token's rows, then the one fence and their counts.
+_PUTS = (
+    "    for (int k = 0; k < g.K; ++k) {\n"
+    "      const int i = t * g.K + k;\n"
+    "      const int32_t e = idx[i];\n"
+    "      if (e < 0 || pos[i] < 0) continue;\n"
+    "      const int r = e / g.el, le = e % g.el;\n"
+    "      Tr::put_warp(g.area + llwire::drecv_row(g.A, b, le, g.rank, pos[i]), st,\n"
+    "                   static_cast<size_t>(g.ds_put), r, llwire::expert_qp(r, le, g.P, g.Q));\n"
+    "    }\n")
+_COUNTS = (
+    "    // The token's rows are posted: one fence orders them all before their counts (not a\n"
+    "    // fence per row); an expert's count signal waits at most for this token's other rows.\n"
+    "    if (lane == 0) {\n"
+    "      __threadfence();\n"
+    "      for (int k = 0; k < g.K; ++k) {\n"
+    "        const int i = t * g.K + k;\n"
+    "        const int32_t e = idx[i];\n"
+    "        if (e < 0 || pos[i] < 0) continue;\n"
+    "        const int r = e / g.el, le = e % g.el;\n"
+    "        RowCounted(g, kD, b, r, le, done, e, counts[e], llwire::expert_qp(r, le, g.P, g.Q));\n"
+    "      }\n"
+    "    }\n"
+    "    __syncwarp();\n")
+
 MUTANTS = [
     # ------------------------------------------------------- internode low-latency
     Mutant("llin_count_signal_before_rows", LLIN,
-           "      Tr::put_warp(g.area + llwire::drecv_row(g.A, b, le, g.rank, pos[i]), st,\n"
-           "                   static_cast<size_t>(g.ds_put), r, q);\n"
-           "      if (lane == 0) RowIssued(g, kD, b, r, le, done, e, counts[e], q);",
-           "      if (lane == 0) RowIssued(g, kD, b, r, le, done, e, counts[e], q);\n"
-           "      Tr::put_warp(g.area + llwire::drecv_row(g.A, b, le, g.rank, pos[i]), st,\n"
-           "                   static_cast<size_t>(g.ds_put), r, q);",
+           _PUTS + _COUNTS, _COUNTS + _PUTS,
            (T_LLIN, "-k", "consecutive or undelivered"),
-           "an expert's count signal issued before its last row: the owner reads that row "
-           "before it lands"),
+           "a token's rows counted (and an expert's count signal sent) before its rows are "
+           "put: the owner reads rows before they land"),
     Mutant("llin_count_after_first_row", LLIN,
            "  if (atomicAdd(done + i, 1) + 1 == rows) SignalCount(",
            "  if (atomicAdd(done + i, 1) == 0) SignalCount(",
-           (T_LLIN, "-k", "consecutive or undelivered"),
+           (T_LLIN, "-k", "consecutive or undelivered or sm_budget"),
            "the count signal sent by the warp of an expert's first row, not its last: the "
-           "rows issued after it may land after the reader saw the count"),
+           "rows issued after it may land after the reader saw the count (the budget test's "
+           "one block walks several tokens per warp, so later tokens' rows are put after "
+           "the first token's counts)"),
     Mutant("llin_missing_count_for_empty_expert", LLIN,
            "    const int r = e / g.el, le = e % g.el;\n"
            "    SignalCount(g, kD, b, r, le, 0, llwire::expert_qp(r, le, g.P, g.Q));",

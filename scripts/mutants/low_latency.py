@@ -55,11 +55,45 @@ MUTANTS = [
            "ll_at(a, d, a.L.combine_word_off(1 - half, a.me, e))",
            _BASIC,
            "combine arrival word in the wrong half: sources wait for the other epoch"),
-    Mutant("ll_combine_reduce_skips_last_slot", LL,
-           "        for (int k = 0; k < a.K; ++k) {\n          const int i = t * a.K + k;\n          const char* src = stage_row(i, a.topk_idx[i]);\n          if (src == nullptr) continue;\n          float val[8];",
-           "        for (int k = 0; k + 1 < a.K; ++k) {\n          const int i = t * a.K + k;\n          const char* src = stage_row(i, a.topk_idx[i]);\n          if (src == nullptr) continue;\n          float val[8];",
+    # ------------------------------------------------------------ combine's receive sum
+    # kernels/cuda/ll_combine_sum.cuh, shared by the intranode and internode receive halves;
+    # the intranode tests plant them (the internode ones would kill them the same way).
+    Mutant("ll_combine_reduce_skips_last_slot", LLSUM,
+           "    if (kg + u >= nb) row[u] = nullptr;",
+           "    if (kg + u + 1 >= nb) row[u] = nullptr;",
            _BASIC,
-           "off-by-one in the vectorized combine's slot loop"),
+           "off-by-one in the receive sum's slots: each token's last slot is never summed"),
+    Mutant("ll_sum_batch_leaves_out_a_row", LLSUM,
+           "                acc[c][j] = ll_weighted_add(acc[c][j], wk[u], elem_of<kKind>(v[u][c], j));",
+           "                acc[c][j] = u == kLLSumRows - 1 ? acc[c][j]\n"
+           "                                                : ll_weighted_add(acc[c][j], wk[u], elem_of<kKind>(v[u][c], j));",
+           (T_LL, "-k", "past_one_batch"),
+           "the last row of a batch of loads in flight loaded but left out of the sum "
+           "(only tokens with more than kLLSumRows - 1 slots show it)"),
+    Mutant("ll_sum_batch_adds_k_descending", LLSUM,
+           "#pragma unroll\n"
+           "        for (int u = 0; u < kLLSumRows; ++u)\n"
+           "#pragma unroll\n"
+           "          for (int c = 0; c < kLLSumCols; ++c)\n"
+           "            if (row[u] != nullptr && first + 32 * c < units)\n"
+           "#pragma unroll\n"
+           "              for (int j = 0; j < kP; ++j)",
+           "#pragma unroll\n"
+           "        for (int u = kLLSumRows - 1; u >= 0; --u)\n"
+           "#pragma unroll\n"
+           "          for (int c = 0; c < kLLSumCols; ++c)\n"
+           "            if (row[u] != nullptr && first + 32 * c < units)\n"
+           "#pragma unroll\n"
+           "              for (int j = 0; j < kP; ++j)",
+           (T_LL, "-k", "past_one_batch and f32"),
+           "a batch's rows added k descending: the same terms, another float32 rounding "
+           "(the contract sums k ascending)"),
+    Mutant("ll_sum_item_reads_first_chunk", LLSUM,
+           "  const int64_t first = chunk * kLLSumChunk + lane;",
+           "  const int64_t first = lane + 0 * chunk;",
+           (T_LL, "-k", "past_one_batch"),
+           "every item of a token sums and stores its first chunk: the row's later units "
+           "are never written"),
     # ------------------------------------------------------------ FP8 cast in the send
     Mutant("ll_fp8_scale_wrong_slot", FP8W,
            "    if (sub == 0) store4(scales + b, s);",

@@ -103,6 +103,38 @@ def test_ll_matches_reference(R, S, H, K, E, M, dtype, seed):
     assert em.errors() == [""] * R
 
 
+@pytest.mark.parametrize("H,dtype,seed", [(260, "f32", 21), (99, "f16", 22)])
+def test_ll_combine_top_k_past_one_batch_over_wide_rows(H, dtype, seed):
+    """The combine's receive sum (kernels/cuda/ll_combine_sum.cuh) at top-10, more rows than
+    one batch of loads in flight (kLLSumRows = 8), some slots unused, over rows wider than
+    one item (kLLSumChunk = 64 units): 260 float32 are 65 16-byte vectors, two items, the
+    second one vector; 99 float16 (198 bytes) go element by element, two items. Bit-exact
+    in float32 outputs: a row left out of a batch, a batch or an item's units misplaced, or
+    the adds in another k order show."""
+    R, S, K, E, M = 2, 3, 10, 16, 3
+    em = setup(R, S, H, K, E, M, dtype, seed)
+    rng = np.random.default_rng(seed)
+    x, idx, w, y = inputs(R, S, H, K, E, M, dtype, rng)
+    assert (idx == -1).any() and ((idx >= 0).sum(-1) > 8).any()  # unused slots, > 1 batch
+    got, rpd = one_round(em, x, idx, w, y, K=K)
+    check_round(got, ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd), f"H={H}: ")
+    assert em.errors() == [""] * R
+
+
+def test_ll_combine_items_fill_the_grid():
+    """The receive sum deals (token, chunk) items over the grid's warps, not a warp per
+    token: 4 tokens of 2048 bf16 (256 vectors, 4 items each) are 16 items, 2 blocks of 8
+    warps on each rank, where a warp per token fits in one."""
+    R, S, H, K, E, M = 2, 4, 2048, 2, 4, 4
+    em = setup(R, S, H, K, E, M, "bf16", 23)
+    rng = np.random.default_rng(23)
+    x, idx, w, y = inputs(R, S, H, K, E, M, "bf16", rng)
+    em.emu.reset_counters()
+    got, rpd = one_round(em, x, idx, w, y, K=K)
+    check_round(got, ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd), "")
+    assert em.counters()["kernel:CombineReduce:blocks"] == 2 * R
+
+
 @pytest.mark.parametrize("seed,max_delay", [(11, 32), (12, 4000)])
 def test_ll_consecutive_calls_reuse_halves_parities_and_credits(seed, max_delay):
     """Eight rounds (dispatch and combine each: four wraps of the two parity halves, of

@@ -86,6 +86,38 @@ def test_ll_dispatch_combine_full(R, S, H, K, E, M, dtype, seed):
     test_ll_dispatch_combine(R, S, H, K, E, M, dtype, seed)
 
 
+@pytest.mark.parametrize("H,dtype,seed", [(260, "f32", 7), (99, "f16", 8)])
+def test_ll_combine_top_k_past_one_batch_over_wide_rows(H, dtype, seed):
+    """The combine's receive sum (kernels/cuda/ll_combine_sum.cuh) at top-10, more rows than
+    one batch of loads in flight (kLLSumRows = 8), some slots unused, over rows wider than
+    one item (kLLSumChunk = 64 units): 260 float32 are 65 16-byte vectors, two items, the
+    second one vector; 99 float16 (198 bytes) go element by element, two items. Bit-exact
+    in float32 outputs: a row left out of a batch, a batch or an item's units misplaced, or
+    the adds in another k order show."""
+    R, S, K, E, M = 2, 3, 10, 16, 3
+    emu = _setup(R, S, H, K, E, M, dtype, seed)
+    x, idx, w, y = _inputs(R, S, H, K, E, M, dtype, seed)
+    assert (idx == -1).any() and ((idx >= 0).sum(-1) > 8).any()  # unused slots, > 1 batch
+    got, rpd = _round(emu, x, idx, w, y, E=E, M=M, K=K)
+    want = ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd)
+    assert_ll_same(got, want, LL_DISPATCH_KEYS + ("out",), f"H={H}: ")
+    assert emu.check_errors() == []
+
+
+def test_ll_combine_items_fill_the_grid():
+    """The receive sum deals (token, chunk) items over the grid's warps, not a warp per
+    token: 4 tokens of 2048 bf16 (256 vectors, 4 items each) are 16 items, 2 blocks of 8
+    warps on each rank, where a warp per token fits in one."""
+    R, S, H, K, E, M = 2, 4, 2048, 2, 4, 4
+    emu = _setup(R, S, H, K, E, M, "bf16", 9)
+    x, idx, w, y = _inputs(R, S, H, K, E, M, "bf16", 9)
+    emu.reset_counters()
+    got, rpd = _round(emu, x, idx, w, y, E=E, M=M, K=K)
+    want = ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd)
+    assert_ll_same(got, want, LL_DISPATCH_KEYS + ("out",))
+    assert emu.counters()["kernel:ll_combine_recv:blocks"] == 2 * R
+
+
 @pytest.mark.emu_full
 def test_ll_consecutive_calls_reuse_halves():
     """Seven rounds on one group: each half (epoch parity) of slots, counts and stages is
