@@ -423,7 +423,9 @@ __device__ bool ll_combine_handle_bad(const LowLatencyArgs& a) {
 
 // Owner: a block per (local expert e, source d) (strided): the rows of y that d's tokens
 // sent to e into d's cstage[me] (ll_stage_row), then one release of the pair's word.
-__global__ void __launch_bounds__(kThreads) ll_combine_send(LowLatencyArgs a) {
+// One block per SM by design (the mode's grid is its SM budget): the minimum of 1 lets
+// ptxas use the registers it needs (with the bound alone it picked 64 and spilled 32 B).
+__global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LowLatencyArgs a) {
   LowLatencyHeader* h = ll_header(a, a.me);
   const int el = a.L.experts_per_rank(), R = a.L.R;
   const int64_t RM = static_cast<int64_t>(R) * a.M;
