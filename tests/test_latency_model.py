@@ -131,6 +131,10 @@ def test_emulator_retires_every_load_in_a_round(mode, shape):
                                                if "round" in k or "load" in k})
             warp = sum(v for k, v in c.items() if k.startswith("warp_mrounds:"))
             assert warp > 0 and all(v >= 0 for v in c.values())
+            # each kernel's rounds under the name of its launches (no "@bound" suffix)
+            for k in c:
+                if k.startswith("warp_mrounds:"):
+                    assert f"kernel:{k.split(':', 2)[2]}:warps" in c, (op, k)
             assert sum(v for k, v in c.items()
                        if k.startswith(("longest:mrounds:", "chain:mrounds:"))) >= 1000
 
@@ -217,11 +221,11 @@ def test_json_writes_each_mode_from_the_model(tmp_path):
     assert slow["hierarchical"]["combine_gbs"] < modes["hierarchical"]["combine_gbs"]
 
 
-def test_documented_latency_table_is_the_stored_counts_remodelled():
-    """docs/performance.md's latency table is what scripts/latency_table.py makes of the
-    stored counts with today's model (regenerate: `python scripts/latency_table.py
-    --write`); every stored target is in it."""
-    import glob
+def test_documented_latency_tables_are_the_stored_counts_remodelled():
+    """docs/performance.md's two latency tables, "before" (docs/model_counts/before/) and
+    "after" (docs/model_counts/latency_*.json, today's kernels), are what
+    scripts/latency_table.py makes of their stored counts with today's model (regenerate:
+    `python scripts/latency_table.py --write`); every stored target is in its table."""
     import importlib.util
     import os
 
@@ -231,8 +235,36 @@ def test_documented_latency_table_is_the_stored_counts_remodelled():
     lt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lt)
     doc = open(os.path.join(root, "docs", "performance.md")).read()
-    block = doc[doc.index(lt.MARKS[0]) + len(lt.MARKS[0]):doc.index(lt.MARKS[1])].strip()
-    es = lt.entries()
-    assert len(es) == len(glob.glob(os.path.join(root, "docs", "model_counts", "latency_*.json")))
-    assert block == lt.table(es)
-    assert all(e["latency_ops"]["dispatch"]["latency_aware"] for e in es)
+    assert doc.index(lt.SETS["before"][1][1]) < doc.index(lt.SETS["after"][1][0])
+    for which in ("before", "after"):
+        files = lt.count_files(which)
+        assert files, which
+        es = lt.entries(which=which)
+        assert len(es) == len(files), which
+        assert lt.block(doc, which) == lt.table(es), which
+        assert all(e["latency_ops"]["dispatch"]["latency_aware"] for e in es)
+
+
+def test_stored_counts_name_each_kernels_rounds_as_its_launches():
+    """Every "warp_mrounds:<space>:<kernel>" in the stored counts (before and after) names a
+    kernel that has "kernel:<kernel>:warps": the model averages a kernel's rounds over its
+    warps, and a name the two counters spell differently (a launch-bound instance's
+    "name@bound") would drop that kernel's in-flight term without a word."""
+    import glob
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = sorted(glob.glob(os.path.join(root, "docs", "model_counts", "latency_*.json"))
+                   + glob.glob(os.path.join(root, "docs", "model_counts", "before",
+                                            "latency_*.json")))
+    assert files
+    for path in files:
+        with open(path) as f:
+            for e in json.load(f)["model"]["entries"]:
+                for pt in e.get("points", ()):
+                    for op in ("dispatch", "combine"):
+                        for c in pt[op]:
+                            for k in c:
+                                if k.startswith("warp_mrounds:"):
+                                    name = k.split(":", 2)[2]
+                                    assert f"kernel:{name}:warps" in c, (path, op, k)

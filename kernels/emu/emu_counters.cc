@@ -56,7 +56,8 @@ void CountChains(Kernel* k) {
       CountDev(k->dev->id, std::string("chain:mrounds:") + kLatNames[sp],
                k->sync_mrounds_max[sp]);
     if (k->warp_mrounds[sp] != 0)
-      CountDev(k->dev->id, std::string("warp_mrounds:") + kLatNames[sp] + ":" + k->spec.name,
+      CountDev(k->dev->id, std::string("warp_mrounds:") + kLatNames[sp] + ":" +
+                   CounterName(k->spec.name),
                k->warp_mrounds[sp]);
   }
 }

@@ -278,6 +278,8 @@ inline DevCounters& Ctr(int d = -1) {
 inline uint64_t& Hot(int h) { return Ctr().hot[h]; }
 // A counter of virtual GPU d (-1: see Ctr).
 void CountDev(int d, const std::string& k, uint64_t v = 1);
+// A kernel's name in the counters: its spelling without the launch bound (emu_scheduler.cc).
+std::string CounterName(const char* spelled);
 // A counter of the running thread's GPU; outside any GPU, of no GPU (totals only).
 void Count(const std::string& k, uint64_t v = 1);
 // A kernel's longest per-thread chains and busiest block, added per launch.

@@ -143,12 +143,6 @@ const OccRow* FindOccupancy(const std::string& name) {
   return at == std::string::npos ? nullptr : FindOccupancy(name.substr(0, at));
 }
 
-// What the counters call a kernel: its spelling without the launch bound (emu::bound_name).
-std::string CounterName(const char* spelled) {
-  const char* at = std::strchr(spelled, '@');
-  return at == nullptr ? std::string(spelled) : std::string(spelled, at);
-}
-
 // Kernels launched by name (JEP_LAUNCH), by entry point: cudaLaunchKernelEx knows only the
 // function, so it finds the name here when the kernel was launched by name before.
 std::map<const void*, std::string>& NamesByEntry() {
@@ -190,6 +184,14 @@ int64_t BlockCost(LaunchSpec& spec, int threads) {
   return per_sm > 0 ? kSmUnits / per_sm : 0;
 }
 }  // namespace
+
+// What the counters call a kernel: its spelling without the launch bound (emu::bound_name);
+// every counter that names a kernel (kernel:..., warp_mrounds:...) uses it, so the model
+// finds one kernel's counters under one name.
+std::string CounterName(const char* spelled) {
+  const char* at = std::strchr(spelled, '@');
+  return at == nullptr ? std::string(spelled) : std::string(spelled, at);
+}
 
 // ---- scheduling ----
 namespace {
