@@ -38,12 +38,15 @@ def test_modes_and_presets_come_from_the_header():
 
 
 def test_defaults_at_ep8x2():
-    """16 ranks (8 GPUs x 2 nodes) on a 132-SM GPU: every internode mode at most 12 SMs,
-    intranode (its 8 GPUs of a node) at most 24."""
+    """16 ranks (8 GPUs x 2 nodes) on a 132-SM GPU: the normal internode modes at most 12
+    SMs, intranode (its 8 GPUs of a node) at most 24; the low-latency mode the whole EP
+    budget (its decode steps are latency-bound, as DeepEP's low-latency kernels)."""
     ext = require_ext()
     assert all(config.current().kernel_settings()[f"{m}_sms"] is None for m in MODES)
     got = ext.mode_sms(16, device_sms=132, num_qps=8)
-    assert max(got["hierarchical"], got["direct"], got["low_latency"]) <= 12, got
+    assert max(got["hierarchical"], got["direct"]) <= 12, got
+    d = ext.settings_defaults()
+    assert got["low_latency"] == 132 - d["reserved_sms"], got
     assert ext.mode_sms(8, device_sms=132)["intranode"] <= 24
     assert got["intranode"] <= 24
     # the direct send: RDMA CTAs and NVLink CTAs within the budget, more NVLink CTAs than

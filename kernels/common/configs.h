@@ -233,16 +233,21 @@ inline constexpr EpModeInfo kEpModes[kNumEpModes] = {
 // fed by a few RDMA CTAs and the NVLink copies of the rest. Larger groups hold more role
 // warps (the hierarchical kernels need a warp per remote node's sender part and receivers
 // per node), so the rows grow. First estimates, not measured (scripts/gpu_check.sh).
+// The low-latency mode takes the whole EP budget (EpSmBudget: 116 on a 132-SM GPU), as
+// DeepEP's low-latency kernels spread a decode step's few tokens over most SMs: its cost
+// is latency, and the latency-aware model puts a step of 128 tokens at EP 16 at 132 us /
+// 551 us on 12 SMs (each thread walking ten times the items) against 106 us / 191 us on
+// the whole budget (docs/performance.md, "Latency-aware model"). A setting caps it.
 // Intranode's SMs are its launch preset's num_sms (kIntranodePresets: 24 at 8 and 16 ranks).
 struct InternodeSmPreset {
   int max_ranks;
   int hierarchical, direct, low_latency;
 };
 inline constexpr InternodeSmPreset kInternodeSmPresets[] = {
-    {16, 12, 12, 12},
-    {32, 16, 12, 16},
-    {64, 24, 16, 24},
-    {1 << 20, 32, 24, 32},
+    {16, 12, 12, kMaxModeSms},
+    {32, 16, 12, kMaxModeSms},
+    {64, 24, 16, kMaxModeSms},
+    {1 << 20, 32, 24, kMaxModeSms},
 };
 inline constexpr int kNumInternodeSmPresets =
     static_cast<int>(sizeof(kInternodeSmPresets) / sizeof(kInternodeSmPresets[0]));

@@ -126,10 +126,13 @@ def test_presets_header_is_one_table():
     """Launch sizes live in kernels/common/configs.h only, not as literals in the kernels."""
     with open(os.path.join(ROOT, "kernels", "cuda", "intranode_kernels.cu")) as f:
         src = f.read()
-    assert src.count("2 * a.c.channels, ChannelRoleThreads(R)") == 1  # gather
-    assert "DispatchBlocks(R, a.c.channels), DispatchRoleThreads(R)" in src  # dispatch
-    assert "blocks = 2 * a.c.channels, threads = ChannelRoleThreads(R)" in src  # combine
+    # the channel kernels: grid and block from configs.h / intranode_buffer.h, the launch
+    # bound the instance's preset block size
+    assert src.count("kThreads, 2 * a.c.channels, ChannelRoleThreads(R)") == 2  # combine, gather
+    assert "kThreads, DispatchBlocks(R, b.c.channels), DispatchRoleThreads(R)" in src  # dispatch
     assert not re.search(r"JEP_LAUNCH\(\w+(<[^>]*>)?,\s*[^,]+,\s*\d", src), "a literal block size"
+    assert not re.search(r"JEP_LAUNCH_T\(\w+,\s*\d", src), "a literal launch bound"
+    assert not re.search(r"JEP_LAUNCH_T\(\w+,\s*[^,]+,\s*[^,]+,\s*\d", src), "a literal block size"
     assert "kPlanThreads" in src
 
 
