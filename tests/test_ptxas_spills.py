@@ -15,10 +15,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from gen_emu_occupancy import nvshmem_include  # noqa: E402  (one place finds the headers)
+
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
                                 if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 ARCH = ["-gencode=arch=compute_90a,code=sm_90a"]
@@ -44,16 +49,6 @@ FILES = {
     "kernels/internode/internode_kernels.cu": (
         "PackKernel", "SendKernel", "UnpackKernel", "ReduceKernel", "GatherUnpackKernel"),
 }
-
-
-def nvshmem_include() -> str | None:
-    try:
-        import nvidia.nvshmem as m  # the nvidia-nvshmem-cu13 wheel
-    except ImportError:
-        return None
-    base = os.path.dirname(m.__file__) if getattr(m, "__file__", None) else list(m.__path__)[0]
-    inc = os.path.join(base, "include")
-    return inc if os.path.exists(os.path.join(inc, "nvshmem.h")) else None
 
 
 def parse_spills(text: str) -> list[tuple[str, int, int, int]]:

@@ -29,6 +29,25 @@
 
 namespace jax_ep {
 
+// The current GPU's SMs, found once: 132 where CUDA cannot say, and on the emulated GPU
+// (its grids are cut as on an H100/H200). Every mode's SM budget starts from it.
+inline int DeviceSms() {
+#if defined(JAX_EP_EMU)
+  return 132;
+#else
+  static int sms = 0;
+  if (sms == 0) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        sms < 1)
+      sms = 132;
+    cudaGetLastError();  // not sticky; the launch must not report it
+  }
+  return sms;
+#endif
+}
+
 // ---- direct mode (internode_kernels.cu; host side nvshmem_host.cu) -------------------------
 namespace internode {
 

@@ -1560,24 +1560,6 @@ std::string LaunchCoop(void (*kernel)(Args...), const char* name, int blocks, si
 #endif
 }
 
-// The GPU's SMs (132 where CUDA cannot say), found once; the emulated GPU's 132 too.
-int DeviceSms() {
-#if defined(JAX_EP_EMU)
-  return 132;
-#else
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        sms < 1)
-      sms = 132;
-    cudaGetLastError();  // not sticky; the launch must not report it
-  }
-  return sms;
-#endif
-}
-
 // Blocks of a cooperative kernel (`name` on the emulated GPU) with `smem` bytes of dynamic
 // shared memory that can be resident at once within `sms` SMs (the mode's budget,
 // configs.h InternodeModeSms): its roles wait on each other, so no block may wait to

@@ -740,23 +740,6 @@ __global__ void GatherUnpackKernel(Geometry g, const int32_t* counts, const int6
 // ---- launchers (kernels/internode/api.cuh) -------------------------------------------
 
 namespace {
-// The GPU's SMs (132 where CUDA cannot say, and on the emulated GPU), found once.
-int DeviceSms() {
-#if defined(JAX_EP_EMU)
-  return 132;
-#else
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        sms < 1)
-      sms = 132;
-    cudaGetLastError();  // not sticky; the launch must not report it
-  }
-  return sms;
-#endif
-}
 
 // The direct mode's grids: its SMs (configs.h InternodeModeSms: JAX_EP_DIRECT_SMS or the
 // preset, within JAX_EP_NUM_SMS), every multi-block kernel cut to them (grid-stride loops

@@ -53,23 +53,7 @@ State& Ll() { return g_ll; }
 
 // ---- grids ---------------------------------------------------------------------------
 
-int SmCount() {
-  static int n = 0;
-  if (n > 0) return n;
-#if defined(JAX_EP_EMU)
-  n = 132;  // the emulated GPU has no SM count; the grids are cut as on an H100/H200
-#else
-  int dev = 0, v = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess &&
-      cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) {
-    n = v;
-  } else {
-    cudaGetLastError();  // not sticky; the launch must not report it
-    n = 132;
-  }
-#endif
-  return n;
-}
+int SmCount() { return DeviceSms(); }
 
 // Blocks of `kernel` (kThreads threads) one SM holds, from its registers and shared
 // memory; the emulated GPU assumes configs.h's kAssumedBlocksPerSm.
