@@ -4,6 +4,7 @@
 # hierarchical mode a second time with small rings (ops internode_hier_small_*).
 list(APPEND JAX_EP_EMU_KERNELS
      kernels/internode/nvshmem_host.cu
+     kernels/internode/transport_dispatch.cu
      kernels/internode/internode_kernels.cu
      kernels/internode/hierarchical_host.cu
      kernels/internode/hierarchical_kernels.cu

@@ -64,6 +64,7 @@ set_target_properties(jax_ep_nvshmem_device PROPERTIES
 # link (against libnvshmem_device.a) happens when this static library is built, so the
 # extension links it like any host library.
 add_library(jax_ep_internode STATIC kernels/internode/nvshmem_host.cu
+            kernels/internode/transport_dispatch.cu
             kernels/internode/internode_kernels.cu
             kernels/internode/hierarchical_host.cu
             kernels/internode/hierarchical_kernels.cu

@@ -51,6 +51,12 @@ inline int DeviceSms() {
 // ---- direct mode (internode_kernels.cu; host side nvshmem_host.cu) -------------------------
 namespace internode {
 
+// The transport the current GPU's internode runtime was started on (nvshmem_host.cu).
+enum class TransportKind : int { kNvshmem = 0, kNccl = 1 };
+TransportKind ActiveTransport();
+// True where this build has the NCCL GIN instantiations (JAX_EP_WITH_NCCL).
+bool BuiltWithNccl();
+
 constexpr int kMaxRanks = 1024;
 
 // The call counter (its parity picks the heap half; the header's seq) and the count of
@@ -79,23 +85,37 @@ struct Geometry {
 // "" or "jax_ep internode: <what>: <CUDA's error>".
 std::string CudaErr(cudaError_t e, const char* what);
 
-// Row offsets from the handle's counts (combine and gather, before their launch).
-void LaunchPrefix(cudaStream_t stream, const Geometry& g, const int32_t* counts, char* heap,
-                  int64_t half_bytes, const HeapLayout& L, int64_t* scratch);
-// heap/hb: the symmetric heap and its half size; scratch: [3R + 1] device prefixes.
-std::string LaunchDispatch(cudaStream_t stream, const Geometry& g, const HeapLayout& L,
-                           char* heap, int64_t hb, int64_t* scratch, const void* x,
-                           const int32_t* topk_idx, const float* topk_weights,
-                           const DispatchOut& out);
-std::string LaunchCombine(cudaStream_t stream, const Geometry& g, const HeapLayout& L,
-                          char* heap, int64_t hb, int64_t* scratch, FloatKind elem,
-                          const void* y, const int32_t* counts, const int32_t* send_slot,
-                          void* out);
-std::string LaunchGather(cudaStream_t stream, const Geometry& g, const HeapLayout& L,
-                         char* heap, int64_t hb, int64_t* scratch, const void* src,
-                         const int32_t* counts, const int32_t* send_slot, void* out);
-// One warp puts 4 KiB to this PE through the transport; *ok (device) = 1 if it arrived.
-void LaunchSelfPut(char* area, uint64_t* sig, int* ok);
+// The launchers, declared once per transport: namespace via_nvshmem (the kernel file built
+// over NVSHMEM) and via_nccl (its *_nccl.cu twin, built over NCCL GIN, where the build has
+// NCCL); the host code calls the unqualified ones, which take the current GPU's transport
+// (ActiveTransport, kernels/internode/transport_dispatch.cu).
+#define JEP_INTERNODE_DIRECT_LAUNCHERS                                                       \
+  /* Row offsets from the handle's counts (combine and gather, before their launch). */    \
+  void LaunchPrefix(cudaStream_t stream, const Geometry& g, const int32_t* counts,          \
+                    char* heap, int64_t half_bytes, const HeapLayout& L, int64_t* scratch); \
+  /* heap/hb: the symmetric heap and its half size; scratch: [3R + 1] device prefixes. */   \
+  std::string LaunchDispatch(cudaStream_t stream, const Geometry& g, const HeapLayout& L,   \
+                             char* heap, int64_t hb, int64_t* scratch, const void* x,       \
+                             const int32_t* topk_idx, const float* topk_weights,            \
+                             const DispatchOut& out);                                       \
+  std::string LaunchCombine(cudaStream_t stream, const Geometry& g, const HeapLayout& L,    \
+                            char* heap, int64_t hb, int64_t* scratch, FloatKind elem,       \
+                            const void* y, const int32_t* counts, const int32_t* send_slot, \
+                            void* out);                                                     \
+  std::string LaunchGather(cudaStream_t stream, const Geometry& g, const HeapLayout& L,     \
+                           char* heap, int64_t hb, int64_t* scratch, const void* src,       \
+                           const int32_t* counts, const int32_t* send_slot, void* out);     \
+  /* One warp puts 4 KiB to this rank through the transport; *ok (device) = 1 if it */      \
+  /* arrived. */                                                                            \
+  void LaunchSelfPut(char* area, uint64_t* sig, int* ok);
+
+JEP_INTERNODE_DIRECT_LAUNCHERS
+namespace via_nvshmem {
+JEP_INTERNODE_DIRECT_LAUNCHERS
+}  // namespace via_nvshmem
+namespace via_nccl {
+JEP_INTERNODE_DIRECT_LAUNCHERS
+}  // namespace via_nccl
 
 }  // namespace internode
 
@@ -146,17 +166,27 @@ struct Outs {
 // "" or "jax_ep internode (hierarchical): <what>: <CUDA's error>".
 std::string CudaErr(cudaError_t e, const char* what);
 
-// Dispatch and gather share the path: x or g rows, routed by topk_idx or the handle.
-std::string RunDispatchPattern(cudaStream_t stream, const Geo& g, const char* payload,
-                               const int32_t* topk_idx, const float* topk_w,
-                               const int32_t* send_slot_in, int32_t* send_slot_out,
-                               const Outs& out, bool gather, int32_t* num_recv,
-                               int32_t* num_dropped, int32_t* counts_out,
-                               const internode::SharedRuntime& rt);
-// The header exchange, then the cooperative combine kernel (source, forwarders, pushers).
-std::string LaunchCombine(cudaStream_t stream, const Geo& g, FloatKind elem, const void* y,
-                          const int32_t* counts, const int32_t* send_slot,
-                          const int32_t* src_index, void* out);
+#define JEP_INTERNODE_HIER_LAUNCHERS                                                         \
+  /* Dispatch and gather share the path: x or g rows, routed by topk_idx or the handle. */ \
+  std::string RunDispatchPattern(cudaStream_t stream, const Geo& g, const char* payload,    \
+                                 const int32_t* topk_idx, const float* topk_w,              \
+                                 const int32_t* send_slot_in, int32_t* send_slot_out,       \
+                                 const Outs& out, bool gather, int32_t* num_recv,           \
+                                 int32_t* num_dropped, int32_t* counts_out,                 \
+                                 const internode::SharedRuntime& rt);                       \
+  /* The header exchange, then the cooperative combine kernel (source, forwarders, */       \
+  /* pushers). */                                                                           \
+  std::string LaunchCombine(cudaStream_t stream, const Geo& g, FloatKind elem, const void* y, \
+                            const int32_t* counts, const int32_t* send_slot,                \
+                            const int32_t* src_index, void* out);
+
+JEP_INTERNODE_HIER_LAUNCHERS  // the current GPU's transport (transport_dispatch.cu)
+namespace via_nvshmem {
+JEP_INTERNODE_HIER_LAUNCHERS
+}  // namespace via_nvshmem
+namespace via_nccl {
+JEP_INTERNODE_HIER_LAUNCHERS
+}  // namespace via_nccl
 
 }  // namespace hier
 
@@ -192,15 +222,24 @@ std::string CudaErr(cudaError_t e, const char* what);
 // SM, found once.
 int GridBlocks(const void* kernel, int* cache, int64_t warps, int num_ranks);
 
-std::string LaunchDispatchSend(cudaStream_t stream, const G& g, const void* x,
-                               const int32_t* topk_idx, int32_t* token);
-std::string LaunchDispatchRecv(cudaStream_t stream, const G& g, const int32_t* token,
-                               const DispatchRecvOut& out);
-std::string LaunchCombineSend(cudaStream_t stream, const G& g, const void* y,
-                              const int32_t* first_row, const int32_t* row_count,
-                              int32_t* token);
-std::string LaunchCombineRecv(cudaStream_t stream, const G& g, const int32_t* token,
-                              const int32_t* topk_idx, const float* topk_weights, void* out);
+#define JEP_INTERNODE_LL_LAUNCHERS                                                           \
+  std::string LaunchDispatchSend(cudaStream_t stream, const G& g, const void* x,            \
+                                 const int32_t* topk_idx, int32_t* token);                  \
+  std::string LaunchDispatchRecv(cudaStream_t stream, const G& g, const int32_t* token,     \
+                                 const DispatchRecvOut& out);                               \
+  std::string LaunchCombineSend(cudaStream_t stream, const G& g, const void* y,             \
+                                const int32_t* first_row, const int32_t* row_count,         \
+                                int32_t* token);                                            \
+  std::string LaunchCombineRecv(cudaStream_t stream, const G& g, const int32_t* token,      \
+                                const int32_t* topk_idx, const float* topk_weights, void* out);
+
+JEP_INTERNODE_LL_LAUNCHERS  // the current GPU's transport (transport_dispatch.cu)
+namespace via_nvshmem {
+JEP_INTERNODE_LL_LAUNCHERS
+}  // namespace via_nvshmem
+namespace via_nccl {
+JEP_INTERNODE_LL_LAUNCHERS
+}  // namespace via_nccl
 
 }  // namespace ll_internode
 }  // namespace jax_ep

@@ -78,15 +78,19 @@
 #include "kernels/internode/hierarchical_kernels.h"
 #include "kernels/internode/hierarchical_layout.h"
 #include "kernels/internode/internode_kernels.h"
-#include "kernels/internode/transport_nvshmem.cuh"
+#include "kernels/internode/transport_select.cuh"
 #include "kernels/internode/wire_protocol.h"
 
 namespace jax_ep {
 namespace hier {
+namespace JEP_TR_NS {  // this build's transport (transport_select.cuh)
 namespace {
 
-using Tr = transport::Nvshmem;
-using transport::SignalOp;
+// RDMA streams and credits go to the same local GPU of other nodes (rail connections);
+// the count exchange reaches every rank.
+using Tr = transport::JEP_TR_NS::TransportFor<transport::Conn::kRail>;
+using TrAll = transport::JEP_TR_NS::TransportFor<transport::Conn::kFull>;
+using transport::Sig;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -323,10 +327,11 @@ __global__ void ExchangeKernel(Geo g, bool with_rows) {
   const size_t row_bytes = with_rows ? sizeof(int32_t) * (g.R + g.N) : sizeof(int32_t);
   for (int i = 1 + warp; i < g.R; i += kWarps) {
     const int peer = (g.rank + i) % g.R;
-    Tr::put_signal_warp(row, row, row_bytes, v.cnt_sig + g.rank, mine, SignalOp::kSet, peer,
-                        wire::kControlQp);
+    // the reader resets its word after reading it: a SET from 0
+    TrAll::put_signal_warp(row, row, row_bytes, transport::Set(v.cnt_sig + g.rank, mine, 0),
+                           peer, wire::kControlQp);
   }
-  if (Lane() == 0) Tr::quiet();
+  TrAll::quiet_warp();
   if (threadIdx.x == 0 && bad)
     Record(g, wire::kErrBadId, g.bad[1], 0, g.bad[2], static_cast<uint64_t>(g.E),
            static_cast<uint64_t>(static_cast<int64_t>(g.bad[3])));
@@ -580,7 +585,7 @@ __device__ void EndStream(const Geo& g, const View& v, int m, int peer, int64_t 
                           int data_node, int p, int sp) {
   for (int ch = Lane(); ch < g.nq; ch += 32)
     if (ch % sp == p)
-      Tr::signal(DataWord(v, g, data_node, ChunkQp(g, peer, ch)), 1, SignalOp::kAdd, peer,
+      Tr::signal(transport::Add(DataWord(v, g, data_node, ChunkQp(g, peer, ch)), 1), peer,
                  ChunkQp(g, peer, ch));
   __syncwarp();
   if (Lane() == 0 && p == 0) {
@@ -599,8 +604,8 @@ __device__ __forceinline__ void PutChunk(const Geo& g, const View& v, int m, int
   __threadfence();
   const int q = ChunkQp(g, peer, c);
   Tr::put_signal_warp(RecvSlot(v, g, g.node, c), SendSlot(v, g, m, c),
-                      static_cast<size_t>(rows * g.stride), DataWord(v, g, g.node, q), 1,
-                      SignalOp::kAdd, peer, q);
+                      static_cast<size_t>(rows * g.stride),
+                      transport::Add(DataWord(v, g, g.node, q), 1), peer, q);
 }
 
 // Waits (bounded) for the credit that frees the staging slot of chunk c.
@@ -733,8 +738,9 @@ __device__ void RailForwardRole(const Geo& g, const View& v, int n, int p, int f
       if (part != 0)
         StoreRel(done + part, mark);  // its reads of the chunk are over
       else if (JoinParts(g, done, fp * cq, mark))
-        Tr::signal(v.credit + g.node, static_cast<uint64_t>(c + 1), SignalOp::kSet, s,
-                   wire::kControlQp);
+        Tr::signal(transport::Set(v.credit + g.node, static_cast<uint64_t>(c + 1),
+                                  static_cast<uint64_t>(c)),  // credits advance one chunk
+                   s, wire::kControlQp);
       else
         ok = 0;
     }
@@ -1465,7 +1471,8 @@ __device__ void SourceRole(const Geo& g, const View& v, const int32_t* counts,
                                           : pos[k] / kRdmaChunkRows;
       if (done > credited[k]) {
         if (sb == 0)
-          Tr::signal(v.credit + g.node, static_cast<uint64_t>(done), SignalOp::kSet,
+          Tr::signal(transport::Set(v.credit + g.node, static_cast<uint64_t>(done),
+                                    static_cast<uint64_t>(credited[k])),
                      k * g.G + g.local, wire::kControlQp);
         credited[k] = done;
       }
@@ -1691,5 +1698,6 @@ std::string LaunchCombine(cudaStream_t stream, const Geo& g, FloatKind elem, con
   return CudaErr(cudaGetLastError(), "combine launch");
 }
 
+}  // namespace JEP_TR_NS
 }  // namespace hier
 }  // namespace jax_ep

@@ -45,15 +45,16 @@
 #include "kernels/internode/api.cuh"
 #include "kernels/internode/device_copy.cuh"
 #include "kernels/internode/internode_layout.h"
-#include "kernels/internode/transport_nvshmem.cuh"
+#include "kernels/internode/transport_select.cuh"
 #include "kernels/internode/wire_protocol.h"
 
 namespace jax_ep {
 namespace internode {
+namespace JEP_TR_NS {  // this build's transport (transport_select.cuh)
 namespace {
 
-using Transport = transport::Nvshmem;
-using transport::SignalOp;
+using Transport = transport::JEP_TR_NS::TransportFor<transport::Conn::kFull>;
+using transport::Sig;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -263,15 +264,18 @@ __global__ void HeaderKernel(Geometry g, char* heap, int64_t half_bytes, HeapLay
   int32_t* row = h.counts + static_cast<int64_t>(g.rank) * g.R;
   for (int i = 1 + warp; i < g.R; i += kWarps) {
     const int peer = (g.rank + i) % g.R;
+    // the words are reset at the end of every call (finish): a SET from 0
     T::put_signal_warp(h.hdr + g.rank, h.hdr + g.rank, wire::kHeaderBytes,
-                       Word(h, g, wire::kSigHeader, g.rank, wire::kControlQp), 1,
-                       SignalOp::kSet, peer, wire::kControlQp);
+                       transport::Set(Word(h, g, wire::kSigHeader, g.rank, wire::kControlQp), 1,
+                                      0),
+                       peer, wire::kControlQp);
     if (with_counts)
       T::put_signal_warp(row, row, sizeof(int32_t) * g.R,
-                         Word(h, g, wire::kSigCounts, g.rank, wire::kControlQp), 1,
-                         SignalOp::kSet, peer, wire::kControlQp);
+                         transport::Set(Word(h, g, wire::kSigCounts, g.rank, wire::kControlQp),
+                                        1, 0),
+                         peer, wire::kControlQp);
   }
-  if ((threadIdx.x & 31) == 0) T::quiet();
+  T::quiet_warp();
   if (threadIdx.x == 0 && g.bad[0] != 0) {
     wire::ErrorRecord r{};
     r.code = wire::kErrBadId;
@@ -463,10 +467,10 @@ __device__ void SendStreamOnQp(const Geometry& g, char* half, const Half& h,
     if (k % nw != w) continue;
     const int64_t off = chunk_offset(j, g.chunk);
     T::put_signal_warp(half + s.dst + off, half + s.src + off,
-                       static_cast<size_t>(chunk_size(s.bytes, j, g.chunk)), sig, 1,
-                       SignalOp::kAdd, peer, q);
+                       static_cast<size_t>(chunk_size(s.bytes, j, g.chunk)),
+                       transport::Add(sig, 1), peer, q);
   }
-  if (k % nw == w && lane == 0) T::signal(sig, 1, SignalOp::kAdd, peer, q);
+  if (k % nw == w && lane == 0) T::signal(transport::Add(sig, 1), peer, q);
   *turn = k + 1;
 }
 
@@ -850,9 +854,9 @@ __global__ void SelfPutKernel(char* area, uint64_t* sig, int* ok) {
   constexpr int kBytes = 4096;
   for (int i = threadIdx.x; i < kBytes; i += blockDim.x) area[i] = static_cast<char>(i * 7 + 3);
   __syncwarp();
-  Transport::put_signal_warp(area + kBytes, area, kBytes, sig, 1, SignalOp::kSet, me, 0);
+  Transport::put_signal_warp(area + kBytes, area, kBytes, transport::Set(sig, 1, 0), me, 0);
+  Transport::quiet_warp();
   if (threadIdx.x == 0) {
-    Transport::quiet();
     const uint64_t start = NowNs();
     while (Transport::fetch(sig) < 1) {
       if (NowNs() - start > 10ull * 1000000000ull) {
@@ -871,5 +875,6 @@ void LaunchSelfPut(char* area, uint64_t* sig, int* ok) {
   JEP_LAUNCH(SelfPutKernel, 1, 32, 0, nullptr)(area, sig, ok);
 }
 
+}  // namespace JEP_TR_NS
 }  // namespace internode
 }  // namespace jax_ep

@@ -42,6 +42,10 @@ std::string UniqueId(std::string* out);  // 128 bytes, on PE 0 only
 std::string Init(int rank, int world, const std::string& unique_id, size_t heap_bytes,
                  int num_qps, bool use_qp_api, bool adopt);
 // Collective (barrier). Never called at process exit.
+// The current GPU's runtime over NCCL GIN, after jax_ep::nccl_host::Start (which made its
+// window, the heap, and its device communicators) on this GPU: num_qps GIN contexts per
+// peer. "" or why not (a build without NCCL says which package to install).
+std::string InitOverNccl(int num_qps);
 std::string Finalize();
 bool Initialized();
 size_t HeapBytes();

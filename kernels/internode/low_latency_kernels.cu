@@ -30,15 +30,16 @@
 #include "kernels/internode/api.cuh"
 #include "kernels/internode/device_copy.cuh"
 #include "kernels/internode/low_latency_wire.h"
-#include "kernels/internode/transport_nvshmem.cuh"
+#include "kernels/internode/transport_select.cuh"
 #include "kernels/internode/wire_protocol.h"
 
 namespace jax_ep {
 namespace ll_internode {
+namespace JEP_TR_NS {  // this build's transport (transport_select.cuh)
 namespace {
 
-using Tr = transport::Nvshmem;
-using transport::SignalOp;
+using Tr = transport::JEP_TR_NS::TransportFor<transport::Conn::kFull>;
+using transport::Sig;
 using llwire::Area;
 
 constexpr int kD = llwire::kOpDispatch;
@@ -155,7 +156,8 @@ __device__ void RecordOwnBad(const G& g) {
 __device__ __forceinline__ void SignalCount(const G& g, int op, int b, int reader, int e,
                                             int32_t rows, int qp) {
   Tr::fence_qp(qp);
-  Tr::signal(Cnt(g, op, b, g.rank, e), static_cast<uint64_t>(rows) + 1, SignalOp::kSet, reader,
+  // the reader resets its count words before its credit: a SET from 0
+  Tr::signal(transport::Set(Cnt(g, op, b, g.rank, e), static_cast<uint64_t>(rows) + 1, 0), reader,
              qp);
 }
 
@@ -249,6 +251,10 @@ __device__ bool WaitCredits(const G& g, int op, int b, unsigned long long n) {
   return ok != 0;
 }
 
+// What a header or credit word of buffer b = n & 1 holds before epoch n's SET: epoch n - 2,
+// or 0 before the buffer's first use (low_latency_wire.h).
+__device__ __forceinline__ uint64_t PrevEpoch(unsigned long long n) { return n > 2 ? n - 2 : 0; }
+
 // Block 0, every thread, after the headers were staged in hstage[b]: one header per
 // reader (SET n on the control QP).
 __device__ void PutHeaders(const G& g, int op, int b, unsigned long long n) {
@@ -257,7 +263,8 @@ __device__ void PutHeaders(const G& g, int op, int b, unsigned long long n) {
   for (int i = warp; i < g.R; i += kWarps) {
     const int r = (g.rank + i) % g.R;
     Tr::put_signal_warp(Hdr(g, op, b, g.rank), Hstage(g, b, op, r), static_cast<size_t>(g.A.hs),
-                        Hsig(g, op, b, g.rank), n, SignalOp::kSet, r, llwire::kControlQp);
+                        transport::Set(Hsig(g, op, b, g.rank), n, PrevEpoch(n)), r,
+                        llwire::kControlQp);
   }
 }
 
@@ -636,7 +643,8 @@ __global__ void RecvFinish(G g, const int32_t* token) {
   __threadfence_system();  // the resets before any credit: writers reuse b only after it
   __syncthreads();
   for (int w = threadIdx.x; w < g.R; w += blockDim.x)
-    Tr::signal(Credit(g, g.op, b, g.rank), n, SignalOp::kSet, w, llwire::kControlQp);
+    Tr::signal(transport::Set(Credit(g, g.op, b, g.rank), n, PrevEpoch(n)), w,
+               llwire::kControlQp);
 }
 
 // The grid of `Kernel` for `warps` warps of work (GridBlocks, low_latency_host.cu).
@@ -691,5 +699,6 @@ std::string LaunchCombineRecv(cudaStream_t stream, const G& g, const int32_t* to
   return CudaErr(cudaGetLastError(), "combine receive launch");
 }
 
+}  // namespace JEP_TR_NS
 }  // namespace ll_internode
 }  // namespace jax_ep

@@ -22,6 +22,9 @@
 #include "kernels/internode/low_latency_wire.h"
 #include "kernels/internode/transport_nvshmem.cuh"
 #include "kernels/internode/wire_protocol.h"
+#if defined(JAX_EP_WITH_NCCL)
+#include "kernels/internode/nccl_host.h"
+#endif
 
 namespace jax_ep {
 namespace transport {
@@ -58,34 +61,47 @@ struct RuntimeState {
   int handles[transport::kMaxQps] = {};
   int created[transport::kMaxQps] = {};  // in creation order; SetQpOrder permutes from it
   std::string qp_path = "none";
+  TransportKind transport = TransportKind::kNvshmem;
 };
-// One per process on a GPU; on the emulated GPU one per virtual GPU (the host code of
-// every rank runs in one process there, each with its own current device).
-#if defined(JAX_EP_EMU)
+// One per GPU: a process may drive several (NCCL's one process per host), and on the
+// emulated GPU the host code of every rank runs in one process, each rank with its own
+// current device.
 RuntimeState g_rt_of[64];
-RuntimeState& Rt() { return g_rt_of[emu::current_device() & 63]; }
+RuntimeState& Rt() {
+#if defined(JAX_EP_EMU)
+  return g_rt_of[emu::current_device() & 63];
 #else
-RuntimeState g_rt;
-RuntimeState& Rt() { return g_rt; }
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) dev = 0;
+  return g_rt_of[dev & 63];
 #endif
+}
+
+const char* NotStarted() {
+  return "jax_ep internode: the internode transport is not started on this GPU; call "
+         "jax_ep.nvshmem_bootstrap.initialize(...) or jax_ep.nccl_bootstrap.initialize(...) "
+         "before jit";
+}
 
 std::string MakeGeometry(const Dims& d, int op, FloatKind elem, int x_bytes, int y_bytes,
                          Geometry* g, HeapLayout* L) {
-  if (!Rt().initialized)
-    return "jax_ep internode: NVSHMEM is not initialised; call "
-           "jax_ep.nvshmem_bootstrap.initialize(...) before jit";
+  if (!Rt().initialized) return NotStarted();
   if (d.num_ranks != Rt().world || d.rank != Rt().rank)
-    return "jax_ep internode: the EP group must be all NVSHMEM PEs (" +
-           std::to_string(Rt().world) + " processes, one GPU each); got " +
-           std::to_string(d.num_ranks) + " ranks";
+    return std::string("jax_ep internode: the EP group must be all ") +
+           (Rt().transport == TransportKind::kNccl ? "ranks of the NCCL world ("
+                                                   : "NVSHMEM PEs (") +
+           std::to_string(Rt().world) + " GPUs); got rank " + std::to_string(d.rank) +
+           " of " + std::to_string(d.num_ranks) + ", this GPU is rank " +
+           std::to_string(Rt().rank);
   if (d.num_ranks > kMaxRanks) return "jax_ep internode: more than 1024 ranks";
   const int qps = d.num_ports * d.qps_per_port;
   if (d.num_ports < 1 || d.qps_per_port < 1 || qps > transport::kMaxQps || d.chunk_bytes < 1)
     return "jax_ep internode: bad transport config (ports, QPs per port, chunk bytes)";
   if (qps != Rt().num_qps)
     return "jax_ep internode: the call asks for " + std::to_string(qps) +
-           " QPs per peer but NVSHMEM was started with " + std::to_string(Rt().num_qps) +
-           "; trace with the TransportConfig given to nvshmem_bootstrap.initialize";
+           " QPs per peer but the transport was started with " +
+           std::to_string(Rt().num_qps) +
+           "; trace with the TransportConfig given to the bootstrap's initialize";
   g->R = d.num_ranks;
   g->rank = d.rank;
   g->T = d.tokens;
@@ -220,6 +236,7 @@ int InitStatus() {
 }
 
 bool Initialized() { return Rt().initialized; }
+TransportKind ActiveTransport() { return Rt().transport; }
 size_t HeapBytes() { return Rt().heap_bytes; }
 
 TransportInfo TransportState() {
@@ -256,6 +273,40 @@ std::string SetQpOrder(const std::vector<int>& order) {
   return {};
 }
 
+namespace {
+
+size_t HalfBytes(size_t heap_bytes) {
+  return ((heap_bytes - kHeapSlackBytes) / 2) / kHeapAlign * kHeapAlign;
+}
+
+// What every transport's runtime holds beside its heap: the cleared heap halves, the
+// prefixes' scratch, the bad-id note, the mapped error record.
+std::string AllocCallState(int world) {
+  std::string e = CudaErr(cudaMemset(Rt().heap, 0, 2 * Rt().half_bytes), "clear heap");
+  if (e.empty())
+    e = CudaErr(cudaMalloc(&Rt().scratch, sizeof(int64_t) * (3 * world + 1)), "scratch");
+  if (e.empty()) e = CudaErr(cudaMalloc(&Rt().bad, sizeof(int32_t) * 4), "bad-id note");
+  if (e.empty()) e = CudaErr(cudaMemset(Rt().bad, 0, sizeof(int32_t) * 4), "bad-id note");
+  void* rec = nullptr;
+  if (e.empty())
+    e = CudaErr(cudaHostAlloc(&rec, sizeof(wire::ErrorRecord),
+                              cudaHostAllocMapped | cudaHostAllocPortable), "error record");
+  if (!e.empty()) return e;
+  std::memset(rec, 0, sizeof(wire::ErrorRecord));
+  Rt().err = static_cast<wire::ErrorRecord*>(rec);
+  return {};
+}
+
+std::string ZeroDeviceWords() {
+  const unsigned long long zero = 0;
+  std::string e = CudaErr(cudaMemcpyToSymbol(g_call_counter, &zero, sizeof(zero)),
+                          "call counter");
+  if (e.empty()) e = CudaErr(cudaMemcpyToSymbol(g_rdma_posted, &zero, sizeof(zero)), "posts");
+  return e;
+}
+
+}  // namespace
+
 std::string UniqueId(std::string* out) {
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
   if (nvshmemx_get_uniqueid(&id) != 0) return "jax_ep internode: nvshmemx_get_uniqueid failed";
@@ -265,7 +316,7 @@ std::string UniqueId(std::string* out) {
 
 std::string Init(int rank, int world, const std::string& unique_id, size_t heap_bytes,
                  int num_qps, bool use_qp_api, bool adopt) {
-  if (Rt().initialized) return "jax_ep internode: NVSHMEM is already initialised";
+  if (Rt().initialized) return "jax_ep internode: the internode transport is already started";
   if (num_qps < 1 || num_qps > transport::kMaxQps)
     return "jax_ep internode: num_qps must be in [1, " + std::to_string(transport::kMaxQps) + "]";
   if (heap_bytes <= static_cast<size_t>(kHeapSlackBytes))
@@ -296,22 +347,11 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
     return "jax_ep internode: NVSHMEM PE " + std::to_string(nvshmem_my_pe()) + "/" +
            std::to_string(nvshmem_n_pes()) + " does not match process " +
            std::to_string(rank) + "/" + std::to_string(world);
-  const size_t usable = heap_bytes - kHeapSlackBytes;
-  Rt().half_bytes = (usable / 2) / kHeapAlign * kHeapAlign;
+  Rt().half_bytes = HalfBytes(heap_bytes);
   Rt().heap = static_cast<char*>(nvshmem_malloc(2 * Rt().half_bytes));
   if (Rt().heap == nullptr) return "jax_ep internode: nvshmem_malloc of the heap failed";
-  e = CudaErr(cudaMemset(Rt().heap, 0, 2 * Rt().half_bytes), "clear heap");
-  if (e.empty())
-    e = CudaErr(cudaMalloc(&Rt().scratch, sizeof(int64_t) * (3 * world + 1)), "scratch");
-  if (e.empty()) e = CudaErr(cudaMalloc(&Rt().bad, sizeof(int32_t) * 4), "bad-id note");
-  if (e.empty()) e = CudaErr(cudaMemset(Rt().bad, 0, sizeof(int32_t) * 4), "bad-id note");
-  void* rec = nullptr;
-  if (e.empty())
-    e = CudaErr(cudaHostAlloc(&rec, sizeof(wire::ErrorRecord),
-                              cudaHostAllocMapped | cudaHostAllocPortable), "error record");
+  e = AllocCallState(world);
   if (!e.empty()) return e;
-  std::memset(rec, 0, sizeof(wire::ErrorRecord));
-  Rt().err = static_cast<wire::ErrorRecord*>(rec);
   // One explicit QP handle per logical QP: the plan's QP is the QP on the wire.
   Rt().num_handles = 0;
   Rt().qp_path = "fallback: NVSHMEM's own QP choice (no nvshmemx_qp_create)";
@@ -352,9 +392,7 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
   e = CudaErr(cudaMemcpyToSymbol(transport::g_nvshmem_num_qp_handles, &Rt().num_handles,
                                  sizeof(int)), "QP handles");
   if (!e.empty()) return e;
-  const unsigned long long zero = 0;
-  e = CudaErr(cudaMemcpyToSymbol(g_call_counter, &zero, sizeof(zero)), "call counter");
-  if (e.empty()) e = CudaErr(cudaMemcpyToSymbol(g_rdma_posted, &zero, sizeof(zero)), "posts");
+  e = ZeroDeviceWords();
   if (!e.empty()) return e;
   e = CudaErr(cudaDeviceSynchronize(), "init");
   if (!e.empty()) return e;
@@ -368,16 +406,53 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
   return {};
 }
 
+// The runtime of the current GPU over NCCL GIN, after nccl_host::Start gave it its window
+// (the heap) and device communicators: the same call state as over NVSHMEM.
+std::string InitOverNccl(int num_qps) {
+  if (Rt().initialized) return "jax_ep internode: the internode transport is already started";
+#if !defined(JAX_EP_WITH_NCCL)
+  (void)num_qps;
+  return "jax_ep internode: this build has no NCCL transport (the nvidia-nccl-cu13 headers "
+         "were missing at build time: pip install 'nvidia-nccl-cu13>=2.30,<3' and rebuild)";
+#else
+  if (!nccl_host::Started())
+    return "jax_ep internode: NCCL is not started on this GPU (nccl_host::Start)";
+  if (num_qps < 1 || num_qps > transport::kMaxQps)
+    return "jax_ep internode: num_qps must be in [1, " + std::to_string(transport::kMaxQps) + "]";
+  const size_t heap_bytes = nccl_host::HeapBytes();
+  if (heap_bytes <= static_cast<size_t>(kHeapSlackBytes))
+    return "jax_ep internode: heap_bytes is smaller than the reserved slack";
+  Rt().half_bytes = HalfBytes(heap_bytes);
+  Rt().heap = nccl_host::Heap();
+  std::string e = AllocCallState(nccl_host::World());
+  if (e.empty()) e = ZeroDeviceWords();
+  if (e.empty()) e = CudaErr(cudaDeviceSynchronize(), "init");
+  if (!e.empty()) return e;
+  Rt().initialized = true;
+  Rt().rank = nccl_host::Rank();
+  Rt().world = nccl_host::World();
+  Rt().heap_bytes = heap_bytes;
+  Rt().num_qps = num_qps;
+  Rt().qp_path = "nccl: one GIN context per planned QP";
+  Rt().transport = TransportKind::kNccl;
+  return {};
+#endif
+}
+
 // Collective: every PE must call it. Never called at exit (see jax_ep.nvshmem_bootstrap).
+// Over NCCL only this GPU's call state goes; nccl_host::Finish frees the window.
 std::string Finalize() {
   if (!Rt().initialized) return {};
   cudaDeviceSynchronize();
-  nvshmem_barrier_all();
-  nvshmem_free(Rt().heap);
+  const bool nccl = Rt().transport == TransportKind::kNccl;
+  if (!nccl) {
+    nvshmem_barrier_all();
+    nvshmem_free(Rt().heap);
+  }
   cudaFree(Rt().scratch);
   cudaFree(Rt().bad);
   cudaFreeHost(Rt().err);
-  if (!Rt().adopted) nvshmem_finalize();
+  if (!nccl && !Rt().adopted) nvshmem_finalize();
   Rt() = RuntimeState{};
   return {};
 }
@@ -478,9 +553,7 @@ std::string Gather(cudaStream_t stream, const Dims& d, FloatKind elem, const voi
 }
 
 std::string SharedState(SharedRuntime* out) {
-  if (!Rt().initialized)
-    return "jax_ep internode: NVSHMEM is not initialised; call "
-           "jax_ep.nvshmem_bootstrap.initialize(...) before jit";
+  if (!Rt().initialized) return NotStarted();
   void* counter = nullptr;
   const std::string e = CudaErr(cudaGetSymbolAddress(&counter, g_call_counter), "call counter");
   if (!e.empty()) return e;

@@ -57,29 +57,26 @@ struct Nvshmem {
   }
 
   static __device__ __forceinline__ void put_signal_warp(void* dst, const void* src,
-                                                         size_t bytes, uint64_t* sig,
-                                                         uint64_t value, SignalOp op, int pe,
-                                                         int qp) {
+                                                         size_t bytes, Sig s, int pe, int qp) {
 #if JAX_EP_NVSHMEM_QP_API
     if (qp < g_nvshmem_num_qp_handles) {
       nvshmemx_qp_uint8_put_signal_nbi_warp(static_cast<uint8_t*>(dst),
-                                            static_cast<const uint8_t*>(src), bytes, sig,
-                                            value, sig_op(op), pe, g_nvshmem_qp_handles[qp]);
+                                            static_cast<const uint8_t*>(src), bytes, s.word,
+                                            s.value, sig_op(s.op), pe, g_nvshmem_qp_handles[qp]);
       return;
     }
 #endif
-    nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, sig, value, sig_op(op), pe);
+    nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, s.word, s.value, sig_op(s.op), pe);
   }
 
-  static __device__ __forceinline__ void signal(uint64_t* sig, uint64_t value, SignalOp op,
-                                                int pe, int qp) {
+  static __device__ __forceinline__ void signal(Sig s, int pe, int qp) {
 #if JAX_EP_NVSHMEM_QP_API
     if (qp < g_nvshmem_num_qp_handles) {
-      nvshmemx_qp_signal_op(sig, value, sig_op(op), pe, g_nvshmem_qp_handles[qp]);
+      nvshmemx_qp_signal_op(s.word, s.value, sig_op(s.op), pe, g_nvshmem_qp_handles[qp]);
       return;
     }
 #endif
-    nvshmemx_signal_op(sig, value, sig_op(op), pe);
+    nvshmemx_signal_op(s.word, s.value, sig_op(s.op), pe);
   }
 
   // Current value of a local symmetric signal word (the kernels poll with a deadline).
@@ -98,7 +95,11 @@ struct Nvshmem {
     return nvshmem_ptr(sym, pe);
   }
 
-  static __device__ __forceinline__ void quiet() { nvshmem_quiet(); }
+  // nvshmem_quiet completes every put of the PE; one lane's call covers the warp's.
+  static __device__ __forceinline__ void quiet_warp() {
+    if ((threadIdx.x & 31) == 0) nvshmem_quiet();
+    __syncwarp();
+  }
 
   // Orders this PE's earlier puts on logical QP `qp` before its later operations there (a
   // count signal after the rows it counts). A QP handle's operations are delivered in
@@ -112,6 +113,11 @@ struct Nvshmem {
     nvshmem_fence();
   }
 };
+
+namespace via_nvshmem {
+template <Conn>
+using TransportFor = Nvshmem;  // NVSHMEM reaches every PE: one backend for both
+}  // namespace via_nvshmem
 
 }  // namespace transport
 }  // namespace jax_ep

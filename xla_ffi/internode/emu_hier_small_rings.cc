@@ -13,5 +13,12 @@
 #define InternodeHierGatherHandler InternodeHierSmallRingsGatherHandler
 #define JEP_EMU_HIER_OP(name) "internode_hier_small_" name
 #include "kernels/internode/hierarchical_kernels.cu"  // NOLINT(build/include)
+#if defined(JAX_EP_WITH_NCCL)
+#define JEP_TRANSPORT_NCCL 1
+#include "kernels/internode/hierarchical_kernels.cu"  // NOLINT(build/include): over NCCL GIN
+#undef JEP_TRANSPORT_NCCL
+#endif
+#define JEP_DISPATCH_HIER_ONLY 1
+#include "kernels/internode/transport_dispatch.cu"    // NOLINT(build/include)
 #include "kernels/internode/hierarchical_host.cu"     // NOLINT(build/include)
 #include "xla_ffi/internode/emu_hier.cc"               // NOLINT(build/include)

@@ -1,0 +1,4 @@
+// The internode kernels built over NCCL GIN (kernels/internode/transport_select.cuh): the same
+// source as internode_kernels.cu, its launchers in namespace via_nccl.
+#define JEP_TRANSPORT_NCCL 1
+#include "kernels/internode/internode_kernels.cu"  // NOLINT(build/include)
