@@ -17,4 +17,5 @@ list(APPEND JAX_EP_EMU_SOURCES
      kernels/internode/nvshmem_select.cc
      xla_ffi/internode/emu_direct.cc
      xla_ffi/internode/emu_hier.cc
-     xla_ffi/internode/emu_ll.cc)
+     xla_ffi/internode/emu_ll.cc
+     xla_ffi/internode/emu_gin_probe.cc)

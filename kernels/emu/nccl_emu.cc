@@ -149,10 +149,8 @@ ncclResult_t Fail(ncclResult_t r, const std::string& what, ncclComm* c = nullptr
   if (s.group_depth > 0 && s.group_error == ncclSuccess) s.group_error = r;
   return r;
 }
-ncclResult_t Ok() {
-  S().last_error.clear();
-  return ncclSuccess;
-}
+// As ncclGetLastError, the last error's text stays until the next error.
+ncclResult_t Ok() { return ncclSuccess; }
 bool ValidComm(const ncclComm* c) { return c != nullptr && S().comms.count(c) && c->live; }
 ncclResult_t BadComm(const char* call) {
   return Fail(ncclInvalidUsage, std::string(call) +
@@ -250,7 +248,6 @@ void SettleOverlapping(Queue& q, size_t end, const char* d, size_t n) {
 // "this put AND all preceding puts on this context to the same peer are settled").
 void SettleAll(Queue& q) {
   for (Unsettled& u : q.unsettled) std::memcpy(u.dst, u.bytes.data(), u.bytes.size());
-  if (!q.unsettled.empty()) Count("strong_settles");
   S().unsettled -= static_cast<int64_t>(q.unsettled.size());
   Count("settled", q.unsettled.size());
   q.unsettled.clear();
@@ -304,7 +301,10 @@ void ProcessHead(Queue& q) {
     }
     return;
   }
-  if (op.sig_kind == kSigStrong) SettleAll(q);
+  if (op.sig_kind == kSigStrong) {
+    if (!q.unsettled.empty()) Count("strong_settles");
+    SettleAll(q);
+  }
   if (op.is_put && op.bytes > 0) {
     // A weak signal settles its bundled put only (gin.h:29: "guarantees only the bundled
     // put is settled"); earlier puts of the queue may still be in flight.
@@ -1017,7 +1017,12 @@ void grow(int num_ranks) {
 const WorldConfig& world_config() { return S().cfg; }
 std::string last_error() { return S().last_error; }
 void set_context_ports(int rank, std::vector<int> ports) { S().ports[rank] = std::move(ports); }
-void set_call(int64_t call) { S().call = call; }
+// Data left unsettled by the previous call lands first: the hardware settles a put within
+// microseconds, far less than the time between two calls.
+void set_call(int64_t call) {
+  for (auto& kv : S().queues) SettleAll(kv.second);
+  S().call = call;
+}
 const std::vector<LogRecord>& log() { return S().log; }
 void clear_log() {
   S().log.clear();
@@ -1031,12 +1036,7 @@ void drain() {
   State& s = S();
   for (auto& kv : s.queues)
     while (!kv.second.ops.empty()) ProcessHead(kv.second);
-  for (auto& kv : s.queues) {
-    Queue& q = kv.second;
-    for (Unsettled& u : q.unsettled) std::memcpy(u.dst, u.bytes.data(), u.bytes.size());
-    s.unsettled -= static_cast<int64_t>(q.unsettled.size());
-    q.unsettled.clear();
-  }
+  for (auto& kv : s.queues) SettleAll(kv.second);
 }
 
 void* host_symbol(const char* name) {

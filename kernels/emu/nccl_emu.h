@@ -428,12 +428,14 @@ struct ncclGin {
 // Control of the emulated NCCL (drivers and tests).
 namespace nccl_emu {
 
+// Delays are in transport steps: one per GIN call or poll anywhere in the world, so a
+// receiver's poll loop runs many while the sender issues one put (hence long defaults).
 struct WorldConfig {
   int num_ranks = 2;        // ranks of every comm (ncclCommInitRank's nranks must match)
   int gpus_per_node = 1;    // rank r is on node r / gpus_per_node (LSA peers, rails)
   uint64_t seed = 1;
   int max_delay = 64;       // transport steps an operation may wait before processing
-  int settle_delay = 64;    // further steps a processed put's data may take to settle
+  int settle_delay = 1024;  // further steps a processed put's data may take to settle
   int max_contexts = 4;     // GIN contexts a devComm is granted at most
 };
 
@@ -444,7 +446,8 @@ void reset(const WorldConfig& c);
 void grow(int num_ranks);
 const WorldConfig& world_config();
 
-// The text of the last host call's error ("" after a successful call).
+// The text of the last failed host call (kept until the next failure or reset; as
+// ncclGetLastError's "last error that occurred", nccl.h:376).
 std::string last_error();
 
 // Which wire port each GIN context of world rank `rank` sits on (kernels/internode/
@@ -459,7 +462,8 @@ struct LogRecord {
   int64_t call;   // set_call's number at issue
   int64_t done;   // the transport's processing sequence number, -1 while queued
 };
-// Tags the operations logged from now on (the driver numbers its calls).
+// Tags the operations logged from now on (the driver numbers its calls); data the previous
+// call left unsettled lands first.
 void set_call(int64_t call);
 // Every GIN operation since the last clear, in issue order.
 const std::vector<LogRecord>& log();
