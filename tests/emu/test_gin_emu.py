@@ -13,7 +13,7 @@ from jax_ep._src.emu import EmuError, Emulator
 
 LOG_COLS = ("src", "dst", "context", "port", "devcomm", "block", "bytes", "kind", "call", "done")
 PUT, PUT_STRONG, PUT_WEAK, SIGNAL_STRONG, SIGNAL_WEAK = range(5)  # nccl_emu::LogKind
-VISIBILITY, OVERWRITE, CONTEXTS, RAIL, PEER_PTRS, CONTEXT, KINDS = range(7)  # probe cases
+VISIBILITY, OVERWRITE, CONTEXTS, RAIL, PEER_PTRS, CONTEXT, KINDS, DIVERGENT = range(8)  # cases
 SEEDS = range(12)
 
 
@@ -193,3 +193,9 @@ def test_log_records_kinds_bytes_and_ports():
     assert pending == 0  # the strong signal settled the first put
     np.testing.assert_array_equal(out, x)
     assert g.log()[0] == []  # read and cleared
+
+
+def test_warp_call_with_divergent_arguments_is_refused():
+    # A cooperative call is one operation: every lane must pass the same arguments.
+    with pytest.raises(EmuError, match="lanes of a cooperative call passed different"):
+        Gin().probe(DIVERGENT, rows(0, n=2), ranks=[0])

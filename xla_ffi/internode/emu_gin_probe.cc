@@ -54,6 +54,7 @@ enum Case : int {
   kPeerPtrs = 4,    // ncclGetPeerPointer(win, 0, p) != nullptr for every p
   kContext = 5,     // ncclGin on context `ctx`
   kKinds = 6,       // one operation of each kind
+  kDivergent = 7,   // a warp-wide put whose lane 5 passes another offset
 };
 
 struct Args {
@@ -83,6 +84,12 @@ __global__ void GinProbe(Args a, const uint8_t* in, uint8_t* out, int32_t* flags
   if (a.kase == kContext) {
     ncclGin gin(p.full, a.ctx);  // a context not granted is a fault
     (void)gin;
+    return;
+  }
+  if (a.kase == kDivergent) {
+    ncclGin gin(p.full, 0);
+    gin.put(world, a.peer, p.win, kDst + (lane == 5 ? rb : 0), p.win, kSrc, rb, ncclGin_None{},
+            ncclGin_None{}, ncclCoopWarp{});
     return;
   }
   if (a.kase == kRail) {
