@@ -306,7 +306,7 @@ void ProcessHead(Queue& q) {
     SettleAll(q);
   }
   if (op.is_put && op.bytes > 0) {
-    // A weak signal settles its bundled put only (gin.h:29: "guarantees only the bundled
+    // A weak signal settles its bundled put only (gin.h:28, 162: "guarantees only the bundled
     // put is settled"); earlier puts of the queue may still be in flight.
     SettleOverlapping(q, q.unsettled.size(), op.dst_ptr, op.bytes);
     std::memcpy(op.dst_ptr, data.data(), op.bytes);
@@ -714,6 +714,10 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   return nccl_emu::Ok();
 }
 
+// nccl.h:287-291: "rank must be between 0 and nranks-1 and unique within a communicator
+// clique. Each rank is associated to a CUDA device, which has to be set before calling";
+// it "implicitly syncronizes with other ranks": here it returns at once (one host thread
+// starts every rank, inside a group or not) and the device-side calls need the peers.
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
   using nccl_emu::Fail;
   auto& s = S();

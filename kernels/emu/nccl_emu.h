@@ -11,8 +11,8 @@
 //   * GIN operations queue per (source, destination, devComm, context), are processed in
 //     issue order within a queue after a seeded delay, in any order across queues. A
 //     processed put has read its source (the NIC consumed it) but its data settles later;
-//     a weak signal settles only its own put first (gin.h:29,46), a strong signal every
-//     earlier put of its queue (gin.h:23,40,160). flush waits for processing, not settling
+//     a weak signal settles only its own put first (gin.h:28,45,162), a strong signal every
+//     earlier put of its queue (gin.h:23,39,160-161). flush waits for processing, not settling
 //     (gin.h:234-235).
 #pragma once
 

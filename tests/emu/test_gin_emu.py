@@ -84,7 +84,7 @@ def test_strong_signal_settles_every_earlier_put(sig):
 
 @pytest.mark.parametrize("sig", [2, 4], ids=["put_weak", "signal_weak"])
 def test_weak_signal_after_unsignalled_puts_is_caught(sig):
-    # gin.h:29, 46: a weak signal "guarantees only the bundled put is settled": code that
+    # gin.h:28, 45, 162: a weak signal "guarantees only the bundled put is settled": code that
     # waits for one and reads the earlier rows reads stale rows in some seeds.
     stale = 0
     for seed in SEEDS:
