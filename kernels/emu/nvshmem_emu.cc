@@ -13,6 +13,7 @@
 
 #include "kernels/emu/emu_control.h"
 #include "kernels/emu/emu_cuda.h"
+#include "kernels/emu/nccl_emu.h"
 #include "kernels/internode/nvshmem_select.h"
 #include "xla_ffi/internode/lag_rule.h"
 
@@ -368,8 +369,9 @@ void reset(const WorldConfig& c) {
   w.late.clear();
   w.sig_space.clear();
   w.fabric = Fabric{};
-  // Undelivered operations reach their destinations only at later transport steps.
-  emu::set_pending_probe([] { return W().pending > 0; });
+  // Undelivered operations reach their destinations only at later transport steps (the
+  // emulated NCCL's too: the emulator has one probe).
+  emu::set_pending_probe([] { return W().pending > 0 || nccl_emu::pending() > 0; });
 }
 
 void grow(int num_pes) {
