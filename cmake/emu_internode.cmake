@@ -16,6 +16,7 @@ list(APPEND JAX_EP_EMU_SOURCES
      kernels/emu/nvshmem_emu.cc
      kernels/emu/nccl_emu.cc
      kernels/internode/nvshmem_select.cc
+     kernels/internode/nccl_select.cc
      xla_ffi/internode/emu_direct.cc
      xla_ffi/internode/emu_hier.cc
      xla_ffi/internode/emu_ll.cc

@@ -37,6 +37,7 @@ import sys
 
 __all__ = ["Port", "Bond", "RdmaDevice", "Fabric", "FABRIC_CLASSES", "discover",
            "parse_state", "parse_rate", "parse_bond_field", "nvshmem_env_for",
+           "nccl_selection", "nccl_env_for", "nccl_wire_ports",
            "plan_config_for", "qp_table", "handle_order_for_plan", "apply_handle_order",
            "agree", "main"]
 
@@ -435,6 +436,90 @@ def nvshmem_selection(env: dict, *, sysfs: str, gpu: str, pes_per_node: int,
     return dict(_ext().nvshmem_select(node["devices"], node["gpu_paths"], node["gpu_numa"],
                                       {k: str(v) for k, v in env.items()},
                                       pe_gpus.index(g), int(num_qps), bool(qp_api)))
+
+
+# --- NCCL GIN's placement, modelled (kernels/internode/nccl_select.h) ---------------------
+
+# The NCCL variables the model reads (the user's win over what nccl_env_for sets).
+NCCL_SELECT_VARS = ("NCCL_IB_HCA", "NCCL_IB_DISABLE", "NCCL_IB_DEVICE_PCI_ORDER",
+                    "NCCL_IB_MERGE_NICS", "NCCL_NETDEVS_POLICY", "NCCL_GIN_NCONNECTIONS",
+                    "NCCL_GIN_TYPE", "NCCL_GIN_ENABLE", "NCCL_GIN_GDAKI_LAG_AWARE_DISABLE")
+
+
+def nccl_selection(env: dict, *, sysfs: str, gpu: str, ranks_per_node: int,
+                   num_contexts: int, devices: list[RdmaDevice] | None = None,
+                   version: int = 23206, gdaki_port_one: bool = True) -> dict:
+    """Where NCCL puts the GIN contexts of `gpu`'s rank with `env` (its NCCL_* variables)
+    when the node runs `ranks_per_node` ranks on its first GPUs: {"backend", "ib_devs"
+    (NCCL's device:port list), "local_ib_devs", "nets_per_gpu", "connections" (the
+    device:port each GIN connection listens on), "contexts_created", "context_ports"
+    (context i's wire device:port), "context_ib_dev", "context_connection",
+    "context_id", "context_lag_member" (bonds: 1-based member, -1 not pinned, 0 no bond),
+    "notes", "error"}. The rule is the C++ one (nccl_select.h); version: NCCL_VERSION_CODE
+    (23206 = the 2.32.6 wheel); gdaki_port_one: GDAKI's port-1 assumption (True, as
+    NCCL's source has it)."""
+    gpus = node_gpus(sysfs)
+    g = _normalize_pci(gpu)
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+    rank_gpus = gpus[:ranks_per_node]
+    if g not in rank_gpus:  # this rank's GPU replaces the last of the first N
+        rank_gpus = rank_gpus[:ranks_per_node - 1] + [g]
+    rank_gpus += [g] * (ranks_per_node - len(rank_gpus))
+    if devices is None:
+        devices = discover(sysfs, g).devices
+    node = nvshmem_node(sysfs, devices, rank_gpus)
+    lag = {d.name: len(d.bond.slaves) for d in devices if d.bond and len(d.bond.slaves) > 1}
+    return dict(_ext().nccl_select(node["devices"], node["gpu_paths"], node["gpu_numa"],
+                                   {k: str(v) for k, v in env.items()}, rank_gpus.index(g),
+                                   int(num_contexts), lag, int(version),
+                                   bool(gdaki_port_one)))
+
+
+def nccl_wire_ports(sel: dict) -> list[str]:
+    """The distinct wire ports (device:port, or device:port/member for a pinned bond) the
+    contexts of a selection use, in first-use order."""
+    out = []
+    for p, m in zip(sel["context_ports"], sel["context_lag_member"]):
+        k = f"{p}/{m}" if m > 0 else p
+        if k not in out:
+            out.append(k)
+    return out
+
+
+def nccl_env_for(fabric: Fabric, cfg, ranks_per_node: int | None = None,
+                 environ: dict | None = None) -> dict:
+    """The NCCL variables the bootstrap sets so GIN puts the plan's contexts (cfg.num_qps)
+    on the ports the plan stripes over, decided by the C++ rule (nccl_selection): nothing
+    where NCCL's defaults already do it; NCCL_NETDEVS_POLICY=ALL where the GPU shares its
+    NIC with other GPUs and AUTO would give it fewer of its ports than the plan has; for a
+    bond NCCL_GIN_GDAKI_LAG_AWARE_DISABLE=0 (NCCL >= 2.32 then pins contexts to members).
+    NCCL_IB_HCA and NCCL_IB_MERGE_NICS are left to the user: NCCL's default device list
+    already holds every active port, and merging does not apply to GIN. Empty for an
+    unknown fabric or a GPU the tree does not show. environ: the user's variables (they
+    win, as for NVSHMEM)."""
+    cls = fabric.fabric_class
+    if cls == "unknown" or not fabric.selected or fabric.gpu is None:
+        return {}
+    gpus = node_gpus(fabric.sysfs)
+    if fabric.gpu not in gpus:
+        return {}
+    rpn = ranks_per_node or len(gpus)
+    user = {k: v for k, v in (environ or {}).items() if k in NCCL_SELECT_VARS}
+    env: dict[str, str] = {}
+    if cls == "roce-lag":
+        env["NCCL_GIN_GDAKI_LAG_AWARE_DISABLE"] = "0"
+        return env
+    want = cfg.num_ports
+    base = nccl_selection(user, sysfs=fabric.sysfs, gpu=fabric.gpu, ranks_per_node=rpn,
+                          num_contexts=cfg.num_qps, devices=fabric.devices)
+    if not base["error"] and len(base["local_ib_devs"]) < min(want, 4):
+        trial = nccl_selection({**user, "NCCL_NETDEVS_POLICY": "ALL"}, sysfs=fabric.sysfs,
+                               gpu=fabric.gpu, ranks_per_node=rpn, num_contexts=cfg.num_qps,
+                               devices=fabric.devices)
+        if len(trial["local_ib_devs"]) > len(base["local_ib_devs"]):
+            env["NCCL_NETDEVS_POLICY"] = "ALL"
+    return env
 
 
 # --- what the bootstrap does with it ------------------------------------------------------

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/internode/internode_layout.h"
+#include "kernels/internode/nccl_select.h"
 #include "kernels/internode/nvshmem_select.h"
 #include "xla_ffi/internode/lag_rule.h"
 #include "kernels/common/striping_plan.h"
@@ -110,6 +111,60 @@ nb::dict NvshmemSelect(const std::vector<DeviceTuple>& devices,
   d["error"] = s.error;
   return d;
 }
+
+// NCCL's placement of GIN contexts (kernels/internode/nccl_select.h): same device tuples
+// as nvshmem_select; lag_members: bonded device name -> member count.
+nb::dict NcclSelect(const std::vector<DeviceTuple>& devices,
+                    const std::vector<std::string>& gpu_paths, const std::vector<int>& gpu_numa,
+                    const std::map<std::string, std::string>& env, int local_rank,
+                    int num_contexts, const std::map<std::string, int>& lag_members,
+                    int version, bool gdaki_port_one) {
+  namespace cs = nccl_select;
+  cs::NodeDesc node;
+  for (const DeviceTuple& t : devices) {
+    cs::DeviceDesc d;
+    d.name = std::get<0>(t);
+    d.pci_path = std::get<1>(t);
+    d.numa = std::get<2>(t);
+    for (const auto& p : std::get<3>(t))
+      d.ports.push_back({std::get<0>(p), std::get<1>(p), std::get<2>(p)});
+    node.devices.push_back(d);
+  }
+  node.gpu_paths = gpu_paths;
+  node.gpu_numa = gpu_numa;
+  cs::EnvDesc e = cs::EnvFrom(env);
+  e.lag_members = lag_members;
+  e.version = version;
+  e.gdaki_port_one = gdaki_port_one;
+  const cs::Selection s = cs::Select(node, e, local_rank, num_contexts);
+  std::vector<std::string> ib, local, conn, ctx_ib, ctx_port;
+  for (const cs::IbDev& x : s.ib_devs) ib.push_back(cs::IbDevName(node, x));
+  for (int i : s.local_ib_devs) local.push_back(cs::IbDevName(node, s.ib_devs[i]));
+  for (int i : s.connection_dev) conn.push_back(cs::IbDevName(node, s.ib_devs[i]));
+  std::vector<int> ctx_conn, ctx_id, ctx_member;
+  for (const cs::ContextPlace& c : s.contexts) {
+    ctx_ib.push_back(cs::IbDevName(node, s.ib_devs[c.ib_dev]));
+    ctx_port.push_back(cs::PlaceName(node, c));
+    ctx_conn.push_back(c.connection);
+    ctx_id.push_back(c.context_id);
+    ctx_member.push_back(c.lag_member);
+  }
+  nb::dict d;
+  d["backend"] = s.backend;
+  d["ib_devs"] = ib;
+  d["local_ib_devs"] = local;
+  d["nets_per_gpu"] = s.nets_per_gpu;
+  d["connections"] = conn;
+  d["contexts_created"] = s.contexts_created;
+  d["context_ib_dev"] = ctx_ib;
+  d["context_ports"] = ctx_port;
+  d["context_connection"] = ctx_conn;
+  d["context_id"] = ctx_id;
+  d["context_lag_member"] = ctx_member;
+  d["notes"] = s.notes;
+  d["error"] = s.error;
+  return d;
+}
 }  // namespace
 
 void AddTransportBindings(nb::module_& m) {
@@ -118,6 +173,11 @@ void AddTransportBindings(nb::module_& m) {
         nb::arg("gpu_numa"), nb::arg("env"), nb::arg("pe_node"), nb::arg("num_qps"),
         nb::arg("qp_api") = true);
   m.def("nvshmem_pci_distance", &nvshmem_select::PciDistance);
+  // NCCL's placement of GIN contexts on devices, ports and LAG members.
+  m.def("nccl_select", &NcclSelect, nb::arg("devices"), nb::arg("gpu_paths"),
+        nb::arg("gpu_numa"), nb::arg("env"), nb::arg("local_rank"), nb::arg("num_contexts"),
+        nb::arg("lag_members") = std::map<std::string, int>{}, nb::arg("version") = 23206,
+        nb::arg("gdaki_port_one") = true);
   // The LAG shim's rule (xla_ffi/internode/lag_rule.h) for jax_ep.network.lag_affinity.
   m.def("lag_affinity", &lag_rule::Affinity, nb::arg("k"), nb::arg("group"),
         nb::arg("members"));
