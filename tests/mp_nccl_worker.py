@@ -40,12 +40,15 @@ class StandInRuntime:
 
 def main(pid: int, nproc: int, port: int, scenario: str, timeout_s: float) -> int:
     import mp_init
-    mp_init.start(pid, nproc, port, DEVICES_PER_PROCESS)
+    jax = mp_init.start(pid, nproc, port, DEVICES_PER_PROCESS)
     from jax_ep import nccl_bootstrap
     from jax_ep.network.transport import TransportConfig
 
     if scenario == "absent" and pid == 1:
-        time.sleep(timeout_s + 3)  # never arrives within process 0's timeout
+        # joins the CPU backend (every process's client starts together), then never
+        # arrives at the start-up within process 0's timeout
+        jax.devices()
+        time.sleep(timeout_s + 1.5)
         print("ABSENT", flush=True)
         return 0
     cfg = TransportConfig(num_ports=1 if (scenario == "mismatch" and pid == 1) else 2)

@@ -12,7 +12,7 @@ import time
 from mp_launch import free_port, run_workers, worker_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEADLINE_S = 60
+DEADLINE_S = 40
 
 
 def _run(tmp_path, scenario: str, timeout_s: float):
