@@ -5,7 +5,7 @@
 
 Unlike NVSHMEM (one PE per process), one process may drive several local GPUs: each local
 GPU gets its own communicator, window (the internode heap) and device communicators,
-all created by the native `Start` in one NCCL group (kernels/internode/nccl_host.h).
+all created by the native `Start` in one NCCL group (kernels/internode/nccl_host.{h,cc}).
 
 World ranks: the devices of `jax.devices()` taken process by process (stable, in
 `jax.devices()` order within a process), so process p's GPUs hold one contiguous block

@@ -96,7 +96,8 @@ def binding(name: str):
     searched = ", ".join(n for n, _ in _candidates()) or "no extension module loaded"
     raise NcclNativeMissing(
         f"this jax_ep build has no native NCCL binding `{name}` (searched: {searched}); "
-        f"the NCCL transport needs a build with kernels/internode/nccl_host bound "
+        f"the NCCL transport needs a build with the bindings of "
+        "kernels/internode/nccl_host.{h,cc} "
         f"(build_info()['nccl'] True)")
 
 
