@@ -17,7 +17,8 @@ from jax_ep._src.errors import EPError, check_errors
 from jax_ep._src.types import DispatchHandle, DispatchLayout
 from jax_ep.network.transport import StripePlan, TransportConfig
 from jax_ep.ops import combine, dispatch, get_dispatch_layout, resolve_backend
-from jax_ep._src.transports import TransportUnavailableError, transport_report
+from jax_ep._src.libraries import TransportUnavailableError
+from jax_ep._src.transports import transport_report
 
 __all__ = [
     "Config",

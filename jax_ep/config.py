@@ -22,7 +22,7 @@ reads beside the driver (CUDA_DEVICE_MAX_CONNECTIONS):
 | JAX_EP_DIRECT_SMS | direct_sms | int >= 1 | unset: by ranks (configs.h kInternodeSmPresets: 12 up to 32 ranks) | SMs (blocks) of the direct internode kernels: about half post RDMA, the rest copy over NVLink |
 | JAX_EP_LOW_LATENCY_SMS | low_latency_sms | int >= 1 | unset: the whole EP budget (num_sms; 116 on a 132-SM GPU; configs.h kInternodeSmPresets) | SMs (blocks) of the internode low-latency kernels |
 | JAX_EP_INTERNODE_MODE | internode_mode | direct, hierarchical, auto | unset: the caller's | internode mode of the NVSHMEM backend |
-| JAX_EP_TRANSPORT | transport | nvshmem, nccl, auto | auto | internode transport: NVSHMEM (one process per GPU) or NCCL's GPU-initiated networking (one process per GPU or per host); auto: NCCL where a process drives several GPUs, NVSHMEM is missing or the fabric is roce-lag, else NVSHMEM (jax_ep.network.transport.choose_transport) |
+| JAX_EP_TRANSPORT | transport | nvshmem, nccl, auto | auto | internode transport: NVSHMEM (one process per GPU) or NCCL's GPU-initiated networking (one process per GPU or per host); auto: NCCL where a process drives several GPUs, NVSHMEM is missing or the fabric is roce-lag, else NVSHMEM (jax_ep.network.transport_choice.choose_transport) |
 | JAX_EP_GPUS_PER_NODE | gpus_per_node | int >= 1 | unset: detected | GPUs (PEs) per node of the EP group; must divide the ranks |
 | JAX_EP_NUM_PORTS | num_ports | int >= 1 | unset: TransportConfig's | NIC ports the internode traffic is striped over |
 | JAX_EP_QPS_PER_PORT | qps_per_port | int >= 1 | unset: TransportConfig's | queue pairs per port and peer |

@@ -75,8 +75,8 @@ class NativeRuntime:
     NCCL transport can run here (TransportUnavailableError naming the package otherwise)."""
 
     def __init__(self):
-        from jax_ep._src import transports
-        transports.require("nccl")
+        from jax_ep._src import libraries
+        libraries.require("nccl")
 
     def unique_id(self) -> bytes:
         from jax_ep._src import nccl_native

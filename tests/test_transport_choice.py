@@ -18,8 +18,9 @@ import pytest
 
 import jax_ep
 from jax_ep import config, nccl_bootstrap
-from jax_ep._src import nccl_native, transports
-from jax_ep.network.transport import TransportConfig, choose_transport
+from jax_ep._src import libraries, nccl_native
+from jax_ep.network.transport import TransportConfig
+from jax_ep.network.transport_choice import choose_transport
 
 NCCL_PIP = 'pip install "nvidia-nccl-cu13>=2.30,<3"'
 
@@ -76,7 +77,7 @@ def test_auto_rule_reads_the_setting_and_detects_what_is_not_given(monkeypatch):
     with config.override(transport="nccl"):
         assert choose_transport().transport == "nccl"
     # CPU only: no GPU, NVSHMEM absent from this build -> detected as missing
-    monkeypatch.setattr(transports, "package_version", lambda p: None)
+    monkeypatch.setattr(libraries, "package_version", lambda p: None)
     with config.override(transport="auto"):
         c = choose_transport(fabric_class="ib-multiport")
     assert c.transport == "nccl" and "NVSHMEM is missing" in c.reason, c.reason
@@ -90,54 +91,54 @@ def no_libraries(monkeypatch):
     real = importlib.metadata.version
 
     def version(name):
-        if name in (transports.NCCL_PACKAGE, transports.NVSHMEM_PACKAGE):
+        if name in (libraries.NCCL_PACKAGE, libraries.NVSHMEM_PACKAGE):
             raise importlib.metadata.PackageNotFoundError(name)
         return real(name)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    monkeypatch.setattr(transports, "_loaded_nccl_version", lambda: None)
-    monkeypatch.setattr(transports, "_loaded_nvshmem_version", lambda: None)
+    monkeypatch.setattr(libraries, "_loaded_nccl_version", lambda: None)
+    monkeypatch.setattr(libraries, "_loaded_nvshmem_version", lambda: None)
     monkeypatch.setattr(nccl_native, "_candidates", lambda: [])
 
 
 def _with(monkeypatch, *, nccl=None, nvshmem=None, build=None):
-    versions = {transports.NCCL_PACKAGE: nccl, transports.NVSHMEM_PACKAGE: nvshmem}
-    monkeypatch.setattr(transports, "package_version", lambda p: versions.get(p))
+    versions = {libraries.NCCL_PACKAGE: nccl, libraries.NVSHMEM_PACKAGE: nvshmem}
+    monkeypatch.setattr(libraries, "package_version", lambda p: versions.get(p))
     if build is not None:
-        monkeypatch.setattr(transports, "_build_info", lambda: dict(build))
+        monkeypatch.setattr(libraries, "build_flags", lambda: dict(build))
 
 
 def test_missing_nccl_names_the_package(no_libraries):
-    lib = transports.nccl_library({"nccl": True})
+    lib = libraries.nccl_library({"nccl": True})
     assert lib["available"] is False and lib["version"] is None
     assert lib["package"] == "nvidia-nccl-cu13"
     with pytest.raises(jax_ep.TransportUnavailableError) as e:
-        transports.require("nccl", lib)
+        libraries.require("nccl", lib)
     assert NCCL_PIP in str(e.value) and "jax-ep[cuda]" in str(e.value)
     assert isinstance(e.value, ImportError)
 
 
 def test_missing_nvshmem_names_the_package(no_libraries):
-    lib = transports.nvshmem_library({"nvshmem": True})
+    lib = libraries.nvshmem_library({"nvshmem": True})
     assert lib["available"] is False
     with pytest.raises(jax_ep.TransportUnavailableError,
                        match=r"nvidia-nvshmem-cu13>=3\.8.*jax-ep\[cuda\]"):
-        transports.require("nvshmem", lib)
+        libraries.require("nvshmem", lib)
 
 
 def test_old_nccl_and_a_build_without_nccl(no_libraries, monkeypatch):
     _with(monkeypatch, nccl="2.27.7")
-    lib = transports.nccl_library({"nccl": True})
+    lib = libraries.nccl_library({"nccl": True})
     assert not lib["available"] and "2.27.7 is older than 2.30" in lib["why"]
     assert NCCL_PIP in lib["why"]
     _with(monkeypatch, nccl="2.32.6")
-    lib = transports.nccl_library({})  # build_info without 'nccl': not built
+    lib = libraries.nccl_library({})  # build_info without 'nccl': not built
     assert lib["available"] and not lib["built"] and lib["version"] == "2.32.6"
     with pytest.raises(jax_ep.TransportUnavailableError, match=r"build_info\(\)\['nccl'\]"):
-        transports.require("nccl", lib)
-    assert transports.require("nccl", transports.nccl_library({"nccl": True}))["built"]
+        libraries.require("nccl", lib)
+    assert libraries.require("nccl", libraries.nccl_library({"nccl": True}))["built"]
     with pytest.raises(ValueError, match="'nvshmem' or 'nccl'"):
-        transports.require("ib")
+        libraries.require("ib")
 
 
 def test_native_check_decides_where_bound(no_libraries, monkeypatch):
@@ -145,7 +146,7 @@ def test_native_check_decides_where_bound(no_libraries, monkeypatch):
                                  nccl_version=lambda: "")
     monkeypatch.setattr(nccl_native, "_candidates", lambda: [("fake", fake)])
     _with(monkeypatch, nccl="2.32.6")
-    lib = transports.nccl_library({"nccl": True})
+    lib = libraries.nccl_library({"nccl": True})
     assert not lib["available"] and "libnccl.so.2 not found" in lib["why"]
 
 
