@@ -111,9 +111,10 @@ def nvshmem_library(build: dict | None = None) -> dict:
     if not available:
         why = (f"the NVSHMEM library is not installed (no {NVSHMEM_PACKAGE} package): "
                f"{NVSHMEM_PIP} (or {EXTRA_PIP})")
-    elif not built:
-        why = ("this jax_ep build has no NVSHMEM module (build_info()['nvshmem'] is False): "
-               f"rebuild where nvcc and {NVSHMEM_PACKAGE} are installed")
+    if not built:
+        rebuild = ("this jax_ep build has no NVSHMEM module (build_info()['nvshmem'] is "
+                   f"False): rebuild where nvcc and {NVSHMEM_PACKAGE} are installed")
+        why = rebuild if available else f"{why}; then {rebuild}"
     return {"available": available, "version": lib or pkg, "package": NVSHMEM_PACKAGE,
             "package_version": pkg, "library_version": lib, "built": built, "why": why}
 
@@ -148,10 +149,11 @@ def nccl_library(build: dict | None = None) -> dict:
             why = (f"NCCL {version} is older than {NCCL_MIN[0]}.{NCCL_MIN[1]} (GPU-initiated "
                    f"networking): {NCCL_PIP} (or {EXTRA_PIP})")
     built = bool(build.get("nccl", False))
-    if available and not built:
-        why = ("this jax_ep build has no NCCL transport (build_info()['nccl'] is False): "
-               "rebuild where nvcc is present, with the NCCL headers of "
-               f"{NCCL_PACKAGE}>=2.30 installed")
+    if not built:
+        rebuild = ("this jax_ep build has no NCCL transport (build_info()['nccl'] is False): "
+                   "rebuild where nvcc is present, with the NCCL headers of "
+                   f"{NCCL_PACKAGE}>=2.30 installed")
+        why = rebuild if available else f"{why}; then {rebuild}"
     return {"available": bool(available), "version": version, "package": NCCL_PACKAGE,
             "package_version": pkg, "library_version": lib, "built": built, "why": why}
 
