@@ -22,6 +22,7 @@ reads beside the driver (CUDA_DEVICE_MAX_CONNECTIONS):
 | JAX_EP_DIRECT_SMS | direct_sms | int >= 1 | unset: by ranks (configs.h kInternodeSmPresets: 12 up to 32 ranks) | SMs (blocks) of the direct internode kernels: about half post RDMA, the rest copy over NVLink |
 | JAX_EP_LOW_LATENCY_SMS | low_latency_sms | int >= 1 | unset: the whole EP budget (num_sms; 116 on a 132-SM GPU; configs.h kInternodeSmPresets) | SMs (blocks) of the internode low-latency kernels |
 | JAX_EP_INTERNODE_MODE | internode_mode | direct, hierarchical, auto | unset: the caller's | internode mode of the NVSHMEM backend |
+| JAX_EP_TRANSPORT | transport | nvshmem, nccl, auto | auto | internode transport: NVSHMEM (one process per GPU) or NCCL's GPU-initiated networking (one process per GPU or per host); auto: NCCL where a process drives several GPUs, NVSHMEM is missing or the fabric is roce-lag, else NVSHMEM (jax_ep.network.transport_choice.choose_transport) |
 | JAX_EP_GPUS_PER_NODE | gpus_per_node | int >= 1 | unset: detected | GPUs (PEs) per node of the EP group; must divide the ranks |
 | JAX_EP_NUM_PORTS | num_ports | int >= 1 | unset: TransportConfig's | NIC ports the internode traffic is striped over |
 | JAX_EP_QPS_PER_PORT | qps_per_port | int >= 1 | unset: TransportConfig's | queue pairs per port and peer |
@@ -40,7 +41,8 @@ bulk_piece_bytes, cuda_preset, hier_*, the SMs per mode *_sms) reach C++ through
 kernels/common/settings.h) of every loaded extension module, at import and on every
 change; the kernels read them when they launch. collective_stream is read when an op is
 traced (a change applies to programs traced after it). The network settings are read when
-NVSHMEM starts (jax_ep.nvshmem_bootstrap) or a plan is made.
+NVSHMEM starts (jax_ep.nvshmem_bootstrap) or a plan is made; transport when the internode
+transport is chosen (jax_ep.transport_report, jax_ep.nccl_bootstrap).
 
 Build-time, test and emulator variables (not settings):
 
@@ -236,6 +238,7 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "low_latency_sms": ("JAX_EP_LOW_LATENCY_SMS", _mode_sms),
     "internode_mode": ("JAX_EP_INTERNODE_MODE",
                        _choice_or_none(("direct", "hierarchical", "auto"))),
+    "transport": ("JAX_EP_TRANSPORT", _choice(("nvshmem", "nccl", "auto"), "auto")),
     "gpus_per_node": ("JAX_EP_GPUS_PER_NODE", _positive_int_or_none),
     "num_ports": ("JAX_EP_NUM_PORTS", _positive_int_or_none),
     "qps_per_port": ("JAX_EP_QPS_PER_PORT", _positive_int_or_none),
@@ -278,6 +281,7 @@ class Config:
     direct_sms: int | None = None
     low_latency_sms: int | None = None
     internode_mode: str | None = None
+    transport: str = "auto"
     gpus_per_node: int | None = None
     num_ports: int | None = None
     qps_per_port: int | None = None

@@ -18,7 +18,7 @@ SUFFIXES = (".py", ".cc", ".h", ".cu", ".cuh", ".md", ".txt", ".cmake", ".sh", "
             ".map", ".inc")
 # Tokens that look like paths and are not: the key-value store's keys, the build's
 # placeholder examples.
-NOT_PATHS = {"jax_ep/arrive", "jax_ep/cuda/ipc", "jax_ep/nvshmem",
+NOT_PATHS = {"jax_ep/arrive", "jax_ep/cuda/ipc", "jax_ep/nvshmem", "jax_ep/nccl",
              "kernels/internode/foo.cu", "xla_ffi/emu/emu_foo.cc",
              "xla_ffi/internode/emu_foo.cc"}
 

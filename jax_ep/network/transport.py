@@ -9,6 +9,8 @@ binding.
 `nvshmem_env()` returns the NVSHMEM variables the library sets itself before NVSHMEM
 starts (GPU-initiated RDMA, QPs per PE, multi-port). `JAX_EP_*` environment variables
 override the config: see `TransportConfig.resolve`.
+Which transport carries the bytes (NVSHMEM or NCCL's GPU-initiated networking) is
+`jax_ep.network.transport_choice.choose_transport`.
 """
 
 from __future__ import annotations
