@@ -12,12 +12,17 @@
 // all preceding puts are settled" (gin.h, ncclGin_StrongVASignalAdd), which is the
 // contract's in-order QP; a weak one "guarantees only the bundled put is settled" and
 // would let a count signal overtake its rows. GIN has no SET: Sig's SET adds value - prev.
+//
+// Peers in this GPU's LSA team (this node, itself included) are not GIN's: a put is the
+// warp's own copy through the window's peer mapping, each lane fencing its stores at
+// system scope, and a signal an atomic add after a fence, so the same contract holds.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "kernels/cuda/launch.cuh"
+#include "kernels/internode/device_copy.cuh"
 #include "kernels/internode/nccl_gin_state.h"
 #include "kernels/internode/transport.cuh"
 
@@ -41,8 +46,28 @@ struct NcclGin {
   }
   static __device__ __forceinline__ int ctx(int qp) { return g_nccl_gin.ctx_of_qp[qp]; }
 
+  // This GPU's address of `sym` on `pe` when `pe` is in its LSA team, else nullptr.
+  static __device__ __forceinline__ char* lsa(const void* sym, int pe) {
+    return static_cast<char*>(peer_ptr(const_cast<void*>(sym), pe));
+  }
+  // The warp's copy to an LSA peer; the source may have been written by this kernel, so it
+  // is read past L1.
+  static __device__ __forceinline__ void lsa_put_warp(char* dst, const void* src,
+                                                      size_t bytes) {
+    devcopy::CopyLanded(dst, static_cast<const char*>(src), static_cast<int64_t>(bytes),
+                        static_cast<int>(threadIdx.x & 31), 32);
+    __threadfence_system();
+    __syncwarp();
+  }
+  static __device__ __forceinline__ void lsa_signal(char* word, const Sig& s) {
+    __threadfence_system();
+    atomicAdd(reinterpret_cast<unsigned long long*>(word),
+              static_cast<unsigned long long>(delta(s)));
+  }
+
   static __device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes,
                                                   int pe, int qp) {
+    if (char* p = lsa(dst, pe)) return lsa_put_warp(p, src, bytes);
     ncclGin gin(comm(), ctx(qp));
     gin.put(ncclTeamWorld(comm()), pe, g_nccl_gin.win, off(dst), g_nccl_gin.win, off(src),
             bytes, ncclGin_None{}, ncclGin_None{}, ncclCoopWarp{});
@@ -50,6 +75,12 @@ struct NcclGin {
 
   static __device__ __forceinline__ void put_signal_warp(void* dst, const void* src,
                                                          size_t bytes, Sig s, int pe, int qp) {
+    if (char* p = lsa(dst, pe)) {
+      lsa_put_warp(p, src, bytes);
+      if ((threadIdx.x & 31) == 0) lsa_signal(lsa(s.word, pe), s);
+      __syncwarp();
+      return;
+    }
     ncclGin gin(comm(), ctx(qp));
     gin.put(ncclTeamWorld(comm()), pe, g_nccl_gin.win, off(dst), g_nccl_gin.win, off(src),
             bytes, ncclGin_StrongVASignalAdd{g_nccl_gin.win, off(s.word), delta(s)},
@@ -57,6 +88,7 @@ struct NcclGin {
   }
 
   static __device__ __forceinline__ void signal(Sig s, int pe, int qp) {
+    if (char* w = lsa(s.word, pe)) return lsa_signal(w, s);
     ncclGin gin(comm(), ctx(qp));
     gin.signal(ncclTeamWorld(comm()), pe,
                ncclGin_StrongVASignalAdd{g_nccl_gin.win, off(s.word), delta(s)},
