@@ -16,3 +16,16 @@ list(APPEND JAX_EP_EMU_SOURCES
      xla_ffi/internode/emu_direct.cc
      xla_ffi/internode/emu_hier.cc
      xla_ffi/internode/emu_ll.cc)
+# The NCCL GIN transport's host side over the emulated NCCL (kernels/emu/nccl_emu.h),
+# through the kernels' wrapper (the real build compiles the same file as CUDA). AUTO: on
+# once the emulated NCCL is in the tree.
+set(JAX_EP_EMU_NCCL "AUTO" CACHE STRING
+    "Emulated build of kernels/internode/nccl_host.cc: AUTO (if kernels/emu/nccl_emu.h exists), ON or OFF")
+set_property(CACHE JAX_EP_EMU_NCCL PROPERTY STRINGS AUTO ON OFF)
+if(JAX_EP_EMU_NCCL STREQUAL "ON" OR
+   (JAX_EP_EMU_NCCL STREQUAL "AUTO" AND EXISTS "${CMAKE_CURRENT_SOURCE_DIR}/kernels/emu/nccl_emu.h"))
+  list(APPEND JAX_EP_EMU_KERNELS kernels/internode/nccl_host.cc)
+  if(NOT "kernels/emu/nccl_emu.cc" IN_LIST JAX_EP_EMU_SOURCES)
+    list(APPEND JAX_EP_EMU_SOURCES kernels/emu/nccl_emu.cc)
+  endif()
+endif()
