@@ -1,9 +1,9 @@
 // The NCCL host functions the NCCL GIN transport calls, as a table of pointers. The
 // extension never links libnccl (it must load where NCCL is absent, and use the copy
 // jax's CUDA plugin may already have loaded): kernels/internode/nccl_host.cc fills the
-// table with dlsym from libnccl.so.2, or, on the emulated GPU (JAX_EP_EMU), with the
-// emulated functions of kernels/emu/nccl_emu.h. The pointer types come from the
-// declarations themselves, so the table cannot drift from the headers.
+// table by name: with dlsym from libnccl.so.2, or, on the emulated GPU (JAX_EP_EMU), from
+// nccl_emu::host_symbol (the emulated functions of kernels/emu/nccl_emu.h). The pointer
+// types come from the declarations themselves, so the table cannot drift from the headers.
 #pragma once
 
 #if defined(JAX_EP_EMU)

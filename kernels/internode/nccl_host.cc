@@ -101,20 +101,21 @@ std::string VersionText(int v) {
 }
 
 #if defined(JAX_EP_EMU)
-void Resolve(Library* lib) {
-#define JAX_EP_NCCL_EMU(name) lib->api.name = &::nccl##name;
-  JAX_EP_NCCL_FUNCTIONS(JAX_EP_NCCL_EMU)
-#undef JAX_EP_NCCL_EMU
-  lib->path = "emulated NCCL (kernels/emu/nccl_emu.h)";
-  if (lib->api.GetVersion(&lib->api.version) != ncclSuccess) lib->why = "ncclGetVersion failed";
+// The emulated NCCL's entry points by name, as dlsym gives the real ones, so the emulated
+// build resolves the same table the same way.
+bool Open(Library* lib, void** handle) {
+  *handle = nullptr;
+  lib->path = "the emulated NCCL (kernels/emu/nccl_emu.h)";
+  return true;
 }
+void* Symbol(void*, const char* name) { return nccl_emu::host_symbol(name); }
 #else
 bool IsDir(const char* p) {
   struct stat st;
   return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-void* Open(const std::string& name, int flags, std::string* errors) {
+void* TryOpen(const std::string& name, int flags, std::string* errors) {
   void* h = dlopen(name.c_str(), flags);
   if (h == nullptr) {
     const char* e = dlerror();
@@ -127,32 +128,43 @@ void* Open(const std::string& name, int flags, std::string* errors) {
 // libnccl.so.2: the copy already in the process (jax's CUDA plugin loads one), else by
 // name (the loader's path, this module's RUNPATH), else JAX_EP_NCCL_LIB (the nvidia.nccl
 // package's lib/ or the library file itself; jax_ep's Python side sets it).
-void Resolve(Library* lib) {
+bool Open(Library* lib, void** handle) {
   const char* kName = "libnccl.so.2";
   void* h = dlopen(kName, RTLD_NOLOAD | RTLD_NOW);
   std::string errors;
-  if (h == nullptr) h = Open(kName, RTLD_NOW | RTLD_LOCAL, &errors);
+  if (h == nullptr) h = TryOpen(kName, RTLD_NOW | RTLD_LOCAL, &errors);
   const char* env = std::getenv("JAX_EP_NCCL_LIB");
   if (h == nullptr && env != nullptr && *env != '\0') {
     const std::string path = IsDir(env) ? std::string(env) + "/" + kName : std::string(env);
-    h = Open(path, RTLD_NOW | RTLD_LOCAL, &errors);
+    h = TryOpen(path, RTLD_NOW | RTLD_LOCAL, &errors);
   }
   if (h == nullptr) {
     lib->why = "libnccl.so.2 was not found (" + errors + "); " + kInstall +
                ", or point JAX_EP_NCCL_LIB at the directory that holds it";
-    return;
+    return false;
   }
   struct link_map* map = nullptr;
-  lib->path = dlinfo(h, RTLD_DI_LINKMAP, &map) == 0 && map != nullptr && map->l_name != nullptr
+  lib->path = dlinfo(h, RTLD_DI_LINKMAP, &map) == 0 && map != nullptr && map->l_name != nullptr &&
+                      *map->l_name != '\0'
                   ? map->l_name
                   : kName;
+  *handle = h;
+  return true;
+}
+void* Symbol(void* handle, const char* name) { return dlsym(handle, name); }
+#endif
+
+void Resolve(Library* lib) {
+  void* h = nullptr;
+  if (!Open(lib, &h)) return;
   std::string missing;
-#define JAX_EP_NCCL_DLSYM(name)                                                      \
-  lib->api.name = reinterpret_cast<decltype(lib->api.name)>(dlsym(h, "nccl" #name)); \
+#define JAX_EP_NCCL_RESOLVE(name)                                                       \
+  lib->api.name = reinterpret_cast<decltype(lib->api.name)>(Symbol(h, "nccl" #name)); \
   if (lib->api.name == nullptr) missing += std::string(missing.empty() ? "" : ", ") + "nccl" #name;
-  JAX_EP_NCCL_FUNCTIONS(JAX_EP_NCCL_DLSYM)
-#undef JAX_EP_NCCL_DLSYM
-  lib->api.GetLastError = reinterpret_cast<const char* (*)(ncclComm_t)>(dlsym(h, "ncclGetLastError"));
+  JAX_EP_NCCL_FUNCTIONS(JAX_EP_NCCL_RESOLVE)
+#undef JAX_EP_NCCL_RESOLVE
+  lib->api.GetLastError =
+      reinterpret_cast<const char* (*)(ncclComm_t)>(Symbol(h, "ncclGetLastError"));
   if (lib->api.GetVersion != nullptr && lib->api.GetVersion(&lib->api.version) != ncclSuccess)
     lib->api.version = 0;
   if (!missing.empty()) {
@@ -161,7 +173,6 @@ void Resolve(Library* lib) {
                ": the NCCL GIN transport needs NCCL 2.30 or newer; " + kInstall;
   }
 }
-#endif
 
 // The current device's resolved library (resolved once per device); a fresh one where
 // there is no CUDA device to key it by (Available() must answer there too).
