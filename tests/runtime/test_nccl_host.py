@@ -137,3 +137,40 @@ def test_start_checks_its_arguments_before_nccl():
     info = mod.nccl_info()
     assert info["started"] is False and info["heap_bytes"] == 0
     mod.nccl_finish([0])  # nothing made: nothing to free
+
+
+# The emulated GPU's runtime (cmake/emu.cmake's JAX_EP_EMU_SOURCES, less the module) and
+# the emulated NVSHMEM and NCCL beside it.
+EMU_RUNTIME = ["kernels/emu/emu_fibers.cc", "kernels/emu/emu_scheduler.cc",
+               "kernels/emu/emu_memory.cc", "kernels/emu/emu_tma.cc",
+               "kernels/emu/emu_counters.cc", "kernels/emu/emu_cuda_api.cc",
+               "kernels/emu/nvshmem_emu.cc", "kernels/internode/nvshmem_select.cc",
+               "kernels/emu/nccl_emu.cc"]
+
+
+def test_start_and_finish_on_the_emulated_gpu(tmp_path):
+    """Start/Finish end to end over the emulated NCCL (tests/runtime/nccl_host_emu_driver.cc),
+    linked as the emulated module is (kernels/emu/emu.ld gathers the device globals)."""
+    if not os.path.exists(os.path.join(ROOT, "kernels", "emu", "nccl_emu.h")):
+        pytest.skip("kernels/emu/nccl_emu.h (the emulated NCCL) is not in this tree yet")
+    cxx = host_compiler()
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    wrap = tmp_path / "nccl_host_wrap.cc"  # as the emulated build's kernel wrapper
+    wrap.write_text('#include "kernels/emu/emu_cuda.h"\n#include "kernels/internode/nccl_host.cc"\n')
+    occ = os.path.join(ROOT, "kernels", "emu", "occupancy_table.inc")
+    flags = ["-std=c++17", "-O1", "-fno-strict-aliasing", "-ffp-contract=off",
+             "-Wno-unknown-pragmas", "-Wno-unused-parameter", "-DJAX_EP_EMU=1",
+             f'-DJEP_EMU_OCCUPANCY_TABLE="{occ}"',
+             "-I", os.path.join(ROOT, "kernels", "emu", "include"), "-I", ROOT]
+    sources = [os.path.join(ROOT, s) for s in EMU_RUNTIME] + [
+        str(wrap), os.path.join(ROOT, "tests", "runtime", "nccl_host_emu_driver.cc")]
+    objs = []
+    for i, s in enumerate(sources):
+        objs.append(str(tmp_path / f"{i}.o"))
+        compile_ok([cxx, *flags, "-c", s, "-o", objs[-1]])
+    exe = str(tmp_path / "driver")
+    compile_ok([cxx, "-o", exe, *objs,
+                f"-Wl,-T,{os.path.join(ROOT, 'kernels', 'emu', 'emu.ld')}", "-lpthread"])
+    r = subprocess.run([exe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), r.stdout + r.stderr
