@@ -1,8 +1,8 @@
 // What every GPU holds for the NCCL GIN transport (issue 47): the device communicators,
 // the symmetric window that is the internode heap, and the plan's QP -> GIN context map.
 // Written by the host at start (kernels/internode/nccl_host.cc), read by the device
-// transport (kernels/internode/transport_nccl_gin.cuh). A header of its own so the host
-// side needs no device code and the device side no host code.
+// transport (transport::NcclGin). A header of its own so the host side needs no device
+// code and the device side no host code.
 #pragma once
 
 #if defined(JAX_EP_EMU)

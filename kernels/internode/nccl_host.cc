@@ -368,7 +368,7 @@ std::string StartOn(const NcclApi& api, const std::vector<int>& ordinals,
     st.win = s.win;
     st.base = s.heap;
     st.num_contexts = s.num_contexts;
-    // One context per logical QP for now (kernels/internode/nccl_select decides later).
+    // One context per logical QP for now (the port selection of issue 47 decides later).
     for (int q = 0; q < kMaxQps; ++q) st.ctx_of_qp[q] = q % s.num_contexts;
     e = CudaErr(cudaSetDevice(o), "cudaSetDevice(" + std::to_string(o) + ")");
     if (e.empty())

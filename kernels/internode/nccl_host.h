@@ -1,6 +1,6 @@
-// Host side of the NCCL GIN transport (issue 47; /work/gin/CONTRACT.md "Host API of
-// nccl_host"): NCCL communicators, the symmetric window that is the internode heap, the
-// device communicators and the device global transport::g_nccl_gin. No NCCL type
+// Host side of the NCCL GIN transport (issue 47): NCCL communicators, the symmetric
+// window that is the internode heap, the device communicators and the device global
+// transport::g_nccl_gin (kernels/internode/nccl_gin_state.h). No NCCL type
 // appears here, so the bindings compile without NCCL's headers. State is per CUDA device
 // (cudaGetDevice), in the real and the emulated build; every function that returns a
 // string returns "" on success, else an error naming the NCCL or CUDA call.
