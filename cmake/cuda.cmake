@@ -1,7 +1,10 @@
 # Decides whether the CUDA backend is built and defines the `jax_ep_cuda` target.
-# Sets JAX_EP_HAVE_CUDA, JAX_EP_CUDA_ARCH_NAMES, JAX_EP_HAVE_NVSHMEM, JAX_EP_CUDA_REASON.
+# Sets JAX_EP_HAVE_CUDA, JAX_EP_CUDA_ARCH_NAMES, JAX_EP_HAVE_NVSHMEM, JAX_EP_HAVE_NCCL,
+# JAX_EP_NCCL_VERSION_CODE, JAX_EP_CUDA_REASON.
 set(JAX_EP_HAVE_CUDA OFF)
 set(JAX_EP_HAVE_NVSHMEM OFF)
+set(JAX_EP_HAVE_NCCL OFF)
+set(JAX_EP_NCCL_VERSION_CODE 0)
 set(JAX_EP_CUDA_REASON "")
 
 if(JAX_EP_CUDA STREQUAL "OFF")
@@ -52,3 +55,5 @@ if(TARGET nanobind-static)
 endif()
 set_target_properties(jax_ep_cuda PROPERTIES CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)
 include("${CMAKE_CURRENT_LIST_DIR}/nvshmem.cmake" OPTIONAL)
+# The NCCL GIN transport's host side, into the internode module nvshmem.cmake defines.
+include("${CMAKE_CURRENT_LIST_DIR}/nccl.cmake" OPTIONAL)

@@ -86,6 +86,9 @@ if(JAX_EP_EMU)
                              "${CMAKE_CURRENT_SOURCE_DIR}")
   target_include_directories(_jax_ep_emu SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}")
   target_compile_definitions(_jax_ep_emu PRIVATE JAX_EP_EMU=1)
+  if(JAX_EP_EMU_WITH_NCCL)  # cmake/emu_internode.cmake: the NCCL GIN transport too
+    target_compile_definitions(_jax_ep_emu PRIVATE JAX_EP_WITH_NCCL=1)
+  endif()
   # Kernel code type-puns rows through uint4 as CUDA allows; float sums round per add like
   # the GPU's (no contraction), so results stay bit-exact with the reference.
   target_compile_options(_jax_ep_emu PRIVATE -fno-strict-aliasing -ffp-contract=off

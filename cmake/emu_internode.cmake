@@ -21,3 +21,18 @@ list(APPEND JAX_EP_EMU_SOURCES
      xla_ffi/internode/emu_hier.cc
      xla_ffi/internode/emu_ll.cc
      xla_ffi/internode/emu_gin_probe.cc)
+# The NCCL GIN transport's host side over the emulated NCCL (kernels/emu/nccl_emu.h),
+# through the kernels' wrapper (the real build compiles the same file as CUDA). AUTO: on
+# once the emulated NCCL is in the tree.
+set(JAX_EP_EMU_NCCL "AUTO" CACHE STRING
+    "Emulated build of kernels/internode/nccl_host.cc: AUTO (if kernels/emu/nccl_emu.h exists), ON or OFF")
+set_property(CACHE JAX_EP_EMU_NCCL PROPERTY STRINGS AUTO ON OFF)
+if(JAX_EP_EMU_NCCL STREQUAL "ON" OR
+   (JAX_EP_EMU_NCCL STREQUAL "AUTO" AND EXISTS "${CMAKE_CURRENT_SOURCE_DIR}/kernels/emu/nccl_emu.h"))
+  # ... and every internode kernel a second time, over NCCL GIN (transport_select.cuh)
+  list(APPEND JAX_EP_EMU_KERNELS kernels/internode/nccl_host.cc
+       kernels/internode/internode_kernels_nccl.cu
+       kernels/internode/hierarchical_kernels_nccl.cu
+       kernels/internode/low_latency_kernels_nccl.cu)
+  set(JAX_EP_EMU_WITH_NCCL ON)
+endif()

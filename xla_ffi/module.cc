@@ -136,6 +136,15 @@ NB_MODULE(_jax_ep_ext, m) {
 #else
     d["nvshmem"] = false;
 #endif
+    // Built with NCCL's headers (the NCCL GIN transport's host side, in _jax_ep_nvshmem),
+    // and their NCCL_VERSION_CODE; libnccl itself is found at run time.
+#ifdef JAX_EP_WITH_NCCL
+    d["nccl"] = true;
+    d["nccl_version"] = JAX_EP_NCCL_VERSION_CODE;
+#else
+    d["nccl"] = false;
+    d["nccl_version"] = 0;
+#endif
     return d;
   });
 }

@@ -118,21 +118,23 @@ def require_ext():
 
 
 def build_info() -> dict:
-    """What this build contains: {'cpu', 'cuda', 'nvshmem', 'nvshmem_qp_api', 'nccl':
-    bool, 'cuda_archs': [str], 'jax': version string}. 'nvshmem': the NVSHMEM module is
-    built (it may still fail to load where libnvshmem_host.so.3 is missing: then
-    'nvshmem_qp_api' is False and `nvshmem_import_error()` says why). 'nccl': the NCCL
-    transport is compiled in (the extension's own flag; False where it has none);
-    whether libnccl.so.2 is present is `transport_report()['nccl']`."""
+    """What this build contains: {'cpu', 'cuda', 'nvshmem', 'nvshmem_qp_api', 'nccl': bool,
+    'nccl_version': int, 'cuda_archs': [str], 'jax': version string}. 'nvshmem': the
+    NVSHMEM module is built (it may still fail to load where libnvshmem_host.so.3 is
+    missing: then 'nvshmem_qp_api' is False and `nvshmem_import_error()` says why).
+    'nccl': the NCCL GIN transport's host side is built (against NCCL's headers, whose
+    NCCL_VERSION_CODE is 'nccl_version', 0 without); libnccl.so.2 itself is looked up
+    only when the transport starts."""
     info = {"cpu": False, "cuda": False, "nvshmem": False, "nvshmem_qp_api": False,
-            "nccl": False, "cuda_archs": []}
+            "nccl": False, "nccl_version": 0, "cuda_archs": []}
     if ext is not None:
         raw = dict(ext.build_info())
         info["cpu"] = bool(raw["cpu"])
         info["cuda"] = bool(raw["cuda"])
         info["nvshmem"] = bool(raw["nvshmem"]) or nvshmem_built()
-        info["nccl"] = bool(raw.get("nccl", False))
         info["cuda_archs"] = [a for a in str(raw["cuda_archs"]).split(",") if a]
+        info["nccl"] = bool(raw.get("nccl", False))
+        info["nccl_version"] = int(raw.get("nccl_version", 0))
         # internode: whether NVSHMEM's QP API (explicit QP per planned QP) is usable here
         # (loads the NVSHMEM module where built and a GPU is present: never on a CPU-only
         # host); transport_report() has the details.

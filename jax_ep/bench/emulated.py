@@ -339,7 +339,7 @@ MODEL_COUNT = {
 MODEL_MODE = {"intranode": "intranode", "hierarchical_2x8": "hierarchical",
               "hierarchical_4x8": "hierarchical", "direct_2x8": "direct",
               "internode_ll": "internode_ll"}
-# The --json summary's modes (issue 46): each from one target of the model.
+# The --json summary's modes: each from one target of the model.
 SUMMARY_TARGETS = {"intranode": "intranode", "hierarchical": "hierarchical_2x8",
                    "direct": "direct_2x8", "low_latency": "internode_ll"}
 
@@ -429,7 +429,7 @@ def _latency_verdict(name: str, ops: dict) -> dict:
 
 
 def model_summary(entries: list[dict]) -> dict:
-    """The --json summary per mode (issue 46): `dispatch_gbs` and `combine_gbs` (NVLink GB/s
+    """The --json summary per mode: `dispatch_gbs` and `combine_gbs` (NVLink GB/s
     intranode, RDMA GB/s per GPU internode; low latency: `dispatch_us`, `combine_us`),
     `sms` (the widest launch of either op) and `latency_aware`, from the latency-aware
     model of each mode's target (SUMMARY_TARGETS)."""

@@ -1,5 +1,6 @@
-// Python bindings of the transport: the striping plan (always) and the NVSHMEM runtime
-// (builds with NVSHMEM). Called from the nanobind module in xla_ffi/module.cc.
+// Python bindings of the transport: the striping plan (always), the NVSHMEM runtime
+// (builds with NVSHMEM) and the NCCL GIN transport's runtime (builds with NCCL's
+// headers). Called from the nanobind modules in xla_ffi/.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -8,5 +9,8 @@ namespace jax_ep {
 void AddTransportBindings(nanobind::module_& m);
 #ifdef JAX_EP_WITH_NVSHMEM
 void AddNvshmemBindings(nanobind::module_& m);  // xla_ffi/internode/nvshmem_bindings.cc
+#endif
+#ifdef JAX_EP_WITH_NCCL
+void AddNcclBindings(nanobind::module_& m);  // xla_ffi/internode/nccl_bindings.cc
 #endif
 }  // namespace jax_ep

@@ -14,6 +14,9 @@ namespace nb = nanobind;
 
 NB_MODULE(_jax_ep_nvshmem, m) {
   jax_ep::AddNvshmemBindings(m);
+#ifdef JAX_EP_WITH_NCCL
+  jax_ep::AddNcclBindings(m);  // the NCCL GIN transport's runtime (libnccl by dlopen)
+#endif
   jax_ep::AddSettingsBindings(m);  // this module's own copy of the settings
   // The wire helpers again, with the low-latency area's start and stop (NVSHMEM only).
   jax_ep::AddLowLatencyWireBindings(m);
