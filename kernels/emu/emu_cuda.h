@@ -507,6 +507,13 @@ template <typename T, typename U, typename V>
 inline T atomicCAS(T* p, U cmp, V v) {
   return emu::atomic_update(p, [&](T o) { return o == static_cast<T>(cmp) ? static_cast<T>(v) : o; });
 }
+
+// System-scope atomics of the internode kernels (their error record lives in mapped host
+// memory): one scheduler step, as every emulated atomic.
+template <typename T, typename U, typename V>
+inline T atomicCAS_system(T* p, U cmp, V v) {
+  return atomicCAS(p, cmp, v);
+}
 template <typename T, typename U>
 inline T atomicOr(T* p, U v) {
   return emu::atomic_update(p, [&](T o) { return static_cast<T>(o | static_cast<T>(v)); });

@@ -31,12 +31,6 @@
 #include "kernels/emu/emu_control.h"
 #include "kernels/emu/emu_cuda.h"
 
-// System-scope atomics of the internode kernels (their error record lives in mapped host
-// memory): one scheduler step, as every emulated atomic.
-template <typename T, typename U, typename V>
-inline T atomicCAS_system(T* p, U cmp, V v) {
-  return atomicCAS(p, cmp, v);
-}
 
 #define NVSHMEM_VENDOR_MAJOR_VERSION 3
 #define NVSHMEM_VENDOR_MINOR_VERSION 8

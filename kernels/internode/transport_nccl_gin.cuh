@@ -21,6 +21,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#if !defined(JAX_EP_EMU)
+#include <nccl_device.h>  // the device API's inline definitions (nccl_device/impl/*__funcs.h)
+#endif
+
 #include "kernels/cuda/launch.cuh"
 #include "kernels/internode/device_copy.cuh"
 #include "kernels/internode/nccl_gin_state.h"
