@@ -46,7 +46,22 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
 // window, the heap, and its device communicators) on this GPU: num_qps GIN contexts per
 // peer. "" or why not (a build without NCCL says which package to install).
 std::string InitOverNccl(int num_qps);
+// One process's GPUs over NCCL GIN: nccl_host::Start (ordinals[i] is world rank ranks[i];
+// collective over the world), then InitOverNccl on each. FinishOverNccl undoes both
+// (the low-latency area first).
+std::string StartOverNccl(const std::vector<int>& ordinals, const std::vector<int>& ranks,
+                          int world, const std::string& uid, size_t heap_bytes, int num_qps,
+                          int gpus_per_node);
+std::string FinishOverNccl(const std::vector<int>& ordinals);
 std::string Finalize();
+// A symmetric area of `bytes` for the low-latency mode on the current GPU: nvshmem_malloc
+// (collective) over NVSHMEM; over NCCL the window's bytes past the two heap halves (the
+// slack), which the bootstrap sizes for it. "" or why not.
+std::string SymmetricArea(size_t bytes, char** out);
+void SymmetricAreaFree(char* p);
+// Every rank of the world at this point (nvshmem_barrier_all); over NCCL none is needed:
+// the window was cleared before its collective registration.
+void TransportBarrier();
 bool Initialized();
 size_t HeapBytes();
 int Version();         // NVSHMEM headers built against: major*10000 + minor*100 + patch

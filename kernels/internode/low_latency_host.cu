@@ -169,24 +169,23 @@ std::string Init(int num_ranks, int max_tokens, int64_t row_bytes, int topk, int
   if (!e.empty()) return e;
   if (Ll().lim.initialized) return "jax_ep internode low-latency: the area is already allocated";
   if (num_ranks != rt.world)
-    return "jax_ep internode low-latency: num_ranks must be the NVSHMEM world (" +
+    return "jax_ep internode low-latency: num_ranks must be the transport's world (" +
            std::to_string(rt.world) + ")";
   if (max_tokens < 1 || row_bytes < 1 || topk < 1 || num_experts < 1 ||
       num_experts % num_ranks != 0)
     return "jax_ep internode low-latency: bad limits (max_tokens, row bytes, topk >= 1; "
            "num_experts a positive multiple of the ranks)";
   const Area A = llwire::area_layout(num_ranks, max_tokens, row_bytes, topk, num_experts);
-  char* p = static_cast<char*>(nvshmem_malloc(static_cast<size_t>(A.total)));
-  if (p == nullptr)
-    return "jax_ep internode low-latency: nvshmem_malloc of " + std::to_string(A.total) +
-           " bytes failed (NVSHMEM_SYMMETRIC_SIZE too small?)";
+  char* p = nullptr;
+  e = internode::SymmetricArea(static_cast<size_t>(A.total), &p);
+  if (!e.empty()) return e;
   e = CudaErr(cudaMemset(p, 0, static_cast<size_t>(A.total)), "clear area");
   const unsigned long long zero[llwire::kNumOps] = {0, 0};
   if (e.empty())
     e = CudaErr(cudaMemcpyToSymbol(g_ll_epoch, zero, sizeof(zero)), "epochs");
   if (e.empty()) e = CudaErr(cudaDeviceSynchronize(), "area");
   if (!e.empty()) return e;
-  nvshmem_barrier_all();
+  internode::TransportBarrier();
   Ll().area = p;
   Ll().A = A;
   Ll().lim.initialized = true;
@@ -204,7 +203,7 @@ Limits GetLimits() { return Ll().lim; }
 std::string Finalize() {
   if (!Ll().lim.initialized) return {};
   const std::string e = CudaErr(cudaDeviceSynchronize(), "finalize");
-  nvshmem_free(Ll().area);
+  internode::SymmetricAreaFree(Ll().area);
   Ll() = State{};
   return e;
 }

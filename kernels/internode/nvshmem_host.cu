@@ -439,6 +439,77 @@ std::string InitOverNccl(int num_qps) {
 #endif
 }
 
+std::string SymmetricArea(size_t bytes, char** out) {
+  *out = nullptr;
+  if (!Rt().initialized) return NotStarted();
+  if (Rt().transport == TransportKind::kNccl) {
+    const size_t used = 2 * Rt().half_bytes;
+    if (used + bytes > Rt().heap_bytes)
+      return "jax_ep internode: the low-latency area needs " + std::to_string(bytes) +
+             " bytes past the heap halves but the NCCL window has " +
+             std::to_string(Rt().heap_bytes - used) +
+             "; start NCCL with heap_bytes from jax_ep.nccl_bootstrap (low_latency=...)";
+    *out = Rt().heap + used;
+    return {};
+  }
+  *out = static_cast<char*>(nvshmem_malloc(bytes));
+  if (*out == nullptr)
+    return "jax_ep internode low-latency: nvshmem_malloc of " + std::to_string(bytes) +
+           " bytes failed (NVSHMEM_SYMMETRIC_SIZE too small?)";
+  return {};
+}
+
+void SymmetricAreaFree(char* p) {
+  if (p != nullptr && Rt().transport == TransportKind::kNvshmem) nvshmem_free(p);
+}
+
+void TransportBarrier() {
+  if (Rt().transport == TransportKind::kNvshmem) nvshmem_barrier_all();
+}
+
+std::string StartOverNccl(const std::vector<int>& ordinals, const std::vector<int>& ranks,
+                          int world, const std::string& uid, size_t heap_bytes, int num_qps,
+                          int gpus_per_node) {
+#if !defined(JAX_EP_WITH_NCCL)
+  (void)ordinals, (void)ranks, (void)world, (void)uid, (void)heap_bytes, (void)num_qps,
+      (void)gpus_per_node;
+  return InitOverNccl(num_qps);  // says what this build lacks
+#else
+  std::string e = nccl_host::Start(ordinals, ranks, world, uid, heap_bytes, num_qps,
+                                   gpus_per_node);
+  if (!e.empty()) return e;
+  int dev = 0;
+  e = CudaErr(cudaGetDevice(&dev), "current device");
+  for (size_t i = 0; i < ordinals.size() && e.empty(); ++i) {
+    e = CudaErr(cudaSetDevice(ordinals[i]), "set device");
+    if (e.empty()) e = InitOverNccl(num_qps);
+    if (!e.empty())
+      e = "jax_ep internode: GPU " + std::to_string(ordinals[i]) + " (rank " +
+          std::to_string(ranks[i]) + "): " + e;
+  }
+  cudaSetDevice(dev);
+  return e;
+#endif
+}
+
+std::string FinishOverNccl(const std::vector<int>& ordinals) {
+#if !defined(JAX_EP_WITH_NCCL)
+  (void)ordinals;
+  return {};
+#else
+  int dev = 0;
+  std::string e = CudaErr(cudaGetDevice(&dev), "current device");
+  for (size_t i = 0; i < ordinals.size() && e.empty(); ++i) {
+    e = CudaErr(cudaSetDevice(ordinals[i]), "set device");
+    if (e.empty()) e = ll_internode::Finalize();
+    if (e.empty()) e = Finalize();
+  }
+  cudaSetDevice(dev);
+  if (!e.empty()) return e;
+  return nccl_host::Finish(ordinals);
+#endif
+}
+
 // Collective: every PE must call it. Never called at exit (see jax_ep.nvshmem_bootstrap).
 // Over NCCL only this GPU's call state goes; nccl_host::Finish frees the window.
 std::string Finalize() {

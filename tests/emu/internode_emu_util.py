@@ -25,6 +25,14 @@ LOG_COLS = ("src", "dst", "qp", "port", "handle", "bytes", "sig_op", "call", "bl
 SIGNAL_SET, SIGNAL_ADD = 0, 5  # NVSHMEM_SIGNAL_SET / _ADD in nvshmem_emu.h (-1: no signal)
 MODES = {"direct": "internode_", "hierarchical": "internode_hier_",
          "hierarchical_small_rings": "internode_hier_small_"}
+# The transport an InternodeEmu runs on when not told (the matrix modules parametrize it
+# with ids `nvshmem` and `nccl`: tests/emu/conftest.py `transport`).
+TRANSPORTS = ("nvshmem", "nccl")
+DEFAULT = {"transport": "nvshmem"}
+NCCL_LOG_COLS = ("src", "dst", "context", "port", "devcomm", "block", "bytes", "kind", "call",
+                 "done")
+# nccl_emu.h LogKind
+NCCL_PUT, NCCL_PUT_STRONG, NCCL_PUT_WEAK, NCCL_SIGNAL_STRONG, NCCL_SIGNAL_WEAK = range(5)
 
 
 class InternodeEmu:
@@ -37,20 +45,31 @@ class InternodeEmu:
     (jax_ep._src.emu.EmulatedFabric; default the standard node with what the bootstrap
     sets), from which the emulated NVSHMEM places every QP handle on a wire port.
     default_handles: nvshmemx_qp_create returns NVSHMEMX_QP_DEFAULT for every handle.
+    transport: "nvshmem" or "nccl" (default DEFAULT["transport"]): over NCCL GIN the world
+    is an emulated NCCL one (kernels/emu/nccl_emu.h) started by `gpus_per_process` GPUs
+    per process, as one JAX process drives its local devices (1: a process per GPU);
+    max_contexts: GIN contexts the emulated NCCL grants a device communicator at most.
     """
 
     def __init__(self, R, *, gpus_per_node=1, num_ports=2, qps_per_port=1, chunk_bytes=256,
                  seed=1, max_delay=32, qp_api=True, heap_mib=4, resident_blocks=16,
                  timeout_s=0.05, preempt_prob=0.0, preempt_ns=0.0, idle_after_ns=250e3,
-                 sysfs=None, env_for=None, lag_affinity=True, default_handles=False):
+                 sysfs=None, env_for=None, lag_affinity=True, default_handles=False,
+                 transport=None, gpus_per_process=1, max_contexts=None):
         self.R, self.G = R, gpus_per_node
         self.P, self.Q, self.chunk = num_ports, qps_per_port, chunk_bytes
         self.qp_api = qp_api
         self.seed = seed
+        self.transport = transport or DEFAULT["transport"]
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         self.emu = Emulator(R, seed=seed, resident_blocks=resident_blocks, timeout_s=timeout_s,
                             preempt_prob=preempt_prob, preempt_ns=preempt_ns,
                             idle_after_ns=idle_after_ns)
         self.calls = 0
+        if self.transport == "nccl":
+            self._start_nccl(gpus_per_process, max_delay, heap_mib, max_contexts)
+            return
         world = dict(num_pes=R, gpus_per_node=gpus_per_node, num_ports=num_ports,
                      qps_per_port=qps_per_port, seed=seed, max_delay=max_delay,
                      qp_api=int(qp_api), default_handles=int(default_handles))
@@ -67,6 +86,31 @@ class InternodeEmu:
                     num_qps=num_ports * qps_per_port, qp_api=int(qp_api))
         _, errs = self.emu.run("internode_init", [[]] * R, [[]] * R, init)
         self._raise(errs)
+
+    def _start_nccl(self, per_process, max_delay, heap_mib, max_contexts):
+        """A fresh emulated NCCL world, then one start per emulated process: the process of
+        GPUs [p, p + per_process) makes its communicators in one group and the internode
+        runtime on each (internode::StartOverNccl), as jax_ep.nccl_bootstrap does."""
+        R = self.R
+        if per_process < 1 or R % per_process:
+            raise ValueError(f"gpus_per_process={per_process} must divide R={R}")
+        self.gpus_per_process = per_process
+        one = dict(skip=range(1, R))
+        world = dict(num_ranks=R, gpus_per_node=self.G, seed=self.seed, max_delay=max_delay)
+        if max_contexts is not None:
+            world["max_contexts"] = max_contexts
+        _, errs = self.emu.run("internode_nccl_world", [[]] * R, [[]] * R, world, **one)
+        self._raise(errs)
+        res, errs = self.emu.run("internode_nccl_uid", [[]] * R, [[((128,), np.uint8)]] * R,
+                                 {}, **one)
+        self._raise(errs)
+        uid = res[0][0]
+        start = dict(world=R, local=per_process, heap_bytes=HEAP_SLACK + (heap_mib << 20),
+                     num_qps=self.P * self.Q, gpus_per_node=self.G)
+        _, errs = self.emu.run("internode_nccl_start", [[uid]] * R, [[]] * R, start,
+                               skip=[r for r in range(R) if r % per_process])
+        self._raise(errs)
+        self.fabric = None
 
     def _raise(self, errs):
         bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
@@ -185,6 +229,17 @@ class InternodeEmu:
         op past llwire::kErrOpBase, which the other modes' decoders do not know)."""
         _, errs = self.emu.run("internode_ll_error", [[]] * self.R, [[]] * self.R, {})
         return errs
+
+    def nccl_log(self):
+        """The emulated NCCL's GIN operations since the last call, as dicts of
+        NCCL_LOG_COLS (kind: NCCL_PUT ... NCCL_SIGNAL_WEAK), and the operations pending."""
+        one = dict(skip=range(1, self.R))
+        res, _ = self.emu.run("internode_nccl_log_size", [[]] * self.R,
+                              [[((2,), np.int32)]] * self.R, {}, **one)
+        n, pending = (int(v) for v in res[0][0])
+        res, _ = self.emu.run("internode_nccl_log", [[]] * self.R,
+                              [[((n, len(NCCL_LOG_COLS)), np.int32)]] * self.R, {}, **one)
+        return [dict(zip(NCCL_LOG_COLS, (int(v) for v in row))) for row in res[0][0]], pending
 
     def log(self):
         """The puts since the last log() as dicts {src, dst, qp, port, wire, handle,

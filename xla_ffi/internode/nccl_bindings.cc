@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/internode/internode_kernels.h"
 #include "kernels/internode/nccl_host.h"
 #include "xla_ffi/common/transport_bindings.h"
 
@@ -46,8 +47,9 @@ void AddNcclBindings(nb::module_& m) {
     std::string err;
     {
       nb::gil_scoped_release unlocked;
-      err = nccl_host::Start(ordinals, ranks, world, id, heap_bytes, num_contexts,
-                             gpus_per_node);
+      // the communicators, then each GPU's internode runtime on its window
+      err = internode::StartOverNccl(ordinals, ranks, world, id, heap_bytes, num_contexts,
+                                     gpus_per_node);
     }
     Check(err);
   }, nb::arg("ordinals"), nb::arg("ranks"), nb::arg("world"), nb::arg("uid"),
@@ -56,10 +58,14 @@ void AddNcclBindings(nb::module_& m) {
     std::string err;
     {
       nb::gil_scoped_release unlocked;
-      err = nccl_host::Finish(ordinals);
+      err = internode::FinishOverNccl(ordinals);
     }
     Check(err);
   }, nb::arg("ordinals"));
+  m.def("nccl_started", []() { return nccl_host::Started(); },
+        "Started() on the current CUDA device.");
+  m.def("nccl_rank", []() { return nccl_host::Rank(); }, "The current device's world rank.");
+  m.def("nccl_world", []() { return nccl_host::World(); }, "The NCCL world's size.");
   m.def("nccl_info", []() {
     nb::dict d;
     d["started"] = nccl_host::Started();
