@@ -471,6 +471,7 @@ void Issue(ncclDevComm const& c, int ctx, int peer, bool is_put, ncclWindow_t ds
                   : (a.kind == kSigStrong ? kSignalStrong : kSignalWeak);
   r.call = s.call;
   r.done = -1;
+  r.sig_off = a.kind != kSigNone ? static_cast<int64_t>(a.offset) : -1;
   op.log_index = static_cast<int64_t>(s.log.size());
   op.log_epoch = s.log_epoch;
   s.log.push_back(r);

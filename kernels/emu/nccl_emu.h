@@ -461,6 +461,7 @@ struct LogRecord {
   int kind;       // LogKind
   int64_t call;   // set_call's number at issue
   int64_t done;   // the transport's processing sequence number, -1 while queued
+  int64_t sig_off;  // the signal word's offset in its window (the atomic's address), -1: none
 };
 // Tags the operations logged from now on (the driver numbers its calls); data the previous
 // call left unsettled lands first.

@@ -30,7 +30,7 @@ MODES = {"direct": "internode_", "hierarchical": "internode_hier_",
 TRANSPORTS = ("nvshmem", "nccl")
 DEFAULT = {"transport": "nvshmem"}
 NCCL_LOG_COLS = ("src", "dst", "context", "port", "devcomm", "block", "bytes", "kind", "call",
-                 "done")
+                 "done", "sig_off")
 # nccl_emu.h LogKind
 NCCL_PUT, NCCL_PUT_STRONG, NCCL_PUT_WEAK, NCCL_SIGNAL_STRONG, NCCL_SIGNAL_WEAK = range(5)
 
@@ -68,7 +68,7 @@ class InternodeEmu:
                             idle_after_ns=idle_after_ns)
         self.calls = 0
         if self.transport == "nccl":
-            self._start_nccl(gpus_per_process, max_delay, heap_mib, max_contexts)
+            self._start_nccl(gpus_per_process, max_delay, heap_mib, max_contexts, sysfs)
             return
         world = dict(num_pes=R, gpus_per_node=gpus_per_node, num_ports=num_ports,
                      qps_per_port=qps_per_port, seed=seed, max_delay=max_delay,
@@ -87,7 +87,7 @@ class InternodeEmu:
         _, errs = self.emu.run("internode_init", [[]] * R, [[]] * R, init)
         self._raise(errs)
 
-    def _start_nccl(self, per_process, max_delay, heap_mib, max_contexts):
+    def _start_nccl(self, per_process, max_delay, heap_mib, max_contexts, sysfs):
         """A fresh emulated NCCL world, then one start per emulated process: the process of
         GPUs [p, p + per_process) makes its communicators in one group and the internode
         runtime on each (internode::StartOverNccl), as jax_ep.nccl_bootstrap does."""
@@ -105,12 +105,21 @@ class InternodeEmu:
                                  {}, **one)
         self._raise(errs)
         uid = res[0][0]
-        start = dict(world=R, local=per_process, heap_bytes=HEAP_SLACK + (heap_mib << 20),
+        self.heap_bytes = HEAP_SLACK + (heap_mib << 20)
+        start = dict(world=R, local=per_process, heap_bytes=self.heap_bytes,
                      num_qps=self.P * self.Q, gpus_per_node=self.G)
         _, errs = self.emu.run("internode_nccl_start", [[uid]] * R, [[]] * R, start,
                                skip=[r for r in range(R) if r % per_process])
         self._raise(errs)
-        self.fabric = None
+        # Each rank's GIN contexts on its NIC's ports, as NCCL places them (the C++ rule,
+        # nccl_select.h, through jax_ep.network.fabric.nccl_selection) with what the
+        # bootstrap sets: the log's port is the context's place among its GPU's own ports.
+        self.fabric = NcclFabric(R, self.G, TransportConfig(num_ports=self.P,
+                                                            qps_per_port=self.Q),
+                                 sysfs=sysfs)
+        ports = np.array(self.fabric.context_ports, np.int32)
+        _, errs = self.emu.run("internode_nccl_ports", [[ports]] * R, [[]] * R, {}, **one)
+        self._raise(errs)
 
     def _raise(self, errs):
         bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
@@ -241,6 +250,42 @@ class InternodeEmu:
                               [[((n, len(NCCL_LOG_COLS)), np.int32)]] * self.R, {}, **one)
         return [dict(zip(NCCL_LOG_COLS, (int(v) for v in row))) for row in res[0][0]], pending
 
+    def _nccl_records(self):
+        """The GIN puts as log() gives them: qp = handle = the context (context q carries
+        the plan's QP q), port from the context's wire port, and sig_op from what the
+        signal word is (GIN has only adds, so the word tells a SET's header or count from
+        a data chunk's ADD): the low-latency area past the heap halves and the
+        hierarchical exchange (full devComm, past the direct signal words) hold SET
+        words, the rail devComm's signals are chunk ADDs, and a direct signal word's kind
+        is its place in [kind][source][qp] (wire_protocol.h sig_word)."""
+        from jax_ep._src.ext import require_ext
+        proto = require_ext().internode_protocol()
+        align, slack = proto["heap_align"], proto["heap_slack_bytes"]
+        half = ((self.heap_bytes - slack) // 2) // align * align
+        per_kind = self.R * proto["max_qps"]
+        control_kinds = proto["sig_kinds"][:2]  # kSigHeader, kSigCounts
+        log, pending = self.nccl_log()
+        recs = []
+        for r in log:
+            if r["kind"] not in (NCCL_PUT, NCCL_PUT_STRONG, NCCL_PUT_WEAK):
+                continue  # signals alone are counted, not logged (as the NVSHMEM log)
+            if r["kind"] == NCCL_PUT:
+                sig_op = -1
+            elif r["sig_off"] >= 2 * half or r["devcomm"] == 0 and (
+                    (r["sig_off"] % half) // 8 >= proto["num_sig_kinds"] * per_kind):
+                sig_op = SIGNAL_SET
+            elif r["devcomm"] == 1:
+                sig_op = SIGNAL_ADD
+            else:
+                kind = ((r["sig_off"] % half) // 8) // per_kind
+                sig_op = SIGNAL_SET if kind in control_kinds else SIGNAL_ADD
+            recs.append(dict(src=r["src"], dst=r["dst"], qp=r["context"],
+                             handle=r["context"], bytes=r["bytes"], sig_op=sig_op,
+                             call=r["call"], block=r["block"], port=r["port"],
+                             wire=self.fabric.wire_name(r["src"], r["port"]),
+                             strong=r["kind"] == NCCL_PUT_STRONG))
+        return recs, pending
+
     def log(self):
         """The puts since the last log() as dicts {src, dst, qp, port, wire, handle,
         bytes, sig_op (SIGNAL_ADD: a data chunk, SIGNAL_SET: a header or count row), call,
@@ -248,6 +293,8 @@ class InternodeEmu:
         queued (a finished call leaves none). `wire` is the device:port (or bond member)
         the emulated NVSHMEM put it on; `port` its place among the source GPU's own NIC
         ports (-1: not one of them)."""
+        if self.transport == "nccl":
+            return self._nccl_records()
         one = dict(skip=range(1, self.R))
         res, _ = self.emu.run("internode_log_size", [[]] * self.R,
                               [[((2,), np.int32)]] * self.R, {}, **one)
@@ -266,6 +313,48 @@ class InternodeEmu:
 
     def counters(self):
         return self.emu.counters()
+
+
+class NcclFabric:
+    """The node every emulated node is (default the standard node, one HCA of num_ports
+    ports per GPU), and where NCCL puts each rank's GIN contexts there with the variables
+    the bootstrap sets (jax_ep.network.fabric.nccl_env_for), by the C++ rule
+    (nccl_selection). context_ports[r][c]: context c's place among rank r's GPU's own
+    ports in the plan's order (-1: a port that is not one of them)."""
+
+    def __init__(self, R, G, cfg, *, sysfs=None):
+        from jax_ep._src.emu import standard_node
+        from jax_ep.network import fabric as fb
+        root = sysfs or standard_node(G, cfg.num_ports)
+        gpus = fb.node_gpus(root)[:G]
+        self.sysfs, self.G, self.own_ports, self.selections, self.wires = root, G, [], [], []
+        for g in gpus:
+            f = fb.discover(root, g)
+            env = fb.nccl_env_for(f, cfg, ranks_per_node=G)
+            sel = fb.nccl_selection(env, sysfs=root, gpu=g, ranks_per_node=G,
+                                    num_contexts=cfg.num_qps, devices=f.devices)
+            if sel.get("error"):
+                raise RuntimeError(f"NCCL's selection for GPU {g}: {sel['error']}")
+            self.selections.append(sel)
+            if f.fabric_class == "roce-lag" and f.bond:
+                own = list(f.bond.slaves)
+                wires = [f.bond.slaves[m - 1] if m > 0 else p
+                         for p, m in zip(sel["context_ports"], sel["context_lag_member"])]
+            else:
+                own = [f"{d}:{p}" for d, p in sorted(f.selected)]
+                wires = list(sel["context_ports"])
+            self.own_ports.append(own)
+            self.wires.append(wires)
+        self.context_ports = [[self.own_ports[r % G].index(w) if w in self.own_ports[r % G]
+                               else -1 for w in self.wires[r % G]] for r in range(R)]
+
+    def wire_name(self, src, port):
+        own = self.own_ports[src % self.G]
+        return own[port] if 0 <= port < len(own) else None
+
+    def port_index(self, src: int, name: str) -> int:
+        own = self.own_ports[src % self.G]
+        return own.index(name) if name in own else -1
 
 
 # ------------------------------------------------------------------ the reference oracle

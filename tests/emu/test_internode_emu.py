@@ -22,7 +22,8 @@ from internode_emu_util import (SIGNAL_ADD, SIGNAL_SET, InternodeEmu, bits,  # n
 from jax_ep.network.plan import check_wire_log  # noqa: E402
 from jax_ep.network.transport import TransportConfig  # noqa: E402
 
-pytestmark = pytest.mark.emu
+SYSFS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "sysfs")
+pytestmark = [pytest.mark.emu, pytest.mark.usefixtures("transport")]
 full = pytest.mark.emu_full
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DISPATCH_FIELDS = ("recv_x", "recv_idx", "recv_w", "num_recv", "num_dropped", "per_expert",
@@ -229,13 +230,20 @@ def _data_puts(log):
     return [r for r in log if r["sig_op"] == SIGNAL_ADD]
 
 
-@pytest.mark.parametrize("ports,qpp,chunk", [(2, 2, 48), pytest.param(4, 1, 64, marks=full)])
-def test_transport_log_matches_stripe(ports, qpp, chunk):
+@pytest.mark.parametrize("ports,qpp,chunk", [
+    (2, 2, 48),
+    pytest.param(4, 1, 64, marks=[full, pytest.mark.transport_only("nvshmem")])])
+def test_transport_log_matches_stripe(ports, qpp, chunk, transport):
     """Bytes per QP handle and per port of every data stream, as the emulated NIC logged
     them, equal TransportConfig.stripe of the stream (jax_ep.network.plan.check_wire_log);
-    headers and count rows go on QP 0. A change of SendKernel's QP choice fails it."""
+    headers and count rows go on QP 0. A change of SendKernel's QP choice fails it. Over
+    NCCL the node has its two ports as two devices (node8_roce_pairs): on the standard
+    node's one dual-port device NCCL puts every context on port 1
+    (test_nccl_standard_node_one_port)."""
     c = Case("wire", R=4, T=10, H=24, K=3, E=8, C=40, ports=ports, qpp=qpp, chunk=chunk)
-    em = InternodeEmu(c.R, num_ports=ports, qps_per_port=qpp, chunk_bytes=chunk, seed=3)
+    sysfs = os.path.join(SYSFS, "node8_roce_pairs") if transport == "nccl" else None
+    em = InternodeEmu(c.R, num_ports=ports, qps_per_port=qpp, chunk_bytes=chunk, seed=3,
+                      sysfs=sysfs)
     x, idx, w, y, g = inputs(c)
     outs, errs = em.dispatch(x, idx, w, num_experts=c.E, capacity=c.C)
     assert errs == [""] * c.R
@@ -267,9 +275,28 @@ def test_transport_log_matches_stripe(ports, qpp, chunk):
     assert not check_wire_log(cfg, moved)["ok"]
 
 
-def test_counters_per_qp():
-    """The emulated transport counts puts, signals and work requests per QP; they add up
-    to the log (a put-with-signal is two work requests)."""
+@pytest.mark.transport_only("nccl")
+def test_nccl_standard_node_one_port(transport):
+    """The standard node has one dual-port HCA per GPU: NCCL's GDAKI makes every QP on port
+    1 of it (nccl_select.h), so the emulated NIC logs every context on one port and the
+    check against a two-port plan fails, naming the port: both ports are not true there
+    over NCCL (docs/internode.md, "How NCCL picks ports for GIN contexts")."""
+    c = Case("wire1", R=4, T=10, H=24, K=3, E=8, C=40, ports=2, qpp=1, chunk=48)
+    em = InternodeEmu(c.R, num_ports=2, qps_per_port=1, chunk_bytes=48, seed=3)
+    x, idx, w, y, g = inputs(c)
+    _, errs = em.dispatch(x, idx, w, num_experts=c.E, capacity=c.C)
+    assert errs == [""] * c.R
+    log, _ = em.log()
+    data = _data_puts(log)
+    assert {r["qp"] for r in data} == {0, 1}
+    assert {r["wire"] for r in data} == {"mlx5_0:1"}  # one node GPU: its HCA, port 1
+    res = check_wire_log(TransportConfig(num_ports=2, qps_per_port=1, chunk_bytes=48), log)
+    assert not res["ok"] and "went out on port 0" in " ".join(res["disagreements"])
+
+
+def test_counters_per_qp(transport):
+    """The emulated transport counts puts, signals and work requests per QP (NCCL: per GIN
+    context); they add up to the log (a put-with-signal is two work requests)."""
     c = Case("counters", R=4, T=8, H=16, ports=2, qpp=1, chunk=64)
     em = InternodeEmu(c.R, num_ports=2, qps_per_port=1, chunk_bytes=64, seed=2)
     em.emu.reset_counters()
@@ -277,13 +304,15 @@ def test_counters_per_qp():
     em.dispatch(x, idx, w, num_experts=c.E, capacity=c.C)
     log, _ = em.log()
     cnt = em.counters()
+    pre = "nvshmem:qp" if transport == "nvshmem" else "nccl:ctx"
     for q in range(2):
         puts = [r for r in log if r["qp"] == q]
-        assert cnt.get(f"nvshmem:qp{q}:puts", 0) == len(puts)
-        assert cnt.get(f"nvshmem:qp{q}:bytes", 0) == sum(r["bytes"] for r in puts)
-        assert cnt.get(f"nvshmem:qp{q}:wrs", 0) >= 2 * len(puts)
+        assert puts
+        assert cnt.get(f"{pre}{q}:puts", 0) == len(puts)
+        assert cnt.get(f"{pre}{q}:bytes", 0) == sum(r["bytes"] for r in puts)
+        assert cnt.get(f"{pre}{q}:wrs", 0) >= 2 * len(puts)
         # every data put signals, plus one closing signal per (peer, QP)
-        assert cnt.get(f"nvshmem:qp{q}:signals", 0) > len([r for r in puts if r["sig_op"] >= 0])
+        assert cnt.get(f"{pre}{q}:signals", 0) > len([r for r in puts if r["sig_op"] >= 0])
 
 
 @full
@@ -310,6 +339,8 @@ def test_direct_combine_hand_computed_node_order():
 
 # ------------------------------------------------------------------------- RDMA first
 
+# Over NCCL a copy to a peer of the node is the warp's own (LSA), which no NIC logs.
+@pytest.mark.transport_only("nvshmem")
 @pytest.mark.parametrize("R,G,ports,qpp", [(4, 2, 2, 1), pytest.param(8, 4, 1, 2, marks=full)])
 def test_rdma_posted_before_nvlink_copies(R, G, ports, qpp):
     """In every direct call (dispatch, combine, gather), each rank's puts to peers on other

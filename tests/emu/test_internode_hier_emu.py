@@ -28,7 +28,7 @@ from internode_emu_util import (SIGNAL_ADD, InternodeEmu, _reference_program,  #
                                 bits, reference, routing)
 from test_internode_emu import DISPATCH_FIELDS  # noqa: E402
 
-pytestmark = pytest.mark.emu
+pytestmark = [pytest.mark.emu, pytest.mark.usefixtures("transport")]
 full = pytest.mark.emu_full
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -422,7 +422,7 @@ def test_combine_inter_node_bytes_equal_dispatch():
                               f"combine {rows_c * H * 2}")
 
 
-def test_combine_pushers_write_half_a_ring_per_release():
+def test_combine_pushers_write_half_a_ring_per_release(transport):
     """The shipped rings filled: 2 x 2, float32, 200 tokens, topk 4 of 8 experts, so every
     source's rows at a rank (about 160) wrap its 64-row NVLink ring twice. Bit-exact against
     the reference; and each combine pusher (one per source up to 64 ranks, each of its
@@ -452,7 +452,11 @@ def test_combine_pushers_write_half_a_ring_per_release():
         rows = np.bincount(src[src >= 0], minlength=R)
         assert rows.min() > 2 * NVL_RING_ROWS, rows  # every ring wraps twice
         batches = int(-(-rows.max() // half))
-        assert emulator.counters(r).get("chain:fences:system", 0) == batches, (r, rows)
+        chain = emulator.counters(r).get("chain:fences:system", 0)
+        if transport == "nvshmem":
+            assert chain == batches, (r, rows)
+        else:  # the count exchange's copies to this node's peers fence too (LSA puts)
+            assert batches <= chain <= batches + 2, (r, rows, chain)
 
 
 @full

@@ -18,7 +18,7 @@ from emu_intranode_util import (LL_DISPATCH_KEYS, assert_same, bits, ll_referenc
                                 ll_routing, rows)
 from internode_emu_util import InternodeEmu  # noqa: E402
 
-pytestmark = pytest.mark.emu
+pytestmark = [pytest.mark.emu, pytest.mark.usefixtures("transport")]
 full = pytest.mark.emu_full
 
 GARBAGE = 0xA5  # the emulator's byte in every output before a kernel writes it
@@ -189,7 +189,22 @@ def test_ll_send_halves_return_with_puts_undelivered():
                     f"round {i}: ")
 
 
-def test_ll_one_count_signal_per_expert_and_source():
+def wire_counts(em, idx, E, before, after):
+    """(rows a dispatch puts on the wire, readers each writer signals, signals counted):
+    over NVSHMEM every rank, itself included; over NCCL GIN not itself (a rank's own rows
+    and words are its warps' copies, transport_nccl_gin.cuh), with one node GPU each."""
+    R = idx.shape[0]
+    pre = "nvshmem:qp" if em.transport == "nvshmem" else "nccl:ctx"
+    sig = sum(after.get(k, 0) - before.get(k, 0) for k in after
+              if k.startswith(pre) and k.endswith(":signals"))
+    if em.transport == "nvshmem":
+        return int((idx >= 0).sum()), R, sig
+    owner = np.where(idx >= 0, idx // (E // R), -1)
+    mine = np.arange(R)[:, None, None]
+    return int(((idx >= 0) & (owner != mine)).sum()), R - 1, sig
+
+
+def test_ll_one_count_signal_per_expert_and_source(transport):
     """Rows go as plain puts, then one count signal per (writer, reader's expert): the
     signals of a dispatch are R * E (the experts with no rows included), never one per
     row, and every row put carries no signal."""
@@ -202,14 +217,12 @@ def test_ll_one_count_signal_per_expert_and_source():
     tok, errs = em.ll_dispatch_send(x, idx)
     assert errs == [""] * R, errs
     log, _ = em.log()
-    after = em.counters()
-    sig = sum(after.get(k, 0) - before.get(k, 0) for k in after
-              if k.startswith("nvshmem:qp") and k.endswith(":signals"))
-    rows_sent = int((idx >= 0).sum())
+    rows_sent, readers, sig = wire_counts(em, idx, E, before, em.counters())
     headers = [p for p in log if p["sig_op"] >= 0]
     plain = [p for p in log if p["sig_op"] < 0]
-    assert len(headers) == R * R and len(plain) == rows_sent, (len(headers), len(plain))
-    assert sig == R * R + R * E, sig  # headers, then one count per (source, expert)
+    assert len(headers) == R * readers and len(plain) == rows_sent, (len(headers), len(plain))
+    # headers, then one count per (source, reader's expert)
+    assert sig == R * readers + readers * E, sig
     d, errs = em.ll_dispatch_recv(tok, H=H, dtype=x.dtype)
     assert errs == [""] * R, errs
 
@@ -510,7 +523,7 @@ def test_ll_fp8_no_rows_and_one_token(kind):
     assert em.ll_errors() == [""] * R
 
 
-def test_ll_fp8_one_put_per_token_and_expert():
+def test_ll_fp8_one_put_per_token_and_expert(transport):
     """The transport log of an FP8 dispatch: one plain put per (token, expert) of one
     message's bytes (values, scales and the token index), R * R headers and R * E count
     signals; the values and scales as two dispatches of one routing post twice the puts
@@ -523,17 +536,16 @@ def test_ll_fp8_one_put_per_token_and_expert():
     rng = np.random.default_rng(93)
     x = fp8_rows(R, S, H, "f32", rng)
     idx = ll_routing(R, S, K, E, rng)
-    rows_sent = int((idx >= 0).sum())
 
     def posted(f):
         em.log()
         before = em.counters()
         tokens = f()
         log, _ = em.log()
-        after = em.counters()
-        sig = sum(after.get(k, 0) - before.get(k, 0) for k in after
-                  if k.startswith("nvshmem:qp") and k.endswith(":signals"))
+        _, _, sig = wire_counts(em, idx, E, before, em.counters())
         return tokens, [p for p in log if p["sig_op"] < 0], sig
+
+    rows_sent, readers, _ = wire_counts(em, idx, E, {}, {})
 
     def one():
         tok, errs = fp8_send(em, x, idx)
@@ -541,7 +553,7 @@ def test_ll_fp8_one_put_per_token_and_expert():
         return tok
 
     tok, plain, sig = posted(one)
-    assert len(plain) == rows_sent and sig == R * R + R * E, (len(plain), sig)
+    assert len(plain) == rows_sent and sig == R * readers + readers * E, (len(plain), sig)
     # A message: H values and H / 128 scales padded to 16, then the 16-byte token index.
     assert {p["bytes"] for p in plain} == {fp8_msg_bytes(H) + 16}
     d, errs = fp8_recv(em, tok, H=H)

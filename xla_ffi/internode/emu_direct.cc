@@ -43,7 +43,7 @@ void FinalizeWorlds(int num_ranks) {
 
 #if defined(JAX_EP_WITH_NCCL)
 // The NCCL GIN world's ops (tests/emu/internode_emu_util.py, transport="nccl").
-constexpr int kNcclLogCols = 10;
+constexpr int kNcclLogCols = 11;
 std::string InvokeNccl(const CallArgs& a, bool* known) {
   *known = true;
   if (a.op == "internode_nccl_world") {  // once, on any virtual GPU: a fresh NCCL world
@@ -96,14 +96,15 @@ std::string InvokeNccl(const CallArgs& a, bool* known) {
     o[1] = static_cast<int32_t>(nccl_emu::pending());
     return {};
   }
-  if (a.op == "internode_nccl_log") {  // s32[n, 10]: src dst ctx port devcomm block bytes kind call done
+  // s32[n, 11]: src dst ctx port devcomm block bytes kind call done sig_off
+  if (a.op == "internode_nccl_log") {
     const auto& log = nccl_emu::log();
     int32_t* o = static_cast<int32_t*>(a.out.at(0)->data);
     const int64_t n = a.out.at(0)->dims[0];
     for (int64_t i = 0; i < n && i < static_cast<int64_t>(log.size()); ++i) {
       const nccl_emu::LogRecord& p = log[static_cast<size_t>(i)];
-      const int64_t row[kNcclLogCols] = {p.src,   p.dst,   p.context, p.port, p.devcomm,
-                                         p.block, p.bytes, p.kind,    p.call, p.done};
+      const int64_t row[kNcclLogCols] = {p.src,   p.dst,   p.context, p.port, p.devcomm, p.block,
+                                         p.bytes, p.kind,  p.call,    p.done, p.sig_off};
       for (int c = 0; c < kNcclLogCols; ++c) o[i * kNcclLogCols + c] = static_cast<int32_t>(row[c]);
     }
     nccl_emu::clear_log();
