@@ -140,7 +140,7 @@ class InternodeEmu:
 
     def _run(self, op, mode, ins, outs, attrs, skip, per_rank_attrs=None):
         self._tag()
-        pra = [dict(rank=r, **(per_rank_attrs[r] if per_rank_attrs else {}))
+        pra = [{"rank": r, **(per_rank_attrs[r] if per_rank_attrs else {})}
                for r in range(self.R)]
         return self.emu.run(MODES[mode] + op, ins, outs, attrs, skip=skip, per_rank_attrs=pra)
 
