@@ -10,7 +10,7 @@ One Mutant per entry:
                module (JAX_EP_EMU_MODULE_DIR)
   why          the mistake, in a few words
 One module per kernel file (layout, intranode, copy_engine, low_latency, internode,
-hierarchical, internode_ll) and one for the fabric set-up (fabric: the bootstrap's NVSHMEM environment,
+hierarchical, internode_ll, nccl_gin: the NCCL GIN transport) and one for the fabric set-up (fabric: the bootstrap's NVSHMEM environment,
 the default-handle refusal, the LAG shim) and one for the virtual-rank harness's launch
 code (harness: xla_ffi/cuda/cuda_handlers.cc); append to the module of the file you mutate; names are unique across all. A mutant that no
 test can kill is equivalent under the emulator's model: explain it in docs/emulator.md
@@ -32,10 +32,10 @@ class Mutant(NamedTuple):
 
 def _all():
     from . import (copy_engine, fabric, harness, hierarchical, internode, internode_ll, intranode,
-                   layout, low_latency)
+                   layout, low_latency, nccl_gin)
     out = []
     for mod in (layout, intranode, copy_engine, low_latency, internode, hierarchical,
-                internode_ll, fabric, harness):
+                internode_ll, nccl_gin, fabric, harness):
         out.extend(mod.MUTANTS)
     names = [m.name for m in out]
     dup = {n for n in names if names.count(n) > 1}

@@ -7,8 +7,8 @@ from ._paths import *  # noqa: F401,F403
 MUTANTS = [
     # ---------------------------------------------------------- internode hierarchical
     Mutant("hier_credit_early", HIER,
-           "      Tr::signal(v.credit + g.node, static_cast<uint64_t>(c + 1), SignalOp::kSet, s,",
-           "      Tr::signal(v.credit + g.node, static_cast<uint64_t>(c + 2), SignalOp::kSet, s,",
+           "        Tr::signal(transport::Set(v.credit + g.node, static_cast<uint64_t>(c + 1),",
+           "        Tr::signal(transport::Set(v.credit + g.node, static_cast<uint64_t>(c + 2),",
            (T_HIER, "-k", "small_rings"),
            "credit returned early: the sender overwrites a ring slot not yet forwarded"),
     Mutant("hier_source_credit_early", HIER,

@@ -12,20 +12,20 @@ MUTANTS = [
            (T_IN, "-k", "receives_nothing"),
            "count zeroed: a rank that receives no rows loses the matrix its combine needs"),
     Mutant("in_send_wrong_qp", IN,
-           "                       static_cast<size_t>(chunk_size(s.bytes, j, g.chunk)), sig, 1,\n"
-           "                       SignalOp::kAdd, peer, q);",
-           "                       static_cast<size_t>(chunk_size(s.bytes, j, g.chunk)), sig, 1,\n"
-           "                       SignalOp::kAdd, peer, (q + 1) % g.num_qps);",
+           "                       static_cast<size_t>(chunk_size(s.bytes, j, g.chunk)),\n"
+           "                       transport::Add(sig, 1), peer, q);",
+           "                       static_cast<size_t>(chunk_size(s.bytes, j, g.chunk)),\n"
+           "                       transport::Add(sig, 1), peer, (q + 1) % g.num_qps);",
            (T_IN, "-k", "transport_log and not full"),
            "wrong QP handle: SendKernel puts a chunk on another QP than the plan's"),
     Mutant("in_closing_signal_skipped", IN,
-           "if (k % nw == w && lane == 0) T::signal(sig, 1, SignalOp::kAdd, peer, q);",
-           "if (false) T::signal(sig, 1, SignalOp::kAdd, peer, q);",
+           "if (k % nw == w && lane == 0) T::signal(transport::Add(sig, 1), peer, q);",
+           "if (false) T::signal(transport::Add(sig, 1), peer, q);",
            (T_IN, "-k", "basic"),
            "skipped signal: the receivers wait for a closing signal until the timeout"),
     Mutant("in_closing_signal_doubled", IN,
-           "if (k % nw == w && lane == 0) T::signal(sig, 1, SignalOp::kAdd, peer, q);",
-           "if (k % nw == w && lane == 0) T::signal(sig, 2, SignalOp::kAdd, peer, q);",
+           "if (k % nw == w && lane == 0) T::signal(transport::Add(sig, 1), peer, q);",
+           "if (k % nw == w && lane == 0) T::signal(transport::Add(sig, 2), peer, q);",
            (T_IN, "-k", "basic"),
            "doubled signal: a word ends past what the receiver expects"),
     Mutant("in_send_wrong_half", IN,
