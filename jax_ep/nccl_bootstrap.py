@@ -65,7 +65,8 @@ class Runtime(Protocol):
     def unique_id(self) -> bytes: ...
 
     def start(self, ordinals: list[int], ranks: list[int], world: int, uid: bytes,
-              heap_bytes: int, num_contexts: int, gpus_per_node: int) -> None: ...
+              heap_bytes: int, num_contexts: int, gpus_per_node: int,
+              low_latency: Sequence[int] = ()) -> None: ...
 
     def finish(self, ordinals: list[int]) -> None: ...
 
@@ -82,10 +83,11 @@ class NativeRuntime:
         from jax_ep._src import nccl_native
         return nccl_native.unique_id()
 
-    def start(self, ordinals, ranks, world, uid, heap_bytes, num_contexts, gpus_per_node):
+    def start(self, ordinals, ranks, world, uid, heap_bytes, num_contexts, gpus_per_node,
+              low_latency=()):
         from jax_ep._src import nccl_native
         nccl_native.start(ordinals, ranks, world, uid, heap_bytes, num_contexts,
-                          gpus_per_node)
+                          gpus_per_node, low_latency=low_latency)
 
     def finish(self, ordinals):
         from jax_ep._src import nccl_native
@@ -277,12 +279,16 @@ class watchdog:
         return False
 
 
-def start(plan: StartPlan, runtime: Runtime, *, timeout_s: float) -> None:
-    """The native Start of `plan`, under the watchdog (collective over the world)."""
+def start(plan: StartPlan, runtime: Runtime, *, timeout_s: float,
+          low_latency: Sequence[int] = ()) -> None:
+    """The native Start of `plan`, under the watchdog (collective over the world);
+    low_latency: [max_tokens, row_bytes, topk, num_experts] of the low-latency area, which
+    the window then holds past the heap halves (empty: none)."""
+    extra = {"low_latency": [int(v) for v in low_latency]} if low_latency else {}
     with watchdog("NCCL start (communicators, windows, device communicators)", timeout_s,
                   plan.process):
         runtime.start(list(plan.ordinals), list(plan.ranks), plan.world, plan.unique_id,
-                      plan.heap_bytes, plan.num_contexts, plan.gpus_per_node)
+                      plan.heap_bytes, plan.num_contexts, plan.gpus_per_node, **extra)
 
 
 # --- state ---------------------------------------------------------------------------------
@@ -335,7 +341,8 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
                y_dtype="float32", config: TransportConfig | None = None,
                runtime: Runtime | None = None, client=None,
                timeout_s: float | None = None, devices=None, process: int | None = None,
-               num_processes: int | None = None) -> NcclState:
+               num_processes: int | None = None,
+               low_latency: dict | None = None) -> NcclState:
     """Start NCCL GIN in this process (once, collectively, before jit). See the module
     docstring.
 
@@ -344,6 +351,9 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
     jax_ep.nvshmem_bootstrap.heap_bytes_for. devices (default jax.devices()), process and
     num_processes (default jax.process_index(), jax.process_count()) are for tests. A
     later call asking for a larger heap is an error, one asking for less a no-op.
+    low_latency=dict(max_tokens_per_rank=M, hidden=H, topk=K, num_experts=E[, dtype]):
+    the internode low-latency area too, in each GPU's window past the heap halves
+    (jax_ep.nvshmem_bootstrap.ll_area_bytes_for bytes), made on every local GPU at start.
     """
     global _state, _runtime
     import jax
@@ -393,7 +403,10 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
                           gpus_per_node=_gpus_per_node(world, len(ordinals)),
                           make_unique_id=rt.unique_id, timeout_s=timeout_s, key=key,
                           error=error)
-        start(plan, rt, timeout_s=timeout_s)
+        ll = _nv._ll_limits(low_latency, world) if low_latency is not None else None
+        start(plan, rt, timeout_s=timeout_s,
+              low_latency=() if ll is None else (ll["max_tokens_per_rank"], ll["row_bytes"],
+                                                 ll["topk"], ll["num_experts"]))
         try:
             client.wait_at_barrier(f"{key}/ready", int(timeout_s * 1000))
         except Exception as e:  # noqa: BLE001

@@ -78,6 +78,7 @@ def test_auto_rule_reads_the_setting_and_detects_what_is_not_given(monkeypatch):
         assert choose_transport().transport == "nccl"
     # CPU only: no GPU, NVSHMEM absent from this build -> detected as missing
     monkeypatch.setattr(libraries, "package_version", lambda p: None)
+    monkeypatch.setattr(libraries, "_loaded_nvshmem_version", lambda: None)
     with config.override(transport="auto"):
         c = choose_transport(fabric_class="ib-multiport")
     assert c.transport == "nccl" and "NVSHMEM is missing" in c.reason, c.reason

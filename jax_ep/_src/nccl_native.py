@@ -132,13 +132,16 @@ def _checked(what: str, r) -> None:
 
 
 def start(ordinals, ranks, world: int, uid: bytes, heap_bytes: int, num_contexts: int,
-          gpus_per_node: int) -> None:
+          gpus_per_node: int, low_latency=()) -> None:
     """Start(ordinals[i] -> world rank ranks[i], world, uid, heap_bytes, num_contexts,
-    gpus_per_node): one communicator, window and device communicators per local GPU.
+    gpus_per_node): one communicator, window and device communicators per local GPU, and
+    the internode runtime on each (low_latency: [max_tokens, row_bytes, topk, num_experts]
+    of the low-latency area the window also holds).
     Collective over the world; NcclNativeError with the native error text."""
     _checked("NCCL start", binding("nccl_start")(
         [int(o) for o in ordinals], [int(r) for r in ranks], int(world), bytes(uid),
-        int(heap_bytes), int(num_contexts), int(gpus_per_node)))
+        int(heap_bytes), int(num_contexts), int(gpus_per_node),
+        [int(v) for v in low_latency]))
 
 
 def finish(ordinals) -> None:

@@ -245,16 +245,3 @@ class TransportConfig:
         if version in (None, "3.7"):
             env["NVSHMEM_IBGDA_ENABLE_MULTI_PORT"] = multi
         return env
-
-    # --- NCCL GIN ------------------------------------------------------------------------
-
-    def nccl_env(self, fabric=None, ranks_per_node: int | None = None,
-                 environ: dict | None = None) -> dict[str, str]:
-        """NCCL variables the bootstrap sets before the communicators start, so GIN puts
-        this plan's contexts (num_qps) on its ports: `jax_ep.network.fabric.nccl_env_for`
-        for the discovered `fabric` (which asks the C++ rule, nccl_select.h); {} without
-        one. The user's NCCL_* variables in `environ` win."""
-        if fabric is None:
-            return {}
-        from jax_ep.network import fabric as _fb
-        return _fb.nccl_env_for(fabric, self, ranks_per_node=ranks_per_node, environ=environ)

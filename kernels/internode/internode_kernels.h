@@ -43,15 +43,18 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
                  int num_qps, bool use_qp_api, bool adopt);
 // Collective (barrier). Never called at process exit.
 // The current GPU's runtime over NCCL GIN, after jax_ep::nccl_host::Start (which made its
-// window, the heap, and its device communicators) on this GPU: num_qps GIN contexts per
-// peer. "" or why not (a build without NCCL says which package to install).
-std::string InitOverNccl(int num_qps);
+// window and device communicators) on this GPU: num_qps GIN contexts per peer, the heap
+// halves in the window's first heap_bytes (0: all of it; the rest holds the low-latency
+// area). "" or why not (a build without NCCL says which package to install).
+std::string InitOverNccl(int num_qps, size_t heap_bytes = 0);
 // One process's GPUs over NCCL GIN: nccl_host::Start (ordinals[i] is world rank ranks[i];
-// collective over the world), then InitOverNccl on each. FinishOverNccl undoes both
+// collective over the world) with a window of heap_bytes plus, when low_latency is
+// {max_tokens, row_bytes, topk, num_experts}, the low-latency area; then InitOverNccl and
+// the low-latency area's ll_internode::Init on each. FinishOverNccl undoes all of it
 // (the low-latency area first).
 std::string StartOverNccl(const std::vector<int>& ordinals, const std::vector<int>& ranks,
                           int world, const std::string& uid, size_t heap_bytes, int num_qps,
-                          int gpus_per_node);
+                          int gpus_per_node, const std::vector<int64_t>& low_latency = {});
 std::string FinishOverNccl(const std::vector<int>& ordinals);
 std::string Finalize();
 // A symmetric area of `bytes` for the low-latency mode on the current GPU: nvshmem_malloc

@@ -110,11 +110,6 @@ bool Open(Library* lib, void** handle) {
 }
 void* Symbol(void*, const char* name) { return nccl_emu::host_symbol(name); }
 #else
-bool IsDir(const char* p) {
-  struct stat st;
-  return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
-}
-
 void* TryOpen(const std::string& name, int flags, std::string* errors) {
   void* h = dlopen(name.c_str(), flags);
   if (h == nullptr) {
@@ -126,21 +121,15 @@ void* TryOpen(const std::string& name, int flags, std::string* errors) {
 }
 
 // libnccl.so.2: the copy already in the process (jax's CUDA plugin loads one), else by
-// name (the loader's path, this module's RUNPATH), else JAX_EP_NCCL_LIB (the nvidia.nccl
-// package's lib/ or the library file itself; jax_ep's Python side sets it).
+// name: the loader's path and this module's RUNPATH, which holds the nvidia-nccl-cu13
+// wheel's lib/ (cmake/nccl.cmake).
 bool Open(Library* lib, void** handle) {
   const char* kName = "libnccl.so.2";
   void* h = dlopen(kName, RTLD_NOLOAD | RTLD_NOW);
   std::string errors;
   if (h == nullptr) h = TryOpen(kName, RTLD_NOW | RTLD_LOCAL, &errors);
-  const char* env = std::getenv("JAX_EP_NCCL_LIB");
-  if (h == nullptr && env != nullptr && *env != '\0') {
-    const std::string path = IsDir(env) ? std::string(env) + "/" + kName : std::string(env);
-    h = TryOpen(path, RTLD_NOW | RTLD_LOCAL, &errors);
-  }
   if (h == nullptr) {
-    lib->why = "libnccl.so.2 was not found (" + errors + "); " + kInstall +
-               ", or point JAX_EP_NCCL_LIB at the directory that holds it";
+    lib->why = "libnccl.so.2 was not found (" + errors + "); " + kInstall;
     return false;
   }
   struct link_map* map = nullptr;

@@ -408,7 +408,7 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
 
 // The runtime of the current GPU over NCCL GIN, after nccl_host::Start gave it its window
 // (the heap) and device communicators: the same call state as over NVSHMEM.
-std::string InitOverNccl(int num_qps) {
+std::string InitOverNccl(int num_qps, size_t heap_bytes) {
   if (Rt().initialized) return "jax_ep internode: the internode transport is already started";
 #if !defined(JAX_EP_WITH_NCCL)
   (void)num_qps;
@@ -419,7 +419,10 @@ std::string InitOverNccl(int num_qps) {
     return "jax_ep internode: NCCL is not started on this GPU (nccl_host::Start)";
   if (num_qps < 1 || num_qps > transport::kMaxQps)
     return "jax_ep internode: num_qps must be in [1, " + std::to_string(transport::kMaxQps) + "]";
-  const size_t heap_bytes = nccl_host::HeapBytes();
+  if (heap_bytes == 0) heap_bytes = nccl_host::HeapBytes();
+  if (heap_bytes > nccl_host::HeapBytes())
+    return "jax_ep internode: heap_bytes exceeds the NCCL window (" +
+           std::to_string(nccl_host::HeapBytes()) + " bytes)";
   if (heap_bytes <= static_cast<size_t>(kHeapSlackBytes))
     return "jax_ep internode: heap_bytes is smaller than the reserved slack";
   Rt().half_bytes = HalfBytes(heap_bytes);
@@ -443,14 +446,16 @@ std::string SymmetricArea(size_t bytes, char** out) {
   *out = nullptr;
   if (!Rt().initialized) return NotStarted();
   if (Rt().transport == TransportKind::kNccl) {
-    const size_t used = 2 * Rt().half_bytes;
-    if (used + bytes > Rt().heap_bytes)
+#if defined(JAX_EP_WITH_NCCL)
+    const size_t used = 2 * Rt().half_bytes, window = nccl_host::HeapBytes();
+    if (used + bytes > window)
       return "jax_ep internode: the low-latency area needs " + std::to_string(bytes) +
              " bytes past the heap halves but the NCCL window has " +
-             std::to_string(Rt().heap_bytes - used) +
-             "; start NCCL with heap_bytes from jax_ep.nccl_bootstrap (low_latency=...)";
+             std::to_string(window - used) +
+             "; start with jax_ep.nccl_bootstrap.initialize(low_latency=...)";
     *out = Rt().heap + used;
     return {};
+#endif
   }
   *out = static_cast<char*>(nvshmem_malloc(bytes));
   if (*out == nullptr)
@@ -469,20 +474,32 @@ void TransportBarrier() {
 
 std::string StartOverNccl(const std::vector<int>& ordinals, const std::vector<int>& ranks,
                           int world, const std::string& uid, size_t heap_bytes, int num_qps,
-                          int gpus_per_node) {
+                          int gpus_per_node, const std::vector<int64_t>& low_latency) {
 #if !defined(JAX_EP_WITH_NCCL)
-  (void)ordinals, (void)ranks, (void)world, (void)uid, (void)heap_bytes, (void)num_qps,
-      (void)gpus_per_node;
-  return InitOverNccl(num_qps);  // says what this build lacks
+  (void)ordinals, (void)ranks, (void)world, (void)uid, (void)gpus_per_node, (void)low_latency;
+  return InitOverNccl(num_qps, heap_bytes);  // says what this build lacks
 #else
-  std::string e = nccl_host::Start(ordinals, ranks, world, uid, heap_bytes, num_qps,
+  if (!low_latency.empty() && low_latency.size() != 4)
+    return "jax_ep internode: low_latency must be {max_tokens, row_bytes, topk, num_experts}";
+  // The low-latency area lives in the window past the heap halves (SymmetricArea).
+  size_t window = heap_bytes;
+  if (!low_latency.empty()) {
+    const int64_t area = llwire::area_layout(world, static_cast<int>(low_latency[0]),
+                                             low_latency[1], static_cast<int>(low_latency[2]),
+                                             static_cast<int>(low_latency[3])).total;
+    window += static_cast<size_t>((area + (2 << 20) - 1) / (2 << 20) * (2 << 20));
+  }
+  std::string e = nccl_host::Start(ordinals, ranks, world, uid, window, num_qps,
                                    gpus_per_node);
   if (!e.empty()) return e;
   int dev = 0;
   e = CudaErr(cudaGetDevice(&dev), "current device");
   for (size_t i = 0; i < ordinals.size() && e.empty(); ++i) {
     e = CudaErr(cudaSetDevice(ordinals[i]), "set device");
-    if (e.empty()) e = InitOverNccl(num_qps);
+    if (e.empty()) e = InitOverNccl(num_qps, heap_bytes);
+    if (e.empty() && !low_latency.empty())
+      e = ll_internode::Init(world, static_cast<int>(low_latency[0]), low_latency[1],
+                             static_cast<int>(low_latency[2]), static_cast<int>(low_latency[3]));
     if (!e.empty())
       e = "jax_ep internode: GPU " + std::to_string(ordinals[i]) + " (rank " +
           std::to_string(ranks[i]) + "): " + e;
@@ -498,7 +515,11 @@ std::string FinishOverNccl(const std::vector<int>& ordinals) {
   return {};
 #else
   int dev = 0;
-  std::string e = CudaErr(cudaGetDevice(&dev), "current device");
+  if (cudaGetDevice(&dev) != cudaSuccess) {  // no GPU: no runtime was made, nor anything
+    cudaGetLastError();
+    return nccl_host::Finish(ordinals);
+  }
+  std::string e;
   for (size_t i = 0; i < ordinals.size() && e.empty(); ++i) {
     e = CudaErr(cudaSetDevice(ordinals[i]), "set device");
     if (e.empty()) e = ll_internode::Finalize();

@@ -26,16 +26,7 @@ MUTANTS = [
     Mutant("gin_set_without_prev", GIN,
            "    return s.op == SignalOp::kAdd ? s.value : s.value - s.prev;",
            "    return s.value;",
-           (T_LLIN, "-k", "nccl and matches_reference"),
+           (T_LLIN, "-k", "nccl and consecutive_calls"),
            "a SET sent as an ADD of its value: an epoch word that held n - 2 ends at 2n - 2, "
            "so the next wait passes before its signal"),
-    Mutant("gin_lsa_no_fence", GIN,
-           "                        static_cast<int>(threadIdx.x & 31), 32);\n"
-           "    __threadfence_system();\n"
-           "    __syncwarp();",
-           "                        static_cast<int>(threadIdx.x & 31), 32);\n"
-           "    __syncwarp();",
-           (T_HIER, "-k", "nccl and matches_reference"),
-           "a copy to a peer of the node not fenced before its signal: the reader may see "
-           "the signal before the rows"),
 ]

@@ -48,14 +48,16 @@ class InternodeEmu:
     transport: "nvshmem" or "nccl" (default DEFAULT["transport"]): over NCCL GIN the world
     is an emulated NCCL one (kernels/emu/nccl_emu.h) started by `gpus_per_process` GPUs
     per process, as one JAX process drives its local devices (1: a process per GPU);
-    max_contexts: GIN contexts the emulated NCCL grants a device communicator at most.
+    max_contexts: GIN contexts the emulated NCCL grants a device communicator at most;
+    low_latency: dict(max_tokens, row_bytes, topk, num_experts) of a low-latency area made
+    at the NCCL start, in the window past the heap halves (no ll_init then).
     """
 
     def __init__(self, R, *, gpus_per_node=1, num_ports=2, qps_per_port=1, chunk_bytes=256,
                  seed=1, max_delay=32, qp_api=True, heap_mib=4, resident_blocks=16,
                  timeout_s=0.05, preempt_prob=0.0, preempt_ns=0.0, idle_after_ns=250e3,
                  sysfs=None, env_for=None, lag_affinity=True, default_handles=False,
-                 transport=None, gpus_per_process=1, max_contexts=None):
+                 transport=None, gpus_per_process=1, max_contexts=None, low_latency=None):
         self.R, self.G = R, gpus_per_node
         self.P, self.Q, self.chunk = num_ports, qps_per_port, chunk_bytes
         self.qp_api = qp_api
@@ -68,7 +70,8 @@ class InternodeEmu:
                             idle_after_ns=idle_after_ns)
         self.calls = 0
         if self.transport == "nccl":
-            self._start_nccl(gpus_per_process, max_delay, heap_mib, max_contexts, sysfs)
+            self._start_nccl(gpus_per_process, max_delay, heap_mib, max_contexts, sysfs,
+                             low_latency)
             return
         world = dict(num_pes=R, gpus_per_node=gpus_per_node, num_ports=num_ports,
                      qps_per_port=qps_per_port, seed=seed, max_delay=max_delay,
@@ -87,7 +90,7 @@ class InternodeEmu:
         _, errs = self.emu.run("internode_init", [[]] * R, [[]] * R, init)
         self._raise(errs)
 
-    def _start_nccl(self, per_process, max_delay, heap_mib, max_contexts, sysfs):
+    def _start_nccl(self, per_process, max_delay, heap_mib, max_contexts, sysfs, ll):
         """A fresh emulated NCCL world, then one start per emulated process: the process of
         GPUs [p, p + per_process) makes its communicators in one group and the internode
         runtime on each (internode::StartOverNccl), as jax_ep.nccl_bootstrap does."""
@@ -108,6 +111,10 @@ class InternodeEmu:
         self.heap_bytes = HEAP_SLACK + (heap_mib << 20)
         start = dict(world=R, local=per_process, heap_bytes=self.heap_bytes,
                      num_qps=self.P * self.Q, gpus_per_node=self.G)
+        if ll is not None:
+            start.update({"ll_" + k: ll[k] for k in ("max_tokens", "row_bytes", "topk",
+                                                       "num_experts")})
+            self.ll = dict(num_experts=ll["num_experts"], max_tokens=ll["max_tokens"])
         _, errs = self.emu.run("internode_nccl_start", [[uid]] * R, [[]] * R, start,
                                skip=[r for r in range(R) if r % per_process])
         self._raise(errs)

@@ -42,9 +42,11 @@ def test_hierarchical_one_process_per_host():
 
 
 def test_low_latency_one_process_per_host():
+    """The low-latency area made at the start, in each window past the heap halves (as
+    jax_ep.nccl_bootstrap.initialize(low_latency=...) asks)."""
     S, H, K, E, M = 4, 8, 2, 16, 6
-    em = per_host(num_ports=2, qps_per_port=1, seed=8)
-    em.ll_init(max_tokens=M, row_bytes=H * 2, topk=K, num_experts=E)
+    em = per_host(num_ports=2, qps_per_port=1, seed=8,
+                  low_latency=dict(max_tokens=M, row_bytes=H * 2, topk=K, num_experts=E))
     rng = np.random.default_rng(8)
     x, idx, w, y = ll_inputs(R, S, H, K, E, M, "bf16", rng)
     got, rpd = one_round(em, x, idx, w, y, K=K)

@@ -41,9 +41,9 @@ def cfg2():
 
 
 def boot_env(kind, g, gpus=GPUS8, environ=None):
-    """What the bootstrap sets for GPU g (TransportConfig.nccl_env over the fabric)."""
+    """What the bootstrap sets for GPU g (fabric.nccl_env_for over the fabric)."""
     f = fb.discover(os.path.join(SYSFS, kind), gpus[g])
-    return cfg2().nccl_env(f, ranks_per_node=8, environ=environ)
+    return fb.nccl_env_for(f, cfg2(), ranks_per_node=8, environ=environ)
 
 
 # --- two single-port RoCE functions per GPU (b): both ports carry GIN ---------------------

@@ -76,10 +76,14 @@ std::string InvokeNccl(const CallArgs& a, bool* known) {
       ranks.push_back(a.ordinal + i);
     }
     const std::string uid(static_cast<const char*>(a.in.at(0)->data), 128);
+    std::vector<int64_t> ll;  // the low-latency area made at start, as the bootstrap asks
+    if (a.attrs.count("ll_max_tokens"))
+      ll = {a.attr("ll_max_tokens"), a.attr("ll_row_bytes"), a.attr("ll_topk"),
+            a.attr("ll_num_experts")};
     const std::string e = internode::StartOverNccl(
         ordinals, ranks, static_cast<int>(a.attr("world")), uid,
         static_cast<size_t>(a.attr("heap_bytes")), static_cast<int>(a.attr("num_qps")),
-        static_cast<int>(a.attr("gpus_per_node")));
+        static_cast<int>(a.attr("gpus_per_node")), ll);
     cudaSetDevice(a.ordinal);
     return e;
   }

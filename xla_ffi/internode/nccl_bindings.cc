@@ -42,18 +42,21 @@ void AddNcclBindings(nb::module_& m) {
   // Collective and unbounded: the GIL is released while NCCL waits for the peers.
   m.def("nccl_start", [](const std::vector<int>& ordinals, const std::vector<int>& ranks,
                          int world, nb::bytes uid, size_t heap_bytes, int num_contexts,
-                         int gpus_per_node) {
+                         int gpus_per_node, const std::vector<int64_t>& low_latency) {
     const std::string id(uid.c_str(), uid.size());
     std::string err;
     {
       nb::gil_scoped_release unlocked;
       // the communicators, then each GPU's internode runtime on its window
       err = internode::StartOverNccl(ordinals, ranks, world, id, heap_bytes, num_contexts,
-                                     gpus_per_node);
+                                     gpus_per_node, low_latency);
     }
     Check(err);
   }, nb::arg("ordinals"), nb::arg("ranks"), nb::arg("world"), nb::arg("uid"),
-     nb::arg("heap_bytes"), nb::arg("num_contexts"), nb::arg("gpus_per_node"));
+     nb::arg("heap_bytes"), nb::arg("num_contexts"), nb::arg("gpus_per_node"),
+     nb::arg("low_latency") = std::vector<int64_t>{},
+     "Starts NCCL on these GPUs and the internode runtime on each; low_latency: "
+     "[max_tokens, row_bytes, topk, num_experts] to hold the low-latency area too.");
   m.def("nccl_finish", [](const std::vector<int>& ordinals) {
     std::string err;
     {
