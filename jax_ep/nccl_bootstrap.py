@@ -304,6 +304,7 @@ class NcclState:
     num_contexts: int
     gpus_per_node: int
     config: TransportConfig
+    low_latency: dict | None = None  # the area's limits (nvshmem_bootstrap._ll_limits)
 
 
 _lock = threading.Lock()
@@ -416,7 +417,7 @@ def initialize(*, heap_bytes: int | None = None, num_ranks: int | None = None,
         _runtime = rt
         _state = NcclState(ordinals=plan.ordinals, ranks=plan.ranks, world=plan.world,
                            heap_bytes=plan.heap_bytes, num_contexts=plan.num_contexts,
-                           gpus_per_node=plan.gpus_per_node, config=cfg)
+                           gpus_per_node=plan.gpus_per_node, config=cfg, low_latency=ll)
         return _state
 
 

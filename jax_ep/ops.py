@@ -90,10 +90,16 @@ def _check_tokens(name, x):
 
 # ----------------------------------------------------------------------------- backends
 
+def _transport_started() -> bool:
+    """An internode transport runs in this process: NVSHMEM or NCCL GIN."""
+    from jax_ep import nccl_bootstrap
+    return nvshmem.is_initialized() or nccl_bootstrap.is_initialized()
+
+
 def _internode_ready(platform) -> bool:
-    """The internode transport is the GPU path: NVSHMEM started here, several processes."""
-    return (platform == "gpu" and jax.process_count() > 1
-            and nvshmem.is_initialized())
+    """The internode transport is the GPU path: a transport started here, several
+    processes."""
+    return platform == "gpu" and jax.process_count() > 1 and _transport_started()
 
 
 _warned_ffi = False
@@ -139,10 +145,11 @@ def resolve_backend(backend) -> str:
             raise NotImplementedError(
                 f"backend='internode' needs GPUs and a build with NVSHMEM (platform "
                 f"{platform!r}, build: {_ext.build_info()}); use backend='reference'")
-        if not nvshmem.is_initialized():
+        if not _transport_started():
             raise NotImplementedError(
-                "backend='internode' needs NVSHMEM running in this process: call "
-                "jax_ep.nvshmem_bootstrap.initialize(...) before jit")
+                "backend='internode' needs its transport running in this process: call "
+                "jax_ep.nvshmem_bootstrap.initialize(...) or "
+                "jax_ep.nccl_bootstrap.initialize(...) before jit")
         return "internode"
     if backend == "auto":
         if platform not in available:

@@ -238,7 +238,9 @@ def test_native_calls_pass_their_arguments():
     try:
         assert nccl_native.unique_id() == b"u" * 128
         nccl_native.start((0, 1), (4, 5), 8, b"u" * 128, 1 << 20, 8, 4)
-        assert calls == [([0, 1], [4, 5], 8, b"u" * 128, 1 << 20, 8, 4)]
+        nccl_native.start((0,), (4,), 8, b"u" * 128, 1 << 20, 8, 4, low_latency=(16, 256, 2, 8))
+        assert calls == [([0, 1], [4, 5], 8, b"u" * 128, 1 << 20, 8, 4, []),
+                         ([0], [4], 8, b"u" * 128, 1 << 20, 8, 4, [16, 256, 2, 8])]
         with pytest.raises(nccl_native.NcclNativeError, match="ncclCommDestroy"):
             nccl_native.finish([0, 1])
         assert nccl_native.started()

@@ -252,8 +252,47 @@ def test_ep_rank_is_the_pe_index(monkeypatch):
 def test_ep_rank_without_nvshmem_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(nvshmem_bootstrap, "_state", None)
     with pytest.raises(nvshmem_bootstrap.NvshmemBootstrapError,
-                       match=r"nvshmem_bootstrap\.initialize"):
+                       match=r"nvshmem_bootstrap\.initialize.*nccl_bootstrap\.initialize"):
         internode.ep_rank("ep", 8)
+
+
+def _fake_nccl_state(monkeypatch, ranks, world=R):
+    from jax_ep import nccl_bootstrap
+    monkeypatch.setattr(nvshmem_bootstrap, "_state", None)
+    st = nccl_bootstrap.NcclState(
+        ordinals=tuple(range(len(ranks))), ranks=tuple(ranks), world=world,
+        heap_bytes=1 << 30, num_contexts=2, gpus_per_node=8,
+        config=TransportConfig(num_ports=2, qps_per_port=1, chunk_bytes=4096))
+    monkeypatch.setattr(nccl_bootstrap, "_state", st)
+    return st
+
+
+def test_ep_rank_over_nccl_one_gpu_per_process(monkeypatch):
+    """NCCL GIN started with one GPU in this process: its rank is the EP rank, its
+    TransportConfig the kernels' attributes, and the ops lower to the internode calls."""
+    _fake_nccl_state(monkeypatch, ranks=[RANK])
+    assert internode.ep_rank("ep", R) == RANK
+    assert internode.transport_attrs() == dict(num_ports=2, qps_per_port=1, chunk_bytes=4096)
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend: "internode")
+
+    def f(x, idx, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep")
+        return jax_ep.combine(rx, h)
+
+    (d,) = _calls(_lower_cuda(f, *_inputs()), "jax_ep_internode_dispatch")
+    assert (d["rank"], d["num_ports"], d["chunk_bytes"]) == (RANK, 2, 4096)
+
+
+def test_internode_over_nccl_with_several_gpus_per_process_is_not_implemented(monkeypatch):
+    _fake_nccl_state(monkeypatch, ranks=[4, 5, 6, 7])
+    with pytest.raises(NotImplementedError, match="drives 4 GPUs.*one process per GPU"):
+        internode.ep_rank("ep", R)
+
+
+def test_backend_choice_counts_an_nccl_start(monkeypatch):
+    _fake_nccl_state(monkeypatch, ranks=[RANK])
+    monkeypatch.setattr(ops.jax, "process_count", lambda: R)
+    assert ops._internode_ready("gpu") and not ops._internode_ready("cpu")
 
 
 def test_ep_rank_needs_the_ep_group_to_be_every_pe(monkeypatch):

@@ -146,14 +146,37 @@ def transport_report(config=None, num_peers: int | None = None) -> dict:
     }
 
 
+class _NcclView:
+    """What the internode backend reads of a started transport, for NCCL GIN
+    (jax_ep.nccl_bootstrap.state()): world, rank, config, low_latency, gpus_per_node."""
+
+    qp_api, adopted, hosts, local_ranks = True, False, None, None
+
+    def __init__(self, st):
+        if len(st.ranks) != 1:
+            raise NotImplementedError(
+                f"backend='internode' in a process that drives {len(st.ranks)} GPUs (NCCL "
+                f"ranks {list(st.ranks)}): the handlers take each GPU's rank from its "
+                f"runtime, but the JAX side of the internode backend still needs one rank "
+                f"per process; run one process per GPU, or choose backend='reference'")
+        self.world, self.rank, self.config = st.world, st.ranks[0], st.config
+        self.low_latency = st.low_latency
+        self.env = {}
+        self.gpus_per_node = st.gpus_per_node
+
+
 def _state():
+    """The started internode transport's state: NVSHMEM's, else NCCL GIN's."""
     st = nvshmem.state()
-    if st is None:
-        raise nvshmem.NvshmemBootstrapError(
-            "the internode backend needs NVSHMEM running in this process: call "
-            "jax_ep.nvshmem_bootstrap.initialize(...) after jax.distributed.initialize() "
-            "and before jit, or choose backend='reference'")
-    return st
+    if st is not None:
+        return st
+    from jax_ep import nccl_bootstrap
+    if nccl_bootstrap.state() is not None:
+        return _NcclView(nccl_bootstrap.state())
+    raise nvshmem.NvshmemBootstrapError(
+        "the internode backend needs its transport running in this process: call "
+        "jax_ep.nvshmem_bootstrap.initialize(...) or jax_ep.nccl_bootstrap.initialize(...) "
+        "after jax.distributed.initialize() and before jit, or choose backend='reference'")
 
 
 def position_in_mesh(devices, axis_names, names, process_index) -> int | None:
@@ -263,6 +286,8 @@ def _mode_and_topology(num_ranks: int):
     local = getattr(st, "local_ranks", None)
     if local is None and getattr(st, "hosts", None) is not None:
         local = topology.local_ranks_from_hosts(st.hosts)
+    if local is None and getattr(st, "gpus_per_node", None):  # NCCL's start recorded it
+        local = [r % st.gpus_per_node for r in range(num_ranks)]
     topo = topology.detect(num_ranks, local)
     mode = topology.choose_mode(getattr(st.config, "mode", "auto"), topo,
                                 hierarchical_available=HIERARCHICAL_KERNELS)
