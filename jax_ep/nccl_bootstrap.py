@@ -252,31 +252,11 @@ def plan_start(client, *, process: int, num_processes: int, ordinals: Sequence[i
                      config=config, rank_sets=rank_sets)
 
 
-class watchdog:
-    """Bounds one native NCCL step: past timeout_s it says which step on which process
-    and ends the process (exit code 75: a thread stuck inside NCCL cannot be unwound).
-    The step must release the GIL while it waits."""
-
-    def __init__(self, step: str, timeout_s: float, process: int):
-        self.step, self.timeout_s, self.process = step, float(timeout_s), process
-        self._timer = None
-
-    def _fire(self):
-        from jax_ep import nvshmem_bootstrap as _nv
-        _nv._on_stuck(f"jax_ep: NCCL start-up step '{self.step}' did not finish within "
-                      f"{self.timeout_s:g} s on process {self.process}: a peer is missing "
-                      f"or stuck in an earlier step (see its log); exiting instead of "
-                      f"hanging")
-
-    def __enter__(self):
-        self._timer = threading.Timer(self.timeout_s, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._timer.cancel()
-        return False
+def watchdog(step: str, timeout_s: float, process: int):
+    """Bounds one native NCCL step (jax_ep.nvshmem_bootstrap.watchdog: past timeout_s it
+    names the step and process and ends the process with exit code 75)."""
+    from jax_ep import nvshmem_bootstrap as _nv
+    return _nv.watchdog(step, timeout_s, process, library="NCCL")
 
 
 def start(plan: StartPlan, runtime: Runtime, *, timeout_s: float,

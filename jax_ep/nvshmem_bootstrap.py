@@ -731,17 +731,18 @@ _on_stuck = _exit_stuck  # tests replace it
 
 
 class watchdog:
-    """Bounds one collective NVSHMEM step: if it has not returned after timeout_s, says
-    which step on which process and ends the process (exit code 75), since a thread
-    stuck inside NVSHMEM cannot be unwound. The step must release the GIL while it
-    waits (the compiled bindings do)."""
+    """Bounds one collective start-up step of `library` (NVSHMEM, or NCCL for
+    jax_ep.nccl_bootstrap): if it has not returned after timeout_s, says which step on
+    which process and ends the process (exit code 75), since a thread stuck inside the
+    library cannot be unwound. The step must release the GIL while it waits (the
+    compiled bindings do)."""
 
-    def __init__(self, step: str, timeout_s: float, rank: int):
-        self.step, self.timeout_s, self.rank = step, float(timeout_s), rank
+    def __init__(self, step: str, timeout_s: float, rank: int, library: str = "NVSHMEM"):
+        self.step, self.timeout_s, self.rank, self.library = step, float(timeout_s), rank, library
         self._timer = None
 
     def _fire(self):
-        _on_stuck(f"jax_ep: NVSHMEM start-up step '{self.step}' did not finish within "
+        _on_stuck(f"jax_ep: {self.library} start-up step '{self.step}' did not finish within "
                   f"{self.timeout_s:g} s on process {self.rank}: a peer is missing or stuck "
                   f"in an earlier step (see its log); exiting instead of hanging")
 

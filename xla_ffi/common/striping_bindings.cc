@@ -73,15 +73,13 @@ void Stripe(In bytes_per_peer, int64_t chunk_bytes, int num_ports, int qps_per_p
 using DeviceTuple =
     std::tuple<std::string, std::string, int, std::vector<std::tuple<int, bool, bool>>>;
 
-nb::dict NvshmemSelect(const std::vector<DeviceTuple>& devices,
-                       const std::vector<std::string>& gpu_paths,
-                       const std::vector<int>& gpu_numa,
-                       const std::map<std::string, std::string>& env, int pe_node,
-                       int num_qps, bool qp_api) {
-  namespace ns = nvshmem_select;
-  ns::NodeDesc node;
+// A node from the bindings' device tuples (both selection models read the same one).
+nvshmem_select::NodeDesc NodeOf(const std::vector<DeviceTuple>& devices,
+                                const std::vector<std::string>& gpu_paths,
+                                const std::vector<int>& gpu_numa) {
+  nvshmem_select::NodeDesc node;
   for (const DeviceTuple& t : devices) {
-    ns::DeviceDesc d;
+    nvshmem_select::DeviceDesc d;
     d.name = std::get<0>(t);
     d.pci_path = std::get<1>(t);
     d.numa = std::get<2>(t);
@@ -91,6 +89,16 @@ nb::dict NvshmemSelect(const std::vector<DeviceTuple>& devices,
   }
   node.gpu_paths = gpu_paths;
   node.gpu_numa = gpu_numa;
+  return node;
+}
+
+nb::dict NvshmemSelect(const std::vector<DeviceTuple>& devices,
+                       const std::vector<std::string>& gpu_paths,
+                       const std::vector<int>& gpu_numa,
+                       const std::map<std::string, std::string>& env, int pe_node,
+                       int num_qps, bool qp_api) {
+  namespace ns = nvshmem_select;
+  const ns::NodeDesc node = NodeOf(devices, gpu_paths, gpu_numa);
   ns::EnvDesc e = ns::EnvFrom(env);
   e.qp_api = qp_api;
   const ns::Selection s = ns::Select(node, e, pe_node, num_qps);
@@ -120,18 +128,7 @@ nb::dict NcclSelect(const std::vector<DeviceTuple>& devices,
                     int num_contexts, const std::map<std::string, int>& lag_members,
                     int version, bool gdaki_port_one) {
   namespace cs = nccl_select;
-  cs::NodeDesc node;
-  for (const DeviceTuple& t : devices) {
-    cs::DeviceDesc d;
-    d.name = std::get<0>(t);
-    d.pci_path = std::get<1>(t);
-    d.numa = std::get<2>(t);
-    for (const auto& p : std::get<3>(t))
-      d.ports.push_back({std::get<0>(p), std::get<1>(p), std::get<2>(p)});
-    node.devices.push_back(d);
-  }
-  node.gpu_paths = gpu_paths;
-  node.gpu_numa = gpu_numa;
+  const cs::NodeDesc node = NodeOf(devices, gpu_paths, gpu_numa);
   cs::EnvDesc e = cs::EnvFrom(env);
   e.lag_members = lag_members;
   e.version = version;

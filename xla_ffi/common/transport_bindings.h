@@ -5,7 +5,15 @@
 
 #include <nanobind/nanobind.h>
 
+#include <stdexcept>
+#include <string>
+
 namespace jax_ep {
+// A native call's error text as a Python RuntimeError ("" is success).
+inline void ThrowIfError(const std::string& err) {
+  if (!err.empty()) throw std::runtime_error(err);
+}
+
 void AddTransportBindings(nanobind::module_& m);
 #ifdef JAX_EP_WITH_NVSHMEM
 void AddNvshmemBindings(nanobind::module_& m);  // xla_ffi/internode/nvshmem_bindings.cc

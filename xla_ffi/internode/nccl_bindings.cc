@@ -18,11 +18,6 @@
 namespace nb = nanobind;
 
 namespace jax_ep {
-namespace {
-void Check(const std::string& err) {
-  if (!err.empty()) throw std::runtime_error(err);
-}
-}  // namespace
 
 void AddNcclBindings(nb::module_& m) {
   m.def("nccl_available", []() {
@@ -36,7 +31,7 @@ void AddNcclBindings(nb::module_& m) {
         "NCCL_VERSION_CODE of the headers this module was compiled with.");
   m.def("nccl_unique_id", []() {
     std::string id;
-    Check(nccl_host::UniqueId(&id));
+    ThrowIfError(nccl_host::UniqueId(&id));
     return nb::bytes(id.data(), id.size());
   });
   // Collective and unbounded: the GIL is released while NCCL waits for the peers.
@@ -51,7 +46,7 @@ void AddNcclBindings(nb::module_& m) {
       err = internode::StartOverNccl(ordinals, ranks, world, id, heap_bytes, num_contexts,
                                      gpus_per_node, low_latency);
     }
-    Check(err);
+    ThrowIfError(err);
   }, nb::arg("ordinals"), nb::arg("ranks"), nb::arg("world"), nb::arg("uid"),
      nb::arg("heap_bytes"), nb::arg("num_contexts"), nb::arg("gpus_per_node"),
      nb::arg("low_latency") = std::vector<int64_t>{},
@@ -63,7 +58,7 @@ void AddNcclBindings(nb::module_& m) {
       nb::gil_scoped_release unlocked;
       err = internode::FinishOverNccl(ordinals);
     }
-    Check(err);
+    ThrowIfError(err);
   }, nb::arg("ordinals"));
   m.def("nccl_started", []() { return nccl_host::Started(); },
         "Started() on the current CUDA device.");

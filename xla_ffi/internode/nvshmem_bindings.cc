@@ -12,16 +12,11 @@
 namespace nb = nanobind;
 
 namespace jax_ep {
-namespace {
-void Check(const std::string& err) {
-  if (!err.empty()) throw std::runtime_error(err);
-}
-}  // namespace
 
 void AddNvshmemBindings(nb::module_& m) {
   m.def("nvshmem_unique_id", []() {
     std::string id;
-    Check(internode::UniqueId(&id));
+    ThrowIfError(internode::UniqueId(&id));
     return nb::bytes(id.data(), id.size());
   });
   // Collective and unbounded: the GIL is released while NVSHMEM waits for the peers, so
@@ -34,7 +29,7 @@ void AddNvshmemBindings(nb::module_& m) {
       nb::gil_scoped_release unlocked;
       err = internode::Init(rank, world, id, heap_bytes, num_qps, use_qp_api, adopt);
     }
-    Check(err);
+    ThrowIfError(err);
   });
   m.def("nvshmem_finalize", []() {
     std::string err;
@@ -42,7 +37,7 @@ void AddNvshmemBindings(nb::module_& m) {
       nb::gil_scoped_release unlocked;
       err = internode::Finalize();
     }
-    Check(err);
+    ThrowIfError(err);
   });
   m.def("nvshmem_qp_api_available", []() { return internode::QpApiAvailable(); });
   m.def("nvshmem_init_status", []() { return internode::InitStatus(); });
@@ -62,11 +57,11 @@ void AddNvshmemBindings(nb::module_& m) {
     return d;
   });
   m.def("nvshmem_set_qp_order", [](const std::vector<int>& order) {
-    Check(internode::SetQpOrder(order));
+    ThrowIfError(internode::SetQpOrder(order));
   });
   m.def("nvshmem_self_put_check", []() {
     bool ok = false;
-    Check(internode::SelfPutCheck(&ok));
+    ThrowIfError(internode::SelfPutCheck(&ok));
     return ok;
   });
 }
