@@ -176,3 +176,28 @@ def assert_bitwise_equal(got: dict, want: dict, keys=None, what=""):
         if not np.array_equal(bits(g), bits(w)):
             bad = np.argwhere(bits(g) != bits(w))[:5].tolist()
             raise AssertionError(f"{what}{k} differs at {bad}:\n got {g}\nwant {w}")
+
+
+# ---- the internode matrix on both transports (tests/emu/test_internode*_emu.py) ----------
+# A module that names the `transport` fixture (pytestmark usefixtures) runs each of its
+# tests over the emulated NVSHMEM and over the emulated NCCL GIN, with ids `nvshmem` and
+# `nccl`; a test of one transport's own machinery says so with
+# `@pytest.mark.transport_only("nvshmem")` and runs on that one alone.
+TRANSPORTS = ("nvshmem", "nccl")  # tests/emu/internode_emu_util.py TRANSPORTS
+
+
+def pytest_generate_tests(metafunc):
+    if "transport" in metafunc.fixturenames:
+        only = metafunc.definition.get_closest_marker("transport_only")
+        params = list(only.args) if only else list(TRANSPORTS)
+        metafunc.parametrize("transport", params, indirect=True, ids=params)
+
+
+@pytest.fixture
+def transport(request):
+    import internode_emu_util  # tests/emu (its modules put it on sys.path)
+    assert internode_emu_util.TRANSPORTS == TRANSPORTS
+    old = internode_emu_util.DEFAULT["transport"]
+    internode_emu_util.DEFAULT["transport"] = request.param
+    yield request.param
+    internode_emu_util.DEFAULT["transport"] = old

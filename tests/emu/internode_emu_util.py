@@ -26,7 +26,7 @@ SIGNAL_SET, SIGNAL_ADD = 0, 5  # NVSHMEM_SIGNAL_SET / _ADD in nvshmem_emu.h (-1:
 MODES = {"direct": "internode_", "hierarchical": "internode_hier_",
          "hierarchical_small_rings": "internode_hier_small_"}
 # The transport an InternodeEmu runs on when not told (the matrix modules parametrize it
-# with ids `nvshmem` and `nccl`: tests/emu/conftest.py `transport`).
+# with ids `nvshmem` and `nccl`: tests/conftest.py `transport`).
 TRANSPORTS = ("nvshmem", "nccl")
 DEFAULT = {"transport": "nvshmem"}
 NCCL_LOG_COLS = ("src", "dst", "context", "port", "devcomm", "block", "bytes", "kind", "call",
