@@ -642,6 +642,40 @@ def nvshmem_plan(fabric: Fabric, cfg, pes_per_node: int, env: dict | None = None
     return cfg, env, sel, msgs
 
 
+def nccl_plan(fabric: Fabric, cfg, ranks_per_node: int, environ: dict | None = None):
+    """The plan checked against NCCL's own placement of the GIN contexts (the C++ rule,
+    nccl_selection) before NCCL starts: (cfg, env, selection, [loud messages]). env: what
+    jax_ep sets (`nccl_env_for`); the user's NCCL_* variables in `environ` win. Where the
+    plan's QPs (contexts) would land on fewer distinct wire ports than the plan has (GDAKI
+    makes every QP of a one-device dual-port NIC on port 1), the plan shrinks to them,
+    loudly; where NCCL would open no device, that is a RuntimeError naming the fabric."""
+    import dataclasses as dc
+    msgs: list[str] = []
+    if fabric.gpu is None or fabric.gpu not in node_gpus(fabric.sysfs):
+        return cfg, {}, None, msgs
+    env = nccl_env_for(fabric, cfg, ranks_per_node=ranks_per_node, environ=environ)
+    user = {k: v for k, v in (environ or {}).items() if k in NCCL_SELECT_VARS}
+    sel = nccl_selection({**env, **user}, sysfs=fabric.sysfs, gpu=fabric.gpu,
+                         ranks_per_node=ranks_per_node, num_contexts=cfg.num_qps,
+                         devices=fabric.devices)
+    if sel["error"]:
+        eff = ", ".join(f"{k}={v}" for k, v in sorted({**env, **user}.items())) or "defaults"
+        raise RuntimeError(f"jax_ep: on this {fabric.fabric_class} node NCCL would open no "
+                           f"GIN device for GPU {fabric.gpu} ({sel['error']}; {eff})")
+    wires = nccl_wire_ports(sel)
+    if len(wires) < cfg.num_ports:
+        why = "; ".join(sel["notes"]) or "its selection rules"
+        msgs.append(f"jax_ep: NCCL puts the plan's {cfg.num_qps} GIN contexts of GPU "
+                    f"{fabric.gpu} on {', '.join(wires)} ({why}) on this "
+                    f"{fabric.fabric_class} node, so the plan's {cfg.num_ports} ports would "
+                    f"share {len(wires)}: running on {len(wires)}")
+        n = max(len(wires), 1)
+        cfg = cfg.single_port() if n == 1 else dc.replace(cfg, num_ports=n,
+                                                          num_channels=None)
+        return nccl_plan(fabric, cfg, ranks_per_node, environ)[:3] + (msgs,)
+    return cfg, env, sel, msgs
+
+
 def qp_table(fabric: Fabric, cfg, handles, lag_affinity: str = "alternate",
              affinity_applied: bool | None = None) -> list[dict]:
     """The QP handle -> (device, port) table for the plan's logical QPs.

@@ -44,6 +44,20 @@ EXPECT = {
 }
 
 
+# Over NCCL GIN (nccl_select.h, by hand from the fixtures): GDAKI makes every QP of a
+# one-device dual-port NIC on port 1 (gin_host_gdaki.cc:567), so those nodes run on one
+# port; devices of their own (pairs, planes) carry a context each; a bond's contexts
+# alternate members (NCCL 2.32's LAG affinity).
+EXPECT_NCCL = {
+    "node8_ib_dualport": lambda g: [f"mlx5_{g}:1"],
+    "node8_roce_pairs": lambda g: [f"mlx5_{2 * g}:1", f"mlx5_{2 * g + 1}:1"],
+    "node8_roce_bond": lambda g: [f"ens{g}f0np0", f"ens{g}f1np1"],
+    "node8_shared_nic": lambda g: [f"mlx5_{g // 2}:1"],
+    "node8_multi_plane": lambda g: [f"mlx5_{2 * g}:1", f"mlx5_{2 * g + 1}:1"],
+    "node8_single_port": lambda g: [f"mlx5_{g}:1"],
+}
+
+
 def bootstrap_plan(kind):
     """(cfg, env_for, messages) as the bootstrap decides them on this node."""
     root = os.path.join(SYSFS, kind)
@@ -67,7 +81,7 @@ def per_pe_env(f, cfg):
             "NVSHMEM_ENABLE_MULTI_PORT": multi, "NVSHMEM_IBGDA_ENABLE_MULTI_PORT": multi}
 
 
-def split_errors(kind, cfg, log):
+def split_errors(kind, cfg, log, expect=EXPECT):
     """Streams whose data bytes per wire port differ from the plan's split by more than 10%
     of the stream, or that leave on a port of another GPU's NIC. The plan's split: the
     kernels put each chunk on a logical QP q, which the plan binds to port q % num_ports,
@@ -79,7 +93,7 @@ def split_errors(kind, cfg, log):
         if r["src"] // G == r["dst"] // G or r["sig_op"] not in (SIGNAL_ADD, -1):
             continue
         s = streams.setdefault((r["call"], r["src"], r["dst"]), ({}, {}))
-        want_port = EXPECT[kind](r["src"] % G)[r["qp"] % cfg.num_ports]
+        want_port = expect[kind](r["src"] % G)[r["qp"] % cfg.num_ports]
         s[0][want_port] = s[0].get(want_port, 0) + r["bytes"]
         s[1][r["wire"]] = s[1].get(r["wire"], 0) + r["bytes"]
     bad = []
@@ -146,6 +160,34 @@ def test_bytes_per_port_follow_the_plan(kind):
     assert not bad, bad[:5]
     calls = {r["call"] for r in log if r["src"] // G != r["dst"] // G}
     assert len(calls) >= 6, f"every mode's calls crossed nodes: {sorted(calls)}"
+
+
+# The other fixtures take the same paths as these three (one device per port, one
+# dual-port device, a bond); tests/network/test_nccl_select.py covers their placement.
+@pytest.mark.parametrize("kind", ["node8_ib_dualport", "node8_roce_pairs", "node8_roce_bond"])
+def test_nccl_bytes_per_port_follow_the_plan(kind):
+    """The same run over NCCL GIN: the bootstrap's plan checked against NCCL's placement of
+    the contexts (fabric.nccl_plan: a one-device dual-port NIC shrinks to one port, said),
+    each context's port from the C++ rule, and every RDMA stream's bytes per wire port as
+    the plan splits them over the ports written out by hand (EXPECT_NCCL)."""
+    root = os.path.join(SYSFS, kind)
+    f0 = fb.discover(root, fb.node_gpus(root)[0])
+    cfg, _ = fb.plan_config_for(f0, TransportConfig(num_ports=2, qps_per_port=1,
+                                                    chunk_bytes=64))
+    cfg, _, _, msgs = fb.nccl_plan(f0, cfg, G)
+    ports = len(EXPECT_NCCL[kind](0))
+    assert cfg.num_ports == ports, (cfg, msgs)
+    if kind == "node8_ib_dualport":  # said, with the reason
+        assert msgs and "port 1" in msgs[0], msgs
+    em = InternodeEmu(R, gpus_per_node=G, num_ports=cfg.num_ports,
+                      qps_per_port=cfg.qps_per_port, chunk_bytes=64, seed=3, resident_blocks=64,
+                      sysfs=root, transport="nccl")
+    run_modes(em, CASE, ("low_latency", "direct", "hierarchical"))
+    log, pending = em.log()
+    assert pending == 0
+    bad, n = split_errors(kind, cfg, log, EXPECT_NCCL)
+    assert n >= NODES * G, f"{n} RDMA streams"
+    assert not bad, bad[:5]
 
 
 @pytest.mark.parametrize("kind", ["node8_ib_dualport", "node8_roce_pairs"])
