@@ -36,7 +36,7 @@ void FinalizeWorlds(int num_ranks) {
     ll_internode::Finalize();  // the low-latency area first (it lives in the heap)
     if (internode::Initialized()) internode::Finalize();
 #if defined(JAX_EP_WITH_NCCL)
-    if (nccl_host::Started()) nccl_host::Finish({r});
+    nccl_host::Finish({r});  // also what a failed start left (nothing made: nothing to do)
 #endif
   }
 }
@@ -58,6 +58,11 @@ std::string InvokeNccl(const CallArgs& a, bool* known) {
     nccl_emu::grow(w.num_ranks);
     FinalizeWorlds(w.num_ranks);
     cudaSetDevice(a.ordinal);
+    // The NVSHMEM world goes too: its undelivered operations (a failed call's) would
+    // count as pending work for ever and keep the emulator from idling forward.
+    nvshmem_emu::WorldConfig none;
+    none.num_pes = w.num_ranks;
+    nvshmem_emu::reset(none);
     nccl_emu::reset(w);
     return {};
   }
@@ -137,6 +142,13 @@ std::string Invoke(const CallArgs& a, bool* known) {
 #endif
     FinalizeWorlds(w.num_pes);  // a previous world's heaps
     cudaSetDevice(a.ordinal);
+#if defined(JAX_EP_WITH_NCCL)
+    // An NCCL world's unsettled data would count as pending work for ever (it settles
+    // only at NCCL polls) and keep the emulator from idling forward: that world goes.
+    nccl_emu::WorldConfig none;
+    none.num_ranks = w.num_pes;
+    nccl_emu::reset(none);
+#endif
     nvshmem_emu::reset(w);
     return {};
   }
