@@ -49,8 +49,12 @@ def test_nvshmem_module_runpath_is_relative_to_the_package():
     runpath = re.search(r"\((?:RUNPATH|RPATH)\).*\[(.+?)\]", dyn).group(1).split(":")
     assert runpath[0] == "$ORIGIN/../nvidia/nvshmem/lib", runpath
     if not os.environ.get("JAX_EP_NVSHMEM_ROOT"):
-        # no build-directory or venv path baked in
-        assert runpath == ["$ORIGIN/../nvidia/nvshmem/lib"], runpath
+        # no build-directory or venv path baked in (with NCCL's headers, the nccl wheel's
+        # lib/ too: libnccl.so.2 is found by name there, cmake/nccl.cmake)
+        want = ["$ORIGIN/../nvidia/nvshmem/lib"]
+        if jax_ep.build_info().get("nccl"):
+            want.append("$ORIGIN/../nvidia/nccl/lib")
+        assert runpath == want, runpath
     # ... and that path does hold the wheel's host library in this install
     lib = pathlib.Path(so).parent / "../nvidia/nvshmem/lib/libnvshmem_host.so.3"
     assert lib.resolve().exists(), lib
