@@ -302,8 +302,8 @@ def state() -> NcclState | None:
 
 
 def _kv_client():
-    from jax._src import distributed
-    return distributed.global_state.client
+    from jax_ep import nvshmem_bootstrap  # the same jax.distributed key-value store
+    return nvshmem_bootstrap._kv_client()
 
 
 def _gpus_per_node(world: int, local: int) -> int:

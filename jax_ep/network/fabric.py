@@ -414,6 +414,20 @@ def node_ports(sysfs: str, gpus: list[str], multi_port: bool = True) -> list[str
     return [f"{d}:{p}" for d, p in sorted(want)]
 
 
+def _node_process_gpus(sysfs: str, gpu: str, n: int, what: str):
+    """(gpu's PCI address, the GPUs of the node's n processes, one each): the first n of the
+    tree, `gpu` replacing the last if not among them; processes whose GPU the tree does not
+    show are counted beside it (same distances)."""
+    gpus = node_gpus(sysfs)
+    g = _normalize_pci(gpu)
+    if n < 1:
+        raise ValueError(f"{what} must be >= 1, got {n}")
+    out = gpus[:n]
+    if g not in out:
+        out = out[:n - 1] + [g]
+    return g, out + [g] * (n - len(out))
+
+
 def nvshmem_selection(env: dict, *, sysfs: str, gpu: str, pes_per_node: int,
                       num_qps: int, qp_api: bool = True,
                       devices: list[RdmaDevice] | None = None) -> dict:
@@ -421,15 +435,7 @@ def nvshmem_selection(env: dict, *, sysfs: str, gpu: str, pes_per_node: int,
     node runs `pes_per_node` PEs on its first GPUs: {"list", "max_devices_per_pe",
     "devices", "distance", "qp_ports" (handle i's device:port, creation order),
     "default_handles", "note", "error"}."""
-    gpus = node_gpus(sysfs)
-    g = _normalize_pci(gpu)
-    if pes_per_node < 1:
-        raise ValueError(f"pes_per_node must be >= 1, got {pes_per_node}")
-    pe_gpus = gpus[:pes_per_node]
-    if g not in pe_gpus:  # this PE's GPU replaces the last of the first N
-        pe_gpus = pe_gpus[:pes_per_node - 1] + [g]
-    # PEs whose GPU the tree does not show: counted beside this one (same distances)
-    pe_gpus += [g] * (pes_per_node - len(pe_gpus))
+    g, pe_gpus = _node_process_gpus(sysfs, gpu, pes_per_node, "pes_per_node")
     if devices is None:
         devices = discover(sysfs, g).devices
     node = nvshmem_node(sysfs, devices, pe_gpus)
@@ -458,14 +464,7 @@ def nccl_selection(env: dict, *, sysfs: str, gpu: str, ranks_per_node: int,
     "notes", "error"}. The rule is the C++ one (nccl_select.h); version: NCCL_VERSION_CODE
     (23206 = the 2.32.6 wheel); gdaki_port_one: GDAKI's port-1 assumption (True, as
     NCCL's source has it)."""
-    gpus = node_gpus(sysfs)
-    g = _normalize_pci(gpu)
-    if ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
-    rank_gpus = gpus[:ranks_per_node]
-    if g not in rank_gpus:  # this rank's GPU replaces the last of the first N
-        rank_gpus = rank_gpus[:ranks_per_node - 1] + [g]
-    rank_gpus += [g] * (ranks_per_node - len(rank_gpus))
+    g, rank_gpus = _node_process_gpus(sysfs, gpu, ranks_per_node, "ranks_per_node")
     if devices is None:
         devices = discover(sysfs, g).devices
     node = nvshmem_node(sysfs, devices, rank_gpus)

@@ -37,6 +37,12 @@ constexpr int64_t kHeapSlackBytes = 32ll << 20;
 
 JEP_LAYOUT_HD int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
+// Bytes of each of the two heap halves the calls alternate over, in a heap (symmetric heap
+// or NCCL window) of heap_bytes: what is left past the slack, halved, aligned down.
+JEP_LAYOUT_HD int64_t heap_half_bytes(int64_t heap_bytes) {
+  return ((heap_bytes - kHeapSlackBytes) / 2) / kHeapAlign * kHeapAlign;
+}
+
 // One dispatched row: the token's bytes, padded to 16 so the int32 metadata that
 // follows is aligned (odd H in 16-bit dtypes), then K global expert ids (int32), K
 // weights (f32) and the source token index (int32), padded to 16 bytes.

@@ -275,10 +275,6 @@ std::string SetQpOrder(const std::vector<int>& order) {
 
 namespace {
 
-size_t HalfBytes(size_t heap_bytes) {
-  return ((heap_bytes - kHeapSlackBytes) / 2) / kHeapAlign * kHeapAlign;
-}
-
 // What every transport's runtime holds beside its heap: the cleared heap halves, the
 // prefixes' scratch, the bad-id note, the mapped error record.
 std::string AllocCallState(int world) {
@@ -347,7 +343,7 @@ std::string Init(int rank, int world, const std::string& unique_id, size_t heap_
     return "jax_ep internode: NVSHMEM PE " + std::to_string(nvshmem_my_pe()) + "/" +
            std::to_string(nvshmem_n_pes()) + " does not match process " +
            std::to_string(rank) + "/" + std::to_string(world);
-  Rt().half_bytes = HalfBytes(heap_bytes);
+  Rt().half_bytes = static_cast<size_t>(heap_half_bytes(static_cast<int64_t>(heap_bytes)));
   Rt().heap = static_cast<char*>(nvshmem_malloc(2 * Rt().half_bytes));
   if (Rt().heap == nullptr) return "jax_ep internode: nvshmem_malloc of the heap failed";
   e = AllocCallState(world);
@@ -425,7 +421,7 @@ std::string InitOverNccl(int num_qps, size_t heap_bytes) {
            std::to_string(nccl_host::HeapBytes()) + " bytes)";
   if (heap_bytes <= static_cast<size_t>(kHeapSlackBytes))
     return "jax_ep internode: heap_bytes is smaller than the reserved slack";
-  Rt().half_bytes = HalfBytes(heap_bytes);
+  Rt().half_bytes = static_cast<size_t>(heap_half_bytes(static_cast<int64_t>(heap_bytes)));
   Rt().heap = nccl_host::Heap();
   std::string e = AllocCallState(nccl_host::World());
   if (e.empty()) e = ZeroDeviceWords();

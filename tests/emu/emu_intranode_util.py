@@ -138,6 +138,20 @@ def _ll_ref_program(R, E, M, rows_per_dest):
     return jax.jit(jax.shard_map(f, mesh=mesh(R), in_specs=P("ep"), out_specs=P("ep")))
 
 
+# The low-latency receive sum's wide-row case (kernels/cuda/ll_combine_sum.cuh), which the
+# intranode and the internode low-latency kernels share: top-10, more rows than one batch
+# of loads in flight (kLLSumRows = 8), some slots unused, rows wider than one item
+# (kLLSumChunk = 64 units): 260 float32 are 65 16-byte vectors, two items, the second one
+# vector; 99 float16 (198 bytes) go element by element, two items.
+LL_WIDE_ROWS = dict(R=2, S=3, K=10, E=16, M=3)
+LL_WIDE_ROW_KINDS = [(260, "f32"), (99, "f16")]
+
+
+def check_wide_row_routing(idx):
+    """The routing reaches past one batch and leaves slots unused."""
+    assert (idx == -1).any() and ((idx >= 0).sum(-1) > 8).any()
+
+
 def ll_reference(x, idx, w, y, *, E, M, rows_per_dest):
     """Low-latency dispatch (send + receive) of x and combine of y[R, E_l, R*M, H] with the
     dispatch's handle, reference backend, per rank."""

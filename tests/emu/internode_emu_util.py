@@ -267,8 +267,7 @@ class InternodeEmu:
         is its place in [kind][source][qp] (wire_protocol.h sig_word)."""
         from jax_ep._src.ext import require_ext
         proto = require_ext().internode_protocol()
-        align, slack = proto["heap_align"], proto["heap_slack_bytes"]
-        half = ((self.heap_bytes - slack) // 2) // align * align
+        half = require_ext().internode_heap_half_bytes(self.heap_bytes)
         per_kind = self.R * proto["max_qps"]
         control_kinds = proto["sig_kinds"][:2]  # kSigHeader, kSigCounts
         log, pending = self.nccl_log()

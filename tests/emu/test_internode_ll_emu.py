@@ -14,7 +14,8 @@ import jax_ep
 
 sys.path.insert(0, os.path.dirname(__file__))
 from emu_fp8_util import fp8_msg_bytes, fp8_reference, fp8_rows  # noqa: E402
-from emu_intranode_util import (LL_DISPATCH_KEYS, assert_same, bits, ll_reference,  # noqa: E402
+from emu_intranode_util import (LL_DISPATCH_KEYS, LL_WIDE_ROW_KINDS, LL_WIDE_ROWS,  # noqa: E402
+                                assert_same, bits, check_wide_row_routing, ll_reference,
                                 ll_routing, rows)
 from internode_emu_util import InternodeEmu  # noqa: E402
 
@@ -103,19 +104,16 @@ def test_ll_matches_reference(R, S, H, K, E, M, dtype, seed):
     assert em.errors() == [""] * R
 
 
-@pytest.mark.parametrize("H,dtype,seed", [(260, "f32", 21), (99, "f16", 22)])
+@pytest.mark.parametrize("H,dtype,seed",
+                         [k + (s,) for k, s in zip(LL_WIDE_ROW_KINDS, (21, 22))])
 def test_ll_combine_top_k_past_one_batch_over_wide_rows(H, dtype, seed):
-    """The combine's receive sum (kernels/cuda/ll_combine_sum.cuh) at top-10, more rows than
-    one batch of loads in flight (kLLSumRows = 8), some slots unused, over rows wider than
-    one item (kLLSumChunk = 64 units): 260 float32 are 65 16-byte vectors, two items, the
-    second one vector; 99 float16 (198 bytes) go element by element, two items. Bit-exact
-    in float32 outputs: a row left out of a batch, a batch or an item's units misplaced, or
-    the adds in another k order show."""
-    R, S, K, E, M = 2, 3, 10, 16, 3
+    """The internode combine's receive sum over the wide-row case
+    (emu_intranode_util.LL_WIDE_ROWS), bit-exact as the intranode one's."""
+    R, S, K, E, M = (LL_WIDE_ROWS[k] for k in "RSKEM")
     em = setup(R, S, H, K, E, M, dtype, seed)
     rng = np.random.default_rng(seed)
     x, idx, w, y = inputs(R, S, H, K, E, M, dtype, rng)
-    assert (idx == -1).any() and ((idx >= 0).sum(-1) > 8).any()  # unused slots, > 1 batch
+    check_wide_row_routing(idx)
     got, rpd = one_round(em, x, idx, w, y, K=K)
     check_round(got, ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd), f"H={H}: ")
     assert em.errors() == [""] * R

@@ -11,8 +11,8 @@ import jax_ep
 from jax_ep._src.emu import Emulator
 
 from emu_fp8_util import fp8_reference, fp8_rows
-from emu_intranode_util import (LL_DISPATCH_KEYS, assert_same, bits, ll_reference, ll_routing,
-                                rows)
+from emu_intranode_util import (LL_DISPATCH_KEYS, LL_WIDE_ROW_KINDS, LL_WIDE_ROWS, assert_same,
+                                bits, check_wide_row_routing, ll_reference, ll_routing, rows)
 
 pytestmark = pytest.mark.emu
 
@@ -86,18 +86,15 @@ def test_ll_dispatch_combine_full(R, S, H, K, E, M, dtype, seed):
     test_ll_dispatch_combine(R, S, H, K, E, M, dtype, seed)
 
 
-@pytest.mark.parametrize("H,dtype,seed", [(260, "f32", 7), (99, "f16", 8)])
+@pytest.mark.parametrize("H,dtype,seed", [k + (s,) for k, s in zip(LL_WIDE_ROW_KINDS, (7, 8))])
 def test_ll_combine_top_k_past_one_batch_over_wide_rows(H, dtype, seed):
-    """The combine's receive sum (kernels/cuda/ll_combine_sum.cuh) at top-10, more rows than
-    one batch of loads in flight (kLLSumRows = 8), some slots unused, over rows wider than
-    one item (kLLSumChunk = 64 units): 260 float32 are 65 16-byte vectors, two items, the
-    second one vector; 99 float16 (198 bytes) go element by element, two items. Bit-exact
-    in float32 outputs: a row left out of a batch, a batch or an item's units misplaced, or
-    the adds in another k order show."""
-    R, S, K, E, M = 2, 3, 10, 16, 3
+    """The combine's receive sum over the wide-row case (emu_intranode_util.LL_WIDE_ROWS),
+    bit-exact in float32 outputs: a row left out of a batch, a batch or an item's units
+    misplaced, or the adds in another k order show."""
+    R, S, K, E, M = (LL_WIDE_ROWS[k] for k in "RSKEM")
     emu = _setup(R, S, H, K, E, M, dtype, seed)
     x, idx, w, y = _inputs(R, S, H, K, E, M, dtype, seed)
-    assert (idx == -1).any() and ((idx >= 0).sum(-1) > 8).any()  # unused slots, > 1 batch
+    check_wide_row_routing(idx)
     got, rpd = _round(emu, x, idx, w, y, E=E, M=M, K=K)
     want = ll_reference(x, idx, w, y, E=E, M=M, rows_per_dest=rpd)
     assert_ll_same(got, want, LL_DISPATCH_KEYS + ("out",), f"H={H}: ")

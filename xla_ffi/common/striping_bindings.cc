@@ -211,6 +211,9 @@ void AddTransportBindings(nb::module_& m) {
     d["heap_slack_bytes"] = kHeapSlackBytes;
     return d;
   });
+  m.def("internode_heap_half_bytes",
+        [](int64_t heap_bytes) { return heap_half_bytes(heap_bytes); },
+        "Bytes of each heap half the calls alternate over (internode_layout.h).");
   m.def("internode_sig_word", [](int kind, int num_ranks, int source, int qp) {
     return wire::sig_word(kind, num_ranks, source, qp);
   });
